@@ -1,0 +1,58 @@
+"""What the phases need from models and memory, as small protocols the runtime implements.
+
+Phases never import :mod:`phasegraph.runtime`; they receive objects that satisfy these protocols
+through their context. Shapes follow ``docs/internals.md``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import attrs
+import torch
+
+from phasegraph.kernels.attention import AttentionMetadata
+
+
+@attrs.frozen(eq=False)
+class TargetOutput:
+    logits: torch.Tensor  # [R, V] float32, rows chosen by ``logits_index``
+    features: torch.Tensor  # [T, Hf] what the draft consumes (empty [T, 0] for standalone)
+
+
+@attrs.frozen(eq=False)
+class DraftOutput:
+    logits: torch.Tensor  # [R, Vd] float32, rows chosen by ``logits_index``
+    hidden: torch.Tensor  # [T, Hd] fed to the next draft step
+
+
+class TargetModel(Protocol):
+    vocab_size: int
+    feature_size: int  # Hf
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        attn: AttentionMetadata,
+        logits_index: torch.Tensor | None = None,  # [R] int64, None = every row
+    ) -> TargetOutput: ...
+
+
+class DraftModel(Protocol):
+    hidden_size: int  # Hd
+    uses_features: bool  # False for a standalone draft model (hidden is None)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64 (target vocabulary)
+        hidden: torch.Tensor | None,  # [T, Hf] when from_target else [T, Hd]
+        positions: torch.Tensor,  # [T] int64
+        attn: AttentionMetadata,
+        *,
+        from_target: bool,
+        step: int,
+        logits_index: torch.Tensor | None = None,
+    ) -> DraftOutput: ...
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor: ...
