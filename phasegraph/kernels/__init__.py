@@ -1,1 +1,54 @@
+"""Pure tensor kernels of speculative decoding: torch references (CPU and GPU).
 
+One module per kernel; conventions in ``docs/internals.md``. Every function here takes and
+returns tensors only, never syncs with the device, and has shapes that depend only on
+B, K, S, N, V and P.
+"""
+
+from phasegraph.kernels.bonus import fill_bonus_tokens, gather_accepted_tokens
+from phasegraph.kernels.build_tree import TreeTensors, build_tree, select_tree_nodes
+from phasegraph.kernels.cache_slots import (
+    DraftCacheLayout,
+    assign_draft_cache_locs,
+    branch_reorder_moves,
+    draft_region_pages,
+    row_slots,
+)
+from phasegraph.kernels.compact import accepted_kv_moves, compact_to_front, move_kv
+from phasegraph.kernels.draft_expand import (
+    DraftCandidates,
+    ExpandedCandidates,
+    concat_candidates,
+    expand_step,
+    first_step_candidates,
+)
+from phasegraph.kernels.extend_positions import extend_positions, ragged_extend_positions
+from phasegraph.kernels.tree_sampling import target_probs, verify_tree_sampling
+from phasegraph.kernels.verify_greedy import VerifyOutcome, verify_tree_greedy
+
+__all__ = [
+    "DraftCacheLayout",
+    "DraftCandidates",
+    "ExpandedCandidates",
+    "TreeTensors",
+    "VerifyOutcome",
+    "accepted_kv_moves",
+    "assign_draft_cache_locs",
+    "branch_reorder_moves",
+    "build_tree",
+    "compact_to_front",
+    "concat_candidates",
+    "draft_region_pages",
+    "expand_step",
+    "extend_positions",
+    "fill_bonus_tokens",
+    "first_step_candidates",
+    "gather_accepted_tokens",
+    "move_kv",
+    "ragged_extend_positions",
+    "row_slots",
+    "select_tree_nodes",
+    "target_probs",
+    "verify_tree_greedy",
+    "verify_tree_sampling",
+]

@@ -56,3 +56,23 @@ class DraftModel(Protocol):
     ) -> DraftOutput: ...
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor: ...
+
+
+class KVMemory(Protocol):
+    """The paged KV memory as phases see it (see docs/internals.md, "KV pool and pages")."""
+
+    page_size: int
+    page_table: torch.Tensor  # [max_reqs, max_pages] int64
+    draft_regions: torch.Tensor  # [max_reqs, K, R] int64 page ids of each request's branch regions
+
+    def target_caches(self) -> list[torch.Tensor]:
+        """Every per-layer key and value tensor of the target pool ([slots, Hkv, D] each)."""
+        ...
+
+    def draft_caches(self) -> list[torch.Tensor]:
+        """Every per-layer key and value tensor of the draft pool."""
+        ...
+
+    def release_rows(self, rows: torch.Tensor) -> None:
+        """Free every page and the page-table row of each request row in ``rows`` (host op)."""
+        ...

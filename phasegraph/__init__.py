@@ -1,0 +1,27 @@
+"""phasegraph: EAGLE-style speculative decoding as an explicit, typed state graph of phases.
+
+The public API (``Engine``, ``SpecConfig``, ``SamplingParams``) is imported lazily, so that
+``import phasegraph`` (and the pytest plugin) does not pull in torch.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "Engine": "phasegraph.runtime.engine",
+    "SpecConfig": "phasegraph.runtime.config",
+    "SamplingParams": "phasegraph.runtime.config",
+    "RequestOutput": "phasegraph.runtime.config",
+}
+
+__all__ = ["__version__", *_LAZY]
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'phasegraph' has no attribute {name!r}")
+    import importlib
+
+    return getattr(importlib.import_module(module), name)

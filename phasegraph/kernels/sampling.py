@@ -1,0 +1,36 @@
+"""Sampling one token per row from processed target distributions (prefill and decode)."""
+
+from __future__ import annotations
+
+import torch
+
+from phasegraph.kernels.tree_sampling import target_probs
+
+
+def inverse_cdf_sample(probs: torch.Tensor, coins: torch.Tensor) -> torch.Tensor:
+    """One token per row of ``probs`` [R, V] (need not be normalised) drawn with ``coins`` [R] in
+    [0, 1): the first id whose cumulative mass exceeds ``coin * total``. Never returns an id of
+    zero mass: rounding at the top end falls back to the last id with mass."""
+    cdf = probs.float().cumsum(dim=-1)  # [R, V]
+    total = cdf[:, -1:]
+    target = coins.float()[:, None] * total
+    idx = torch.searchsorted(cdf, target, right=True)[:, 0]  # [R]
+    last_nonzero = (probs > 0).float().cumsum(dim=-1).argmax(dim=-1)  # first index reaching the max count
+    return torch.minimum(idx, last_nonzero)
+
+
+def sample_tokens(
+    logits: torch.Tensor,  # [R, V]
+    temperature: torch.Tensor,  # [R] float32, 0 = greedy
+    top_k: torch.Tensor,  # [R] int64, 0 = off
+    top_p: torch.Tensor,  # [R] float32, 1 = off
+    generator: torch.Generator | None,
+    greedy_only: bool = False,
+) -> torch.Tensor:
+    """Next token per row: argmax when every row is greedy, else a sample from the target's
+    temperature / top-k / top-p processed distribution (greedy rows stay exact argmax)."""
+    if greedy_only:
+        return logits.argmax(dim=-1)
+    probs = target_probs(logits, temperature, top_k, top_p, 1)  # [R, V]
+    coins = torch.rand(logits.shape[0], generator=generator, device=logits.device)
+    return inverse_cdf_sample(probs, coins)

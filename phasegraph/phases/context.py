@@ -1,0 +1,71 @@
+"""What every phase receives besides its input schema: models, memory and per-iteration settings."""
+
+from __future__ import annotations
+
+import attrs
+import torch
+
+from phasegraph.phases.protocols import DraftModel, KVMemory, TargetModel
+
+
+@attrs.frozen
+class TreeShape:
+    """The draft tree's shape: ``topk`` (K), ``num_steps`` (S), ``num_draft_tokens`` (N)."""
+
+    topk: int
+    num_steps: int
+    num_draft_tokens: int
+
+    def __attrs_post_init__(self) -> None:
+        problems = check_tree_shape(self.topk, self.num_steps, self.num_draft_tokens)
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    @property
+    def accept_width(self) -> int:
+        """W = S + 1: the longest accepted path (root + S drafts)."""
+        return self.num_steps + 1
+
+    @property
+    def num_candidates(self) -> int:
+        """C = K + (S-1)·K²: draft candidates per request."""
+        return self.topk + (self.num_steps - 1) * self.topk * self.topk
+
+    @property
+    def tokens_per_iteration(self) -> int:
+        """Logical KV positions a request needs behind its prefix per iteration."""
+        return max(self.num_draft_tokens, self.accept_width)
+
+
+def check_tree_shape(topk: int, num_steps: int, num_draft_tokens: int) -> list[str]:
+    """Why (topk, num_steps, num_draft_tokens) is not a legal tree ([] when it is)."""
+    problems = []
+    if topk < 1:
+        problems.append(f"topk must be >= 1, got {topk}")
+    if num_steps < 1:
+        problems.append(f"num_steps must be >= 1, got {num_steps}")
+    if problems:
+        return problems
+    most = 1 + topk + (num_steps - 1) * topk * topk
+    if topk == 1:
+        most = 1 + num_steps
+    if not 2 <= num_draft_tokens <= most:
+        problems.append(
+            f"num_draft_tokens must be in [2, {most}] for topk={topk}, num_steps={num_steps} "
+            f"(root + at most {most - 1} drafted candidates), got {num_draft_tokens}"
+        )
+    return problems
+
+
+@attrs.define
+class SpecContext:
+    """Handles the phases work through. The runtime builds one per engine and updates the
+    per-iteration flags; phases only read it (and write KV through ``memory``)."""
+
+    target: TargetModel
+    memory: KVMemory
+    tree: TreeShape | None  # None for the autoregressive baseline
+    draft: DraftModel | None = None
+    generator: torch.Generator | None = None
+    greedy_only: bool = False  # every request in the batch has temperature 0
+    return_logprobs: bool = False

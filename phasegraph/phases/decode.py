@@ -1,0 +1,34 @@
+"""decode: one autoregressive step of the target alone (the baseline, ``method="none"``)."""
+
+from __future__ import annotations
+
+import torch
+
+from phasegraph.kernels.sampling import sample_tokens
+from phasegraph.phases._common import causal_extend_metadata
+from phasegraph.phases.context import SpecContext
+from phasegraph.phases.schemas import DraftState
+from phasegraph.statemachine import phase
+
+
+@phase("decode", input=DraftState, output=DraftState)
+def decode(state: DraftState, ctx: SpecContext) -> DraftState:
+    """Commit each request's bonus token at position ``seq_len`` and sample the next one."""
+    params = state.params
+    rows = params.req_pool_idx  # [B]
+    attn = causal_extend_metadata(ctx.memory, rows, state.seq_lens)
+    out = ctx.target.forward(state.bonus_tokens, state.seq_lens, attn, logits_index=None)
+    nxt = sample_tokens(out.logits, params.temperature, params.top_k, params.top_p, ctx.generator, ctx.greedy_only)
+    logprobs = None
+    if ctx.return_logprobs:
+        logprobs = torch.log_softmax(out.logits.float(), dim=-1).gather(1, nxt[:, None])[:, 0]
+    return DraftState(
+        params=params,
+        seq_lens=state.seq_lens + 1,
+        bonus_tokens=nxt,
+        remaining=state.remaining - 1,
+        topk_p=state.topk_p,
+        topk_index=state.topk_index,
+        hidden=None,
+        bonus_logprobs=logprobs,
+    )

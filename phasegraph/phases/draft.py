@@ -1,0 +1,96 @@
+"""draft: grow each request's dynamic draft tree and build it for verification."""
+
+from __future__ import annotations
+
+import torch
+
+from phasegraph.kernels.attention import AttentionMetadata
+from phasegraph.kernels.build_tree import build_tree, select_tree_nodes
+from phasegraph.kernels.cache_slots import assign_draft_cache_locs, branch_reorder_moves
+from phasegraph.kernels.compact import move_kv
+from phasegraph.kernels.draft_expand import expand_step, first_step_candidates
+from phasegraph.phases._common import topk_of_logits
+from phasegraph.phases.context import SpecContext
+from phasegraph.phases.schemas import DraftState, TreeProposal
+from phasegraph.statemachine import phase
+
+
+@phase("draft", input=DraftState, output=TreeProposal)
+def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
+    """EAGLE-2 dynamic tree drafting (arXiv 2406.16858): S-1 draft forwards over K beams.
+
+    Step 0's candidates are the top-k from draft-extend. Draft forward i (i = 0..S-2) runs the K
+    beams of every request at position ``seq_len + i`` (seed 001), each beam attending the
+    prefix plus its own ancestors in its page-aligned branch region; the K best of the K² new
+    candidates by cumulative probability become the next beams. Finally the N-1 best candidates
+    become the tree verified behind the bonus token.
+    """
+    tree, memory, model = ctx.tree, ctx.memory, ctx.draft
+    K, S, N = tree.topk, tree.num_steps, tree.num_draft_tokens
+    B = state.seq_lens.shape[0]
+    device = state.seq_lens.device
+    rows = state.params.req_pool_idx  # [B]
+    seq_lens = state.seq_lens  # [B]
+
+    beams = first_step_candidates(state.topk_p, state.topk_index)
+    cand_tokens, cand_scores, cand_parents = [beams.cand_tokens], [beams.cand_scores], [beams.cand_parents]
+    beam_scores, beam_cand, beam_tokens = beams.beam_scores, beams.beam_cand, beams.beam_tokens
+    hidden = state.hidden.repeat_interleave(K, dim=0) if state.hidden is not None else None  # [B*K, Hd]
+
+    layout = assign_draft_cache_locs(
+        memory.page_table, rows, seq_lens, memory.draft_regions[rows], memory.page_size, S
+    )
+    draft_caches = memory.draft_caches()
+    move_kv(draft_caches, layout.tail_src, layout.tail_dst)  # prefix tail into every branch region
+    branch_rows = torch.arange(B * K, device=device)
+    step_positions = []
+    for i in range(S - 1):
+        positions = seq_lens.repeat_interleave(K) + i  # [B*K] draft step i runs at seq_len + i
+        step_positions.append(seq_lens + i)
+        attn = AttentionMetadata(
+            write_slots=layout.step_slots[i],
+            page_table=layout.branch_page_table,
+            query_row=branch_rows,
+            kv_len=positions + 1,
+            extra_mask=None,
+            page_size=memory.page_size,
+        )
+        out = model.forward(
+            beam_tokens.reshape(-1), hidden, positions, attn, from_target=False, step=i
+        )
+        step_p, step_ids = topk_of_logits(out.logits, K)  # [B*K, K]
+        step_ids = model.to_target_ids(step_ids)
+        grown = expand_step(
+            beam_scores, beam_cand, step_p.view(B, K, K), step_ids.view(B, K, K), step=i + 1, topk=K
+        )
+        cand_tokens.append(grown.cand_tokens)
+        cand_scores.append(grown.cand_scores)
+        cand_parents.append(grown.cand_parents)
+        beam_scores, beam_cand, beam_tokens = grown.beam_scores, grown.beam_cand, grown.beam_tokens
+        if i < S - 2:  # the next forward needs each new beam's ancestors and hidden state
+            src, dst = branch_reorder_moves(memory.draft_regions[rows], grown.beam_parent, memory.page_size)
+            move_kv(draft_caches, src, dst)
+            if out.hidden is not None and hidden is not None:
+                parent_rows = (torch.arange(B, device=device)[:, None] * K + grown.beam_parent).reshape(-1)
+                hidden = out.hidden[parent_rows]  # [B*K, Hd]
+
+    node_tokens, node_parents = select_tree_nodes(
+        torch.cat(cand_tokens, dim=1), torch.cat(cand_scores, dim=1), torch.cat(cand_parents, dim=1), N
+    )
+    built = build_tree(state.bonus_tokens, node_tokens, node_parents, seq_lens)
+    draft_positions = (
+        torch.stack(step_positions, dim=1) if step_positions else seq_lens.new_zeros(B, 0)
+    )
+    return TreeProposal(
+        draft=state,
+        num_steps=S,
+        draft_tokens=built.draft_tokens,
+        positions=built.positions,
+        parents=node_parents,
+        depth=built.depth,
+        tree_mask=built.tree_mask,
+        retrieve_index=built.retrieve_index,
+        retrieve_next_token=built.retrieve_next_token,
+        retrieve_next_sibling=built.retrieve_next_sibling,
+        draft_positions=draft_positions,
+    )

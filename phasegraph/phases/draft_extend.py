@@ -1,0 +1,47 @@
+"""draft-extend: the draft reads the newly committed tokens and proposes depth-1 candidates."""
+
+from __future__ import annotations
+
+import torch
+
+from phasegraph.phases._common import causal_extend_metadata, topk_of_logits
+from phasegraph.phases.context import SpecContext
+from phasegraph.phases.schemas import DraftExtendInput, DraftState
+from phasegraph.statemachine import phase
+
+
+@phase("draft-extend", input=DraftExtendInput, output=DraftState)
+def draft_extend(state: DraftExtendInput, ctx: SpecContext) -> DraftState:
+    """Extend the draft's KV over the committed rows and take the top-k of each request's last row.
+
+    After prefill the rows are the prompt; after decode they are the accepted path compacted to
+    the front (rows past a request's accept length are padding that writes only behind its
+    committed length). Without a draft (the autoregressive baseline) the state carries K = 0.
+    """
+    params = state.params
+    B = state.seq_lens.shape[0]
+    device = state.seq_lens.device
+    if ctx.draft is None or ctx.tree is None:
+        empty_p = torch.zeros(B, 0, dtype=torch.float32, device=device)
+        empty_i = torch.zeros(B, 0, dtype=torch.int64, device=device)
+        return DraftState(
+            params=params, seq_lens=state.seq_lens, bonus_tokens=state.bonus_tokens,
+            remaining=state.remaining, topk_p=empty_p, topk_index=empty_i, hidden=None,
+        )
+    rows = params.req_pool_idx[state.token_req]  # [T]
+    attn = causal_extend_metadata(ctx.memory, rows, state.positions)
+    out = ctx.draft.forward(
+        state.input_ids, state.features if ctx.draft.uses_features else None, state.positions, attn,
+        from_target=True, step=0, logits_index=state.select_index,
+    )
+    topk_p, topk_ids = topk_of_logits(out.logits, ctx.tree.topk)  # [B, K]
+    hidden = out.hidden[state.select_index] if ctx.draft.uses_features else None  # [B, Hd]
+    return DraftState(
+        params=params,
+        seq_lens=state.seq_lens,
+        bonus_tokens=state.bonus_tokens,
+        remaining=state.remaining,
+        topk_p=topk_p,
+        topk_index=ctx.draft.to_target_ids(topk_ids),
+        hidden=hidden,
+    )

@@ -1,0 +1,91 @@
+"""finalize-tree-path: commit the accepted path, compacted to the front of every request."""
+
+from __future__ import annotations
+
+import torch
+
+from phasegraph.kernels.bonus import fill_bonus_tokens, gather_accepted_tokens
+from phasegraph.kernels.cache_slots import row_slots
+from phasegraph.kernels.compact import accepted_kv_moves, compact_to_front, move_kv
+from phasegraph.kernels.extend_positions import extend_positions
+from phasegraph.phases.context import SpecContext
+from phasegraph.phases.schemas import (
+    FinalizedPath,
+    VerifyResult,
+    accepted_name,
+    finalized_schema_for,
+    node_fields,
+)
+from phasegraph.statemachine import phase
+
+
+def truncate_at_stop(
+    emitted: torch.Tensor,  # [B, W] -1 padded
+    accept_lens: torch.Tensor,  # [B]
+    stop_ids: torch.Tensor,  # [B, Z] -1 padded
+    remaining: torch.Tensor,  # [B]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """New accept lengths cut after the first stop token and at the budget, and the finished mask."""
+    W = emitted.shape[1]
+    is_stop = (emitted[:, :, None] == stop_ids[:, None, :]).any(dim=-1) & (emitted >= 0)  # [B, W]
+    j = torch.arange(W, device=emitted.device)
+    first_stop = torch.where(is_stop, j + 1, W + 1).min(dim=1).values  # [B], W+1 = none
+    lens = torch.minimum(torch.minimum(accept_lens, first_stop), remaining.clamp(min=1))
+    finished = (first_stop <= lens) | (lens >= remaining)
+    return lens, finished
+
+
+@phase("finalize-tree-path", input=VerifyResult, output=FinalizedPath)
+def finalize_tree_path(state: VerifyResult, ctx: SpecContext) -> FinalizedPath:
+    """Compact every per-node field of the verify result to the accepted path and move its KV.
+
+    The per-node fields are found from the schema (:func:`node_fields`), so a side output added
+    to :class:`VerifyResult` is compacted without code changes (seed 000: routed experts were
+    left in raw node order). Accepted node ``accept_index[b, i]`` moves from logical position
+    ``seq_len + j`` to ``seq_len + i`` in the target pool. The path is cut after a stop token or
+    at the request's budget; the result feeds draft-extend with ``T = B*W`` rows.
+    """
+    memory = ctx.memory
+    proposal = state.proposal
+    draft_state = proposal.draft
+    params = draft_state.params
+    B, N = proposal.depth.shape
+    W = state.accept_index.shape[1]  # the stride of every per-node -> per-request gather
+    device = state.accept_index.device
+    seq_lens = draft_state.seq_lens
+
+    raw_emitted = gather_accepted_tokens(state.predict, state.accept_index)  # [B, W]
+    lens, finished = truncate_at_stop(raw_emitted, state.accept_lens, params.stop_ids, draft_state.remaining)
+    j = torch.arange(W, device=device)
+    inside = j[None, :] < lens[:, None]  # [B, W]
+    accept_index = torch.where(inside, state.accept_index, -1)
+
+    compacted = {}
+    for name in node_fields(type(state)):
+        x = getattr(state, name)
+        compacted[accepted_name(name)] = None if x is None else compact_to_front(x, accept_index)
+
+    node_slots = row_slots(memory.page_table, params.req_pool_idx, seq_lens[:, None] + torch.arange(N, device=device), memory.page_size)
+    front_slots = row_slots(memory.page_table, params.req_pool_idx, seq_lens[:, None] + j, memory.page_size)
+    src, dst = accepted_kv_moves(accept_index, lens, node_slots.reshape(-1), front_slots.reshape(-1))
+    move_kv(memory.target_caches(), src, dst)
+
+    accepted_predict = compacted[accepted_name("predict")]  # [B*W]
+    out_cls = finalized_schema_for(type(state))
+    return out_cls(
+        params=params,
+        input_ids=accepted_predict,
+        positions=extend_positions(seq_lens, W),
+        features=compacted[accepted_name("features")],
+        token_req=torch.arange(B, device=device).repeat_interleave(W),
+        select_index=torch.arange(B, device=device) * W + lens - 1,
+        seq_lens=seq_lens + lens,
+        bonus_tokens=fill_bonus_tokens(state.predict, accept_index, lens),
+        remaining=draft_state.remaining - lens,
+        verified=state,
+        accept_index=accept_index,
+        accept_lens=lens,
+        emitted=torch.where(inside, raw_emitted, -1),
+        finished=finished,
+        **compacted,
+    )

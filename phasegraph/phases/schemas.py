@@ -1,0 +1,360 @@
+"""The schemas that cross the phase boundaries of EAGLE-style speculative decoding.
+
+Each phase's input and output is its own schema type (seed 004: one object mutated across
+phases let a stale verify input reach ``merge_batch``). Only :class:`DraftState` is persistent and
+mergeable. Symbolic dims (see ``docs/internals.md``):
+
+- ``B`` requests in the batch; ``T`` tokens of a ragged or fixed-width extend;
+- ``K`` topk per draft step; ``N`` tree nodes per request, root included; ``W`` accept width
+  (= num_steps + 1); ``D`` draft forwards per iteration (= num_steps - 1);
+- ``Hd`` draft hidden size; ``Hf`` target feature width handed to the draft; ``Z`` stop ids.
+
+Roles: ``REQUEST`` fields have one row per request (``[B, ...]``), ``NODE`` fields one row per
+tree node (``[B*N, ...]``, request-major), ``ACCEPTED`` fields one row per accepted-path slot
+(``[B*W, ...]``), ``TOKEN`` fields one row per extend token (``[T, ...]``).
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+
+import torch
+from jaxtyping import Bool, Float, Float32, Int64
+
+from phasegraph.statemachine import Role, Schema, invariant, schema, tensor, value
+
+REQUEST = Role("request", "B")
+NODE = Role("node", "B*N")
+ACCEPTED = Role("accepted", "B*W")
+TOKEN = Role("token", "T")
+
+Tensor = torch.Tensor
+
+
+def _first_bad_row(ok: Tensor) -> int | None:
+    """Index of the first False in a 1-D bool tensor, or None (reads values: strict mode only)."""
+    bad = (~ok).nonzero()
+    return int(bad[0, 0]) if bad.numel() else None
+
+
+@schema
+class BatchParams(Schema):
+    """Per-request settings that stay fixed while a request runs (rebuilt by merge/filter)."""
+
+    req_pool_idx: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="row of the request in the KV page table")
+    temperature: Float32[Tensor, "B"] = tensor(role=REQUEST, doc="0 = greedy")
+    top_p: Float32[Tensor, "B"] = tensor(role=REQUEST, doc="1 = off")
+    top_k: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="0 = off")
+    stop_ids: Int64[Tensor, "B Z"] = tensor(role=REQUEST, doc="token ids that end the request, -1 padded")
+
+    @invariant("req_pool_idx >= 1 (row 0 is the reserved padding row)")
+    def _rows_not_reserved(self) -> str | None:
+        row = _first_bad_row(self.req_pool_idx >= 1)
+        return None if row is None else f"request {row} has req_pool_idx {int(self.req_pool_idx[row])}"
+
+    @invariant("0 <= temperature, 0 < top_p <= 1, top_k >= 0")
+    def _sampling_ranges(self) -> str | None:
+        ok = (self.temperature >= 0) & (self.top_p > 0) & (self.top_p <= 1) & (self.top_k >= 0)
+        row = _first_bad_row(ok)
+        return None if row is None else f"request {row} has out-of-range sampling parameters"
+
+
+# ----------------------------------------------------------------------------- prefill
+
+
+@schema
+class PrefillInput(Schema):
+    """New requests' prompts, flattened: the entry of the graph."""
+
+    params: BatchParams = value()
+    input_ids: Int64[Tensor, "T"] = tensor(role=TOKEN, doc="prompt tokens of every request, concatenated")
+    positions: Int64[Tensor, "T"] = tensor(role=TOKEN)
+    token_req: Int64[Tensor, "T"] = tensor(role=TOKEN, doc="batch row of each token")
+    select_index: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="row in T of each request's last prompt token")
+    seq_lens: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="prompt lengths (committed after prefill)")
+    remaining: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="new tokens each request may still emit")
+
+    @invariant("select_index[b] is the last token of request b, at position seq_len - 1")
+    def _select_last(self) -> str | None:
+        if self.select_index.numel() == 0:
+            return None
+        ok = (self.token_req[self.select_index] == torch.arange(len(self.select_index), device=self.select_index.device)) & (
+            self.positions[self.select_index] == self.seq_lens - 1
+        )
+        row = _first_bad_row(ok)
+        return None if row is None else f"request {row}: select_index does not point at its last token"
+
+
+# ----------------------------------------------------------------------------- draft extend
+
+
+@schema
+class DraftExtendInput(Schema):
+    """What draft-extend reads: one row per token, row p carrying token p+1 and target feature p."""
+
+    params: BatchParams = value()
+    input_ids: Int64[Tensor, "T"] = tensor(role=TOKEN, doc="the token after each row's position")
+    positions: Int64[Tensor, "T"] = tensor(role=TOKEN, doc="draft position of each row (= logical KV slot)")
+    features: Float[Tensor, "T Hf"] = tensor(role=TOKEN, doc="target features at each row")
+    token_req: Int64[Tensor, "T"] = tensor(role=TOKEN)
+    select_index: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="row of each request's last valid token")
+    seq_lens: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="committed length after this extend")
+    bonus_tokens: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="last emitted token, at position seq_len")
+    remaining: Int64[Tensor, "B"] = tensor(role=REQUEST)
+
+    @invariant("the selected row of request b sits at position seq_len - 1 and carries its bonus token")
+    def _selected_row(self) -> str | None:
+        if self.select_index.numel() == 0:
+            return None
+        b = torch.arange(len(self.select_index), device=self.select_index.device)
+        ok = (
+            (self.token_req[self.select_index] == b)
+            & (self.positions[self.select_index] == self.seq_lens - 1)
+            & (self.input_ids[self.select_index] == self.bonus_tokens)
+        )
+        row = _first_bad_row(ok)
+        return None if row is None else f"request {row}: selected row is not (seq_len - 1, bonus token)"
+
+
+@schema
+class PrefillResult(DraftExtendInput):
+    """Prefill's output: the draft-extend input for the prompts plus the first sampled token."""
+
+    first_logprobs: Float32[Tensor, "B"] | None = tensor(role=REQUEST, default=None)
+
+
+# ----------------------------------------------------------------------------- draft state
+
+
+@schema
+class DraftState(Schema):
+    """The only persistent, mergeable state between iterations (one row per running request)."""
+
+    params: BatchParams = value()
+    seq_lens: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="committed KV length; bonus excluded")
+    bonus_tokens: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="last emitted token, at position seq_len")
+    remaining: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="new tokens each request may still emit")
+    topk_p: Float32[Tensor, "B K"] = tensor(role=REQUEST, doc="draft probabilities of the depth-1 candidates")
+    topk_index: Int64[Tensor, "B K"] = tensor(role=REQUEST, doc="depth-1 candidate tokens (target vocab)")
+    hidden: Float[Tensor, "B Hd"] | None = tensor(role=REQUEST, default=None, doc="draft hidden fed to step 0")
+    bonus_logprobs: Float32[Tensor, "B"] | None = tensor(role=REQUEST, default=None, doc="set by decode when asked")
+
+    @invariant("seq_lens >= 1 and remaining >= 0")
+    def _lengths(self) -> str | None:
+        row = _first_bad_row((self.seq_lens >= 1) & (self.remaining >= 0))
+        return None if row is None else f"request {row}: seq_len {int(self.seq_lens[row])}, remaining {int(self.remaining[row])}"
+
+    @invariant("0 <= topk_p <= 1")
+    def _probabilities(self) -> str | None:
+        if self.topk_p.numel() == 0:
+            return None
+        ok = ((self.topk_p >= 0) & (self.topk_p <= 1)).all(dim=1)
+        row = _first_bad_row(ok)
+        return None if row is None else f"request {row}: topk_p {self.topk_p[row].tolist()} (NaN or out of [0, 1])"
+
+
+# ----------------------------------------------------------------------------- tree proposal
+
+
+@schema
+class TreeProposal(Schema):
+    """The draft tree of every request, built and ready for the target to verify."""
+
+    draft: DraftState = value(doc="the state the tree was drafted from")
+    num_steps: int = value(doc="S, the tree depth")
+    draft_tokens: Int64[Tensor, "B*N"] = tensor(role=NODE, doc="node tokens; node 0 is the bonus token")
+    positions: Int64[Tensor, "B*N"] = tensor(role=NODE, doc="seq_len + depth")
+    parents: Int64[Tensor, "B N"] = tensor(role=REQUEST, doc="tree parent of each node, -1 for the root")
+    depth: Int64[Tensor, "B N"] = tensor(role=REQUEST)
+    tree_mask: Bool[Tensor, "B N N"] = tensor(role=REQUEST, doc="ancestor-or-self")
+    retrieve_index: Int64[Tensor, "B N"] = tensor(role=REQUEST, doc="b*N + j")
+    retrieve_next_token: Int64[Tensor, "B N"] = tensor(role=REQUEST, doc="first child, -1")
+    retrieve_next_sibling: Int64[Tensor, "B N"] = tensor(role=REQUEST, doc="next sibling, -1")
+    draft_positions: Int64[Tensor, "B D"] = tensor(role=REQUEST, doc="position each draft forward ran at")
+
+    @invariant("positions == seq_lens + depth (seed 001)")
+    def _positions_follow_depth(self) -> str | None:
+        B, N = self.depth.shape
+        want = self.draft.seq_lens[:, None] + self.depth
+        row = _first_bad_row((self.positions.view(B, N) == want).all(dim=1)) if B else None
+        return None if row is None else f"request {row}: positions {self.positions.view(B, N)[row].tolist()} != seq_len {int(self.draft.seq_lens[row])} + depth {self.depth[row].tolist()}"
+
+    @invariant("draft step i runs at seq_len + i (seed 001)")
+    def _draft_step_positions(self) -> str | None:
+        B, D = self.draft_positions.shape
+        if D != max(self.num_steps - 1, 0):
+            return f"{D} draft forwards recorded for num_steps={self.num_steps} (want {max(self.num_steps - 1, 0)})"
+        want = self.draft.seq_lens[:, None] + torch.arange(D, device=self.draft_positions.device)
+        row = _first_bad_row((self.draft_positions == want).all(dim=1)) if B else None
+        return None if row is None else f"request {row}: draft steps ran at {self.draft_positions[row].tolist()}, want {want[row].tolist()}"
+
+    @invariant("node 0 is the root: the bonus token, parent -1, depth 0; parents precede children")
+    def _tree_shape(self) -> str | None:
+        B, N = self.depth.shape
+        if B == 0:
+            return None
+        roots = self.draft_tokens.view(B, N)[:, 0] == self.draft.bonus_tokens
+        ok = roots & (self.parents[:, 0] == -1) & (self.depth[:, 0] == 0)
+        j = torch.arange(N, device=self.parents.device)
+        ok &= ((self.parents[:, 1:] >= 0) & (self.parents[:, 1:] < j[1:])).all(dim=1)
+        ok &= (self.depth.max(dim=1).values <= self.num_steps)
+        row = _first_bad_row(ok)
+        return None if row is None else f"request {row}: malformed tree (parents {self.parents[row].tolist()}, depth {self.depth[row].tolist()})"
+
+
+# ----------------------------------------------------------------------------- verify result
+
+
+@schema
+class VerifyResult(Schema):
+    """The target's verdict on every tree: per-node outputs and the accepted path.
+
+    Every ``NODE`` field here is compacted by finalize-tree-path into the ``accepted_<name>``
+    field of the finalized schema, found from this declaration: add a per-node side output here
+    (or in a subclass) and it is compacted without code changes (seed 000).
+    """
+
+    proposal: TreeProposal = value()
+    predict: Int64[Tensor, "B*N"] = tensor(role=NODE, doc="token emitted after each node if accepted")
+    features: Float[Tensor, "B*N Hf"] = tensor(role=NODE, doc="target features for draft-extend")
+    logprobs: Float32[Tensor, "B*N"] | None = tensor(role=NODE, default=None, doc="logprob of predict")
+    accept_index: Int64[Tensor, "B W"] = tensor(role=REQUEST, doc="node rows of the accepted path, -1 padded")
+    accept_lens: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="accepted drafts + 1 (the bonus)")
+    bonus_tokens: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="the new bonus token")
+
+    @invariant("accept_index[b,0] is b's root; entries stay in b's node block; -1 only as a suffix")
+    def _accept_index_in_block(self) -> str | None:
+        B, W = self.accept_index.shape
+        if B == 0:
+            return None
+        N = self.proposal.depth.shape[1]
+        b = torch.arange(B, device=self.accept_index.device)[:, None]
+        idx = self.accept_index
+        valid = idx >= 0
+        ok = (idx[:, 0] == b[:, 0] * N)
+        ok &= (~valid | ((idx >= b * N) & (idx < (b + 1) * N))).all(dim=1)
+        ok &= (valid[:, :-1] | ~valid[:, 1:]).all(dim=1)  # no valid entry after a -1
+        row = _first_bad_row(ok)
+        return None if row is None else f"request {row}: accept_index {idx[row].tolist()} with N={N}"
+
+    @invariant("1 <= accept_lens <= num_steps + 1 and accept_lens counts the path")
+    def _accept_lens(self) -> str | None:
+        B, W = self.accept_index.shape
+        S = self.proposal.num_steps
+        if W != S + 1:
+            return f"accept_index has width {W}, want num_steps + 1 = {S + 1}"
+        ok = (self.accept_lens >= 1) & (self.accept_lens <= S + 1)
+        ok &= self.accept_lens == (self.accept_index >= 0).sum(dim=1)
+        row = _first_bad_row(ok)
+        return None if row is None else f"request {row}: accept_lens {int(self.accept_lens[row])}, accept_index {self.accept_index[row].tolist()}"
+
+    @invariant("bonus_tokens[b] == predict[accept_index[b, accept_lens[b] - 1]] (stride W, seed 000)")
+    def _bonus(self) -> str | None:
+        B, W = self.accept_index.shape
+        if B == 0:
+            return None
+        last = self.accept_index.gather(1, (self.accept_lens - 1).clamp(min=0)[:, None])[:, 0]
+        ok = self.predict[last.clamp(min=0)] == self.bonus_tokens
+        row = _first_bad_row(ok)
+        return None if row is None else f"request {row}: bonus {int(self.bonus_tokens[row])} is not the last accepted prediction"
+
+
+def node_fields(verify_cls: type[VerifyResult]) -> tuple[str, ...]:
+    """Names of every per-node field ``verify_cls`` declares (what finalize must compact)."""
+    return tuple(t.name for t in verify_cls.__schema__.tensors if t.role == NODE)
+
+
+# ----------------------------------------------------------------------------- finalized path
+
+
+@schema
+class FinalizedPath(DraftExtendInput):
+    """Verify's outcome with the accepted path compacted to the front of every request.
+
+    As a :class:`DraftExtendInput` it feeds draft-extend (``T = B*W`` rows, rows past a request's
+    ``accept_len`` are padding); the ``accepted_*`` fields are the compacted per-node fields of
+    :class:`VerifyResult`; ``emitted`` are the new tokens of each request.
+    """
+
+    verified: VerifyResult = value(doc="the verify result this path was finalized from")
+    accept_index: Int64[Tensor, "B W"] = tensor(role=REQUEST)
+    accept_lens: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="after truncation at a stop or budget")
+    emitted: Int64[Tensor, "B W"] = tensor(role=REQUEST, doc="new tokens, -1 padded")
+    finished: Bool[Tensor, "B"] = tensor(role=REQUEST, doc="hit a stop token or its budget")
+    accepted_predict: Int64[Tensor, "B*W"] = tensor(role=ACCEPTED)
+    accepted_features: Float[Tensor, "B*W Hf"] = tensor(role=ACCEPTED)
+    accepted_logprobs: Float32[Tensor, "B*W"] | None = tensor(role=ACCEPTED, default=None)
+
+    @invariant("seq_lens == seq_lens before verify + accept_lens")
+    def _seq_lens_advance(self) -> str | None:
+        before = self.verified.proposal.draft.seq_lens
+        row = _first_bad_row(self.seq_lens == before + self.accept_lens)
+        return None if row is None else f"request {row}: seq_len {int(self.seq_lens[row])} != {int(before[row])} + {int(self.accept_lens[row])}"
+
+    @invariant("emitted tokens are the accepted predictions, -1 past accept_lens")
+    def _emitted(self) -> str | None:
+        B, W = self.emitted.shape
+        if B == 0:
+            return None
+        j = torch.arange(W, device=self.emitted.device)[None, :]
+        inside = j < self.accept_lens[:, None]
+        want = torch.where(inside, self.accepted_predict.view(B, W), -1)
+        row = _first_bad_row((self.emitted == want).all(dim=1))
+        return None if row is None else f"request {row}: emitted {self.emitted[row].tolist()} != {want[row].tolist()}"
+
+
+def accepted_name(node_field: str) -> str:
+    return f"accepted_{node_field}"
+
+
+@functools.cache
+def finalized_schema_for(verify_cls: type[VerifyResult]) -> type[FinalizedPath]:
+    """The FinalizedPath type for ``verify_cls``: one ``accepted_<name>`` field per node field.
+
+    For :class:`VerifyResult` itself this is :class:`FinalizedPath`; a subclass that declares a
+    new per-node side output gets a FinalizedPath subclass with the compacted counterpart, so
+    finalize-tree-path compacts it without code changes.
+    """
+    have = {t.name for t in FinalizedPath.__schema__.tensors}
+    hints = {}
+    import typing
+
+    annotations = typing.get_type_hints(verify_cls, include_extras=True)
+    for spec in verify_cls.__schema__.tensors:
+        if spec.role != NODE or accepted_name(spec.name) in have:
+            continue
+        ann = annotations[spec.name]
+        args = typing.get_args(ann)
+        arr = next(a for a in args if a is not type(None)) if args else ann
+        rest = spec.dim_text.split()[1:]
+        new_ann = arr.dtype[arr.array_type, " ".join(["B*W", *rest])]
+        hints[accepted_name(spec.name)] = (new_ann | None) if spec.optional else new_ann
+    if not hints:
+        return FinalizedPath
+
+    def body(ns: dict) -> None:
+        ns["__annotations__"] = dict(hints)
+        ns["__module__"] = __name__
+        for name, ann in hints.items():
+            optional = type(None) in typing.get_args(ann)
+            ns[name] = tensor(role=ACCEPTED, default=None) if optional else tensor(role=ACCEPTED)
+
+    cls = types.new_class(f"FinalizedPath_{verify_cls.__name__}", (FinalizedPath,), exec_body=body)
+    return schema(cls)
+
+
+# ----------------------------------------------------------------------------- scheduler inputs
+
+
+@schema
+class RowSelection(Schema):
+    """Batch rows chosen by the scheduler (kept by filter, dropped by retract)."""
+
+    rows: Int64[Tensor, "R"] = tensor(doc="batch row indices, ascending")
+
+    @invariant("rows ascending and unique")
+    def _ascending(self) -> str | None:
+        if self.rows.numel() > 1 and not bool((self.rows[1:] > self.rows[:-1]).all()):
+            return f"rows {self.rows.tolist()} are not strictly ascending"
+        return None

@@ -1,0 +1,70 @@
+"""verify: the target scores every tree node in one forward and accepts the best path."""
+
+from __future__ import annotations
+
+import torch
+
+from phasegraph.kernels.attention import AttentionMetadata
+from phasegraph.kernels.bonus import fill_bonus_tokens
+from phasegraph.kernels.cache_slots import row_slots
+from phasegraph.kernels.tree_sampling import target_probs, verify_tree_sampling
+from phasegraph.kernels.verify_greedy import verify_tree_greedy
+from phasegraph.phases.context import SpecContext
+from phasegraph.phases.schemas import TreeProposal, VerifyResult
+from phasegraph.statemachine import phase
+
+
+@phase("verify", input=TreeProposal, output=VerifyResult)
+def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
+    """Tree verification (SpecInfer, arXiv 2305.09781; EAGLE-2, arXiv 2406.16858).
+
+    Node j of request b is written at logical position ``seq_len + j`` of its row and attends
+    the prefix plus its ancestors (tree mask). Greedy requests accept the longest path whose
+    tokens equal the target's argmax; sampled requests use lossless tree rejection sampling
+    (Leviathan et al., arXiv 2211.17192, with the draft treated as deterministic), so the
+    emitted tokens are distributed exactly as the target's.
+    """
+    memory = ctx.memory
+    draft_state = state.draft
+    params = draft_state.params
+    B, N = state.depth.shape
+    S = state.num_steps
+    device = state.depth.device
+    seq_lens = draft_state.seq_lens  # [B]
+    node_logical = seq_lens[:, None] + torch.arange(N, device=device)  # [B, N]
+    slots = row_slots(memory.page_table, params.req_pool_idx, node_logical, memory.page_size)
+    attn = AttentionMetadata(
+        write_slots=slots.reshape(-1),
+        page_table=memory.page_table,
+        query_row=params.req_pool_idx.repeat_interleave(N),
+        kv_len=seq_lens.repeat_interleave(N),
+        extra_mask=state.tree_mask.reshape(B * N, N),
+        page_size=memory.page_size,
+    )
+    out = ctx.target.forward(state.draft_tokens, state.positions, attn, logits_index=None)
+    logits = out.logits  # [B*N, V]
+    if ctx.greedy_only:
+        outcome = verify_tree_greedy(
+            state.draft_tokens, state.retrieve_next_token, state.retrieve_next_sibling,
+            logits.argmax(dim=-1), S,
+        )
+    else:
+        probs = target_probs(logits, params.temperature, params.top_k, params.top_p, N)
+        coins = torch.rand(B, S + 1, generator=ctx.generator, device=device)
+        bonus_coins = torch.rand(B, S + 1, generator=ctx.generator, device=device)
+        outcome = verify_tree_sampling(
+            state.draft_tokens, state.retrieve_next_token, state.retrieve_next_sibling,
+            probs, coins, bonus_coins, S,
+        )
+    logprobs = None
+    if ctx.return_logprobs:
+        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, outcome.predict[:, None])[:, 0]
+    return VerifyResult(
+        proposal=state,
+        predict=outcome.predict,
+        features=out.features,
+        logprobs=logprobs,
+        accept_index=outcome.accept_index,
+        accept_lens=outcome.accept_lens,
+        bonus_tokens=fill_bonus_tokens(outcome.predict, outcome.accept_index, outcome.accept_lens),
+    )

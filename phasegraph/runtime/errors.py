@@ -1,0 +1,107 @@
+"""Named errors raised by the runtime (KV pool, model loading, attention backend)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+
+class PhasegraphRuntimeError(Exception):
+    """Base class of every error the runtime raises on purpose."""
+
+
+# ---------------------------------------------------------------------------------------------
+# KV pool
+
+
+class OutOfKVPages(PhasegraphRuntimeError):
+    """The allocator has fewer free pages than requested; nothing was allocated."""
+
+    def __init__(self, requested: int, available: int) -> None:
+        super().__init__(f"requested {requested} KV pages but only {available} are free")
+        self.requested = requested
+        self.available = available
+
+
+class OutOfRequestRows(PhasegraphRuntimeError):
+    """Every row of the request table (row 0 excluded) is in use."""
+
+    def __init__(self, max_reqs: int) -> None:
+        super().__init__(f"all {max_reqs - 1} request rows are in use (row 0 is reserved)")
+        self.max_reqs = max_reqs
+
+
+class RequestTooLong(PhasegraphRuntimeError):
+    """A request needs more pages than one page-table row holds."""
+
+    def __init__(self, num_tokens: int, max_tokens: int) -> None:
+        super().__init__(
+            f"{num_tokens} tokens do not fit one page-table row (at most {max_tokens} tokens)"
+        )
+        self.num_tokens = num_tokens
+        self.max_tokens = max_tokens
+
+
+class InvalidPageFree(PhasegraphRuntimeError, ValueError):
+    """free() got the reserved page 0, an out-of-range page, or a page that is already free."""
+
+
+class InvalidRow(PhasegraphRuntimeError, ValueError):
+    """A request-table row that is reserved, out of range, or not in use."""
+
+
+class KVAccountingError(PhasegraphRuntimeError):
+    """The page accounting is inconsistent; ``problems`` lists every violation found."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        super().__init__(
+            "KV accounting is inconsistent:\n" + "\n".join(f"  - {p}" for p in self.problems)
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Models and checkpoints
+
+
+class UnsupportedModel(PhasegraphRuntimeError, ValueError):
+    """The checkpoint's ``model_type`` is not one the runtime runs."""
+
+
+class CheckpointFileError(PhasegraphRuntimeError, OSError):
+    """A checkpoint file is missing, truncated or corrupt, or its index is inconsistent."""
+
+
+class CheckpointMismatch(PhasegraphRuntimeError, ValueError):
+    """The checkpoint's tensors do not match the model: missing, unexpected or mis-shaped keys."""
+
+    def __init__(
+        self,
+        where: str,
+        missing: Sequence[str] = (),
+        unexpected: Sequence[str] = (),
+        mismatched: Sequence[tuple[str, tuple[int, ...], tuple[int, ...]]] = (),
+    ) -> None:
+        self.where = where
+        self.missing = sorted(missing)
+        self.unexpected = sorted(unexpected)
+        self.mismatched = sorted(mismatched)
+        lines = [f"checkpoint {where} does not match the model:"]
+        if self.missing:
+            lines.append(f"  missing keys ({len(self.missing)}): {', '.join(self.missing)}")
+        if self.unexpected:
+            lines.append(
+                f"  unexpected keys ({len(self.unexpected)}): {', '.join(self.unexpected)}"
+            )
+        for key, found, expected in self.mismatched:
+            lines.append(
+                f"  shape mismatch for {key}: checkpoint {list(found)}, model {list(expected)}"
+            )
+        super().__init__("\n".join(lines))
+
+
+class DraftMismatch(PhasegraphRuntimeError, ValueError):
+    """A draft head whose hidden size, feature width or vocabulary does not fit the target."""
+
+
+class NoForwardContext(PhasegraphRuntimeError, RuntimeError):
+    """The phasegraph attention function ran outside ``forward_context(...)``."""

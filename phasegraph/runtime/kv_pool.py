@@ -1,0 +1,364 @@
+"""The paged KV pool: per-model K/V tensors, the page allocator, the request page table.
+
+Conventions (``docs/internals.md``, "KV pool and pages"): a slot holds one token's key and value
+for every layer of one model; ``slot = page * P + offset``; page 0 and request row 0 are
+reserved (padding writes and reads go there). The target and draft pools have the same number
+of slots and share one allocator, so a slot index means the same token in both.
+
+Allocation is host-side bookkeeping between iterations; the device-side tensors the phases read
+are ``RequestTable.req_to_page`` and ``KVCacheManager.region_pages``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Iterable
+
+import attrs
+import torch
+
+from phasegraph.runtime.errors import (
+    InvalidPageFree,
+    InvalidRow,
+    KVAccountingError,
+    OutOfKVPages,
+    OutOfRequestRows,
+    RequestTooLong,
+)
+
+RESERVED_PAGE = 0
+RESERVED_ROW = 0
+
+
+@attrs.frozen
+class KVSpec:
+    """Shape of one model's KV: how many pool layers, kv heads, head dim, dtype."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+
+
+class KVPool:
+    """K/V tensors of one model: ``k[layer], v[layer]: [num_slots, Hkv, D]``."""
+
+    def __init__(self, spec: KVSpec, num_slots: int, device: torch.device | str) -> None:
+        self.spec = spec
+        self.num_slots = num_slots
+        self.device = torch.device(device)
+        shape = (num_slots, spec.num_kv_heads, spec.head_dim)
+        self.k: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=spec.dtype, device=self.device)
+            for _ in range(spec.num_layers)
+        ]
+        self.v: list[torch.Tensor] = [
+            torch.zeros(shape, dtype=spec.dtype, device=self.device)
+            for _ in range(spec.num_layers)
+        ]
+
+    @property
+    def num_layers(self) -> int:
+        return self.spec.num_layers
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.spec.dtype
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (*self.k, *self.v))
+
+
+class PageAllocator:
+    """Free list of page ids ``1 .. num_pages-1`` (page 0 is the reserved sink)."""
+
+    def __init__(self, num_pages: int) -> None:
+        if num_pages < 2:
+            raise ValueError(f"need at least 2 pages (page 0 is reserved), got {num_pages}")
+        self.num_pages = num_pages
+        # A stack popped from the end: pages come out in ascending order at first.
+        self._free: list[int] = list(range(num_pages - 1, RESERVED_PAGE, -1))
+        self._is_free = bytearray(num_pages)
+        for page in self._free:
+            self._is_free[page] = 1
+
+    @property
+    def total(self) -> int:
+        """Pages that can ever be handed out (page 0 excluded)."""
+        return self.num_pages - 1
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def free_pages(self) -> list[int]:
+        """A copy of the free list (for accounting checks)."""
+        return list(self._free)
+
+    def alloc(self, n: int) -> torch.Tensor:  # [n] int64, on the host
+        """Take ``n`` pages; raise :class:`OutOfKVPages` (changing nothing) if too few are free."""
+        if n < 0:
+            raise ValueError(f"cannot allocate {n} pages")
+        if n > len(self._free):
+            raise OutOfKVPages(n, len(self._free))
+        pages = [self._free.pop() for _ in range(n)]
+        for page in pages:
+            self._is_free[page] = 0
+        return torch.tensor(pages, dtype=torch.int64)
+
+    def free(self, pages: torch.Tensor | Iterable[int]) -> None:
+        """Return pages; raise :class:`InvalidPageFree` (changing nothing) on a bad page."""
+        ids = [int(p) for p in (pages.tolist() if isinstance(pages, torch.Tensor) else pages)]
+        seen: set[int] = set()
+        for page in ids:
+            if page == RESERVED_PAGE:
+                raise InvalidPageFree("page 0 is reserved and is never allocated or freed")
+            if not 0 < page < self.num_pages:
+                raise InvalidPageFree(f"page {page} is out of range [1, {self.num_pages})")
+            if self._is_free[page] or page in seen:
+                raise InvalidPageFree(f"double free of page {page}")
+            seen.add(page)
+        for page in ids:
+            self._is_free[page] = 1
+            self._free.append(page)
+
+
+class RequestTable:
+    """Rows of ``req_to_page [max_reqs, max_pages]`` and the pages each row owns (host side).
+
+    Row 0 is reserved (padding rows read it: all its entries stay 0, the sink page).
+    """
+
+    def __init__(
+        self,
+        max_reqs: int,
+        max_pages: int,
+        page_size: int,
+        allocator: PageAllocator,
+        device: torch.device | str,
+    ) -> None:
+        if max_reqs < 2:
+            raise ValueError(f"need at least 2 request rows (row 0 is reserved), got {max_reqs}")
+        self.max_reqs = max_reqs
+        self.max_pages = max_pages
+        self.page_size = page_size
+        self.allocator = allocator
+        self.device = torch.device(device)
+        self.req_to_page = torch.zeros(max_reqs, max_pages, dtype=torch.int64, device=self.device)
+        self.owned: list[list[int]] = [[] for _ in range(max_reqs)]
+        self._free_rows: list[int] = list(range(max_reqs - 1, RESERVED_ROW, -1))
+        self._in_use = bytearray(max_reqs)
+
+    @property
+    def max_tokens(self) -> int:
+        return self.max_pages * self.page_size
+
+    def rows_in_use(self) -> list[int]:
+        return [r for r in range(self.max_reqs) if self._in_use[r]]
+
+    def is_in_use(self, row: int) -> bool:
+        return 0 <= row < self.max_reqs and bool(self._in_use[row])
+
+    @property
+    def num_free_rows(self) -> int:
+        return len(self._free_rows)
+
+    def alloc_row(self) -> int:
+        if not self._free_rows:
+            raise OutOfRequestRows(self.max_reqs)
+        row = self._free_rows.pop()
+        self._in_use[row] = 1
+        return row
+
+    def _check_row(self, row: int) -> None:
+        if row == RESERVED_ROW:
+            raise InvalidRow("request row 0 is reserved")
+        if not self.is_in_use(row):
+            raise InvalidRow(f"request row {row} is not in use")
+
+    def pages_for(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.page_size)
+
+    def ensure_capacity(self, row: int, num_tokens: int) -> None:
+        """Make ``row`` own logical positions ``[0, num_tokens)``; all-or-nothing."""
+        self._check_row(row)
+        if num_tokens > self.max_tokens:
+            raise RequestTooLong(num_tokens, self.max_tokens)
+        have = len(self.owned[row])
+        need = self.pages_for(num_tokens)
+        if need <= have:
+            return
+        pages = self.allocator.alloc(need - have)  # [need - have] int64 host
+        self.req_to_page[row, have:need] = pages.to(self.device)
+        self.owned[row].extend(pages.tolist())
+
+    def release(self, row: int) -> None:
+        """Free every page the row owns (over-allocation included); the row stays in use."""
+        self._check_row(row)
+        if self.owned[row]:
+            self.allocator.free(self.owned[row])
+            self.owned[row] = []
+            self.req_to_page[row].zero_()
+
+    def free_row(self, row: int) -> None:
+        """Release the row's pages and return the row to the free list."""
+        self.release(row)
+        self._in_use[row] = 0
+        self._free_rows.append(row)
+
+
+def branch_region_pages(page_size: int, num_steps: int) -> int:
+    """R = ceil((P - 1 + S - 1) / P), at least 1: pages of one draft branch region."""
+    return max(1, math.ceil((page_size - 1 + num_steps - 1) / page_size))
+
+
+class KVCacheManager:
+    """One allocator, the request table, the target pool, the optional draft pool, and the
+    per-request draft branch regions ``region_pages [max_reqs, K, R]`` (allocated at admission,
+    released with the row; zero for rows not in use)."""
+
+    def __init__(
+        self,
+        *,
+        num_pages: int,
+        page_size: int,
+        max_reqs: int,
+        max_pages_per_req: int,
+        target: KVSpec,
+        draft: KVSpec | None = None,
+        topk: int = 1,
+        num_steps: int = 1,
+        device: torch.device | str = "cpu",
+    ) -> None:
+        if page_size < 1:
+            raise ValueError(f"page_size must be >= 1, got {page_size}")
+        self.page_size = page_size
+        self.num_pages = num_pages
+        self.num_slots = num_pages * page_size
+        self.device = torch.device(device)
+        self.allocator = PageAllocator(num_pages)
+        self.table = RequestTable(max_reqs, max_pages_per_req, page_size, self.allocator, device)
+        self.target_pool = KVPool(target, self.num_slots, device)
+        self.draft_pool = KVPool(draft, self.num_slots, device) if draft is not None else None
+        self.topk = topk if draft is not None else 0
+        self.num_steps = num_steps
+        self.region_len = branch_region_pages(page_size, num_steps) if draft is not None else 0
+        self.region_pages = torch.zeros(
+            max_reqs, self.topk, self.region_len, dtype=torch.int64, device=self.device
+        )  # [max_reqs, K, R]
+        self.region_owned: list[list[int]] = [[] for _ in range(max_reqs)]
+
+    # -- queries ------------------------------------------------------------------------------
+
+    @property
+    def req_to_page(self) -> torch.Tensor:  # [max_reqs, max_pages] int64
+        return self.table.req_to_page
+
+    @property
+    def num_free_pages(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def pages_per_admission(self) -> int:
+        """Region pages one admitted request holds besides its page-table row."""
+        return self.topk * self.region_len
+
+    def pages_needed(self, num_tokens: int, row: int | None = None) -> int:
+        """Pages to allocate so ``row`` (or a new request) owns ``[0, num_tokens)``."""
+        if row is None:
+            return self.table.pages_for(num_tokens) + self.pages_per_admission
+        return max(0, self.table.pages_for(num_tokens) - len(self.table.owned[row]))
+
+    # -- lifecycle ----------------------------------------------------------------------------
+
+    def admit(self, num_tokens: int) -> int:
+        """Take a request row, its branch regions and pages for ``[0, num_tokens)``.
+
+        All-or-nothing: on :class:`OutOfKVPages`, :class:`OutOfRequestRows` or
+        :class:`RequestTooLong` nothing stays allocated.
+        """
+        if num_tokens > self.table.max_tokens:
+            raise RequestTooLong(num_tokens, self.table.max_tokens)
+        need = self.pages_needed(num_tokens)
+        if need > self.allocator.num_free:
+            raise OutOfKVPages(need, self.allocator.num_free)
+        row = self.table.alloc_row()
+        if self.pages_per_admission:
+            pages = self.allocator.alloc(self.pages_per_admission)  # [K*R]
+            self.region_pages[row] = pages.view(self.topk, self.region_len).to(self.device)
+            self.region_owned[row] = pages.tolist()
+        self.table.ensure_capacity(row, num_tokens)
+        return row
+
+    def ensure_capacity(self, row: int, num_tokens: int) -> None:
+        self.table.ensure_capacity(row, num_tokens)
+
+    def release(self, row: int) -> None:
+        """Free the row's pages, its branch regions and the row itself."""
+        self.table._check_row(row)
+        if self.region_owned[row]:
+            self.allocator.free(self.region_owned[row])
+            self.region_owned[row] = []
+            self.region_pages[row].zero_()
+        self.table.free_row(row)
+
+    # -- accounting ---------------------------------------------------------------------------
+
+    def check(self) -> None:
+        """Verify the page accounting; raise :class:`KVAccountingError` listing all problems."""
+        problems: list[str] = []
+        total = self.allocator.total
+        free = self.allocator.free_pages()
+        free_set = set(free)
+        if len(free_set) != len(free):
+            dups = sorted(p for p, n in Counter(free).items() if n > 1)
+            problems.append(f"pages in the free list more than once: {dups}")
+        if RESERVED_PAGE in free_set:
+            problems.append("reserved page 0 is in the free list")
+        owner: dict[int, str] = {}
+        for row in range(self.table.max_reqs):
+            in_use = self.table.is_in_use(row)
+            held = [(p, f"row {row}") for p in self.table.owned[row]]
+            held += [(p, f"region of row {row}") for p in self.region_owned[row]]
+            if held and not in_use:
+                problems.append(f"free row {row} holds pages {[p for p, _ in held]}")
+            if row == RESERVED_ROW and in_use:
+                problems.append("reserved row 0 is in use")
+            for page, who in held:
+                if page == RESERVED_PAGE:
+                    problems.append(f"{who} owns reserved page 0")
+                if page in owner:
+                    problems.append(f"page {page} owned twice ({owner[page]} and {who})")
+                owner[page] = who
+                if page in free_set:
+                    problems.append(f"page {page} owned by {who} is also in the free list")
+        n_owned = sum(
+            len(self.table.owned[r]) + len(self.region_owned[r]) for r in range(self.table.max_reqs)
+        )
+        if len(free) + n_owned != total:
+            problems.append(
+                f"free ({len(free)}) + owned ({n_owned}) != total pages ({total}, page 0 excluded)"
+            )
+        problems += self._check_tables()
+        if problems:
+            raise KVAccountingError(problems)
+
+    def _check_tables(self) -> list[str]:
+        """The device page tables agree with the host ownership lists."""
+        problems: list[str] = []
+        table = self.table.req_to_page.cpu()
+        regions = self.region_pages.cpu()
+        for row in range(self.table.max_reqs):
+            owned = self.table.owned[row]
+            expect = torch.zeros(self.table.max_pages, dtype=torch.int64)
+            expect[: len(owned)] = torch.tensor(owned, dtype=torch.int64)
+            if not torch.equal(table[row], expect):
+                problems.append(f"req_to_page row {row} disagrees with the pages it owns")
+            if self.pages_per_admission:
+                region = self.region_owned[row]
+                expect_r = torch.zeros(self.pages_per_admission, dtype=torch.int64)
+                expect_r[: len(region)] = torch.tensor(region, dtype=torch.int64)
+                if not torch.equal(regions[row].reshape(-1), expect_r):
+                    problems.append(f"region_pages row {row} disagrees with its region pages")
+        return problems

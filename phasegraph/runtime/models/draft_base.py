@@ -1,0 +1,139 @@
+"""What the feature-consuming draft heads (EAGLE-1, EAGLE-3, MTP) share.
+
+A head is an ``nn.Module`` holding only the draft's own weights (its checkpoint keys); the
+embedding (and for EAGLE-1/MTP the lm_head) stay in the target and are reached through it. The
+adapter around the head implements :class:`phasegraph.phases.protocols.DraftModel`. Draft
+attention layers are transformers modules using the ``"phasegraph"`` attention implementation;
+their ``layer_idx`` is the draft pool layer they write.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+from phasegraph.kernels.attention import AttentionMetadata
+from phasegraph.runtime.errors import DraftMismatch
+from phasegraph.runtime.kv_pool import KVPool, KVSpec
+from phasegraph.runtime.models.attention_backend import ATTN_IMPLEMENTATION, forward_context
+from phasegraph.runtime.models.loading import read_config
+from phasegraph.runtime.models.target import HFTarget, head_dim_of, no_weight_init
+
+
+def draft_config(directory: str | Path | None = None, raw: dict | None = None) -> LlamaConfig:
+    """A :class:`LlamaConfig` from a draft directory's ``config.json`` (or a dict)."""
+    if raw is None:
+        raw = read_config(directory)
+    config = LlamaConfig.from_dict(dict(raw))
+    config._attn_implementation = ATTN_IMPLEMENTATION
+    return config
+
+
+@contextlib.contextmanager
+def building(device: torch.device | str, init: bool) -> Iterator[None]:
+    """Build modules on ``device``; skip random init when weights are loaded next."""
+    with torch.device(device), (contextlib.nullcontext() if init else no_weight_init()):
+        yield
+
+
+def require(condition: bool, message: str) -> None:
+    if not condition:
+        raise DraftMismatch(message)
+
+
+class FeatureDraft:
+    """Shared adapter state: target modules, draft config, head, rotary embedding, KV pool."""
+
+    uses_features = True
+
+    def __init__(
+        self, target: HFTarget, config: LlamaConfig, head: torch.nn.Module, num_pool_layers: int
+    ) -> None:
+        self.target = target
+        self.config = config
+        self.head = head.eval()
+        param = next(head.parameters())
+        self.dtype = param.dtype
+        self.device = param.device
+        self.hidden_size: int = config.hidden_size
+        # RoPE tables stay float32 whatever the head's dtype.
+        self.rotary = LlamaRotaryEmbedding(config=config).to(self.device)
+        self.kv_spec = KVSpec(
+            num_layers=num_pool_layers,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim_of(config),
+            dtype=self.dtype,
+        )
+        self.pool: KVPool | None = None
+
+    def attach_kv(self, pool: KVPool) -> None:
+        spec = pool.spec
+        if (spec.num_layers, spec.num_kv_heads, spec.head_dim) != (
+            self.kv_spec.num_layers,
+            self.kv_spec.num_kv_heads,
+            self.kv_spec.head_dim,
+        ):
+            raise ValueError(f"KV pool {spec} does not fit the draft ({self.kv_spec})")
+        self.pool = pool
+
+    def _context(self, attn: AttentionMetadata):
+        if self.pool is None:
+            raise RuntimeError(f"{type(self).__name__}.attach_kv(pool) must be called first")
+        return forward_context(attn, self.pool)
+
+    def _rope(
+        self, like: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: [1, T, D]
+        return self.rotary(like, positions[None])
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T, Ht]
+        return self.target.embed_tokens(input_ids)
+
+    @staticmethod
+    def _rows(x: torch.Tensor, logits_index: torch.Tensor | None) -> torch.Tensor:
+        return x if logits_index is None else x.index_select(0, logits_index)
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids
+
+
+def run_decoder_layer(
+    layer: torch.nn.Module,
+    x: torch.Tensor,  # [T, H]
+    position_embeddings: tuple[torch.Tensor, torch.Tensor],  # cos, sin [1, T, D]
+    positions: torch.Tensor,  # [T]
+) -> torch.Tensor:  # [T, H]
+    """One transformers decoder layer over flattened tokens (inside a forward context)."""
+    out = layer(
+        x[None],
+        attention_mask=None,
+        position_ids=positions[None],
+        position_embeddings=position_embeddings,
+    )
+    out = out[0] if isinstance(out, tuple) else out
+    return out[0]
+
+
+def check_fits_target(
+    where: str, config: LlamaConfig, target: HFTarget, *, feature_size: int
+) -> None:
+    """Raise :class:`DraftMismatch` unless hidden size, vocabulary and feature width fit."""
+    require(
+        config.hidden_size == target.hidden_size,
+        f"{where}: draft hidden_size {config.hidden_size} != target hidden_size "
+        f"{target.hidden_size} (the draft uses the target's embedding)",
+    )
+    require(
+        config.vocab_size == target.vocab_size,
+        f"{where}: draft vocab_size {config.vocab_size} != target vocab_size {target.vocab_size}",
+    )
+    require(
+        target.feature_size == feature_size,
+        f"{where}: the head consumes features of width {feature_size}, but the target "
+        f"provides {target.feature_size} (feature_mode={target.feature_mode!r})",
+    )

@@ -1,0 +1,184 @@
+"""EAGLE-3 draft head (SafeAILab/EAGLE ``eagle/model/cnets.py`` checkpoint layout).
+
+Math, per token (``Hd`` draft hidden, ``Ht`` target hidden, which must be equal here because the
+target's embedding feeds the head)::
+
+    e  = target_embed(token)                                  [Hd]
+    h  = fc(feature [3*Ht])   if from_target  else hidden     [Hd]
+    x  = concat(input_layernorm(e), hidden_norm(h))           [2*Hd]
+    h1 = h + o_proj(attn(q/k/v_proj(x)))                      RoPE at ``positions``
+    out = h1 + mlp(post_attention_layernorm(h1))              -> next hidden
+    logits = lm_head(norm(out))                               [Vd], the draft vocabulary
+
+``to_target_ids(d) = d + d2t[d]`` when the checkpoint carries ``d2t`` (always when
+``draft_vocab_size < vocab_size``), identity otherwise.
+
+Checkpoint (``model.safetensors`` or ``pytorch_model.bin``): ``fc.weight [Hd, 3*Ht]``,
+``midlayer.self_attn.{q,k,v}_proj.weight [*, 2*Hd]``, ``midlayer.self_attn.o_proj.weight``,
+``midlayer.mlp.{gate,up,down}_proj.weight``,
+``midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}.weight``, ``norm.weight``,
+``lm_head.weight [Vd, Hd]``, ``d2t [Vd] int64``, ``t2d [V] bool`` (optional, unused). An
+``embed_tokens.weight [V, Hd]`` some trainers save is accepted and ignored (the target's
+embedding is used, as in the reference). ``config.json``: Llama keys + ``draft_vocab_size``
+(+ optional ``target_hidden_size``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
+
+from phasegraph.kernels.attention import AttentionMetadata
+from phasegraph.phases.protocols import DraftOutput
+from phasegraph.runtime.models.draft_base import (
+    FeatureDraft,
+    building,
+    check_fits_target,
+    draft_config,
+    require,
+)
+from phasegraph.runtime.models.loading import Checkpoint, load_into_module
+from phasegraph.runtime.models.target import HFTarget, head_dim_of, resolve_dtype
+
+
+class Eagle3Midlayer(nn.Module):
+    """The single decoder layer whose attention reads concat(embedding, hidden) [2*Hd]."""
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        head_dim = head_dim_of(config)
+        bias = config.attention_bias
+        self.self_attn = LlamaAttention(config, layer_idx=0)
+        self.self_attn.q_proj = nn.Linear(2 * hidden, config.num_attention_heads * head_dim, bias)
+        self.self_attn.k_proj = nn.Linear(2 * hidden, config.num_key_value_heads * head_dim, bias)
+        self.self_attn.v_proj = nn.Linear(2 * hidden, config.num_key_value_heads * head_dim, bias)
+        self.mlp = LlamaMLP(config)
+        self.hidden_norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.input_layernorm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+
+
+class Eagle3Head(nn.Module):
+    """The EAGLE-3 weights, named as in the public checkpoints."""
+
+    def __init__(
+        self,
+        config: LlamaConfig,
+        *,
+        target_hidden_size: int,
+        draft_vocab_size: int,
+        with_d2t: bool,
+        with_t2d: bool,
+    ) -> None:
+        super().__init__()
+        hidden = config.hidden_size
+        self.fc = nn.Linear(3 * target_hidden_size, hidden, bias=False)
+        self.midlayer = Eagle3Midlayer(config)
+        self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        self.lm_head = nn.Linear(hidden, draft_vocab_size, bias=False)
+        if with_d2t:
+            self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
+        if with_t2d:
+            self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+
+
+def eagle3_dims(config: LlamaConfig) -> tuple[int, int]:
+    """(target_hidden_size, draft_vocab_size) from an EAGLE-3 config."""
+    target_hidden = getattr(config, "target_hidden_size", None) or config.hidden_size
+    draft_vocab = getattr(config, "draft_vocab_size", None) or config.vocab_size
+    return target_hidden, draft_vocab
+
+
+class Eagle3Draft(FeatureDraft):
+    """:class:`DraftModel` for an EAGLE-3 head; one draft pool layer."""
+
+    def __init__(self, target: HFTarget, config: LlamaConfig, head: Eagle3Head) -> None:
+        super().__init__(target, config, head, num_pool_layers=1)
+        self.target_hidden_size, self.vocab_size = eagle3_dims(config)  # vocab_size = Vd
+        self.d2t: torch.Tensor | None = getattr(head, "d2t", None)  # [Vd] int64
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        directory: str | Path,
+        target: HFTarget,
+        dtype: torch.dtype | str | None = None,
+        device: torch.device | str | None = None,
+    ) -> Eagle3Draft:
+        where = str(directory)
+        config = draft_config(directory)
+        checkpoint = Checkpoint(directory, allow_bin=True)
+        target_hidden, draft_vocab = eagle3_dims(config)
+        require(
+            draft_vocab <= config.vocab_size,
+            f"{where}: draft_vocab_size {draft_vocab} > vocab_size {config.vocab_size}",
+        )
+        check_fits_target(where, config, target, feature_size=3 * target_hidden)
+        with_d2t = draft_vocab < config.vocab_size or "d2t" in checkpoint.shapes
+        with building(device or target.device, init=False):
+            head = Eagle3Head(
+                config,
+                target_hidden_size=target_hidden,
+                draft_vocab_size=draft_vocab,
+                with_d2t=with_d2t,
+                with_t2d="t2d" in checkpoint.shapes,
+            )
+        load_into_module(
+            head,
+            checkpoint,
+            allowed_extra={"embed_tokens.weight": (config.vocab_size, config.hidden_size)},
+        )
+        head.to(resolve_dtype(dtype) if dtype is not None else target.dtype)
+        draft = cls(target, config, head)
+        draft.check_d2t(where)
+        return draft
+
+    def check_d2t(self, where: str) -> None:
+        if self.d2t is None:
+            return
+        mapped = torch.arange(self.vocab_size, device=self.d2t.device) + self.d2t  # [Vd]
+        bad = (mapped < 0) | (mapped >= self.target.vocab_size)
+        require(
+            not bool(bad.any()),
+            f"{where}: d2t maps draft ids {bad.nonzero().flatten()[:8].tolist()} outside the "
+            f"target vocabulary [0, {self.target.vocab_size})",
+        )
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        if self.d2t is None:
+            return draft_ids
+        return draft_ids + self.d2t[draft_ids]
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64, target vocabulary
+        hidden: torch.Tensor,  # [T, 3*Ht] when from_target else [T, Hd]
+        positions: torch.Tensor,  # [T] int64
+        attn: AttentionMetadata,
+        *,
+        from_target: bool,
+        step: int = 0,
+        logits_index: torch.Tensor | None = None,  # [R] int64
+    ) -> DraftOutput:
+        head: Eagle3Head = self.head
+        mid = head.midlayer
+        embeds = self._embed(input_ids).to(self.dtype)  # [T, Hd]
+        h = head.fc(hidden.to(self.dtype)) if from_target else hidden  # [T, Hd]
+        x = torch.cat([mid.input_layernorm(embeds), mid.hidden_norm(h)], dim=-1)  # [T, 2Hd]
+        position_embeddings = self._rope(x, positions)
+        with self._context(attn):
+            attn_out, _ = mid.self_attn(
+                hidden_states=x[None], position_embeddings=position_embeddings, attention_mask=None
+            )  # [1, T, Hd]
+        h1 = h + attn_out[0]  # [T, Hd]
+        out = h1 + mid.mlp(mid.post_attention_layernorm(h1))  # [T, Hd]
+        logits = head.lm_head(head.norm(self._rows(out, logits_index))).float()  # [R, Vd]
+        return DraftOutput(logits=logits, hidden=out)
+
+    __call__ = forward

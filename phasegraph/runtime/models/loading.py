@@ -1,0 +1,205 @@
+"""Reading checkpoint directories strictly.
+
+A directory holds ``config.json`` plus ``model.safetensors``, or shards listed by
+``model.safetensors.index.json``, or (draft heads only) ``pytorch_model.bin``. Every tensor the
+model expects must be present with the right shape, and nothing unexpected may be present: the
+reference EAGLE loader uses ``strict=False`` and silently leaves missing keys random, which is
+the failure this module exists to make loud (:class:`CheckpointMismatch`). Unreadable files raise
+:class:`CheckpointFileError` naming the file.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from phasegraph.runtime.errors import CheckpointFileError, CheckpointMismatch
+
+SAFETENSORS_FILE = "model.safetensors"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+TORCH_BIN_FILE = "pytorch_model.bin"
+
+# Keys some public checkpoints carry that no model needs (RoPE tables are recomputed).
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def read_config(directory: str | Path) -> dict:
+    """``config.json`` of a checkpoint directory as a dict."""
+    path = Path(directory) / "config.json"
+    if not path.is_file():
+        raise CheckpointFileError(f"{path}: config.json not found")
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointFileError(f"{path}: cannot parse config.json ({exc})") from exc
+
+
+class Checkpoint:
+    """Lazy read access to the tensors of one checkpoint directory."""
+
+    def __init__(self, directory: str | Path, *, allow_bin: bool = False) -> None:
+        self.directory = Path(directory)
+        self._handles: dict[Path, object] = {}
+        self._where: dict[str, Path] = {}  # key -> file
+        self._bin: dict[str, torch.Tensor] | None = None
+        single = self.directory / SAFETENSORS_FILE
+        index = self.directory / SAFETENSORS_INDEX
+        binary = self.directory / TORCH_BIN_FILE
+        if single.is_file():
+            self._add_safetensors(single)
+        elif index.is_file():
+            self._add_index(index)
+        elif allow_bin and binary.is_file():
+            self._add_bin(binary)
+        else:
+            looked = [SAFETENSORS_FILE, SAFETENSORS_INDEX] + ([TORCH_BIN_FILE] if allow_bin else [])
+            raise CheckpointFileError(
+                f"{self.directory}: no checkpoint file found (looked for {', '.join(looked)})"
+            )
+        self.shapes: dict[str, tuple[int, ...]] = {k: self._shape(k) for k in self._where}
+
+    @property
+    def files(self) -> list[Path]:
+        return sorted(set(self._where.values()))
+
+    def keys(self) -> list[str]:
+        return list(self._where)
+
+    def get(self, key: str) -> torch.Tensor:
+        """One tensor, on the CPU, in its stored dtype."""
+        path = self._where[key]
+        if self._bin is not None:
+            return self._bin[key]
+        try:
+            return self._handles[path].get_tensor(key)
+        except Exception as exc:  # safetensors raises its own exception types
+            raise CheckpointFileError(f"{path}: cannot read tensor {key!r} ({exc})") from exc
+
+    # -- opening ------------------------------------------------------------------------------
+
+    def _open(self, path: Path) -> object:
+        if not path.is_file():
+            raise CheckpointFileError(f"{path}: file not found")
+        try:
+            handle = safe_open(str(path), framework="pt", device="cpu")
+        except Exception as exc:  # SafetensorError (truncated, corrupt header), OSError
+            raise CheckpointFileError(
+                f"{path}: not a readable safetensors file, truncated or corrupt ({exc})"
+            ) from exc
+        self._handles[path] = handle
+        return handle
+
+    def _add_safetensors(self, path: Path) -> None:
+        handle = self._open(path)
+        for key in handle.keys():
+            self._where[key] = path
+
+    def _add_index(self, index: Path) -> None:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise CheckpointFileError(f"{index}: cannot parse the shard index ({exc})") from exc
+        for shard in sorted(set(weight_map.values())):
+            path = self.directory / shard
+            handle = self._open(path)
+            for key in handle.keys():
+                if key in self._where:
+                    raise CheckpointFileError(
+                        f"{path}: tensor {key!r} also appears in {self._where[key]}"
+                    )
+                self._where[key] = path
+        for key, shard in weight_map.items():
+            if self._where.get(key) != self.directory / shard:
+                raise CheckpointFileError(
+                    f"{index}: lists {key!r} in {shard}, but that shard does not hold it"
+                )
+
+    def _add_bin(self, path: Path) -> None:
+        try:
+            state = torch.load(str(path), map_location="cpu", weights_only=True)
+        except Exception as exc:
+            raise CheckpointFileError(
+                f"{path}: not a readable torch checkpoint, truncated or corrupt ({exc})"
+            ) from exc
+        if not isinstance(state, Mapping) or not all(
+            isinstance(v, torch.Tensor) for v in state.values()
+        ):
+            raise CheckpointFileError(f"{path}: expected a flat state dict of tensors")
+        self._bin = dict(state)
+        for key in self._bin:
+            self._where[key] = path
+
+    def _shape(self, key: str) -> tuple[int, ...]:
+        if self._bin is not None:
+            return tuple(self._bin[key].shape)
+        path = self._where[key]
+        try:
+            return tuple(self._handles[path].get_slice(key).get_shape())
+        except Exception as exc:
+            raise CheckpointFileError(f"{path}: cannot read the header of {key!r} ({exc})") from exc
+
+
+def alias_groups(module: torch.nn.Module) -> list[list[str]]:
+    """State-dict keys grouped by the tensor they name (tied weights share a group)."""
+    groups: dict[int, list[str]] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        groups.setdefault(id(tensor), []).append(name)
+    return list(groups.values())
+
+
+def check_keys(
+    where: str,
+    expected: Mapping[str, tuple[int, ...]],
+    found: Mapping[str, tuple[int, ...]],
+    *,
+    alias: Iterable[Iterable[str]] = (),
+    allowed_extra: Mapping[str, tuple[int, ...]] | None = None,
+) -> None:
+    """Raise :class:`CheckpointMismatch` unless ``found`` covers ``expected`` exactly.
+
+    ``alias`` groups expected keys naming one tensor (tied weights): one of each group suffices.
+    ``allowed_extra`` keys may be present (shape-checked) and are otherwise ignored.
+    """
+    allowed_extra = dict(allowed_extra or {})
+    groups = [list(g) for g in alias]
+    grouped = {k for g in groups for k in g}
+    groups += [[k] for k in expected if k not in grouped]
+    missing = [g[0] for g in groups if not any(k in found for k in g)]
+    unexpected = [
+        k
+        for k in found
+        if k not in expected and k not in allowed_extra and not k.endswith(IGNORED_SUFFIXES)
+    ]
+    mismatched = []
+    for key, shape in found.items():
+        want = expected.get(key, allowed_extra.get(key))
+        if want is not None and tuple(shape) != tuple(want):
+            mismatched.append((key, tuple(shape), tuple(want)))
+    if missing or unexpected or mismatched:
+        raise CheckpointMismatch(where, missing, unexpected, mismatched)
+
+
+@torch.no_grad()
+def load_into_module(
+    module: torch.nn.Module,
+    checkpoint: Checkpoint,
+    *,
+    allowed_extra: Mapping[str, tuple[int, ...]] | None = None,
+) -> None:
+    """Check keys/shapes strictly, then copy every tensor into ``module`` (converting dtype)."""
+    state = module.state_dict(keep_vars=True)
+    expected = {k: tuple(v.shape) for k, v in state.items()}
+    check_keys(
+        str(checkpoint.directory),
+        expected,
+        checkpoint.shapes,
+        alias=alias_groups(module),
+        allowed_extra=allowed_extra,
+    )
+    for key in checkpoint.keys():
+        if key in state:
+            state[key].copy_(checkpoint.get(key))

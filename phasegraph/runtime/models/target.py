@@ -1,0 +1,241 @@
+"""The target model as the phases see it: a transformers Llama-family causal LM over the pool.
+
+:class:`HFTarget` implements :class:`phasegraph.phases.protocols.TargetModel`. It keeps
+transformers' own modules (embedding, rotary embedding, decoder layers, final norm, lm_head) and
+drives the decoder layers itself, one flattened batch ``[1, T]`` at a time, with the
+``"phasegraph"`` attention implementation reading/writing the paged KV pool. Driving the layers
+directly (instead of ``model(...)``) means no mask is ever built and the EAGLE-3 features are
+simply the hidden states entering the chosen layers: no hooks, nothing that breaks CUDA-graph
+capture.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
+
+from phasegraph.kernels.attention import AttentionMetadata
+from phasegraph.phases.protocols import TargetOutput
+from phasegraph.runtime.errors import UnsupportedModel
+from phasegraph.runtime.kv_pool import KVPool, KVSpec
+from phasegraph.runtime.models.attention_backend import ATTN_IMPLEMENTATION, forward_context
+from phasegraph.runtime.models.loading import Checkpoint, load_into_module, read_config
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+FEATURE_MODES = ("last", "eagle3", "none")
+
+
+def eagle3_feature_layers(num_layers: int) -> tuple[int, int, int]:
+    """Layers whose residual input EAGLE-3 fuses: (2, L//2, L-3) clamped to [0, L-1]."""
+    return tuple(min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3))
+
+
+def check_model_type(model_type: str | None, where: str) -> None:
+    if model_type not in SUPPORTED_MODEL_TYPES:
+        raise UnsupportedModel(
+            f"{where}: model_type {model_type!r} is not supported "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+
+
+def resolve_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return resolved
+
+
+@contextlib.contextmanager
+def no_weight_init():
+    """Skip random initialisation while building a model whose weights are loaded next."""
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # older transformers
+        try:
+            from transformers.modeling_utils import no_init_weights
+        except ImportError:
+            no_init_weights = contextlib.nullcontext
+    with no_init_weights():
+        yield
+
+
+def head_dim_of(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+def build_causal_lm(
+    config, dtype: torch.dtype, device: torch.device | str, *, init: bool
+) -> PreTrainedModel:
+    """A ``*ForCausalLM`` for (a copy of) ``config`` on ``device`` in ``dtype``, phasegraph attention."""
+    config = copy.deepcopy(config)
+    ctx = contextlib.nullcontext() if init else no_weight_init()
+    with torch.device(device), ctx:
+        model = AutoModelForCausalLM.from_config(
+            config, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION
+        )
+    model.tie_weights()
+    return model.eval()
+
+
+def load_causal_lm(
+    directory: str | Path,
+    dtype: torch.dtype | str = torch.float32,
+    device: torch.device | str = "cpu",
+    *,
+    allow_bin: bool = False,
+) -> PreTrainedModel:
+    """Build a supported causal LM from ``directory`` and load its weights strictly."""
+    directory = Path(directory)
+    raw = read_config(directory)
+    check_model_type(raw.get("model_type"), str(directory))
+    checkpoint = Checkpoint(directory, allow_bin=allow_bin)  # file errors before building
+    config = AutoConfig.from_pretrained(str(directory))
+    model = build_causal_lm(config, resolve_dtype(dtype), device, init=False)
+    load_into_module(model, checkpoint)
+    return model
+
+
+class HFTarget:
+    """:class:`TargetModel` over a transformers Llama/Qwen2/Qwen3/Mistral causal LM.
+
+    ``feature_mode``: ``"last"`` (last hidden after the final norm, EAGLE-1 and MTP),
+    ``"eagle3"`` (residual inputs of layers (2, L//2, L-3) concatenated, ``[T, 3*Ht]``),
+    ``"none"`` (``[T, 0]``, standalone drafts). Wrapping a loaded model switches it to the
+    ``"phasegraph"`` attention implementation. Call :meth:`attach_kv` before :meth:`forward`.
+
+    Sliding-window layers (Mistral ``sliding_window``, Qwen ``use_sliding_window``) are attended
+    in full: exact while the context stays within ``sliding_window`` tokens.
+    """
+
+    def __init__(self, model: PreTrainedModel, feature_mode: str = "last") -> None:
+        config = model.config
+        check_model_type(getattr(config, "model_type", None), type(model).__name__)
+        if feature_mode not in FEATURE_MODES:
+            raise ValueError(f"feature_mode must be one of {FEATURE_MODES}, got {feature_mode!r}")
+        if config._attn_implementation != ATTN_IMPLEMENTATION:
+            model.set_attn_implementation(ATTN_IMPLEMENTATION)
+        self.model = model.eval()
+        self.config = config
+        self.vocab_size: int = config.vocab_size
+        self.hidden_size: int = config.hidden_size
+        self.num_layers: int = config.num_hidden_layers
+        self.feature_mode = feature_mode
+        self.feature_layers: tuple[int, ...] = {
+            "last": (),
+            "eagle3": eagle3_feature_layers(self.num_layers),
+            "none": (),
+        }[feature_mode]
+        self.feature_size: int = {"last": 1, "eagle3": 3, "none": 0}[feature_mode] * self.hidden_size
+        param = next(model.parameters())
+        self.dtype = param.dtype
+        self.device = param.device
+        self.kv_spec = KVSpec(
+            num_layers=self.num_layers,
+            num_kv_heads=config.num_key_value_heads,
+            head_dim=head_dim_of(config),
+            dtype=self.dtype,
+        )
+        window = getattr(config, "sliding_window", None)
+        uses_window = getattr(config, "use_sliding_window", True)
+        self.sliding_window: int | None = window if (window and uses_window) else None
+        self.pool: KVPool | None = None
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        directory: str | Path,
+        dtype: torch.dtype | str = torch.float32,
+        device: torch.device | str = "cpu",
+        feature_mode: str = "last",
+    ) -> HFTarget:
+        """Load ``config.json`` + safetensors (single file or sharded), strictly checked."""
+        return cls(load_causal_lm(directory, dtype, device), feature_mode)
+
+    # -- modules the draft heads share -----------------------------------------------------------
+
+    @property
+    def embed_tokens(self) -> torch.nn.Module:
+        return self.model.model.embed_tokens
+
+    @property
+    def lm_head(self) -> torch.nn.Module:
+        return self.model.lm_head
+
+    @property
+    def final_norm(self) -> torch.nn.Module:
+        return self.model.model.norm
+
+    def attach_kv(self, pool: KVPool) -> None:
+        """Use ``pool`` (built from :attr:`kv_spec`) for every forward."""
+        spec = pool.spec
+        if (spec.num_layers, spec.num_kv_heads, spec.head_dim) != (
+            self.kv_spec.num_layers,
+            self.kv_spec.num_kv_heads,
+            self.kv_spec.head_dim,
+        ):
+            raise ValueError(f"KV pool {spec} does not fit the model ({self.kv_spec})")
+        self.pool = pool
+
+    # -- forward --------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def hidden_states(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        attn: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, Ht] after the final norm, [T, Hf])
+        """Run every decoder layer over the flattened tokens; write KV; return hidden, features."""
+        if self.pool is None:
+            raise RuntimeError("HFTarget.attach_kv(pool) must be called before forward")
+        inner = self.model.model
+        hidden = inner.embed_tokens(input_ids[None])  # [1, T, Ht]
+        position_ids = positions[None]  # [1, T]
+        position_embeddings = inner.rotary_emb(hidden, position_ids)  # (cos, sin) [1, T, D]
+        captured: dict[int, torch.Tensor] = {}
+        with forward_context(attn, self.pool):
+            for idx, layer in enumerate(inner.layers[: self.num_layers]):
+                if idx in self.feature_layers:
+                    captured[idx] = hidden[0]  # residual input of layer idx, [T, Ht]
+                out = layer(
+                    hidden,
+                    attention_mask=None,
+                    position_ids=position_ids,
+                    position_embeddings=position_embeddings,
+                )
+                hidden = out[0] if isinstance(out, tuple) else out  # [1, T, Ht]
+        hidden = inner.norm(hidden)[0]  # [T, Ht]
+        if self.feature_mode == "last":
+            features = hidden
+        elif self.feature_mode == "eagle3":
+            features = torch.cat([captured[i] for i in self.feature_layers], dim=-1)  # [T, 3Ht]
+        else:
+            features = hidden.new_empty(hidden.shape[0], 0)  # [T, 0]
+        return hidden, features
+
+    @torch.no_grad()
+    def logits(
+        self,
+        hidden: torch.Tensor,  # [T, Ht] after the final norm
+        logits_index: torch.Tensor | None = None,  # [R] int64
+    ) -> torch.Tensor:  # [R, V] float32
+        rows = hidden if logits_index is None else hidden.index_select(0, logits_index)
+        return self.model.lm_head(rows).float()
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        attn: AttentionMetadata,
+        logits_index: torch.Tensor | None = None,  # [R] int64, None = every row
+    ) -> TargetOutput:
+        hidden, features = self.hidden_states(input_ids, positions, attn)
+        return TargetOutput(logits=self.logits(hidden, logits_index), features=features)
+
+    __call__ = forward

@@ -1,0 +1,174 @@
+"""The declared phase graph: built once, checked once, frozen.
+
+Build-time rules (each a named function; failures raise :class:`InvalidPhaseGraph` listing every
+offending phase or field):
+
+- ``known_phases``: every edge, the entry and the terminals name declared phases, names unique;
+- ``single_entry``: exactly one entry phase, and no edge leads into it from outside a cycle it
+  starts;
+- ``reachable``: every phase is reachable from the entry;
+- ``no_dead_ends``: every phase has an outgoing edge unless declared terminal (terminals have none);
+- ``schema_compatible``: on every edge, the source's output schema satisfies the target's input.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+import networkx as nx
+
+from phasegraph.statemachine.errors import InvalidPhaseGraph
+from phasegraph.statemachine.phase import PhaseSpec
+from phasegraph.statemachine.schema import schema_satisfies
+
+Rule = Callable[["PhaseGraph"], list[str]]
+
+
+def _rule_known_phases(g: PhaseGraph) -> list[str]:
+    problems = []
+    names = [p.name for p in g._phase_list]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    problems += [f"phase {n!r} is declared more than once" for n in dupes]
+    known = set(names)
+    for a, b in g._edge_list:
+        for end in (a, b):
+            if end not in known:
+                problems.append(f"edge {a!r} -> {b!r} names undeclared phase {end!r}")
+    if g.entry not in known:
+        problems.append(f"entry {g.entry!r} is not a declared phase")
+    problems += [f"terminal {t!r} is not a declared phase" for t in g.terminals if t not in known]
+    return problems
+
+
+def _rule_single_entry(g: PhaseGraph) -> list[str]:
+    sources = [n for n in g.nx if g.nx.in_degree(n) == 0]
+    extra = [n for n in sources if n != g.entry]
+    if extra:
+        return [f"phase {n!r} has no incoming edge but is not the entry {g.entry!r}" for n in extra]
+    return []
+
+
+def _rule_reachable(g: PhaseGraph) -> list[str]:
+    if g.entry not in g.nx:
+        return []
+    seen = nx.descendants(g.nx, g.entry) | {g.entry}
+    return [f"phase {n!r} is unreachable from entry {g.entry!r}" for n in g.nx if n not in seen]
+
+
+def _rule_no_dead_ends(g: PhaseGraph) -> list[str]:
+    problems = []
+    for n in g.nx:
+        out = g.nx.out_degree(n)
+        if n in g.terminals and out:
+            problems.append(f"terminal phase {n!r} has outgoing edges")
+        elif n not in g.terminals and not out:
+            problems.append(f"phase {n!r} is a dead end (no outgoing edge, not declared terminal)")
+    return problems
+
+
+def _rule_schema_compatible(g: PhaseGraph) -> list[str]:
+    problems = []
+    for a, b in g.nx.edges:
+        src, dst = g.phases[a], g.phases[b]
+        for why in schema_satisfies(src.output, dst.input):
+            problems.append(
+                f"edge {a!r} -> {b!r}: output {src.output.__name__} does not satisfy input "
+                f"{dst.input.__name__}: {why}"
+            )
+    return problems
+
+
+RULES: dict[str, Rule] = {
+    "known_phases": _rule_known_phases,
+    "single_entry": _rule_single_entry,
+    "reachable": _rule_reachable,
+    "no_dead_ends": _rule_no_dead_ends,
+    "schema_compatible": _rule_schema_compatible,
+}
+
+
+class PhaseGraph:
+    """An immutable, checked graph of phases (nodes) and legal transitions (edges)."""
+
+    def __init__(
+        self,
+        name: str,
+        phases: Sequence[PhaseSpec],
+        edges: Iterable[tuple[str, str]],
+        entry: str,
+        terminals: Iterable[str] = (),
+        *,
+        skip_rules: Iterable[str] = (),
+    ):
+        self.name = name
+        self.entry = entry
+        self.terminals = frozenset(terminals)
+        self._phase_list = tuple(phases)
+        self._edge_list = tuple((str(a), str(b)) for a, b in edges)
+        self.phases: dict[str, PhaseSpec] = {p.name: p for p in self._phase_list}
+        unknown_rules = set(skip_rules) - set(RULES)
+        if unknown_rules:
+            raise ValueError(f"unknown rules {sorted(unknown_rules)}; rules are {sorted(RULES)}")
+        self.skipped_rules = frozenset(skip_rules)
+
+        g = nx.DiGraph(name=name)
+        for p in self._phase_list:
+            g.add_node(p.name, phase=p)
+        for a, b in self._edge_list:
+            if a in self.phases and b in self.phases:
+                g.add_edge(a, b)
+        self.nx = g
+        problems = {}
+        for rule_name, rule in RULES.items():
+            if rule_name in self.skipped_rules:
+                continue
+            found = rule(self)
+            if found:
+                problems[rule_name] = found
+        if problems:
+            raise InvalidPhaseGraph(name, problems)
+        self.nx = nx.freeze(g)
+        self._successors: dict[str | None, tuple[str, ...]] = {
+            n: tuple(self.nx.successors(n)) for n in self.nx
+        }
+        self._successors[None] = (entry,)
+        self._successor_sets = {k: frozenset(v) for k, v in self._successors.items()}
+
+    # -- queries used on the hot path
+    def allowed(self, current: str | None) -> tuple[str, ...]:
+        """Phases that may run next after ``current`` (``None`` = before the first phase)."""
+        return self._successors.get(current, ())
+
+    def is_allowed(self, current: str | None, requested: str) -> bool:
+        s = self._successor_sets.get(current)
+        return s is not None and requested in s
+
+    # -- introspection
+    @property
+    def edges(self) -> tuple[tuple[str, str], ...]:
+        return tuple(self.nx.edges)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.phases
+
+    def __iter__(self):
+        return iter(self._phase_list)
+
+    def __format__(self, spec: str) -> str:
+        if spec in ("", "text", "mermaid", "dot"):
+            from phasegraph.statemachine import render
+
+            return render.render(self, spec or "text")
+        return super().__format__(spec)
+
+    def _repr_svg_(self) -> str | None:  # Jupyter
+        from phasegraph.statemachine import render
+        from phasegraph.statemachine.errors import RendererUnavailable
+
+        try:
+            return render.render_bytes(self, "svg").decode()
+        except RendererUnavailable:
+            return None
+
+    def __repr__(self) -> str:
+        return f"PhaseGraph({self.name!r}, phases={len(self.phases)}, edges={len(self.edges)})"

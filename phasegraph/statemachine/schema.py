@@ -1,0 +1,471 @@
+"""Typed schemas for the values that cross phase boundaries.
+
+A schema is an attrs class (``frozen=True, eq=False``) whose tensor fields carry jaxtyping
+annotations (``Int64[torch.Tensor, "B N"]``). :func:`schema` compiles those annotations once into
+a fast checker: dtype, rank, symbolic dimensions unified across every field of one instance (one
+``B`` for all of them), device (every compute tensor on one device; ``host=True`` fields on the
+CPU), and the field's role (its leading dimension). Value-level invariants are methods marked
+with :func:`invariant`; they run only in strict mode because they read tensor values.
+
+This module is generic: it knows nothing of speculative decoding. torch is imported lazily so
+that the pytest plugin can load the package without it.
+"""
+
+from __future__ import annotations
+
+import re
+import typing
+from collections.abc import Callable, Iterator
+from typing import Any, ClassVar
+
+import attrs
+
+from phasegraph.statemachine.errors import InvalidSchema, InvariantViolation, SchemaViolation
+from phasegraph.statemachine.modes import ValidationMode
+
+_META_KEY = "phasegraph"
+
+
+@attrs.frozen
+class Role:
+    """What a tensor's leading dimension indexes, e.g. one row per request (``"B"``)."""
+
+    name: str
+    leading: str  # the dim token the first axis must carry, e.g. "B" or "B*N"
+
+
+@attrs.frozen
+class _FieldMeta:
+    role: Role | None
+    host: bool
+    doc: str
+
+
+def tensor(
+    *,
+    role: Role | None = None,
+    host: bool = False,
+    doc: str = "",
+    default: Any = attrs.NOTHING,
+) -> Any:
+    """Declare a tensor field. ``host=True`` marks a CPU-side tensor (reading it never syncs)."""
+    return attrs.field(default=default, metadata={_META_KEY: _FieldMeta(role, host, doc)})
+
+
+def value(*, doc: str = "", default: Any = attrs.NOTHING) -> Any:
+    """Declare a non-tensor field (int, float, enum, ...)."""
+    return attrs.field(default=default, metadata={_META_KEY: _FieldMeta(None, False, doc)})
+
+
+def invariant(name: str) -> Callable[[Callable], Callable]:
+    """Mark a method ``(self) -> str | None`` as a strict-mode invariant.
+
+    The method returns ``None`` when the invariant holds, otherwise a description of what failed.
+    """
+
+    def mark(fn: Callable) -> Callable:
+        fn.__phasegraph_invariant__ = name  # type: ignore[attr-defined]
+        return fn
+
+    return mark
+
+
+# ----------------------------------------------------------------------------- compiled specs
+
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_INT = re.compile(r"^[0-9]+$")
+
+
+@attrs.frozen
+class _Dim:
+    text: str
+    kind: str  # "int" | "name" | "expr" | "any"
+    size: int = -1
+    code: Any = None
+    names: tuple[str, ...] = ()
+    factors: tuple[str, ...] | None = None  # set when the expr is a pure product of names/ints
+
+
+def _parse_dim(token: str) -> _Dim:
+    if token == "_":
+        return _Dim(token, "any")
+    if _INT.match(token):
+        return _Dim(token, "int", size=int(token))
+    if _NAME.match(token):
+        return _Dim(token, "name")
+    code = compile(token, f"<dim {token}>", "eval")
+    factors = tuple(f.strip() for f in token.split("*"))
+    pure_product = all(_NAME.match(f) or _INT.match(f) for f in factors)
+    return _Dim(token, "expr", code=code, names=code.co_names, factors=factors if pure_product else None)
+
+
+@attrs.frozen
+class _TensorSpec:
+    name: str
+    dtypes: frozenset | None  # of torch.dtype; None = any
+    dtype_text: str
+    dims: tuple[_Dim, ...]
+    dim_text: str
+    optional: bool
+    role: Role | None
+    host: bool
+    doc: str
+
+
+@attrs.frozen
+class _ValueSpec:
+    name: str
+    types: tuple[type, ...] | None  # for isinstance; None = unchecked
+    type_text: str
+    optional: bool
+    doc: str
+    nested: bool = False  # the value is itself a Schema instance
+
+
+@attrs.frozen
+class CompiledSchema:
+    name: str
+    tensors: tuple[_TensorSpec, ...]
+    values: tuple[_ValueSpec, ...]
+    invariants: tuple[tuple[str, Callable], ...]
+
+    def field_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.tensors) + tuple(s.name for s in self.values)
+
+
+_JAX_DTYPE_GROUPS = {
+    "float": ("bfloat16", "float16", "float32", "float64"),
+    "int": ("int8", "int16", "int32", "int64", "uint8"),
+    "uint": ("uint8",),
+    "bool": ("bool",),
+}
+
+
+def _torch_dtypes(names: tuple[str, ...]) -> frozenset | None:
+    import torch
+
+    result = set()
+    for n in names:
+        if n in ("any",):
+            return None
+        for m in _JAX_DTYPE_GROUPS.get(n, (n,)):
+            dt = getattr(torch, m, None)
+            if isinstance(dt, torch.dtype):
+                result.add(dt)
+    return frozenset(result)
+
+
+def _is_array_annotation(tp: Any) -> bool:
+    return isinstance(tp, type) and hasattr(tp, "dim_str") and hasattr(tp, "dtypes")
+
+
+def _split_optional(tp: Any) -> tuple[Any, bool]:
+    args = typing.get_args(tp)
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)) and type(None) in args:
+        rest = tuple(a for a in args if a is not type(None))
+        return (rest[0] if len(rest) == 1 else typing.Union[rest]), True  # noqa: UP007
+    return tp, False
+
+
+def _compile(cls: type) -> CompiledSchema:
+    hints = typing.get_type_hints(cls, include_extras=True)
+    problems: list[str] = []
+    tensors: list[_TensorSpec] = []
+    values: list[_ValueSpec] = []
+    for f in attrs.fields(cls):
+        meta: _FieldMeta = f.metadata.get(_META_KEY) or _FieldMeta(None, False, "")
+        tp, optional = _split_optional(hints.get(f.name, Any))
+        if _is_array_annotation(tp):
+            dim_text = tp.dim_str
+            tokens = dim_text.split()
+            try:
+                dims = tuple(_parse_dim(t) for t in tokens)
+            except SyntaxError:
+                problems.append(f"field {f.name!r}: cannot parse shape {dim_text!r}")
+                continue
+            if meta.role is not None and (not tokens or tokens[0] != meta.role.leading):
+                problems.append(
+                    f"field {f.name!r} has role {meta.role.name!r}, so its first dim must be "
+                    f"{meta.role.leading!r}, but its shape is {dim_text!r}"
+                )
+            dtypes = _torch_dtypes(tuple(tp.dtypes))
+            tensors.append(
+                _TensorSpec(
+                    f.name, dtypes, "|".join(tp.dtypes), dims, dim_text, optional,
+                    meta.role, meta.host, meta.doc,
+                )
+            )
+        else:
+            if meta.role is not None or meta.host:
+                problems.append(f"field {f.name!r} has a tensor role but no jaxtyping annotation")
+            checkable = tp if isinstance(tp, type) and tp is not Any else None
+            types = (checkable,) if checkable is not None else None
+            if types == (float,):
+                types = (float, int)
+            type_text = getattr(tp, "__name__", str(tp))
+            nested = checkable is not None and issubclass(checkable, Schema)
+            values.append(_ValueSpec(f.name, types, type_text, optional, meta.doc, nested))
+    if problems:
+        raise InvalidSchema(cls.__name__, problems)
+    invariants = []
+    seen: set[str] = set()
+    for klass in reversed(cls.__mro__):
+        for attr_name, fn in vars(klass).items():
+            label = getattr(fn, "__phasegraph_invariant__", None)
+            if label is not None and attr_name not in seen:
+                seen.add(attr_name)
+                invariants.append((label, fn))
+    return CompiledSchema(cls.__name__, tuple(tensors), tuple(values), tuple(invariants))
+
+
+# ----------------------------------------------------------------------------- the base class
+
+
+class Schema:
+    """Base of every phase schema. Subclasses are decorated with :func:`schema`."""
+
+    __schema__: ClassVar[CompiledSchema]
+    __batch_dim__: ClassVar[str] = "B"
+
+    def validate(
+        self, mode: ValidationMode | str = ValidationMode.STRICT, device: Any = None
+    ) -> dict[str, int]:
+        """Check this instance against its declaration; returns the bound symbolic dims.
+
+        ``device``, when given, is the device every compute tensor must be on.
+        Raises :class:`SchemaViolation` (or :class:`InvariantViolation`) on the first problem.
+        """
+        mode = ValidationMode.parse(mode)
+        if mode is ValidationMode.OFF:
+            return {}
+        dims = check_fields(self, type(self).__schema__, device)
+        if mode is ValidationMode.STRICT:
+            check_invariants(self, type(self).__schema__)
+        return dims
+
+    def replace(self, **changes: Any):
+        """A copy with some fields changed (schemas are frozen)."""
+        return attrs.evolve(self, **changes)
+
+    @property
+    def batch_size(self) -> int | None:
+        """Size of the batch dim, read from the first tensor field that leads with it."""
+        spec = type(self).__schema__
+        for t in spec.tensors:
+            if t.dims and t.dims[0].text == self.__batch_dim__:
+                x = getattr(self, t.name)
+                if x is not None:
+                    return int(x.shape[0])
+        return None
+
+    def tensors(self) -> Iterator[tuple[str, Any]]:
+        """(name, tensor) for every tensor field that is set."""
+        for t in type(self).__schema__.tensors:
+            x = getattr(self, t.name)
+            if x is not None:
+                yield t.name, x
+
+    def summary(self) -> str:
+        """One line such as ``DraftState(B=64, K=4)`` (shapes only; never reads values)."""
+        try:
+            dims = check_fields(self, type(self).__schema__, None)
+        except SchemaViolation:
+            dims = {}
+        inner = ", ".join(f"{k}={v}" for k, v in dims.items())
+        return f"{type(self).__name__}({inner})"
+
+    def __repr__(self) -> str:
+        parts = []
+        for name in type(self).__schema__.field_names():
+            x = getattr(self, name)
+            if hasattr(x, "shape") and hasattr(x, "dtype"):
+                dtype = str(x.dtype).removeprefix("torch.")
+                parts.append(f"{name}={dtype}{list(x.shape)}@{x.device}")
+            else:
+                parts.append(f"{name}={x!r}")
+        return f"{type(self).__name__}({', '.join(parts)})"
+
+
+def schema(cls: type) -> type:
+    """Class decorator: make ``cls`` a frozen attrs schema and compile its field checks."""
+    if not issubclass(cls, Schema):
+        raise InvalidSchema(cls.__name__, ["a schema must subclass phasegraph.statemachine.Schema"])
+    new = attrs.frozen(eq=False, kw_only=True, repr=False)(cls)
+    new.__schema__ = _compile(new)
+    return new
+
+
+def compiled(cls: type) -> CompiledSchema:
+    return cls.__schema__
+
+
+# ----------------------------------------------------------------------------- checking
+
+
+def _shape_text(shape) -> str:
+    return "[" + ", ".join(str(s) for s in shape) + "]"
+
+
+def check_fields(obj: Any, spec: CompiledSchema, device: Any) -> dict[str, int]:
+    """Metadata checks of every field (no tensor values are read)."""
+    import torch
+
+    name = spec.name
+    bindings: dict[str, int] = {}
+    bound_by: dict[str, str] = {}
+    pending: list[tuple[_TensorSpec, int, _Dim, int]] = []
+    compute_device = torch.device(device) if device is not None else None
+    device_from = "the machine" if device is not None else None
+    for ts in spec.tensors:
+        x = getattr(obj, ts.name)
+        if x is None:
+            if ts.optional:
+                continue
+            raise SchemaViolation(name, ts.name, f"a tensor {ts.dtype_text}[{ts.dim_text}]", "None")
+        if not isinstance(x, torch.Tensor):
+            raise SchemaViolation(
+                name, ts.name, f"a tensor {ts.dtype_text}[{ts.dim_text}]", type(x).__name__
+            )
+        if ts.dtypes is not None and x.dtype not in ts.dtypes:
+            raise SchemaViolation(
+                name, ts.name, f"dtype {ts.dtype_text}", f"dtype {str(x.dtype).removeprefix('torch.')}"
+            )
+        shape = x.shape
+        if len(shape) != len(ts.dims):
+            raise SchemaViolation(
+                name, ts.name, f"shape [{ts.dim_text}] ({len(ts.dims)} dims)",
+                f"shape {_shape_text(shape)} ({len(shape)} dims)",
+            )
+        for axis, (size, d) in enumerate(zip(shape, ts.dims)):
+            kind = d.kind
+            if kind == "name":
+                have = bindings.get(d.text)
+                if have is None:
+                    bindings[d.text] = size
+                    bound_by[d.text] = ts.name
+                elif have != size:
+                    raise SchemaViolation(
+                        name, ts.name,
+                        f"{d.text}={have} on axis {axis} (as bound by field {bound_by[d.text]!r})",
+                        f"{d.text}={size} (shape {_shape_text(shape)})",
+                    )
+            elif kind == "int":
+                if size != d.size:
+                    raise SchemaViolation(
+                        name, ts.name, f"size {d.size} on axis {axis} of [{ts.dim_text}]",
+                        f"shape {_shape_text(shape)}",
+                    )
+            elif kind == "expr":
+                pending.append((ts, axis, d, size))
+        if ts.host:
+            if x.device.type != "cpu":
+                raise SchemaViolation(name, ts.name, "a host (cpu) tensor", f"device {x.device}")
+        elif compute_device is None:
+            compute_device = x.device
+            device_from = f"field {ts.name!r}"
+        elif x.device != compute_device:
+            raise SchemaViolation(
+                name, ts.name, f"device {compute_device} (as set by {device_from})", f"device {x.device}"
+            )
+    for ts, axis, d, size in pending:
+        _check_expr(name, ts, axis, d, size, bindings, bound_by)
+    for vs in spec.values:
+        v = getattr(obj, vs.name)
+        if v is None:
+            if vs.optional:
+                continue
+            raise SchemaViolation(name, vs.name, vs.type_text, "None")
+        if vs.types is not None and not isinstance(v, vs.types):
+            raise SchemaViolation(name, vs.name, vs.type_text, type(v).__name__)
+        if vs.nested:
+            # A nested schema was validated when it was produced; here it must only agree on
+            # the batch size with its parent.
+            dim = type(obj).__batch_dim__
+            inner = v.batch_size
+            outer = bindings.get(dim)
+            if inner is not None and outer is not None and inner != outer:
+                raise SchemaViolation(
+                    name, vs.name, f"a {vs.type_text} with {dim}={outer}", f"{dim}={inner}"
+                )
+    return bindings
+
+
+def _check_expr(name, ts, axis, d: _Dim, size: int, bindings, bound_by) -> None:
+    unknown = [n for n in d.names if n not in bindings]
+    if not unknown:
+        want = eval(d.code, {"__builtins__": {}}, bindings)  # noqa: S307 - compiled dim expr
+        if want != size:
+            env = ", ".join(f"{n}={bindings[n]}" for n in d.names)
+            raise SchemaViolation(
+                name, ts.name, f"{d.text}={want} on axis {axis} ({env})", f"size {size}"
+            )
+        return
+    if len(unknown) == 1 and d.factors is not None:
+        known = 1
+        for f in d.factors:
+            if f != unknown[0]:
+                known *= int(f) if f.isdigit() else bindings[f]
+        if known == 0:
+            if size != 0:
+                raise SchemaViolation(name, ts.name, f"{d.text}=0", f"size {size}")
+            return
+        if size % known:
+            raise SchemaViolation(
+                name, ts.name, f"{d.text} on axis {axis} (a multiple of {known})", f"size {size}"
+            )
+        bindings[unknown[0]] = size // known
+        bound_by[unknown[0]] = ts.name
+        return
+    raise SchemaViolation(
+        name, ts.name, f"{d.text} on axis {axis} with {', '.join(unknown)} bound", "unbound dims"
+    )
+
+
+def check_invariants(obj: Any, spec: CompiledSchema) -> None:
+    for label, fn in spec.invariants:
+        problem = fn(obj)
+        if problem:
+            raise InvariantViolation(spec.name, label, problem)
+
+
+# ----------------------------------------------------------------------------- compatibility
+
+
+def schema_satisfies(provided: type, required: type) -> list[str]:
+    """Why a value of schema ``provided`` cannot stand where ``required`` is expected ([] = fine).
+
+    A subclass always satisfies its base. Otherwise every non-optional field of ``required``
+    must exist in ``provided`` with a compatible kind, dtype, shape and role.
+    """
+    if provided is required or issubclass(provided, required):
+        return []
+    got = {s.name: s for s in provided.__schema__.tensors}
+    got_values = {s.name: s for s in provided.__schema__.values}
+    problems = []
+    for need in required.__schema__.tensors:
+        have = got.get(need.name)
+        if have is None:
+            if need.optional:
+                continue
+            kind = "a value" if need.name in got_values else "missing"
+            problems.append(f"field {need.name!r} is {kind} in {provided.__name__}")
+            continue
+        if need.dtypes is not None and (have.dtypes is None or not have.dtypes <= need.dtypes):
+            problems.append(
+                f"field {need.name!r}: {provided.__name__} gives dtype {have.dtype_text}, "
+                f"{required.__name__} needs {need.dtype_text}"
+            )
+        if have.dim_text != need.dim_text:
+            problems.append(
+                f"field {need.name!r}: {provided.__name__} gives shape [{have.dim_text}], "
+                f"{required.__name__} needs [{need.dim_text}]"
+            )
+        if have.optional and not need.optional:
+            problems.append(f"field {need.name!r} is optional in {provided.__name__} but required")
+        if have.role != need.role:
+            problems.append(f"field {need.name!r}: roles differ ({have.role} vs {need.role})")
+    for need in required.__schema__.values:
+        if need.name not in got_values and not need.optional:
+            problems.append(f"value field {need.name!r} is missing in {provided.__name__}")
+    return problems

@@ -1,0 +1,183 @@
+"""Transition traces: what ran, when, on how big a batch; exportable as Chrome-trace JSON.
+
+A :class:`Trace` is attached to machines (``Machine(trace=...)``) or registered globally with
+:func:`add_listener` (the pytest plugin's ``phase_trace`` fixture does this). Recording is an
+append of a small tuple; summaries are computed only when asked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from collections import defaultdict
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+
+import attrs
+
+
+@attrs.frozen
+class Transition:
+    machine: str
+    source: str | None  # phase the machine was in (None = before its first phase)
+    target: str  # phase that ran
+    start_ns: int  # time.perf_counter_ns() when the phase started
+    end_ns: int
+    batch_size: int | None
+    schema: str  # output schema name (plus dims when the machine validated them)
+
+    @property
+    def seconds(self) -> float:
+        return (self.end_ns - self.start_ns) * 1e-9
+
+
+Listener = Callable[[Transition], None]
+_listeners: list[Listener] = []
+
+
+def add_listener(listener: Listener) -> None:
+    """Receive every transition of every machine in this process."""
+    _listeners.append(listener)
+
+
+def remove_listener(listener: Listener) -> None:
+    if listener in _listeners:
+        _listeners.remove(listener)
+
+
+def _notify(t: Transition) -> None:
+    for listener in tuple(_listeners):
+        listener(t)
+
+
+def has_listeners() -> bool:
+    return bool(_listeners)
+
+
+@attrs.frozen
+class EdgeStats:
+    count: int
+    mean_s: float
+    total_s: float
+
+
+class Trace:
+    """An ordered record of transitions, with queries and exporters."""
+
+    def __init__(self, transitions: Iterable[Transition] = ()):
+        self.transitions: list[Transition] = list(transitions)
+        self._t0 = time.perf_counter_ns()
+
+    def record(self, t: Transition) -> None:
+        self.transitions.append(t)
+
+    __call__ = record
+
+    def clear(self) -> None:
+        self.transitions.clear()
+
+    def __len__(self) -> int:
+        return len(self.transitions)
+
+    def __iter__(self) -> Iterator[Transition]:
+        return iter(self.transitions)
+
+    # -- queries
+    def phases(self, machine: str | None = None) -> list[str]:
+        return [t.target for t in self.transitions if machine is None or t.machine == machine]
+
+    def edges(self) -> list[tuple[str | None, str]]:
+        return [(t.source, t.target) for t in self.transitions]
+
+    def edge_stats(self) -> dict[tuple[str | None, str], EdgeStats]:
+        """Visit count and mean time (of the target phase) for every edge taken."""
+        acc: dict[tuple[str | None, str], list[float]] = defaultdict(list)
+        for t in self.transitions:
+            acc[(t.source, t.target)].append(t.seconds)
+        return {
+            e: EdgeStats(len(v), sum(v) / len(v), sum(v)) for e, v in acc.items()
+        }
+
+    def phase_time(self) -> dict[str, float]:
+        """Total seconds spent in each phase."""
+        out: dict[str, float] = defaultdict(float)
+        for t in self.transitions:
+            out[t.target] += t.seconds
+        return dict(out)
+
+    def always_followed_by(self, phase: str, successor: str) -> bool:
+        """True when, per machine, every run of ``phase`` was directly followed by ``successor``
+        (a trailing ``phase`` with nothing after it counts as not followed)."""
+        last: dict[str, str] = {}
+        for t in self.transitions:
+            prev = last.get(t.machine)
+            if prev == phase and t.target != successor:
+                return False
+            last[t.machine] = t.target
+        return all(v != phase for v in last.values())
+
+    # -- export
+    def to_chrome(self) -> dict:
+        """Chrome-trace (``chrome://tracing``, Perfetto) JSON object: one complete event per phase."""
+        events = []
+        tids: dict[str, int] = {}
+        for t in self.transitions:
+            tid = tids.setdefault(t.machine, len(tids) + 1)
+            events.append(
+                {
+                    "name": t.target,
+                    "cat": "phase",
+                    "ph": "X",
+                    "ts": (t.start_ns - self._t0) / 1000.0,
+                    "dur": max((t.end_ns - t.start_ns) / 1000.0, 0.001),
+                    "pid": os.getpid(),
+                    "tid": tid,
+                    "args": {
+                        "from": t.source,
+                        "batch_size": t.batch_size,
+                        "schema": t.schema,
+                        "machine": t.machine,
+                    },
+                }
+            )
+        meta = [
+            {"name": "thread_name", "ph": "M", "pid": os.getpid(), "tid": tid, "args": {"name": m}}
+            for m, tid in tids.items()
+        ]
+        return {"traceEvents": meta + events, "displayTimeUnit": "ms", "phasegraph": 1}
+
+    def save_chrome(self, path: str | os.PathLike) -> Path:
+        path = Path(path)
+        path.write_text(json.dumps(self.to_chrome()))
+        return path
+
+    @classmethod
+    def load_chrome(cls, path: str | os.PathLike) -> Trace:
+        """Read a trace written by :meth:`save_chrome` (for overlays on the drawn graph)."""
+        from phasegraph.statemachine.errors import PhaseGraphError
+
+        try:
+            data = json.loads(Path(path).read_text())
+            events = [e for e in data["traceEvents"] if e.get("ph") == "X"]
+            transitions = [
+                Transition(
+                    machine=str(e["args"].get("machine", e.get("tid"))),
+                    source=e["args"].get("from"),
+                    target=e["name"],
+                    start_ns=int(e["ts"] * 1000),
+                    end_ns=int((e["ts"] + e["dur"]) * 1000),
+                    batch_size=e["args"].get("batch_size"),
+                    schema=e["args"].get("schema", ""),
+                )
+                for e in events
+            ]
+        except FileNotFoundError:
+            raise PhaseGraphError(f"trace file {str(path)!r} does not exist") from None
+        except (ValueError, KeyError, TypeError) as exc:
+            raise PhaseGraphError(
+                f"{str(path)!r} is not a phasegraph Chrome-trace JSON file ({exc})"
+            ) from None
+        trace = cls(transitions)
+        trace._t0 = 0
+        return trace

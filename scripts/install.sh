@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Install phasegraph into ./.venv (created if missing).
+#   scripts/install.sh        the package (runs `phasegraph demo`, `phasegraph graph`, ...)
+#   scripts/install.sh test   the package plus the test tools
+# torch: where no NVIDIA GPU answers, pin the CPU build (torch 2.13.0 lies on disk on our
+# machines, so the install takes seconds); with a GPU, take the default CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+extra="${1:-}"
+py="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$py" -m venv .venv
+. .venv/bin/activate
+python -m pip install -q --upgrade pip >/dev/null
+if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+    torch_spec="torch>=2.4"
+else
+    torch_spec="torch==2.13.0"
+fi
+target="."
+[ "$extra" = "test" ] && target=".[test]"
+python -m pip install -q "$torch_spec" -e "$target"
+echo "phasegraph installed in $(pwd)/.venv ($(python -c 'import torch; print("torch", torch.__version__)'))"
