@@ -122,7 +122,7 @@ def verify_tree_sampling(
     expect_shape(bonus_coins, "bonus_coins", (batch, num_steps + 1))
     device = probs.device
     node_base, accept_index, accept_lens = _start_outcome(batch, num_nodes, num_steps, device)
-    ids = torch.arange(vocab, dtype=torch.int64, device=device)
+    num_children = max(num_nodes - 1, 0)
 
     predict = probs.argmax(dim=-1)  # [B*N]
     last = torch.zeros(batch, dtype=torch.int64, device=device)
@@ -131,7 +131,6 @@ def verify_tree_sampling(
         row = node_base + last  # [B]
         p = probs.index_select(0, row).to(torch.float64)  # [B, V]
         threshold = coins[:, depth].to(torch.float64) * p.sum(dim=-1)
-        tried = torch.zeros(batch, vocab, dtype=torch.bool, device=device)
         cum = torch.zeros(batch, dtype=torch.float64, device=device)
         chosen = torch.full_like(last, -1)
         last_positive = torch.full_like(last, -1)  # last tried child with positive mass
@@ -139,22 +138,27 @@ def verify_tree_sampling(
             child = retrieve_next_token.gather(1, last[:, None]).squeeze(1)
         else:
             child = torch.full_like(last, -1)
-        for _ in range(num_nodes - 1):  # a node has at most N-1 children
+        # Tokens tried so far at this depth; a node has at most N-1 children.
+        tried_tokens = torch.zeros(batch, num_children, dtype=torch.int64, device=device)
+        tried_fresh = torch.zeros(batch, num_children, dtype=torch.bool, device=device)
+        for i in range(num_children):
             valid = child >= 0
             token = draft_tokens[node_base + child.clamp(min=0)]
             in_vocab = (token >= 0) & (token < vocab)
             token = token.clamp(0, vocab - 1)
-            onehot = ids[None, :] == token[:, None]  # [B, V]
-            fresh = valid & in_vocab & ~(tried & onehot).any(dim=-1)
+            repeated = ((tried_tokens[:, :i] == token[:, None]) & tried_fresh[:, :i]).any(dim=1)
+            fresh = valid & in_vocab & ~repeated
+            tried_tokens[:, i] = token
+            tried_fresh[:, i] = fresh
             mass = torch.where(fresh, p.gather(1, token[:, None]).squeeze(1), 0.0)
             cum = cum + mass
-            tried = tried | (onehot & fresh[:, None])
             hit = fresh & (mass > 0) & (threshold < cum)
             chosen = torch.where(hit, child, chosen)
             last_positive = torch.where(fresh & (mass > 0), child, last_positive)
             sibling = retrieve_next_sibling.gather(1, child.clamp(min=0)[:, None]).squeeze(1)
             child = torch.where(valid & ~hit, sibling, -1)
 
+        tried = torch.zeros_like(p).scatter_add(1, tried_tokens, tried_fresh.to(p.dtype)) > 0
         rest = torch.where(tried, 0.0, p)  # p without the tried children
         no_rest = ~(rest > 0).any(dim=-1)
         chosen = torch.where((chosen < 0) & no_rest, last_positive, chosen)

@@ -34,8 +34,17 @@ Tensor = torch.Tensor
 
 def _first_bad_row(ok: Tensor) -> int | None:
     """Index of the first False in a 1-D bool tensor, or None (reads values: strict mode only)."""
-    bad = (~ok).nonzero()
-    return int(bad[0, 0]) if bad.numel() else None
+    if ok.numel() == 0 or bool(ok.all()):
+        return None
+    return int((~ok).nonzero()[0, 0])
+
+
+def _within(x: Tensor, lo: float | None, hi: float | None) -> bool:
+    """All of ``x`` in [lo, hi] (NaN fails); one reduction."""
+    if x.numel() == 0:
+        return True
+    low, high = torch.aminmax(x)
+    return (lo is None or bool(low >= lo)) and (hi is None or bool(high <= hi))
 
 
 @schema
@@ -142,16 +151,18 @@ class DraftState(Schema):
 
     @invariant("seq_lens >= 1 and remaining >= 0")
     def _lengths(self) -> str | None:
+        if _within(self.seq_lens, 1, None) and _within(self.remaining, 0, None):
+            return None
         row = _first_bad_row((self.seq_lens >= 1) & (self.remaining >= 0))
-        return None if row is None else f"request {row}: seq_len {int(self.seq_lens[row])}, remaining {int(self.remaining[row])}"
+        return f"request {row}: seq_len {int(self.seq_lens[row])}, remaining {int(self.remaining[row])}"
 
     @invariant("0 <= topk_p <= 1")
     def _probabilities(self) -> str | None:
-        if self.topk_p.numel() == 0:
+        if _within(self.topk_p, 0.0, 1.0):
             return None
         ok = ((self.topk_p >= 0) & (self.topk_p <= 1)).all(dim=1)
         row = _first_bad_row(ok)
-        return None if row is None else f"request {row}: topk_p {self.topk_p[row].tolist()} (NaN or out of [0, 1])"
+        return f"request {row}: topk_p {self.topk_p[row].tolist()} (NaN or out of [0, 1])"
 
 
 # ----------------------------------------------------------------------------- tree proposal

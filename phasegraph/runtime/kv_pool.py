@@ -18,6 +18,7 @@ from collections.abc import Iterable
 import attrs
 import torch
 
+from phasegraph.kernels.cache_slots import draft_region_pages
 from phasegraph.runtime.errors import (
     InvalidPageFree,
     InvalidRow,
@@ -208,15 +209,10 @@ class RequestTable:
         self._free_rows.append(row)
 
 
-def branch_region_pages(page_size: int, num_steps: int) -> int:
-    """R = ceil((P - 1 + S - 1) / P), at least 1: pages of one draft branch region."""
-    return max(1, math.ceil((page_size - 1 + num_steps - 1) / page_size))
-
-
 class KVCacheManager:
     """One allocator, the request table, the target pool, the optional draft pool, and the
     per-request draft branch regions ``region_pages [max_reqs, K, R]`` (allocated at admission,
-    released with the row; zero for rows not in use)."""
+    released with the row; zero for rows not in use), ``R = draft_region_pages(P, S)``."""
 
     def __init__(
         self,
@@ -243,7 +239,7 @@ class KVCacheManager:
         self.draft_pool = KVPool(draft, self.num_slots, device) if draft is not None else None
         self.topk = topk if draft is not None else 0
         self.num_steps = num_steps
-        self.region_len = branch_region_pages(page_size, num_steps) if draft is not None else 0
+        self.region_len = draft_region_pages(page_size, num_steps) if draft is not None else 0
         self.region_pages = torch.zeros(
             max_reqs, self.topk, self.region_len, dtype=torch.int64, device=self.device
         )  # [max_reqs, K, R]

@@ -44,9 +44,9 @@ class IllegalTransition(PhaseGraphError):
         self.current = current
         self.requested = requested
         self.allowed = tuple(allowed)
-        where = f"in {current!r}" if current is not None else "before the first phase"
+        where = f"when in {current!r}" if current is not None else "before the first phase"
         allowed_text = ", ".join(repr(a) for a in self.allowed) or "none (terminal phase)"
-        super().__init__(f"Can't run {requested!r} when {where}; allowed: {allowed_text}")
+        super().__init__(f"Can't run {requested!r} {where}; allowed: {allowed_text}")
 
 
 class UnknownPhase(IllegalTransition):

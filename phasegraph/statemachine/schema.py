@@ -128,6 +128,7 @@ class CompiledSchema:
     tensors: tuple[_TensorSpec, ...]
     values: tuple[_ValueSpec, ...]
     invariants: tuple[tuple[str, Callable], ...]
+    fast_check: Callable[[Any, Any], dict[str, int] | None] | None = None
 
     def field_names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.tensors) + tuple(s.name for s in self.values)
@@ -216,7 +217,97 @@ def _compile(cls: type) -> CompiledSchema:
             if label is not None and attr_name not in seen:
                 seen.add(attr_name)
                 invariants.append((label, fn))
-    return CompiledSchema(cls.__name__, tuple(tensors), tuple(values), tuple(invariants))
+    spec = CompiledSchema(cls.__name__, tuple(tensors), tuple(values), tuple(invariants))
+    return attrs.evolve(spec, fast_check=_generate_fast_check(spec, cls.__batch_dim__))
+
+
+def _generate_fast_check(
+    spec: CompiledSchema, batch_dim: str
+) -> Callable[[Any, Any], dict[str, int] | None]:
+    """Generate straight-line code that checks ``spec`` and returns the bound dims, or ``None`` at
+    the first mismatch (:func:`check_fields` then finds and reports the problem).
+
+    The checks are the same as :func:`check_fields`'; only the error reporting is left out, which
+    makes a boundary check of a typical schema a few microseconds.
+    """
+    import torch
+
+    names = sorted({d.text for t in spec.tensors for d in t.dims if d.kind == "name"}
+                   | {n for t in spec.tensors for d in t.dims if d.kind == "expr" for n in d.names})
+    var = {n: f"v_{i}" for i, n in enumerate(names)}
+    env: dict[str, Any] = {"Tensor": torch.Tensor, "torch_device": torch.device}
+    lines = ["def fast_check(obj, device):"]
+    lines += [f"    {var[n]} = -1" for n in names]
+    lines.append("    dev = None if device is None else torch_device(device)")
+    exprs: list[tuple[str, _Dim]] = []
+    for i, t in enumerate(spec.tensors):
+        lines.append(f"    x = obj.{t.name}")
+        lines.append("    if x is None:")
+        lines.append("        pass" if t.optional else "        return None")
+        lines.append("    else:")
+        body = ["if not isinstance(x, Tensor): return None"]
+        if t.dtypes is not None:
+            env[f"DT_{i}"] = t.dtypes
+            body.append(f"if x.dtype not in DT_{i}: return None")
+        body.append("s = x.shape")
+        body.append(f"if len(s) != {len(t.dims)}: return None")
+        for axis, d in enumerate(t.dims):
+            if d.kind == "int":
+                body.append(f"if s[{axis}] != {d.size}: return None")
+            elif d.kind == "name":
+                v = var[d.text]
+                body.append(f"if {v} < 0: {v} = s[{axis}]")
+                body.append(f"elif s[{axis}] != {v}: return None")
+            elif d.kind == "expr":
+                key = f"e_{i}_{axis}"
+                body.append(f"{key} = s[{axis}]")
+                exprs.append((key, d))
+                lines.insert(1, f"    {key} = -1")
+        if t.host:
+            body.append("if x.device.type != 'cpu': return None")
+        else:
+            body.append("if dev is None: dev = x.device")
+            body.append("elif x.device != dev: return None")
+        lines += [f"        {b}" for b in body]
+    for key, d in exprs:
+        unknown_ok = d.factors is not None and len(set(d.names)) == len(d.names)
+        lines.append(f"    if {key} >= 0:")
+        if unknown_ok:
+            # a pure product: solve for at most one unbound name
+            for n in d.names:
+                others = [var[m] if m in var else m for m in d.factors if m != n]
+                known = " * ".join(others) if others else "1"
+                lines.append(f"        if {var[n]} < 0:")
+                cond = " and ".join(f"{var[m]} >= 0" for m in d.names if m != n) or "True"
+                lines.append(f"            if not ({cond}): return None")
+                lines.append(f"            k = {known}")
+                lines.append(f"            if k == 0 or {key} % k: return None")
+                lines.append(f"            {var[n]} = {key} // k")
+        cond = " and ".join(f"{var[n]} >= 0" for n in d.names) or "True"
+        expr = d.text
+        for n in sorted(d.names, key=len, reverse=True):
+            expr = re.sub(rf"\b{re.escape(n)}\b", var[n], expr)
+        lines.append(f"        if not ({cond}): return None")
+        lines.append(f"        if {key} != ({expr}): return None")
+    for j, v in enumerate(spec.values):
+        lines.append(f"    y = obj.{v.name}")
+        lines.append("    if y is None:")
+        lines.append("        pass" if v.optional else "        return None")
+        if v.types is not None:
+            env[f"VT_{j}"] = v.types
+            lines.append(f"    elif not isinstance(y, VT_{j}): return None")
+        if v.nested:
+            lines.append("    else:")
+            lines.append("        inner = y.batch_size")
+            batch = var.get(batch_dim)
+            if batch is not None:
+                lines.append(f"        if inner is not None and {batch} >= 0 and inner != {batch}: return None")
+    pairs = ", ".join(f"{n!r}: {var[n]}" for n in names)
+    lines.append(f"    out = {{{pairs}}}")
+    lines.append("    return {k: v for k, v in out.items() if v >= 0}")
+    code = "\n".join(lines)
+    exec(compile(code, f"<fast check {spec.name}>", "exec"), env)  # noqa: S102 - generated above
+    return env["fast_check"]
 
 
 # ----------------------------------------------------------------------------- the base class
@@ -309,6 +400,15 @@ def _shape_text(shape) -> str:
 
 def check_fields(obj: Any, spec: CompiledSchema, device: Any) -> dict[str, int]:
     """Metadata checks of every field (no tensor values are read)."""
+    if spec.fast_check is not None:
+        found = spec.fast_check(obj, device)
+        if found is not None:
+            return found
+    return _check_fields_reporting(obj, spec, device)
+
+
+def _check_fields_reporting(obj: Any, spec: CompiledSchema, device: Any) -> dict[str, int]:
+    """The same checks as the generated fast path, raising a precise :class:`SchemaViolation`."""
     import torch
 
     name = spec.name
@@ -337,7 +437,7 @@ def check_fields(obj: Any, spec: CompiledSchema, device: Any) -> dict[str, int]:
                 name, ts.name, f"shape [{ts.dim_text}] ({len(ts.dims)} dims)",
                 f"shape {_shape_text(shape)} ({len(shape)} dims)",
             )
-        for axis, (size, d) in enumerate(zip(shape, ts.dims)):
+        for axis, (size, d) in enumerate(zip(shape, ts.dims, strict=True)):
             kind = d.kind
             if kind == "name":
                 have = bindings.get(d.text)

@@ -1,0 +1,99 @@
+"""The ``phasegraph`` command: ``graph``, ``demo``, ``generate`` and ``bench``.
+
+Every failure a user can cause ends with a one-line ``phasegraph: error: ...`` on stderr and
+exit status 2, never a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+
+class CliError(Exception):
+    """A user-facing error: printed as one line, exit status 2."""
+
+
+def _cmd_graph(args: argparse.Namespace) -> int:
+    from phasegraph.phases import EAGLE_GRAPH
+    from phasegraph.statemachine import Trace
+    from phasegraph.statemachine.render import BINARY_FORMATS, render_bytes
+
+    trace = Trace.load_chrome(args.trace) if args.trace else None
+    data = render_bytes(EAGLE_GRAPH, args.format, trace)
+    if args.out:
+        Path(args.out).write_bytes(data)
+        print(f"wrote {args.format} of phase graph {EAGLE_GRAPH.name!r} to {args.out}")
+    elif args.format in BINARY_FORMATS and args.format == "png" and sys.stdout.isatty():
+        raise CliError("--format png writes binary data: pass --out FILE")
+    else:
+        sys.stdout.buffer.write(data)
+        sys.stdout.flush()
+    return 0
+
+
+def _add_graph(sub) -> None:
+    from phasegraph.statemachine.render import FORMATS
+
+    p = sub.add_parser("graph", help="draw the EAGLE phase graph (optionally overlaid with a trace)")
+    p.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
+    p.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout")
+    p.add_argument(
+        "--trace", metavar="TRACE.json",
+        help="a Chrome-trace JSON written by phasegraph: overlay visit counts and mean time per edge",
+    )
+    p.set_defaults(func=_cmd_graph)
+
+
+_SUBCOMMANDS: list[Callable] = [_add_graph]
+
+
+def register(adder: Callable) -> Callable:
+    """Add a subcommand (modules for demo/generate/bench register themselves here)."""
+    _SUBCOMMANDS.append(adder)
+    return adder
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="phasegraph",
+        description="EAGLE-style speculative decoding as a typed state graph of phases.",
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    _load_subcommand_modules()
+    for adder in _SUBCOMMANDS:
+        adder(sub)
+    return parser
+
+
+def _load_subcommand_modules() -> None:
+    import importlib
+
+    for name in ("phasegraph.runtime.cli_commands",):
+        try:
+            importlib.import_module(name)
+        except ModuleNotFoundError as exc:
+            if exc.name != name:
+                raise
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    from phasegraph.statemachine import PhaseGraphError
+
+    try:
+        return int(args.func(args) or 0)
+    except (CliError, PhaseGraphError, OSError, ValueError) as exc:
+        message = str(exc).strip().replace("\n", " ")
+        print(f"phasegraph: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("phasegraph: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,81 @@
+"""A standalone draft: a separate small causal LM with the target's vocabulary.
+
+It consumes no target features (``uses_features = False``; ``hidden`` is ignored and the
+returned hidden is an empty ``[T, 0]`` tensor, ``hidden_size = 0``) and has its own KV pool
+(``kv_spec`` from its own layers/heads). KV convention (``docs/internals.md``, "Where each phase
+writes KV"): draft KV row ``p`` holds the draft's input for token ``p+1``; the phases pass
+that token with ``positions = p``, so this adapter runs the model at RoPE position
+``positions + 1``, the token's true position.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from phasegraph.kernels.attention import AttentionMetadata
+from phasegraph.phases.protocols import DraftOutput
+from phasegraph.runtime.errors import DraftMismatch
+from phasegraph.runtime.kv_pool import KVPool
+from phasegraph.runtime.models.target import HFTarget, load_causal_lm
+
+
+class StandaloneDraft:
+    """:class:`DraftModel` over any supported HF causal LM (wrapped as an :class:`HFTarget`)."""
+
+    uses_features = False
+    hidden_size = 0
+
+    def __init__(self, model: HFTarget, target: HFTarget | None = None) -> None:
+        if model.feature_mode != "none":
+            raise ValueError("the standalone draft's model must use feature_mode='none'")
+        if target is not None and model.vocab_size != target.vocab_size:
+            raise DraftMismatch(
+                f"standalone draft vocab_size {model.vocab_size} != target vocab_size "
+                f"{target.vocab_size}"
+            )
+        self.model = model
+        self.vocab_size: int = model.vocab_size
+        self.kv_spec = model.kv_spec
+        self.dtype = model.dtype
+        self.device = model.device
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        directory: str | Path,
+        target: HFTarget,
+        dtype: torch.dtype | str | None = None,
+        device: torch.device | str | None = None,
+    ) -> StandaloneDraft:
+        model = load_causal_lm(
+            directory, dtype or target.dtype, device or target.device, allow_bin=True
+        )
+        return cls(HFTarget(model, feature_mode="none"), target)
+
+    def attach_kv(self, pool: KVPool) -> None:
+        self.model.attach_kv(pool)
+
+    @property
+    def pool(self) -> KVPool | None:
+        return self.model.pool
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64, token p+1 at draft row p
+        hidden: torch.Tensor | None,  # ignored
+        positions: torch.Tensor,  # [T] int64, draft row p
+        attn: AttentionMetadata,
+        *,
+        from_target: bool,
+        step: int = 0,
+        logits_index: torch.Tensor | None = None,  # [R] int64
+    ) -> DraftOutput:
+        out = self.model.forward(input_ids, positions + 1, attn, logits_index)
+        return DraftOutput(logits=out.logits, hidden=out.features)  # features: [T, 0]
+
+    __call__ = forward

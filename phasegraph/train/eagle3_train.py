@@ -1,0 +1,214 @@
+"""Training the EAGLE-3 head against a frozen target (training-time test, soft labels).
+
+Row ``p`` of a window: input token ``t_{p+1}``, feature ``f_p``; its label at every unroll step
+is the frozen target's next-token distribution at position ``p+1`` (what the target would say
+after ``t_{p+1}``), so the head learns the target, not the corpus. The loss is the soft
+cross-entropy against it, weighted ``step_weight**j`` per unroll step ``j`` and taken over the
+rows ``p >= j`` that have a chain base. Agreement = the head's argmax (mapped to target ids)
+equals the target's argmax.
+
+Tokens fed at unroll steps ``j >= 1`` (``HeadSpec.ttt_tokens``):
+
+- ``"data"`` (default): the window's own tokens. The label at row ``p`` is the target's
+  distribution given exactly that prefix, so every example is self-consistent; whenever the
+  data token equals the target's greedy token (the only chains that matter for acceptance), it
+  is precisely the inference-time input.
+- ``"greedy"``: the target's argmax at ``p`` (``g_{p+1}``). Matches inference on the first
+  draft step, but where ``g_{p+1} != t_{p+1}`` the label (conditioned on ``t_{p+1}``) no longer
+  belongs to the input.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaForCausalLM
+
+from phasegraph.train.eagle3_head import Eagle3Config, Eagle3Head, eagle3_aux_layers
+from phasegraph.train.loop import (
+    Deadline,
+    StageLog,
+    WindowSampler,
+    autocast,
+    eval_windows,
+    stage_generator,
+    train_loop,
+)
+from phasegraph.train.presets import HeadSpec, LMSpec, TrainSpec
+
+__all__ = [
+    "FrozenTarget",
+    "build_head",
+    "draft_vocab_ids",
+    "eval_head",
+    "head_batch",
+    "train_head",
+]
+
+
+class FrozenTarget:
+    """The target as the head sees it: EAGLE-3 features, logits and input embeddings."""
+
+    def __init__(self, model: LlamaForCausalLM):
+        self.model = model
+        self.aux_layers = eagle3_aux_layers(model.config.num_hidden_layers)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        model.eval()
+
+    @torch.no_grad()
+    def __call__(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``ids [B, T]`` -> features ``[B, T, 3Ht]``, logits ``[B, T, V]`` (fp32)."""
+        out = self.model(input_ids=ids, output_hidden_states=True, use_cache=False)
+        feats = torch.cat([out.hidden_states[i] for i in self.aux_layers], dim=-1)
+        return feats, out.logits.float()
+
+    @torch.no_grad()
+    def embed(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.model.get_input_embeddings()(ids)
+
+
+def draft_vocab_ids(stream: torch.Tensor, vocab: int, draft_vocab: int) -> torch.Tensor:
+    """The ``draft_vocab`` most frequent token ids of ``stream`` (ties: lower id), ascending."""
+    counts = torch.bincount(stream.cpu(), minlength=vocab).to(torch.float64)
+    counts -= torch.arange(vocab, dtype=torch.float64) / (2 * vocab)  # tie-break on id
+    return torch.topk(counts, draft_vocab).indices.sort().values
+
+
+def build_head(
+    spec: HeadSpec,
+    target_spec: LMSpec,
+    target: LlamaForCausalLM,
+    vocab: int,
+    eos_id: int,
+    seed: int,
+    train_stream: torch.Tensor,
+) -> Eagle3Head:
+    heads = spec.num_heads or target_spec.num_heads
+    draft_vocab = spec.draft_vocab_size or vocab
+    cfg = Eagle3Config(
+        hidden_size=target_spec.hidden_size,
+        target_hidden_size=target_spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_attention_heads=heads,
+        num_key_value_heads=spec.num_kv_heads or heads,
+        head_dim=target_spec.head_dim,
+        vocab_size=vocab,
+        draft_vocab_size=draft_vocab,
+        eagle_aux_layers=eagle3_aux_layers(target_spec.num_layers),
+        rope_theta=float(target_spec.rope_theta),
+        rms_norm_eps=target_spec.rms_norm_eps,
+        max_position_embeddings=target_spec.context,
+        eos_token_id=eos_id,
+    )
+    ids = draft_vocab_ids(train_stream, vocab, draft_vocab) if draft_vocab < vocab else None
+    head = Eagle3Head(cfg, draft_to_target=ids)
+    head.init_weights(stage_generator(seed, "init"))
+    if spec.init_from_target:
+        with torch.no_grad():
+            w = target.get_output_embeddings().weight.detach().cpu()
+            head.lm_head.weight.copy_(w if ids is None else w[ids])
+            head.norm.weight.copy_(target.model.norm.weight.detach().cpu())
+    return head
+
+
+def head_batch(
+    head: Eagle3Head,
+    target: FrozenTarget,
+    window: torch.Tensor,
+    spec: HeadSpec,
+    device: torch.device,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Loss, per-step agreement counts ``[U]`` and per-step row counts ``[U]`` on
+    ``window [B, T+1]`` (the head runs on rows ``0..T-1``)."""
+    with autocast(device):
+        feats, t_logits = target(window)
+        tokens_in = window[:, 1:]
+        emb = target.embed(tokens_in)
+        emb_later = None
+        if spec.ttt_tokens == "greedy":
+            emb_later = target.embed(t_logits[:, :-1].argmax(-1))
+        elif spec.ttt_tokens != "data":
+            raise ValueError(f"ttt_tokens must be 'data' or 'greedy', not {spec.ttt_tokens!r}")
+        label_logits = t_logits[:, 1:]  # target at p+1: the distribution of t_{p+2}
+        target_top1 = label_logits.argmax(-1)
+        kept = head.target_ids()
+        if kept is not None:
+            label_logits = label_logits[..., kept]
+        probs = torch.softmax(label_logits, dim=-1)
+        outs = head.ttt_forward(feats[:, :-1], emb, spec.unroll, emb_later)
+        total = torch.zeros((), device=device)
+        weights = 0.0
+        agree, rows = [], []
+        for j, out in enumerate(outs):
+            logits = head.logits(out[:, j:]).float()
+            ce = torch.logsumexp(logits, -1) - (probs[:, j:] * logits).sum(-1)
+            w = spec.step_weight**j
+            total = total + w * ce.mean()
+            weights += w
+            pred = head.to_target_ids(logits.detach().argmax(-1))
+            agree.append((pred == target_top1[:, j:]).sum())
+            rows.append(torch.tensor(pred.numel(), device=device))
+    return total / weights, torch.stack(agree), torch.stack(rows)
+
+
+@torch.no_grad()
+def eval_head(
+    head: Eagle3Head,
+    target: FrozenTarget,
+    windows: torch.Tensor,
+    spec: HeadSpec,
+    device: torch.device,
+    batch_size: int,
+) -> dict:
+    """Loss and top-1 agreement with the target per unroll step on ``windows [n, T+1]``."""
+    was_training = head.training
+    head.eval()
+    loss, agree, rows, n = 0.0, None, None, 0
+    for i in range(0, windows.shape[0], batch_size):
+        w = windows[i : i + batch_size].to(device)
+        batch_loss, a, r = head_batch(head, target, w, spec, device)
+        loss += float(batch_loss) * w.shape[0]
+        agree = a if agree is None else agree + a
+        rows = r if rows is None else rows + r
+        n += w.shape[0]
+    head.train(was_training)
+    per_step = (agree.double() / rows.double()).tolist()
+    return {"loss": loss / n, "agreement_by_step": per_step, "rows": int(rows[0])}
+
+
+def train_head(
+    head: Eagle3Head,
+    target: FrozenTarget,
+    train_stream: torch.Tensor,
+    valid_stream: torch.Tensor,
+    spec: HeadSpec,
+    train_spec: TrainSpec,
+    device: torch.device,
+    seed: int,
+    pool: torch.Tensor | None = None,
+    deadline: Deadline | None = None,
+    progress: bool = True,
+) -> StageLog:
+    head.to(device)
+    sampler = WindowSampler(
+        train_stream,
+        train_spec.seq_len + 1,
+        train_spec.batch_size,
+        stage_generator(seed, "head"),
+        device,
+        pool=pool,
+        pool_fraction=spec.selfgen_fraction,
+    )
+    valid = eval_windows(valid_stream, train_spec.seq_len + 1, train_spec.eval_windows)
+
+    def loss_fn(step: int) -> torch.Tensor:
+        return head_batch(head, target, sampler(), spec, device)[0]
+
+    def valid_fn() -> float:
+        return eval_head(head, target, valid, spec, device, train_spec.batch_size)["loss"]
+
+    return train_loop(
+        "eagle3-head", head, train_spec, loss_fn, valid_fn, device,
+        tokens_per_step=train_spec.batch_size * train_spec.seq_len, deadline=deadline,
+        progress=progress,
+    )

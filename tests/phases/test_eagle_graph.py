@@ -1,0 +1,189 @@
+"""The declared EAGLE graph: legal flow, seed-004 rejections, schema compaction coverage."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from jaxtyping import Int64
+
+from phasegraph.phases import (
+    EAGLE_GRAPH,
+    NODE,
+    DraftState,
+    FinalizedPath,
+    VerifyResult,
+    finalized_schema_for,
+    node_fields,
+)
+from phasegraph.phases.schemas import accepted_name
+from phasegraph.statemachine import (
+    IllegalTransition,
+    Machine,
+    PhaseContractViolation,
+    SchemaViolation,
+    schema,
+    tensor,
+)
+from phasegraph.testing import synthetic as syn
+
+EXPECTED_PHASES = {
+    "prefill-extend", "draft-extend", "draft", "verify", "finalize-tree-path",
+    "decode", "merge", "filter", "retract",
+}
+
+
+def test_graph_declares_every_phase_of_the_design():
+    assert set(EAGLE_GRAPH.phases) == EXPECTED_PHASES
+    assert EAGLE_GRAPH.entry == "prefill-extend"
+    assert EAGLE_GRAPH.allowed("verify") == ("finalize-tree-path",)
+    assert EAGLE_GRAPH.allowed("finalize-tree-path") == ("draft-extend",)
+    assert set(EAGLE_GRAPH.allowed("draft-extend")) == {"draft", "decode", "merge", "filter", "retract"}
+
+
+def _machine_at(phase_name: str) -> tuple[Machine, syn.SyntheticContext]:
+    graph = syn.synthetic_eagle_graph()
+    m = Machine(graph, validate="strict")
+    ctx = syn.SyntheticContext()
+    m.advance("prefill-extend", ctx, state=syn.prefill_input([3, 5]))
+    m.advance("draft-extend", ctx)
+    path = {"draft": ["draft"], "verify": ["draft", "verify"],
+            "finalize-tree-path": ["draft", "verify", "finalize-tree-path"]}
+    for p in path.get(phase_name, []):
+        m.advance(p, ctx)
+    return m, ctx
+
+
+@pytest.mark.parametrize("stuck_in", ["verify", "finalize-tree-path", "draft"])
+def test_verify_side_state_handed_to_merge_is_illegal(stuck_in):
+    """Seed 004: a stale verify input reached merge_batch. Here it cannot."""
+    m, ctx = _machine_at(stuck_in)
+    phase_before, state_before = m.phase, m.state
+    with pytest.raises(IllegalTransition) as err:
+        m.advance("merge", ctx, other=syn.draft_state(1, start_row=9))
+    e = err.value
+    assert (e.current, e.requested) == (stuck_in, "merge")
+    assert e.allowed == EAGLE_GRAPH.allowed(stuck_in)
+    assert f"Can't run 'merge' when in {stuck_in!r}; allowed:" in str(e)
+    assert m.phase == phase_before and m.state is state_before
+
+
+def test_merge_rejects_a_verify_result_as_its_other_input():
+    m, ctx = _machine_at("draft-extend")
+    _, other_ctx = _machine_at("verify")
+    stale = syn.verify_result(syn.tree_proposal(syn.draft_state(2)))
+    with pytest.raises(SchemaViolation) as err:
+        m.advance("merge", ctx, other=stale)
+    assert err.value.schema == "DraftState" and err.value.actual == "VerifyResult"
+    assert "extra input 'other'" in str(err.value)
+    assert m.phase == "draft-extend"
+
+
+def test_full_iteration_then_finish_everything_then_merge(phase_trace):
+    """When every request finishes in one verify no phase is skipped; filter leaves B=0 and a
+    later merge works on the empty draft state."""
+    m, ctx = _machine_at("finalize-tree-path")
+    m.advance("draft-extend", ctx)
+    empty = m.advance("filter", ctx, keep=syn.rows([]))
+    assert empty.batch_size == 0
+    assert sorted(ctx.memory.released) == [1, 2]
+    merged = m.advance("merge", ctx, other=syn.draft_state(3, start_row=5))
+    assert merged.batch_size == 3
+    phase_trace.assert_followed_by("verify", "finalize-tree-path")
+    phase_trace.assert_followed_by("finalize-tree-path", "draft-extend")
+
+
+def test_retract_frees_rows_and_keeps_the_rest():
+    m, ctx = _machine_at("draft-extend")
+    out = m.advance("retract", ctx, rows=syn.rows([0]))
+    assert out.batch_size == 1 and ctx.memory.released == [1]
+    assert out.params.req_pool_idx.tolist() == [2]
+
+
+def test_every_node_field_of_verify_result_has_a_compacted_counterpart():
+    have = {t.name for t in FinalizedPath.__schema__.tensors}
+    for name in node_fields(VerifyResult):
+        assert accepted_name(name) in have
+    assert set(node_fields(VerifyResult)) == {"predict", "features", "logprobs"}
+
+
+def test_a_new_side_output_gets_a_compacted_field_without_code_changes():
+    @schema
+    class VerifyWithExperts(VerifyResult):
+        routed_experts: Int64[torch.Tensor, "B*N E"] = tensor(role=NODE)
+
+    out_cls = finalized_schema_for(VerifyWithExperts)
+    assert issubclass(out_cls, FinalizedPath)
+    spec = {t.name: t for t in out_cls.__schema__.tensors}["accepted_routed_experts"]
+    assert spec.dim_text == "B*W E" and spec.role.name == "accepted"
+    assert finalized_schema_for(VerifyResult) is FinalizedPath
+
+
+def test_phase_that_mutates_its_input_is_caught_in_strict_mode():
+    import attrs
+
+    from phasegraph.phases.eagle import EDGES
+    from phasegraph.statemachine import PhaseGraph
+
+    base = syn.synthetic_eagle_graph()
+
+    def sloppy_decode(state: DraftState, ctx) -> DraftState:
+        state.seq_lens.add_(1)  # the seed-001 habit: mutate a shared buffer in place
+        return state.replace()
+
+    phases = [attrs.evolve(p, fn=sloppy_decode) if p.name == "decode" else p for p in base]
+    g = PhaseGraph("sloppy", phases, EDGES, entry="prefill-extend")
+    m = Machine(g, validate="strict")
+    ctx = syn.SyntheticContext()
+    m.advance("prefill-extend", ctx, state=syn.prefill_input([2]))
+    m.advance("draft-extend", ctx)
+    before = m.state
+    with pytest.raises(PhaseContractViolation, match="mutated its input DraftState in place \\(fields \\['seq_lens'\\]\\)"):
+        m.advance("decode", ctx)
+    assert m.phase == "draft-extend" and m.state is before
+
+
+def test_seed_001_draft_positions_off_by_one_are_rejected():
+    """A draft that runs step i at seq_len + i + 1 (SGLang PR #25015) fails strict validation."""
+    import attrs
+
+    from phasegraph.phases.eagle import EDGES
+    from phasegraph.statemachine import InvariantViolation, PhaseGraph
+
+    base = syn.synthetic_eagle_graph()
+
+    def off_by_one_draft(state: DraftState, ctx):
+        good = syn.tree_proposal(state, N=5, S=3)
+        return good.replace(draft_positions=good.draft_positions + 1)
+
+    phases = [attrs.evolve(p, fn=off_by_one_draft) if p.name == "draft" else p for p in base]
+    m = Machine(PhaseGraph("buggy", phases, EDGES, entry="prefill-extend"), validate="strict")
+    ctx = syn.SyntheticContext()
+    m.advance("prefill-extend", ctx, state=syn.prefill_input([4, 6]))
+    m.advance("draft-extend", ctx)
+    with pytest.raises(InvariantViolation) as err:
+        m.advance("draft", ctx)
+    assert err.value.invariant == "draft step i runs at seq_len + i (seed 001)"
+    assert "ran at [5, 6], want [4, 5]" in str(err.value)
+    assert m.phase == "draft-extend"
+    # boundary mode reads no values, so it lets the bug through: strict is what catches it
+    m.validation = "boundary"
+    m.advance("draft", ctx)
+
+
+def test_seed_000_bonus_stride_bug_is_an_invariant_violation():
+    from phasegraph.statemachine import InvariantViolation
+
+    d = syn.draft_state(3, K=2)
+    good = syn.verify_result(syn.tree_proposal(d, N=3, S=3), accept=2)
+    B, W = good.accept_index.shape
+    N = good.proposal.depth.shape[1]
+    predict = torch.arange(B * N) + 100  # distinct tokens, so a wrong row shows
+    last = good.accept_index.gather(1, (good.accept_lens - 1)[:, None])[:, 0]
+    good = good.replace(predict=predict, bonus_tokens=predict[last])
+    good.validate("strict")
+    # the bug: bonus read from predict[accept_index] with row stride N instead of W
+    flat = predict[good.accept_index.clamp(min=0)].reshape(-1)  # [B*W]
+    wrong = flat[torch.arange(B) * N + good.accept_lens - 1]
+    assert not torch.equal(wrong, good.bonus_tokens)
+    with pytest.raises(InvariantViolation, match="stride W, seed 000"):
+        good.replace(bonus_tokens=wrong).validate("strict")

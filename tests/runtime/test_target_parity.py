@@ -1,0 +1,166 @@
+"""HFTarget over the paged pool == transformers' own forward (full recompute), fp32.
+
+Prefill of several prompts of mixed lengths in one flattened forward (plus a padding row), then
+decode steps, then a tree-masked verify step, for llama / qwen2 / qwen3 / mistral and page
+sizes 1 and 16.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from pg_runtime_helpers import assert_conforms, causal_meta, make_meta
+from transformers import AutoModelForCausalLM
+
+from phasegraph.phases.protocols import TargetModel
+from phasegraph.runtime.kv_pool import KVCacheManager
+from phasegraph.runtime.models.target import HFTarget
+from phasegraph.runtime.models.testing_checkpoints import TARGET_MODEL_TYPES, write_hf_target
+
+ATOL = 1e-4
+
+
+@pytest.fixture(scope="module", params=TARGET_MODEL_TYPES)
+def target_dir(request, tmp_path_factory):
+    directory = tmp_path_factory.mktemp(f"target-{request.param}")
+    # qwen2 and mistral also exercise the sharded layout and tied embeddings
+    shards = 3 if request.param in ("qwen2", "mistral") else 1
+    tied = request.param == "qwen3"
+    return write_hf_target(directory, request.param, shards=shards, tie_word_embeddings=tied)
+
+
+def reference_logits(ref, tokens: list[int]) -> torch.Tensor:  # [len, V]
+    with torch.no_grad():
+        return ref(torch.tensor([tokens])).logits[0].float()
+
+
+def random_tree(gen, n: int) -> tuple[list[int], torch.Tensor, list[int]]:
+    """parents (node 0 is the root), ancestor-or-self mask [n, n], depth."""
+    parents = [-1] + [int(torch.randint(0, j, (1,), generator=gen)) for j in range(1, n)]
+    mask = torch.zeros(n, n, dtype=torch.bool)
+    depth = [0] * n
+    for j in range(n):
+        a = j
+        while a >= 0:
+            mask[j, a] = True
+            a = parents[a]
+        depth[j] = int(mask[j].sum()) - 1
+    return parents, mask, depth
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_prefill_decode_verify_match_transformers(target_dir, page_size):
+    gen = torch.Generator().manual_seed(page_size)
+    ref = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
+    ours = HFTarget.from_pretrained(target_dir, dtype=torch.float32, feature_mode="eagle3")
+    assert_conforms(ours, TargetModel)
+    vocab = ours.vocab_size
+    max_tokens = 48
+    m = KVCacheManager(num_pages=3 * math.ceil(max_tokens / page_size) + 8, page_size=page_size,
+                       max_reqs=4, max_pages_per_req=math.ceil(max_tokens / page_size),
+                       target=ours.kv_spec)
+    ours.attach_kv(m.target_pool)
+
+    prompt_lens = [5, 17, 11]
+    seqs = [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in prompt_lens]
+    rows = [m.admit(n) for n in prompt_lens]
+    rt = m.req_to_page
+
+    # -- prefill: all prompts flattened into one forward, plus one padding row (row 0, page 0)
+    ids = [t for s in seqs for t in s] + [3]
+    row_of = [r for r, s in zip(rows, seqs) for _ in s] + [0]
+    pos = [p for s in seqs for p in range(len(s))] + [0]
+    meta = causal_meta(rt, page_size, row_of, pos)
+    kv_len = meta.kv_len.clone()
+    kv_len[-1] = 0
+    meta = make_meta(rt, page_size, row_of, pos, kv_len)
+    out = ours.forward(torch.tensor(ids), torch.tensor(pos), meta)
+    assert out.logits.dtype == torch.float32 and out.logits.shape == (len(ids), vocab)
+    assert out.features.shape == (len(ids), 3 * ours.hidden_size)
+    start = 0
+    for s in seqs:
+        want = reference_logits(ref, s)
+        torch.testing.assert_close(out.logits[start:start + len(s)], want, atol=ATOL, rtol=0)
+        start += len(s)
+    # EAGLE-3 features = residual inputs of layers (2, L//2, L-3) = HF hidden_states[i]
+    with torch.no_grad():
+        hs = ref(torch.tensor([seqs[1]]), output_hidden_states=True).hidden_states
+    want_feat = torch.cat([hs[i][0] for i in ours.feature_layers], dim=-1)
+    got_feat = out.features[len(seqs[0]):len(seqs[0]) + len(seqs[1])]
+    torch.testing.assert_close(got_feat, want_feat, atol=ATOL, rtol=0)
+
+    # -- decode steps: one token per request; logits only for the requested rows
+    for _ in range(3):
+        new = torch.randint(0, vocab, (len(seqs),), generator=gen).tolist()
+        pos = [len(s) for s in seqs]
+        for r, s in zip(rows, seqs):
+            m.ensure_capacity(r, len(s) + 1)
+        meta = causal_meta(rt, page_size, rows, pos)
+        idx = torch.tensor([2, 0])
+        out = ours.forward(torch.tensor(new), torch.tensor(pos), meta, logits_index=idx)
+        assert out.logits.shape == (2, vocab)
+        for s, t in zip(seqs, new):
+            s.append(t)
+        for k, b in enumerate(idx.tolist()):
+            want = reference_logits(ref, seqs[b])[-1]
+            torch.testing.assert_close(out.logits[k], want, atol=ATOL, rtol=0)
+
+    # -- tree verify: N nodes per request behind the prefix, tree-masked (+ a padding row)
+    n = 6
+    trees = [random_tree(gen, n) for _ in seqs]
+    node_tokens = [torch.randint(0, vocab, (n,), generator=gen).tolist() for _ in seqs]
+    ids, row_of, wpos, kvl, positions, extra = [], [], [], [], [], []
+    for r, s, (parents, mask, depth), toks in zip(rows, seqs, trees, node_tokens):
+        m.ensure_capacity(r, len(s) + n)
+        for j in range(n):
+            ids.append(toks[j])
+            row_of.append(r)
+            wpos.append(len(s) + j)
+            kvl.append(len(s))
+            positions.append(len(s) + depth[j])
+            extra.append(mask[j])
+    ids.append(0)
+    row_of.append(0)
+    wpos.append(1)
+    kvl.append(0)
+    positions.append(0)
+    extra.append(torch.zeros(n, dtype=torch.bool))
+    meta = make_meta(rt, page_size, row_of, wpos, kvl, torch.stack(extra))
+    out = ours.forward(torch.tensor(ids), torch.tensor(positions), meta)
+    for b, (s, (parents, mask, depth), toks) in enumerate(zip(seqs, trees, node_tokens)):
+        for j in range(n):
+            path = [toks[a] for a in range(n) if mask[j, a]]  # ancestors in node order = root..j
+            want = reference_logits(ref, s + path)[-1]
+            torch.testing.assert_close(out.logits[b * n + j], want, atol=ATOL, rtol=0)
+    assert torch.isfinite(out.logits).all()
+    m.check()
+
+
+def test_last_and_none_feature_modes(tmp_path):
+    directory = write_hf_target(tmp_path / "t", "llama", num_hidden_layers=2)
+    ref = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+    toks = torch.randint(0, 128, (7,))
+    for mode, width in [("last", 64), ("none", 0)]:
+        ours = HFTarget.from_pretrained(directory, feature_mode=mode)
+        m = KVCacheManager(num_pages=4, page_size=4, max_reqs=2, max_pages_per_req=2,
+                           target=ours.kv_spec)
+        ours.attach_kv(m.target_pool)
+        row = m.admit(7)
+        out = ours.forward(toks, torch.arange(7), causal_meta(m.req_to_page, 4, [row] * 7, range(7)))
+        assert out.features.shape == (7, width)
+        if mode == "last":
+            with torch.no_grad():
+                want = ref.model(toks[None]).last_hidden_state[0]
+            torch.testing.assert_close(out.features, want, atol=ATOL, rtol=0)
+    assert ours.feature_layers == ()
+
+
+def test_wrapping_a_loaded_model_switches_its_attention(tmp_path):
+    directory = write_hf_target(tmp_path / "t", "llama", num_hidden_layers=6)
+    model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32)
+    target = HFTarget(model, feature_mode="eagle3")
+    assert model.config._attn_implementation == "phasegraph"
+    assert target.feature_layers == (2, 3, 3) and target.feature_size == 3 * 64
+    assert target.kv_spec.num_layers == 6 and target.kv_spec.head_dim == 16

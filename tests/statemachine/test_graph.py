@@ -1,0 +1,111 @@
+"""Build-time rules of PhaseGraph."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from jaxtyping import Float32, Int64
+
+from phasegraph.statemachine import (
+    RULES,
+    IllegalTransition,
+    InvalidPhaseGraph,
+    PhaseGraph,
+    Schema,
+    phase,
+    schema,
+    tensor,
+)
+
+
+@schema
+class A(Schema):
+    x: Int64[torch.Tensor, "B"] = tensor()
+
+
+@schema
+class B(Schema):
+    x: Int64[torch.Tensor, "B"] = tensor()
+    y: Float32[torch.Tensor, "B H"] = tensor()
+
+
+@schema
+class C(Schema):
+    x: Float32[torch.Tensor, "B"] = tensor()
+
+
+def _mk(name, inp, out):
+    return phase(name, input=inp, output=out)(lambda s, c: s)
+
+
+def test_valid_cycle_builds_and_is_frozen():
+    g = PhaseGraph("ok", [_mk("a", A, A), _mk("b", A, A)], [("a", "b"), ("b", "a")], entry="a")
+    assert g.allowed(None) == ("a",)
+    assert g.allowed("a") == ("b",)
+    assert g.is_allowed("b", "a") and not g.is_allowed("a", "a")
+    with pytest.raises(Exception, match="[Ff]rozen"):
+        g.nx.add_edge("a", "a")
+
+
+def test_unreachable_phase_fails_to_build():
+    phases = [_mk("a", A, A), _mk("b", A, A), _mk("island", A, A)]
+    with pytest.raises(InvalidPhaseGraph) as err:
+        PhaseGraph("g", phases, [("a", "b"), ("b", "a"), ("island", "island")], entry="a")
+    assert "reachable" in err.value.problems
+    assert any("'island' is unreachable" in p for p in err.value.problems["reachable"])
+    assert "island" in str(err.value)
+
+
+def test_incompatible_edge_names_phases_and_fields():
+    # B needs a field y that A does not give; C's x has another dtype.
+    phases = [_mk("a", A, A), _mk("b", B, A), _mk("c", C, A)]
+    with pytest.raises(InvalidPhaseGraph) as err:
+        PhaseGraph("g", phases, [("a", "b"), ("b", "c"), ("c", "a")], entry="a")
+    found = err.value.problems["schema_compatible"]
+    assert any("edge 'a' -> 'b'" in p and "'y' is missing in A" in p for p in found)
+    assert any("edge 'b' -> 'c'" in p and "dtype int64" in p for p in found)
+
+
+def test_subclass_output_satisfies_base_input():
+    @schema
+    class A2(A):
+        z: Int64[torch.Tensor, "B"] = tensor()
+
+    PhaseGraph("g", [_mk("a", A, A2), _mk("b", A, A)], [("a", "b"), ("b", "a")], entry="a")
+
+
+def test_dead_end_unless_terminal():
+    phases = [_mk("a", A, A), _mk("end", A, A)]
+    with pytest.raises(InvalidPhaseGraph, match="'end' is a dead end"):
+        PhaseGraph("g", phases, [("a", "end")], entry="a")
+    g = PhaseGraph("g", phases, [("a", "end")], entry="a", terminals=["end"])
+    assert g.allowed("end") == ()
+
+
+def test_unknown_names_and_duplicates():
+    with pytest.raises(InvalidPhaseGraph) as err:
+        PhaseGraph("g", [_mk("a", A, A), _mk("a", A, A)], [("a", "ghost")], entry="nowhere")
+    found = err.value.problems["known_phases"]
+    assert any("declared more than once" in p for p in found)
+    assert any("undeclared phase 'ghost'" in p for p in found)
+    assert any("entry 'nowhere'" in p for p in found)
+
+
+def test_second_source_breaks_single_entry():
+    phases = [_mk("a", A, A), _mk("b", A, A)]
+    with pytest.raises(InvalidPhaseGraph) as err:
+        PhaseGraph("g", phases, [("b", "a"), ("a", "a")], entry="a")
+    assert "single_entry" in err.value.problems
+
+
+def test_rules_can_be_skipped_by_name():
+    phases = [_mk("a", A, A), _mk("b", B, A)]
+    PhaseGraph("g", phases, [("a", "b"), ("b", "a")], entry="a", skip_rules=["schema_compatible"])
+    with pytest.raises(ValueError, match="unknown rules"):
+        PhaseGraph("g", phases, [("a", "b")], entry="a", skip_rules=["nope"])
+    assert set(RULES) == {"known_phases", "single_entry", "reachable", "no_dead_ends", "schema_compatible"}
+
+
+def test_illegal_transition_message():
+    err = IllegalTransition("draft-extend", "verify", ["draft", "merge"])
+    assert str(err) == "Can't run 'verify' when in 'draft-extend'; allowed: 'draft', 'merge'"

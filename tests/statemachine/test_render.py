@@ -1,0 +1,95 @@
+"""Renderers and the `phasegraph graph` command."""
+
+from __future__ import annotations
+
+import pytest
+
+from phasegraph.cli import main
+from phasegraph.phases import EAGLE_GRAPH
+from phasegraph.statemachine import Machine, RendererUnavailable, Trace
+from phasegraph.statemachine.render import graphviz_available, render, render_bytes
+from phasegraph.testing import synthetic as syn
+
+
+def _mermaid_id(name):
+    return "p_" + name.replace("-", "_")
+
+
+def test_text_lists_every_phase_and_edge():
+    text = render(EAGLE_GRAPH, "text")
+    for p in EAGLE_GRAPH.phases:
+        assert f"  {p} " in text
+    for a, b in EAGLE_GRAPH.edges:
+        assert f"  {a} -> {b}\n" in text
+
+
+def test_mermaid_lists_every_phase_and_edge():
+    text = render(EAGLE_GRAPH, "mermaid")
+    assert text.startswith("flowchart TD\n")
+    for p in EAGLE_GRAPH.phases:
+        assert f"{_mermaid_id(p)}" in text
+    for a, b in EAGLE_GRAPH.edges:
+        assert f"    {_mermaid_id(a)} --> {_mermaid_id(b)}\n" in text
+
+
+def test_dot_lists_every_edge():
+    text = render(EAGLE_GRAPH, "dot")
+    for a, b in EAGLE_GRAPH.edges:
+        assert f'  "{a}" -> "{b}";' in text
+
+
+def test_overlay_shows_visits_and_times():
+    graph = syn.synthetic_eagle_graph()
+    trace = Trace()
+    m = Machine(graph, trace=trace)
+    ctx = syn.SyntheticContext()
+    m.advance("prefill-extend", ctx, state=syn.prefill_input([2]))
+    m.advance("draft-extend", ctx)
+    for p in ("draft", "verify", "finalize-tree-path", "draft-extend", "draft"):
+        m.advance(p, ctx)
+    text = render(graph, "text", trace)
+    assert "draft-extend -> draft  (×2 ·" in text
+    assert "verify -> finalize-tree-path  (×1 ·" in text
+    assert "visits=2" in text
+    mermaid = render(graph, "mermaid", trace)
+    assert '-->|"×2 ·' in mermaid
+
+
+@pytest.mark.parametrize("fmt", ["svg", "png"])
+def test_binary_formats_need_graphviz(fmt):
+    if graphviz_available():
+        data = render_bytes(EAGLE_GRAPH, fmt)
+        assert data.startswith(b"<?xml" if fmt == "svg" else b"\x89PNG")
+    else:
+        with pytest.raises(RendererUnavailable, match="apt install graphviz"):
+            render_bytes(EAGLE_GRAPH, fmt)
+
+
+def test_cli_graph_text_and_mermaid(capsys):
+    assert main(["graph", "--format", "mermaid"]) == 0
+    out = capsys.readouterr().out
+    for a, b in EAGLE_GRAPH.edges:
+        assert f"{_mermaid_id(a)} --> {_mermaid_id(b)}" in out
+    assert main(["graph"]) == 0
+    assert "phase graph 'eagle' (entry: prefill-extend)" in capsys.readouterr().out
+
+
+def test_cli_graph_out_file_and_trace_overlay(tmp_path, capsys):
+    graph = syn.synthetic_eagle_graph()
+    trace = Trace()
+    m = Machine(graph, trace=trace)
+    m.advance("prefill-extend", None, state=syn.prefill_input([3]))
+    m.advance("draft-extend", None)
+    trace_file = trace.save_chrome(tmp_path / "trace.json")
+    out = tmp_path / "g.dot"
+    assert main(["graph", "--format", "dot", "--out", str(out), "--trace", str(trace_file)]) == 0
+    assert '"prefill-extend" -> "draft-extend" [label="×1 ·' in out.read_text()
+
+
+def test_cli_errors_are_one_line(tmp_path, capsys):
+    assert main(["graph", "--trace", str(tmp_path / "missing.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("phasegraph: error: trace file") and err.count("\n") == 1
+    with pytest.raises(SystemExit) as exit_info:
+        main(["graph", "--format", "gif"])
+    assert exit_info.value.code == 2

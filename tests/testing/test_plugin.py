@@ -1,0 +1,71 @@
+"""The pytest plugin: loads without torch, exposes its option and fixtures."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+pytest_plugins = ["pytester"]
+
+
+def test_plugin_module_loads_without_importing_torch():
+    code = (
+        "import sys\n"
+        "import phasegraph.testing._pytest_plugin as p\n"
+        "import phasegraph, phasegraph.statemachine\n"
+        "assert 'torch' not in sys.modules, 'torch was imported'\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+def test_plugin_is_registered_through_the_entry_point():
+    from importlib.metadata import entry_points
+
+    eps = {ep.name: ep.value for ep in entry_points(group="pytest11")}
+    assert eps.get("phasegraph") == "phasegraph.testing._pytest_plugin"
+
+
+def test_validate_option_and_trace_fixture(pytester):
+    pytester.makepyfile(
+        """
+        from phasegraph.statemachine import get_validation_mode, Machine
+        from phasegraph.testing import synthetic as syn
+
+        def test_mode(request):
+            assert get_validation_mode().value == request.config.getoption("--phasegraph-validate")
+
+        def test_trace(phase_trace, phase_graph):
+            assert "verify" in phase_graph.phases
+            m = Machine(syn.synthetic_eagle_graph())
+            m.advance("prefill-extend", None, state=syn.prefill_input([2]))
+            m.advance("draft-extend", None)
+            m.advance("draft", None)
+            m.advance("verify", None)
+            m.advance("finalize-tree-path", None)
+            phase_trace.assert_followed_by("verify", "finalize-tree-path")
+            phase_trace.assert_visited("prefill-extend", "draft")
+            assert phase_trace.count("verify") == 1
+
+        def test_trace_assertion_fails_when_flow_is_broken(phase_trace):
+            m = Machine(syn.synthetic_eagle_graph())
+            m.advance("prefill-extend", None, state=syn.prefill_input([2]))
+            m.advance("draft-extend", None)
+            m.advance("draft", None)
+            m.advance("verify", None)
+            try:
+                phase_trace.assert_followed_by("verify", "finalize-tree-path")
+            except AssertionError as e:
+                assert "ended in 'verify'" in str(e)
+            else:
+                raise AssertionError("expected a failure")
+        """
+    )
+    for mode in ("strict", "off"):
+        result = pytester.runpytest_subprocess(f"--phasegraph-validate={mode}", "-q", "-p", "no:cacheprovider")
+        result.assert_outcomes(passed=3)
+    result = pytester.runpytest_subprocess("--phasegraph-validate=bogus")
+    assert result.ret != 0
+    result.stderr.fnmatch_lines(["*invalid choice: 'bogus'*"])
