@@ -24,7 +24,7 @@ def sample_tokens(
     temperature: torch.Tensor,  # [R] float32, 0 = greedy
     top_k: torch.Tensor,  # [R] int64, 0 = off
     top_p: torch.Tensor,  # [R] float32, 1 = off
-    generator: torch.Generator | None,
+    coins: torch.Tensor,  # [R] uniform in [0, 1)
     greedy_only: bool = False,
 ) -> torch.Tensor:
     """Next token per row: argmax when every row is greedy, else a sample from the target's
@@ -32,5 +32,4 @@ def sample_tokens(
     if greedy_only:
         return logits.argmax(dim=-1)
     probs = target_probs(logits, temperature, top_k, top_p, 1)  # [R, V]
-    coins = torch.rand(logits.shape[0], generator=generator, device=logits.device)
     return inverse_cdf_sample(probs, coins)

@@ -11,7 +11,7 @@ from phasegraph.statemachine import PhaseGraphError
 def select_params(p: BatchParams, rows: torch.Tensor) -> BatchParams:
     return BatchParams(
         req_pool_idx=p.req_pool_idx[rows], temperature=p.temperature[rows], top_p=p.top_p[rows],
-        top_k=p.top_k[rows], stop_ids=p.stop_ids[rows],
+        top_k=p.top_k[rows], stop_ids=p.stop_ids[rows], seed=p.seed[rows],
     )
 
 
@@ -44,6 +44,7 @@ def concat_params(a: BatchParams, b: BatchParams) -> BatchParams:
         top_p=torch.cat([a.top_p, b.top_p]),
         top_k=torch.cat([a.top_k, b.top_k]),
         stop_ids=torch.cat([_pad_columns(a.stop_ids, z, -1), _pad_columns(b.stop_ids, z, -1)]),
+        seed=torch.cat([a.seed, b.seed]),
     )
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import attrs
-import torch
 
 from phasegraph.phases.protocols import DraftModel, KVMemory, TargetModel
 
@@ -66,6 +65,5 @@ class SpecContext:
     memory: KVMemory
     tree: TreeShape | None  # None for the autoregressive baseline
     draft: DraftModel | None = None
-    generator: torch.Generator | None = None
     greedy_only: bool = False  # every request in the batch has temperature 0
     return_logprobs: bool = False

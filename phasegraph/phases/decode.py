@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from phasegraph.kernels.random import PURPOSE_SAMPLE, counter_uniform, position_counter
 from phasegraph.kernels.sampling import sample_tokens
 from phasegraph.phases._common import causal_extend_metadata
 from phasegraph.phases.context import SpecContext
@@ -18,7 +19,8 @@ def decode(state: DraftState, ctx: SpecContext) -> DraftState:
     rows = params.req_pool_idx  # [B]
     attn = causal_extend_metadata(ctx.memory, rows, state.seq_lens)
     out = ctx.target.forward(state.bonus_tokens, state.seq_lens, attn, logits_index=None)
-    nxt = sample_tokens(out.logits, params.temperature, params.top_k, params.top_p, ctx.generator, ctx.greedy_only)
+    coins = counter_uniform(params.seed, position_counter(state.seq_lens + 1, PURPOSE_SAMPLE))  # [B]
+    nxt = sample_tokens(out.logits, params.temperature, params.top_k, params.top_p, coins, ctx.greedy_only)
     logprobs = None
     if ctx.return_logprobs:
         logprobs = torch.log_softmax(out.logits.float(), dim=-1).gather(1, nxt[:, None])[:, 0]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from phasegraph.kernels.random import PURPOSE_SAMPLE, counter_uniform, position_counter
 from phasegraph.kernels.sampling import sample_tokens
 from phasegraph.phases._common import causal_extend_metadata
 from phasegraph.phases.context import SpecContext
@@ -23,7 +24,8 @@ def prefill_extend(state: PrefillInput, ctx: SpecContext) -> PrefillResult:
     attn = causal_extend_metadata(ctx.memory, rows, state.positions)
     out = ctx.target.forward(state.input_ids, state.positions, attn, logits_index=state.select_index)
     logits = out.logits  # [B, V]
-    first = sample_tokens(logits, params.temperature, params.top_k, params.top_p, ctx.generator, ctx.greedy_only)
+    coins = counter_uniform(params.seed, position_counter(state.seq_lens, PURPOSE_SAMPLE))  # [B]
+    first = sample_tokens(logits, params.temperature, params.top_k, params.top_p, coins, ctx.greedy_only)
     shifted = state.input_ids.roll(-1)  # row p <- token p+1 (the wrap-around rows are overwritten)
     shifted = shifted.index_copy(0, state.select_index, first)
     first_logprobs = None

@@ -56,6 +56,7 @@ class BatchParams(Schema):
     top_p: Float32[Tensor, "B"] = tensor(role=REQUEST, doc="1 = off")
     top_k: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="0 = off")
     stop_ids: Int64[Tensor, "B Z"] = tensor(role=REQUEST, doc="token ids that end the request, -1 padded")
+    seed: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="seed of the request's counter-based coins")
 
     @invariant("req_pool_idx >= 1 (row 0 is the reserved padding row)")
     def _rows_not_reserved(self) -> str | None:

@@ -7,6 +7,7 @@ import torch
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.bonus import fill_bonus_tokens
 from phasegraph.kernels.cache_slots import row_slots
+from phasegraph.kernels.random import PURPOSE_ACCEPT, PURPOSE_BONUS, counter_uniform, position_counter
 from phasegraph.kernels.tree_sampling import target_probs, verify_tree_sampling
 from phasegraph.kernels.verify_greedy import verify_tree_greedy
 from phasegraph.phases.context import SpecContext
@@ -50,8 +51,10 @@ def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
         )
     else:
         probs = target_probs(logits, params.temperature, params.top_k, params.top_p, N)
-        coins = torch.rand(B, S + 1, generator=ctx.generator, device=device)
-        bonus_coins = torch.rand(B, S + 1, generator=ctx.generator, device=device)
+        # the coins that choose the token at position seq_len + d + 1 (after depth d)
+        chosen = seq_lens[:, None] + 1 + torch.arange(S + 1, device=device)  # [B, S+1]
+        coins = counter_uniform(params.seed, position_counter(chosen, PURPOSE_ACCEPT))
+        bonus_coins = counter_uniform(params.seed, position_counter(chosen, PURPOSE_BONUS))
         outcome = verify_tree_sampling(
             state.draft_tokens, state.retrieve_next_token, state.retrieve_next_sibling,
             probs, coins, bonus_coins, S,

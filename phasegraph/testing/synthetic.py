@@ -28,6 +28,7 @@ def batch_params(B: int, *, start_row: int = 1, device: str = "cpu", stop_width:
         top_p=torch.ones(B, device=device),
         top_k=torch.zeros(B, dtype=torch.int64, device=device),
         stop_ids=torch.full((B, stop_width), -1, dtype=torch.int64, device=device),
+        seed=torch.arange(B, dtype=torch.int64, device=device),
     )
 
 

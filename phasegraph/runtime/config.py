@@ -1,0 +1,175 @@
+"""The public configuration and result types: SpecConfig, SamplingParams, RequestOutput.
+
+Every constructor checks its arguments and raises :class:`InvalidRequest` (a ``ValueError``)
+with a message that names the argument, so bad input never reaches a phase.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import attrs
+
+from phasegraph.phases.context import TreeShape, check_tree_shape
+from phasegraph.runtime.errors import InvalidConfig, InvalidRequest
+
+METHODS = ("none", "eagle", "eagle3", "mtp", "standalone")
+
+
+@attrs.frozen
+class SpecConfig:
+    """How to speculate.
+
+    ``method``: ``"none"`` (the target alone: the autoregressive baseline), ``"eagle"``
+    (EAGLE-1 head), ``"eagle3"``, ``"mtp"`` (chained multi-token-prediction layers) or
+    ``"standalone"`` (a small draft model with the target's vocabulary). ``num_steps`` (S) is the
+    tree depth, ``topk`` (K) the branching per step (1 = chain), ``num_draft_tokens`` (N) the
+    tree nodes verified per request including the root (default: S+1 for a chain, else
+    min(K·S, 16) + 1 capped by what the tree can hold).
+    """
+
+    method: str = "eagle3"
+    num_steps: int = 3
+    topk: int = 1
+    num_draft_tokens: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        if self.method not in METHODS:
+            raise InvalidConfig(f"SpecConfig.method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        if self.method == "none":
+            return
+        for name in ("num_steps", "topk"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise InvalidConfig(f"SpecConfig.{name} must be an integer >= 1; got {v!r}")
+        n = self.num_draft_tokens
+        if n is None:
+            object.__setattr__(self, "num_draft_tokens", self.default_num_draft_tokens())
+        elif not isinstance(n, int) or isinstance(n, bool):
+            raise InvalidConfig(f"SpecConfig.num_draft_tokens must be an integer; got {n!r}")
+        problems = check_tree_shape(self.topk, self.num_steps, self.num_draft_tokens)
+        if problems:
+            raise InvalidConfig("SpecConfig: " + "; ".join(problems))
+
+    def default_num_draft_tokens(self) -> int:
+        if self.topk == 1:
+            return self.num_steps + 1
+        most = self.topk + (self.num_steps - 1) * self.topk * self.topk
+        return min(self.topk * self.num_steps, 16, most) + 1
+
+    @property
+    def speculative(self) -> bool:
+        return self.method != "none"
+
+    def tree(self) -> TreeShape | None:
+        if not self.speculative:
+            return None
+        return TreeShape(self.topk, self.num_steps, self.num_draft_tokens)
+
+
+def _finite_number(name: str, v: object) -> float:
+    if isinstance(v, bool) or not isinstance(v, (int, float)):
+        raise InvalidRequest(f"{name} must be a number; got {v!r}")
+    f = float(v)
+    if math.isnan(f) or math.isinf(f):
+        raise InvalidRequest(f"{name} must be finite; got {v!r}")
+    return f
+
+
+@attrs.frozen
+class SamplingParams:
+    """Per-request generation settings.
+
+    ``temperature`` 0 is greedy. ``top_p`` in (0, 1], ``top_k`` 0 = off. Generation stops at
+    ``max_new_tokens``, at an EOS token (unless ``ignore_eos``), at any of ``stop_token_ids``, or
+    when the text contains one of ``stop`` (the text is cut before it). ``logprobs`` asks for the
+    log-probability of every emitted token under the target. ``seed`` makes sampling
+    reproducible whatever the batch (and across retraction).
+    """
+
+    max_new_tokens: int = 64
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    ignore_eos: bool = False
+    logprobs: bool = False
+    seed: int | None = None
+
+    def __attrs_post_init__(self) -> None:
+        m = self.max_new_tokens
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise InvalidRequest(f"max_new_tokens must be an integer >= 1; got {m!r}")
+        t = _finite_number("temperature", self.temperature)
+        if t < 0:
+            raise InvalidRequest(f"temperature must be >= 0 (0 = greedy); got {self.temperature!r}")
+        p = _finite_number("top_p", self.top_p)
+        if not 0 < p <= 1:
+            raise InvalidRequest(f"top_p must be in (0, 1]; got {self.top_p!r}")
+        k = self.top_k
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise InvalidRequest(f"top_k must be an integer >= 0 (0 = off); got {k!r}")
+        if isinstance(self.stop, str):
+            object.__setattr__(self, "stop", (self.stop,))
+        stops = tuple(self.stop)
+        if any(not isinstance(s, str) or s == "" for s in stops):
+            raise InvalidRequest(f"stop must be non-empty strings; got {stops!r}")
+        object.__setattr__(self, "stop", stops)
+        ids = tuple(self.stop_token_ids)
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+            raise InvalidRequest(f"stop_token_ids must be non-negative integers; got {ids!r}")
+        object.__setattr__(self, "stop_token_ids", ids)
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
+            raise InvalidRequest(f"seed must be an integer or None; got {self.seed!r}")
+        object.__setattr__(self, "temperature", t)
+        object.__setattr__(self, "top_p", p)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@attrs.define
+class RequestStats:
+    """What happened to one request: accept lengths per verify step and time per phase."""
+
+    accept_lengths: list[int] = attrs.field(factory=list)  # accepted drafts + 1, one per verify
+    phase_time_s: dict[str, float] = attrs.field(factory=dict)  # wall time of the batches it was in
+    retractions: int = 0
+    prompt_tokens: int = 0
+
+    @property
+    def mean_accept_length(self) -> float | None:
+        """τ for this request (None without speculation)."""
+        if not self.accept_lengths:
+            return None
+        return sum(self.accept_lengths) / len(self.accept_lengths)
+
+
+@attrs.define
+class RequestOutput:
+    """The result of one request."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens only
+    text: str
+    finish_reason: str | None  # "length" | "stop" | "abort" | None while running
+    logprobs: list[float] | None = None
+    stats: RequestStats = attrs.field(factory=RequestStats)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@attrs.frozen
+class RequestDelta:
+    """New output of one request since the previous ``Engine.step()``."""
+
+    request_id: str
+    new_token_ids: tuple[int, ...]
+    new_text: str
+    finish_reason: str | None
