@@ -7,7 +7,12 @@ import torch
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.bonus import fill_bonus_tokens
 from phasegraph.kernels.cache_slots import row_slots
-from phasegraph.kernels.random import PURPOSE_ACCEPT, PURPOSE_BONUS, counter_uniform, position_counter
+from phasegraph.kernels.random import (
+    PURPOSE_ACCEPT,
+    PURPOSE_BONUS,
+    counter_uniform,
+    position_counter,
+)
 from phasegraph.kernels.tree_sampling import target_probs, verify_tree_sampling
 from phasegraph.kernels.verify_greedy import verify_tree_greedy
 from phasegraph.phases.context import SpecContext

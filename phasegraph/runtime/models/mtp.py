@@ -124,7 +124,7 @@ class MTPDraft(FeatureDraft):
             if from_target:
                 out = first = self._layer(0, embeds, prev, position_embeddings, positions)
                 for index in range(1, self.num_layers):
-                    out = self._layer(index, embeds, out, position_embeddings, positions)
+                    out = self._layer(index, embeds, prev, position_embeddings, positions)
                 out = first
             else:
                 index = self.layer_for_step(step)
