@@ -105,3 +105,16 @@ class DraftMismatch(PhasegraphRuntimeError, ValueError):
 
 class NoForwardContext(PhasegraphRuntimeError, RuntimeError):
     """The phasegraph attention function ran outside ``forward_context(...)``."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Engine and requests
+
+
+class InvalidConfig(PhasegraphRuntimeError, ValueError):
+    """An engine or speculation setting is out of range or inconsistent."""
+
+
+class InvalidRequest(PhasegraphRuntimeError, ValueError):
+    """A request cannot be served as given (empty or too long prompt, token ids outside the
+    vocabulary, bad sampling parameters, ...). Nothing was queued; no other request is affected."""

@@ -172,7 +172,8 @@ class RequestTable:
         self._in_use[row] = 1
         return row
 
-    def _check_row(self, row: int) -> None:
+    def check_row(self, row: int) -> None:
+        """Raise :class:`InvalidRow` unless ``row`` is a request row in use."""
         if row == RESERVED_ROW:
             raise InvalidRow("request row 0 is reserved")
         if not self.is_in_use(row):
@@ -183,7 +184,7 @@ class RequestTable:
 
     def ensure_capacity(self, row: int, num_tokens: int) -> None:
         """Make ``row`` own logical positions ``[0, num_tokens)``; all-or-nothing."""
-        self._check_row(row)
+        self.check_row(row)
         if num_tokens > self.max_tokens:
             raise RequestTooLong(num_tokens, self.max_tokens)
         have = len(self.owned[row])
@@ -196,7 +197,7 @@ class RequestTable:
 
     def release(self, row: int) -> None:
         """Free every page the row owns (over-allocation included); the row stays in use."""
-        self._check_row(row)
+        self.check_row(row)
         if self.owned[row]:
             self.allocator.free(self.owned[row])
             self.owned[row] = []
@@ -292,7 +293,7 @@ class KVCacheManager:
 
     def release(self, row: int) -> None:
         """Free the row's pages, its branch regions and the row itself."""
-        self.table._check_row(row)
+        self.table.check_row(row)
         if self.region_owned[row]:
             self.allocator.free(self.region_owned[row])
             self.region_owned[row] = []
@@ -330,7 +331,8 @@ class KVCacheManager:
                 if page in free_set:
                     problems.append(f"page {page} owned by {who} is also in the free list")
         n_owned = sum(
-            len(self.table.owned[r]) + len(self.region_owned[r]) for r in range(self.table.max_reqs)
+            len(self.table.owned[r]) + len(self.region_owned[r])
+            for r in range(self.table.max_reqs)
         )
         if len(free) + n_owned != total:
             problems.append(

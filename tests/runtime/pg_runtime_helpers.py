@@ -11,8 +11,8 @@ from phasegraph.kernels.attention import AttentionMetadata
 
 def slots_of(req_to_page: torch.Tensor, page_size: int, rows, positions) -> torch.Tensor:
     """KV slot of logical ``positions[t]`` of page-table row ``rows[t]``."""
-    rows = torch.as_tensor(rows, dtype=torch.int64)
-    positions = torch.as_tensor(positions, dtype=torch.int64)
+    rows = torch.as_tensor(rows, dtype=torch.int64, device=req_to_page.device)
+    positions = torch.as_tensor(positions, dtype=torch.int64, device=req_to_page.device)
     pages = req_to_page[rows, positions // page_size]
     return pages * page_size + positions % page_size
 
@@ -26,13 +26,14 @@ def make_meta(
     extra_mask: torch.Tensor | None = None,
 ) -> AttentionMetadata:
     """Metadata for queries writing logical ``write_pos`` of ``rows`` and reading ``kv_len``."""
-    rows = torch.as_tensor(rows, dtype=torch.int64)
+    device = req_to_page.device
+    rows = torch.as_tensor(rows, dtype=torch.int64, device=device)
     return AttentionMetadata(
         write_slots=slots_of(req_to_page, page_size, rows, write_pos),
         page_table=req_to_page,
         query_row=rows,
-        kv_len=torch.as_tensor(kv_len, dtype=torch.int64),
-        extra_mask=extra_mask,
+        kv_len=torch.as_tensor(kv_len, dtype=torch.int64, device=device),
+        extra_mask=None if extra_mask is None else extra_mask.to(device),
         page_size=page_size,
     )
 

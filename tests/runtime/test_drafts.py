@@ -65,9 +65,16 @@ def run_scenario(draft, target: HFTarget, page_size: int, *, mtp_own_rows_only=F
     gen = torch.Generator().manual_seed(17 + page_size)
     vocab = target.vocab_size
     width = target.feature_size
-    m = KVCacheManager(num_pages=2 * math.ceil(32 / page_size) + 4, page_size=page_size,
-                       max_reqs=3, max_pages_per_req=math.ceil(32 / page_size),
-                       target=target.kv_spec, draft=draft.kv_spec, topk=1, num_steps=3)
+    m = KVCacheManager(
+        num_pages=2 * math.ceil(32 / page_size) + 4,
+        page_size=page_size,
+        max_reqs=3,
+        max_pages_per_req=math.ceil(32 / page_size),
+        target=target.kv_spec,
+        draft=draft.kv_spec,
+        topk=1,
+        num_steps=3,
+    )
     draft.attach_kv(m.draft_pool)
     lens = [6, 9]
     rows = [m.admit(n + W + 2) for n in lens]
@@ -77,11 +84,24 @@ def run_scenario(draft, target: HFTarget, page_size: int, *, mtp_own_rows_only=F
         b_of = [b for b, _ in items]
         new = [row for _, row in items]
         pos = [r.pos for r in new]
-        meta = make_meta(m.req_to_page, page_size, [rows[b] for b in b_of], pos,
-                         kv_len if kv_len is not None else [p + 1 for p in pos], extra)
+        meta = make_meta(
+            m.req_to_page,
+            page_size,
+            [rows[b] for b in b_of],
+            pos,
+            kv_len if kv_len is not None else [p + 1 for p in pos],
+            extra,
+        )
         hidden = None if new[0].vec is None else torch.stack([r.vec for r in new])
-        out = draft.forward(torch.tensor([r.token for r in new]), hidden, torch.tensor(pos), meta,
-                            from_target=from_target, step=step, logits_index=logits_index)
+        out = draft.forward(
+            torch.tensor([r.token for r in new]),
+            hidden,
+            torch.tensor(pos),
+            meta,
+            from_target=from_target,
+            step=step,
+            logits_index=logits_index,
+        )
         assert out.logits.dtype == torch.float32
         index = range(len(new)) if logits_index is None else logits_index.tolist()
         for k, i in enumerate(index):
@@ -101,17 +121,28 @@ def run_scenario(draft, target: HFTarget, page_size: int, *, mtp_own_rows_only=F
     items = [(b, Row(token(), p, feature(), None)) for b, n in enumerate(lens) for p in range(n)]
     call(items, from_target=True, step=0)
     # draft-extend after a decode step: W rows; logits only for each request's last row
-    items = [(b, Row(token(), n + i, feature(), None)) for b, n in enumerate(lens) for i in range(W)]
+    items = [
+        (b, Row(token(), n + i, feature(), None)) for b, n in enumerate(lens) for i in range(W)
+    ]
     call(items, from_target=True, step=0, logits_index=torch.tensor([W - 1, 2 * W - 1]))
     # draft steps 0 and 1: one query per request, fed the previous hidden
     for step in range(2):
-        items = [(b, Row(token(), n + W + step, hist[b][-1].hidden if draft.uses_features else None,
-                         step)) for b, n in enumerate(lens)]
+        items = [
+            (
+                b,
+                Row(
+                    token(),
+                    n + W + step,
+                    hist[b][-1].hidden if draft.uses_features else None,
+                    step,
+                ),
+            )
+            for b, n in enumerate(lens)
+        ]
         if mtp_own_rows_only and step == 1:
             # MTP layer 2 never ran at step 0's row: read the prefix and the query's own row only
             extra = torch.tensor([[False, True]] * len(items))
-            call(items, from_target=False, step=step, extra=extra,
-                 kv_len=[n + W for n in lens])
+            call(items, from_target=False, step=step, extra=extra, kv_len=[n + W for n in lens])
         else:
             call(items, from_target=False, step=step)
     m.check()
@@ -131,9 +162,12 @@ def compare(hist, naive):
 
 
 def dims(config):
-    return dict(heads=config.num_attention_heads, kv_heads=config.num_key_value_heads,
-                head_dim=config.hidden_size // config.num_attention_heads,
-                theta=rope_theta(config))
+    return dict(
+        heads=config.num_attention_heads,
+        kv_heads=config.num_key_value_heads,
+        head_dim=config.hidden_size // config.num_attention_heads,
+        theta=rope_theta(config),
+    )
 
 
 def causal(n):
@@ -148,7 +182,8 @@ def causal(n):
 def test_eagle3_matches_naive(tmp_path, target_dir, page_size, draft_vocab):
     target = HFTarget.from_pretrained(target_dir, feature_mode="eagle3")
     d = Eagle3Draft.from_pretrained(
-        write_eagle3_draft(tmp_path / "e3", target_dir, draft_vocab_size=draft_vocab), target)
+        write_eagle3_draft(tmp_path / "e3", target_dir, draft_vocab_size=draft_vocab), target
+    )
     assert d.uses_features and d.hidden_size == 64
     assert d.vocab_size == (draft_vocab or 128)
     hist = run_scenario(d, target, page_size)
@@ -159,10 +194,12 @@ def test_eagle3_matches_naive(tmp_path, target_dir, page_size, draft_vocab):
 
     def naive(rows):
         e = embed[[r.token for r in rows]]
-        h = torch.stack([linear(r.vec, head.fc) if r.step is None else r.vec.double()
-                         for r in rows])
-        x = torch.cat([rms(e, mid.input_layernorm.weight, eps),
-                       rms(h, mid.hidden_norm.weight, eps)], -1)
+        h = torch.stack(
+            [linear(r.vec, head.fc) if r.step is None else r.vec.double() for r in rows]
+        )
+        x = torch.cat(
+            [rms(e, mid.input_layernorm.weight, eps), rms(h, mid.hidden_norm.weight, eps)], -1
+        )
         pos = torch.tensor([r.pos for r in rows])
         h1 = h + naive_attention(mid.self_attn, x, pos, causal(len(rows)), **dims(cfg))
         out = h1 + naive_mlp(mid.mlp, rms(h1, mid.post_attention_layernorm.weight, eps))
@@ -181,8 +218,9 @@ def test_eagle3_matches_naive(tmp_path, target_dir, page_size, draft_vocab):
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_eagle1_matches_naive(tmp_path, target_dir, page_size):
     target = HFTarget.from_pretrained(target_dir, feature_mode="last")
-    d = Eagle1Draft.from_pretrained(write_eagle1_draft(tmp_path / "e1", target_dir, fmt="bin"),
-                                    target)
+    d = Eagle1Draft.from_pretrained(
+        write_eagle1_draft(tmp_path / "e1", target_dir, fmt="bin"), target
+    )
     assert isinstance(d.head.layers[0].input_layernorm, torch.nn.Identity)
     hist = run_scenario(d, target, page_size)
     head, cfg = d.head, d.config
@@ -206,7 +244,8 @@ def test_eagle1_matches_naive(tmp_path, target_dir, page_size):
 def test_mtp_matches_naive(tmp_path, target_dir, page_size, num_layers):
     target = HFTarget.from_pretrained(target_dir, feature_mode="last")
     d = MTPDraft.from_pretrained(
-        write_mtp_draft(tmp_path / "mtp", target_dir, num_layers=num_layers), target)
+        write_mtp_draft(tmp_path / "mtp", target_dir, num_layers=num_layers), target
+    )
     assert d.kv_spec.num_layers == num_layers
     hist = run_scenario(d, target, page_size, mtp_own_rows_only=num_layers >= 3)
     head, cfg = d.head, d.config
@@ -215,10 +254,17 @@ def test_mtp_matches_naive(tmp_path, target_dir, page_size, num_layers):
 
     def layer_fwd(i, e, prev, pos):
         layer = head.layers[i]
-        x = linear(torch.cat([rms(e, layer.enorm.weight, eps), rms(prev, layer.hnorm.weight, eps)],
-                             -1), layer.eh_proj)
-        h1 = x + naive_attention(layer.self_attn, rms(x, layer.input_layernorm.weight, eps), pos,
-                                 causal(len(pos)), **dims(cfg))
+        x = linear(
+            torch.cat([rms(e, layer.enorm.weight, eps), rms(prev, layer.hnorm.weight, eps)], -1),
+            layer.eh_proj,
+        )
+        h1 = x + naive_attention(
+            layer.self_attn,
+            rms(x, layer.input_layernorm.weight, eps),
+            pos,
+            causal(len(pos)),
+            **dims(cfg),
+        )
         return h1 + naive_mlp(layer.mlp, rms(h1, layer.post_attention_layernorm.weight, eps))
 
     def naive(rows):
@@ -256,18 +302,28 @@ def test_mtp_matches_naive(tmp_path, target_dir, page_size, num_layers):
         return linear(rms(hidden, head.norm.weight, eps), target.lm_head), hidden
 
     compare(hist, naive)
-    assert [d.layer_for_step(s) for s in range(3)] == [min(s + 1, num_layers - 1) for s in range(3)]
+    assert [d.layer_for_step(s) for s in range(3)] == [
+        min(s + 1, num_layers - 1) for s in range(3)
+    ]
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("model_type", ["llama", "qwen3"])
-def test_standalone_matches_transformers_at_shifted_positions(tmp_path, target_dir, page_size,
-                                                              model_type):
+def test_standalone_matches_transformers_at_shifted_positions(
+    tmp_path, target_dir, page_size, model_type
+):
     target = HFTarget.from_pretrained(target_dir, feature_mode="none")
     directory = write_standalone_draft(tmp_path / "sa", target_dir, model_type)
     d = StandaloneDraft.from_pretrained(directory, target)
     assert not d.uses_features and d.kv_spec.num_layers == 2 and d.kv_spec.num_kv_heads == 1
+    seen = []
+    inner = d.model.forward
+    d.model.forward = lambda ids, pos, attn, idx=None: (
+        seen.append(pos) or inner(ids, pos, attn, idx)
+    )
     hist = run_scenario(d, target, page_size)
+    # RoPE is shift-invariant, so logits cannot show the +1: check what the LM was given.
+    assert torch.equal(seen[0][:6], torch.arange(1, 7))
     ref = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
     for rows in hist:
         ids = torch.tensor([[r.token for r in rows]])

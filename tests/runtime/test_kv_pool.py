@@ -25,8 +25,16 @@ DRAFT = KVSpec(num_layers=1, num_kv_heads=1, head_dim=8, dtype=torch.float32)
 
 
 def manager(**kw) -> KVCacheManager:
-    args = dict(num_pages=20, page_size=4, max_reqs=4, max_pages_per_req=6, target=TARGET,
-                draft=DRAFT, topk=2, num_steps=3)
+    args = dict(
+        num_pages=20,
+        page_size=4,
+        max_reqs=4,
+        max_pages_per_req=6,
+        target=TARGET,
+        draft=DRAFT,
+        topk=2,
+        num_steps=3,
+    )
     args.update(kw)
     return KVCacheManager(**args)
 
@@ -151,17 +159,27 @@ def test_check_lists_every_problem():
 class KVAccounting(RuleBasedStateMachine):
     """Random admit / grow / release sequences keep the accounting exact."""
 
-    @initialize(page_size=st.sampled_from([1, 2, 4, 16]), topk=st.integers(0, 3),
-                steps=st.integers(1, 4))
+    @initialize(
+        page_size=st.sampled_from([1, 2, 4, 16]), topk=st.integers(0, 3), steps=st.integers(1, 4)
+    )
     def setup(self, page_size, topk, steps):
         self.m = KVCacheManager(
-            num_pages=24, page_size=page_size, max_reqs=5, max_pages_per_req=8,
-            target=TARGET, draft=DRAFT if topk else None, topk=max(topk, 1), num_steps=steps)
+            num_pages=24,
+            page_size=page_size,
+            max_reqs=5,
+            max_pages_per_req=8,
+            target=TARGET,
+            draft=DRAFT if topk else None,
+            topk=max(topk, 1),
+            num_steps=steps,
+        )
         self.tokens: dict[int, int] = {}  # row -> tokens owned so far (max requested)
 
     def expected_in_use(self) -> int:
         m = self.m
-        return sum(math.ceil(n / m.page_size) + m.pages_per_admission for n in self.tokens.values())
+        return sum(
+            math.ceil(n / m.page_size) + m.pages_per_admission for n in self.tokens.values()
+        )
 
     @rule(n=st.integers(0, 40))
     def admit(self, n):
@@ -203,5 +221,8 @@ class KVAccounting(RuleBasedStateMachine):
 
 TestKVAccounting = KVAccounting.TestCase
 TestKVAccounting.settings = settings(
-    max_examples=60, stateful_step_count=30, deadline=None,
-    suppress_health_check=[HealthCheck.too_slow])
+    max_examples=60,
+    stateful_step_count=30,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)

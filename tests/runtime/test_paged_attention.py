@@ -21,7 +21,9 @@ def naive_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale):
         kv_len = int(meta.kv_len[t])
         positions = list(range(kv_len))
         if meta.extra_mask is not None:
-            positions += [kv_len + e for e in range(meta.extra_mask.shape[1]) if meta.extra_mask[t, e]]
+            positions += [
+                kv_len + e for e in range(meta.extra_mask.shape[1]) if meta.extra_mask[t, e]
+            ]
         if not positions:
             continue
         slots = [int(meta.page_table[row, p // P]) * P + p % P for p in positions]
@@ -33,8 +35,19 @@ def naive_paged_attention(q, k_cache, v_cache, meta: AttentionMetadata, scale):
     return out
 
 
-def random_layout(gen, *, page_size, num_rows, max_pages, num_tokens, kv_heads, group, head_dim,
-                  tree_width, pad_rows):
+def random_layout(
+    gen,
+    *,
+    page_size,
+    num_rows,
+    max_pages,
+    num_tokens,
+    kv_heads,
+    group,
+    head_dim,
+    tree_width,
+    pad_rows,
+):
     """A random pool + page table + queries (some of them padding rows on row 0)."""
     num_pages = 1 + num_rows * max_pages + 3
     num_slots = num_pages * page_size
@@ -56,10 +69,17 @@ def random_layout(gen, *, page_size, num_rows, max_pages, num_tokens, kv_heads, 
     if extra is not None:
         extra = extra & ~pad[:, None]
     write_slots = torch.randint(0, num_slots, (num_tokens,), generator=gen)
-    write_slots = torch.where(pad, torch.randint(0, page_size, (num_tokens,), generator=gen),
-                              write_slots)
-    meta = AttentionMetadata(write_slots=write_slots, page_table=page_table, query_row=query_row,
-                             kv_len=kv_len, extra_mask=extra, page_size=page_size)
+    write_slots = torch.where(
+        pad, torch.randint(0, page_size, (num_tokens,), generator=gen), write_slots
+    )
+    meta = AttentionMetadata(
+        write_slots=write_slots,
+        page_table=page_table,
+        query_row=query_row,
+        kv_len=kv_len,
+        extra_mask=extra,
+        page_size=page_size,
+    )
     q = torch.randn(num_tokens, kv_heads * group, head_dim, generator=gen)
     return q, k_cache, v_cache, meta
 
@@ -83,9 +103,18 @@ def test_paged_attention_matches_naive(page_size, kv_heads, group, tree_width, s
     gen = torch.Generator().manual_seed(seed * 100 + page_size)
     max_pages = max(2, math.ceil(40 / page_size))
     q, k_cache, v_cache, meta = random_layout(
-        gen, page_size=page_size, num_rows=5, max_pages=max_pages, num_tokens=23,
-        kv_heads=kv_heads, group=group, head_dim=8, tree_width=tree_width, pad_rows=0.2)
-    scale = 8 ** -0.5
+        gen,
+        page_size=page_size,
+        num_rows=5,
+        max_pages=max_pages,
+        num_tokens=23,
+        kv_heads=kv_heads,
+        group=group,
+        head_dim=8,
+        tree_width=tree_width,
+        pad_rows=0.2,
+    )
+    scale = 8**-0.5
     out = paged_attention(q, k_cache, v_cache, meta, scale)
     ref = naive_paged_attention(q, k_cache, v_cache, meta, scale)
     assert out.shape == q.shape and out.dtype == q.dtype
@@ -95,8 +124,17 @@ def test_paged_attention_matches_naive(page_size, kv_heads, group, tree_width, s
 def test_padded_rows_attend_nothing_and_give_zeros():
     gen = torch.Generator().manual_seed(7)
     q, k_cache, v_cache, meta = random_layout(
-        gen, page_size=4, num_rows=3, max_pages=4, num_tokens=6, kv_heads=2, group=2,
-        head_dim=8, tree_width=4, pad_rows=1.0)
+        gen,
+        page_size=4,
+        num_rows=3,
+        max_pages=4,
+        num_tokens=6,
+        kv_heads=2,
+        group=2,
+        head_dim=8,
+        tree_width=4,
+        pad_rows=1.0,
+    )
     out = paged_attention(q, k_cache, v_cache, meta, 0.3)
     assert torch.isfinite(out).all()
     assert (out == 0).all()
@@ -108,8 +146,17 @@ def test_small_chunks_match_one_chunk(monkeypatch):
 
     gen = torch.Generator().manual_seed(3)
     q, k_cache, v_cache, meta = random_layout(
-        gen, page_size=4, num_rows=4, max_pages=6, num_tokens=17, kv_heads=2, group=2,
-        head_dim=8, tree_width=5, pad_rows=0.1)
+        gen,
+        page_size=4,
+        num_rows=4,
+        max_pages=6,
+        num_tokens=17,
+        kv_heads=2,
+        group=2,
+        head_dim=8,
+        tree_width=5,
+        pad_rows=0.1,
+    )
     whole = paged_attention(q, k_cache, v_cache, meta, 0.35)
     monkeypatch.setattr(attention, "_GATHER_BUDGET", 4 * 6 * 2 * 8 * 3)  # 3 queries per chunk
     chunked = paged_attention(q, k_cache, v_cache, meta, 0.35)
@@ -119,8 +166,17 @@ def test_small_chunks_match_one_chunk(monkeypatch):
 def test_bf16_inputs_accumulate_in_fp32():
     gen = torch.Generator().manual_seed(11)
     q, k_cache, v_cache, meta = random_layout(
-        gen, page_size=16, num_rows=3, max_pages=3, num_tokens=9, kv_heads=2, group=2,
-        head_dim=16, tree_width=4, pad_rows=0.0)
+        gen,
+        page_size=16,
+        num_rows=3,
+        max_pages=3,
+        num_tokens=9,
+        kv_heads=2,
+        group=2,
+        head_dim=16,
+        tree_width=4,
+        pad_rows=0.0,
+    )
     q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
     out = paged_attention(q, k_cache, v_cache, meta, 0.25)
     ref = naive_paged_attention(q, k_cache, v_cache, meta, 0.25)
@@ -132,13 +188,26 @@ def test_runs_on_meta_tensors_so_it_never_reads_values_on_the_host():
     """Meta tensors have no data: any .item()/.tolist()/nonzero/bool-mask indexing would raise."""
     gen = torch.Generator().manual_seed(5)
     q, k_cache, v_cache, meta = random_layout(
-        gen, page_size=4, num_rows=3, max_pages=4, num_tokens=5, kv_heads=2, group=2,
-        head_dim=8, tree_width=3, pad_rows=0.2)
+        gen,
+        page_size=4,
+        num_rows=3,
+        max_pages=4,
+        num_tokens=5,
+        kv_heads=2,
+        group=2,
+        head_dim=8,
+        tree_width=3,
+        pad_rows=0.2,
+    )
     to_meta = lambda t: t.to("meta")  # noqa: E731
     meta_m = AttentionMetadata(
-        write_slots=to_meta(meta.write_slots), page_table=to_meta(meta.page_table),
-        query_row=to_meta(meta.query_row), kv_len=to_meta(meta.kv_len),
-        extra_mask=to_meta(meta.extra_mask), page_size=meta.page_size)
+        write_slots=to_meta(meta.write_slots),
+        page_table=to_meta(meta.page_table),
+        query_row=to_meta(meta.query_row),
+        kv_len=to_meta(meta.kv_len),
+        extra_mask=to_meta(meta.extra_mask),
+        page_size=meta.page_size,
+    )
     kc, vc = to_meta(k_cache), to_meta(v_cache)
     write_kv(kc, vc, meta_m.write_slots, to_meta(q[:, :2]), to_meta(q[:, :2]))
     out = paged_attention(to_meta(q), kc, vc, meta_m, 0.5)
@@ -170,15 +239,23 @@ def test_write_then_attend_is_causal_self_attention():
     v_cache = torch.zeros(4 * P, Hkv, D)
     pos = torch.arange(T)
     slots = page_table[1, pos // P] * P + pos % P
-    meta = AttentionMetadata(write_slots=slots, page_table=page_table,
-                             query_row=torch.ones(T, dtype=torch.int64), kv_len=pos + 1,
-                             extra_mask=None, page_size=P)
+    meta = AttentionMetadata(
+        write_slots=slots,
+        page_table=page_table,
+        query_row=torch.ones(T, dtype=torch.int64),
+        kv_len=pos + 1,
+        extra_mask=None,
+        page_size=P,
+    )
     q = torch.randn(T, Hkv * G, D)
     k = torch.randn(T, Hkv, D)
     v = torch.randn(T, Hkv, D)
     write_kv(k_cache, v_cache, meta.write_slots, k, v)
-    out = paged_attention(q, k_cache, v_cache, meta, D ** -0.5)
+    out = paged_attention(q, k_cache, v_cache, meta, D**-0.5)
     ref = torch.nn.functional.scaled_dot_product_attention(
-        q.transpose(0, 1), k.repeat_interleave(G, 1).transpose(0, 1),
-        v.repeat_interleave(G, 1).transpose(0, 1), is_causal=True).transpose(0, 1)
+        q.transpose(0, 1),
+        k.repeat_interleave(G, 1).transpose(0, 1),
+        v.repeat_interleave(G, 1).transpose(0, 1),
+        is_causal=True,
+    ).transpose(0, 1)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)

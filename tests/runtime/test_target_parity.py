@@ -58,9 +58,13 @@ def test_prefill_decode_verify_match_transformers(target_dir, page_size):
     assert_conforms(ours, TargetModel)
     vocab = ours.vocab_size
     max_tokens = 48
-    m = KVCacheManager(num_pages=3 * math.ceil(max_tokens / page_size) + 8, page_size=page_size,
-                       max_reqs=4, max_pages_per_req=math.ceil(max_tokens / page_size),
-                       target=ours.kv_spec)
+    m = KVCacheManager(
+        num_pages=3 * math.ceil(max_tokens / page_size) + 8,
+        page_size=page_size,
+        max_reqs=4,
+        max_pages_per_req=math.ceil(max_tokens / page_size),
+        target=ours.kv_spec,
+    )
     ours.attach_kv(m.target_pool)
 
     prompt_lens = [5, 17, 11]
@@ -70,7 +74,7 @@ def test_prefill_decode_verify_match_transformers(target_dir, page_size):
 
     # -- prefill: all prompts flattened into one forward, plus one padding row (row 0, page 0)
     ids = [t for s in seqs for t in s] + [3]
-    row_of = [r for r, s in zip(rows, seqs) for _ in s] + [0]
+    row_of = [r for r, s in zip(rows, seqs, strict=True) for _ in s] + [0]
     pos = [p for s in seqs for p in range(len(s))] + [0]
     meta = causal_meta(rt, page_size, row_of, pos)
     kv_len = meta.kv_len.clone()
@@ -82,26 +86,26 @@ def test_prefill_decode_verify_match_transformers(target_dir, page_size):
     start = 0
     for s in seqs:
         want = reference_logits(ref, s)
-        torch.testing.assert_close(out.logits[start:start + len(s)], want, atol=ATOL, rtol=0)
+        torch.testing.assert_close(out.logits[start : start + len(s)], want, atol=ATOL, rtol=0)
         start += len(s)
     # EAGLE-3 features = residual inputs of layers (2, L//2, L-3) = HF hidden_states[i]
     with torch.no_grad():
         hs = ref(torch.tensor([seqs[1]]), output_hidden_states=True).hidden_states
     want_feat = torch.cat([hs[i][0] for i in ours.feature_layers], dim=-1)
-    got_feat = out.features[len(seqs[0]):len(seqs[0]) + len(seqs[1])]
+    got_feat = out.features[len(seqs[0]) : len(seqs[0]) + len(seqs[1])]
     torch.testing.assert_close(got_feat, want_feat, atol=ATOL, rtol=0)
 
     # -- decode steps: one token per request; logits only for the requested rows
     for _ in range(3):
         new = torch.randint(0, vocab, (len(seqs),), generator=gen).tolist()
         pos = [len(s) for s in seqs]
-        for r, s in zip(rows, seqs):
+        for r, s in zip(rows, seqs, strict=True):
             m.ensure_capacity(r, len(s) + 1)
         meta = causal_meta(rt, page_size, rows, pos)
         idx = torch.tensor([2, 0])
         out = ours.forward(torch.tensor(new), torch.tensor(pos), meta, logits_index=idx)
         assert out.logits.shape == (2, vocab)
-        for s, t in zip(seqs, new):
+        for s, t in zip(seqs, new, strict=True):
             s.append(t)
         for k, b in enumerate(idx.tolist()):
             want = reference_logits(ref, seqs[b])[-1]
@@ -112,7 +116,7 @@ def test_prefill_decode_verify_match_transformers(target_dir, page_size):
     trees = [random_tree(gen, n) for _ in seqs]
     node_tokens = [torch.randint(0, vocab, (n,), generator=gen).tolist() for _ in seqs]
     ids, row_of, wpos, kvl, positions, extra = [], [], [], [], [], []
-    for r, s, (parents, mask, depth), toks in zip(rows, seqs, trees, node_tokens):
+    for r, s, (_parents, mask, depth), toks in zip(rows, seqs, trees, node_tokens, strict=True):
         m.ensure_capacity(r, len(s) + n)
         for j in range(n):
             ids.append(toks[j])
@@ -129,7 +133,9 @@ def test_prefill_decode_verify_match_transformers(target_dir, page_size):
     extra.append(torch.zeros(n, dtype=torch.bool))
     meta = make_meta(rt, page_size, row_of, wpos, kvl, torch.stack(extra))
     out = ours.forward(torch.tensor(ids), torch.tensor(positions), meta)
-    for b, (s, (parents, mask, depth), toks) in enumerate(zip(seqs, trees, node_tokens)):
+    for b, (s, (_parents, mask, _depth), toks) in enumerate(
+        zip(seqs, trees, node_tokens, strict=True)
+    ):
         for j in range(n):
             path = [toks[a] for a in range(n) if mask[j, a]]  # ancestors in node order = root..j
             want = reference_logits(ref, s + path)[-1]
@@ -144,11 +150,14 @@ def test_last_and_none_feature_modes(tmp_path):
     toks = torch.randint(0, 128, (7,))
     for mode, width in [("last", 64), ("none", 0)]:
         ours = HFTarget.from_pretrained(directory, feature_mode=mode)
-        m = KVCacheManager(num_pages=4, page_size=4, max_reqs=2, max_pages_per_req=2,
-                           target=ours.kv_spec)
+        m = KVCacheManager(
+            num_pages=4, page_size=4, max_reqs=2, max_pages_per_req=2, target=ours.kv_spec
+        )
         ours.attach_kv(m.target_pool)
         row = m.admit(7)
-        out = ours.forward(toks, torch.arange(7), causal_meta(m.req_to_page, 4, [row] * 7, range(7)))
+        out = ours.forward(
+            toks, torch.arange(7), causal_meta(m.req_to_page, 4, [row] * 7, range(7))
+        )
         assert out.features.shape == (7, width)
         if mode == "last":
             with torch.no_grad():

@@ -99,7 +99,9 @@ def phasegraph_attention(
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("the phasegraph attention does not implement logit softcapping")
     if query.shape[0] != 1:
-        raise ValueError(f"phasegraph attention expects batch dim 1 (flattened), got {query.shape}")
+        raise ValueError(
+            f"phasegraph attention expects batch dim 1 (flattened), got {query.shape}"
+        )
     ctx = current_forward_context()
     layer = ctx.pool_layer(module.layer_idx)
     k_cache, v_cache = ctx.pool.k[layer], ctx.pool.v[layer]

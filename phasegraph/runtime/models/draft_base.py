@@ -37,7 +37,7 @@ def draft_config(directory: str | Path | None = None, raw: dict | None = None) -
 @contextlib.contextmanager
 def building(device: torch.device | str, init: bool) -> Iterator[None]:
     """Build modules on ``device``; skip random init when weights are loaded next."""
-    with torch.device(device), (contextlib.nullcontext() if init else no_weight_init()):
+    with torch.device(device), contextlib.nullcontext() if init else no_weight_init():
         yield
 
 

@@ -56,7 +56,9 @@ class Checkpoint:
         elif allow_bin and binary.is_file():
             self._add_bin(binary)
         else:
-            looked = [SAFETENSORS_FILE, SAFETENSORS_INDEX] + ([TORCH_BIN_FILE] if allow_bin else [])
+            looked = [SAFETENSORS_FILE, SAFETENSORS_INDEX] + (
+                [TORCH_BIN_FILE] if allow_bin else []
+            )
             raise CheckpointFileError(
                 f"{self.directory}: no checkpoint file found (looked for {', '.join(looked)})"
             )
@@ -140,7 +142,9 @@ class Checkpoint:
         try:
             return tuple(self._handles[path].get_slice(key).get_shape())
         except Exception as exc:
-            raise CheckpointFileError(f"{path}: cannot read the header of {key!r} ({exc})") from exc
+            raise CheckpointFileError(
+                f"{path}: cannot read the header of {key!r} ({exc})"
+            ) from exc
 
 
 def alias_groups(module: torch.nn.Module) -> list[list[str]]:

@@ -105,6 +105,23 @@ class MTPDraft(FeatureDraft):
         x = layer.eh_proj(torch.cat([layer.enorm(embeds), layer.hnorm(prev)], dim=-1))  # [T, H]
         return run_decoder_layer(layer, x, position_embeddings, positions)
 
+    def step_metadata(self, attn: AttentionMetadata, step: int) -> AttentionMetadata:
+        """Draft step ``step`` attends the prefix plus only those ancestors (draft steps
+        ``0..step``, the block behind ``kv_len - step - 1``) that ran the same MTP layer: a
+        layer never wrote the KV of steps another layer ran."""
+        layer = self.layer_for_step(step)
+        same = torch.tensor(
+            [self.layer_for_step(j) == layer for j in range(step + 1)], device=attn.kv_len.device
+        )  # [step+1]
+        return AttentionMetadata(
+            write_slots=attn.write_slots,
+            page_table=attn.page_table,
+            query_row=attn.query_row,
+            kv_len=attn.kv_len - (step + 1),
+            extra_mask=same.expand(attn.kv_len.shape[0], step + 1),
+            page_size=attn.page_size,
+        )
+
     @torch.no_grad()
     def forward(
         self,
@@ -117,6 +134,8 @@ class MTPDraft(FeatureDraft):
         step: int = 0,
         logits_index: torch.Tensor | None = None,  # [R] int64
     ) -> DraftOutput:
+        if not from_target:
+            attn = self.step_metadata(attn, step)
         embeds = self._embed(input_ids).to(self.dtype)  # [T, H]
         prev = hidden.to(self.dtype)  # [T, H]
         position_embeddings = self._rope(embeds, positions)
@@ -124,7 +143,7 @@ class MTPDraft(FeatureDraft):
             if from_target:
                 out = first = self._layer(0, embeds, prev, position_embeddings, positions)
                 for index in range(1, self.num_layers):
-                    out = self._layer(index, embeds, prev, position_embeddings, positions)
+                    out = self._layer(index, embeds, out, position_embeddings, positions)
                 out = first
             else:
                 index = self.layer_for_step(step)

@@ -131,7 +131,9 @@ class HFTarget:
             "eagle3": eagle3_feature_layers(self.num_layers),
             "none": (),
         }[feature_mode]
-        self.feature_size: int = {"last": 1, "eagle3": 3, "none": 0}[feature_mode] * self.hidden_size
+        self.feature_size: int = {"last": 1, "eagle3": 3, "none": 0}[
+            feature_mode
+        ] * self.hidden_size
         param = next(model.parameters())
         self.dtype = param.dtype
         self.device = param.device

@@ -1,0 +1,344 @@
+"""The public Engine: load a target (and a draft), then generate, in one call or step by step.
+
+::
+
+    engine = Engine.from_pretrained(target_dir, draft_dir, spec=SpecConfig(method="eagle3", ...))
+    outs = engine.generate(["def fib(n):"], SamplingParams(max_new_tokens=64))
+    engine.add_request("r1", prompt_ids, params); deltas = engine.step(); engine.abort("r1")
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from phasegraph.phases import EAGLE_GRAPH, SpecContext
+from phasegraph.runtime.config import RequestDelta, RequestOutput, SamplingParams, SpecConfig
+from phasegraph.runtime.errors import InvalidConfig, InvalidRequest
+from phasegraph.runtime.kv_pool import KVCacheManager
+from phasegraph.runtime.memory import PhaseMemory
+from phasegraph.runtime.models.target import HFTarget
+from phasegraph.runtime.requests import Request, Status
+from phasegraph.runtime.scheduler import Scheduler
+from phasegraph.statemachine import Trace
+
+FEATURE_MODE = {"none": "none", "eagle": "last", "eagle3": "eagle3", "mtp": "last", "standalone": "none"}
+
+
+def _draft_class(method: str):
+    from phasegraph.runtime.models.eagle1 import Eagle1Draft
+    from phasegraph.runtime.models.eagle3 import Eagle3Draft
+    from phasegraph.runtime.models.mtp import MTPDraft
+    from phasegraph.runtime.models.standalone import StandaloneDraft
+
+    return {"eagle": Eagle1Draft, "eagle3": Eagle3Draft, "mtp": MTPDraft, "standalone": StandaloneDraft}[method]
+
+
+def resolve_device(device: str | torch.device | None) -> torch.device:
+    if device is None or device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidConfig("device='cuda' was asked for but no CUDA GPU is available")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+             "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+    if dtype not in names:
+        raise InvalidConfig(f"dtype must be one of {', '.join(names)}; got {dtype!r}")
+    return names[dtype]
+
+
+def _load_tokenizer(directory: Path):
+    if not any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(directory))
+
+
+def _eos_ids(target: HFTarget, directory: Path | None, tokenizer) -> tuple[int, ...]:
+    ids: list[int] = []
+
+    def add(v):
+        if isinstance(v, int):
+            ids.append(v)
+        elif isinstance(v, (list, tuple)):
+            ids.extend(int(x) for x in v)
+
+    add(getattr(target.config, "eos_token_id", None))
+    if directory is not None and (directory / "generation_config.json").exists():
+        import json
+
+        add(json.loads((directory / "generation_config.json").read_text()).get("eos_token_id"))
+    if tokenizer is not None:
+        add(getattr(tokenizer, "eos_token_id", None))
+    return tuple(dict.fromkeys(i for i in ids if 0 <= i < target.vocab_size))
+
+
+class Engine:
+    """Speculative (or plain) generation over a Hugging Face target of the Llama family."""
+
+    def __init__(
+        self,
+        target: HFTarget,
+        draft=None,
+        *,
+        spec: SpecConfig | None = None,
+        tokenizer=None,
+        page_size: int = 1,
+        kv_pool_tokens: int | None = None,
+        max_batch_size: int = 32,
+        max_context: int | None = None,
+        eos_token_ids: Sequence[int] = (),
+        validate: str | None = None,
+        trace: bool = True,
+        check_every_step: bool = False,
+        seed: int = 0,
+    ):
+        spec = spec or SpecConfig(method="none")
+        if spec.speculative and draft is None:
+            raise InvalidConfig(f"SpecConfig(method={spec.method!r}) needs a draft model")
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise InvalidConfig(f"page_size must be an integer >= 1; got {page_size!r}")
+        if max_batch_size < 1:
+            raise InvalidConfig(f"max_batch_size must be >= 1; got {max_batch_size}")
+        self.target = target
+        self.draft = draft if spec.speculative else None
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.device = target.device
+        self.eos_token_ids = tuple(eos_token_ids)
+        self.max_context = int(max_context or getattr(target.config, "max_position_embeddings", 4096))
+        tree = spec.tree()
+        self.tokens_per_iteration = tree.tokens_per_iteration if tree else 1
+        self.page_size = page_size
+        kv_tokens = kv_pool_tokens or self._default_pool_tokens()
+        num_pages = math.ceil(kv_tokens / page_size) + 1  # + the reserved page 0
+        max_pages = math.ceil((self.max_context + self.tokens_per_iteration) / page_size) + 1
+        self.kv = KVCacheManager(
+            num_pages=num_pages,
+            page_size=page_size,
+            max_reqs=max_batch_size + 1,
+            max_pages_per_req=max_pages,
+            target=target.kv_spec,
+            draft=self.draft.kv_spec if self.draft is not None else None,
+            topk=tree.topk if tree else 1,
+            num_steps=tree.num_steps if tree else 1,
+            device=self.device,
+        )
+        target.attach_kv(self.kv.target_pool)
+        if self.draft is not None:
+            self.draft.attach_kv(self.kv.draft_pool)
+        self.ctx = SpecContext(target=target, memory=PhaseMemory(self.kv), tree=tree, draft=self.draft)
+        self.trace = Trace() if trace else None
+        self.scheduler = Scheduler(
+            graph=EAGLE_GRAPH, ctx=self.ctx, kv=self.kv, max_batch_size=max_batch_size,
+            device=self.device, trace=self.trace, validate=validate, check_every_step=check_every_step,
+        )
+        self._seed = seed
+        self._counter = itertools.count()
+        self._requests: dict[str, Request] = {}
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_pretrained(
+        cls,
+        target_dir: str | os.PathLike,
+        draft_dir: str | os.PathLike | None = None,
+        *,
+        spec: SpecConfig | None = None,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+        page_size: int = 1,
+        kv_pool_tokens: int | None = None,
+        **kwargs,
+    ) -> Engine:
+        """Load a target directory (config.json + safetensors, sharded or not, plus its
+        tokenizer if present) and, for speculative methods, a draft directory in that method's
+        public checkpoint layout."""
+        spec = spec or SpecConfig(method="none")
+        dev = resolve_device(device)
+        dt = resolve_dtype(dtype, dev)
+        target_path = Path(target_dir)
+        target = HFTarget.from_pretrained(target_path, dtype=dt, device=dev, feature_mode=FEATURE_MODE[spec.method])
+        draft = None
+        if spec.speculative:
+            if draft_dir is None:
+                raise InvalidConfig(f"SpecConfig(method={spec.method!r}) needs draft_dir")
+            draft = _draft_class(spec.method).from_pretrained(Path(draft_dir), target, dtype=dt, device=dev)
+        tokenizer = _load_tokenizer(target_path)
+        kwargs.setdefault("eos_token_ids", _eos_ids(target, target_path, tokenizer))
+        return cls(target, draft, spec=spec, tokenizer=tokenizer, page_size=page_size,
+                   kv_pool_tokens=kv_pool_tokens, **kwargs)
+
+    def _default_pool_tokens(self) -> int:
+        if self.device.type != "cuda":
+            return 32768
+        per_token = _kv_bytes_per_token(self.target.kv_spec)
+        if self.draft is not None:
+            per_token += _kv_bytes_per_token(self.draft.kv_spec)
+        free, _ = torch.cuda.mem_get_info(self.device)
+        return max(4096, int(free * 0.5) // per_token)
+
+    # ------------------------------------------------------------------ requests
+    def add_request(
+        self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None
+    ) -> None:
+        """Queue a request. Bad input raises :class:`InvalidRequest` and changes nothing."""
+        req = self._make_request(request_id, prompt, params or SamplingParams())
+        self._requests[request_id] = req
+        self.scheduler.add(req)
+
+    def _make_request(self, request_id: str, prompt, params: SamplingParams) -> Request:
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequest(f"params must be a SamplingParams; got {type(params).__name__}")
+        if request_id in self._requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in use")
+        ids = self._encode(prompt)
+        if len(ids) + 1 > self.max_context:
+            raise InvalidRequest(
+                f"the prompt has {len(ids)} tokens; the context holds {self.max_context}, "
+                "so there is no room to generate"
+            )
+        budget = min(params.max_new_tokens, self.max_context - len(ids))
+        need = len(ids) + budget + self.tokens_per_iteration
+        capacity = (self.kv.num_pages - 1) * self.page_size - self.kv.pages_per_admission * self.page_size
+        if need > capacity:
+            raise InvalidRequest(
+                f"request {request_id!r} may need {need} tokens of KV cache, but the pool holds "
+                f"{capacity}; raise kv_pool_tokens or lower max_new_tokens"
+            )
+        stop_ids = list(params.stop_token_ids)
+        if not params.ignore_eos:
+            stop_ids += list(self.eos_token_ids)
+        seed = params.seed if params.seed is not None else hash((self._seed, next(self._counter))) & 0x7FFFFFFF
+        decode = None
+        if self.tokenizer is not None:
+            tok = self.tokenizer
+
+            def decode(tokens: list[int]) -> str:
+                return tok.decode(tokens, skip_special_tokens=True)
+
+        return Request(request_id, ids, params, stop_ids=stop_ids, budget=budget, seed=seed, decode=decode)
+
+    def _encode(self, prompt) -> list[int]:
+        vocab = self.target.vocab_size
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequest("this target has no tokenizer: pass prompts as lists of token ids")
+            ids = list(self.tokenizer(prompt)["input_ids"])
+        elif isinstance(prompt, torch.Tensor):
+            ids = prompt.reshape(-1).tolist()
+        elif isinstance(prompt, (list, tuple)):
+            ids = list(prompt)
+        else:
+            raise InvalidRequest(f"a prompt is a string or a list of token ids; got {type(prompt).__name__}")
+        if not ids:
+            raise InvalidRequest("the prompt is empty")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise InvalidRequest(f"token ids outside the vocabulary [0, {vocab}): {bad[:8]}")
+        return ids
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request; its KV is freed at once. Returns False for an unknown or finished id."""
+        req = self._requests.get(request_id)
+        if req is None or req.status is Status.FINISHED:
+            return False
+        return self.scheduler.abort(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[RequestDelta]:
+        """Run one scheduling step; returns what each affected request produced."""
+        self.scheduler.step()
+        deltas = []
+        for rid, req in list(self._requests.items()):
+            tokens, text = req.take_delta()
+            if tokens or text or req.finish_reason is not None:
+                deltas.append(RequestDelta(rid, tuple(tokens), text, req.finish_reason))
+            if req.status is Status.FINISHED:
+                del self._requests[rid]
+        return deltas
+
+    def retract(self, request_id: str) -> bool:
+        """Force a running request out of the batch (it is requeued and resumes with the same
+        output). Returns False when the request is not running."""
+        for req in self.scheduler.running:
+            if req.request_id == request_id:
+                self.scheduler.retract([req])
+                return True
+        return False
+
+    # ------------------------------------------------------------------ batch generation
+    def generate(
+        self,
+        prompts: Sequence[str | Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        *,
+        progress: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs come back in the prompts' order.
+
+        Every prompt and parameter set is checked before any work starts, so one bad prompt
+        raises :class:`InvalidRequest` without running (or harming) the others.
+        """
+        if isinstance(prompts, (str, torch.Tensor)) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # one prompt
+        n = len(prompts)
+        plist = [params or SamplingParams()] * n if not isinstance(params, (list, tuple)) else list(params)
+        if len(plist) != n:
+            raise InvalidRequest(f"got {n} prompts but {len(plist)} SamplingParams")
+        base = next(self._counter)
+        reqs = [self._make_request(f"gen-{base}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, plist, strict=True))]
+        for req in reqs:
+            self._requests[req.request_id] = req
+            self.scheduler.add(req)
+        bar = None
+        if progress:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=sum(r.budget for r in reqs), unit="tok", desc="generating")
+        try:
+            while any(r.status is not Status.FINISHED for r in reqs):
+                before = sum(len(r.output) for r in reqs)
+                self.step()
+                if bar is not None:
+                    bar.update(sum(len(r.output) for r in reqs) - before)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [r.to_output() for r in reqs]
+
+    # ------------------------------------------------------------------ introspection
+    @property
+    def num_retractions(self) -> int:
+        return self.scheduler.num_retractions
+
+    def check(self) -> None:
+        """Check the scheduler's invariants (KV accounting, one place per request, device
+        state == host bookkeeping); raises on the first violation."""
+        self.scheduler.check()
+
+    def save_trace(self, path: str | os.PathLike) -> Path:
+        if self.trace is None:
+            raise InvalidConfig("this engine records no trace (trace=False)")
+        return self.trace.save_chrome(path)
+
+
+def _kv_bytes_per_token(spec) -> int:
+    return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * torch.tensor([], dtype=spec.dtype).element_size()

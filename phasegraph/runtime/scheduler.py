@@ -1,0 +1,284 @@
+"""Continuous batching over the phase graph: admit, iterate, finish, retract, abort.
+
+One :meth:`Scheduler.step` does, in order:
+
+1. abort: requests marked aborted leave the batch (``filter``) or the queue;
+2. admit: waiting requests that fit the KV pool are prefilled together on their own machine
+   (``prefill-extend`` -> ``draft-extend``) and merged into the running batch (``merge``);
+3. reserve: every running request gets the KV pages its next iteration writes; when the pool
+   runs short the most recently admitted requests are retracted (``retract``) and requeued;
+4. iterate: one speculative iteration (``draft`` -> ``verify`` -> ``finalize-tree-path`` ->
+   ``draft-extend``) or one ``decode`` step for the baseline, then **the one host
+   synchronisation of the iteration** reads the emitted tokens;
+5. finish: finished requests leave the batch (``filter``), freeing their KV.
+
+The running batch's rows are always in the order of ``self.running``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+
+import torch
+
+from phasegraph.phases import BatchParams, DraftState, PrefillInput, RowSelection, SpecContext
+from phasegraph.runtime.errors import OutOfKVPages
+from phasegraph.runtime.kv_pool import KVCacheManager
+from phasegraph.runtime.requests import Request, Status
+from phasegraph.statemachine import Machine, PhaseGraph, Trace
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        graph: PhaseGraph,
+        ctx: SpecContext,
+        kv: KVCacheManager,
+        max_batch_size: int,
+        device: torch.device,
+        trace: Trace | None = None,
+        validate: str | None = None,
+        check_every_step: bool = False,
+    ):
+        self.graph = graph
+        self.ctx = ctx
+        self.kv = kv
+        self.max_batch_size = max_batch_size
+        self.device = device
+        self.trace = trace
+        self.validate = validate
+        self.check_every_step = check_every_step
+        self.speculative = ctx.tree is not None
+        self.tokens_per_iteration = ctx.tree.tokens_per_iteration if self.speculative else 1
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.machine = Machine(graph, name="running", trace=trace, validate=validate)
+        self.machine.reset("filter", self._empty_state())
+        self.num_retractions = 0
+        self._prefill_batches = 0
+        self.on_phase: Callable[[str, float, list[Request]], None] | None = None
+
+    # ------------------------------------------------------------------ requests in and out
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def abort(self, request_id: str) -> bool:
+        for req in self.waiting:
+            if req.request_id == request_id:
+                self.waiting.remove(req)
+                req.finish("abort")
+                req.status = Status.FINISHED
+                return True
+        for req in self.running:
+            if req.request_id == request_id:
+                req.finish("abort")
+                self._filter_finished()
+                return True
+        return False
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # ------------------------------------------------------------------ one step
+    def step(self) -> set[Request]:
+        """Run one scheduling step; returns the requests whose output changed."""
+        touched: set[Request] = set()
+        touched |= self._admit()
+        self._filter_finished()
+        if self.running:
+            self._reserve_pages()
+        if self.running:
+            touched |= self._iterate()
+            self._filter_finished()
+        if self.check_every_step:
+            self.check()
+        return touched
+
+    # ------------------------------------------------------------------ admission
+    def _admit(self) -> set[Request]:
+        admitted: list[Request] = []
+        reserve = sum(self.kv.pages_needed(r.seq_len + self.tokens_per_iteration, r.row) for r in self.running)
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
+            req = self.waiting[0]
+            need_tokens = len(req.tokens_to_prefill()) + self.tokens_per_iteration
+            if self.kv.pages_needed(need_tokens) + reserve > self.kv.num_free_pages:
+                break
+            try:
+                req.row = self.kv.admit(need_tokens)
+            except OutOfKVPages:
+                break
+            self.waiting.popleft()
+            admitted.append(req)
+        if not admitted:
+            return set()
+        self._prefill(admitted)
+        return set(admitted)
+
+    def _params(self, reqs: list[Request]) -> BatchParams:
+        dev = self.device
+        z = max(1, max(len(r.stop_ids) for r in reqs))
+        stop = torch.full((len(reqs), z), -1, dtype=torch.int64)
+        for i, r in enumerate(reqs):
+            if r.stop_ids:
+                stop[i, : len(r.stop_ids)] = torch.tensor(r.stop_ids, dtype=torch.int64)
+        return BatchParams(
+            req_pool_idx=torch.tensor([r.row for r in reqs], dtype=torch.int64, device=dev),
+            temperature=torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=dev),
+            top_p=torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=dev),
+            top_k=torch.tensor([r.params.top_k for r in reqs], dtype=torch.int64, device=dev),
+            stop_ids=stop.to(dev),
+            seed=torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=dev),
+        )
+
+    def _prefill(self, reqs: list[Request]) -> None:
+        dev = self.device
+        prompts = [r.tokens_to_prefill() for r in reqs]
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
+        token_req = torch.repeat_interleave(torch.arange(len(reqs)), lens)
+        starts = torch.cumsum(lens, 0) - lens
+        positions = torch.arange(int(lens.sum())) - starts[token_req]
+        inp = PrefillInput(
+            params=self._params(reqs),
+            input_ids=torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=dev),
+            positions=positions.to(dev),
+            token_req=token_req.to(dev),
+            select_index=(torch.cumsum(lens, 0) - 1).to(dev),
+            seq_lens=lens.to(dev),
+            remaining=torch.tensor([r.remaining for r in reqs], dtype=torch.int64, device=dev),
+        )
+        self._set_flags(reqs)
+        self._prefill_batches += 1
+        m = Machine(self.graph, name=f"prefill-{self._prefill_batches}", trace=self.trace, validate=self.validate)
+        result = self._run(m, "prefill-extend", reqs, state=inp)
+        new_state = self._run(m, "draft-extend", reqs)
+        # host sync: the first token of every new request
+        first = result.bonus_tokens.tolist()
+        first_lp = result.first_logprobs.tolist() if result.first_logprobs is not None else None
+        for i, (req, prompt) in enumerate(zip(reqs, prompts, strict=True)):
+            req.status = Status.RUNNING
+            req.seq_len = len(prompt)
+            req.append([first[i]], None if first_lp is None else [first_lp[i]])
+        self._run(self.machine, "merge", self.running + reqs, other=new_state)
+        self.running.extend(reqs)
+
+    # ------------------------------------------------------------------ memory
+    def _reserve_pages(self) -> None:
+        """Give every running request the pages of its next iteration, retracting the most
+        recently admitted requests while the pool is short."""
+        while True:
+            need = sum(self.kv.pages_needed(r.seq_len + self.tokens_per_iteration, r.row) for r in self.running)
+            if need <= self.kv.num_free_pages or len(self.running) <= 1:
+                break
+            self.retract([self.running[-1]])
+        for r in self.running:
+            self.kv.ensure_capacity(r.row, r.seq_len + self.tokens_per_iteration)
+
+    def retract(self, victims: list[Request]) -> None:
+        """Give back everything ``victims`` hold and requeue them (front of the queue) to
+        resume from their prompt plus the tokens they already emitted."""
+        if not victims:
+            return
+        ids = {id(v) for v in victims}
+        rows = [i for i, r in enumerate(self.running) if id(r) in ids]
+        self._run(self.machine, "retract", self.running, rows=self._selection(rows))
+        self.running = [r for r in self.running if id(r) not in ids]
+        for req in reversed(victims):
+            req.status = Status.WAITING
+            req.row = None
+            req.seq_len = 0
+            req.stats.retractions += 1
+            self.num_retractions += 1
+            self.waiting.appendleft(req)
+
+    # ------------------------------------------------------------------ iteration
+    def _set_flags(self, reqs: list[Request]) -> None:
+        self.ctx.greedy_only = all(r.params.greedy for r in reqs)
+        self.ctx.return_logprobs = any(r.params.logprobs for r in reqs)
+
+    def _iterate(self) -> set[Request]:
+        batch = list(self.running)
+        self._set_flags(batch)
+        m = self.machine
+        if not self.speculative:
+            state = self._run(m, "decode", batch)
+            # the one host synchronisation of the iteration
+            tokens = state.bonus_tokens.tolist()
+            lps = state.bonus_logprobs.tolist() if state.bonus_logprobs is not None else None
+            for i, req in enumerate(batch):
+                req.seq_len += 1
+                req.append([tokens[i]], None if lps is None else [lps[i]])
+            return set(batch)
+        self._run(m, "draft", batch)
+        self._run(m, "verify", batch)
+        path = self._run(m, "finalize-tree-path", batch)
+        self._run(m, "draft-extend", batch)
+        # the one host synchronisation of the iteration: emitted tokens and accept lengths
+        packed = torch.cat([path.emitted, path.accept_lens[:, None]], dim=1).tolist()
+        lps = None
+        if path.accepted_logprobs is not None:
+            lps = path.accepted_logprobs.view(len(batch), -1).tolist()
+        for i, req in enumerate(batch):
+            n = packed[i][-1]
+            req.seq_len += n
+            req.stats.accept_lengths.append(n)
+            req.append(packed[i][:n], None if lps is None else lps[i][:n])
+        return set(batch)
+
+    def _filter_finished(self) -> None:
+        done = [r for r in self.running if r.finish_reason is not None]
+        if not done:
+            return
+        keep = [i for i, r in enumerate(self.running) if r.finish_reason is None]
+        self._run(self.machine, "filter", self.running, keep=self._selection(keep))
+        self.running = [self.running[i] for i in keep]
+        for req in done:
+            req.status = Status.FINISHED
+            req.row = None
+
+    # ------------------------------------------------------------------ helpers
+    def _selection(self, rows: list[int]) -> RowSelection:
+        return RowSelection(rows=torch.tensor(rows, dtype=torch.int64, device=self.device))
+
+    def _run(self, machine: Machine, phase: str, reqs: list[Request], **kw):
+        start = time.perf_counter()
+        out = machine.advance(phase, self.ctx, **kw)
+        seconds = time.perf_counter() - start
+        for r in reqs:
+            r.stats.phase_time_s[phase] = r.stats.phase_time_s.get(phase, 0.0) + seconds
+        return out
+
+    def _empty_state(self) -> DraftState:
+        dev = self.device
+        K = self.ctx.tree.topk if self.speculative and self.ctx.draft is not None else 0
+        z = torch.zeros(0, dtype=torch.int64, device=dev)
+        return DraftState(
+            params=BatchParams(
+                req_pool_idx=z, temperature=torch.zeros(0, device=dev), top_p=torch.ones(0, device=dev),
+                top_k=z, stop_ids=torch.zeros(0, 1, dtype=torch.int64, device=dev), seed=z,
+            ),
+            seq_lens=z, bonus_tokens=z, remaining=z,
+            topk_p=torch.zeros(0, K, device=dev), topk_index=torch.zeros(0, K, dtype=torch.int64, device=dev),
+            hidden=None,
+        )
+
+    def check(self) -> None:
+        """Invariants after a step: KV accounting, one place per request, device == host."""
+        self.kv.check()
+        ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
+        assert len(ids) == len(set(ids)), f"a request is queued twice: {ids}"
+        state = self.machine.state
+        assert state.batch_size == len(self.running)
+        if self.running:
+            seq = state.seq_lens.tolist()
+            rows = state.params.req_pool_idx.tolist()
+            for i, r in enumerate(self.running):
+                assert r.status is Status.RUNNING and r.row == rows[i], f"{r.request_id}: row mismatch"
+                assert seq[i] == r.seq_len == len(r.prompt) + len(r.output) - 1, (
+                    f"{r.request_id}: device seq_len {seq[i]}, host {r.seq_len}, "
+                    f"prompt {len(r.prompt)} + output {len(r.output)} - 1"
+                )
+        for r in self.waiting:
+            assert r.status is Status.WAITING and r.row is None

@@ -1,0 +1,165 @@
+"""GPU: the phasegraph attention backend under CUDA-graph capture, and no host syncs.
+
+Target decode + tree verify and an EAGLE-3 draft step are captured with static metadata
+buffers; refilling the buffers in place and replaying equals an eager forward. The eager
+forwards run under ``torch.cuda.set_sync_debug_mode("error")``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from pg_runtime_helpers import causal_meta, make_meta
+
+from phasegraph.kernels.attention import AttentionMetadata
+from phasegraph.runtime.kv_pool import KVCacheManager
+from phasegraph.runtime.models.eagle3 import Eagle3Draft
+from phasegraph.runtime.models.target import HFTarget
+from phasegraph.runtime.models.testing_checkpoints import write_eagle3_draft, write_hf_target
+
+pytestmark = pytest.mark.gpu
+
+
+@contextlib.contextmanager
+def no_sync():
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        yield
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def static_copy(meta: AttentionMetadata) -> AttentionMetadata:
+    clone = lambda t: None if t is None else t.clone()  # noqa: E731
+    return AttentionMetadata(
+        write_slots=clone(meta.write_slots),
+        page_table=meta.page_table,
+        query_row=clone(meta.query_row),
+        kv_len=clone(meta.kv_len),
+        extra_mask=clone(meta.extra_mask),
+        page_size=meta.page_size,
+    )
+
+
+def refill(static: AttentionMetadata, meta: AttentionMetadata) -> None:
+    for name in ("write_slots", "query_row", "kv_len", "extra_mask"):
+        dst = getattr(static, name)
+        if dst is not None:
+            dst.copy_(getattr(meta, name))
+
+
+def capture(fn):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # warm-up
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_target_and_eagle3_capture_replay_equals_eager(tmp_path, page_size):
+    dev = "cuda"
+    with no_sync(), pytest.raises(RuntimeError):  # the check is live: a real sync raises
+        torch.ones(1, device=dev).item()
+    tdir = write_hf_target(tmp_path / "t", "llama")
+    target = HFTarget.from_pretrained(tdir, device=dev, feature_mode="eagle3")
+    draft = Eagle3Draft.from_pretrained(
+        write_eagle3_draft(tmp_path / "e3", tdir, draft_vocab_size=40), target
+    )
+    m = KVCacheManager(
+        num_pages=64,
+        page_size=page_size,
+        max_reqs=4,
+        max_pages_per_req=64 // page_size,
+        target=target.kv_spec,
+        draft=draft.kv_spec,
+        device=dev,
+    )
+    target.attach_kv(m.target_pool)
+    draft.attach_kv(m.draft_pool)
+    lens = [5, 13]
+    rows = [m.admit(n + 12) for n in lens]
+    rt = m.req_to_page
+    gen = torch.Generator().manual_seed(0)
+    toks = [torch.randint(0, 128, (n,), generator=gen) for n in lens]
+    row_of = [r for r, n in zip(rows, lens, strict=True) for _ in range(n)]
+    pos = torch.cat([torch.arange(n) for n in lens])
+    pre_ids = torch.cat(toks).to(dev)
+    pre_pos = pos.to(dev)
+    pre_meta = to(causal_meta(rt, page_size, row_of, pos), dev)
+    with no_sync():
+        pre = target.forward(pre_ids, pre_pos, pre_meta)
+        draft.forward(pre_ids, pre.features, pre_pos, pre_meta, from_target=True, step=0)
+
+    # -- target decode step, captured
+    def decode_inputs(step):
+        p = torch.tensor([n + step for n in lens])
+        ids = torch.randint(0, 128, (2,), generator=gen)
+        return ids.to(dev), p.to(dev), to(causal_meta(rt, page_size, rows, p), dev)
+
+    ids0, pos0, meta0 = decode_inputs(0)
+    s_ids, s_pos, s_meta = ids0.clone(), pos0.clone(), static_copy(meta0)
+    graph, g_out = capture(lambda: target.forward(s_ids, s_pos, s_meta))
+    for step in range(3):
+        ids, p, meta = decode_inputs(step)
+        s_ids.copy_(ids)
+        s_pos.copy_(p)
+        refill(s_meta, meta)
+        graph.replay()
+        replayed = g_out.logits.clone()
+        with no_sync():
+            eager = target.forward(ids, p, meta).logits
+        torch.testing.assert_close(replayed, eager, atol=1e-5, rtol=0)
+
+    # -- tree verify (extra_mask) captured
+    n = 4
+    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    depth = torch.tensor([0, 1, 1, 2])
+    seq = torch.tensor([n_ + 3 for n_ in lens])
+    vrows = [r for r in rows for _ in range(n)]
+    wpos = torch.cat([s + torch.arange(n) for s in seq])
+    vmeta = to(
+        make_meta(rt, page_size, vrows, wpos, seq.repeat_interleave(n), mask.repeat(2, 1)), dev
+    )
+    vids = torch.randint(0, 128, (2 * n,), generator=gen).to(dev)
+    vpos = (seq.repeat_interleave(n) + depth.repeat(2)).to(dev)
+    s_vmeta = static_copy(vmeta)
+    graph, g_out = capture(lambda: target.forward(vids, vpos, s_vmeta))
+    graph.replay()
+    with no_sync():
+        eager = target.forward(vids, vpos, vmeta).logits
+    torch.testing.assert_close(g_out.logits, eager, atol=1e-5, rtol=0)
+
+    # -- EAGLE-3 draft step captured
+    hidden = torch.randn(2, 64, generator=gen).to(dev)
+    dpos = seq.to(dev)
+    dmeta = to(causal_meta(rt, page_size, rows, seq), dev)
+    dids = torch.randint(0, 128, (2,), generator=gen).to(dev)
+    s_dmeta = static_copy(dmeta)
+    graph, g_out = capture(
+        lambda: draft.forward(dids, hidden, dpos, s_dmeta, from_target=False, step=0)
+    )
+    graph.replay()
+    with no_sync():
+        eager = draft.forward(dids, hidden, dpos, dmeta, from_target=False, step=0)
+    torch.testing.assert_close(g_out.logits, eager.logits, atol=1e-5, rtol=0)
+    torch.testing.assert_close(g_out.hidden, eager.hidden, atol=1e-5, rtol=0)
+
+
+def to(meta: AttentionMetadata, device) -> AttentionMetadata:
+    move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    return AttentionMetadata(
+        write_slots=move(meta.write_slots),
+        page_table=move(meta.page_table),
+        query_row=move(meta.query_row),
+        kv_len=move(meta.kv_len),
+        extra_mask=move(meta.extra_mask),
+        page_size=meta.page_size,
+    )

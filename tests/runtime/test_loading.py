@@ -1,0 +1,236 @@
+"""Strict checkpoint loading: every failure raises a named error with an informative message."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from phasegraph.runtime.errors import (
+    CheckpointFileError,
+    CheckpointMismatch,
+    DraftMismatch,
+    UnsupportedModel,
+)
+from phasegraph.runtime.models.eagle1 import Eagle1Draft
+from phasegraph.runtime.models.eagle3 import Eagle3Draft
+from phasegraph.runtime.models.mtp import MTPDraft
+from phasegraph.runtime.models.standalone import StandaloneDraft
+from phasegraph.runtime.models.target import HFTarget
+from phasegraph.runtime.models.testing_checkpoints import (
+    write_eagle1_draft,
+    write_eagle3_draft,
+    write_hf_target,
+    write_mtp_draft,
+    write_standalone_draft,
+)
+
+EAGLE3_KEYS = {
+    "fc.weight",
+    "norm.weight",
+    "lm_head.weight",
+    "d2t",
+    "t2d",
+    *(f"midlayer.self_attn.{p}_proj.weight" for p in "qkvo"),
+    *(f"midlayer.mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+    *(
+        f"midlayer.{n}.weight"
+        for n in ("hidden_norm", "input_layernorm", "post_attention_layernorm")
+    ),
+}
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return write_hf_target(tmp_path_factory.mktemp("target"), "llama", num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module")
+def eagle3_target(target_dir):
+    return HFTarget.from_pretrained(target_dir, feature_mode="eagle3")
+
+
+def edit_safetensors(path, edit):
+    state = load_file(str(path))
+    edit(state)
+    save_file(state, str(path))
+
+
+def test_written_eagle3_checkpoint_has_the_public_layout(tmp_path, target_dir):
+    d = write_eagle3_draft(tmp_path / "e3", target_dir, draft_vocab_size=40)
+    state = load_file(str(d / "model.safetensors"))
+    assert set(state) == EAGLE3_KEYS
+    assert state["fc.weight"].shape == (64, 3 * 64)
+    assert state["midlayer.self_attn.q_proj.weight"].shape == (64, 128)
+    assert state["lm_head.weight"].shape == (40, 64)
+    assert state["d2t"].dtype == torch.int64 and state["t2d"].dtype == torch.bool
+    config = json.loads((d / "config.json").read_text())
+    assert config["draft_vocab_size"] == 40 and config["num_hidden_layers"] == 1
+    full = write_eagle3_draft(tmp_path / "full", target_dir)
+    assert set(load_file(str(full / "model.safetensors"))) == EAGLE3_KEYS - {"d2t", "t2d"}
+
+
+def test_missing_key_is_named(tmp_path, target_dir, eagle3_target):
+    d = write_eagle3_draft(tmp_path / "e3", target_dir)
+    edit_safetensors(d / "model.safetensors", lambda s: s.pop("midlayer.mlp.up_proj.weight"))
+    with pytest.raises(CheckpointMismatch, match=r"missing keys \(1\): midlayer\.mlp\.up_proj"):
+        Eagle3Draft.from_pretrained(d, eagle3_target)
+
+
+def test_missing_d2t_with_a_reduced_vocab_is_a_missing_key(tmp_path, target_dir, eagle3_target):
+    d = write_eagle3_draft(tmp_path / "e3", target_dir, draft_vocab_size=40)
+    edit_safetensors(d / "model.safetensors", lambda s: s.pop("d2t"))
+    with pytest.raises(CheckpointMismatch, match="missing keys.*d2t") as info:
+        Eagle3Draft.from_pretrained(d, eagle3_target)
+    assert info.value.missing == ["d2t"]
+
+
+def test_wrong_shape_is_named_with_both_shapes(tmp_path, target_dir, eagle3_target):
+    d = write_eagle3_draft(tmp_path / "e3", target_dir)
+
+    def edit(s):
+        s["fc.weight"] = torch.zeros(64, 2 * 64)
+
+    edit_safetensors(d / "model.safetensors", edit)
+    with pytest.raises(
+        CheckpointMismatch,
+        match=r"shape mismatch for fc.weight: checkpoint \[64, 128\], model \[64, 192\]",
+    ):
+        Eagle3Draft.from_pretrained(d, eagle3_target)
+
+
+def test_unexpected_key_in_target_is_named(tmp_path):
+    d = write_hf_target(tmp_path / "t", "llama", num_hidden_layers=2)
+    edit_safetensors(d / "model.safetensors", lambda s: s.update(extra_head=torch.zeros(3)))
+    with pytest.raises(CheckpointMismatch, match=r"unexpected keys \(1\): extra_head"):
+        HFTarget.from_pretrained(d)
+
+
+def test_untied_target_needs_its_lm_head_and_tied_target_does_not(tmp_path):
+    d = write_hf_target(tmp_path / "untied", "qwen2", num_hidden_layers=2)
+    edit_safetensors(d / "model.safetensors", lambda s: s.pop("lm_head.weight"))
+    with pytest.raises(CheckpointMismatch, match="missing keys.*lm_head.weight"):
+        HFTarget.from_pretrained(d)
+    tied = write_hf_target(
+        tmp_path / "tied", "qwen2", num_hidden_layers=2, tie_word_embeddings=True
+    )
+    assert "lm_head.weight" not in load_file(str(tied / "model.safetensors"))
+    t = HFTarget.from_pretrained(tied)
+    assert t.lm_head.weight is t.embed_tokens.weight
+
+
+def test_ignorable_rotary_buffers_are_accepted(tmp_path):
+    d = write_hf_target(tmp_path / "t", "llama", num_hidden_layers=2)
+    edit_safetensors(
+        d / "model.safetensors",
+        lambda s: s.update({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}),
+    )
+    HFTarget.from_pretrained(d)
+
+
+def test_truncated_safetensors_names_the_file(tmp_path):
+    d = write_hf_target(tmp_path / "t", "llama", num_hidden_layers=2)
+    path = d / "model.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointFileError, match=r"model\.safetensors.*truncated or corrupt"):
+        HFTarget.from_pretrained(d)
+
+
+def test_corrupt_shard_and_missing_shard(tmp_path):
+    d = write_hf_target(tmp_path / "t", "mistral", num_hidden_layers=2, shards=3)
+    shard = d / "model-00002-of-00003.safetensors"
+    shard.write_bytes(b"\x00" * 5)
+    with pytest.raises(CheckpointFileError, match="model-00002-of-00003"):
+        HFTarget.from_pretrained(d)
+    shard.unlink()
+    with pytest.raises(
+        CheckpointFileError, match="model-00002-of-00003.safetensors: file not found"
+    ):
+        HFTarget.from_pretrained(d)
+
+
+def test_index_pointing_at_the_wrong_shard(tmp_path):
+    d = write_hf_target(tmp_path / "t", "llama", num_hidden_layers=2, shards=2)
+    index_path = d / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    key = "model.norm.weight"
+    other = sorted(set(index["weight_map"].values()) - {index["weight_map"][key]})[0]
+    index["weight_map"][key] = other
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointFileError, match="lists 'model.norm.weight' in"):
+        HFTarget.from_pretrained(d)
+
+
+def test_corrupt_bin_and_missing_files(tmp_path, target_dir):
+    target = HFTarget.from_pretrained(target_dir, feature_mode="last")
+    d = write_eagle1_draft(tmp_path / "e1", target_dir, fmt="bin")
+    (d / "pytorch_model.bin").write_bytes(b"not a zip file")
+    with pytest.raises(CheckpointFileError, match="pytorch_model.bin.*truncated or corrupt"):
+        Eagle1Draft.from_pretrained(d, target)
+    (d / "pytorch_model.bin").unlink()
+    with pytest.raises(CheckpointFileError, match="no checkpoint file found"):
+        Eagle1Draft.from_pretrained(d, target)
+    (d / "config.json").unlink()
+    with pytest.raises(CheckpointFileError, match="config.json not found"):
+        Eagle1Draft.from_pretrained(d, target)
+
+
+def test_draft_with_wrong_hidden_size(tmp_path, target_dir, eagle3_target):
+    d = write_eagle3_draft(tmp_path / "e3", target_dir, hidden_size=32, intermediate_size=64)
+    with pytest.raises(DraftMismatch, match="draft hidden_size 32 != target hidden_size 64"):
+        Eagle3Draft.from_pretrained(d, eagle3_target)
+    target = HFTarget.from_pretrained(target_dir, feature_mode="last")
+    d = write_mtp_draft(tmp_path / "mtp", target_dir, hidden_size=32, intermediate_size=64)
+    with pytest.raises(DraftMismatch, match="hidden_size 32"):
+        MTPDraft.from_pretrained(d, target)
+
+
+def test_draft_with_wrong_vocab(tmp_path, target_dir):
+    target = HFTarget.from_pretrained(target_dir, feature_mode="last")
+    d = write_eagle1_draft(tmp_path / "e1", target_dir, vocab_size=100)
+    with pytest.raises(DraftMismatch, match="vocab_size 100 != target vocab_size 128"):
+        Eagle1Draft.from_pretrained(d, target)
+    sa = write_standalone_draft(tmp_path / "sa", target_dir, vocab_size=100)
+    with pytest.raises(DraftMismatch, match="vocab_size 100 != target vocab_size 128"):
+        StandaloneDraft.from_pretrained(sa, target)
+
+
+def test_eagle3_against_a_target_without_eagle3_features(tmp_path, target_dir):
+    target = HFTarget.from_pretrained(target_dir, feature_mode="last")
+    d = write_eagle3_draft(tmp_path / "e3", target_dir)
+    with pytest.raises(DraftMismatch, match=r"features of width 192.*provides 64.*'last'"):
+        Eagle3Draft.from_pretrained(d, target)
+
+
+def test_d2t_outside_the_target_vocab(tmp_path, target_dir, eagle3_target):
+    d = write_eagle3_draft(tmp_path / "e3", target_dir, draft_vocab_size=40)
+
+    def edit(s):
+        s["d2t"][5] = 1000
+
+    edit_safetensors(d / "model.safetensors", edit)
+    with pytest.raises(DraftMismatch, match=r"d2t maps draft ids \[5\] outside"):
+        Eagle3Draft.from_pretrained(d, eagle3_target)
+
+
+def test_unsupported_model_type(tmp_path):
+    d = write_hf_target(tmp_path / "t", "llama", num_hidden_layers=2)
+    config = json.loads((d / "config.json").read_text())
+    config["model_type"] = "gpt2"
+    (d / "config.json").write_text(json.dumps(config))
+    with pytest.raises(UnsupportedModel, match="model_type 'gpt2' is not supported"):
+        HFTarget.from_pretrained(d)
+
+
+def test_load_in_bfloat16(tmp_path, target_dir):
+    t = HFTarget.from_pretrained(target_dir, dtype="bfloat16", feature_mode="eagle3")
+    assert t.dtype == torch.bfloat16 and t.kv_spec.dtype == torch.bfloat16
+    assert t.model.model.rotary_emb.inv_freq.dtype == torch.float32
+    d = Eagle3Draft.from_pretrained(
+        write_eagle3_draft(tmp_path / "e3", target_dir, draft_vocab_size=40), t
+    )
+    assert d.dtype == torch.bfloat16 and d.d2t.dtype == torch.int64
+    assert d.rotary.inv_freq.dtype == torch.float32
