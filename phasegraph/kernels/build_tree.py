@@ -106,18 +106,22 @@ def build_tree(
         reach *= 2
     depth = mask.sum(dim=2, dtype=torch.int64) - 1  # [B, N]
 
-    # is_child[b, p, j]: node j's parent is p.
-    is_child = node_parents[:, None, :] == nodes[None, :, None]
-    first_child = torch.where(is_child, nodes, num_nodes).amin(dim=2)
-    next_token = torch.where(first_child < num_nodes, first_child, -1)
-    # later_sibling[b, j, s]: s > j shares j's parent (the root has no siblings).
-    later_sibling = (
-        (node_parents[:, None, :] == node_parents[:, :, None])
-        & (node_parents[:, :, None] >= 0)
-        & (nodes[None, None, :] > nodes[None, :, None])
+    # First child: the smallest node whose parent is p (N = none).
+    first_child = torch.full_like(node_parents, num_nodes).scatter_reduce(
+        1, node_parents[:, 1:], nodes[1:].expand(batch, -1), reduce="amin"
     )
-    first_later = torch.where(later_sibling, nodes, num_nodes).amin(dim=2)
-    next_sibling = torch.where(first_later < num_nodes, first_later, -1)
+    next_token = torch.where(first_child < num_nodes, first_child, -1)
+    # Next sibling: a stable sort by parent lists every parent's children in node order.
+    order = torch.sort(node_parents, dim=1, stable=True).indices  # [B, N]
+    grouped = node_parents.gather(1, order)
+    follower = torch.cat([order[:, 1:], order[:, :1]], dim=1)
+    same_parent = torch.cat(
+        [grouped[:, 1:] == grouped[:, :-1], torch.zeros_like(grouped[:, :1], dtype=torch.bool)],
+        dim=1,
+    ) & (grouped >= 0)
+    next_sibling = torch.empty_like(order).scatter(
+        1, order, torch.where(same_parent, follower, -1)
+    )
 
     retrieve_index = torch.arange(batch * num_nodes, dtype=torch.int64, device=device)
     return TreeTensors(

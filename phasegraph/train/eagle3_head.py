@@ -30,7 +30,7 @@ the keys of draft steps ``1..j`` of its own chain (its ancestors and itself).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -492,7 +492,3 @@ def load_eagle3_head(
     if dtype is not None:
         head.to(dtype)
     return head.to(device).eval()
-
-
-def head_config_dict(cfg: Eagle3Config) -> dict:
-    return asdict(cfg)

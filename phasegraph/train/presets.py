@@ -143,12 +143,13 @@ _DEMO = Preset(
         selfgen_seqs=2048,
         selfgen_prompt_len=512,
         selfgen_fraction=0.5,
-        selfgen_batch=512,
+        selfgen_batch=1024,
     ),
     head_train=TrainSpec(
         steps=1800, batch_size=32, seq_len=1023, lr=1.5e-3, warmup_steps=100, eval_every=200,
         eval_windows=48,
     ),
+    eval=EvalSpec(gen_tokens=256),
 )
 
 _BENCH = Preset(
@@ -159,18 +160,18 @@ _BENCH = Preset(
         hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2560
     ),
     target_train=TrainSpec(
-        steps=1200, batch_size=32, seq_len=1024, lr=6e-4, warmup_steps=100, eval_every=100
+        steps=1000, batch_size=32, seq_len=1024, lr=6e-4, warmup_steps=100, eval_every=100
     ),
     head=HeadSpec(
         intermediate_size=2560,
         unroll=5,
-        selfgen_seqs=4096,
+        selfgen_seqs=2048,
         selfgen_prompt_len=512,
         selfgen_fraction=0.5,
-        selfgen_batch=512,
+        selfgen_batch=1024,
     ),
     head_train=TrainSpec(
-        steps=2000, batch_size=32, seq_len=1023, lr=8e-4, warmup_steps=100, eval_every=200,
+        steps=1200, batch_size=32, seq_len=1023, lr=8e-4, warmup_steps=100, eval_every=200,
         eval_windows=48,
     ),
     # ~16M params, 4 layers, same tokenizer; distilled from the target's distributions.
@@ -178,8 +179,9 @@ _BENCH = Preset(
         hidden_size=512, num_layers=4, num_heads=8, num_kv_heads=4, intermediate_size=1408
     ),
     draft_train=TrainSpec(
-        steps=1500, batch_size=32, seq_len=1024, lr=1.5e-3, warmup_steps=100, eval_every=150
+        steps=1000, batch_size=32, seq_len=1024, lr=1.5e-3, warmup_steps=100, eval_every=100
     ),
+    eval=EvalSpec(gen_tokens=256),
 )
 
 # Runs in well under a minute on a 2-core CPU: what the tests use.
@@ -194,7 +196,7 @@ _TINY = Preset(
         head_dim=32, context=128,
     ),
     target_train=TrainSpec(
-        steps=120, batch_size=8, seq_len=128, lr=3e-3, warmup_steps=10, eval_every=40,
+        steps=120, batch_size=8, seq_len=128, lr=1e-2, warmup_steps=10, eval_every=40,
         eval_windows=16,
     ),
     head=HeadSpec(
@@ -202,7 +204,7 @@ _TINY = Preset(
         selfgen_fraction=0.25, selfgen_batch=16,
     ),
     head_train=TrainSpec(
-        steps=60, batch_size=8, seq_len=127, lr=3e-3, warmup_steps=5, eval_every=30,
+        steps=60, batch_size=8, seq_len=127, lr=1e-2, warmup_steps=5, eval_every=30,
         eval_windows=8,
     ),
     eval=EvalSpec(

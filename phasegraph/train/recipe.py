@@ -58,7 +58,7 @@ from phasegraph.train.tokenizer import EOS_TOKEN, encode_stream, save_tokenizer,
 __all__ = ["ASSUMED_MFU", "PACKAGE_BUDGET_MIB", "project", "run_recipe"]
 
 ASSUMED_MFU = 0.15  # share of the H100 bf16 peak small models reach in eager PyTorch
-SELFGEN_STEP_S = 0.010  # projected seconds per batched decode step (launch-bound)
+SELFGEN_STEP_S = 0.015  # projected seconds per batched decode step (launch-bound)
 PACKAGE_BUDGET_MIB = 24.0
 FILE_BUDGET_MIB = 16.0
 _EVAL_RESERVE = 0.1  # share of a time budget kept for saving and evaluation

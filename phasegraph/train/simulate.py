@@ -31,6 +31,11 @@ from phasegraph.train.loop import autocast
 
 __all__ = [
     "AcceptStats",
+    "DraftTree",
+    "HeadPrefix",
+    "accept_lengths",
+    "draft_tree",
+    "head_prefix",
     "generate_continuations",
     "greedy_generate",
     "simulate_eagle3",
@@ -122,6 +127,124 @@ def _finish_stats(lengths: list[int], max_len: int) -> AcceptStats:
     return AcceptStats(tau, len(lengths), hist)
 
 
+@dataclass
+class DraftTree:
+    """Draft candidates of one verify step, ``[n, C]`` each, ``C = K + (S-1)*K*K``, in the
+    candidate order of ``docs/internals.md`` (step-0 candidates, then per step beam-major)."""
+
+    tokens: torch.Tensor  # target vocabulary ids
+    scores: torch.Tensor  # product of draft probabilities along the path (fp32)
+    parents: torch.Tensor  # parent candidate index, -1 for step-0 candidates
+    depth: torch.Tensor  # 1..S
+
+
+@dataclass
+class HeadPrefix:
+    """The head's teacher-forced (step-0) pass over whole sequences: rows ``0..W-2``."""
+
+    out: torch.Tensor  # [n, W-1, Hd]
+    k: torch.Tensor  # [n, kv_heads, W-1, D]
+    v: torch.Tensor
+    logits: torch.Tensor  # [n, W-1, Vd] fp32
+
+
+@torch.no_grad()
+def head_prefix(head: Eagle3Head, target: FrozenTarget, ids: torch.Tensor) -> HeadPrefix:
+    """Step-0 pass over ``ids [n, W]`` (right padding is harmless: attention is causal)."""
+    with autocast(ids.device):
+        feats, _ = target(ids)
+        out, k, v = head.extend(feats[:, :-1], target.embed(ids[:, 1:]))
+        logits = head.logits(out).float()
+    return HeadPrefix(out, k, v, logits)
+
+
+@torch.no_grad()
+def draft_tree(
+    head: Eagle3Head,
+    target: FrozenTarget,
+    prefix: HeadPrefix,
+    base: torch.Tensor,
+    topk: int,
+    steps: int,
+) -> DraftTree:
+    """EAGLE-2 dynamic-tree drafting from base rows ``base [n]`` (a chain when ``topk == 1``).
+
+    Frontier beam ``k`` at draft forward ``i`` (position ``base + i``) attends the prefix rows
+    ``<= base`` and the keys its own chain wrote at forwards ``1..i-1``, plus its own key.
+    """
+    n, k_top = base.shape[0], topk
+    device = base.device
+    arange_n = torch.arange(n, device=device)
+    rows = torch.arange(prefix.k.shape[2], device=device)
+    k0, v0 = prefix.k, prefix.v
+    hd, nkv, dh = prefix.out.shape[-1], k0.shape[1], k0.shape[3]
+    p, tok = torch.softmax(prefix.logits[arange_n, base], dim=-1).topk(k_top, dim=-1)
+    tok = head.to_target_ids(tok)
+    tokens, scores = [tok], [p]
+    parents = [torch.full_like(tok, -1)]
+    depth = [torch.ones_like(tok)]
+    f_tok, f_score = tok, p
+    f_idx = torch.arange(k_top, device=device).expand(n, -1)  # frontier candidate indices
+    f_hidden = prefix.out[arange_n, base][:, None].expand(n, k_top, hd)
+    anc_k = k0.new_zeros(n, nkv, k_top, 0, dh)
+    anc_v = v0.new_zeros(n, nkv, k_top, 0, dh)
+    prefix_mask = (rows[None, :] <= base[:, None])[:, None].expand(n, k_top, -1)
+    beams = torch.arange(k_top, device=device)
+    for i in range(1, steps):
+        n_anc = i - 1
+        anc_mask = (torch.arange(k_top * n_anc, device=device) // max(n_anc, 1))[None] == beams[
+            :, None
+        ]
+        ctx_mask = torch.cat([prefix_mask, anc_mask[None].expand(n, -1, -1)], dim=-1)
+        ctx_k = torch.cat([k0, anc_k.flatten(2, 3)], dim=2)
+        ctx_v = torch.cat([v0, anc_v.flatten(2, 3)], dim=2)
+        pos = (base + i)[:, None].expand(n, k_top)
+        with autocast(device):
+            out, k_new, v_new = head.step(
+                f_hidden, target.embed(f_tok), pos, ctx_k, ctx_v, ctx_mask
+            )
+            cp = torch.softmax(head.logits(out).float(), dim=-1)
+        cp, ctok = cp.topk(k_top, dim=-1)  # [n, K, K]
+        c_tok = head.to_target_ids(ctok).flatten(1)  # [n, K*K], beam-major
+        c_score = (f_score[..., None] * cp).flatten(1)
+        first = k_top + (i - 1) * k_top * k_top
+        tokens.append(c_tok)
+        scores.append(c_score)
+        parents.append(f_idx.repeat_interleave(k_top, dim=1))
+        depth.append(torch.full_like(c_tok, i + 1))
+        if i == steps - 1:
+            break
+        sel = c_score.topk(k_top, dim=-1).indices  # [n, K]
+        parent_beam = sel // k_top
+        f_tok, f_score, f_idx = c_tok.gather(1, sel), c_score.gather(1, sel), first + sel
+        f_hidden = out.gather(1, parent_beam[..., None].expand(-1, -1, hd))
+        pk = parent_beam[:, None, :, None, None].expand(n, nkv, k_top, n_anc, dh)
+        pn = parent_beam[:, None, :, None, None].expand(n, nkv, k_top, 1, dh)
+        anc_k = torch.cat([anc_k.gather(2, pk), k_new[:, :, :, None].gather(2, pn)], dim=3)
+        anc_v = torch.cat([anc_v.gather(2, pk), v_new[:, :, :, None].gather(2, pn)], dim=3)
+    return DraftTree(
+        torch.cat(tokens, 1), torch.cat(scores, 1), torch.cat(parents, 1), torch.cat(depth, 1)
+    )
+
+
+def accept_lengths(tree: DraftTree, truth: torch.Tensor, nodes: int) -> torch.Tensor:
+    """Greedy verification: keep the ``nodes - 1`` best candidates (stable descending sort, ties
+    to the lower index) and return ``[n]`` accepted drafts + 1; ``truth [n, S]`` holds the
+    tokens a depth-1..S node must match."""
+    n, c = tree.tokens.shape
+    match = tree.tokens == truth.gather(1, tree.depth - 1)
+    on_path = torch.zeros_like(match)
+    for d in range(1, int(tree.depth.max()) + 1):  # parents sit one depth up
+        parent_on = torch.where(
+            tree.parents >= 0,
+            on_path.gather(1, tree.parents.clamp(min=0)),
+            torch.ones_like(match),
+        )
+        on_path = torch.where(tree.depth == d, match & parent_on, on_path)
+    keep = torch.sort(tree.scores, dim=1, descending=True, stable=True).indices[:, : nodes - 1]
+    return (tree.depth.gather(1, keep) * on_path.gather(1, keep)).amax(dim=1) + 1
+
+
 @torch.no_grad()
 def simulate_eagle3(
     head: Eagle3Head,
@@ -135,78 +258,22 @@ def simulate_eagle3(
     pad_id: int = 0,
 ) -> AcceptStats:
     """Accept lengths of greedy EAGLE-3 decoding of ``seqs`` (prompt + target greedy text)."""
-    k_top, n_sel = topk, nodes - 1
-    n_cand = k_top + (steps - 1) * k_top * k_top
-    if not 1 <= n_sel <= n_cand:
+    n_cand = topk + (steps - 1) * topk * topk
+    if not 2 <= nodes <= n_cand + 1:
         raise ValueError(f"nodes={nodes} must be in [2, {n_cand + 1}] for topk={topk}, steps={steps}")
     ids, lens = _pad_right(seqs, pad_id)
     ids, lens = ids.to(device), lens.to(device)
-    n, width = ids.shape
-    with autocast(device):
-        feats, _ = target(ids)
-        emb_all = target.embed(ids[:, 1:])
-        out0, k0, v0 = head.extend(feats[:, :-1], emb_all)
-        logits0 = head.logits(out0).float()
-    rows = torch.arange(width - 1, device=device)
-    arange_n = torch.arange(n, device=device)
+    width = ids.shape[1]
+    prefix = head_prefix(head, target, ids)
     base = torch.tensor(prompt_lens, device=device) - 1
     active = base + 1 + steps <= lens - 1
+    depth_offsets = torch.arange(steps, device=device) + 2
     lengths: list[int] = []
-    hd = out0.shape[-1]
-    nkv, dh = k0.shape[1], k0.shape[3]
     while bool(active.any()):
         b = torch.where(active, base, torch.zeros_like(base))
-        # truth[:, d - 1]: the continuation token a depth-d node must match (position b+1+d)
-        truth = ids.gather(1, (b[:, None] + 2 + torch.arange(steps, device=device)).clamp(
-            max=width - 1))
-
-        probs = torch.softmax(logits0[arange_n, b], dim=-1)
-        p, tok = probs.topk(k_top, dim=-1)  # [n, K]
-        tok = head.to_target_ids(tok)
-        cand_score, cand_depth, cand_on = [p], [torch.ones_like(tok)], [tok == truth[:, 0:1]]
-        f_tok, f_score, f_on = tok, p, cand_on[0]
-        f_hidden = out0[arange_n, b][:, None].expand(n, k_top, hd)
-        anc_k = k0.new_zeros(n, nkv, k_top, 0, dh)
-        anc_v = v0.new_zeros(n, nkv, k_top, 0, dh)
-        prefix_mask = (rows[None, :] <= b[:, None])[:, None].expand(n, k_top, -1)
-        for i in range(1, steps):
-            n_anc = i - 1
-            beam_of_col = torch.arange(k_top * n_anc, device=device) // max(n_anc, 1)
-            anc_mask = beam_of_col[None, :] == torch.arange(k_top, device=device)[:, None]
-            ctx_mask = torch.cat([prefix_mask, anc_mask[None].expand(n, -1, -1)], dim=-1)
-            ctx_k = torch.cat([k0, anc_k.flatten(2, 3)], dim=2)
-            ctx_v = torch.cat([v0, anc_v.flatten(2, 3)], dim=2)
-            pos = (b + i)[:, None].expand(n, k_top)
-            with autocast(device):
-                out, k_new, v_new = head.step(
-                    f_hidden, target.embed(f_tok), pos, ctx_k, ctx_v, ctx_mask
-                )
-                cp = torch.softmax(head.logits(out).float(), dim=-1)
-            cp, ctok = cp.topk(k_top, dim=-1)  # [n, K, K]
-            ctok = head.to_target_ids(ctok)
-            c_score = (f_score[..., None] * cp).flatten(1)  # [n, K*K], beam-major
-            c_on = (f_on[..., None] & (ctok == truth[:, i, None, None])).flatten(1)
-            cand_score.append(c_score)
-            cand_depth.append(torch.full_like(c_score, i + 1, dtype=torch.int64))
-            cand_on.append(c_on)
-            if i == steps - 1:
-                break
-            sel = c_score.topk(k_top, dim=-1).indices  # [n, K]
-            parent = sel // k_top
-            f_tok = ctok.flatten(1).gather(1, sel)
-            f_score = c_score.gather(1, sel)
-            f_on = c_on.gather(1, sel)
-            f_hidden = out.gather(1, parent[..., None].expand(-1, -1, hd))
-            pk = parent[:, None, :, None, None].expand(n, nkv, k_top, n_anc, dh)
-            pn = parent[:, None, :, None, None].expand(n, nkv, k_top, 1, dh)
-            anc_k = torch.cat([anc_k.gather(2, pk), k_new[:, :, :, None].gather(2, pn)], dim=3)
-            anc_v = torch.cat([anc_v.gather(2, pk), v_new[:, :, :, None].gather(2, pn)], dim=3)
-        scores = torch.cat(cand_score, dim=1)
-        depth = torch.cat(cand_depth, dim=1)
-        on = torch.cat(cand_on, dim=1)
-        order = torch.sort(scores, dim=1, descending=True, stable=True).indices[:, :n_sel]
-        accepted = (depth.gather(1, order) * on.gather(1, order)).amax(dim=1)
-        accept_len = accepted + 1
+        tree = draft_tree(head, target, prefix, b, topk, steps)
+        truth = ids.gather(1, (b[:, None] + depth_offsets).clamp(max=width - 1))
+        accept_len = accept_lengths(tree, truth, nodes)
         lengths.extend(accept_len[active].tolist())
         base = torch.where(active, base + accept_len, base)
         active = active & (base + 1 + steps <= lens - 1)

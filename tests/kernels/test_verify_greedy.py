@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from phasegraph import kernels as K
 from phasegraph.kernels import (
     build_tree,
     compact_to_front,
@@ -308,3 +309,35 @@ def test_greedy_equals_sequential_greedy_decoding_on_random_trees():
         if n <= num_steps:
             kids = [j for j in range(num_nodes) if int(parents[b, j]) == last]
             assert all(int(node_tokens[b, j - 1]) != chain[-1] for j in kids)
+
+
+def test_empty_batch_flows_through_every_kernel():
+    """B = 0 (every request finished): shapes stay consistent, nothing fails."""
+    topk, num_steps, num_nodes, vocab = 2, 3, 6, 10
+    empty = torch.zeros(0, dtype=torch.int64)
+    first = K.first_step_candidates(torch.zeros(0, topk), torch.zeros(0, topk, dtype=torch.int64))
+    steps = [first]
+    for step in range(1, num_steps):
+        steps.append(
+            K.expand_step(
+                steps[-1].beam_scores,
+                steps[-1].beam_cand,
+                torch.zeros(0, topk, topk),
+                torch.zeros(0, topk, topk, dtype=torch.int64),
+                step,
+                topk,
+            )
+        )
+    node_tokens, node_parents = K.select_tree_nodes(
+        *K.concat_candidates(steps[0], steps[1:]), num_nodes
+    )
+    tree = K.build_tree(empty, node_tokens, node_parents, empty)
+    lists = (tree.draft_tokens, tree.retrieve_next_token, tree.retrieve_next_sibling)
+    greedy = K.verify_tree_greedy(*lists, tree.draft_tokens, num_steps)
+    probs = K.target_probs(torch.zeros(0, vocab), torch.zeros(0), empty, torch.zeros(0), num_nodes)
+    coins = torch.zeros(0, num_steps + 1)
+    sampled = K.verify_tree_sampling(*lists, probs, coins, coins, num_steps)
+    for out in (greedy, sampled):
+        assert out.accept_index.shape == (0, num_steps + 1)
+        assert K.fill_bonus_tokens(out.predict, out.accept_index, out.accept_lens).shape == (0,)
+        assert K.compact_to_front(torch.zeros(0, 4), out.accept_index).shape == (0, 4)

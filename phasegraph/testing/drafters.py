@@ -1,0 +1,149 @@
+"""Hand-made drafters for tests: they know the target's greedy continuation of every request.
+
+They satisfy the ``DraftModel`` protocol and identify requests through the engine that runs
+them (page-table rows during draft-extend, batch rows during draft steps; set ``draft.engine``
+after building the engine), and look up each request's continuation by its prompt. So they
+exercise the real phases, kernels and scheduler:
+
+- :class:`OracleDraft` proposes the target's own greedy continuation: every draft is accepted
+  where the tree allows it (acceptance S+1 with a chain);
+- :class:`AdversaryDraft` never proposes the right token (acceptance 1: the bonus only);
+- :class:`NoisyOracleDraft` ranks the right token anywhere among its top-k or outside it, by a
+  deterministic hash, so acceptance stops at every depth and on every branch.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Mapping, Sequence
+
+import torch
+
+from phasegraph.kernels.attention import AttentionMetadata
+from phasegraph.kernels.random import counter_uniform
+from phasegraph.phases.protocols import DraftOutput
+from phasegraph.runtime.kv_pool import KVSpec
+
+
+class _ScriptedDraft(abc.ABC):
+    uses_features = False
+    hidden_size = 0
+
+    def __init__(self, continuations: Mapping[tuple[int, ...], Sequence[int]], vocab_size: int):
+        self.engine = None  # set once the engine that runs this draft exists
+        self.continuations = {tuple(k): list(v) for k, v in continuations.items()}
+        self.vocab_size = vocab_size
+        # A one-number KV per slot: the draft phase still copies branch regions through it.
+        self.kv_spec = KVSpec(num_layers=1, num_kv_heads=1, head_dim=1, dtype=torch.float32)
+        self.pool = None
+        self.calls = 0
+
+    def attach_kv(self, pool) -> None:
+        self.pool = pool
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids
+
+    def _owner_of_page_row(self, row: int):
+        for req in self.engine._requests.values():
+            if req.row == row:
+                return req
+        raise LookupError(f"no request holds page-table row {row}")
+
+    def _true_next(self, req, draft_position: int) -> int:
+        """The token the target's greedy decoding puts at ``draft_position + 2``: a draft row at
+        position p carries token p+1 and predicts token p+2."""
+        seq = req.prompt + self.continuations[tuple(req.prompt)]
+        i = draft_position + 2
+        return seq[i] if i < len(seq) else 0
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden: torch.Tensor | None,
+        positions: torch.Tensor,
+        attn: AttentionMetadata,
+        *,
+        from_target: bool,
+        step: int,
+        logits_index: torch.Tensor | None = None,
+    ) -> DraftOutput:
+        self.calls += 1
+        rows = list(range(input_ids.shape[0])) if logits_index is None else logits_index.tolist()
+        pos = positions.tolist()
+        qrow = attn.query_row.tolist()
+        running = self.engine.scheduler.running
+        K = self.engine.spec.topk
+        reqs = [
+            self._owner_of_page_row(qrow[r]) if from_target else running[qrow[r] // K] for r in rows
+        ]
+        p = torch.tensor([pos[r] for r in rows], dtype=torch.int64)
+        true = torch.tensor([self._true_next(q, pos[r]) for q, r in zip(reqs, rows, strict=True)], dtype=torch.int64)
+        keys = torch.tensor([hash(q.request_id) & 0x7FFFFFFF for q in reqs], dtype=torch.int64)
+        logits = self.score(keys, p, true)  # [R, V]
+        hidden_out = torch.zeros(input_ids.shape[0], 0, device=input_ids.device)
+        return DraftOutput(logits=logits.to(input_ids.device), hidden=hidden_out)
+
+    __call__ = forward
+
+    @abc.abstractmethod
+    def score(self, keys: torch.Tensor, positions: torch.Tensor, true_tokens: torch.Tensor) -> torch.Tensor:
+        """Logits [R, V] for draft rows (request key, position) whose right token is known."""
+
+    def _ranked(self, ranking: torch.Tensor) -> torch.Tensor:
+        """Logits [R, V] whose softmax ranks ``ranking`` [R, k] first, in column order, and gives
+        every other token a probability far below them."""
+        R, k = ranking.shape
+        logits = torch.full((R, self.vocab_size), -30.0)
+        values = 10.0 - torch.arange(k, dtype=torch.float32).expand(R, k)
+        return logits.scatter(1, ranking, values)
+
+    def _others(self, keys, positions, true_tokens, count: int) -> torch.Tensor:
+        """``count`` distinct tokens per row, none of them the true one, varying with the row."""
+        span = self.vocab_size - count - 1
+        shift = (counter_uniform(keys, positions * 4 + 1) * span).long()  # [R]
+        j = torch.arange(count)
+        return (true_tokens[:, None] + 1 + shift[:, None] + j) % self.vocab_size
+
+
+class OracleDraft(_ScriptedDraft):
+    """Proposes the target's greedy continuation first, then arbitrary other tokens."""
+
+    def score(self, keys, positions, true_tokens):
+        k = max(self.engine.spec.topk, 1)
+        others = self._others(keys, positions, true_tokens, k - 1)
+        return self._ranked(torch.cat([true_tokens[:, None], others], dim=1))
+
+
+class AdversaryDraft(_ScriptedDraft):
+    """Ranks K tokens first, none of them the right one; the right token gets probability 0."""
+
+    def score(self, keys, positions, true_tokens):
+        k = max(self.engine.spec.topk, 1)
+        logits = self._ranked(self._others(keys, positions, true_tokens, k))
+        return logits.scatter(1, true_tokens[:, None], float("-inf"))
+
+
+class NoisyOracleDraft(_ScriptedDraft):
+    """Puts the right token at a pseudo-random rank 0..K (rank K: not proposed at all), rank 0
+    with probability ``accept_rate``."""
+
+    def __init__(self, *args, accept_rate: float = 0.6, **kw):
+        super().__init__(*args, **kw)
+        self.accept_rate = accept_rate
+
+    def score(self, keys, positions, true_tokens):
+        k = max(self.engine.spec.topk, 1)
+        u = counter_uniform(keys, positions * 4 + 2)  # [R]
+        v = counter_uniform(keys, positions * 4 + 3)
+        rank = torch.where(u < self.accept_rate, 0, 1 + (v * k).long().clamp(max=k - 1))
+        if k == 1:
+            rank = torch.where(u < self.accept_rate, 0, 1)
+        others = self._others(keys, positions, true_tokens, k)  # [R, k]
+        cols = torch.arange(k + 1)[None, :]  # slot c holds others[c - (c > rank)] or the true token
+        idx = (cols - (cols > rank[:, None]).long()).clamp(max=k - 1)
+        ranking = torch.where(cols == rank[:, None], true_tokens[:, None], others.gather(1, idx))
+        logits = self._ranked(ranking[:, :k])
+        # rank k: the true token is not among the k proposed; push it below all of them
+        hidden_true = torch.where(rank >= k, -40.0, logits.gather(1, true_tokens[:, None])[:, 0])
+        return logits.scatter(1, true_tokens[:, None], hidden_true[:, None])
