@@ -9,7 +9,6 @@ import torch
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
-    yield
 
 # Tiny CPU models: one thread avoids oversubscription on the 2-core CI machine (6x faster here).
 torch.set_num_threads(1)

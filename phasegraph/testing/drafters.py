@@ -8,6 +8,7 @@ exercise the real phases, kernels and scheduler:
 - :class:`OracleDraft` proposes the target's own greedy continuation: every draft is accepted
   where the tree allows it (acceptance S+1 with a chain);
 - :class:`AdversaryDraft` never proposes the right token (acceptance 1: the bonus only);
+- :class:`RandomDraft` proposes pseudo-random tokens;
 - :class:`NoisyOracleDraft` ranks the right token anywhere among its top-k or outside it, by a
   deterministic hash, so acceptance stops at every depth and on every branch.
 """
@@ -122,6 +123,15 @@ class AdversaryDraft(_ScriptedDraft):
         k = max(self.engine.spec.topk, 1)
         logits = self._ranked(self._others(keys, positions, true_tokens, k))
         return logits.scatter(1, true_tokens[:, None], float("-inf"))
+
+
+class RandomDraft(_ScriptedDraft):
+    """Ranks K pseudo-random tokens (a function of request and position); right only by chance."""
+
+    def score(self, keys, positions, true_tokens):
+        k = max(self.engine.spec.topk, 1)
+        start = (counter_uniform(keys, positions * 4 + 3) * self.vocab_size).long()  # [R]
+        return self._ranked((start[:, None] + torch.arange(k)) % self.vocab_size)
 
 
 class NoisyOracleDraft(_ScriptedDraft):

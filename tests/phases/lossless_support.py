@@ -18,7 +18,7 @@ NEW_TOKENS = 64
 @functools.cache
 def tiny_target() -> HFTarget:
     config = tiny_target_config(
-        "llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        "llama", vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=128,
     )
     torch.manual_seed(1234)

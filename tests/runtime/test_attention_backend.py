@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from pg_runtime_helpers import causal_meta
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -18,6 +17,8 @@ from phasegraph.runtime.models.attention_backend import (
 )
 from phasegraph.runtime.models.target import HFTarget
 from phasegraph.runtime.models.testing_checkpoints import write_hf_target
+
+from .pg_runtime_helpers import causal_meta
 
 
 @pytest.fixture(scope="module")

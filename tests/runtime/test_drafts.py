@@ -14,15 +14,6 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from pg_runtime_helpers import (
-    assert_conforms,
-    linear,
-    make_meta,
-    naive_attention,
-    naive_mlp,
-    rms,
-    rope_theta,
-)
 from transformers import AutoModelForCausalLM
 
 from phasegraph.phases.protocols import DraftModel
@@ -38,6 +29,16 @@ from phasegraph.runtime.models.testing_checkpoints import (
     write_hf_target,
     write_mtp_draft,
     write_standalone_draft,
+)
+
+from .pg_runtime_helpers import (
+    assert_conforms,
+    linear,
+    make_meta,
+    naive_attention,
+    naive_mlp,
+    rms,
+    rope_theta,
 )
 
 ATOL = 1e-4
@@ -139,12 +140,9 @@ def run_scenario(draft, target: HFTarget, page_size: int, *, mtp_own_rows_only=F
             )
             for b, n in enumerate(lens)
         ]
-        if mtp_own_rows_only and step == 1:
-            # MTP layer 2 never ran at step 0's row: read the prefix and the query's own row only
-            extra = torch.tensor([[False, True]] * len(items))
-            call(items, from_target=False, step=step, extra=extra, kv_len=[n + W for n in lens])
-        else:
-            call(items, from_target=False, step=step)
+        # Plain draft-step metadata, as the draft phase builds it. An MTP draft narrows it
+        # itself: layer 2 never ran at step 0's row, so step 1 reads the prefix and its own row.
+        call(items, from_target=False, step=step)
     m.check()
     return hist
 

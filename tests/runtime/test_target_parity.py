@@ -11,13 +11,14 @@ import math
 
 import pytest
 import torch
-from pg_runtime_helpers import assert_conforms, causal_meta, make_meta
 from transformers import AutoModelForCausalLM
 
 from phasegraph.phases.protocols import TargetModel
 from phasegraph.runtime.kv_pool import KVCacheManager
 from phasegraph.runtime.models.target import HFTarget
 from phasegraph.runtime.models.testing_checkpoints import TARGET_MODEL_TYPES, write_hf_target
+
+from .pg_runtime_helpers import assert_conforms, causal_meta, make_meta
 
 ATOL = 1e-4
 

@@ -39,7 +39,7 @@ def _head(seed: int = 0, **kw) -> Eagle3Head:
     g = torch.Generator().manual_seed(seed)
     head.init_weights(g, std=0.2)
     with torch.no_grad():  # non-trivial norm weights
-        for name, p in head.named_parameters():
+        for p in head.parameters():
             if p.ndim == 1:
                 p.copy_(1 + 0.3 * torch.randn(p.shape, generator=g))
     return head.eval()

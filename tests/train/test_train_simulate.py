@@ -145,7 +145,7 @@ def test_simulation_walk_equals_reference(pair, k_top, steps, nodes):
     stats = simulate_eagle3(head, frozen, seqs, prompt_lens, k_top, steps, nodes,
                             torch.device("cpu"))
     expected = []
-    for s, n in zip(seqs, prompt_lens):
+    for s, n in zip(seqs, prompt_lens, strict=True):
         ids = torch.tensor(s)
         b = n - 1
         while b + 1 + steps <= len(s) - 1:
