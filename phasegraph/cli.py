@@ -56,8 +56,17 @@ def register(adder: Callable) -> Callable:
     return adder
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with usage errors as one ``phasegraph: error: ...`` line, exit status 2
+    (subcommand parsers are built with this class too)."""
+
+    def error(self, message: str):
+        print(f"phasegraph: error: {message} (see: {self.prog} --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="phasegraph",
         description="EAGLE-style speculative decoding as a typed state graph of phases.",
     )
@@ -81,12 +90,13 @@ def _load_subcommand_modules() -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(argv)  # usage errors: one line, SystemExit(2) (see _Parser)
+    from phasegraph.runtime.errors import PhasegraphRuntimeError
     from phasegraph.statemachine import PhaseGraphError
 
     try:
         return int(args.func(args) or 0)
-    except (CliError, PhaseGraphError, OSError, ValueError) as exc:
+    except (CliError, PhaseGraphError, PhasegraphRuntimeError, OSError, ValueError) as exc:
         message = str(exc).strip().replace("\n", " ")
         print(f"phasegraph: error: {message}", file=sys.stderr)
         return 2

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import operator
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,7 +20,7 @@ import torch
 
 from phasegraph.phases import EAGLE_GRAPH, SpecContext
 from phasegraph.runtime.config import RequestDelta, RequestOutput, SamplingParams, SpecConfig
-from phasegraph.runtime.errors import InvalidConfig, InvalidRequest
+from phasegraph.runtime.errors import InvalidConfig, InvalidRequest, SchedulerInvariantError
 from phasegraph.runtime.kv_pool import KVCacheManager
 from phasegraph.runtime.memory import PhaseMemory
 from phasegraph.runtime.models.target import HFTarget
@@ -28,6 +29,17 @@ from phasegraph.runtime.scheduler import Scheduler
 from phasegraph.statemachine import Trace
 
 FEATURE_MODE = {"none": "none", "eagle": "last", "eagle3": "eagle3", "mtp": "last", "standalone": "none"}
+
+
+def _as_spec(spec) -> SpecConfig:
+    """``spec`` as a SpecConfig: None is the target alone, a string names the method."""
+    if spec is None:
+        return SpecConfig(method="none")
+    if isinstance(spec, str):
+        return SpecConfig(method=spec)
+    if not isinstance(spec, SpecConfig):
+        raise InvalidConfig(f"spec must be a SpecConfig (or a method name); got {type(spec).__name__}")
+    return spec
 
 
 def _draft_class(method: str):
@@ -108,13 +120,17 @@ class Engine:
         check_every_step: bool = False,
         seed: int = 0,
     ):
-        spec = spec or SpecConfig(method="none")
+        spec = _as_spec(spec)
         if spec.speculative and draft is None:
             raise InvalidConfig(f"SpecConfig(method={spec.method!r}) needs a draft model")
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise InvalidConfig(f"page_size must be an integer >= 1; got {page_size!r}")
-        if max_batch_size < 1:
-            raise InvalidConfig(f"max_batch_size must be >= 1; got {max_batch_size}")
+        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+            raise InvalidConfig(f"max_batch_size must be an integer >= 1; got {max_batch_size!r}")
+        if kv_pool_tokens is not None and (
+            isinstance(kv_pool_tokens, bool) or not isinstance(kv_pool_tokens, int) or kv_pool_tokens < 1
+        ):
+            raise InvalidConfig(f"kv_pool_tokens must be an integer >= 1 (or None: sized from free memory); got {kv_pool_tokens!r}")
         self.target = target
         self.draft = draft if spec.speculative else None
         self.spec = spec
@@ -139,18 +155,25 @@ class Engine:
             num_steps=tree.num_steps if tree else 1,
             device=self.device,
         )
-        target.attach_kv(self.kv.target_pool)
-        if self.draft is not None:
-            self.draft.attach_kv(self.kv.draft_pool)
+        self._attach_pools()
         self.ctx = SpecContext(target=target, memory=PhaseMemory(self.kv), tree=tree, draft=self.draft)
         self.trace = Trace() if trace else None
         self.scheduler = Scheduler(
             graph=EAGLE_GRAPH, ctx=self.ctx, kv=self.kv, max_batch_size=max_batch_size,
             device=self.device, trace=self.trace, validate=validate, check_every_step=check_every_step,
         )
+        self.check_every_step = check_every_step
         self._seed = seed
         self._counter = itertools.count()
         self._requests: dict[str, Request] = {}
+
+    def _attach_pools(self) -> None:
+        """Point the models at this engine's KV pools. Done before every step, not only at
+        construction: two engines may share one model object (``Engine(target, ...)`` with the
+        same target), and each must run over its own pools."""
+        self.target.attach_kv(self.kv.target_pool)
+        if self.draft is not None:
+            self.draft.attach_kv(self.kv.draft_pool)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -169,7 +192,7 @@ class Engine:
         """Load a target directory (config.json + safetensors, sharded or not, plus its
         tokenizer if present) and, for speculative methods, a draft directory in that method's
         public checkpoint layout."""
-        spec = spec or SpecConfig(method="none")
+        spec = _as_spec(spec)
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         target_path = Path(target_dir)
@@ -221,6 +244,12 @@ class Engine:
                 f"request {request_id!r} may need {need} tokens of KV cache, but the pool holds "
                 f"{capacity}; raise kv_pool_tokens or lower max_new_tokens"
             )
+        outside = [t for t in params.stop_token_ids if t >= self.target.vocab_size]
+        if outside:
+            raise InvalidRequest(
+                f"stop_token_ids {outside} are outside the vocabulary [0, {self.target.vocab_size}): "
+                "they can never be generated"
+            )
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids += list(self.eos_token_ids)
@@ -242,16 +271,22 @@ class Engine:
             ids = list(self.tokenizer(prompt)["input_ids"])
         elif isinstance(prompt, torch.Tensor):
             ids = prompt.reshape(-1).tolist()
-        elif isinstance(prompt, (list, tuple)):
+        elif isinstance(prompt, Sequence):
             ids = list(prompt)
         else:
             raise InvalidRequest(f"a prompt is a string or a list of token ids; got {type(prompt).__name__}")
         if not ids:
-            raise InvalidRequest("the prompt is empty")
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, int) or not 0 <= t < vocab]
+            raise InvalidRequest("the prompt is empty: give at least one token")
+        ints = [_as_token_id(t) for t in ids]
+        not_ints = [t for t, i in zip(ids, ints, strict=True) if i is None]
+        if not_ints:
+            raise InvalidRequest(f"token ids must be integers; got {not_ints[:8]!r}")
+        bad = [t for t in ints if not 0 <= t < vocab]
         if bad:
-            raise InvalidRequest(f"token ids outside the vocabulary [0, {vocab}): {bad[:8]}")
-        return ids
+            raise InvalidRequest(
+                f"{len(bad)} token id(s) outside the vocabulary [0, {vocab}) of this target: {bad[:8]}"
+            )
+        return ints
 
     def abort(self, request_id: str) -> bool:
         """Stop a request; its KV is freed at once. Returns False for an unknown or finished id."""
@@ -265,7 +300,10 @@ class Engine:
 
     def step(self) -> list[RequestDelta]:
         """Run one scheduling step; returns what each affected request produced."""
+        self._attach_pools()
         self.scheduler.step()
+        if self.check_every_step:
+            self._check_requests()
         deltas = []
         for rid, req in list(self._requests.items()):
             tokens, text = req.take_delta()
@@ -330,14 +368,43 @@ class Engine:
         return self.scheduler.num_retractions
 
     def check(self) -> None:
-        """Check the scheduler's invariants (KV accounting, one place per request, device
-        state == host bookkeeping); raises on the first violation."""
+        """Check every invariant: the scheduler's (KV accounting, one place per request, device
+        state == host bookkeeping, ``seq_len == prompt + committed tokens``) and the engine's
+        own request table. Raises :class:`SchedulerInvariantError` listing every problem."""
         self.scheduler.check()
+        self._check_requests()
+
+    def _check_requests(self) -> None:
+        problems = []
+        queued = {r.request_id: r for r in (*self.scheduler.running, *self.scheduler.waiting)}
+        for rid, req in queued.items():
+            if self._requests.get(rid) is not req:
+                problems.append(f"{rid}: queued in the scheduler but unknown to the engine")
+        for rid, req in self._requests.items():
+            if req.status is Status.FINISHED:
+                if rid in queued or req.row is not None or req.finish_reason is None:
+                    problems.append(
+                        f"{rid}: finished ({req.finish_reason!r}) but still queued or holding row {req.row}"
+                    )
+            elif rid not in queued:
+                problems.append(f"{rid}: {req.status.value} but in neither queue")
+        if problems:
+            raise SchedulerInvariantError(problems)
 
     def save_trace(self, path: str | os.PathLike) -> Path:
         if self.trace is None:
             raise InvalidConfig("this engine records no trace (trace=False)")
         return self.trace.save_chrome(path)
+
+
+def _as_token_id(t) -> int | None:
+    """``t`` as a Python int if it is an integer (int, numpy or 0-d torch integer), else None."""
+    if isinstance(t, bool):
+        return None
+    try:
+        return operator.index(t)
+    except TypeError:
+        return None
 
 
 def _kv_bytes_per_token(spec) -> int:

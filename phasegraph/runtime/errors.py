@@ -118,3 +118,16 @@ class InvalidConfig(PhasegraphRuntimeError, ValueError):
 class InvalidRequest(PhasegraphRuntimeError, ValueError):
     """A request cannot be served as given (empty or too long prompt, token ids outside the
     vocabulary, bad sampling parameters, ...). Nothing was queued; no other request is affected."""
+
+
+class SchedulerInvariantError(PhasegraphRuntimeError):
+    """The scheduler's bookkeeping is inconsistent (a request in two queues, host and device
+    state disagreeing, KV accounting broken, ...); ``problems`` lists every violation found.
+    Raised by ``Scheduler.check()`` / ``Engine.check()`` (never an ``assert``: it survives
+    ``python -O``)."""
+
+    def __init__(self, problems: Sequence[str]) -> None:
+        self.problems = list(problems)
+        super().__init__(
+            "scheduler invariants violated:\n" + "\n".join(f"  - {p}" for p in self.problems)
+        )

@@ -52,8 +52,15 @@ class Request:
 
     # -- what prefill reads
     def tokens_to_prefill(self) -> list[int]:
-        """The prompt plus everything emitted before a retraction."""
-        return self.prompt + self.output
+        """The tokens whose KV prefill writes: the prompt, plus after a retraction every
+        committed token (everything emitted but the last token, which is the bonus token: it
+        is not drawn again on resumption, see ``Scheduler._prefill``)."""
+        return self.prompt + self.output[:-1]
+
+    @property
+    def resuming(self) -> bool:
+        """Waiting after a retraction (it has emitted tokens already)."""
+        return bool(self.output)
 
     @property
     def remaining(self) -> int:
@@ -98,16 +105,27 @@ class Request:
 
     # -- reporting
     def take_delta(self) -> tuple[list[int], str]:
-        """Tokens and text produced since the last call (text held back while it ends in a
-        partial UTF-8 character)."""
+        """Tokens and text produced since the last call.
+
+        While the request runs, the text is held back where it may still change: a trailing
+        partial UTF-8 character (decoded as U+FFFD) and a tail that could be the start of a
+        stop string (the final text is cut before the stop string, so text streamed earlier
+        must never include a piece of it). The streamed pieces add up to the final text."""
         new_tokens = self.output[self._reported_tokens :]
         self._reported_tokens = len(self.output)
         text = self.text
-        if self.finish_reason is None and text.endswith("\ufffd"):
+        if self.finish_reason is None:
             text = text.rstrip("\ufffd")
-        new_text = text[len(self._reported_text) :] if text.startswith(self._reported_text) else text
+            if self.params.stop:
+                text = text[: len(text) - _stop_prefix_len(text, self.params.stop)]
+        done = self._reported_text
+        if not text.startswith(done):  # cannot happen outside the held-back tail; be safe
+            common = 0
+            while common < min(len(text), len(done)) and text[common] == done[common]:
+                common += 1
+            done = done[:common]
         self._reported_text = text
-        return new_tokens, new_text
+        return new_tokens, text[len(done) :]
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(
@@ -124,3 +142,14 @@ class Request:
 def _first_stop(text: str, stops: Sequence[str]) -> int | None:
     found = [i for i in (text.find(s) for s in stops) if i >= 0]
     return min(found) if found else None
+
+
+def _stop_prefix_len(text: str, stops: Sequence[str]) -> int:
+    """Length of the longest suffix of ``text`` that is a proper prefix of a stop string."""
+    longest = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, len(text)), longest, -1):
+            if text.endswith(stop[:k]):
+                longest = k
+                break
+    return longest

@@ -21,10 +21,12 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+import attrs
 import torch
 
 from phasegraph.phases import BatchParams, DraftState, PrefillInput, RowSelection, SpecContext
-from phasegraph.runtime.errors import OutOfKVPages
+from phasegraph.phases.schemas import PrefillResult
+from phasegraph.runtime.errors import KVAccountingError, OutOfKVPages, SchedulerInvariantError
 from phasegraph.runtime.kv_pool import KVCacheManager
 from phasegraph.runtime.requests import Request, Status
 from phasegraph.statemachine import Machine, PhaseGraph, Trace
@@ -134,8 +136,17 @@ class Scheduler:
         )
 
     def _prefill(self, reqs: list[Request]) -> None:
+        """Prefill new and resumed requests together and merge them into the running batch.
+
+        A resumed (retracted) request prefills its prompt and committed tokens only; its last
+        emitted token stays its bonus token instead of being drawn again. Drawing it again would
+        be harmless for greedy requests but would change a sampled request's output: the
+        unretracted run chooses the next tokens by tree verification (acceptance and bonus
+        coins, depending on the drafts), prefill by plain sampling (other coins).
+        """
         dev = self.device
         prompts = [r.tokens_to_prefill() for r in reqs]
+        resumed = [r.resuming for r in reqs]
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
         token_req = torch.repeat_interleave(torch.arange(len(reqs)), lens)
         starts = torch.cumsum(lens, 0) - lens
@@ -147,12 +158,18 @@ class Scheduler:
             token_req=token_req.to(dev),
             select_index=(torch.cumsum(lens, 0) - 1).to(dev),
             seq_lens=lens.to(dev),
-            remaining=torch.tensor([r.remaining for r in reqs], dtype=torch.int64, device=dev),
+            # the bonus token counts against the budget once: a resumed request's is emitted
+            remaining=torch.tensor(
+                [r.remaining + int(res) for r, res in zip(reqs, resumed, strict=True)],
+                dtype=torch.int64, device=dev,
+            ),
         )
         self._set_flags(reqs)
         self._prefill_batches += 1
         m = Machine(self.graph, name=f"prefill-{self._prefill_batches}", trace=self.trace, validate=self.validate)
         result = self._run(m, "prefill-extend", reqs, state=inp)
+        if any(resumed):
+            result = self._keep_bonus_tokens(m, result, reqs, resumed)
         new_state = self._run(m, "draft-extend", reqs)
         # host sync: the first token of every new request
         first = result.bonus_tokens.tolist()
@@ -160,9 +177,26 @@ class Scheduler:
         for i, (req, prompt) in enumerate(zip(reqs, prompts, strict=True)):
             req.status = Status.RUNNING
             req.seq_len = len(prompt)
-            req.append([first[i]], None if first_lp is None else [first_lp[i]])
+            if not resumed[i]:
+                req.append([first[i]], None if first_lp is None else [first_lp[i]])
         self._run(self.machine, "merge", self.running + reqs, other=new_state)
         self.running.extend(reqs)
+
+    def _keep_bonus_tokens(self, m: Machine, result: PrefillResult, reqs: list[Request],
+                           resumed: list[bool]) -> PrefillResult:
+        """Replace the token prefill drew for each resumed request by the bonus token it had
+        emitted before its retraction (in ``bonus_tokens`` and in the draft-extend row that
+        carries it), and put the machine at that corrected result (validated again)."""
+        forced = torch.tensor(
+            [r.output[-1] if res else -1 for r, res in zip(reqs, resumed, strict=True)],
+            dtype=torch.int64, device=self.device,
+        )
+        bonus = torch.where(forced >= 0, forced, result.bonus_tokens)
+        fixed = attrs.evolve(
+            result, bonus_tokens=bonus, input_ids=result.input_ids.index_copy(0, result.select_index, bonus)
+        )
+        m.reset("prefill-extend", fixed)
+        return fixed
 
     # ------------------------------------------------------------------ memory
     def _reserve_pages(self) -> None:
@@ -178,7 +212,8 @@ class Scheduler:
 
     def retract(self, victims: list[Request]) -> None:
         """Give back everything ``victims`` hold and requeue them (front of the queue) to
-        resume from their prompt plus the tokens they already emitted."""
+        resume from their prompt plus the tokens they already emitted (the last of which stays
+        their bonus token, see :meth:`_prefill`)."""
         if not victims:
             return
         ids = {id(v) for v in victims}
@@ -265,20 +300,62 @@ class Scheduler:
         )
 
     def check(self) -> None:
-        """Invariants after a step: KV accounting, one place per request, device == host."""
-        self.kv.check()
+        """Invariants after a step, all checked (no ``assert``: they survive ``python -O``):
+        KV accounting; one place per request (waiting xor running, never twice); the running
+        batch's device state == host bookkeeping (rows, ``seq_len == prompt + committed
+        tokens``, bonus token, remaining budget); page-table rows held by running requests only,
+        each owning the KV of its committed tokens. Raises :class:`SchedulerInvariantError`
+        listing every problem found."""
+        problems: list[str] = []
+        try:
+            self.kv.check()
+        except KVAccountingError as exc:
+            problems += [f"KV: {p}" for p in exc.problems]
         ids = [r.request_id for r in self.running] + [r.request_id for r in self.waiting]
-        assert len(ids) == len(set(ids)), f"a request is queued twice: {ids}"
+        dups = sorted({i for i in ids if ids.count(i) > 1})
+        if dups:
+            problems.append(f"requests queued more than once: {dups}")
         state = self.machine.state
-        assert state.batch_size == len(self.running)
-        if self.running:
+        if state.batch_size != len(self.running):
+            problems.append(f"device batch has {state.batch_size} rows, host runs {len(self.running)} requests")
+        elif self.running:
             seq = state.seq_lens.tolist()
             rows = state.params.req_pool_idx.tolist()
+            bonus = state.bonus_tokens.tolist()
+            remaining = state.remaining.tolist()
             for i, r in enumerate(self.running):
-                assert r.status is Status.RUNNING and r.row == rows[i], f"{r.request_id}: row mismatch"
-                assert seq[i] == r.seq_len == len(r.prompt) + len(r.output) - 1, (
-                    f"{r.request_id}: device seq_len {seq[i]}, host {r.seq_len}, "
-                    f"prompt {len(r.prompt)} + output {len(r.output)} - 1"
-                )
+                problems += self._check_running(r, rows[i], seq[i], bonus[i], remaining[i])
+        held = sorted(r.row for r in self.running if r.row is not None)
+        in_use = self.kv.table.rows_in_use()
+        if held != in_use:
+            problems.append(f"page-table rows in use {in_use} != rows of running requests {held}")
         for r in self.waiting:
-            assert r.status is Status.WAITING and r.row is None
+            if r.status is not Status.WAITING or r.row is not None or r.finish_reason is not None:
+                problems.append(
+                    f"{r.request_id}: waiting with status {r.status.value}, row {r.row}, "
+                    f"finish_reason {r.finish_reason!r}"
+                )
+        if problems:
+            raise SchedulerInvariantError(problems)
+
+    def _check_running(self, r: Request, row: int, seq: int, bonus: int, remaining: int) -> list[str]:
+        p = []
+        if r.status is not Status.RUNNING or r.finish_reason is not None:
+            p.append(f"{r.request_id}: in the batch with status {r.status.value}, finish_reason {r.finish_reason!r}")
+        if r.row != row:
+            p.append(f"{r.request_id}: host row {r.row}, device row {row}")
+        committed = len(r.prompt) + len(r.output) - 1
+        if not seq == r.seq_len == committed:
+            p.append(
+                f"{r.request_id}: device seq_len {seq}, host {r.seq_len}, prompt {len(r.prompt)} "
+                f"+ output {len(r.output)} - 1 = {committed}"
+            )
+        if r.output and bonus != r.output[-1]:
+            p.append(f"{r.request_id}: device bonus token {bonus} != last emitted token {r.output[-1]}")
+        if remaining != r.remaining:
+            p.append(f"{r.request_id}: device remaining {remaining} != host {r.remaining}")
+        if r.row is not None and self.kv.table.is_in_use(r.row):
+            owned = len(self.kv.table.owned[r.row]) * self.kv.page_size
+            if owned < r.seq_len:
+                p.append(f"{r.request_id}: row {r.row} owns {owned} KV slots < seq_len {r.seq_len}")
+        return p

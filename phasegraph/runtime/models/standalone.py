@@ -18,6 +18,7 @@ from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.phases.protocols import DraftOutput
 from phasegraph.runtime.errors import DraftMismatch
 from phasegraph.runtime.kv_pool import KVPool
+from phasegraph.runtime.models.loading import read_config
 from phasegraph.runtime.models.target import HFTarget, load_causal_lm
 
 
@@ -49,6 +50,12 @@ class StandaloneDraft:
         dtype: torch.dtype | str | None = None,
         device: torch.device | str | None = None,
     ) -> StandaloneDraft:
+        vocab = read_config(directory).get("vocab_size")
+        if vocab != target.vocab_size:  # before reading any weights
+            raise DraftMismatch(
+                f"{directory}: standalone draft vocab_size {vocab} != target vocab_size "
+                f"{target.vocab_size} (a standalone draft must share the target's vocabulary)"
+            )
         model = load_causal_lm(
             directory, dtype or target.dtype, device or target.device, allow_bin=True
         )

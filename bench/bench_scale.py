@@ -1,0 +1,245 @@
+"""Llama-3-8B-shaped target (random bf16 weights) and an EAGLE-3-shaped head on one GPU.
+
+    python bench/bench_scale.py [--batches 1 8 64] [--layers 32] [--out DIR]
+
+Measures, in one run on the same GPU:
+- the device-to-device copy bandwidth and, from it, the autoregressive bandwidth bound
+  (weight bytes / bandwidth) of one decode step;
+- the autoregressive decode step (CUDA graphs on) at each batch size, as a share of that bound;
+- one speculative iteration (EAGLE-3 chain S=3 and tree K=4 S=4 N=16) with graphs on and off:
+  GPU time of each phase (CUDA events), and host time per iteration (the wall time the
+  host spends issuing the iteration, measured without waiting for the GPU);
+- with ``--simulate TAU`` (clearly labelled: the accepted length is forced, as SGLang's and
+  vLLM's benchmark modes do): tokens/s of speculation vs the baseline and the efficiency
+  η = speedup / τ.
+
+Writes ``scale.json`` under ``--out`` and prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def copy_bandwidth(nbytes: int = 2 << 30) -> float:
+    """Bytes moved per second by a large device-to-device copy (read + write counted)."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(10):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        dst.copy_(src)
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1000)
+    return 2 * src.numel() * src.element_size() / statistics.median(times)
+
+
+def llama8b_config(layers: int):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=layers, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=4096,
+        rms_norm_eps=1e-5, tie_word_embeddings=False,
+    )
+
+
+def build_target(layers: int):
+    from phasegraph.runtime.models.target import HFTarget, build_causal_lm
+
+    model = build_causal_lm(llama8b_config(layers), dtype=torch.bfloat16, device="cuda", init=False)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.ndim == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    return HFTarget(model, feature_mode="eagle3")
+
+
+def build_eagle3_head(target, draft_vocab: int = 32000):
+    from transformers import LlamaConfig
+
+    from phasegraph.runtime.models.eagle3 import Eagle3Draft, Eagle3Head
+
+    cfg = LlamaConfig(
+        hidden_size=4096, intermediate_size=14336, num_hidden_layers=1, num_attention_heads=32,
+        num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=4096,
+        rms_norm_eps=1e-5,
+    )
+    cfg.draft_vocab_size = draft_vocab
+    cfg.target_hidden_size = 4096
+    with torch.device("cuda"):
+        head = Eagle3Head(cfg, target_hidden_size=4096, draft_vocab_size=draft_vocab, with_d2t=True, with_t2d=False)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.ndim == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+        if getattr(head, "d2t", None) is not None:
+            head.d2t.zero_()
+    head.to(torch.bfloat16)
+    return Eagle3Draft(target, cfg, head)
+
+
+def weight_bytes(module) -> int:
+    return sum(p.numel() * p.element_size() for p in module.parameters())
+
+
+def time_engine_tokens(engine, prompts, new_tokens, params_cls) -> tuple[float, int, float | None]:
+    engine.generate(prompts[:1], params_cls(max_new_tokens=8, ignore_eos=True))  # warm up
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    outs = engine.generate(prompts, params_cls(max_new_tokens=new_tokens, ignore_eos=True))
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    tokens = sum(len(o.token_ids) for o in outs)
+    lens = [n for o in outs for n in o.stats.accept_lengths]
+    return tokens / dt, tokens, (sum(lens) / len(lens) if lens else None)
+
+
+def decode_step_time(engine, batch: int, context: int = 256, repeats: int = 20) -> float:
+    """Median GPU time of one graphed decode step at ``batch`` requests of ``context`` tokens."""
+    from phasegraph import SamplingParams
+
+    vocab = engine.target.vocab_size
+    g = torch.Generator().manual_seed(0)
+    for i in range(batch):
+        engine.add_request(f"d{batch}-{i}", torch.randint(0, vocab, (context,), generator=g).tolist(),
+                           SamplingParams(max_new_tokens=repeats + 8, ignore_eos=True))
+    engine.step()  # prefill + first decode
+    engine.step()
+    m = engine.scheduler.machine
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        m.advance("decode", engine.ctx)
+        b.record()
+        torch.cuda.synchronize()
+        times.append(a.elapsed_time(b) / 1000)
+    for i in range(batch):
+        engine.abort(f"d{batch}-{i}")
+    engine.step()
+    return statistics.median(times)
+
+
+SPEC_PHASES = ("draft", "verify", "finalize-tree-path", "draft-extend")
+
+
+def spec_iteration_times(engine, batch: int, context: int = 256, repeats: int = 10) -> dict:
+    """Per-phase GPU time (CUDA events, synchronised around each phase) and host time per
+    iteration (wall time to issue the four phases without waiting for the GPU, plus the one
+    host synchronisation the scheduler makes) of one speculative iteration."""
+    from phasegraph import SamplingParams
+
+    vocab = engine.target.vocab_size
+    g = torch.Generator().manual_seed(1)
+    ids = [f"s{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, torch.randint(0, vocab, (context,), generator=g).tolist(),
+                           SamplingParams(max_new_tokens=4 * repeats + 64, ignore_eos=True))
+    engine.step()
+    engine.step()
+    m = engine.scheduler.machine
+    ctx = engine.ctx
+    phase_times: dict[str, list[float]] = {p: [] for p in SPEC_PHASES}
+    host, total = [], []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        for p in SPEC_PHASES:
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            m.advance(p, ctx)
+            b.record()
+            torch.cuda.synchronize()
+            phase_times[p].append(a.elapsed_time(b) / 1000)
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        path = None
+        for p in SPEC_PHASES:
+            out = m.advance(p, ctx)
+            if p == "finalize-tree-path":
+                path = out
+        issued = time.perf_counter()
+        path.accept_lens.tolist()  # the one host synchronisation of an iteration
+        torch.cuda.synchronize()
+        done = time.perf_counter()
+        host.append(issued - start)
+        total.append(done - start)
+        del out
+    for rid in ids:
+        engine.abort(rid)
+    engine.step()
+    med = {p: statistics.median(v) for p, v in phase_times.items()}
+    return {"batch": batch, "phase_s": med, "iteration_s": statistics.median(total),
+            "host_issue_s": statistics.median(host),
+            "host_share": statistics.median(host) / statistics.median(total)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--out", default="out")
+    args = ap.parse_args(argv)
+    from phasegraph import SpecConfig
+    from phasegraph.runtime.engine import Engine
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
+    bw = copy_bandwidth()
+    target = build_target(args.layers)
+    wbytes = weight_bytes(target.model)
+    result.update(copy_bandwidth_Bps=bw, weight_bytes=wbytes, bound_s=wbytes / bw)
+    print(f"GPU {result['gpu']}: copy {bw / 1e12:.2f} TB/s; target weights {wbytes / 1e9:.2f} GB; "
+          f"bandwidth bound {1e3 * wbytes / bw:.2f} ms/step", flush=True)
+    ar = Engine(target, spec=SpecConfig(method="none"), max_batch_size=max(args.batches),
+                kv_pool_tokens=max(args.batches) * 1024, max_context=2048, cuda_graphs=True, trace=False)
+    rows = []
+    for b in args.batches:
+        t = decode_step_time(ar, b)
+        rows.append({"batch": b, "decode_step_s": t, "share_of_bound": (wbytes / bw) / t})
+        print(f"  AR decode, batch {b:>3}: {1e3 * t:7.2f} ms/step = {100 * (wbytes / bw) / t:5.1f}% of the bandwidth bound", flush=True)
+    result["autoregressive"] = rows
+    (out / "scale.json").write_text(json.dumps(result, indent=2))
+    del ar
+    torch.cuda.empty_cache()
+    draft = build_eagle3_head(target)
+    spec_rows = []
+    for name, spec in (("chain S=3", SpecConfig(method="eagle3", num_steps=3, topk=1)),
+                       ("tree K=4 S=4 N=16", SpecConfig(method="eagle3", num_steps=4, topk=4, num_draft_tokens=16))):
+        for graphs in (True, False):
+            eng = Engine(target, draft, spec=spec, max_batch_size=max(args.batches),
+                         kv_pool_tokens=max(args.batches) * 1536, max_context=2048, cuda_graphs=graphs, trace=False)
+            for b in args.batches:
+                r = spec_iteration_times(eng, b)
+                r.update(config=name, graphs=graphs)
+                spec_rows.append(r)
+                phases = " ".join(f"{p}={1e3 * t:.2f}" for p, t in r["phase_s"].items())
+                print(f"  {name:<18} graphs={'on ' if graphs else 'off'} batch {b:>3}: iteration "
+                      f"{1e3 * r['iteration_s']:7.2f} ms, host issue {1e3 * r['host_issue_s']:6.2f} ms "
+                      f"({100 * r['host_share']:4.1f}%); phases ms: {phases}", flush=True)
+            del eng
+            torch.cuda.empty_cache()
+    result["speculative_iteration"] = spec_rows
+    (out / "scale.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

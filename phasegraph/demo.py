@@ -1,0 +1,125 @@
+"""``phasegraph demo``: speculative decoding on the embedded model pair, with nothing to download.
+
+The pair (a small Llama-architecture target and its EAGLE-3 head, trained on the Python standard
+library by ``python -m phasegraph.train demo-pair``; see ``phasegraph/data/demo_pair/README.md``)
+ships inside the package and loads through the same public ``Engine.from_pretrained`` path as a
+user's checkpoints. The demo completes held-out standard-library code, then prints the
+completions, the mean acceptance length τ of chain and tree drafting, tokens/s against the same
+engine without speculation, and a summary of the phase flow.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from importlib import resources
+from pathlib import Path
+
+DEMO_CHAIN = {"method": "eagle3", "num_steps": 3, "topk": 1}
+DEMO_TREE = {"method": "eagle3", "num_steps": 4, "topk": 4, "num_draft_tokens": 16}
+
+
+def demo_pair_dir() -> Path:
+    """Directory of the embedded pair: ``target/`` (HF format + tokenizer) and ``eagle3/``."""
+    return Path(str(resources.files("phasegraph") / "data" / "demo_pair"))
+
+
+def demo_prompts(count: int, max_lines: int = 24) -> list[str]:
+    """Held-out stdlib files (never trained on), cut after a ``def``/``class`` header."""
+    from phasegraph.train.corpus import heldout_prompts
+
+    return [p.text for p in heldout_prompts(max_lines=max_lines, min_lines=8, max_prompts=count)]
+
+
+def _engine(spec_kwargs: dict, device: str | None, trace: bool):
+    from phasegraph import Engine, SpecConfig
+
+    pair = demo_pair_dir()
+    spec = SpecConfig(**spec_kwargs)
+    draft = pair / "eagle3" if spec.speculative else None
+    return Engine.from_pretrained(
+        pair / "target", draft, spec=spec, device=device, dtype="float32" if device == "cpu" else None,
+        max_batch_size=16, trace=trace,
+    )
+
+
+def _run(label: str, spec_kwargs: dict, prompts, params, device, trace=False):
+    engine = _engine(spec_kwargs, device, trace)
+    engine.generate(prompts[:1], params.__class__(max_new_tokens=4))  # warm up
+    if engine.trace is not None:
+        engine.trace.clear()
+    start = time.perf_counter()
+    outs = engine.generate(prompts, params)
+    seconds = time.perf_counter() - start
+    tokens = sum(len(o.token_ids) for o in outs)
+    lens = [n for o in outs for n in o.stats.accept_lengths]
+    tau = sum(lens) / len(lens) if lens else None
+    return {"label": label, "engine": engine, "outs": outs, "seconds": seconds,
+            "tokens": tokens, "tok_s": tokens / seconds, "tau": tau}
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    import torch
+
+    from phasegraph import SamplingParams
+    from phasegraph.statemachine import PhaseGraphError
+
+    if not (demo_pair_dir() / "target" / "config.json").exists():
+        raise PhaseGraphError(
+            f"the embedded model pair is missing from {demo_pair_dir()}; reinstall phasegraph "
+            "or train one with `python -m phasegraph.train demo-pair --out DIR`"
+        )
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cpu":
+        torch.set_num_threads(max(1, min(args.threads, torch.get_num_threads())))
+    prompts = demo_prompts(args.prompts)
+    params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
+    print(f"phasegraph demo: embedded pair on {device}, {len(prompts)} held-out stdlib prompts, "
+          f"{args.max_new_tokens} new tokens each, greedy")
+    base = _run("baseline (target alone)", {"method": "none"}, prompts, params, device)
+    chain = _run("EAGLE-3 chain (S=3)", DEMO_CHAIN, prompts, params, device)
+    tree = _run("EAGLE-3 tree (K=4, S=4, N=16)", DEMO_TREE, prompts, params, device, trace=True)
+
+    for i, out in enumerate(tree["outs"][: args.show]):
+        print(f"\n--- completion {i + 1} ---")
+        print(prompts[i].rstrip()[-300:], end="")
+        print("\033[32m" + out.text + "\033[0m" if args.color else out.text)
+    same = all(a.token_ids == b.token_ids for r in (chain, tree) for a, b in zip(base["outs"], r["outs"], strict=True))
+    print("\n=== speed ===")
+    print(f"{'configuration':<32}{'tokens/s':>10}{'tau':>8}{'speedup':>9}")
+    for r in (base, chain, tree):
+        tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
+        print(f"{r['label']:<32}{r['tok_s']:>10.1f}{tau:>8}{r['tok_s'] / base['tok_s']:>8.2f}x")
+    print(f"greedy outputs identical to the baseline: {'yes' if same else 'NO'}")
+    print("\n=== phase flow (tree run) ===")
+    trace = tree["engine"].trace
+    times = trace.phase_time()
+    total = sum(times.values()) or 1.0
+    counts: dict[str, int] = {}
+    for t in trace:
+        counts[t.target] = counts.get(t.target, 0) + 1
+    for phase_name, secs in sorted(times.items(), key=lambda kv: -kv[1]):
+        print(f"  {phase_name:<20} x{counts[phase_name]:<5} {100 * secs / total:5.1f}% of phase time")
+    if args.graph:
+        from phasegraph.phases import EAGLE_GRAPH
+        from phasegraph.statemachine.render import render_bytes
+
+        path = Path(args.graph)
+        fmt = {".svg": "svg", ".png": "png", ".dot": "dot", ".mmd": "mermaid", ".md": "mermaid"}.get(path.suffix, "text")
+        path.write_bytes(render_bytes(EAGLE_GRAPH, fmt, trace))
+        print(f"\nwrote the phase graph with this run's trace to {path} ({fmt})")
+    return 0 if same else 1
+
+
+def add_demo_command(sub) -> None:
+    p = sub.add_parser("demo", help="speculative decoding on the embedded model pair (no download)")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--prompts", type=int, default=4, help="held-out stdlib prompts (default 4)")
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--show", type=int, default=2, help="completions to print (default 2)")
+    p.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
+    p.add_argument("--graph", metavar="FILE", help="also write the phase graph overlaid with the run's trace (.svg/.png/.dot/.mmd/.txt)")
+    p.add_argument("--color", action="store_true", help="colour the completions")
+    p.set_defaults(func=run_demo)

@@ -1,0 +1,125 @@
+"""``phasegraph generate``: one completion from the command line.
+
+::
+
+    phasegraph generate --target DIR [--draft DIR --method eagle3] --prompt "def fib(n):"
+        [--max-new-tokens N] [--topk K --num-steps S --num-draft-tokens N] [--page-size P]
+        [--temperature T --top-p P --top-k K --seed S] [--stop STR ...] [--trace FILE]
+
+Prints the completion on stdout; a progress bar (for long generations) and the statistics
+(mean acceptance length, tokens, time) on stderr. ``--trace FILE`` saves the run's phase trace
+as Chrome-trace JSON, which ``phasegraph graph --trace FILE`` overlays on the drawn graph.
+Every error the runtime raises on purpose ends as one ``phasegraph: error: ...`` line and exit
+status 2 (``phasegraph.cli.main``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from phasegraph.cli import CliError, register
+
+PROGRESS_MIN_TOKENS = 32  # show a progress bar from this many new tokens on
+
+
+@register
+def add_generate(sub) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="generate a completion with a target model (and a draft for speculative decoding)",
+        description="Generate one completion; speculative when a draft is given.",
+    )
+    p.add_argument("--target", required=True, metavar="DIR", help="target checkpoint directory")
+    p.add_argument("--draft", metavar="DIR", help="draft checkpoint directory")
+    p.add_argument(
+        "--method", metavar="METHOD",
+        help="none | eagle | eagle3 | mtp | standalone (default: eagle3 with --draft, else none)",
+    )
+    prompt = p.add_mutually_exclusive_group(required=True)
+    prompt.add_argument("--prompt", help="prompt text (needs the target's tokenizer)")
+    prompt.add_argument("--prompt-ids", metavar="IDS", help="prompt token ids, e.g. '1,2,3'")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
+    p.add_argument("--topk", type=int, default=1, metavar="K", help="draft tree branching (1 = chain)")
+    p.add_argument("--num-steps", type=int, default=3, metavar="S", help="draft tree depth")
+    p.add_argument("--num-draft-tokens", type=int, metavar="N", help="tree nodes verified, root included")
+    p.add_argument("--page-size", type=int, default=1, metavar="P")
+    p.add_argument("--kv-pool-tokens", type=int, metavar="N", help="KV pool size in tokens")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P")
+    p.add_argument("--top-k", type=int, default=0, metavar="K")
+    p.add_argument("--seed", type=int, metavar="S")
+    p.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
+    p.add_argument("--device", default="auto", help="cpu | cuda | auto (default)")
+    p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--trace", metavar="FILE", help="save the phase trace (Chrome-trace JSON) to FILE")
+    p.add_argument("--no-progress", action="store_true", help="never show a progress bar")
+    p.set_defaults(func=run_generate)
+
+
+def _prompt(args: argparse.Namespace):
+    if args.prompt is not None:
+        return args.prompt
+    try:
+        ids = [int(t) for t in args.prompt_ids.replace(",", " ").split()]
+    except ValueError:
+        raise CliError(f"--prompt-ids must be integers separated by commas or spaces; got {args.prompt_ids!r}") from None
+    if not ids:
+        raise CliError("--prompt-ids is empty")
+    return ids
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from phasegraph.runtime.config import SamplingParams, SpecConfig
+    from phasegraph.runtime.engine import Engine
+
+    method = args.method or ("eagle3" if args.draft else "none")
+    if method == "none" and args.draft:
+        raise CliError("--draft was given with --method none: pass a speculative --method or drop --draft")
+    spec = (
+        SpecConfig(method="none") if method == "none"
+        else SpecConfig(method=method, topk=args.topk, num_steps=args.num_steps,
+                        num_draft_tokens=args.num_draft_tokens)
+    )
+    if spec.speculative and not args.draft:
+        raise CliError(f"--method {method} needs --draft DIR")
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+    )
+    prompt = _prompt(args)
+    if args.trace:  # fail before the run, not after it
+        trace = Path(args.trace)
+        if trace.is_dir() or not trace.parent.is_dir():
+            raise CliError(f"--trace {args.trace}: not a writable file path (a directory, or its directory is missing)")
+    engine = Engine.from_pretrained(
+        args.target, args.draft, spec=spec, device=args.device, dtype=args.dtype,
+        page_size=args.page_size, kv_pool_tokens=args.kv_pool_tokens, trace=bool(args.trace),
+    )
+    progress = not args.no_progress and args.max_new_tokens >= PROGRESS_MIN_TOKENS
+    start = time.perf_counter()
+    out = engine.generate([prompt], params, progress=progress)[0]
+    seconds = time.perf_counter() - start
+    if engine.tokenizer is not None:
+        sys.stdout.write(out.text + "\n")
+    else:
+        sys.stdout.write(" ".join(map(str, out.token_ids)) + "\n")
+    sys.stdout.flush()
+    tau = out.stats.mean_accept_length
+    accept = (
+        f"mean acceptance length: {tau:.2f} over {len(out.stats.accept_lengths)} verify steps"
+        if tau is not None else f"mean acceptance length: n/a (method {method})"
+    )
+    rate = len(out.token_ids) / seconds if seconds > 0 else float("inf")
+    print(
+        f"[{method}] {accept}; {len(out.token_ids)} tokens in {seconds:.2f} s ({rate:.1f} tok/s), "
+        f"finish reason: {out.finish_reason}",
+        file=sys.stderr,
+    )
+    if args.trace:
+        path = engine.save_trace(args.trace)
+        print(f"wrote the phase trace to {path} (draw it: phasegraph graph --trace {path})", file=sys.stderr)
+    return 0

@@ -1,0 +1,268 @@
+"""CUDA graph capture of whole phases, per batch-size bucket.
+
+:class:`GraphRunner` wraps a phase function so that, for a batch of ``B`` requests, the phase
+replays a CUDA graph captured for the smallest bucket ``>= B``; batches larger than the largest
+bucket run eagerly. The runner owns every static buffer (seed 003: one owner, addressed only
+through it): the padded copy of the phase's input schema and the outputs the capture produced.
+
+Replay protocol, per call:
+
+1. copy the real input's tensors into rows ``[0, B)`` of the static input; fill the padded rows
+   ``[B, bucket)`` with neutral values (request row 0 and page 0 are the reserved sinks, so
+   padded rows never read or write another request's KV; tokens 0, finite hidden states);
+2. replay the graph;
+3. return the output schema with every tensor sliced back to ``B`` rows and cloned (a later
+   replay overwrites the static outputs), nested schemas pointing at the real input.
+
+Capture leaves the persistent state as it found it (seed 001's class): phases never mutate their
+inputs (checked in strict mode), and the warm-up and capture runs write KV only where the replay
+that follows writes the same values or into scratch: verify writes the tree nodes behind each
+prefix, draft writes its branch regions, draft-extend writes the positions of the path it
+extends, and padded rows write to the reserved page 0. Tests compare hashes of positions,
+seq_lens, the committed KV and every static buffer before and after capture.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+import torch
+
+from phasegraph.phases.schemas import ACCEPTED, NODE, REQUEST, TOKEN
+from phasegraph.statemachine import PhaseSpec, Schema
+
+DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+
+
+def _rows_per_request(spec_tensor, obj: Schema, batch: int) -> int | None:
+    """How many leading rows one request owns in this tensor (None: not batch-indexed)."""
+    role = spec_tensor.role
+    if role is None:
+        return None
+    x = getattr(obj, spec_tensor.name)
+    if role is REQUEST or role == REQUEST:
+        return 1
+    if role in (NODE, ACCEPTED, TOKEN):
+        return x.shape[0] // batch if batch else None
+    return None
+
+
+def _neutral_fill(name: str, x: torch.Tensor) -> float | int:
+    """What padded rows hold: request row 0 and slot 0 are reserved sinks; lengths of 1 keep
+    attention well defined; probabilities a valid uniform value."""
+    if x.dtype == torch.bool:
+        return name in ("tree_mask",)
+    if name in ("seq_lens",):
+        return 1
+    if name in ("remaining",):
+        return 1
+    if name in ("topk_p",):
+        return 1.0 / max(x.shape[-1], 1)
+    if name in ("top_p",):
+        return 1.0
+    if name in ("parents", "retrieve_next_token", "retrieve_next_sibling", "stop_ids"):
+        return -1
+    return 0
+
+
+def copy_into_static(static: Schema, real: Schema, batch: int, bucket: int) -> None:
+    """Copy ``real`` (``batch`` requests) into the padded ``static`` instance in place."""
+    spec = type(static).__schema__
+    for t in spec.tensors:
+        src = getattr(real, t.name)
+        dst = getattr(static, t.name)
+        if dst is None:
+            continue
+        per = _rows_per_request(t, real, batch)
+        if per is None:
+            dst.copy_(src)
+            continue
+        n = batch * per
+        dst[:n].copy_(src)
+        if bucket > batch:
+            dst[n:].fill_(_neutral_fill(t.name, dst))
+            if t.name == "tree_mask":
+                # padded trees: every node sees only itself
+                pad = dst[batch:]
+                pad.zero_()
+                pad.diagonal(dim1=-2, dim2=-1).fill_(True)
+    for v in spec.values:
+        if v.nested:
+            copy_into_static(getattr(static, v.name), getattr(real, v.name), batch, bucket)
+
+
+def pad_schema(real: Schema, batch: int, bucket: int) -> Schema:
+    """A new instance of ``real``'s schema padded from ``batch`` to ``bucket`` requests."""
+    spec = type(real).__schema__
+    fields: dict[str, Any] = {}
+    for t in spec.tensors:
+        x = getattr(real, t.name)
+        if x is None:
+            fields[t.name] = None
+            continue
+        per = _rows_per_request(t, real, batch)
+        if per is None:
+            fields[t.name] = x.clone()
+            continue
+        shape = (bucket * per, *x.shape[1:])
+        fields[t.name] = torch.empty(shape, dtype=x.dtype, device=x.device)
+    for v in spec.values:
+        val = getattr(real, v.name)
+        fields[v.name] = pad_schema(val, batch, bucket) if v.nested else val
+    static = type(real)(**fields)
+    copy_into_static(static, real, batch, bucket)
+    return static
+
+
+def slice_schema(static: Schema, batch: int, bucket: int, real_inputs: dict[int, Schema]) -> Schema:
+    """The first ``batch`` requests of a static output, cloned; nested schemas that are static
+    inputs are replaced by the real input objects (``real_inputs`` maps id(static) -> real)."""
+    if id(static) in real_inputs:
+        return real_inputs[id(static)]
+    spec = type(static).__schema__
+    fields: dict[str, Any] = {}
+    for t in spec.tensors:
+        x = getattr(static, t.name)
+        if x is None:
+            fields[t.name] = None
+            continue
+        per = _rows_per_request(t, static, bucket)
+        fields[t.name] = x.clone() if per is None else x[: batch * per].clone()
+    for v in spec.values:
+        val = getattr(static, v.name)
+        fields[v.name] = slice_schema(val, batch, bucket, real_inputs) if v.nested else val
+    return type(static)(**fields)
+
+
+def _nested_statics(static: Schema, real: Schema, out: dict[int, Schema]) -> dict[int, Schema]:
+    out[id(static)] = real
+    for v in type(static).__schema__.values:
+        if v.nested:
+            _nested_statics(getattr(static, v.name), getattr(real, v.name), out)
+    return out
+
+
+class _EmulatedGraph:
+    """CPU stand-in for a captured graph: replay reruns the phase on the static input and writes
+    the results into the static output buffers, as a real replay would. It lets the CPU suite
+    test padding, neutral rows and output slicing."""
+
+    def __init__(self, run: Callable[[], Schema], static_out: Schema):
+        self.run = run
+        self.static_out = static_out
+
+    def replay(self) -> None:
+        _copy_outputs(self.static_out, self.run())
+
+
+def _copy_outputs(dst: Schema, src: Schema) -> None:
+    for name, x in src.tensors():
+        getattr(dst, name).copy_(x)
+    for v in type(dst).__schema__.values:
+        if v.nested and getattr(dst, v.name) is not getattr(src, v.name):
+            _copy_outputs(getattr(dst, v.name), getattr(src, v.name))
+
+
+@attrs.define
+class _Captured:
+    graph: Any  # torch.cuda.CUDAGraph or _EmulatedGraph
+    static_in: Schema
+    static_out: Schema
+    key: tuple
+
+
+class GraphedPhase:
+    """A phase function that replays per-bucket CUDA graphs (see the module docstring)."""
+
+    def __init__(self, runner: GraphRunner, spec: PhaseSpec):
+        self.runner = runner
+        self.spec = spec
+        self.graphs: dict[tuple, _Captured] = {}
+        self.replays = 0
+        self.eager_calls = 0
+
+    def __call__(self, state: Schema, ctx: Any, **extra: Any) -> Schema:
+        batch = state.batch_size or 0
+        bucket = self.runner.bucket_for(batch)
+        if bucket is None or extra or not self.runner.enabled:
+            self.eager_calls += 1
+            return self.spec.fn(state, ctx, **extra)
+        key = (bucket, *self.runner.context_key(ctx), *self._shape_key(state, batch))
+        cap = self.graphs.get(key)
+        if cap is None:
+            cap = self._capture(state, ctx, batch, bucket, key)
+        else:
+            copy_into_static(cap.static_in, state, batch, bucket)
+        cap.graph.replay()
+        self.replays += 1
+        return slice_schema(cap.static_out, batch, bucket, _nested_statics(cap.static_in, state, {}))
+
+    @staticmethod
+    def _shape_key(state: Schema, batch: int) -> tuple:
+        """Per-request widths that change the captured shapes (stop ids, hidden presence)."""
+        key = []
+        for name, x in state.tensors():
+            per = x.shape[0] // batch if batch else x.shape[0]
+            key.append((name, per, tuple(x.shape[1:])))
+        for v in type(state).__schema__.values:
+            if v.nested:
+                key.append((v.name, GraphedPhase._shape_key(getattr(state, v.name), batch)))
+        return tuple(key)
+
+    def _capture(self, state: Schema, ctx: Any, batch: int, bucket: int, key: tuple) -> _Captured:
+        static_in = pad_schema(state, batch, bucket)
+        if self.runner.emulate:
+            static_out = self.spec.fn(static_in, ctx)
+            graph = _EmulatedGraph(lambda: self.spec.fn(static_in, ctx), static_out)
+            cap = _Captured(graph, static_in, static_out, key)
+            self.graphs[key] = cap
+            return cap
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            for _ in range(2):  # warm up: allocator, autotuning, lazy init stay outside
+                self.spec.fn(static_in, ctx)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.runner.pool):
+            static_out = self.spec.fn(static_in, ctx)
+        cap = _Captured(graph, static_in, static_out, key)
+        self.graphs[key] = cap
+        copy_into_static(static_in, state, batch, bucket)
+        return cap
+
+
+class GraphRunner:
+    """Owns the captured graphs, their static buffers and the shared memory pool."""
+
+    def __init__(
+        self, buckets: Sequence[int] = DEFAULT_BUCKETS, enabled: bool = True, emulate: bool = False
+    ):
+        self.buckets = tuple(sorted(set(int(b) for b in buckets)))
+        self.emulate = emulate
+        self.enabled = enabled and (emulate or torch.cuda.is_available())
+        self.pool = torch.cuda.graph_pool_handle() if self.enabled and not emulate else None
+        self.phases: dict[str, GraphedPhase] = {}
+        self.context_key: Callable[[Any], tuple] = lambda ctx: (
+            bool(getattr(ctx, "greedy_only", False)),
+            bool(getattr(ctx, "return_logprobs", False)),
+        )
+
+    def bucket_for(self, batch: int) -> int | None:
+        for b in self.buckets:
+            if b >= batch:
+                return b if batch > 0 else None
+        return None
+
+    def wrap(self, spec: PhaseSpec) -> PhaseSpec:
+        graphed = GraphedPhase(self, spec)
+        self.phases[spec.name] = graphed
+        return attrs.evolve(spec, fn=graphed)
+
+    def stats(self) -> dict[str, dict[str, int]]:
+        return {
+            name: {"graphs": len(p.graphs), "replays": p.replays, "eager": p.eager_calls}
+            for name, p in self.phases.items()
+        }

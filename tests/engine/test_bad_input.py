@@ -1,0 +1,307 @@
+"""Bad input gets a named exception with an actionable message and harms no other request.
+
+Each case starts from an engine with a good request already running, makes the bad call, checks
+the exception type and message, checks that nothing was queued and every invariant holds, then
+finishes the good request and compares its output with a clean run. Loader errors (a draft that
+does not fit the target, a missing or truncated checkpoint file, an unknown method) are made
+while such an engine is mid-run, too.
+"""
+
+from __future__ import annotations
+
+import math
+import shutil
+
+import pytest
+
+from phasegraph.runtime.config import SamplingParams, SpecConfig
+from phasegraph.runtime.engine import Engine
+from phasegraph.runtime.errors import (
+    CheckpointFileError,
+    CheckpointMismatch,
+    DraftMismatch,
+    InvalidConfig,
+    InvalidRequest,
+    PhasegraphRuntimeError,
+)
+from phasegraph.runtime.models.testing_checkpoints import (
+    write_eagle1_draft,
+    write_eagle3_draft,
+    write_hf_target,
+    write_mtp_draft,
+    write_standalone_draft,
+)
+
+from .support import VOCAB, arch_bundle, assert_all_free, engine_for, greedy, make_prompts
+
+GOOD_PROMPT = [7, 3, 19, 88, 41, 2, 60]
+
+
+@pytest.fixture(scope="module")
+def clean_output(engine_root):
+    bundle = arch_bundle(engine_root, "llama")
+    eng = engine_for(bundle, "eagle3", topk=2, num_steps=2)
+    return eng.generate([GOOD_PROMPT], greedy(16))[0].token_ids
+
+
+@pytest.fixture
+def busy(engine_root):
+    """An engine with request "good" admitted and running."""
+    bundle = arch_bundle(engine_root, "llama")
+    eng = engine_for(bundle, "eagle3", topk=2, num_steps=2, check_every_step=True)
+    eng.add_request("good", GOOD_PROMPT, greedy(16))
+    eng.step()
+    eng.step()
+    return eng
+
+
+def _finish_good(eng, clean_output):
+    tokens = []
+    while eng.has_unfinished():
+        for d in eng.step():
+            assert d.request_id == "good", "a bad request was queued"
+            tokens += d.new_token_ids
+    assert_all_free(eng)
+    out_so_far = clean_output[: len(clean_output) - len(tokens)]
+    assert out_so_far + tokens == clean_output
+
+
+def _queued(eng):
+    return sorted(r.request_id for r in (*eng.scheduler.running, *eng.scheduler.waiting))
+
+
+BAD_REQUESTS = {
+    # name: (prompt, params factory, exception, words the message must contain)
+    "empty-prompt": ([], lambda: greedy(4), InvalidRequest, ["empty"]),
+    "empty-string": ("", lambda: greedy(4), InvalidRequest, ["tokenizer"]),
+    "too-long-prompt": ([1] * 256, lambda: greedy(4), InvalidRequest, ["256 tokens", "context"]),
+    "negative-token": ([3, -1, 5], lambda: greedy(4), InvalidRequest, ["-1", f"[0, {VOCAB})"]),
+    "token-equal-vocab": ([3, VOCAB], lambda: greedy(4), InvalidRequest, [str(VOCAB), "vocabulary"]),
+    "huge-token": ([2**70], lambda: greedy(4), InvalidRequest, [str(2**70), "vocabulary"]),
+    "float-token": ([1.5, 2], lambda: greedy(4), InvalidRequest, ["1.5"]),
+    "string-prompt-no-tokenizer": ("hello", lambda: greedy(4), InvalidRequest, ["tokenizer", "token ids"]),
+    "not-a-prompt": (42, lambda: greedy(4), InvalidRequest, ["int"]),
+    "stop-id-outside-vocab": ([1, 2], lambda: greedy(4, stop_token_ids=[VOCAB + 3]), InvalidRequest, ["stop_token_ids", str(VOCAB + 3)]),
+    "params-not-sampling-params": ([1, 2], lambda: {"max_new_tokens": 4}, InvalidRequest, ["SamplingParams"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_REQUESTS))
+def test_bad_request_is_refused_and_harms_nothing(busy, clean_output, case):
+    prompt, params, exc, words = BAD_REQUESTS[case]
+    before = _queued(busy)
+    with pytest.raises(exc) as info:
+        busy.add_request(f"bad-{case}", prompt, params())
+    for w in words:
+        assert w in str(info.value), f"message {str(info.value)!r} lacks {w!r}"
+    with pytest.raises(exc):  # generate checks every prompt before running any
+        busy.generate([GOOD_PROMPT, prompt], params())
+    assert _queued(busy) == before
+    busy.check()
+    _finish_good(busy, clean_output)
+
+
+BAD_PARAMS = {
+    "max-new-tokens-zero": (dict(max_new_tokens=0), ["max_new_tokens", ">= 1"]),
+    "max-new-tokens-negative": (dict(max_new_tokens=-5), ["max_new_tokens"]),
+    "max-new-tokens-float": (dict(max_new_tokens=4.0), ["max_new_tokens", "integer"]),
+    "temperature-negative": (dict(temperature=-0.1), ["temperature", ">= 0"]),
+    "temperature-nan": (dict(temperature=math.nan), ["temperature", "finite"]),
+    "temperature-inf": (dict(temperature=math.inf), ["temperature", "finite"]),
+    "top-p-zero": (dict(top_p=0.0), ["top_p", "(0, 1]"]),
+    "top-p-above-one": (dict(top_p=1.5), ["top_p", "(0, 1]"]),
+    "top-p-nan": (dict(top_p=math.nan), ["top_p"]),
+    "top-k-negative": (dict(top_k=-1), ["top_k"]),
+    "stop-empty-string": (dict(stop=[""]), ["stop"]),
+    "stop-id-negative": (dict(stop_token_ids=[-2]), ["stop_token_ids"]),
+    "seed-not-int": (dict(seed="7"), ["seed"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_PARAMS))
+def test_bad_sampling_params_are_refused(busy, clean_output, case):
+    kw, words = BAD_PARAMS[case]
+    with pytest.raises(InvalidRequest) as info:
+        SamplingParams(**kw)
+    for w in words:
+        assert w in str(info.value), f"message {str(info.value)!r} lacks {w!r}"
+    assert isinstance(info.value, ValueError) and isinstance(info.value, PhasegraphRuntimeError)
+    busy.check()
+    _finish_good(busy, clean_output)
+
+
+def test_duplicate_request_id(busy, clean_output):
+    with pytest.raises(InvalidRequest, match="'good' is already in use"):
+        busy.add_request("good", [1, 2, 3], greedy(4))
+    assert _queued(busy) == ["good"]
+    _finish_good(busy, clean_output)
+
+
+def test_request_larger_than_the_pool(engine_root):
+    bundle = arch_bundle(engine_root, "llama")
+    eng = engine_for(bundle, "none", kv_pool_tokens=64)
+    with pytest.raises(InvalidRequest, match="raise kv_pool_tokens"):
+        eng.add_request("big", [1] * 40, greedy(40))
+    eng.add_request("small", [1] * 10, greedy(10))  # fits
+    while eng.has_unfinished():
+        eng.step()
+    assert_all_free(eng)
+
+
+BAD_CONFIGS = {
+    "unknown-method": (lambda: SpecConfig(method="eagle4"), InvalidConfig, ["eagle4", "eagle3", "standalone"]),
+    "topk-zero": (lambda: SpecConfig(method="eagle3", topk=0), InvalidConfig, ["topk"]),
+    "too-many-draft-tokens": (lambda: SpecConfig(method="eagle3", topk=1, num_steps=2, num_draft_tokens=9), InvalidConfig, ["num_draft_tokens"]),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS))
+def test_bad_spec_config(busy, clean_output, case):
+    make, exc, words = BAD_CONFIGS[case]
+    with pytest.raises(exc) as info:
+        make()
+    for w in words:
+        assert w in str(info.value)
+    _finish_good(busy, clean_output)
+
+
+def test_bad_engine_settings(busy, clean_output, engine_root):
+    bundle = arch_bundle(engine_root, "llama")
+    for kw, words in [
+        (dict(page_size=0), ["page_size"]),
+        (dict(dtype="float8"), ["dtype"]),
+        (dict(spec=SpecConfig(method="eagle3"), draft=None), ["draft"]),
+        (dict(spec="eagle4"), ["eagle4"]),
+        (dict(spec=42), ["SpecConfig"]),
+        (dict(max_batch_size=0), ["max_batch_size"]),
+        (dict(kv_pool_tokens=0), ["kv_pool_tokens"]),
+    ]:
+        draft = kw.pop("draft", bundle.drafts["eagle3"])
+        with pytest.raises(InvalidConfig) as info:
+            Engine.from_pretrained(bundle.target, draft, **kw)
+        for w in words:
+            assert w in str(info.value), (kw, str(info.value))
+    _finish_good(busy, clean_output)
+
+
+# ---------------------------------------------------------------------------------------------
+# drafts that do not fit the target, broken checkpoint files
+
+
+def _other_target(tmp_path, **overrides):
+    return write_hf_target(tmp_path / "other", "llama", hidden_size=48, vocab_size=VOCAB, num_hidden_layers=2,
+                           num_attention_heads=2, num_key_value_heads=1, intermediate_size=64, **overrides)
+
+
+def _misfit_drafts(tmp_path, target):
+    """(method, draft dir, words) of drafts whose hidden size or vocabulary do not fit the
+    llama bundle's target (hidden 32, vocabulary 96)."""
+    wide = _other_target(tmp_path)  # hidden 48
+    big_vocab = write_hf_target(tmp_path / "vocab", "llama", hidden_size=32, vocab_size=VOCAB + 32,
+                                num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                intermediate_size=64)
+    return [
+        ("eagle", write_eagle1_draft(tmp_path / "e1-wide", wide), ["hidden_size 48", "32"]),
+        ("eagle3", write_eagle3_draft(tmp_path / "e3-wide", wide), ["hidden_size 48", "32"]),
+        ("mtp", write_mtp_draft(tmp_path / "mtp-wide", wide), ["hidden_size 48", "32"]),
+        ("eagle", write_eagle1_draft(tmp_path / "e1-vocab", big_vocab), ["vocab_size 128", "96"]),
+        ("eagle3", write_eagle3_draft(tmp_path / "e3-vocab", big_vocab), ["vocab_size 128", "96"]),
+        ("mtp", write_mtp_draft(tmp_path / "mtp-vocab", big_vocab), ["vocab_size 128", "96"]),
+        ("standalone", write_standalone_draft(tmp_path / "sa-vocab", big_vocab), ["vocab_size 128", "96"]),
+        ("eagle3", _eagle3_for_other_features(tmp_path / "e3-features", target), ["features of width 120", "provides 96"]),
+    ]
+
+
+def _eagle3_for_other_features(directory, target):
+    """An EAGLE-3 head whose config says it fuses the features of a target of hidden size 40."""
+    import json
+
+    write_eagle3_draft(directory, target)
+    config = json.loads((directory / "config.json").read_text())
+    config["target_hidden_size"] = 40
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_drafts_that_do_not_fit_the_target(busy, clean_output, engine_root, tmp_path):
+    bundle = arch_bundle(engine_root, "llama")
+    for method, draft, words in _misfit_drafts(tmp_path, bundle.target):
+        with pytest.raises(DraftMismatch) as info:
+            Engine.from_pretrained(bundle.target, draft, spec=SpecConfig(method=method))
+        for w in words:
+            assert w in str(info.value), (method, draft.name, str(info.value))
+        busy.step()
+    _finish_good(busy, clean_output)
+
+
+def _copy(src, dst):
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _truncate(path, keep: float):
+    data = path.read_bytes()
+    path.write_bytes(data[: int(len(data) * keep)])
+
+
+def test_missing_and_truncated_checkpoint_files(busy, clean_output, engine_root, tmp_path):
+    bundle = arch_bundle(engine_root, "llama")
+    sharded = arch_bundle(engine_root, "mistral")  # 2 shards + index
+    target, e3 = bundle.target, bundle.drafts["eagle3"]
+    cases = []
+    t = _copy(target, tmp_path / "t-missing")
+    (t / "model.safetensors").unlink()
+    cases.append((t, e3, ["no checkpoint file found", "model.safetensors"]))
+    t = _copy(target, tmp_path / "t-trunc")
+    _truncate(t / "model.safetensors", 0.6)
+    cases.append((t, e3, ["model.safetensors", "truncated"]))
+    t = _copy(target, tmp_path / "t-header")
+    _truncate(t / "model.safetensors", 0.0001)
+    cases.append((t, e3, ["model.safetensors", "truncated"]))
+    t = _copy(sharded.target, tmp_path / "t-shard-missing")
+    (t / "model-00002-of-00002.safetensors").unlink()
+    cases.append((t, sharded.drafts["eagle3"], ["model-00002-of-00002.safetensors", "not found"]))
+    t = _copy(sharded.target, tmp_path / "t-shard-trunc")
+    _truncate(t / "model-00001-of-00002.safetensors", 0.5)
+    cases.append((t, sharded.drafts["eagle3"], ["model-00001-of-00002.safetensors", "truncated"]))
+    d = _copy(e3, tmp_path / "d-missing")
+    (d / "model.safetensors").unlink()
+    cases.append((target, d, ["no checkpoint file found"]))
+    d = _copy(e3, tmp_path / "d-trunc")
+    _truncate(d / "model.safetensors", 0.7)
+    cases.append((target, d, ["model.safetensors", "truncated"]))
+    cases.append((tmp_path / "nowhere", e3, ["config.json not found"]))
+    cases.append((target, tmp_path / "nowhere", ["config.json not found"]))
+    for tdir, ddir, words in cases:
+        with pytest.raises(CheckpointFileError) as info:
+            Engine.from_pretrained(tdir, ddir, spec=SpecConfig(method="eagle3"))
+        for w in words:
+            assert w in str(info.value), (tdir.name, ddir.name, str(info.value))
+        busy.step()
+    _finish_good(busy, clean_output)
+
+
+def test_draft_with_missing_or_misshaped_keys(busy, clean_output, engine_root, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    bundle = arch_bundle(engine_root, "llama")
+    d = _copy(bundle.drafts["eagle3"], tmp_path / "d-keys")
+    state = load_file(str(d / "model.safetensors"))
+    del state["midlayer.mlp.up_proj.weight"]
+    state["fc.weight"] = state["fc.weight"][:, :-1].contiguous()
+    state["extra.weight"] = state["norm.weight"].clone()
+    save_file(state, str(d / "model.safetensors"))
+    with pytest.raises(CheckpointMismatch) as info:
+        Engine.from_pretrained(bundle.target, d, spec=SpecConfig(method="eagle3"))
+    msg = str(info.value)
+    for w in ["midlayer.mlp.up_proj.weight", "extra.weight", "fc.weight", "[32, 95]", "[32, 96]"]:
+        assert w in msg, msg
+    _finish_good(busy, clean_output)
+
+
+def test_string_prompt_without_tokenizer_in_generate(busy, clean_output):
+    with pytest.raises(InvalidRequest, match="no tokenizer"):
+        busy.generate(["def fib(n):"], greedy(4))
+    with pytest.raises(InvalidRequest, match="2 prompts but 3 SamplingParams"):
+        busy.generate(make_prompts([3, 4], seed=1), [greedy(4)] * 3)
+    _finish_good(busy, clean_output)

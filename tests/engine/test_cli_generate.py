@@ -1,0 +1,122 @@
+"""``phasegraph generate`` and ``phasegraph graph --trace`` through the CLI's ``main([...])``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from phasegraph.cli import main
+from phasegraph.runtime.config import SamplingParams, SpecConfig
+from phasegraph.runtime.engine import Engine
+
+from .support import arch_bundle, text_bundle
+
+PROMPT = "def fib(n):"
+
+
+def _expected(target, draft, spec, max_new_tokens, **kw):
+    eng = Engine.from_pretrained(target, draft, spec=spec, **kw)
+    return eng.generate(PROMPT, SamplingParams(max_new_tokens=max_new_tokens))[0]
+
+
+def test_generate_speculative_prints_completion_progress_and_acceptance(engine_root, tmp_path, capsys):
+    target, drafts, _ = text_bundle(engine_root)
+    trace = tmp_path / "run.json"
+    rc = main([
+        "generate", "--target", str(target), "--draft", str(drafts["eagle3"]), "--method", "eagle3",
+        "--prompt", PROMPT, "--max-new-tokens", "48", "--topk", "4", "--num-steps", "3",
+        "--num-draft-tokens", "8", "--page-size", "4", "--trace", str(trace),
+    ])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    want = _expected(target, drafts["eagle3"], SpecConfig(method="eagle3", topk=4, num_steps=3, num_draft_tokens=8),
+                     48, page_size=4)
+    assert out == want.text + "\n"
+    assert f"mean acceptance length: {want.stats.mean_accept_length:.2f}" in err
+    assert "generating" in err and "tok" in err  # the tqdm progress bar (48 >= 32 new tokens)
+    assert "wrote the phase trace" in err
+    events = json.loads(trace.read_text())["traceEvents"]
+    names = {e["name"] for e in events if e.get("ph") == "X"}
+    assert {"prefill-extend", "draft-extend", "draft", "verify", "finalize-tree-path", "merge", "filter"} <= names
+
+    # the trace overlaid on the drawn graph: visit counts and mean time per edge
+    assert main(["graph", "--trace", str(trace)]) == 0
+    text = capsys.readouterr().out
+    steps = len(want.stats.accept_lengths)
+    assert f"verify -> finalize-tree-path  (×{steps} ·" in text
+    assert f"draft-extend -> draft  (×{steps - 1} ·" in text  # the first draft follows merge
+    assert "merge -> draft  (×1 ·" in text and "draft-extend -> filter  (×1 ·" in text
+    assert "visits=" in text and "mean=" in text
+    dot = tmp_path / "g.dot"
+    assert main(["graph", "--format", "dot", "--trace", str(trace), "--out", str(dot)]) == 0
+    assert f'"verify" -> "finalize-tree-path" [label="×{steps} ·' in dot.read_text()
+
+
+def test_generate_baseline_short_has_no_progress_bar(engine_root, capsys):
+    target, _, _ = text_bundle(engine_root)
+    rc = main(["generate", "--target", str(target), "--prompt", PROMPT, "--max-new-tokens", "8",
+               "--temperature", "0.7", "--seed", "5"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    eng = Engine.from_pretrained(target)
+    want = eng.generate(PROMPT, SamplingParams(max_new_tokens=8, temperature=0.7, seed=5))[0]
+    assert out == want.text + "\n"
+    assert "mean acceptance length: n/a (method none)" in err
+    assert "generating" not in err
+
+
+def test_generate_token_ids_without_tokenizer(engine_root, capsys):
+    bundle = arch_bundle(engine_root, "qwen3")
+    rc = main(["generate", "--target", str(bundle.target), "--draft", str(bundle.drafts["mtp"]),
+               "--method", "mtp", "--prompt-ids", ",".join(map(str, bundle.prompts[1])),
+               "--max-new-tokens", "27", "--ignore-eos"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    assert out.split() == [str(t) for t in bundle.reference[1]]
+
+
+@pytest.mark.parametrize(
+    ("args", "words"),
+    [
+        (["--prompt", PROMPT, "--method", "eagle4", "--draft", "{draft}"], ["SpecConfig.method", "eagle4"]),
+        (["--prompt", PROMPT, "--method", "eagle3"], ["needs --draft"]),
+        (["--prompt", PROMPT, "--max-new-tokens", "0"], ["max_new_tokens"]),
+        (["--prompt", PROMPT, "--temperature", "-1"], ["temperature"]),
+        (["--prompt", PROMPT, "--top-p", "1.5"], ["top_p"]),
+        (["--prompt", PROMPT, "--topk", "0", "--draft", "{draft}"], ["topk"]),
+        (["--prompt", PROMPT, "--page-size", "0"], ["page_size"]),
+        (["--prompt", ""], ["empty"]),
+        (["--prompt-ids", "1,x"], ["--prompt-ids"]),
+        (["--prompt-ids", "5,100000"], ["outside the vocabulary"]),
+        (["--prompt", PROMPT, "--draft", "{missing}"], ["config.json not found"]),
+        (["--prompt", PROMPT, "--draft", "{wrong}", "--method", "eagle3"], ["vocab_size"]),
+        (["--prompt", PROMPT, "--trace", "{trace_dir}"], ["--trace", "not a writable file"]),
+    ],
+    ids=["unknown-method", "no-draft", "max-new-tokens", "temperature", "top-p", "topk", "page-size",
+         "empty-prompt", "bad-ids", "ids-outside-vocab", "missing-draft", "draft-misfit", "trace-unwritable"],
+)
+def test_generate_bad_input_is_one_line_exit_2(engine_root, tmp_path, capsys, args, words):
+    target, drafts, _ = text_bundle(engine_root)
+    subs = {"{draft}": str(drafts["eagle3"]), "{missing}": str(tmp_path / "missing"),
+            "{wrong}": str(arch_bundle(engine_root, "llama").drafts["eagle3"]), "{trace_dir}": str(tmp_path)}
+    argv = ["generate", "--target", str(target), "--max-new-tokens", "4", "--no-progress"]
+    argv += [subs.get(a, a) for a in args]
+    capsys.readouterr()
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert err.startswith("phasegraph: error: ") and err.count("\n") == 1, err
+    assert "Traceback" not in err
+    for w in words:
+        assert w in err, err
+
+
+def test_usage_errors_are_one_line(capsys):
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--target", "x", "--prompt", "p", "--max-new-tokens", "many"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("phasegraph: error: argument --max-new-tokens: invalid int value") and err.count("\n") == 1
+    with pytest.raises(SystemExit):
+        main(["generate", "--target", "x"])  # no prompt
+    assert capsys.readouterr().err.count("\n") == 1
