@@ -20,7 +20,8 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
     """EAGLE-2 dynamic tree drafting (arXiv 2406.16858): S-1 draft forwards over K beams.
 
     Step 0's candidates are the top-k from draft-extend. Draft forward i (i = 0..S-2) runs the K
-    beams of every request at position ``seq_len + i`` (seed 001), each beam attending the
+    beams of every request at position ``seq_len + lead + i`` (seed 001; ``lead`` is the draft's
+    KV lead, 1 for standalone drafts), each beam attending the
     prefix plus its own ancestors in its page-aligned branch region; the K best of the K² new
     candidates by cumulative probability become the next beams. Finally the N-1 best candidates
     become the tree verified behind the bonus token.
@@ -32,21 +33,23 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
     rows = state.params.req_pool_idx  # [B]
     seq_lens = state.seq_lens  # [B]
 
+    lead = int(getattr(model, "kv_lead", 0))
+    base = seq_lens + lead  # [B] the draft's committed KV length; step i runs at base + i
     beams = first_step_candidates(state.topk_p, state.topk_index)
     cand_tokens, cand_scores, cand_parents = [beams.cand_tokens], [beams.cand_scores], [beams.cand_parents]
     beam_scores, beam_cand, beam_tokens = beams.beam_scores, beams.beam_cand, beams.beam_tokens
     hidden = state.hidden.repeat_interleave(K, dim=0) if state.hidden is not None else None  # [B*K, Hd]
 
     layout = assign_draft_cache_locs(
-        memory.page_table, rows, seq_lens, memory.draft_regions[rows], memory.page_size, S
+        memory.page_table, rows, base, memory.draft_regions[rows], memory.page_size, S
     )
     draft_caches = memory.draft_caches()
     move_kv(draft_caches, layout.tail_src, layout.tail_dst)  # prefix tail into every branch region
     branch_rows = torch.arange(B * K, device=device)
     step_positions = []
     for i in range(S - 1):
-        positions = seq_lens.repeat_interleave(K) + i  # [B*K] draft step i runs at seq_len + i
-        step_positions.append(seq_lens + i)
+        positions = base.repeat_interleave(K) + i  # [B*K] draft step i runs at seq_len + lead + i
+        step_positions.append(base + i)
         attn = AttentionMetadata(
             write_slots=layout.step_slots[i],
             page_table=layout.branch_page_table,
@@ -84,6 +87,7 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
     return TreeProposal(
         draft=state,
         num_steps=S,
+        draft_lead=lead,
         draft_tokens=built.draft_tokens,
         positions=built.positions,
         parents=node_parents,

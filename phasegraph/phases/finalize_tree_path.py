@@ -71,14 +71,26 @@ def finalize_tree_path(state: VerifyResult, ctx: SpecContext) -> FinalizedPath:
     move_kv(memory.target_caches(), src, dst)
 
     accepted_predict = compacted[accepted_name("predict")]  # [B*W]
+    accepted_features = compacted[accepted_name("features")]  # [B*W, Hf]
+    lead = proposal.draft_lead
+    if lead == 0:  # row i carries the token after accepted node i, with that node's feature
+        ids, features, width = accepted_predict, accepted_features, W
+    else:  # standalone drafts: the root token, then every emitted token, at their own positions
+        width = W + 1
+        ids = torch.cat([draft_state.bonus_tokens[:, None], accepted_predict.view(B, W)], dim=1).reshape(-1)
+        hf = accepted_features.shape[1]
+        features = torch.cat(
+            [accepted_features.new_zeros(B, 1, hf), accepted_features.view(B, W, hf)], dim=1
+        ).reshape(B * width, hf)
     out_cls = finalized_schema_for(type(state))
     return out_cls(
         params=params,
-        input_ids=accepted_predict,
-        positions=extend_positions(seq_lens, W),
-        features=compacted[accepted_name("features")],
-        token_req=torch.arange(B, device=device).repeat_interleave(W),
-        select_index=torch.arange(B, device=device) * W + lens - 1,
+        input_ids=ids,
+        positions=extend_positions(seq_lens, width),
+        features=features,
+        token_req=torch.arange(B, device=device).repeat_interleave(width),
+        select_index=torch.arange(B, device=device) * width + lens - 1 + lead,
+        lead=lead,
         seq_lens=seq_lens + lens,
         bonus_tokens=fill_bonus_tokens(state.predict, accept_index, lens),
         remaining=draft_state.remaining - lens,

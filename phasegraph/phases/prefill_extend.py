@@ -16,8 +16,11 @@ from phasegraph.statemachine import phase
 def prefill_extend(state: PrefillInput, ctx: SpecContext) -> PrefillResult:
     """Run the target over the prompts (writing their KV) and sample the first new token.
 
-    The result is draft-extend's input: row p of a prompt carries token p+1 and the target's
-    feature at p; the last row carries the sampled token (EAGLE, arXiv 2401.15077, §3).
+    The result is draft-extend's input. For EAGLE kinds (KV lead 0) row p of a prompt carries
+    token p+1 and the target's feature at p; the last row carries the sampled token (EAGLE,
+    arXiv 2401.15077, §3). For a standalone draft (lead 1) row p carries token p at its own
+    position and one more row per request carries the sampled token. A resumed request's first
+    token is forced to the bonus token it had emitted before its retraction.
     """
     params = state.params
     rows = params.req_pool_idx[state.token_req]  # [T]
@@ -25,21 +28,58 @@ def prefill_extend(state: PrefillInput, ctx: SpecContext) -> PrefillResult:
     out = ctx.target.forward(state.input_ids, state.positions, attn, logits_index=state.select_index)
     logits = out.logits  # [B, V]
     coins = counter_uniform(params.seed, position_counter(state.seq_lens, PURPOSE_SAMPLE))  # [B]
-    first = sample_tokens(logits, params.temperature, params.top_k, params.top_p, coins, ctx.greedy_only)
-    shifted = state.input_ids.roll(-1)  # row p <- token p+1 (the wrap-around rows are overwritten)
-    shifted = shifted.index_copy(0, state.select_index, first)
+    sampled = sample_tokens(logits, params.temperature, params.top_k, params.top_p, coins, ctx.greedy_only)
+    first = torch.where(state.forced_tokens >= 0, state.forced_tokens, sampled)  # [B]
     first_logprobs = None
     if ctx.return_logprobs:
         first_logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, first[:, None])[:, 0]
+    lead = draft_kv_lead(ctx)
+    if lead == 0:
+        ids = state.input_ids.roll(-1)  # row p <- token p+1 (the wrap-around rows are overwritten)
+        ids = ids.index_copy(0, state.select_index, first)
+        positions, token_req, select, features = state.positions, state.token_req, state.select_index, out.features
+    else:
+        ids, positions, token_req, select, features = _rows_with_bonus(state, first, out.features)
     return PrefillResult(
         params=params,
-        input_ids=shifted,
-        positions=state.positions,
-        features=out.features,
-        token_req=state.token_req,
-        select_index=state.select_index,
+        input_ids=ids,
+        positions=positions,
+        features=features,
+        token_req=token_req,
+        select_index=select,
         seq_lens=state.seq_lens,
         bonus_tokens=first,
         remaining=state.remaining - 1,
+        lead=lead,
         first_logprobs=first_logprobs,
     )
+
+
+def draft_kv_lead(ctx: SpecContext) -> int:
+    """The draft's KV lead (0 without a draft)."""
+    if ctx.draft is None or ctx.tree is None:
+        return 0
+    return int(getattr(ctx.draft, "kv_lead", 0))
+
+
+def _rows_with_bonus(state: PrefillInput, first: torch.Tensor, features: torch.Tensor):
+    """Lead-1 rows: every prompt token at its own position, then one row per request carrying
+    the first sampled token at position seq_len (T + B rows)."""
+    B = state.seq_lens.shape[0]
+    T = state.input_ids.shape[0]
+    device = state.input_ids.device
+    b = torch.arange(B, device=device)
+    prompt_rows = torch.arange(T, device=device) + state.token_req  # [T] earlier bonus rows shift
+    bonus_rows = state.select_index + b + 1  # [B]
+    ids = torch.empty(T + B, dtype=torch.int64, device=device)
+    ids[prompt_rows] = state.input_ids
+    ids[bonus_rows] = first
+    positions = torch.empty_like(ids)
+    positions[prompt_rows] = state.positions
+    positions[bonus_rows] = state.seq_lens
+    token_req = torch.empty_like(ids)
+    token_req[prompt_rows] = state.token_req
+    token_req[bonus_rows] = b
+    feats = features.new_zeros(T + B, features.shape[1])
+    feats[prompt_rows] = features
+    return ids, positions, token_req, bonus_rows, feats

@@ -42,6 +42,10 @@ class TargetModel(Protocol):
 class DraftModel(Protocol):
     hidden_size: int  # Hd
     uses_features: bool  # False for a standalone draft model (hidden is None)
+    # How far the draft's committed KV runs ahead of the target's: 0 for EAGLE kinds (draft row
+    # p carries token p+1 with the target feature of p), 1 for standalone drafts (row p carries
+    # token p at its own position, so the bonus token at seq_len has a KV row too).
+    kv_lead: int
 
     def forward(
         self,

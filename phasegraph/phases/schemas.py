@@ -84,6 +84,9 @@ class PrefillInput(Schema):
     select_index: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="row in T of each request's last prompt token")
     seq_lens: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="prompt lengths (committed after prefill)")
     remaining: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="new tokens each request may still emit")
+    forced_tokens: Int64[Tensor, "B"] = tensor(
+        role=REQUEST, doc="-1: sample the first token; else emit this token (a resumed request's bonus)"
+    )
 
     @invariant("select_index[b] is the last token of request b, at position seq_len - 1")
     def _select_last(self) -> str | None:
@@ -112,19 +115,24 @@ class DraftExtendInput(Schema):
     seq_lens: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="committed length after this extend")
     bonus_tokens: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="last emitted token, at position seq_len")
     remaining: Int64[Tensor, "B"] = tensor(role=REQUEST)
+    lead: int = value(
+        default=0,
+        doc="draft KV lead: 0 = row p carries token p+1 (EAGLE kinds); 1 = row p carries token p "
+        "and the bonus token gets its own row (standalone drafts)",
+    )
 
-    @invariant("the selected row of request b sits at position seq_len - 1 and carries its bonus token")
+    @invariant("the selected row of request b sits at position seq_len - 1 + lead and carries its bonus token")
     def _selected_row(self) -> str | None:
         if self.select_index.numel() == 0:
             return None
         b = torch.arange(len(self.select_index), device=self.select_index.device)
         ok = (
             (self.token_req[self.select_index] == b)
-            & (self.positions[self.select_index] == self.seq_lens - 1)
+            & (self.positions[self.select_index] == self.seq_lens - 1 + self.lead)
             & (self.input_ids[self.select_index] == self.bonus_tokens)
         )
         row = _first_bad_row(ok)
-        return None if row is None else f"request {row}: selected row is not (seq_len - 1, bonus token)"
+        return None if row is None else f"request {row}: selected row is not (seq_len - 1 + lead, bonus token)"
 
 
 @schema
@@ -175,6 +183,7 @@ class TreeProposal(Schema):
 
     draft: DraftState = value(doc="the state the tree was drafted from")
     num_steps: int = value(doc="S, the tree depth")
+    draft_lead: int = value(default=0, doc="the draft's KV lead (1 for standalone drafts)")
     draft_tokens: Int64[Tensor, "B*N"] = tensor(role=NODE, doc="node tokens; node 0 is the bonus token")
     positions: Int64[Tensor, "B*N"] = tensor(role=NODE, doc="seq_len + depth")
     parents: Int64[Tensor, "B N"] = tensor(role=REQUEST, doc="tree parent of each node, -1 for the root")
@@ -192,12 +201,13 @@ class TreeProposal(Schema):
         row = _first_bad_row((self.positions.view(B, N) == want).all(dim=1)) if B else None
         return None if row is None else f"request {row}: positions {self.positions.view(B, N)[row].tolist()} != seq_len {int(self.draft.seq_lens[row])} + depth {self.depth[row].tolist()}"
 
-    @invariant("draft step i runs at seq_len + i (seed 001)")
+    @invariant("draft step i runs at seq_len + lead + i (seed 001)")
     def _draft_step_positions(self) -> str | None:
         B, D = self.draft_positions.shape
         if D != max(self.num_steps - 1, 0):
             return f"{D} draft forwards recorded for num_steps={self.num_steps} (want {max(self.num_steps - 1, 0)})"
-        want = self.draft.seq_lens[:, None] + torch.arange(D, device=self.draft_positions.device)
+        base = self.draft.seq_lens[:, None] + self.draft_lead
+        want = base + torch.arange(D, device=self.draft_positions.device)
         row = _first_bad_row((self.draft_positions == want).all(dim=1)) if B else None
         return None if row is None else f"request {row}: draft steps ran at {self.draft_positions[row].tolist()}, want {want[row].tolist()}"
 

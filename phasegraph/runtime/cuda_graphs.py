@@ -24,6 +24,7 @@ seq_lens, the committed KV and every static buffer before and after capture.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -31,7 +32,7 @@ import attrs
 import torch
 
 from phasegraph.phases.schemas import ACCEPTED, NODE, REQUEST, TOKEN
-from phasegraph.statemachine import PhaseSpec, Schema
+from phasegraph.statemachine import PhaseGraph, PhaseSpec, Schema
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
@@ -176,9 +177,10 @@ class _Captured:
 class GraphedPhase:
     """A phase function that replays per-bucket CUDA graphs (see the module docstring)."""
 
-    def __init__(self, runner: GraphRunner, spec: PhaseSpec):
+    def __init__(self, runner: GraphRunner, spec: PhaseSpec, when: Callable[[Schema], bool] | None = None):
         self.runner = runner
         self.spec = spec
+        self.when = when
         self.graphs: dict[tuple, _Captured] = {}
         self.replays = 0
         self.eager_calls = 0
@@ -186,7 +188,7 @@ class GraphedPhase:
     def __call__(self, state: Schema, ctx: Any, **extra: Any) -> Schema:
         batch = state.batch_size or 0
         bucket = self.runner.bucket_for(batch)
-        if bucket is None or extra or not self.runner.enabled:
+        if bucket is None or extra or not self.runner.enabled or (self.when is not None and not self.when(state)):
             self.eager_calls += 1
             return self.spec.fn(state, ctx, **extra)
         key = (bucket, *self.runner.context_key(ctx), *self._shape_key(state, batch))
@@ -256,10 +258,25 @@ class GraphRunner:
                 return b if batch > 0 else None
         return None
 
-    def wrap(self, spec: PhaseSpec) -> PhaseSpec:
-        graphed = GraphedPhase(self, spec)
+    def wrap(self, spec: PhaseSpec, when: Callable[[Schema], bool] | None = None) -> PhaseSpec:
+        """``spec`` with a graphed function; ``when(state)`` False runs the call eagerly."""
+        graphed = GraphedPhase(self, spec, when)
         self.phases[spec.name] = graphed
         return attrs.evolve(spec, fn=graphed)
+
+    @functools.cached_property
+    def graph(self) -> PhaseGraph:
+        """The EAGLE graph with draft, verify, draft-extend (fixed width, after decode) and decode
+        graphed: the same phases, edges and schemas, another execution."""
+        from phasegraph.phases.eagle import EDGES, PHASES
+        from phasegraph.phases.schemas import PrefillResult
+
+        def after_decode(state: Schema) -> bool:
+            return not isinstance(state, PrefillResult)  # prefill's rows are ragged
+
+        when = {"draft": None, "verify": None, "draft-extend": after_decode, "decode": None}
+        phases = [self.wrap(p, when[p.name]) if p.name in when else p for p in PHASES]
+        return PhaseGraph("eagle", phases, EDGES, entry="prefill-extend")
 
     def stats(self) -> dict[str, dict[str, int]]:
         return {

@@ -20,6 +20,7 @@ import torch
 
 from phasegraph.phases import EAGLE_GRAPH, SpecContext
 from phasegraph.runtime.config import RequestDelta, RequestOutput, SamplingParams, SpecConfig
+from phasegraph.runtime.cuda_graphs import DEFAULT_BUCKETS, GraphRunner
 from phasegraph.runtime.errors import InvalidConfig, InvalidRequest, SchedulerInvariantError
 from phasegraph.runtime.kv_pool import KVCacheManager
 from phasegraph.runtime.memory import PhaseMemory
@@ -119,6 +120,8 @@ class Engine:
         trace: bool = True,
         check_every_step: bool = False,
         seed: int = 0,
+        cuda_graphs: bool | str | None = None,
+        graph_buckets: Sequence[int] | None = None,
     ):
         spec = _as_spec(spec)
         if spec.speculative and draft is None:
@@ -139,7 +142,9 @@ class Engine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_context = int(max_context or getattr(target.config, "max_position_embeddings", 4096))
         tree = spec.tree()
-        self.tokens_per_iteration = tree.tokens_per_iteration if tree else 1
+        self.tokens_per_iteration = (
+            max(tree.num_draft_tokens, tree.accept_width + int(getattr(self.draft, "kv_lead", 0))) if tree else 1
+        )
         self.page_size = page_size
         kv_tokens = kv_pool_tokens or self._default_pool_tokens()
         num_pages = math.ceil(kv_tokens / page_size) + 1  # + the reserved page 0
@@ -158,14 +163,29 @@ class Engine:
         self._attach_pools()
         self.ctx = SpecContext(target=target, memory=PhaseMemory(self.kv), tree=tree, draft=self.draft)
         self.trace = Trace() if trace else None
+        self.graph_runner = self._graph_runner(cuda_graphs, graph_buckets, max_batch_size)
+        graph = EAGLE_GRAPH if self.graph_runner is None else self.graph_runner.graph
         self.scheduler = Scheduler(
-            graph=EAGLE_GRAPH, ctx=self.ctx, kv=self.kv, max_batch_size=max_batch_size,
+            graph=graph, ctx=self.ctx, kv=self.kv, max_batch_size=max_batch_size,
             device=self.device, trace=self.trace, validate=validate, check_every_step=check_every_step,
         )
         self.check_every_step = check_every_step
         self._seed = seed
         self._counter = itertools.count()
         self._requests: dict[str, Request] = {}
+
+    def _graph_runner(self, cuda_graphs, buckets, max_batch_size) -> GraphRunner | None:
+        """CUDA graphs of draft, verify, draft-extend (after decode) and decode: on by default on
+        a GPU; ``"emulate"`` runs the same padding and slicing on the CPU (for tests)."""
+        if cuda_graphs is None:
+            cuda_graphs = self.device.type == "cuda"
+        if not cuda_graphs:
+            return None
+        emulate = cuda_graphs == "emulate"
+        if not emulate and self.device.type != "cuda":
+            raise InvalidConfig("cuda_graphs=True needs a CUDA device (use cuda_graphs='emulate' on the CPU)")
+        buckets = tuple(b for b in (buckets or DEFAULT_BUCKETS) if b <= max_batch_size) or (max_batch_size,)
+        return GraphRunner(buckets, emulate=emulate)
 
     def _attach_pools(self) -> None:
         """Point the models at this engine's KV pools. Done before every step, not only at

@@ -21,15 +21,22 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-import attrs
 import torch
 
 from phasegraph.phases import BatchParams, DraftState, PrefillInput, RowSelection, SpecContext
-from phasegraph.phases.schemas import PrefillResult
 from phasegraph.runtime.errors import KVAccountingError, OutOfKVPages, SchedulerInvariantError
 from phasegraph.runtime.kv_pool import KVCacheManager
 from phasegraph.runtime.requests import Request, Status
 from phasegraph.statemachine import Machine, PhaseGraph, Trace
+
+
+def tokens_per_iteration(ctx: SpecContext) -> int:
+    """Logical KV positions behind its committed length a request writes in one iteration: the
+    tree nodes (N), the accepted path (W) plus the draft's KV lead, or 1 without a draft."""
+    if ctx.tree is None:
+        return 1
+    lead = int(getattr(ctx.draft, "kv_lead", 0)) if ctx.draft is not None else 0
+    return max(ctx.tree.num_draft_tokens, ctx.tree.accept_width + lead)
 
 
 class Scheduler:
@@ -54,7 +61,7 @@ class Scheduler:
         self.validate = validate
         self.check_every_step = check_every_step
         self.speculative = ctx.tree is not None
-        self.tokens_per_iteration = ctx.tree.tokens_per_iteration if self.speculative else 1
+        self.tokens_per_iteration = tokens_per_iteration(ctx)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.machine = Machine(graph, name="running", trace=trace, validate=validate)
@@ -163,13 +170,15 @@ class Scheduler:
                 [r.remaining + int(res) for r, res in zip(reqs, resumed, strict=True)],
                 dtype=torch.int64, device=dev,
             ),
+            forced_tokens=torch.tensor(
+                [r.output[-1] if res else -1 for r, res in zip(reqs, resumed, strict=True)],
+                dtype=torch.int64, device=dev,
+            ),
         )
         self._set_flags(reqs)
         self._prefill_batches += 1
         m = Machine(self.graph, name=f"prefill-{self._prefill_batches}", trace=self.trace, validate=self.validate)
         result = self._run(m, "prefill-extend", reqs, state=inp)
-        if any(resumed):
-            result = self._keep_bonus_tokens(m, result, reqs, resumed)
         new_state = self._run(m, "draft-extend", reqs)
         # host sync: the first token of every new request
         first = result.bonus_tokens.tolist()
@@ -181,22 +190,6 @@ class Scheduler:
                 req.append([first[i]], None if first_lp is None else [first_lp[i]])
         self._run(self.machine, "merge", self.running + reqs, other=new_state)
         self.running.extend(reqs)
-
-    def _keep_bonus_tokens(self, m: Machine, result: PrefillResult, reqs: list[Request],
-                           resumed: list[bool]) -> PrefillResult:
-        """Replace the token prefill drew for each resumed request by the bonus token it had
-        emitted before its retraction (in ``bonus_tokens`` and in the draft-extend row that
-        carries it), and put the machine at that corrected result (validated again)."""
-        forced = torch.tensor(
-            [r.output[-1] if res else -1 for r, res in zip(reqs, resumed, strict=True)],
-            dtype=torch.int64, device=self.device,
-        )
-        bonus = torch.where(forced >= 0, forced, result.bonus_tokens)
-        fixed = attrs.evolve(
-            result, bonus_tokens=bonus, input_ids=result.input_ids.index_copy(0, result.select_index, bonus)
-        )
-        m.reset("prefill-extend", fixed)
-        return fixed
 
     # ------------------------------------------------------------------ memory
     def _reserve_pages(self) -> None:

@@ -29,6 +29,7 @@ from phasegraph.runtime.kv_pool import KVSpec
 class _ScriptedDraft(abc.ABC):
     uses_features = False
     hidden_size = 0
+    kv_lead = 0
 
     def __init__(self, continuations: Mapping[tuple[int, ...], Sequence[int]], vocab_size: int):
         self.engine = None  # set once the engine that runs this draft exists
@@ -46,10 +47,16 @@ class _ScriptedDraft(abc.ABC):
         return draft_ids
 
     def _owner_of_page_row(self, row: int):
+        if row == 0:
+            return None  # the reserved padding row
         for req in self.engine._requests.values():
             if req.row == row:
                 return req
         raise LookupError(f"no request holds page-table row {row}")
+
+    @staticmethod
+    def _batch_row(running, index: int):
+        return running[index] if index < len(running) else None
 
     def _true_next(self, req, draft_position: int) -> int:
         """The token the target's greedy decoding puts at ``draft_position + 2``: a draft row at
@@ -75,12 +82,18 @@ class _ScriptedDraft(abc.ABC):
         qrow = attn.query_row.tolist()
         running = self.engine.scheduler.running
         K = self.engine.spec.topk
+        # CUDA-graph padding rows (page-table row 0, batch rows past the running batch) belong
+        # to no request: they get token 0 as their "right" token.
         reqs = [
-            self._owner_of_page_row(qrow[r]) if from_target else running[qrow[r] // K] for r in rows
+            self._owner_of_page_row(qrow[r]) if from_target else self._batch_row(running, qrow[r] // K)
+            for r in rows
         ]
         p = torch.tensor([pos[r] for r in rows], dtype=torch.int64)
-        true = torch.tensor([self._true_next(q, pos[r]) for q, r in zip(reqs, rows, strict=True)], dtype=torch.int64)
-        keys = torch.tensor([hash(q.request_id) & 0x7FFFFFFF for q in reqs], dtype=torch.int64)
+        true = torch.tensor(
+            [0 if q is None else self._true_next(q, pos[r]) for q, r in zip(reqs, rows, strict=True)],
+            dtype=torch.int64,
+        )
+        keys = torch.tensor([0 if q is None else hash(q.request_id) & 0x7FFFFFFF for q in reqs], dtype=torch.int64)
         logits = self.score(keys, p, true)  # [R, V]
         hidden_out = torch.zeros(input_ids.shape[0], 0, device=input_ids.device)
         return DraftOutput(logits=logits.to(input_ids.device), hidden=hidden_out)

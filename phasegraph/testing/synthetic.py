@@ -46,6 +46,7 @@ def prefill_input(prompt_lens: list[int], *, vocab: int = 32, device: str = "cpu
         select_index=torch.cumsum(lens, 0) - 1,
         seq_lens=lens,
         remaining=torch.full((B,), 16, device=device),
+        forced_tokens=torch.full((B,), -1, dtype=torch.int64, device=device),
     )
 
 

@@ -45,7 +45,7 @@ def reference(n: int, seed: int = 0) -> tuple[tuple[int, ...], ...]:
 
 
 def run_spec(drafter_cls, spec: SpecConfig, page_size: int, batch: int, *, seed: int = 0,
-             validate: str | None = None, **kw):
+             validate: str | None = None, engine_kw: dict | None = None, **kw):
     """(outputs, reference, engine) of speculative greedy decoding of ``batch`` prompts with a
     scripted drafter; KV accounting is checked after every step."""
     ps = prompts(batch, seed)
@@ -53,7 +53,7 @@ def run_spec(drafter_cls, spec: SpecConfig, page_size: int, batch: int, *, seed:
     drafter = drafter_cls(dict(zip(map(tuple, ps), ref, strict=True)), VOCAB, **kw)
     engine = Engine(
         tiny_target(), drafter, spec=spec, max_batch_size=batch, page_size=page_size,
-        kv_pool_tokens=8192, check_every_step=True, validate=validate,
+        kv_pool_tokens=8192, check_every_step=True, validate=validate, **(engine_kw or {}),
     )
     drafter.engine = engine
     outs = engine.generate(ps, SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))

@@ -162,7 +162,7 @@ def test_seed_001_draft_positions_off_by_one_are_rejected():
     m.advance("draft-extend", ctx)
     with pytest.raises(InvariantViolation) as err:
         m.advance("draft", ctx)
-    assert err.value.invariant == "draft step i runs at seq_len + i (seed 001)"
+    assert err.value.invariant == "draft step i runs at seq_len + lead + i (seed 001)"
     assert "ran at [5, 6], want [4, 5]" in str(err.value)
     assert m.phase == "draft-extend"
     # boundary mode reads no values, so it lets the bug through: strict is what catches it

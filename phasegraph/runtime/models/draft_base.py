@@ -50,6 +50,7 @@ class FeatureDraft:
     """Shared adapter state: target modules, draft config, head, rotary embedding, KV pool."""
 
     uses_features = True
+    kv_lead = 0  # draft row p carries token p+1 with the target feature of p
 
     def __init__(
         self, target: HFTarget, config: LlamaConfig, head: torch.nn.Module, num_pool_layers: int

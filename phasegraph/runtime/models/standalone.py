@@ -2,10 +2,9 @@
 
 It consumes no target features (``uses_features = False``; ``hidden`` is ignored and the
 returned hidden is an empty ``[T, 0]`` tensor, ``hidden_size = 0``) and has its own KV pool
-(``kv_spec`` from its own layers/heads). KV convention (``docs/internals.md``, "Where each phase
-writes KV"): draft KV row ``p`` holds the draft's input for token ``p+1``; the phases pass
-that token with ``positions = p``, so this adapter runs the model at RoPE position
-``positions + 1``, the token's true position.
+(``kv_spec`` from its own layers/heads). KV convention: a standalone draft has a KV lead of 1 (``docs/internals.md``): its KV row ``p``
+holds token ``p`` at its own position, like the target's, and the bonus token at ``seq_len``
+gets a row too, so the draft sees the whole context, the first token included.
 """
 
 from __future__ import annotations
@@ -27,6 +26,7 @@ class StandaloneDraft:
 
     uses_features = False
     hidden_size = 0
+    kv_lead = 1
 
     def __init__(self, model: HFTarget, target: HFTarget | None = None) -> None:
         if model.feature_mode != "none":
@@ -73,16 +73,16 @@ class StandaloneDraft:
 
     def forward(
         self,
-        input_ids: torch.Tensor,  # [T] int64, token p+1 at draft row p
+        input_ids: torch.Tensor,  # [T] int64, the token at each row's position
         hidden: torch.Tensor | None,  # ignored
-        positions: torch.Tensor,  # [T] int64, draft row p
+        positions: torch.Tensor,  # [T] int64
         attn: AttentionMetadata,
         *,
         from_target: bool,
         step: int = 0,
         logits_index: torch.Tensor | None = None,  # [R] int64
     ) -> DraftOutput:
-        out = self.model.forward(input_ids, positions + 1, attn, logits_index)
+        out = self.model.forward(input_ids, positions, attn, logits_index)
         return DraftOutput(logits=out.logits, hidden=out.features)  # features: [T, 0]
 
     __call__ = forward
