@@ -17,6 +17,7 @@ Excluded: anything under ``site-packages``/``dist-packages``/``__pycache__``, te
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import sysconfig
 from collections.abc import Iterable
@@ -92,16 +93,18 @@ def list_files(root: Path | None = None) -> list[SourceFile]:
     """Every corpus file under ``root`` (default: the stdlib), sorted by relative path."""
     root = Path(root) if root is not None else stdlib_root()
     files = []
-    for path in root.rglob("*.py"):
-        rel = path.relative_to(root)
-        if any(_excluded_dir(part) for part in rel.parts[:-1]):
-            continue
-        if not path.is_file():
-            continue
-        size = path.stat().st_size
-        if size > MAX_FILE_BYTES:
-            continue
-        files.append(SourceFile(rel.as_posix(), path, size))
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not _excluded_dir(d)]  # prune while walking
+        for name in filenames:
+            if not name.endswith(".py"):
+                continue
+            path = Path(dirpath) / name
+            if not path.is_file():
+                continue
+            size = path.stat().st_size
+            if size > MAX_FILE_BYTES:
+                continue
+            files.append(SourceFile(path.relative_to(root).as_posix(), path, size))
     files.sort(key=lambda f: f.relpath)
     return files
 

@@ -15,7 +15,8 @@ Tokens fed at unroll steps ``j >= 1`` (``HeadSpec.ttt_tokens``):
   is precisely the inference-time input.
 - ``"greedy"``: the target's argmax at ``p`` (``g_{p+1}``). Matches inference on the first
   draft step, but where ``g_{p+1} != t_{p+1}`` the label (conditioned on ``t_{p+1}``) no longer
-  belongs to the input.
+  belongs to the input. In a small CPU ablation (width 128, 150 steps) it lowered agreement at
+  steps >= 2 from 0.24 to 0.15 and the simulated chain tau from 1.60 to 1.49.
 """
 
 from __future__ import annotations
@@ -104,11 +105,16 @@ def build_head(
     head = Eagle3Head(cfg, draft_to_target=ids)
     head.init_weights(stage_generator(seed, "init"))
     if spec.init_from_target:
-        with torch.no_grad():
-            w = target.get_output_embeddings().weight.detach().cpu()
-            head.lm_head.weight.copy_(w if ids is None else w[ids])
-            head.norm.weight.copy_(target.model.norm.weight.detach().cpu())
+        _init_from_target(head, target, ids)
     return head
+
+
+def _init_from_target(head: Eagle3Head, target: LlamaForCausalLM, ids: torch.Tensor | None):
+    """``lm_head`` and ``norm`` start as the target's (rows of the kept ids)."""
+    with torch.no_grad():
+        w = target.get_output_embeddings().weight.detach().cpu()
+        head.lm_head.weight.copy_(w if ids is None else w[ids])
+        head.norm.weight.copy_(target.model.norm.weight.detach().cpu())
 
 
 def head_batch(

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import torch
+import torch.utils.deterministic
 from tqdm.auto import tqdm
 
 from phasegraph.train.presets import TrainSpec, cosine_lr
@@ -46,23 +47,29 @@ def deterministic_mode() -> Iterator[None]:
     """Deterministic kernels where PyTorch has them (warn elsewhere); restores the flags after.
 
     ``CUBLAS_WORKSPACE_CONFIG`` must be set before cuBLAS starts; the CLI sets it first thing.
+    Filling uninitialised memory (a debugging aid that deterministic mode turns on) is left
+    off: it costs a memory pass per allocation and every buffer here is written before use.
     """
+    det = torch.utils.deterministic
     prev = (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
         torch.backends.cudnn.deterministic,
         torch.backends.cudnn.benchmark,
+        det.fill_uninitialized_memory,
     )
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True, warn_only=True)
     torch.backends.cudnn.deterministic = True
     torch.backends.cudnn.benchmark = False
+    det.fill_uninitialized_memory = False
     try:
         yield
     finally:
         torch.use_deterministic_algorithms(prev[0], warn_only=prev[1])
         torch.backends.cudnn.deterministic = prev[2]
         torch.backends.cudnn.benchmark = prev[3]
+        det.fill_uninitialized_memory = prev[4]
 
 
 def autocast(device: torch.device) -> contextlib.AbstractContextManager:

@@ -279,6 +279,9 @@ def _run(preset, out_dir, seed, device, time_budget_s, progress, log) -> dict:
         save_lm(draft, out_dir / "draft", dtype)
         save_tokenizer(tok, out_dir / "draft", context)
         dirs["draft"] = out_dir / "draft"
+    for d in dirs.values():  # safetensors writes 0600; the files are meant to be shipped
+        for f in d.iterdir():
+            f.chmod(0o644)
     walls["save"] = time.perf_counter() - t0
     report["files"] = {name: _dir_files(d) for name, d in dirs.items()}
     shipped = [s for name in ("target", "eagle3") for s in report["files"][name].values()]

@@ -26,16 +26,17 @@ def single_thread():
 
 
 def _run(preset, out, seed=0):
-    t0 = time.perf_counter()
+    """Returns the report and the (wall, CPU) seconds the run took."""
+    t0, c0 = time.perf_counter(), time.process_time()
     report = run_recipe(preset, out, seed=seed, device="cpu", progress=False, log=lambda s: None)
-    return report, time.perf_counter() - t0
+    return report, (time.perf_counter() - t0, time.process_time() - c0)
 
 
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory, single_thread):
     out = tmp_path_factory.mktemp("tiny")
-    report, wall = _run(TINY, out)
-    return out, report, wall
+    report, times = _run(TINY, out)
+    return out, report, times
 
 
 def _tensors(path):
@@ -44,8 +45,10 @@ def _tensors(path):
 
 
 def test_tiny_preset_is_fast(tiny_run):
-    _, report, wall = tiny_run
-    assert wall < 60, f"tiny preset took {wall:.1f}s"
+    # CPU time, not wall time: other processes on a shared machine must not fail this test.
+    # (About 25 s of either on an idle 2-core machine.)
+    _, report, (wall, cpu) = tiny_run
+    assert cpu < 60, f"tiny preset used {cpu:.1f}s of CPU ({wall:.1f}s wall)"
     assert report["wall_s"]["total"] <= wall
 
 
