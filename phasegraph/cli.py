@@ -80,12 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _load_subcommand_modules() -> None:
     import importlib
 
-    for name in ("phasegraph.runtime.cli_commands",):
-        try:
-            importlib.import_module(name)
-        except ModuleNotFoundError as exc:
-            if exc.name != name:
-                raise
+    for name in ("phasegraph.demo", "phasegraph.runtime.cli_commands"):
+        importlib.import_module(name)
 
 
 def main(argv: Sequence[str] | None = None) -> int:

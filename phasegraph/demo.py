@@ -15,6 +15,8 @@ import time
 from importlib import resources
 from pathlib import Path
 
+from phasegraph.cli import register
+
 DEMO_CHAIN = {"method": "eagle3", "num_steps": 3, "topk": 1}
 DEMO_TREE = {"method": "eagle3", "num_steps": 4, "topk": 4, "num_draft_tokens": 16}
 
@@ -73,7 +75,7 @@ def run_demo(args: argparse.Namespace) -> int:
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
-        torch.set_num_threads(max(1, min(args.threads, torch.get_num_threads())))
+        torch.set_num_threads(max(1, args.threads))
     prompts = demo_prompts(args.prompts)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     print(f"phasegraph demo: embedded pair on {device}, {len(prompts)} held-out stdlib prompts, "
@@ -113,13 +115,14 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
+@register
 def add_demo_command(sub) -> None:
     p = sub.add_parser("demo", help="speculative decoding on the embedded model pair (no download)")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--prompts", type=int, default=4, help="held-out stdlib prompts (default 4)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--show", type=int, default=2, help="completions to print (default 2)")
-    p.add_argument("--threads", type=int, default=2, help="CPU threads (default 2)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: the models are small)")
     p.add_argument("--graph", metavar="FILE", help="also write the phase graph overlaid with the run's trace (.svg/.png/.dot/.mmd/.txt)")
     p.add_argument("--color", action="store_true", help="colour the completions")
     p.set_defaults(func=run_demo)

@@ -1,8 +1,11 @@
-"""Pure tensor kernels of speculative decoding: torch references (CPU and GPU).
+"""Pure tensor kernels of speculative decoding: torch references and Triton kernels.
 
 One module per kernel; conventions in ``docs/internals.md``. Every function here takes and
 returns tensors only, never syncs with the device, and has shapes that depend only on
-B, K, S, N, V and P.
+B, K, S, N, V and P. Each module keeps its torch implementation as ``<name>_reference`` (the CPU
+path and the oracle) and a Triton one as ``<name>_triton``; the names exported here dispatch
+(Triton on CUDA tensors, else the reference; ``PHASEGRAPH_KERNELS=reference|triton|auto``
+forces one, see ``_dispatch.py``).
 """
 
 from phasegraph.kernels.bonus import fill_bonus_tokens, gather_accepted_tokens

@@ -1,13 +1,28 @@
 """Attention over the paged KV pool, with an optional tree block (verify, draft, extend).
 
-See ``docs/internals.md`` ("Attention metadata"). The torch reference below is the CPU path and
-the oracle for the Triton kernel.
+See ``docs/internals.md`` ("Attention metadata"). ``paged_attention_reference`` and
+``write_kv_reference`` are the CPU path and the oracle; ``paged_attention_triton`` and
+``write_kv_triton`` run on the GPU; the public ``paged_attention`` and ``write_kv`` dispatch
+(``phasegraph/kernels/_dispatch.py``).
 """
 
 from __future__ import annotations
 
+import math
+
 import attrs
 import torch
+
+from phasegraph.kernels._dispatch import (
+    as_bytes,
+    cdiv,
+    jit,
+    next_pow2,
+    num_sms,
+    prev_pow2,
+    tl,
+    use_triton,
+)
 
 
 @attrs.frozen(eq=False)
@@ -32,7 +47,7 @@ class AttentionMetadata:
 _GATHER_BUDGET = 1 << 24
 
 
-def write_kv(
+def write_kv_reference(
     k_cache: torch.Tensor,  # [slots, Hkv, D]
     v_cache: torch.Tensor,  # [slots, Hkv, D]
     slots: torch.Tensor,  # [T] int64; negative entries go to the sink slot 0
@@ -65,7 +80,7 @@ def attention_allowed_mask(meta: AttentionMetadata, length: int) -> torch.Tensor
     return allowed
 
 
-def paged_attention(
+def paged_attention_reference(
     q: torch.Tensor,  # [T, H, D]
     k_cache: torch.Tensor,  # [slots, Hkv, D]
     v_cache: torch.Tensor,  # [slots, Hkv, D]
@@ -117,3 +132,492 @@ def paged_attention(
         ctx = torch.einsum("chgl,clhd->chgd", probs, v) / denom  # [c, Hkv, G, D]
         out[start:end] = ctx.reshape(end - start, num_heads, head_dim).to(q.dtype)
     return out
+
+
+# --------------------------------------------------------------------------------------------
+# Triton
+
+
+@jit
+def _write_kv_kernel(
+    k_cache_ptr,  # [slots, Hkv, D]
+    v_cache_ptr,  # [slots, Hkv, D]
+    slots_ptr,  # [T] i64, negative -> slot 0
+    k_ptr,  # [T, Hkv, D]
+    v_ptr,  # [T, Hkv, D]
+    stride_kcs,
+    stride_kch,
+    stride_kcd,
+    stride_vcs,
+    stride_vch,
+    stride_vcd,
+    stride_kt,
+    stride_kh,
+    stride_kd,
+    stride_vt,
+    stride_vh,
+    stride_vd,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    slot = tl.maximum(tl.load(slots_ptr + t), 0)
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < NUM_HEADS) & (offs_d[None, :] < HEAD_DIM)
+    k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :] * stride_kd,
+                mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :] * stride_vd,
+                mask=mask)
+    tl.store(
+        k_cache_ptr + slot * stride_kcs + offs_h[:, None] * stride_kch + offs_d[None, :] * stride_kcd,
+        k.to(k_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
+    tl.store(
+        v_cache_ptr + slot * stride_vcs + offs_h[:, None] * stride_vch + offs_d[None, :] * stride_vcd,
+        v.to(v_cache_ptr.dtype.element_ty),
+        mask=mask,
+    )
+
+
+def write_kv_triton(
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,  # [slots, Hkv, D]
+    slots: torch.Tensor,  # [T] int64; negative entries go to the sink slot 0
+    k: torch.Tensor,  # [T, Hkv, D], any strides
+    v: torch.Tensor,  # [T, Hkv, D], any strides
+) -> None:
+    """Triton ``write_kv``: one launch writes both caches (the reference needs a clamp and two
+    ``index_copy_``), reading ``k``/``v`` through their strides (the attention backend passes
+    transposed views) and casting to the cache dtype on the fly.
+
+    Launch: one program per token, each copying its ``Hkv x D`` key and value rows. Pure copy:
+    ``2 * T * Hkv * D`` elements read and written once. Tokens that share a slot (padding rows
+    on the sink) race exactly as they do in ``index_copy_``.
+    """
+    num_tokens, num_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    slots = slots.contiguous()
+    _write_kv_kernel[(num_tokens,)](
+        k_cache, v_cache, slots, k, v,
+        *k_cache.stride(), *v_cache.stride(), *k.stride(), *v.stride(),
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        BLOCK_H=next_pow2(num_heads),
+        BLOCK_D=next_pow2(head_dim),
+        num_warps=4,
+    )
+
+
+@jit(do_not_specialize=["num_tokens", "max_pages"])
+def _paged_attention_kernel(
+    q_ptr,  # [T, H, D]
+    k_ptr,  # [slots, Hkv, D]
+    v_ptr,  # [slots, Hkv, D]
+    out_ptr,  # [T, H, D], written when NUM_SPLITS == 1
+    part_acc_ptr,  # [T, H, NUM_SPLITS, BLOCK_D] f32, unnormalised P.V (NUM_SPLITS > 1)
+    part_max_ptr,  # [T, H, NUM_SPLITS] f32, running max of the log2-domain scores
+    part_sum_ptr,  # [T, H, NUM_SPLITS] f32, softmax denominator
+    page_table_ptr,  # [R, max_pages] i64
+    query_row_ptr,  # [T] i64
+    kv_len_ptr,  # [T] i64
+    extra_ptr,  # [T, E] u8 tree block (any tensor when HAS_EXTRA is false)
+    num_tokens,
+    max_pages,
+    scale_log2,  # f32, softmax scale * log2(e)
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_pr,
+    stride_pp,
+    stride_et,
+    stride_ee,
+    NUM_EXTRA: tl.constexpr,  # E
+    BLOCK_E: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per kv head
+    GROUP_P: tl.constexpr,  # GROUP rounded up to a power of two
+    BLOCK_T: tl.constexpr,  # query tokens of one aligned block (BLOCK_T * GROUP_P query rows)
+    BLOCK_N: tl.constexpr,  # kv positions per iteration
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+    UPCAST: tl.constexpr,  # fp32 or mixed dtypes: fp32 tiles and full-precision products
+    SPLIT_P: tl.constexpr,  # bf16: P.V as (P_hi + P_lo).V, two bf16 products
+):
+    BLOCK_M: tl.constexpr = BLOCK_T * GROUP_P
+    t = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+
+    # The tokens of t's aligned block that share its page-table row form one "run". Its first
+    # token (the leader) does the whole run, so the run's keys and values are read once; every
+    # other program of the run returns at once.
+    row = tl.load(query_row_ptr + t)
+    block_start = (t // BLOCK_T) * BLOCK_T
+    offs_bt = block_start + tl.arange(0, BLOCK_T)
+    rows_bt = tl.load(query_row_ptr + offs_bt, mask=offs_bt < num_tokens, other=-1)
+    same_bt = (offs_bt < num_tokens) & (rows_bt == row)
+    leader = tl.min(tl.where(same_bt, offs_bt, num_tokens), axis=0)
+    if leader != t:
+        return
+
+    # Query rows: token block_start + m // GROUP_P, head kv_head * GROUP + m % GROUP_P.
+    offs_m = tl.arange(0, BLOCK_M)
+    tok_m = (block_start + offs_m // GROUP_P).to(tl.int64)  # [M]
+    g_m = offs_m % GROUP_P
+    in_range_m = tok_m < num_tokens
+    row_m = tl.load(query_row_ptr + tok_m, mask=in_range_m, other=-1)
+    member_m = in_range_m & (row_m == row)
+    valid_m = member_m & (g_m < GROUP)
+    head_m = kv_head * GROUP + g_m
+    kv_len_m = tl.maximum(tl.load(kv_len_ptr + tok_m, mask=member_m, other=0), 0)  # [M]
+    end_m = kv_len_m
+    if HAS_EXTRA:
+        # A query reads nothing past its last tree bit: [0, kv_len + last set bit + 1).
+        offs_e = tl.arange(0, BLOCK_E)
+        bits = tl.load(
+            extra_ptr + tok_m[:, None] * stride_et + offs_e[None, :] * stride_ee,
+            mask=member_m[:, None] & (offs_e[None, :] < NUM_EXTRA),
+            other=0,
+        )
+        end_m = kv_len_m + tl.max(tl.where(bits != 0, offs_e[None, :] + 1, 0), axis=1)
+        if NUM_EXTRA <= 64:
+            # Tree bits of each query row packed into one int64 (bit e = position kv_len + e),
+            # so the loop tests them with shifts instead of gathering bytes.
+            tree_word = tl.sum(
+                tl.where(bits != 0, tl.full([1], 1, tl.int64) << offs_e[None, :].to(tl.int64), 0),
+                axis=1,
+            )  # [M] i64
+    run_end = tl.max(tl.where(member_m, end_m, 0), axis=0)
+
+    # This split's share of [0, run_end), whole BLOCK_N tiles.
+    per_split = tl.cdiv(tl.cdiv(run_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, run_end)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + tok_m[:, None] * stride_qt + head_m[:, None] * stride_qh
+        + offs_d[None, :] * stride_qd,
+        mask=valid_m[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # [M, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    offs_n = tl.arange(0, BLOCK_N)
+    table_row = page_table_ptr + row * stride_pr
+    for start in range(lo, hi, BLOCK_N):
+        pos = start + offs_n  # [N] logical positions of the row
+        col_ok = pos < hi
+        page_col = pos // PAGE_SIZE
+        page = tl.load(table_row + page_col * stride_pp, mask=col_ok & (page_col < max_pages),
+                       other=0)
+        slot = page * PAGE_SIZE + pos % PAGE_SIZE  # [N]
+
+        k = tl.load(
+            k_ptr + slot[None, :] * stride_ks + kv_head * stride_kh
+            + offs_d[:, None] * stride_kd,
+            mask=col_ok[None, :] & d_ok[:, None],
+            other=0.0,
+        )  # [BLOCK_D, N]
+        if UPCAST:
+            qk = tl.dot(q, k.to(tl.float32), input_precision="ieee")
+        else:
+            qk = tl.dot(q, k)  # [M, N] f32
+
+        allowed = pos[None, :] < kv_len_m[:, None]
+        if HAS_EXTRA:
+            rel = pos[None, :] - kv_len_m[:, None]  # [M, N] offset into the tree block
+            in_tree = member_m[:, None] & (rel >= 0) & (rel < NUM_EXTRA)
+            if NUM_EXTRA <= 64:
+                shift = tl.where(in_tree, rel, 0)
+                bit = ((tree_word[:, None] >> shift) & 1) != 0
+                allowed = allowed | (in_tree & bit)
+            else:
+                bit = tl.load(extra_ptr + tok_m[:, None] * stride_et + rel * stride_ee,
+                              mask=in_tree, other=0)
+                allowed = allowed | (bit != 0)
+        allowed = allowed & valid_m[:, None] & col_ok[None, :]
+
+        # Online softmax in the log2 domain; rows with nothing allowed yet keep m = -inf and
+        # use 0 as their shift, so no inf - inf appears.
+        s = tl.where(allowed, qk * scale_log2, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_i - m_use)
+        p = tl.exp2(s - m_use[:, None])  # 0 where not allowed
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None]
+
+        # Values of positions nobody in the run attends are never loaded (stay 0), so garbage
+        # there (the sink page, unwritten slots) cannot turn 0 * NaN into NaN.
+        used = tl.max(allowed.to(tl.int32), axis=0) > 0  # [N]
+        v = tl.load(
+            v_ptr + slot[:, None] * stride_vs + kv_head * stride_vh
+            + offs_d[None, :] * stride_vd,
+            mask=used[:, None] & d_ok[None, :],
+            other=0.0,
+        )  # [N, BLOCK_D]
+        if UPCAST:
+            acc = tl.dot(p, v.to(tl.float32), acc, input_precision="ieee")
+        elif SPLIT_P:
+            p_hi = p.to(v.dtype)
+            p_lo = (p - p_hi.to(tl.float32)).to(v.dtype)
+            acc = tl.dot(p_hi, v, acc)
+            acc = tl.dot(p_lo, v, acc)
+        else:
+            acc = tl.dot(p.to(v.dtype), v, acc)
+        m_i = m_new
+
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows that attend nothing: 0
+        tl.store(
+            out_ptr + tok_m[:, None] * stride_ot + head_m[:, None] * stride_oh
+            + offs_d[None, :] * stride_od,
+            o.to(out_ptr.dtype.element_ty),
+            mask=valid_m[:, None] & d_ok[None, :],
+        )
+    else:
+        part = (tok_m * num_heads + head_m) * NUM_SPLITS + split  # [M]
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc,
+                 mask=valid_m[:, None])
+        tl.store(part_max_ptr + part, m_i, mask=valid_m)
+        tl.store(part_sum_ptr + part, l_i, mask=valid_m)
+
+
+@jit
+def _combine_splits_kernel(
+    part_acc_ptr,  # [T, H, NUM_SPLITS, BLOCK_D] f32
+    part_max_ptr,  # [T, H, NUM_SPLITS] f32
+    part_sum_ptr,  # [T, H, NUM_SPLITS] f32
+    out_ptr,  # [T, H, D]
+    stride_ot,
+    stride_oh,
+    stride_od,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    num_heads = tl.num_programs(1)
+    offs_s = tl.arange(0, NUM_SPLITS)
+    offs_d = tl.arange(0, BLOCK_D)
+    base = (t * num_heads + head) * NUM_SPLITS
+    m = tl.load(part_max_ptr + base + offs_s)
+    l_s = tl.load(part_sum_ptr + base + offs_s)
+    live = l_s > 0
+    m_max = tl.max(tl.where(live, m, float("-inf")), axis=0)
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w = tl.where(live, tl.exp2(m - m_use), 0.0)  # [S]
+    denom = tl.sum(w * l_s, axis=0)
+    acc = tl.load(part_acc_ptr + (base + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
+                  mask=live[:, None], other=0.0)
+    o = tl.sum(w[:, None] * acc, axis=0) / tl.where(denom > 0, denom, 1.0)
+    tl.store(out_ptr + t * stride_ot + head * stride_oh + offs_d * stride_od,
+             o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+
+
+_MAX_SPLITS = 32
+
+
+def paged_attention_triton(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,  # [slots, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+    *,
+    num_splits: int | None = None,
+    block_m: int | None = None,
+    block_n: int | None = None,
+    num_warps: int = 4,
+    num_stages: int | None = None,
+) -> torch.Tensor:  # [T, H, D], dtype of q
+    """Triton paged attention with the tree block: same semantics as the reference.
+
+    **Cost.** Each query t reads keys and values of ``[0, kv_len[t] + e_t)`` (``e_t`` = last
+    tree bit + 1) of one kv head per group: ``2 * n * D`` elements, and does ``4 * G * n * D``
+    FLOPs (G query heads per kv head). In bf16 that is G FLOPs per byte for one query, and
+    ``r * G`` for a run of r queries that share the KV (verify with N = 17: 68), far under the
+    ~300 FLOP/byte ridge of an H100/H200: attention here is bound by moving KV bytes, and the
+    floor is (KV bytes read once) / bandwidth. E.g. Llama-3-8B (Hkv = 8, D = 128, bf16) at
+    kv_len 2048 moves 8 MiB per request and layer: 2.8 us at 3 TB/s. Two things decide whether
+    we get near it:
+
+    - *Read each KV byte once.* Queries of one request share the prefix (verify: N tree nodes;
+      draft-extend and prefill: consecutive tokens), so reading the prefix once per query would
+      multiply the bytes by N. The grid is ``(T, Hkv, splits)``; tokens of an aligned block of
+      ``BLOCK_T`` consecutive tokens that share a page-table row form a *run*, processed by the
+      program of its first token (the others return at once) with all ``BLOCK_T * G`` query rows
+      in one ``tl.dot`` tile, so the run's KV is read once. Decode and draft steps (one token
+      per row) get one program per token and kv head, each doing its G query heads; the
+      unused rows of its tile cost tensor-core arithmetic, not bytes (``block_m=16`` trims
+      them at the price of shorter runs; ``bench/bench_kernels.py`` times both).
+    - *Enough programs in flight.* At batch 1 there are only Hkv runs; split-K divides each
+      run's range into ``splits`` equal whole tiles (computed on the device from kv_len, so the
+      grid depends on shapes only) and a second kernel merges the partial softmaxes. ``splits``
+      is the largest power of two (<= 32) that brings ``cdiv(T, BLOCK_T) * Hkv * splits`` to
+      about two programs per SM; large batches and prefill get 1 (no partials, no merge).
+
+    The loop over a run's range reads page ids from the page table (page size >= 1, a
+    compile-time constant), gathers ``BLOCK_N`` key/value rows, and runs an online softmax in
+    fp32 (log2 domain). Only positions below ``kv_len + e`` are visited; values of positions no
+    query of the run attends are not loaded, and a query that attends nothing (padding: row 0,
+    kv_len 0) gets zeros, never NaN. Q.K^T uses bf16/fp16 tensor-core products with fp32
+    accumulation (exact products); P.V in bf16 is computed as ``P_hi.V + P_lo.V`` with P split
+    into two bf16 parts, so the only rounding left is the final cast to bf16 (a single bf16
+    product of P would add ~1e-3 relative error by itself). fp32 inputs use full fp32 products.
+
+    **Batch invariance.** A query's result depends only on its own positions and values, the
+    fixed ``BLOCK_N`` tiling of its row and the split count: other queries of its run add exact
+    zeros. fp32 (the exactness path) never splits, so its outputs are bitwise the same whatever
+    batch a request sits in (an eager batch equals the replay of a larger, padded CUDA-graph
+    bucket). bf16/fp16 choose ``splits`` from T, so they may differ in the last bit between
+    batch sizes.
+
+    Tiles: ``BLOCK_M = 64`` query rows (``BLOCK_T = 64 / G`` tokens), ``BLOCK_N = 32`` positions,
+    4 warps, 2 stages (about 220 registers per thread on sm_90 and no spills, by
+    ``tests/gpu/compile_sm90.py``; ``BLOCK_N = 64`` reaches 255 and spills). fp32 uses 16 x 16
+    tiles and 1 stage (its full-precision products need many more registers). The keyword
+    arguments override these for ``bench/bench_kernels.py``.
+    """
+    num_tokens, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+    group = num_heads // num_kv_heads
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=q.dtype, device=q.device)
+    if num_tokens == 0:
+        return out
+
+    dtypes = {q.dtype, k_cache.dtype, v_cache.dtype}
+    upcast = len(dtypes) > 1 or q.dtype == torch.float32
+    split_p = not upcast and q.dtype == torch.bfloat16
+    if block_m is None:
+        block_m = 16 if upcast else 64
+    if block_n is None:
+        # fp32 products, and the byte-gather tree path (E > 64), need the smaller tile
+        block_n = 16 if upcast or (meta.extra_mask is not None and meta.extra_mask.shape[1] > 64) else 32
+    if num_stages is None:
+        num_stages = 1 if upcast else 2
+
+    group_p = next_pow2(group)
+    block_t = max(1, block_m // group_p)
+    if block_t * group_p < 16:  # tl.dot needs at least 16 rows
+        block_t = cdiv(16, group_p)
+    block_d = max(16, next_pow2(head_dim))
+    page_size = meta.page_size
+    page_table = meta.page_table
+    max_pages = page_table.shape[1]
+    query_row = meta.query_row.contiguous()
+    kv_len = meta.kv_len.contiguous()
+    extra = meta.extra_mask
+    has_extra = extra is not None and extra.shape[1] > 0
+    num_extra = extra.shape[1] if has_extra else 0
+    extra_arg = as_bytes(extra) if has_extra else kv_len
+
+    if num_splits is None and upcast:
+        num_splits = 1  # fp32: a query's result must not depend on the batch size (see above)
+    if num_splits is None:
+        runs = cdiv(num_tokens, block_t) * num_kv_heads
+        tiles = cdiv(max_pages * page_size, block_n)
+        num_splits = prev_pow2(min(_MAX_SPLITS, tiles, max(1, 2 * num_sms(q.device) // runs)))
+    if num_splits < 1 or num_splits & (num_splits - 1):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+
+    if num_splits > 1:
+        part_acc = torch.empty(
+            (num_tokens, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device
+        )
+        part_max = torch.empty(
+            (num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device
+        )
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out  # never touched
+    _paged_attention_kernel[(num_tokens, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, out, part_acc, part_max, part_sum,
+        page_table, query_row, kv_len, extra_arg,
+        num_tokens, max_pages, float(scale) * math.log2(math.e),
+        *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
+        *page_table.stride(),
+        *(extra_arg.stride() if has_extra else (0, 0)),
+        NUM_EXTRA=num_extra,
+        BLOCK_E=next_pow2(num_extra),
+        PAGE_SIZE=page_size,
+        GROUP=group,
+        GROUP_P=group_p,
+        BLOCK_T=block_t,
+        BLOCK_N=block_n,
+        HEAD_DIM=head_dim,
+        BLOCK_D=block_d,
+        NUM_SPLITS=num_splits,
+        HAS_EXTRA=has_extra,
+        UPCAST=upcast,
+        SPLIT_P=split_p,
+        num_warps=num_warps,
+        num_stages=num_stages,
+    )
+    if num_splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            part_acc, part_max, part_sum, out, *out.stride(),
+            HEAD_DIM=head_dim,
+            BLOCK_D=block_d,
+            NUM_SPLITS=num_splits,
+            num_warps=1 if block_d * num_splits <= 1024 else 4,
+        )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Public entry points
+
+
+def write_kv(
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,  # [slots, Hkv, D]
+    slots: torch.Tensor,  # [T] int64; negative entries go to the sink slot 0
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+) -> None:
+    """Write one layer's key/value of T tokens into the pool, in place (Triton on CUDA)."""
+    if use_triton(k_cache):
+        write_kv_triton(k_cache, v_cache, slots, k, v)
+    else:
+        write_kv_reference(k_cache, v_cache, slots, k, v)
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, H, D]
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,  # [slots, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [T, H, D], dtype of q
+    """Paged attention with an optional tree block (see ``docs/internals.md``): Triton on
+    CUDA tensors, else :func:`paged_attention_reference`."""
+    if use_triton(q):
+        return paged_attention_triton(q, k_cache, v_cache, meta, scale)
+    return paged_attention_reference(q, k_cache, v_cache, meta, scale)

@@ -4,6 +4,9 @@ The N-1 best draft candidates become the tree (EAGLE-2 reranking, arXiv 2406.168
 verification as in SpecInfer, Miao et al. 2024, arXiv 2305.09781). Node 0 of every request is the
 root: the bonus token of the previous step, at position ``seq_len``. See ``docs/internals.md``
 ("Draft candidates and the tree").
+
+``select_tree_nodes`` and ``build_tree`` dispatch to Triton on CUDA tensors (one program per
+request each) and to the ``*_reference`` torch versions elsewhere.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import attrs
 import torch
 
 from phasegraph.kernels._checks import expect, expect_shape
+from phasegraph.kernels._dispatch import as_bytes, jit, next_pow2, tl, use_triton
 
 
 @attrs.frozen(eq=False)
@@ -27,7 +31,7 @@ class TreeTensors:
     retrieve_next_sibling: torch.Tensor  # [B, N] i64, next sibling in node order, -1
 
 
-def select_tree_nodes(
+def select_tree_nodes_reference(
     cand_tokens: torch.Tensor,  # [B, C] i64
     cand_scores: torch.Tensor,  # [B, C] f32
     cand_parents: torch.Tensor,  # [B, C] i64, parent candidate id or -1 (root)
@@ -68,7 +72,7 @@ def select_tree_nodes(
     return node_tokens, torch.cat([root, parent_node], dim=1)
 
 
-def build_tree(
+def build_tree_reference(
     bonus_tokens: torch.Tensor,  # [B] i64, root token of each request
     node_tokens: torch.Tensor,  # [B, N-1] i64
     node_parents: torch.Tensor,  # [B, N] i64, parent node index (< own index), -1 for the root
@@ -133,3 +137,225 @@ def build_tree(
         retrieve_next_token=next_token,
         retrieve_next_sibling=next_sibling,
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Triton
+
+
+@jit
+def _sorts_before(score_a, id_a, score_b, id_b):
+    """Whether (score_a, id_a) comes first in torch's stable descending sort: a higher score,
+    or an equal score and a lower id. NaN counts as above every number (as in torch.sort)."""
+    nan_a = score_a != score_a
+    nan_b = score_b != score_b
+    higher = (score_a > score_b) | (nan_a & ~nan_b)
+    same = (score_a == score_b) | (nan_a & nan_b)
+    return higher | (same & (id_a < id_b))
+
+
+@jit
+def _select_tree_nodes_kernel(
+    cand_tokens_ptr,  # [B, C] i64
+    cand_scores_ptr,  # [B, C] f32
+    cand_parents_ptr,  # [B, C] i64
+    node_tokens_ptr,  # [B, N-1] i64, out
+    node_parents_ptr,  # [B, N] i64, out
+    num_cand,
+    num_nodes,
+    BLOCK_C: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_C)
+    ok = offs < num_cand
+    score = tl.load(cand_scores_ptr + b * num_cand + offs, mask=ok, other=0.0)
+    # rank[c]: how many candidates the stable descending sort puts before c
+    rank = tl.zeros([BLOCK_C], tl.int32)
+    for start in range(0, BLOCK_C, CHUNK):
+        other = start + tl.arange(0, CHUNK)
+        other_ok = other < num_cand
+        other_score = tl.load(cand_scores_ptr + b * num_cand + other, mask=other_ok, other=0.0)
+        before = _sorts_before(other_score[None, :], other[None, :], score[:, None], offs[:, None])
+        rank += tl.sum((before & other_ok[None, :]).to(tl.int32), axis=1)
+    kept = ok & (rank < num_nodes - 1)
+    node = tl.cumsum(kept.to(tl.int32), axis=0)  # node j >= 1 is the j-th kept id (ascending)
+    node_of = tl.where(kept, node, 0)  # candidate -> node, 0 (root) when not kept
+    parent = tl.load(cand_parents_ptr + b * num_cand + offs, mask=ok, other=-1)
+    parent_node = tl.gather(node_of, tl.minimum(tl.maximum(parent, 0), BLOCK_C - 1).to(tl.int32), 0)
+    parent_node = tl.where(parent < 0, 0, parent_node)
+    token = tl.load(cand_tokens_ptr + b * num_cand + offs, mask=ok, other=0)
+    tl.store(node_tokens_ptr + b * (num_nodes - 1) + node - 1, token, mask=kept)
+    tl.store(node_parents_ptr + b * num_nodes + node, parent_node.to(tl.int64), mask=kept)
+    tl.store(node_parents_ptr + b * num_nodes, -1)
+
+
+def select_tree_nodes_triton(
+    cand_tokens: torch.Tensor,  # [B, C] i64
+    cand_scores: torch.Tensor,  # [B, C] f32
+    cand_parents: torch.Tensor,  # [B, C] i64, parent candidate id or -1 (root)
+    num_nodes: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Triton ``select_tree_nodes``: one program per request, no sort.
+
+    The stable descending sort only decides which N-1 candidates are kept, so each candidate's
+    rank is counted directly (how many candidates beat it: C x C comparisons in chunks, about
+    1e5 for K = 8, S = 6), the kept ones are numbered by a prefix sum (ascending ids = node
+    order) and each parent candidate is mapped to its node with a register gather. Same tie rule
+    as the reference (equal scores: lower id first; NaN above everything). One launch instead of
+    two sorts and five gathers/scatters.
+    """
+    expect(cand_tokens, "cand_tokens", 2, torch.int64)
+    expect(cand_scores, "cand_scores", 2, torch.float32)
+    expect(cand_parents, "cand_parents", 2, torch.int64)
+    batch, num_cand = cand_scores.shape
+    expect_shape(cand_tokens, "cand_tokens", (batch, num_cand))
+    expect_shape(cand_parents, "cand_parents", (batch, num_cand))
+    if not 1 <= num_nodes <= num_cand + 1:
+        raise ValueError(f"num_nodes must be in [1, C+1] = [1, {num_cand + 1}], got {num_nodes}")
+    device = cand_scores.device
+    node_tokens = torch.empty((batch, num_nodes - 1), dtype=torch.int64, device=device)
+    node_parents = torch.empty((batch, num_nodes), dtype=torch.int64, device=device)
+    if batch > 0:
+        block_c = next_pow2(num_cand)
+        _select_tree_nodes_kernel[(batch,)](
+            cand_tokens.contiguous(), cand_scores.contiguous(), cand_parents.contiguous(),
+            node_tokens, node_parents, num_cand, num_nodes,
+            BLOCK_C=block_c,
+            CHUNK=max(1, min(block_c, 8192 // block_c)),
+            num_warps=4,
+        )
+    return node_tokens, node_parents
+
+
+@jit
+def _build_tree_kernel(
+    bonus_ptr,  # [B] i64
+    node_tokens_ptr,  # [B, N-1] i64
+    parents_ptr,  # [B, N] i64, parent < own index, -1 for the root
+    seq_lens_ptr,  # [B] i64
+    draft_tokens_ptr,  # [B*N] i64, out
+    positions_ptr,  # [B*N] i64, out
+    tree_mask_ptr,  # [B, N, N] u8 (bool), out
+    depth_ptr,  # [B, N] i64, out
+    retrieve_index_ptr,  # [B, N] i64, out
+    next_token_ptr,  # [B, N] i64, out
+    next_sibling_ptr,  # [B, N] i64, out
+    num_nodes,
+    BLOCK_NODES: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_NODES)
+    ok = offs < num_nodes
+    base = b * num_nodes
+    parent = tl.load(parents_ptr + base + offs, mask=ok, other=-1)
+
+    # Ancestor-or-self mask: walk every node up to the root at once (depth <= N-1 steps).
+    mask = (offs[:, None] == offs[None, :]) & ok[:, None]
+    up = parent
+    steps = 0
+    while (tl.max(up, axis=0) >= 0) & (steps < num_nodes):
+        mask = mask | ((offs[None, :] == up[:, None]) & (up[:, None] >= 0))
+        up = tl.where(up >= 0, tl.gather(parent, tl.maximum(up, 0).to(tl.int32), 0), -1)
+        steps += 1
+    depth = tl.sum(mask.to(tl.int64), axis=1) - 1
+
+    # First child: the smallest j >= 1 whose parent is p. Next sibling: the smallest k > j with
+    # the same parent (node order), none for parentless nodes.
+    is_child = (parent[None, :] == offs[:, None]) & (offs[None, :] >= 1) & ok[None, :]
+    first = tl.min(tl.where(is_child, offs[None, :], BLOCK_NODES), axis=1)
+    same = (parent[None, :] == parent[:, None]) & (offs[None, :] > offs[:, None]) & ok[None, :]
+    same = same & (parent[:, None] >= 0)
+    follower = tl.min(tl.where(same, offs[None, :], BLOCK_NODES), axis=1)
+
+    bonus = tl.load(bonus_ptr + b)
+    token = tl.load(node_tokens_ptr + b * (num_nodes - 1) + offs - 1, mask=ok & (offs >= 1),
+                    other=0)
+    tl.store(draft_tokens_ptr + base + offs, tl.where(offs == 0, bonus, token), mask=ok)
+    tl.store(positions_ptr + base + offs, tl.load(seq_lens_ptr + b) + depth, mask=ok)
+    tl.store(depth_ptr + base + offs, depth, mask=ok)
+    tl.store(retrieve_index_ptr + base + offs, base + offs, mask=ok)
+    tl.store(next_token_ptr + base + offs, tl.where(first < num_nodes, first, -1).to(tl.int64),
+             mask=ok)
+    tl.store(next_sibling_ptr + base + offs,
+             tl.where(follower < num_nodes, follower, -1).to(tl.int64), mask=ok)
+    tl.store(
+        tree_mask_ptr + base * num_nodes + offs[:, None] * num_nodes + offs[None, :],
+        mask.to(tl.uint8),
+        mask=ok[:, None] & ok[None, :],
+    )
+
+
+def build_tree_triton(
+    bonus_tokens: torch.Tensor,  # [B] i64
+    node_tokens: torch.Tensor,  # [B, N-1] i64
+    node_parents: torch.Tensor,  # [B, N] i64, parent node index (< own index), -1 for the root
+    seq_lens: torch.Tensor,  # [B] i64
+) -> TreeTensors:
+    """Triton ``build_tree``: one program per request builds all seven outputs in registers.
+
+    Ancestors come from walking every node up at once (tree depth iterations, each an N x N
+    compare), first children and next siblings from N x N compare-and-min; N <= 128 or so fits
+    one program. Output bytes (the N x N mask dominates) are written once; the reference needs
+    ~log2(N) rounds of [B, N, N] gathers plus a sort and scatters.
+    """
+    expect(bonus_tokens, "bonus_tokens", 1, torch.int64)
+    expect(node_tokens, "node_tokens", 2, torch.int64)
+    expect(node_parents, "node_parents", 2, torch.int64)
+    expect(seq_lens, "seq_lens", 1, torch.int64)
+    batch, num_nodes = node_parents.shape
+    expect_shape(bonus_tokens, "bonus_tokens", (batch,))
+    expect_shape(node_tokens, "node_tokens", (batch, num_nodes - 1))
+    expect_shape(seq_lens, "seq_lens", (batch,))
+    device = node_parents.device
+    draft_tokens = torch.empty(batch * num_nodes, dtype=torch.int64, device=device)
+    positions = torch.empty(batch * num_nodes, dtype=torch.int64, device=device)
+    tree_mask = torch.empty((batch, num_nodes, num_nodes), dtype=torch.bool, device=device)
+    depth = torch.empty((batch, num_nodes), dtype=torch.int64, device=device)
+    retrieve_index = torch.empty((batch, num_nodes), dtype=torch.int64, device=device)
+    next_token = torch.empty((batch, num_nodes), dtype=torch.int64, device=device)
+    next_sibling = torch.empty((batch, num_nodes), dtype=torch.int64, device=device)
+    if batch > 0 and num_nodes > 0:
+        block = next_pow2(num_nodes)
+        _build_tree_kernel[(batch,)](
+            bonus_tokens.contiguous(), node_tokens.contiguous(), node_parents.contiguous(),
+            seq_lens.contiguous(), draft_tokens, positions, as_bytes(tree_mask), depth,
+            retrieve_index, next_token, next_sibling, num_nodes,
+            BLOCK_NODES=block,
+            num_warps=1 if block <= 32 else 4,
+        )
+    return TreeTensors(
+        draft_tokens=draft_tokens,
+        positions=positions,
+        tree_mask=tree_mask,
+        depth=depth,
+        retrieve_index=retrieve_index,
+        retrieve_next_token=next_token,
+        retrieve_next_sibling=next_sibling,
+    )
+
+
+def select_tree_nodes(
+    cand_tokens: torch.Tensor,  # [B, C] i64
+    cand_scores: torch.Tensor,  # [B, C] f32
+    cand_parents: torch.Tensor,  # [B, C] i64, parent candidate id or -1 (root)
+    num_nodes: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keep the N-1 best candidates as tree nodes 1..N-1 (see
+    :func:`select_tree_nodes_reference`); Triton on CUDA tensors."""
+    if use_triton(cand_scores):
+        return select_tree_nodes_triton(cand_tokens, cand_scores, cand_parents, num_nodes)
+    return select_tree_nodes_reference(cand_tokens, cand_scores, cand_parents, num_nodes)
+
+
+def build_tree(
+    bonus_tokens: torch.Tensor,  # [B] i64, root token of each request
+    node_tokens: torch.Tensor,  # [B, N-1] i64
+    node_parents: torch.Tensor,  # [B, N] i64, parent node index (< own index), -1 for the root
+    seq_lens: torch.Tensor,  # [B] i64, committed tokens (the root sits at position seq_len)
+) -> TreeTensors:
+    """Tokens, positions, ancestor mask and retrieve lists of the draft trees (see
+    :func:`build_tree_reference`); Triton on CUDA tensors."""
+    if use_triton(node_parents):
+        return build_tree_triton(bonus_tokens, node_tokens, node_parents, seq_lens)
+    return build_tree_reference(bonus_tokens, node_tokens, node_parents, seq_lens)

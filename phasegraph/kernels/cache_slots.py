@@ -9,6 +9,10 @@ page-aligned region of R pages. The branch's virtual page-table row is the reque
 ``full`` pages followed by its region; its logical position ``seq_len + i`` is region offset
 ``tail + i``. The prefix tail is copied into every region before draft step 0, and a region is
 copied to a new beam that descends from it (SGLang ``assign_draft_cache_locs``, PR #7725).
+
+``row_slots``, ``assign_draft_cache_locs`` and ``branch_reorder_moves`` dispatch to Triton on
+CUDA tensors (index arithmetic, one small launch each instead of 4-20 torch ops) and to their
+``*_reference`` torch versions elsewhere; ``draft_region_pages`` is host arithmetic.
 """
 
 from __future__ import annotations
@@ -17,6 +21,7 @@ import attrs
 import torch
 
 from phasegraph.kernels._checks import expect, expect_shape
+from phasegraph.kernels._dispatch import jit, next_pow2, tl, use_triton
 
 
 @attrs.frozen(eq=False)
@@ -29,7 +34,7 @@ class DraftCacheLayout:
     tail_dst: torch.Tensor  # [B*K*(P-1)] i64, the matching slots of each branch region
 
 
-def row_slots(
+def row_slots_reference(
     page_table: torch.Tensor,  # [R, max_pages] i64
     rows: torch.Tensor,  # [B] i64, page-table row of each request
     positions: torch.Tensor,  # [B, X] i64, logical positions in [0, max_pages * P)
@@ -57,7 +62,16 @@ def draft_region_pages(page_size: int, num_steps: int) -> int:
     return max(1, -(-slots // page_size))
 
 
-def assign_draft_cache_locs(
+def _check_region(region: int, page_size: int, num_steps: int) -> None:
+    if region != draft_region_pages(page_size, num_steps):
+        raise ValueError(
+            f"region_pages holds {region} pages per branch, expected "
+            f"draft_region_pages({page_size}, {num_steps}) = "
+            f"{draft_region_pages(page_size, num_steps)}"
+        )
+
+
+def assign_draft_cache_locs_reference(
     page_table: torch.Tensor,  # [R_rows, max_pages] i64, req_to_page
     rows: torch.Tensor,  # [B] i64, page-table row of each request
     seq_lens: torch.Tensor,  # [B] i64, committed tokens
@@ -73,12 +87,7 @@ def assign_draft_cache_locs(
     batch, topk, region = region_pages.shape
     expect_shape(rows, "rows", (batch,))
     expect_shape(seq_lens, "seq_lens", (batch,))
-    if region != draft_region_pages(page_size, num_steps):
-        raise ValueError(
-            f"region_pages holds {region} pages per branch, expected "
-            f"draft_region_pages({page_size}, {num_steps}) = "
-            f"{draft_region_pages(page_size, num_steps)}"
-        )
+    _check_region(region, page_size, num_steps)
     max_pages = page_table.shape[1]
     device = page_table.device
     full = torch.div(seq_lens, page_size, rounding_mode="floor")  # [B]
@@ -119,7 +128,7 @@ def assign_draft_cache_locs(
     )
 
 
-def branch_reorder_moves(
+def branch_reorder_moves_reference(
     region_pages: torch.Tensor,  # [B, K, R] i64
     beam_parent: torch.Tensor,  # [B, K] i64 in [0, K), old beam of each new beam
     page_size: int,
@@ -138,3 +147,247 @@ def branch_reorder_moves(
     src = src_pages[..., None] * page_size + within  # [B, K, R, P]
     dst = region_pages[..., None] * page_size + within
     return src.reshape(-1), dst.reshape(-1)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton
+
+
+@jit
+def _row_slots_kernel(
+    page_table_ptr,  # [R, max_pages] i64
+    rows_ptr,  # [B] i64
+    positions_ptr,  # [B, X] i64
+    slots_ptr,  # [B, X] i64, out
+    num_positions,
+    stride_pr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_X: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    x = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
+    ok = x < num_positions
+    pos = tl.load(positions_ptr + b * num_positions + x, mask=ok, other=0)
+    row = tl.load(rows_ptr + b)
+    page = tl.load(page_table_ptr + row * stride_pr + pos // PAGE_SIZE, mask=ok, other=0)
+    tl.store(slots_ptr + b * num_positions + x, page * PAGE_SIZE + pos % PAGE_SIZE, mask=ok)
+
+
+def row_slots_triton(
+    page_table: torch.Tensor,  # [R, max_pages] i64
+    rows: torch.Tensor,  # [B] i64
+    positions: torch.Tensor,  # [B, X] i64, logical positions in [0, max_pages * P)
+    page_size: int,
+) -> torch.Tensor:  # [B, X] i64
+    """Triton ``row_slots``: one program per (request, block of positions), one page lookup per
+    position (the reference's index_select + gather + arithmetic in one launch)."""
+    expect(page_table, "page_table", 2, torch.int64)
+    expect(rows, "rows", 1, torch.int64)
+    expect(positions, "positions", 2, torch.int64)
+    batch, num_positions = positions.shape
+    expect_shape(positions, "positions", (rows.shape[0], num_positions))
+    slots = torch.empty((batch, num_positions), dtype=torch.int64, device=positions.device)
+    if slots.numel() > 0:
+        page_table = page_table if page_table.stride(1) == 1 else page_table.contiguous()
+        block = min(1024, next_pow2(num_positions))
+        _row_slots_kernel[(batch, -(-num_positions // block))](
+            page_table, rows.contiguous(), positions.contiguous(), slots, num_positions,
+            page_table.stride(0),
+            PAGE_SIZE=page_size, BLOCK_X=block, num_warps=1 if block <= 128 else 4,
+        )
+    return slots
+
+
+@jit
+def _draft_cache_locs_kernel(
+    page_table_ptr,  # [R_rows, max_pages] i64
+    rows_ptr,  # [B] i64
+    seq_lens_ptr,  # [B] i64
+    region_pages_ptr,  # [B, K, R] i64
+    branch_table_ptr,  # [B*K, max_pages + R] i64, out
+    step_slots_ptr,  # [S-1, B*K] i64, out
+    tail_src_ptr,  # [B*K*(P-1)] i64, out
+    tail_dst_ptr,  # [B*K*(P-1)] i64, out
+    max_pages,
+    num_branches,  # B*K
+    stride_pr,
+    TOPK: tl.constexpr,
+    REGION: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_WRITES: tl.constexpr,  # S-1 draft steps that write KV
+    BLOCK_COLS: tl.constexpr,
+    BLOCK_STEPS: tl.constexpr,
+    BLOCK_TAIL: tl.constexpr,
+):
+    branch = tl.program_id(0).to(tl.int64)  # b*K + k
+    b = branch // TOPK
+    row = tl.load(rows_ptr + b)
+    seq_len = tl.load(seq_lens_ptr + b)
+    full = seq_len // PAGE_SIZE
+    tail = seq_len % PAGE_SIZE
+    region_ptr = region_pages_ptr + branch * REGION
+
+    # Virtual row: request pages [0, full), then the branch region [full, full + R), then 0.
+    width = max_pages + REGION
+    for start in range(0, width, BLOCK_COLS):
+        cols = start + tl.arange(0, BLOCK_COLS)
+        ok = cols < width
+        in_region = cols - full
+        is_region = (in_region >= 0) & (in_region < REGION)
+        region_page = tl.load(region_ptr + in_region, mask=ok & is_region, other=0)
+        prefix = tl.load(page_table_ptr + row * stride_pr + cols,
+                         mask=ok & (cols < full) & (cols < max_pages), other=0)
+        tl.store(branch_table_ptr + branch * width + cols,
+                 tl.where(is_region, region_page, prefix), mask=ok)
+
+    # Draft step i writes region offset tail + i.
+    steps = tl.arange(0, BLOCK_STEPS)
+    steps_ok = steps < NUM_WRITES
+    offset = tail + steps
+    page = tl.load(region_ptr + offset // PAGE_SIZE, mask=steps_ok, other=0)
+    tl.store(step_slots_ptr + steps * num_branches + branch,
+             page * PAGE_SIZE + offset % PAGE_SIZE, mask=steps_ok)
+
+    # Prefix tail (logical [full*P, seq_len)) -> first `tail` slots of the region.
+    if PAGE_SIZE > 1:
+        within = tl.arange(0, BLOCK_TAIL)
+        tail_ok = within < PAGE_SIZE - 1
+        tail_page = tl.load(page_table_ptr + row * stride_pr + tl.minimum(full, max_pages - 1))
+        dst = tl.load(region_ptr) * PAGE_SIZE + within
+        src = tl.where(within < tail, tail_page * PAGE_SIZE + within, dst)
+        tl.store(tail_src_ptr + branch * (PAGE_SIZE - 1) + within, src, mask=tail_ok)
+        tl.store(tail_dst_ptr + branch * (PAGE_SIZE - 1) + within, dst, mask=tail_ok)
+
+
+def assign_draft_cache_locs_triton(
+    page_table: torch.Tensor,  # [R_rows, max_pages] i64, req_to_page
+    rows: torch.Tensor,  # [B] i64
+    seq_lens: torch.Tensor,  # [B] i64
+    region_pages: torch.Tensor,  # [B, K, R] i64
+    page_size: int,
+    num_steps: int,
+) -> DraftCacheLayout:
+    """Triton ``assign_draft_cache_locs``: one program per branch writes its virtual page-table
+    row, its S-1 step slots and its P-1 tail copies (about 20 torch ops in the reference)."""
+    expect(page_table, "page_table", 2, torch.int64)
+    expect(rows, "rows", 1, torch.int64)
+    expect(seq_lens, "seq_lens", 1, torch.int64)
+    expect(region_pages, "region_pages", 3, torch.int64)
+    batch, topk, region = region_pages.shape
+    expect_shape(rows, "rows", (batch,))
+    expect_shape(seq_lens, "seq_lens", (batch,))
+    _check_region(region, page_size, num_steps)
+    max_pages = page_table.shape[1]
+    device = page_table.device
+    branches = batch * topk
+    writes = max(num_steps - 1, 0)
+    branch_table = torch.empty((branches, max_pages + region), dtype=torch.int64, device=device)
+    step_slots = torch.empty((writes, branches), dtype=torch.int64, device=device)
+    tail_src = torch.empty(branches * (page_size - 1), dtype=torch.int64, device=device)
+    tail_dst = torch.empty(branches * (page_size - 1), dtype=torch.int64, device=device)
+    if branches > 0:
+        page_table = page_table if page_table.stride(1) == 1 else page_table.contiguous()
+        _draft_cache_locs_kernel[(branches,)](
+            page_table, rows.contiguous(), seq_lens.contiguous(), region_pages.contiguous(),
+            branch_table, step_slots, tail_src, tail_dst, max_pages, branches,
+            page_table.stride(0),
+            TOPK=topk,
+            REGION=region,
+            PAGE_SIZE=page_size,
+            NUM_WRITES=writes,
+            BLOCK_COLS=min(1024, next_pow2(max_pages + region)),
+            BLOCK_STEPS=next_pow2(writes),
+            BLOCK_TAIL=next_pow2(page_size - 1),
+            num_warps=1,
+        )
+    return DraftCacheLayout(
+        branch_page_table=branch_table,
+        step_slots=step_slots,
+        tail_src=tail_src,
+        tail_dst=tail_dst,
+    )
+
+
+@jit
+def _branch_reorder_kernel(
+    region_pages_ptr,  # [B, K, R] i64
+    beam_parent_ptr,  # [B, K] i64
+    src_ptr,  # [B*K*R*P] i64, out
+    dst_ptr,  # [B*K*R*P] i64, out
+    TOPK: tl.constexpr,
+    REGION: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK: tl.constexpr,  # next power of two of R*P
+):
+    branch = tl.program_id(0).to(tl.int64)  # b*K + k
+    b = branch // TOPK
+    offs = tl.arange(0, BLOCK)
+    ok = offs < REGION * PAGE_SIZE
+    r = offs // PAGE_SIZE
+    within = offs % PAGE_SIZE
+    parent = tl.load(beam_parent_ptr + branch)
+    src_page = tl.load(region_pages_ptr + (b * TOPK + parent) * REGION + r, mask=ok, other=0)
+    dst_page = tl.load(region_pages_ptr + branch * REGION + r, mask=ok, other=0)
+    out = branch * (REGION * PAGE_SIZE) + offs
+    tl.store(src_ptr + out, src_page * PAGE_SIZE + within, mask=ok)
+    tl.store(dst_ptr + out, dst_page * PAGE_SIZE + within, mask=ok)
+
+
+def branch_reorder_moves_triton(
+    region_pages: torch.Tensor,  # [B, K, R] i64
+    beam_parent: torch.Tensor,  # [B, K] i64 in [0, K)
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # src [B*K*R*P], dst [B*K*R*P]
+    """Triton ``branch_reorder_moves``: one program per branch writes its R*P moves."""
+    expect(region_pages, "region_pages", 3, torch.int64)
+    expect(beam_parent, "beam_parent", 2, torch.int64)
+    batch, topk, region = region_pages.shape
+    expect_shape(beam_parent, "beam_parent", (batch, topk))
+    total = batch * topk * region * page_size
+    src = torch.empty(total, dtype=torch.int64, device=region_pages.device)
+    dst = torch.empty(total, dtype=torch.int64, device=region_pages.device)
+    if total > 0:
+        _branch_reorder_kernel[(batch * topk,)](
+            region_pages.contiguous(), beam_parent.contiguous(), src, dst,
+            TOPK=topk, REGION=region, PAGE_SIZE=page_size,
+            BLOCK=next_pow2(region * page_size), num_warps=1,
+        )
+    return src, dst
+
+
+def row_slots(
+    page_table: torch.Tensor,  # [R, max_pages] i64
+    rows: torch.Tensor,  # [B] i64, page-table row of each request
+    positions: torch.Tensor,  # [B, X] i64, logical positions in [0, max_pages * P)
+    page_size: int,
+) -> torch.Tensor:  # [B, X] i64
+    """KV slot of logical position ``positions[b, x]`` of page-table row ``rows[b]``."""
+    impl = row_slots_triton if use_triton(positions) else row_slots_reference
+    return impl(page_table, rows, positions, page_size)
+
+
+def assign_draft_cache_locs(
+    page_table: torch.Tensor,  # [R_rows, max_pages] i64, req_to_page
+    rows: torch.Tensor,  # [B] i64, page-table row of each request
+    seq_lens: torch.Tensor,  # [B] i64, committed tokens
+    region_pages: torch.Tensor,  # [B, K, R] i64, the pages of each branch region
+    page_size: int,
+    num_steps: int,
+) -> DraftCacheLayout:
+    """Virtual page-table rows, per-step write slots and prefix-tail copies of every branch."""
+    impl = (
+        assign_draft_cache_locs_triton
+        if use_triton(region_pages)
+        else assign_draft_cache_locs_reference
+    )
+    return impl(page_table, rows, seq_lens, region_pages, page_size, num_steps)
+
+
+def branch_reorder_moves(
+    region_pages: torch.Tensor,  # [B, K, R] i64
+    beam_parent: torch.Tensor,  # [B, K] i64 in [0, K), old beam of each new beam
+    page_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # src [B*K*R*P], dst [B*K*R*P]
+    """Moves copying region ``beam_parent[b, k]`` into region k, every slot of the region."""
+    impl = branch_reorder_moves_triton if use_triton(region_pages) else branch_reorder_moves_reference
+    return impl(region_pages, beam_parent, page_size)

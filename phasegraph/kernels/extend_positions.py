@@ -1,13 +1,18 @@
-"""Positions of extend forwards (draft-extend after decode, chunked prefill), torch reference."""
+"""Positions of extend forwards (draft-extend after decode, chunked prefill).
+
+Torch references (``*_reference``) and Triton versions; the public names dispatch on device.
+Both are a handful of index ops; the Triton versions exist to make each one launch.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from phasegraph.kernels._checks import expect, expect_shape
+from phasegraph.kernels._dispatch import cdiv, jit, next_pow2, tl, use_triton
 
 
-def extend_positions(
+def extend_positions_reference(
     seq_lens: torch.Tensor,  # [B] i64, first position of each request's block
     width: int,
 ) -> torch.Tensor:  # [B*W] i64
@@ -17,7 +22,7 @@ def extend_positions(
     return (seq_lens[:, None] + cols[None, :]).reshape(seq_lens.shape[0] * width)
 
 
-def ragged_extend_positions(
+def ragged_extend_positions_reference(
     starts: torch.Tensor,  # [B] i64, first position of each request's tokens
     lens: torch.Tensor,  # [B] i64 >= 0, tokens of each request
     total_tokens: int,  # T >= sum(lens), given by the caller so that nothing syncs
@@ -46,3 +51,114 @@ def ragged_extend_positions(
         torch.where(padding, 0, positions),
         torch.where(padding, -1, request),
     )
+
+
+# --------------------------------------------------------------------------------------------
+# Triton
+
+
+@jit
+def _extend_positions_kernel(
+    seq_lens_ptr,  # [B] i64
+    positions_ptr,  # [B*W] i64, out
+    width,
+    BLOCK_W: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK_W)
+    tl.store(positions_ptr + b * width + cols, tl.load(seq_lens_ptr + b) + cols,
+             mask=cols < width)
+
+
+def extend_positions_triton(
+    seq_lens: torch.Tensor,  # [B] i64
+    width: int,
+) -> torch.Tensor:  # [B*W] i64
+    """Triton ``extend_positions``: one program per request (simple; one launch instead of 3)."""
+    expect(seq_lens, "seq_lens", 1, torch.int64)
+    batch = seq_lens.shape[0]
+    positions = torch.empty(batch * width, dtype=torch.int64, device=seq_lens.device)
+    if positions.numel() > 0:
+        _extend_positions_kernel[(batch,)](
+            seq_lens.contiguous(), positions, width, BLOCK_W=next_pow2(width), num_warps=1
+        )
+    return positions
+
+
+@jit(do_not_specialize=["batch"])
+def _ragged_positions_kernel(
+    starts_ptr,  # [B] i64
+    lens_ptr,  # [B] i64 >= 0
+    positions_ptr,  # [T] i64, out
+    request_ptr,  # [T] i64, out
+    batch,
+    total_tokens,
+    BLOCK_T: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    # request[t] = #{b : ends[b] <= t} (searchsorted right); offset[t] = sum of those lens.
+    request = tokens * 0
+    offset = tokens * 0
+    running = tl.sum(request, axis=0)  # 0, i64
+    for start in range(0, batch, BLOCK_B):
+        b = start + tl.arange(0, BLOCK_B)
+        ok = b < batch
+        lens = tl.load(lens_ptr + b, mask=ok, other=0)
+        ends = running + tl.cumsum(lens, axis=0)
+        done = (ends[None, :] <= tokens[:, None]) & ok[None, :]  # [T, B]
+        request += tl.sum(done.to(tl.int64), axis=1)
+        offset += tl.sum(tl.where(done, lens[None, :], 0), axis=1)
+        running += tl.sum(lens, axis=0)
+    padding = request >= batch
+    start_pos = tl.load(starts_ptr + request, mask=~padding, other=0)
+    ok = tokens < total_tokens
+    tl.store(positions_ptr + tokens, tl.where(padding, 0, start_pos + tokens - offset), mask=ok)
+    tl.store(request_ptr + tokens, tl.where(padding, -1, request), mask=ok)
+
+
+def ragged_extend_positions_triton(
+    starts: torch.Tensor,  # [B] i64
+    lens: torch.Tensor,  # [B] i64 >= 0
+    total_tokens: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # positions [T], request_index [T]
+    """Triton ``ragged_extend_positions``: programs over blocks of tokens; each recomputes the
+    running request ends in chunks of requests and counts, per token, the ends at or before it
+    (the reference's cumsum + searchsorted + gathers in one launch)."""
+    expect(starts, "starts", 1, torch.int64)
+    expect(lens, "lens", 1, torch.int64)
+    expect_shape(lens, "lens", tuple(starts.shape))
+    batch = starts.shape[0]
+    device = starts.device
+    positions = torch.empty(total_tokens, dtype=torch.int64, device=device)
+    request = torch.empty(total_tokens, dtype=torch.int64, device=device)
+    if total_tokens > 0:
+        block_t = min(32, next_pow2(total_tokens))
+        _ragged_positions_kernel[(cdiv(total_tokens, block_t),)](
+            starts.contiguous(), lens.contiguous(), positions, request, batch, total_tokens,
+            BLOCK_T=block_t,
+            BLOCK_B=min(32, next_pow2(batch)),
+            num_warps=1 if block_t <= 16 else 4,
+        )
+    return positions, request
+
+
+def extend_positions(
+    seq_lens: torch.Tensor,  # [B] i64, first position of each request's block
+    width: int,
+) -> torch.Tensor:  # [B*W] i64
+    """Fixed-width blocks: row ``b*W + j`` is at position ``seq_lens[b] + j``."""
+    if use_triton(seq_lens):
+        return extend_positions_triton(seq_lens, width)
+    return extend_positions_reference(seq_lens, width)
+
+
+def ragged_extend_positions(
+    starts: torch.Tensor,  # [B] i64, first position of each request's tokens
+    lens: torch.Tensor,  # [B] i64 >= 0, tokens of each request
+    total_tokens: int,  # T >= sum(lens), given by the caller so that nothing syncs
+) -> tuple[torch.Tensor, torch.Tensor]:  # positions [T], request_index [T]
+    """Ragged blocks packed back to back (see :func:`ragged_extend_positions_reference`)."""
+    if use_triton(starts):
+        return ragged_extend_positions_triton(starts, lens, total_tokens)
+    return ragged_extend_positions_reference(starts, lens, total_tokens)

@@ -1,4 +1,11 @@
-"""Sampling one token per row from processed target distributions (prefill and decode)."""
+"""Sampling one token per row from processed target distributions (prefill and decode).
+
+Torch only, on every device: ``inverse_cdf_sample`` is defined by a float32 ``cumsum`` and
+``searchsorted``; a Triton scan adds in another order, so its picks would differ from these
+wherever a coin lands within float32 rounding of a boundary, and there is little to gain (three
+ops per row). ``sample_tokens`` is ``argmax`` or ``target_probs`` (see tree_sampling.py) plus
+this.
+"""
 
 from __future__ import annotations
 

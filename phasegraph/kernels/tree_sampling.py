@@ -12,6 +12,14 @@ target's distribution.
 
 Cumulative sums run in float64: in float32 a running sum near 1 swallows probabilities below
 ~6e-8, which would silently starve long vocabulary tails.
+
+``verify_tree_sampling`` dispatches to ``verify_tree_sampling_triton`` on CUDA tensors (else
+``verify_tree_sampling_reference``). ``target_probs`` has no Triton version: it is a fixed
+sequence of fused, sync-free torch ops (softmax, one segmented stable sort per row, cumsum,
+scatter) that CUDA graphs capture as they are. Its cost is the sort, several passes over
+``B*N x V``; a Triton top-k/top-p without a sort (radix select per row) could cut that, but it
+must reproduce the stable-sort tie rule and the top-p prefix rule exactly, which is left for when
+``bench/bench_kernels.py`` shows it matters next to the verify forward.
 """
 
 from __future__ import annotations
@@ -19,7 +27,13 @@ from __future__ import annotations
 import torch
 
 from phasegraph.kernels._checks import expect, expect_float, expect_shape
-from phasegraph.kernels.verify_greedy import VerifyOutcome, _check_tree_lists, _start_outcome
+from phasegraph.kernels._dispatch import jit, next_pow2, tl, use_triton
+from phasegraph.kernels.verify_greedy import (
+    VerifyOutcome,
+    _check_tree_lists,
+    _start_outcome,
+    _take,
+)
 
 
 def target_probs(
@@ -92,7 +106,7 @@ def _inverse_cdf(
     return torch.where(last_positive < 0, fallback, pick)
 
 
-def verify_tree_sampling(
+def verify_tree_sampling_reference(
     draft_tokens: torch.Tensor,  # [B*N] i64
     retrieve_next_token: torch.Tensor,  # [B, N] i64, first child, -1
     retrieve_next_sibling: torch.Tensor,  # [B, N] i64, next sibling, -1
@@ -175,3 +189,247 @@ def verify_tree_sampling(
         alive = accepted
 
     return VerifyOutcome(predict=predict, accept_index=accept_index, accept_lens=accept_lens)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton
+
+
+@jit(do_not_specialize=["vocab"])
+def _row_stats_kernel(
+    probs_ptr,  # [R, V] f32
+    argmax_ptr,  # [R] i64, out: first index of the row maximum
+    sum_ptr,  # [R] f64, out: sum of the row
+    positive_ptr,  # [R] i64, out: number of entries > 0
+    vocab,
+    stride_r,
+    BLOCK_V: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    row_ptr = probs_ptr + r * stride_r
+    offs = tl.arange(0, BLOCK_V)
+    best = tl.full([], float("-inf"), tl.float32)
+    best_idx = r * 0
+    total = tl.zeros([], tl.float64)
+    positive = r * 0
+    for start in range(0, vocab, BLOCK_V):
+        idx = start + offs
+        ok = idx < vocab
+        x = tl.load(row_ptr + idx, mask=ok, other=float("-inf"))
+        block_best = tl.max(x, axis=0)
+        block_idx = start + tl.argmax(x, axis=0, tie_break_left=True)
+        take = block_best > best  # strictly: an earlier block keeps ties
+        best_idx = tl.where(take, block_idx, best_idx)
+        best = tl.where(take, block_best, best)
+        total += tl.sum(tl.where(ok, x, 0.0).to(tl.float64), axis=0)
+        positive += tl.sum((x > 0).to(tl.int64), axis=0)
+    tl.store(argmax_ptr + r, best_idx)
+    tl.store(sum_ptr + r, total)
+    tl.store(positive_ptr + r, positive)
+
+
+@jit(do_not_specialize=["vocab"])
+def _verify_sampling_kernel(
+    draft_tokens_ptr,  # [B*N] i64
+    next_token_ptr,  # [B, N] i64
+    next_sibling_ptr,  # [B, N] i64
+    probs_ptr,  # [B*N, V] f32
+    coins_ptr,  # [B, S+1] float
+    bonus_coins_ptr,  # [B, S+1] float
+    row_sum_ptr,  # [B*N] f64
+    row_positive_ptr,  # [B*N] i64
+    predict_ptr,  # [B*N] i64, in: row argmax; out: predict
+    accept_index_ptr,  # [B, S+1] i64, out
+    accept_lens_ptr,  # [B] i64, out
+    num_nodes,
+    num_steps,
+    vocab,
+    stride_pr,
+    stride_cb,
+    stride_cd,
+    stride_bb,
+    stride_bd,
+    BLOCK_NODES: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_NODES)
+    node_ok = offs < num_nodes
+    base = b * num_nodes
+    tokens = tl.load(draft_tokens_ptr + base + offs, mask=node_ok, other=-1)
+    first_child = tl.load(next_token_ptr + b * num_nodes + offs, mask=node_ok, other=-1)
+    sibling = tl.load(next_sibling_ptr + b * num_nodes + offs, mask=node_ok, other=-1)
+
+    offs_w = tl.arange(0, BLOCK_W)
+    path = tl.where(offs_w == 0, base, -1)
+    last = base * 0
+    length = last + 1
+    alive = length > 0
+    zero64 = tl.zeros([], tl.float64)
+    # The depth where the walk stops (exactly one: depth S has no children) draws the bonus.
+    stop_row = base
+    stop_tried = tl.full([BLOCK_NODES], -1, tl.int64)
+    stop_coin = zero64
+    stop_rest = zero64
+    for depth in range(0, num_steps + 1):
+        row = base + last
+        total = tl.load(row_sum_ptr + row)
+        threshold = tl.load(coins_ptr + b * stride_cb + depth * stride_cd).to(tl.float64) * total
+        cum = zero64
+        chosen = last * 0 - 1
+        last_positive = chosen
+        positive_tried = last * 0
+        tried = tl.full([BLOCK_NODES], -1, tl.int64)  # fresh tokens tried at this depth
+        child = tl.where(depth < num_steps, _take(first_child, offs, last), -1)
+        i = 0
+        while (child >= 0) & (i < num_nodes - 1):
+            token = _take(tokens, offs, child)
+            repeated = tl.max(tl.where(tried == token, 1, 0), axis=0) > 0
+            fresh = (token >= 0) & (token < vocab) & (repeated == 0)
+            mass = tl.load(probs_ptr + row * stride_pr + token, mask=fresh, other=0.0)
+            mass = mass.to(tl.float64)
+            cum += mass
+            positive = fresh & (mass > 0)
+            hit = positive & (threshold < cum)
+            chosen = tl.where(hit, child, chosen)
+            last_positive = tl.where(positive, child, last_positive)
+            positive_tried += positive.to(tl.int64)
+            tried = tl.where((offs == i) & fresh, token, tried)
+            child = tl.where(hit, -1, _take(sibling, offs, child))
+            i += 1
+        # No positive mass outside the tried children: accept the last positive one.
+        no_rest = tl.load(row_positive_ptr + row) <= positive_tried
+        chosen = tl.where((chosen < 0) & no_rest, last_positive, chosen)
+        accepted = alive & (chosen >= 0)
+        stopping = alive & (chosen < 0)
+        bonus_coin = tl.load(bonus_coins_ptr + b * stride_bb + depth * stride_bd)
+        stop_row = tl.where(stopping, row, stop_row)
+        stop_tried = tl.where(stopping, tried, stop_tried)
+        stop_coin = tl.where(stopping, bonus_coin.to(tl.float64), stop_coin)
+        stop_rest = tl.where(stopping, total - cum, stop_rest)  # mass outside tried children
+        tl.store(predict_ptr + row, _take(tokens, offs, chosen), mask=accepted)
+        path = tl.where((offs_w == depth + 1) & accepted, base + chosen, path)
+        length += accepted.to(tl.int64)
+        last = tl.where(accepted, chosen, last)
+        alive = accepted
+
+    # Bonus: inverse CDF over the stop row with the tried children removed (float64).
+    threshold = stop_coin * stop_rest
+    offs_v = tl.arange(0, BLOCK_V)
+    row_ptr = probs_ptr + stop_row * stride_pr
+    running = zero64
+    count = base * 0  # entries whose cumulative mass is <= threshold
+    last_pos = base * 0 - 1  # last entry with mass
+    for start in range(0, vocab, BLOCK_V):
+        idx = start + offs_v
+        ok = idx < vocab
+        p = tl.load(row_ptr + idx, mask=ok, other=0.0).to(tl.float64)
+        in_block = (stop_tried >= start) & (stop_tried < start + BLOCK_V)
+        if tl.max(in_block.to(tl.int32), axis=0) > 0:
+            for k in range(0, BLOCK_NODES):
+                p = tl.where(idx == _take(stop_tried, offs, k), 0.0, p)
+        c = running + tl.cumsum(p, axis=0)
+        count += tl.sum(((c <= threshold) & ok).to(tl.int64), axis=0)
+        last_pos = tl.maximum(last_pos, tl.max(tl.where(p > 0, idx, -1), axis=0))
+        running = tl.max(c, axis=0)
+    pick = tl.where(count > last_pos, last_pos, count)
+    fallback = tl.load(predict_ptr + stop_row)  # row argmax: the stop row was never overwritten
+    tl.store(predict_ptr + stop_row, tl.where(last_pos < 0, fallback, pick))
+    tl.store(accept_index_ptr + b * (num_steps + 1) + offs_w, path, mask=offs_w <= num_steps)
+    tl.store(accept_lens_ptr + b, length)
+
+
+def verify_tree_sampling_triton(
+    draft_tokens: torch.Tensor,  # [B*N] i64
+    retrieve_next_token: torch.Tensor,  # [B, N] i64, first child, -1
+    retrieve_next_sibling: torch.Tensor,  # [B, N] i64, next sibling, -1
+    probs: torch.Tensor,  # [B*N, V] f32
+    coins: torch.Tensor,  # [B, S+1] float uniform in [0, 1)
+    bonus_coins: torch.Tensor,  # [B, S+1] float uniform in [0, 1)
+    num_steps: int,
+) -> VerifyOutcome:
+    """Triton tree rejection sampling, two launches.
+
+    1. ``(B*N,)`` programs, one per node row: one pass over its V probabilities gives the row
+       argmax (``predict`` of nodes off the path, the fallback draw), the float64 row sum and the
+       count of positive entries. This pass reads all ``B*N*V*4`` bytes once; it is the floor,
+       since the reference's ``predict`` needs every row's argmax.
+    2. ``(B,)`` programs, one per request: the walk down the tree as in the reference (child
+       masses are single gathers, the threshold uses the row sum of step 1), then one inverse-CDF
+       pass over the row where the walk stopped, with the tried children zeroed (the reference
+       makes several full ``[B, V]`` float64 passes at every depth).
+
+    Equal to the reference except where a coin lands within float64 rounding (~1e-16) of a
+    cumulative boundary, since row sums are added in a different order.
+    """
+    batch, num_nodes = _check_tree_lists(
+        draft_tokens, retrieve_next_token, retrieve_next_sibling, num_steps
+    )
+    expect(probs, "probs", 2, torch.float32)
+    expect_float(coins, "coins", 2)
+    expect_float(bonus_coins, "bonus_coins", 2)
+    vocab = probs.shape[1]
+    expect_shape(probs, "probs", (batch * num_nodes, vocab))
+    expect_shape(coins, "coins", (batch, num_steps + 1))
+    expect_shape(bonus_coins, "bonus_coins", (batch, num_steps + 1))
+    device = probs.device
+    rows = batch * num_nodes
+    predict = torch.empty(rows, dtype=torch.int64, device=device)
+    accept_index = torch.empty((batch, num_steps + 1), dtype=torch.int64, device=device)
+    accept_lens = torch.empty(batch, dtype=torch.int64, device=device)
+    if batch == 0:
+        return VerifyOutcome(predict=predict, accept_index=accept_index, accept_lens=accept_lens)
+    if probs.stride(1) != 1:
+        probs = probs.contiguous()
+    row_sum = torch.empty(rows, dtype=torch.float64, device=device)
+    row_positive = torch.empty(rows, dtype=torch.int64, device=device)
+    _row_stats_kernel[(rows,)](
+        probs, predict, row_sum, row_positive, vocab, probs.stride(0),
+        BLOCK_V=min(4096, next_pow2(vocab)),
+        num_warps=8,
+    )
+    _verify_sampling_kernel[(batch,)](
+        draft_tokens.contiguous(),
+        retrieve_next_token.contiguous(),
+        retrieve_next_sibling.contiguous(),
+        probs,
+        coins,
+        bonus_coins,
+        row_sum,
+        row_positive,
+        predict,
+        accept_index,
+        accept_lens,
+        num_nodes,
+        num_steps,
+        vocab,
+        probs.stride(0),
+        *coins.stride(),
+        *bonus_coins.stride(),
+        BLOCK_NODES=next_pow2(num_nodes),
+        BLOCK_W=next_pow2(num_steps + 1),
+        BLOCK_V=min(2048, next_pow2(vocab)),
+        num_warps=4,
+    )
+    return VerifyOutcome(predict=predict, accept_index=accept_index, accept_lens=accept_lens)
+
+
+def verify_tree_sampling(
+    draft_tokens: torch.Tensor,  # [B*N] i64
+    retrieve_next_token: torch.Tensor,  # [B, N] i64, first child, -1
+    retrieve_next_sibling: torch.Tensor,  # [B, N] i64, next sibling, -1
+    probs: torch.Tensor,  # [B*N, V] f32, target distribution after each node
+    coins: torch.Tensor,  # [B, S+1] float uniform in [0, 1), one per depth
+    bonus_coins: torch.Tensor,  # [B, S+1] float uniform in [0, 1), one per depth
+    num_steps: int,
+) -> VerifyOutcome:
+    """Lossless target-only tree rejection sampling (see
+    :func:`verify_tree_sampling_reference`); Triton on CUDA tensors."""
+    impl = (
+        verify_tree_sampling_triton if use_triton(draft_tokens) else verify_tree_sampling_reference
+    )
+    return impl(
+        draft_tokens, retrieve_next_token, retrieve_next_sibling, probs, coins, bonus_coins,
+        num_steps,
+    )

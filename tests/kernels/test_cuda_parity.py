@@ -1,20 +1,45 @@
-"""GPU: every kernel reference gives the CPU result on CUDA tensors, with no host sync.
+"""GPU: every kernel gives the CPU reference's result on CUDA tensors, with no host sync.
 
 Run on the device machine with ``pytest -m gpu tests/kernels``. Each CUDA call runs under
 ``torch.cuda.set_sync_debug_mode("error")``, so a host synchronisation inside a kernel fails.
+Every test runs twice: with ``PHASEGRAPH_KERNELS=reference`` (the torch references on CUDA) and
+with ``PHASEGRAPH_KERNELS=auto`` (the public names dispatch to the Triton kernels on CUDA). The
+CPU side always runs the references.
 """
 
 import contextlib
+import os
 
 import pytest
 import torch
 
 from phasegraph import kernels as K
+from phasegraph.kernels._dispatch import ENV_VAR
 
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
+
+
+@pytest.fixture(params=["reference", "auto"], autouse=True)
+def cuda_kernel_mode(request, monkeypatch):
+    """The PHASEGRAPH_KERNELS mode of the CUDA calls (``both`` switches it per side)."""
+    monkeypatch.setenv(ENV_VAR, request.param)
+    return request.param
+
+
+@contextlib.contextmanager
+def kernel_mode(mode):
+    old = os.environ.get(ENV_VAR)
+    os.environ[ENV_VAR] = mode
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ[ENV_VAR]
+        else:
+            os.environ[ENV_VAR] = old
 
 
 @contextlib.contextmanager
@@ -42,10 +67,12 @@ def cuda(x):
 
 
 def both(fn, *args, **kwargs):
-    """(CPU result, CUDA result moved back to the CPU) of ``fn``."""
-    cpu = fn(*args, **kwargs)
+    """(CPU reference result, CUDA result in the test's kernel mode) of ``fn``."""
+    mode = os.environ[ENV_VAR]
+    with kernel_mode("reference"):
+        cpu = fn(*args, **kwargs)
     gpu_args = cuda(args)
-    with no_sync():
+    with kernel_mode(mode), no_sync():
         gpu = fn(*gpu_args, **kwargs)
     return cpu, gpu
 
@@ -168,7 +195,8 @@ def test_kv_and_slot_kernels_on_cuda():
     v_pool = torch.randn(num_slots, 2, 8, generator=g)
     k_gpu, v_gpu = k_pool.cuda(), v_pool.cuda()
     for s, d in [(src, dst), moves, (layout.tail_src, layout.tail_dst)]:
-        K.move_kv([k_pool, v_pool], s, d)
+        with kernel_mode("reference"):
+            K.move_kv([k_pool, v_pool], s, d)
         s_gpu, d_gpu = s.cuda(), d.cuda()
         with no_sync():
             K.move_kv([k_gpu, v_gpu], s_gpu, d_gpu)

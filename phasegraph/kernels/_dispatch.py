@@ -1,0 +1,116 @@
+"""Choosing between the Triton kernels and their torch references.
+
+Every kernel module keeps its torch implementation as ``<name>_reference`` (the CPU path and the
+oracle), a Triton implementation as ``<name>_triton``, and a public ``<name>`` that dispatches:
+
+- ``PHASEGRAPH_KERNELS=auto`` (default): Triton when the inputs are CUDA tensors and Triton is
+  importable, else the reference;
+- ``PHASEGRAPH_KERNELS=reference``: always the reference;
+- ``PHASEGRAPH_KERNELS=triton``: always Triton (on CPU tensors this needs ``TRITON_INTERPRET=1``
+  set before Triton is first imported; the tests in ``tests/gpu`` use that).
+
+The switch is read on every call (a dictionary lookup, no device work), so a test may flip it with
+``monkeypatch.setenv``. Nothing here synchronises with the device, so dispatching is safe inside
+CUDA-graph capture.
+
+Triton is optional: without it the kernel modules still import (``jit`` below then returns a
+stand-in that refuses to launch) and every public name runs its reference.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; CPU-only installs may lack it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where Triton is missing
+    triton = None
+    tl = None
+
+HAS_TRITON = triton is not None
+ENV_VAR = "PHASEGRAPH_KERNELS"
+MODES = ("auto", "reference", "triton")
+
+
+def kernel_mode() -> str:
+    """The value of ``PHASEGRAPH_KERNELS`` (``auto`` when unset)."""
+    mode = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
+    if mode not in MODES:
+        raise ValueError(f"{ENV_VAR}={mode!r}: expected one of {', '.join(MODES)}")
+    return mode
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether a kernel whose main input is ``x`` runs its Triton implementation."""
+    mode = kernel_mode()
+    if mode == "reference":
+        return False
+    if mode == "triton":
+        if not HAS_TRITON:
+            raise RuntimeError(f"{ENV_VAR}=triton, but triton cannot be imported")
+        return True
+    return HAS_TRITON and x.device.type == "cuda"
+
+
+class _NoTriton:
+    """Stand-in for a ``@triton.jit`` function where Triton is not installed."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        functools.update_wrapper(self, fn)
+
+    def __getitem__(self, grid):
+        raise RuntimeError(f"{self.fn.__name__}: triton is not installed")
+
+
+def jit(fn=None, **kwargs):
+    """``triton.jit`` when Triton is importable, else a stand-in that refuses to launch.
+
+    Kernel modules use ``from __future__ import annotations``, so ``tl.constexpr`` annotations
+    stay strings and a module defines its kernels even without Triton.
+    """
+    if triton is not None:
+        return triton.jit(fn, **kwargs) if fn is not None else triton.jit(**kwargs)
+    if fn is None:
+        return _NoTriton
+    return _NoTriton(fn)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= max(n, 1)."""
+    return 1 << max(int(n) - 1, 0).bit_length()
+
+
+def prev_pow2(n: int) -> int:
+    """The largest power of two <= max(n, 1)."""
+    return 1 << (max(int(n), 1).bit_length() - 1)
+
+
+@functools.cache
+def _cuda_sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of ``device`` (a small constant off CUDA, for the interpreter).
+
+    Read once per device and cached (no synchronisation), so launch shapes that depend on it are
+    still fixed for a given device.
+    """
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return _cuda_sm_count(index)
+    return 4
+
+
+def as_bytes(mask: torch.Tensor) -> torch.Tensor:
+    """A bool tensor viewed as uint8 (same storage), the form the kernels load and store."""
+    return mask.view(torch.uint8) if mask.dtype == torch.bool else mask
