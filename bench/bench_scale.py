@@ -95,8 +95,11 @@ def build_eagle3_head(target, draft_vocab: int = 32000):
     return Eagle3Draft(target, cfg, head)
 
 
-def weight_bytes(module) -> int:
-    return sum(p.numel() * p.element_size() for p in module.parameters())
+def weight_bytes(model) -> int:
+    """Bytes of weights a decode step must read: every parameter but the input embedding
+    table (a step gathers only B rows of it)."""
+    embed = model.get_input_embeddings().weight
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
 
 
 def time_engine_tokens(engine, prompts, new_tokens, params_cls) -> tuple[float, int, float | None]:
@@ -120,8 +123,10 @@ def decode_step_time(engine, batch: int, context: int = 256, repeats: int = 20) 
     for i in range(batch):
         engine.add_request(f"d{batch}-{i}", torch.randint(0, vocab, (context,), generator=g).tolist(),
                            SamplingParams(max_new_tokens=repeats + 8, ignore_eos=True))
-    engine.step()  # prefill + first decode
+    engine.step()  # prefill + first decode (captures the bucket's graph)
     engine.step()
+    for r in engine.scheduler.running:  # the pages the timed steps below write
+        engine.kv.ensure_capacity(r.row, r.seq_len + repeats + 2)
     m = engine.scheduler.machine
     times = []
     for _ in range(repeats):
@@ -154,6 +159,8 @@ def spec_iteration_times(engine, batch: int, context: int = 256, repeats: int = 
                            SamplingParams(max_new_tokens=4 * repeats + 64, ignore_eos=True))
     engine.step()
     engine.step()
+    for r in engine.scheduler.running:  # the pages the timed iterations below write
+        engine.kv.ensure_capacity(r.row, r.seq_len + 2 * repeats * engine.tokens_per_iteration + 8)
     m = engine.scheduler.machine
     ctx = engine.ctx
     phase_times: dict[str, list[float]] = {p: [] for p in SPEC_PHASES}

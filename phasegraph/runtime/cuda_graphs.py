@@ -184,12 +184,26 @@ class GraphedPhase:
         self.graphs: dict[tuple, _Captured] = {}
         self.replays = 0
         self.eager_calls = 0
+        self.eager_reasons: dict[str, int] = {}
+
+    def _eager_reason(self, state: Schema, bucket: int | None, extra: dict) -> str | None:
+        if not self.runner.enabled:
+            return "graphs disabled"
+        if bucket is None:
+            return "batch above the largest bucket (or empty)"
+        if extra:
+            return "extra inputs"
+        if self.when is not None and not self.when(state):
+            return "input not capturable (ragged)"
+        return None
 
     def __call__(self, state: Schema, ctx: Any, **extra: Any) -> Schema:
         batch = state.batch_size or 0
         bucket = self.runner.bucket_for(batch)
-        if bucket is None or extra or not self.runner.enabled or (self.when is not None and not self.when(state)):
+        reason = self._eager_reason(state, bucket, extra)
+        if reason is not None:
             self.eager_calls += 1
+            self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
             return self.spec.fn(state, ctx, **extra)
         key = (bucket, *self.runner.context_key(ctx), *self._shape_key(state, batch))
         cap = self.graphs.get(key)
@@ -280,6 +294,7 @@ class GraphRunner:
 
     def stats(self) -> dict[str, dict[str, int]]:
         return {
-            name: {"graphs": len(p.graphs), "replays": p.replays, "eager": p.eager_calls}
+            name: {"graphs": len(p.graphs), "replays": p.replays, "eager": p.eager_calls,
+                   "eager_reasons": dict(p.eager_reasons)}
             for name, p in self.phases.items()
         }
