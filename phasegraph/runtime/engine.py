@@ -184,7 +184,8 @@ class Engine:
         emulate = cuda_graphs == "emulate"
         if not emulate and self.device.type != "cuda":
             raise InvalidConfig("cuda_graphs=True needs a CUDA device (use cuda_graphs='emulate' on the CPU)")
-        buckets = tuple(b for b in (buckets or DEFAULT_BUCKETS) if b <= max_batch_size) or (max_batch_size,)
+        # every batch the engine can form has a bucket: the largest one is max_batch_size
+        buckets = tuple(b for b in (buckets or DEFAULT_BUCKETS) if b < max_batch_size) + (max_batch_size,)
         return GraphRunner(buckets, emulate=emulate)
 
     def _attach_pools(self) -> None:

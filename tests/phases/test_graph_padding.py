@@ -63,3 +63,12 @@ def test_padded_tree_rows_see_only_themselves():
     eye = torch.eye(5, dtype=torch.bool)
     assert all(torch.equal(static.tree_mask[b], eye) for b in (2, 3))
     assert (static.draft.params.req_pool_idx[2:] == 0).all()
+
+
+def test_every_batch_the_engine_can_form_has_a_bucket():
+    for max_batch in (1, 5, 13, 64, 100):
+        eng = Engine(tiny_target(), spec=SpecConfig(method="none"), max_batch_size=max_batch,
+                     kv_pool_tokens=4096, cuda_graphs="emulate")
+        runner = eng.graph_runner
+        assert all(runner.bucket_for(b) is not None for b in range(1, max_batch + 1))
+        assert runner.buckets[-1] == max_batch
