@@ -95,6 +95,11 @@ def run_demo(args: argparse.Namespace) -> int:
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
         print(f"{r['label']:<32}{r['tok_s']:>10.1f}{tau:>8}{r['tok_s'] / base['tok_s']:>8.2f}x")
     print(f"greedy outputs identical to the baseline: {'yes' if same else 'NO'}")
+    if device == "cpu":
+        print("note: on a CPU a forward's cost grows with every token it processes, so verifying a\n"
+              "      tree costs several decode steps and speculation cannot pay on a model this small;\n"
+              "      on a GPU a step costs the weights' memory traffic, whatever the tokens, and this\n"
+              "      pair decodes faster with speculation (bench/RESULTS.md).")
     print("\n=== phase flow (tree run) ===")
     trace = tree["engine"].trace
     times = trace.phase_time()

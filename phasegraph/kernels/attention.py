@@ -94,8 +94,10 @@ def paged_attention_reference(
     lies inside the row, so it needs no separate gather), and masks it with
     :func:`attention_allowed_mask`. Scores, softmax and the weighted sum run in float32. A query
     that attends nothing (a padded row with ``kv_len == 0`` and no tree bits) returns zeros.
-    Shapes depend only on tensor shapes; there are no host syncs. Queries are processed in
-    chunks sized from the shapes so the gathered keys stay below ``_GATHER_BUDGET`` elements.
+    On a GPU, shapes depend only on tensor shapes (no host syncs; the Triton kernel is the
+    fast path there). On the CPU, where reading a value costs nothing, the gather stops at the
+    longest range any query needs instead of the full row. Queries are processed in chunks sized
+    from the shapes so the gathered keys stay below ``_GATHER_BUDGET`` elements.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]
@@ -105,6 +107,10 @@ def paged_attention_reference(
     page_size = meta.page_size
     length = meta.page_table.shape[1] * page_size
     device = q.device
+    if device.type == "cpu" and num_tokens > 0:
+        extra = 0 if meta.extra_mask is None else meta.extra_mask.shape[1]
+        needed = int(meta.kv_len.max()) + extra  # the CPU reads values for free
+        length = min(length, max(page_size, -(-needed // page_size) * page_size))
 
     pos = torch.arange(length, device=device, dtype=torch.int64)  # [L]
     page_of = pos // page_size  # [L]

@@ -43,8 +43,12 @@ def _within(x: Tensor, lo: float | None, hi: float | None) -> bool:
     """All of ``x`` in [lo, hi] (NaN fails); one reduction."""
     if x.numel() == 0:
         return True
-    low, high = torch.aminmax(x)
-    return (lo is None or bool(low >= lo)) and (hi is None or bool(high <= hi))
+    if hi is None:  # one reduction is cheaper than aminmax
+        return x.min().item() >= lo
+    if lo is None:
+        return x.max().item() <= hi
+    low, high = (v.item() for v in torch.aminmax(x))  # NaN compares False below
+    return low >= lo and high <= hi
 
 
 @schema

@@ -106,7 +106,8 @@ class Machine:
                 spec.input.__name__, None, f"an instance of {spec.input.__name__}",
                 type(inp).__name__, phase=name, side="input",
             )
-        self._check_extra(spec, extra, mode)
+        if extra or spec.extra_inputs:
+            self._check_extra(spec, extra, mode)
         versions = None
         if mode is not _OFF:
             # The current state was validated when it was produced, unless it came from outside.
