@@ -67,3 +67,6 @@ class SpecContext:
     draft: DraftModel | None = None
     greedy_only: bool = False  # every request in the batch has temperature 0
     return_logprobs: bool = False
+    # Benchmark mode only: verify accepts this many drafts per step whatever they are (greedy
+    # requests); outputs are then not the target's. None = real verification.
+    simulate_accept_drafts: int | None = None

@@ -13,6 +13,7 @@ from phasegraph.kernels.random import (
     counter_uniform,
     position_counter,
 )
+from phasegraph.kernels.simulated_accept import verify_tree_simulated
 from phasegraph.kernels.tree_sampling import target_probs, verify_tree_sampling
 from phasegraph.kernels.verify_greedy import verify_tree_greedy
 from phasegraph.phases.context import SpecContext
@@ -49,7 +50,12 @@ def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
     )
     out = ctx.target.forward(state.draft_tokens, state.positions, attn, logits_index=None)
     logits = out.logits  # [B*N, V]
-    if ctx.greedy_only:
+    if ctx.simulate_accept_drafts is not None:  # benchmark mode, labelled as such by the engine
+        outcome = verify_tree_simulated(
+            state.draft_tokens, state.retrieve_next_token, logits.argmax(dim=-1), S,
+            ctx.simulate_accept_drafts,
+        )
+    elif ctx.greedy_only:
         outcome = verify_tree_greedy(
             state.draft_tokens, state.retrieve_next_token, state.retrieve_next_sibling,
             logits.argmax(dim=-1), S,

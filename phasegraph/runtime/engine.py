@@ -122,6 +122,7 @@ class Engine:
         seed: int = 0,
         cuda_graphs: bool | str | None = None,
         graph_buckets: Sequence[int] | None = None,
+        simulate_accept_length: int | None = None,
     ):
         spec = _as_spec(spec)
         if spec.speculative and draft is None:
@@ -162,6 +163,16 @@ class Engine:
         )
         self._attach_pools()
         self.ctx = SpecContext(target=target, memory=PhaseMemory(self.kv), tree=tree, draft=self.draft)
+        if simulate_accept_length is not None:
+            # Benchmark mode: every verify accepts simulate_accept_length - 1 drafts whatever
+            # they are, so outputs are not the target's; never compare them with a baseline.
+            if tree is None or not 1 <= simulate_accept_length <= tree.accept_width:
+                raise InvalidConfig(
+                    f"simulate_accept_length must be in [1, num_steps + 1] with a speculative method; "
+                    f"got {simulate_accept_length!r}"
+                )
+            self.ctx.simulate_accept_drafts = simulate_accept_length - 1
+        self.simulated = simulate_accept_length is not None
         self.trace = Trace() if trace else None
         self.graph_runner = self._graph_runner(cuda_graphs, graph_buckets, max_batch_size)
         graph = EAGLE_GRAPH if self.graph_runner is None else self.graph_runner.graph
