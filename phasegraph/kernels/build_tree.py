@@ -31,6 +31,24 @@ class TreeTensors:
     retrieve_next_sibling: torch.Tensor  # [B, N] i64, next sibling in node order, -1
 
 
+def _check_candidates(
+    cand_tokens: torch.Tensor,  # [B, C] int64
+    cand_scores: torch.Tensor,  # [B, C] float32
+    cand_parents: torch.Tensor,  # [B, C] int64
+    num_nodes: int,
+) -> tuple[int, int]:
+    """Check the candidate lists shared by both implementations; returns ``(B, C)``."""
+    expect(cand_tokens, "cand_tokens", 2, torch.int64)
+    expect(cand_scores, "cand_scores", 2, torch.float32)
+    expect(cand_parents, "cand_parents", 2, torch.int64)
+    batch, num_cand = cand_scores.shape
+    expect_shape(cand_tokens, "cand_tokens", (batch, num_cand))
+    expect_shape(cand_parents, "cand_parents", (batch, num_cand))
+    if not 1 <= num_nodes <= num_cand + 1:
+        raise ValueError(f"num_nodes must be in [1, C+1] = [1, {num_cand + 1}], got {num_nodes}")
+    return batch, num_cand
+
+
 def select_tree_nodes_reference(
     cand_tokens: torch.Tensor,  # [B, C] i64
     cand_scores: torch.Tensor,  # [B, C] f32
@@ -46,14 +64,7 @@ def select_tree_nodes_reference(
     ``node_parents[:, 0] = -1``; a node whose parent candidate is -1 hangs off node 0. (Should a
     parent be missing anyway, e.g. with NaN scores, the node is attached to the root.)
     """
-    expect(cand_tokens, "cand_tokens", 2, torch.int64)
-    expect(cand_scores, "cand_scores", 2, torch.float32)
-    expect(cand_parents, "cand_parents", 2, torch.int64)
-    batch, num_cand = cand_scores.shape
-    expect_shape(cand_tokens, "cand_tokens", (batch, num_cand))
-    expect_shape(cand_parents, "cand_parents", (batch, num_cand))
-    if not 1 <= num_nodes <= num_cand + 1:
-        raise ValueError(f"num_nodes must be in [1, C+1] = [1, {num_cand + 1}], got {num_nodes}")
+    batch, num_cand = _check_candidates(cand_tokens, cand_scores, cand_parents, num_nodes)
     device = cand_scores.device
 
     best = torch.sort(cand_scores, dim=1, descending=True, stable=True).indices
@@ -205,14 +216,7 @@ def select_tree_nodes_triton(
     as the reference (equal scores: lower id first; NaN above everything). One launch instead of
     two sorts and five gathers/scatters.
     """
-    expect(cand_tokens, "cand_tokens", 2, torch.int64)
-    expect(cand_scores, "cand_scores", 2, torch.float32)
-    expect(cand_parents, "cand_parents", 2, torch.int64)
-    batch, num_cand = cand_scores.shape
-    expect_shape(cand_tokens, "cand_tokens", (batch, num_cand))
-    expect_shape(cand_parents, "cand_parents", (batch, num_cand))
-    if not 1 <= num_nodes <= num_cand + 1:
-        raise ValueError(f"num_nodes must be in [1, C+1] = [1, {num_cand + 1}], got {num_nodes}")
+    batch, num_cand = _check_candidates(cand_tokens, cand_scores, cand_parents, num_nodes)
     device = cand_scores.device
     node_tokens = torch.empty((batch, num_nodes - 1), dtype=torch.int64, device=device)
     node_parents = torch.empty((batch, num_nodes), dtype=torch.int64, device=device)

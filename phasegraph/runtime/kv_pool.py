@@ -42,6 +42,14 @@ class KVSpec:
     dtype: torch.dtype
 
 
+def check_pool_fits(pool: KVPool, spec: KVSpec, who: str) -> KVPool:
+    """``pool`` if its layers, KV heads and head size are the ones ``spec`` describes."""
+    have = (pool.spec.num_layers, pool.spec.num_kv_heads, pool.spec.head_dim)
+    if have != (spec.num_layers, spec.num_kv_heads, spec.head_dim):
+        raise ValueError(f"KV pool {pool.spec} does not fit {who} ({spec})")
+    return pool
+
+
 class KVPool:
     """K/V tensors of one model: ``k[layer], v[layer]: [num_slots, Hkv, D]``."""
 

@@ -19,7 +19,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.runtime.errors import DraftMismatch
-from phasegraph.runtime.kv_pool import KVPool, KVSpec
+from phasegraph.runtime.kv_pool import KVPool, KVSpec, check_pool_fits
 from phasegraph.runtime.models.attention_backend import ATTN_IMPLEMENTATION, forward_context
 from phasegraph.runtime.models.loading import read_config
 from phasegraph.runtime.models.target import HFTarget, head_dim_of, no_weight_init
@@ -73,14 +73,7 @@ class FeatureDraft:
         self.pool: KVPool | None = None
 
     def attach_kv(self, pool: KVPool) -> None:
-        spec = pool.spec
-        if (spec.num_layers, spec.num_kv_heads, spec.head_dim) != (
-            self.kv_spec.num_layers,
-            self.kv_spec.num_kv_heads,
-            self.kv_spec.head_dim,
-        ):
-            raise ValueError(f"KV pool {spec} does not fit the draft ({self.kv_spec})")
-        self.pool = pool
+        self.pool = check_pool_fits(pool, self.kv_spec, "the draft")
 
     def _context(self, attn: AttentionMetadata):
         if self.pool is None:

@@ -21,7 +21,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.phases.protocols import TargetOutput
 from phasegraph.runtime.errors import UnsupportedModel
-from phasegraph.runtime.kv_pool import KVPool, KVSpec
+from phasegraph.runtime.kv_pool import KVPool, KVSpec, check_pool_fits
 from phasegraph.runtime.models.attention_backend import ATTN_IMPLEMENTATION, forward_context
 from phasegraph.runtime.models.loading import Checkpoint, load_into_module, read_config
 
@@ -175,14 +175,7 @@ class HFTarget:
 
     def attach_kv(self, pool: KVPool) -> None:
         """Use ``pool`` (built from :attr:`kv_spec`) for every forward."""
-        spec = pool.spec
-        if (spec.num_layers, spec.num_kv_heads, spec.head_dim) != (
-            self.kv_spec.num_layers,
-            self.kv_spec.num_kv_heads,
-            self.kv_spec.head_dim,
-        ):
-            raise ValueError(f"KV pool {spec} does not fit the model ({self.kv_spec})")
-        self.pool = pool
+        self.pool = check_pool_fits(pool, self.kv_spec, "the model")
 
     # -- forward --------------------------------------------------------------------------------
 
