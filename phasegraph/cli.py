@@ -80,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
 def _load_subcommand_modules() -> None:
     import importlib
 
-    for name in ("phasegraph.demo", "phasegraph.runtime.cli_commands"):
+    for name in ("phasegraph.demo", "phasegraph.runtime.cli_commands", "phasegraph.bench"):
         importlib.import_module(name)
 
 

@@ -122,8 +122,10 @@ class Machine:
             raise PhaseContractViolation(
                 name, f"returned {type(out).__name__}, declared output is {spec.output.__name__}"
             )
-        if versions is not None:
-            changed = [k for k, v in _tensor_versions(inp).items() if versions.get(k) != v]
+        if versions is not None and _tensor_versions(inp) != versions:
+            after = _tensor_versions(inp)
+            names = [name for name, _ in inp.tensors()]
+            changed = [n for n, a, b in zip(names, versions, after, strict=True) if a != b]
             if changed:
                 raise PhaseContractViolation(
                     name, f"mutated its input {type(inp).__name__} in place (fields {changed})"
@@ -192,5 +194,6 @@ class Machine:
         return f"Machine({self.name!r}, phase={self._phase!r}, state={state})"
 
 
-def _tensor_versions(obj: Schema) -> dict[str, int]:
-    return {name: x._version for name, x in obj.tensors()}
+def _tensor_versions(obj: Schema) -> tuple[int, ...]:
+    """In-place modification counters of every tensor field (they rise on any in-place op)."""
+    return tuple(x._version for _, x in obj.tensors())
