@@ -184,6 +184,19 @@ def render(graph: PhaseGraph, fmt: str = "text", trace: Trace | None = None) -> 
     raise PhaseGraphError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
 
+def to_pydot(graph: PhaseGraph, trace: Trace | None = None):
+    """The graph as a ``pydot.Dot`` (the ``[diagrams]`` extra), for users who lay it out or
+    style it further themselves."""
+    try:
+        import pydot
+    except ImportError:
+        raise RendererUnavailable(
+            "to_pydot needs pydot: pip install 'phasegraph[diagrams]' (or pip install pydot)"
+        ) from None
+    (dot,) = pydot.graph_from_dot_data(render(graph, "dot", trace))
+    return dot
+
+
 def graphviz_available() -> bool:
     return shutil.which("dot") is not None
 

@@ -93,3 +93,11 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         main(["graph", "--format", "gif"])
     assert exit_info.value.code == 2
+
+
+def test_to_pydot_keeps_every_edge():
+    from phasegraph.statemachine.render import to_pydot
+
+    dot = to_pydot(EAGLE_GRAPH)
+    edges = {(e.get_source().strip('"'), e.get_destination().strip('"')) for e in dot.get_edges()}
+    assert edges == set(EAGLE_GRAPH.edges)
