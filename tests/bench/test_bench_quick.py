@@ -1,0 +1,109 @@
+"""`phasegraph bench --quick` end to end on the CPU (issue 7): the whole pipeline with tiny
+models (tiny preset pair trained with few steps, a random standalone draft, a tiny "scale" model
+with simulated acceptance), then the JSON, the Markdown table and the plots."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+# few training steps: the pipeline, not the pair, is under test (~1 minute in all on 2 cores)
+TRAIN_SET = ["target_train.steps=30", "target_train.eval_every=15", "head_train.steps=20",
+             "head_train.eval_every=10"]
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    cmd = [sys.executable, str(REPO / "bench" / "bench_e2e.py"), "--quick", "--out", str(out), "--no-progress",
+           "--threads", "1"]
+    for item in TRAIN_SET:
+        cmd += ["--train-set", item]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    start = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    return out, proc, time.perf_counter() - start
+
+
+def test_runs_and_exits_cleanly(quick_run):
+    out, proc, wall = quick_run
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "phasegraph bench --quick" in proc.stdout and "estimated time" in proc.stdout
+    assert "## Goals (issue 7)" in proc.stdout  # the table is printed
+    assert wall < 240, f"quick mode took {wall:.0f} s"
+
+
+def test_json_holds_every_figure_and_the_environment(quick_run):
+    out, proc, _ = quick_run
+    r = json.loads((out / "bench.json").read_text())
+    assert r["quick"] is True and not r.get("errors") and not r.get("interrupted")
+    for key in ("gpu", "torch", "triton", "transformers", "git_commit", "python", "device"):
+        assert key in r["env"], key
+    assert r["env"]["device"] == "cpu"
+    assert r["training"]["preset"] == "tiny"
+    assert (out / "train_report.json").exists()
+
+    rows = r["trained_pair"]["rows"]
+    got = {(x["engine"], x["config"], x["batch"]) for x in rows}
+    for config in ("baseline (autoregressive)", "EAGLE-3 chain S=3", "EAGLE-3 tree K=4 S=4 N=16",
+                   "standalone draft chain S=3"):
+        for b in (1, 2):
+            assert ("phasegraph", config, b) in got, (config, b)
+    assert ("transformers", "transformers generate", 1) in got
+    assert ("transformers", "transformers generate", 2) in got
+    assisted = [x for x in rows if x["config"].startswith("transformers generate + assistant_model")]
+    assert [x["batch"] for x in assisted] == [1]  # assisted generation: batch 1 only
+    for x in rows:
+        assert x["new_tokens"] == 16 * x["batch"], x
+        assert x["tokens_per_s"] > 0 and x["speedup"] > 0
+        assert 0 <= x["identical_share"] <= 1
+        if x["engine"] == "phasegraph" and x["config"] != "baseline (autoregressive)":
+            assert 1 <= x["tau"] <= 5 and x["eta"] == pytest.approx(x["speedup"] / x["tau"])
+            assert x["phase_share"]["verify"] > 0 and x["iterations"] > 0
+        if x["config"] == "baseline (autoregressive)":
+            assert x["identical"] == x["batch"] and x["tau"] is None
+            assert x["phase_share"]["decode"] > 0
+    assert "RANDOM draft" in r["trained_pair"]["draft_note"]
+
+    sc = r["scale"]
+    assert sc["simulated_acceptance"] is True and "SIMULATED" in sc["label"]
+    assert sc["weight_bytes"] > 0 and sc["copy_bandwidth_Bps"] > 0
+    assert [b["batch"] for b in sc["baseline"]] == [1, 2]
+    spec = sorted((x["tau_simulated"], x["batch"]) for x in sc["rows"])
+    assert spec == [(t, b) for t in (2, 3, 4) for b in (1, 2)]
+    for x in sc["rows"]:
+        assert x["tau_measured"] == pytest.approx(x["tau_simulated"], abs=0.6)
+        assert x["eta"] == pytest.approx(x["speedup"] / x["tau_measured"]) and x["reached"]
+
+    assert len(r["goals"]) == 6
+    assert all(g["met"] in (True, False) for g in r["goals"]), r["goals"]  # every goal measured
+
+
+def test_markdown_table(quick_run):
+    out, _, _ = quick_run
+    md = (out / "bench.md").read_text()
+    assert "QUICK MODE" in md
+    assert "| engine | configuration | batch | tokens/s | τ | speedup | η | identical to baseline |" in md
+    assert "## 2. Scale — SIMULATED acceptance" in md and "SIMULATED" in md
+    assert "batch 1 only" in md
+    for goal in ("EAGLE-3 tree η ≥ 0.75", "≥ 5× transformers' assisted generation",
+                 "identical to the baseline in every row", "SIMULATED τ = 4: η ≥ 0.75",
+                 "≥ 1.3× baseline", "85% of the memory-bandwidth bound"):
+        assert goal in md, goal
+    goal_rows = md.split("## Goals (issue 7)")[1]
+    assert goal_rows.count("| met |") + goal_rows.count("| **not met** |") == 6
+
+
+def test_plots(quick_run):
+    pytest.importorskip("matplotlib")
+    out, _, _ = quick_run
+    for name in ("tokens_per_s.png", "eta_vs_tau.png"):
+        data = (out / name).read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
