@@ -2,7 +2,7 @@
 
     python bench/bench_e2e.py --out DIR [--pair DIR] [--train-budget-s 300] [--parts 1,2] [--quick]
 
-Same options and outputs as ``phasegraph bench`` (see ``phasegraph/bench.py``): end-to-end
+Same options and outputs as ``phasegraph bench`` (see ``phasegraph/bench/``): end-to-end
 tokens/s, τ, speedup and η of phasegraph against its autoregressive baseline and transformers'
 ``generate`` on a trained pair, and the 8B shape with simulated acceptance; ``bench.json``,
 ``bench.md`` and two PNG plots in ``--out``.

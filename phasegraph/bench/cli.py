@@ -1,0 +1,219 @@
+"""The ``phasegraph bench`` subcommand: options, their defaults, the time estimate and the run."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import signal
+import sys
+
+from phasegraph.bench.common import SCALE_CONFIGS, BenchRun, environment, free_memory, has_pair
+from phasegraph.bench.pair import measure_trained_pair
+from phasegraph.bench.report import write_outputs
+from phasegraph.bench.scale import measure_scale
+from phasegraph.cli import CliError, register
+
+# Training budget of the full run: with ~140 s of measurement and ~15 s of start-up the whole bench
+# stays near 8 minutes on an H200 (the device machine stops a command at 10 minutes). The
+# tiny preset of --quick runs unbudgeted (~15 s on a CPU): the recipe splits a budget by the
+# stages' projected H100 time, which gives the tiny target almost nothing.
+DEFAULT_TRAIN_BUDGET_S = 300.0
+
+FULL = {"batches": "1,8,32", "new_tokens": 256, "prompt_tokens": 256, "scale_batches": "1,8,32,64",
+        "scale_new_tokens": 64, "scale_prompt_tokens": 128}
+QUICK = {"batches": "1,2", "new_tokens": 16, "prompt_tokens": 64, "scale_batches": "1,2",
+         "scale_new_tokens": 16, "scale_prompt_tokens": 32}
+
+# Figures the time estimate uses. Measured (bench/RESULTS.md §2, H200, 8B shape, graphs on):
+# decode step by batch, chain and tree iteration by batch, eager iteration. Assumed (not measured):
+# the host cost of a phasegraph step on a small model (the measured host issue of an 8B
+# iteration is 2.5-4.4 ms, RESULTS.md §2), transformers' eager generate step, first Triton
+# compilation and graph capture.
+SCALE_STEP_S = {1: 7.23e-3, 8: 8.50e-3, 64: 11.33e-3}
+SCALE_ITER_S = {"chain": {1: 9.20e-3, 8: 10.73e-3, 64: 15.88e-3}, "tree": {1: 10.67e-3, 8: 12.06e-3, 64: 37.45e-3}}
+SCALE_EAGER_ITER_S = 62.5e-3
+SMALL_STEP_S, SMALL_ITER_S, HF_STEP_S, TRITON_COMPILE_S, CAPTURE_S = 1.5e-3, 4.5e-3, 10e-3, 40.0, 0.3
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(x) for x in str(text).replace(" ", "").split(",") if x]
+    except ValueError as exc:
+        raise CliError(f"expected comma-separated integers, got {text!r}") from exc
+    if not vals or min(vals) < 1:
+        raise CliError(f"expected comma-separated integers >= 1, got {text!r}")
+    return vals
+
+
+def _interp(table: dict[int, float], x: int) -> float:
+    keys = sorted(table)
+    if x <= keys[0]:
+        return table[keys[0]]
+    for lo, hi in zip(keys, keys[1:], strict=False):
+        if x <= hi:
+            return table[lo] + (table[hi] - table[lo]) * (x - lo) / (hi - lo)
+    return table[keys[-1]] * x / keys[-1]
+
+
+def estimate_seconds(run: BenchRun) -> dict[str, float]:
+    """Seconds per part, from the figures above (measured 8B figures, assumed host costs)."""
+    a = run.args
+    est: dict[str, float] = {"startup": 5.0 if a.quick else 15.0}
+    if 1 in a.parts_list:
+        pair = run.pair_path()
+        train = 0.0 if (has_pair(pair) or a.skip_train) else (30.0 if a.quick else (a.train_budget_s or 600.0) + 25.0)
+        est["part 1: training"] = train
+        if not a.quick:
+            steps = a.new_tokens
+            nb = len(a.batch_list)
+            pg = nb * 2 * steps * SMALL_STEP_S  # baseline, warm-up + timed
+            pg += nb * 3 * 2 * (steps / 2.5) * SMALL_ITER_S  # chain, tree, standalone at tau ~2.5
+            pg += nb * 3 * 3 * CAPTURE_S
+            hf = sum(1.1 * steps * HF_STEP_S for _ in a.batch_list) + 1.1 * steps / 3 * 2 * HF_STEP_S
+            est["part 1: measure"] = pg + hf + TRITON_COMPILE_S + 15.0
+        else:
+            est["part 1: measure"] = 30.0
+    if 2 in a.parts_list:
+        if not a.quick:
+            n, p = a.scale_new_tokens, a.scale_prompt_tokens
+            t = 20.0  # build 16 GB of random weights + the head, bandwidth probe
+            for b in a.scale_batch_list:
+                prefill = b * p * 2 * 8e9 / 300e12
+                t += 2 * (n * _interp(SCALE_STEP_S, b) + prefill) + 3 * SCALE_EAGER_ITER_S
+                for key in a.scale_config_list:
+                    for tau in a.scale_tau_list:
+                        t += 2 * (math.ceil(n / tau) * _interp(SCALE_ITER_S[key], b) + prefill)
+                        t += 3 * 3 * SCALE_EAGER_ITER_S
+            t += 10.0 + TRITON_COMPILE_S / 2  # decode-step and per-phase probes; kernels for head dim 128
+            est["part 2: scale"] = t
+        else:
+            est["part 2: scale"] = 15.0
+    est["total"] = sum(est.values())
+    return est
+
+def _resolve_args(args: argparse.Namespace) -> argparse.Namespace:
+    """Fill the full or --quick defaults and parse the comma-separated lists."""
+    defaults = QUICK if args.quick else FULL
+    for key, val in defaults.items():
+        if getattr(args, key) is None:
+            setattr(args, key, val)
+    args.batch_list = _ints(args.batches)
+    args.scale_batch_list = _ints(args.scale_batches)
+    args.scale_tau_list = _ints(args.scale_taus)
+    args.parts_list = _ints(args.parts)
+    if set(args.parts_list) - {1, 2}:
+        raise CliError(f"--parts takes 1 and/or 2, got {args.parts!r}")
+    args.scale_config_list = [c.strip() for c in args.scale_configs.split(",") if c.strip()]
+    unknown = [c for c in args.scale_config_list if c not in SCALE_CONFIGS]
+    if unknown or not args.scale_config_list:
+        raise CliError(f"--scale-configs takes {', '.join(SCALE_CONFIGS)}; got {args.scale_configs!r}")
+    if args.time_limit_s is None:
+        args.time_limit_s = None if args.quick else 560.0
+    if args.train_budget_s is None and not args.quick:
+        args.train_budget_s = DEFAULT_TRAIN_BUDGET_S
+    if args.train_budget_s is not None and args.train_budget_s <= 0:
+        args.train_budget_s = None
+    return args
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """The subcommand: estimate, run the parts asked for, write the outputs; the exit status."""
+    import torch
+
+    args = _resolve_args(args)
+    run = BenchRun(args)
+    if not run.cuda:
+        torch.set_num_threads(max(1, args.threads))
+    a = args
+    run.result["settings"] = {k: v for k, v in vars(a).items() if k not in ("func", "argv")}
+    if 1 in a.parts_list and not has_pair(run.pair_path()) and not a.skip_train:
+        # the training recipe is deterministic only with this set before cuBLAS starts
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    est = estimate_seconds(run)
+    run.result["estimate_s"] = {k: round(v, 1) for k, v in est.items()}
+    print(f"phasegraph bench{' --quick' if a.quick else ''}: device {run.device}, parts {a.parts_list}; "
+          f"estimated time: " + ", ".join(f"{k} ~{v:.0f} s" for k, v in est.items()), flush=True)
+    if a.time_limit_s and est["total"] > a.time_limit_s:
+        print(f"warning: the estimate ({est['total']:.0f} s) exceeds --time-limit-s {a.time_limit_s:.0f} s: rows past "
+              "the limit are skipped (lower --train-budget-s, or run --parts 1 and --parts 2 apart)", flush=True)
+    if a.dry_run:
+        return 0
+
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    interrupted = None
+    try:
+        run.result["env"] = environment(run.device, a.validate)
+        if 1 in a.parts_list:
+            run.guard("part 1", measure_trained_pair, run)
+            free_memory()
+            write_outputs(run)
+        if 2 in a.parts_list:
+            run.guard("part 2", measure_scale, run)
+    except KeyboardInterrupt as exc:
+        interrupted = str(exc) or "interrupted"
+        run.result["interrupted"] = interrupted
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+        write_outputs(run, final=True)
+    if run.result.get("errors"):
+        print("phasegraph bench: errors (the rows they hit are missing):\n  " + "\n  ".join(run.result["errors"]),
+              file=sys.stderr)
+    return 130 if interrupted else (1 if run.result.get("errors") else 0)
+
+
+@register
+def add_bench_command(sub) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="end-to-end speed: trained pair vs transformers, and the 8B shape (simulated acceptance)",
+        description="phasegraph vs its own baseline and transformers' generate on one GPU (issue 7). "
+                    "Writes bench.json, bench.md, tokens_per_s.png and eta_vs_tau.png into --out.",
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    p.add_argument("--pair", metavar="DIR",
+                   help="trained pair (target/, eagle3/, draft/): reused if present, else trained into it "
+                        "(default: OUT/pair)")
+    p.add_argument("--skip-train", action="store_true", help="never train: --pair must hold a pair")
+    p.add_argument("--train-budget-s", type=float, metavar="S",
+                   help="wall-clock budget of the training recipe (stages stop early; default 300; "
+                        "none with --quick; 0 = none)")
+    p.add_argument("--train-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a field of the training preset (repeatable), e.g. target_train.steps=500")
+    p.add_argument("--parts", default="1,2", help="which parts to run: 1 (trained pair), 2 (scale); default 1,2")
+    p.add_argument("--quick", action="store_true",
+                   help="the whole pipeline with tiny models (tiny preset pair, tiny scale model), ~1 minute on a CPU")
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--batches", metavar="B,B,...", help="part 1 batch sizes (default 1,8,32; quick 1,2)")
+    p.add_argument("--new-tokens", type=int, metavar="N", help="part 1 new tokens (default 256; quick 16)")
+    p.add_argument("--prompt-tokens", type=int, metavar="N", help="keep each prompt's last N tokens (default 256; quick 64)")
+    p.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
+    p.add_argument("--scale-batches", metavar="B,B,...", help="part 2 batch sizes (default 1,8,32,64; quick 1,2)")
+    p.add_argument("--scale-taus", default="2,3,4", metavar="T,T,...", help="simulated acceptance lengths (default 2,3,4)")
+    p.add_argument("--scale-configs", default="chain", metavar="chain,tree",
+                   help="part 2 drafts: chain (S=3, default: reaches τ=4), tree (K=4 S=4 N=16: with random "
+                        "weights the tree keeps depth-1 and depth-2 nodes only, so τ ≤ 3)")
+    p.add_argument("--scale-new-tokens", type=int, metavar="N", help="part 2 new tokens (default 64; quick 16)")
+    p.add_argument("--scale-prompt-tokens", type=int, metavar="N", help="part 2 prompt tokens (default 128; quick 32)")
+    p.add_argument("--scale-layers", type=int, default=32, metavar="L", help="layers of the 8B shape (default 32)")
+    p.add_argument("--validate", choices=["strict", "boundary", "off"],
+                   help="phase validation mode of the engines (default: the library default, boundary)")
+    p.add_argument("--time-limit-s", type=float, metavar="S",
+                   help="skip the rows that would start after S seconds and write what was measured "
+                        "(default 560; none with --quick)")
+    p.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--dry-run", action="store_true", help="print the plan and the time estimate, run nothing")
+    p.set_defaults(func=run_bench, argv=_argv())
+
+
+def _argv() -> list[str]:
+    """The command line after ``bench`` (for the record), when run from the command line."""
+    argv = sys.argv[1:]
+    if "bench" in argv:
+        return argv[argv.index("bench") + 1:]
+    return argv if sys.argv and sys.argv[0].endswith("bench_e2e.py") else []

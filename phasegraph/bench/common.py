@@ -1,0 +1,219 @@
+"""Shared pieces of ``phasegraph bench``: configurations, the run's state, small helpers and
+the environment record."""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import math
+import os
+import platform
+import subprocess
+import time
+from pathlib import Path
+
+from phasegraph.cli import CliError
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+# (label, SpecConfig kwargs, which draft directory of the pair)
+PG_CONFIGS = (
+    ("baseline (autoregressive)", {"method": "none"}, None),
+    ("EAGLE-3 chain S=3", {"method": "eagle3", "num_steps": 3, "topk": 1}, "eagle3"),
+    ("EAGLE-3 tree K=4 S=4 N=16", {"method": "eagle3", "num_steps": 4, "topk": 4, "num_draft_tokens": 16}, "eagle3"),
+    ("standalone draft chain S=3", {"method": "standalone", "num_steps": 3, "topk": 1}, "draft"),
+)
+BASELINE, CHAIN, TREE, STANDALONE = (c[0] for c in PG_CONFIGS)
+HF_PLAIN = "transformers generate"
+HF_ASSISTED = "transformers generate + assistant_model (batch 1 only: assisted generation does not batch)"
+# Part 2 drafts: the chain is the default. Simulated acceptance takes the first-child path of the
+# drafted tree; with random weights every draft probability is small (~1e-3 at the 8B shape, by
+# estimate: logits of std ~1.3 over 32k tokens), so
+# a tree's score (the product along the path) drops ~1000x per level, a K=4 S=4 N=16 tree keeps
+# its 4 depth-1 and 11 depth-2 nodes, and τ stops at 3 (seen in --quick: measured τ 3.00 at a
+# simulated 4); a chain with S=3 always holds a path of 3 drafts, so τ = 4 is reachable.
+SCALE_CONFIGS = {
+    "chain": ("chain S=3", {"method": "eagle3", "num_steps": 3, "topk": 1}),
+    "tree": ("tree K=4 S=4 N=16", {"method": "eagle3", "num_steps": 4, "topk": 4, "num_draft_tokens": 16}),
+}
+
+
+class BenchRun:
+    """One ``phasegraph bench`` run: its options, device, output directory and the result dict
+    that every part fills in."""
+
+    def __init__(self, args: argparse.Namespace):
+        import torch
+
+        self.args = args
+        self.t0 = time.perf_counter()
+        self.out = Path(args.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.device = torch.device(args.device if args.device != "auto" else
+                                   ("cuda" if torch.cuda.is_available() else "cpu"))
+        if self.device.type == "cuda" and not torch.cuda.is_available() and not args.dry_run:
+            raise CliError("--device cuda: no CUDA GPU is available")
+        if self.device.type != "cuda" and not args.quick and not args.dry_run:
+            raise CliError("the full bench (a ~96M pair, the 8B shape) needs a CUDA GPU: use --quick on the CPU")
+        self.cuda = self.device.type == "cuda"
+        self.dtype = torch.bfloat16 if self.cuda else torch.float32
+        self.graphs = self.cuda
+        self.result: dict = {
+            "command": "phasegraph bench " + " ".join(args.argv),
+            "quick": args.quick,
+            "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+            "settings": {},
+            "parts_wall_s": {},
+            "trained_pair": None,
+            "scale": None,
+            "goals": [],
+            "skipped": [],
+        }
+
+    def guard(self, what: str, fn, *args, **kwargs):
+        """Run ``fn``; an exception is recorded under ``errors`` (and printed) instead of ending
+        the run, so one failing row leaves the others measured. Interrupts pass through."""
+        try:
+            return fn(*args, **kwargs)
+        except CliError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - recorded, reported, and the exit status says so
+            import traceback
+
+            traceback.print_exc()
+            self.result.setdefault("errors", []).append(f"{what}: {type(exc).__name__}: {exc}")
+            free_memory()
+            return None
+
+    def elapsed(self) -> float:
+        return time.perf_counter() - self.t0
+
+    def out_of_time(self, what: str) -> bool:
+        limit = self.args.time_limit_s
+        if limit and self.elapsed() > limit:
+            self.result["skipped"].append(f"{what}: skipped, --time-limit-s {limit:.0f} s reached")
+            return True
+        return False
+
+    def pair_path(self) -> Path:
+        """``--pair``, else ``OUT/pair``."""
+        return Path(self.args.pair) if self.args.pair else self.out / "pair"
+
+
+# ------------------------------------------------------------------------------------------------
+# small helpers
+# ------------------------------------------------------------------------------------------------
+
+
+def fmt(x, spec: str = ".2f", none: str = "–") -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return none
+    return format(x, spec)
+
+
+def sync(device) -> None:
+    import torch
+
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize()
+
+
+def free_memory() -> None:
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def has_pair(d: Path) -> bool:
+    return (d / "target" / "config.json").exists() and (d / "eagle3" / "config.json").exists()
+
+
+def phase_share(trace, wall: float) -> dict[str, float]:
+    """Share of the timed call's wall time spent inside each phase (host wall time: the GPU runs
+    asynchronously, so a phase's GPU work shows up where the host next waits for it), plus
+    ``outside phases`` (scheduler, host synchronisation, request bookkeeping)."""
+    if trace is None or wall <= 0:
+        return {}
+    times = trace.phase_time()
+    share = {k: v / wall for k, v in sorted(times.items(), key=lambda kv: -kv[1])}
+    share["outside phases"] = max(0.0, 1.0 - sum(share.values()))
+    return share
+
+
+def share_text(share: dict[str, float], top: int = 4) -> str:
+    if not share:
+        return "–"
+    items = [(k, v) for k, v in share.items() if k != "outside phases" and v >= 0.005][:top]
+    items.append(("other", 1.0 - sum(v for _, v in items)))
+    return " · ".join(f"{k} {100 * v:.0f}%" for k, v in items)
+
+
+def count_phase(trace, phase: str) -> int:
+    return 0 if trace is None else sum(1 for t in trace if t.target == phase)
+
+
+def prefill_seconds(trace) -> float:
+    return sum(t.seconds for t in trace if t.target == "prefill-extend")
+
+
+def load_bench_scale():
+    """bench/bench_scale.py (the 8B builders, bandwidth and step-time probes) as a module."""
+    import importlib.util
+
+    path = REPO_ROOT / "bench" / "bench_scale.py"
+    if not path.exists():
+        raise CliError(f"{path} is missing: run `phasegraph bench` from a phasegraph checkout")
+    spec = importlib.util.spec_from_file_location("phasegraph_bench_scale", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+# ------------------------------------------------------------------------------------------------
+# environment
+# ------------------------------------------------------------------------------------------------
+
+
+def _git(*args: str) -> str | None:
+    try:
+        r = subprocess.run(["git", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return r.stdout.strip() if r.returncode == 0 else None
+
+
+def environment(device, validate: str | None) -> dict:
+    import torch
+    import transformers
+
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    commit = _git("rev-parse", "HEAD") or os.environ.get("PHASEGRAPH_GIT_COMMIT")
+    status = _git("status", "--porcelain")
+    cuda = torch.device(device).type == "cuda"
+    env = {
+        "device": str(device),
+        "gpu": torch.cuda.get_device_name() if cuda else None,
+        "gpu_memory_gib": round(torch.cuda.get_device_properties(0).total_memory / 2**30, 1) if cuda else None,
+        "cuda": torch.version.cuda,
+        "torch": torch.__version__,
+        "triton": triton_version,
+        "transformers": transformers.__version__,
+        "python": platform.python_version(),
+        "platform": platform.platform(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_count": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "git_commit": commit,
+        "git_dirty": (bool(status) if status is not None else None),
+        "phasegraph_kernels": os.environ.get("PHASEGRAPH_KERNELS", "auto"),
+        "validation": validate or os.environ.get("PHASEGRAPH_VALIDATE") or "library default (boundary)",
+        "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+    }
+    return env

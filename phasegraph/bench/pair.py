@@ -1,0 +1,310 @@
+"""Part 1 of ``phasegraph bench``: a trained pair (reused or trained), every phasegraph
+configuration and transformers' ``generate`` (plain and assisted) on held-out prompts."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+from pathlib import Path
+
+from phasegraph.bench.common import (
+    BASELINE,
+    CHAIN,
+    HF_ASSISTED,
+    HF_PLAIN,
+    PG_CONFIGS,
+    STANDALONE,
+    TREE,
+    BenchRun,
+    count_phase,
+    fmt,
+    free_memory,
+    has_pair,
+    phase_share,
+    prefill_seconds,
+    share_text,
+    sync,
+)
+from phasegraph.bench.report import write_outputs
+from phasegraph.cli import CliError
+
+
+def measure_trained_pair(run: BenchRun) -> None:
+    """Part 1: fills ``run.result["trained_pair"]``, writing the outputs after every row group."""
+    from tqdm.auto import tqdm
+
+    from phasegraph import SamplingParams
+    from phasegraph.runtime.engine import _load_tokenizer
+    from phasegraph.train.corpus import heldout_prompts
+
+    a = run.args
+    t_part = time.perf_counter()
+    pair = _trained_pair_dir(run)
+    if (pair / "train_report.json").exists() and pair.resolve() != run.out.resolve():
+        shutil.copyfile(pair / "train_report.json", run.out / "train_report.json")
+    drafts = {"eagle3": pair / "eagle3", "draft": pair / "draft" if (pair / "draft" / "config.json").exists() else None}
+    draft_note = None
+    if drafts["draft"] is None and a.quick:
+        from phasegraph.runtime.models.testing_checkpoints import write_standalone_draft
+
+        drafts["draft"] = write_standalone_draft(run.out / "random_draft", pair / "target")
+        draft_note = ("quick mode: the tiny preset trains no standalone draft; the standalone rows "
+                      "use a small RANDOM draft with the target's vocabulary (τ near 1)")
+    elif drafts["draft"] is None:
+        draft_note = f"{pair} has no draft/: the standalone and assisted-generation rows are not run"
+    tok = _load_tokenizer(pair / "target")
+    cfg = json.loads((pair / "target" / "config.json").read_text())
+    context = int(cfg.get("max_position_embeddings", 4096))
+    prompt_tokens = min(a.prompt_tokens, context - a.new_tokens - 32)
+    if prompt_tokens < 8:
+        raise CliError(f"the target's context ({context}) leaves no room for {a.new_tokens} new tokens")
+    texts = [p.text for p in heldout_prompts(max_lines=40, min_lines=8)]
+    ids = [tok(t)["input_ids"][-prompt_tokens:] for t in texts]
+    max_b = max(a.batch_list)
+    prompts = [ids[i % len(ids)] for i in range(max_b)]
+    params = SamplingParams(max_new_tokens=a.new_tokens, temperature=0.0, ignore_eos=True)
+    kv_tokens = max_b * (prompt_tokens + a.new_tokens + 64) + 1024
+    part: dict = {
+        "pair": str(pair), "draft_note": draft_note, "prompts_available": len(ids),
+        "prompt_tokens_max": prompt_tokens,
+        "prompt_tokens_mean": round(sum(len(p) for p in prompts) / len(prompts), 1),
+        "new_tokens": a.new_tokens, "batches": a.batch_list, "dtype": str(run.dtype).removeprefix("torch."),
+        "cuda_graphs": run.graphs, "greedy": True, "ignore_eos": True, "rows": [],
+    }
+    run.result["trained_pair"] = part
+    rows = part["rows"]
+    outputs: dict[tuple[str, int], list[list[int]]] = {}
+    # the baseline first (every row is compared with it), then the rows the goals read
+    order = (BASELINE, TREE, CHAIN, STANDALONE)
+    configs = sorted((c for c in PG_CONFIGS if c[2] is None or drafts[c[2]] is not None),
+                     key=lambda c: order.index(c[0]))
+    n_rows = len(configs) * len(a.batch_list) + (0 if a.no_hf else len(a.batch_list) + (drafts["draft"] is not None))
+    bar = tqdm(total=n_rows, desc="part 1: trained pair", unit="row", disable=a.no_progress, dynamic_ncols=True)
+
+    for label, spec_kw, draft_key in configs:
+        if run.out_of_time(label):
+            bar.update(len(a.batch_list))
+            continue
+        run.guard(label, _measure_pg_config, run, label, spec_kw, pair / "target",
+                  drafts[draft_key] if draft_key else None, prompts, params, kv_tokens, outputs, rows, bar,
+                  draft_note if draft_key == "draft" else None)
+        free_memory()
+        write_outputs(run)
+
+    hf_model = None
+    if not a.no_hf and not run.out_of_time("transformers rows"):
+        hf_model = run.guard("transformers rows", _measure_hf_rows, run, pair, drafts["draft"], prompts, outputs,
+                             rows, bar, draft_note)
+    bar.close()
+    run.guard("comparison with the baseline", _compare_with_baseline, run, rows, outputs, prompts, hf_model)
+    del hf_model
+    free_memory()
+    run.result["parts_wall_s"]["part 1"] = round(time.perf_counter() - t_part, 1)
+
+
+def _trained_pair_dir(run: BenchRun) -> Path:
+    """The pair directory: reused when it holds a pair, else trained into (``phasegraph.train``)."""
+    a = run.args
+    pair = run.pair_path()
+    if has_pair(pair):
+        print(f"part 1: reusing the trained pair in {pair}", flush=True)
+        return pair
+    if a.skip_train:
+        raise CliError(f"--skip-train: {pair} holds no trained pair (target/ and eagle3/)")
+    preset_name = "tiny" if a.quick else "bench-pair"
+    from phasegraph.train.presets import PRESETS, apply_overrides
+
+    overrides = list(a.train_set)
+    if not a.quick:
+        # the bench measures tau itself; the recipe's own simulated-acceptance report on 16
+        # held-out prompts (instead of 64) saves ~a minute
+        overrides = ["eval.max_prompts=16", *overrides]
+    preset = apply_overrides(PRESETS[preset_name], overrides)
+    print(f"part 1: training the {preset_name} pair into {pair} (budget "
+          f"{fmt(a.train_budget_s, '.0f')} s; overrides: {overrides or 'none'})", flush=True)
+    from phasegraph.train.recipe import run_recipe
+
+    t0 = time.perf_counter()
+    report = run_recipe(preset, pair, seed=a.seed, device=run.device,
+                        time_budget_s=a.train_budget_s, progress=not a.no_progress)
+    run.result["training"] = {
+        "preset": preset_name, "overrides": overrides, "budget_s": a.train_budget_s,
+        "wall_s": round(time.perf_counter() - t0, 1), "stopped_early": report.get("stopped_early"),
+        "report_wall_s": report.get("wall_s"), "acceptance": report.get("acceptance"),
+    }
+    free_memory()
+    return pair
+
+
+# ------------------------------------------------------------------------------------------------
+# phasegraph rows
+# ------------------------------------------------------------------------------------------------
+
+
+def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, prompts, params, kv_tokens,
+                       outputs, rows, bar, note) -> None:
+    """One phasegraph configuration at every batch size (one engine, reused)."""
+    from tqdm.auto import tqdm
+
+    from phasegraph import Engine, SpecConfig
+
+    a = run.args
+    engine = Engine.from_pretrained(
+        target_dir, draft_dir, spec=SpecConfig(**spec_kw), device=run.device, dtype=run.dtype,
+        max_batch_size=max(a.batch_list), kv_pool_tokens=kv_tokens, cuda_graphs=run.graphs, trace=True,
+        validate=a.validate,
+    )
+    for b in a.batch_list:
+        bar.set_postfix_str(f"{label}, batch {b}")
+        batch = prompts[:b]
+        warm = engine.generate(batch, params)  # the same call: captures every bucket it uses
+        engine.trace.clear()
+        sync(run.device)
+        t0 = time.perf_counter()
+        outs = engine.generate(batch, params)
+        sync(run.device)
+        wall = time.perf_counter() - t0
+        tokens = [o.token_ids for o in outs]
+        lens = [n for o in outs for n in o.stats.accept_lengths]
+        row = {
+            "engine": "phasegraph", "config": label, "spec": spec_kw, "batch": b,
+            "seconds": wall, "new_tokens": sum(len(t) for t in tokens),
+            "tokens_per_s": sum(len(t) for t in tokens) / wall,
+            "tau": (sum(lens) / len(lens)) if lens else None,
+            "iterations": count_phase(engine.trace, "verify") or count_phase(engine.trace, "decode"),
+            "prefill_s": prefill_seconds(engine.trace),
+            "phase_share": phase_share(engine.trace, wall),
+            "warmup_identical": [w.token_ids for w in warm] == tokens,
+            "graph_stats": engine.graph_runner.stats() if engine.graph_runner is not None else None,
+        }
+        if note:
+            row["note"] = note
+        outputs[(label, b)] = tokens
+        rows.append(row)
+        bar.update(1)
+        tqdm.write(f"  {label:<28} batch {b:>3}: {row['tokens_per_s']:9.1f} tok/s  "
+                   f"τ {fmt(row['tau'])}  phases: {share_text(row['phase_share'])}")
+
+
+# ------------------------------------------------------------------------------------------------
+# transformers rows
+# ------------------------------------------------------------------------------------------------
+
+
+def _load_hf_model(run: BenchRun, directory: Path):
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(str(directory), dtype=run.dtype, attn_implementation="sdpa")
+    model.to(run.device).eval()
+    model.generation_config.eos_token_id = None  # generate exactly max_new_tokens, like ignore_eos
+    return model
+
+
+def _hf_generate(run: BenchRun, model, prompts, new_tokens: int, assistant=None) -> list[list[int]]:
+    import torch
+    from transformers import GenerationConfig
+
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[0] * (width - len(p)) + list(p) for p in prompts], device=run.device)
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=run.device)
+    gen = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen, assistant_model=assistant)
+    return out[:, width:].tolist()
+
+
+def _measure_hf_rows(run: BenchRun, pair, draft_dir, prompts, outputs, rows, bar, draft_note):
+    """Assisted generation at batch 1, plain generate at every batch; returns the target model
+    (the comparison reuses it)."""
+    import transformers
+
+    a = run.args
+    transformers.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
+    model = _load_hf_model(run, pair / "target")
+    assistant = _load_hf_model(run, draft_dir) if draft_dir is not None else None
+    runs = [(HF_ASSISTED, 1, assistant)] if assistant is not None else []  # the goal's row first
+    runs += [(HF_PLAIN, b, None) for b in a.batch_list]
+    for label, b, asst in runs:
+        if run.out_of_time(f"{label} batch {b}"):
+            bar.update(1)
+            continue
+        bar.set_postfix_str(f"transformers, batch {b}{' assisted' if asst is not None else ''}")
+        run.guard(f"{label}, batch {b}", _measure_hf_row, run, model, asst, label, prompts[:b], outputs, rows,
+                  draft_note)
+        bar.update(1)
+    del assistant
+    return model
+
+
+def _measure_hf_row(run: BenchRun, model, asst, label, batch, outputs, rows, draft_note) -> None:
+    from tqdm.auto import tqdm
+
+    a = run.args
+    b = len(batch)
+    _hf_generate(run, model, batch, min(16, a.new_tokens), asst)  # warm-up
+    sync(run.device)
+    t0 = time.perf_counter()
+    tokens = _hf_generate(run, model, batch, a.new_tokens, asst)
+    sync(run.device)
+    wall = time.perf_counter() - t0
+    n = sum(len(t) for t in tokens)
+    row = {"engine": "transformers", "config": label, "batch": b, "seconds": wall, "new_tokens": n,
+           "tokens_per_s": n / wall, "tau": None, "attn_implementation": "sdpa", "phase_share": {}}
+    if asst is not None:
+        gc_ = asst.generation_config
+        row["assistant"] = {"num_assistant_tokens": getattr(gc_, "num_assistant_tokens", None),
+                            "num_assistant_tokens_schedule": getattr(gc_, "num_assistant_tokens_schedule", None)}
+        if draft_note:
+            row["note"] = draft_note
+    outputs[(label, b)] = tokens
+    rows.append(row)
+    tqdm.write(f"  {label[:28]:<28} batch {b:>3}: {row['tokens_per_s']:9.1f} tok/s")
+
+
+# ------------------------------------------------------------------------------------------------
+# comparison with the baseline
+# ------------------------------------------------------------------------------------------------
+
+
+def _compare_with_baseline(run: BenchRun, rows, outputs, prompts, hf_model) -> None:
+    """Speedup, η and identity against the phasegraph baseline at the same batch; for
+    outputs that differ, the target's logit gap at the first difference (fp32 forward of
+    transformers' model: a small gap means a near-tie that bf16 may break either way)."""
+    import torch
+
+    base_rows = {r["batch"]: r for r in rows if r["config"] == BASELINE}
+    if hf_model is not None:
+        hf_model.float()
+    for r in rows:
+        base = base_rows.get(r["batch"])
+        if base is None:
+            continue
+        r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
+        r["eta"] = r["speedup"] / r["tau"] if r.get("tau") else None
+        ref = outputs[(BASELINE, r["batch"])]
+        mine = outputs[(r["config"], r["batch"])]
+        same = [x == y for x, y in zip(mine, ref, strict=True)]
+        r["identical"] = sum(same)
+        r["identical_share"] = sum(same) / len(same)
+        prefix = []
+        gaps = []
+        for i, (x, y) in enumerate(zip(mine, ref, strict=True)):
+            k = next((j for j, (u, v) in enumerate(zip(x, y, strict=False)) if u != v), min(len(x), len(y)))
+            prefix.append(k / max(1, len(y)))
+            if x != y and hf_model is not None and len(gaps) < 8 and k < min(len(x), len(y)):
+                seq = torch.tensor([list(prompts[i]) + y[:k]], device=run.device)
+                with torch.no_grad():
+                    logits = hf_model(input_ids=seq).logits[0, -1].float()
+                top2 = logits.topk(2).values
+                gaps.append({"request": i, "position": k,
+                             "baseline_minus_this_logit": float(logits[y[k]] - logits[x[k]]),
+                             "top1_minus_top2": float(top2[0] - top2[1])})
+        r["matching_prefix_share"] = sum(prefix) / len(prefix)
+        if gaps:
+            r["first_difference_logit_gaps"] = gaps
+        if r["engine"] == "phasegraph" and r["config"] != BASELINE and r.get("iterations") and base.get("iterations"):
+            step = (base["seconds"] - base["prefill_s"]) / base["iterations"]
+            it = (r["seconds"] - r["prefill_s"]) / r["iterations"]
+            r["baseline_step_s"], r["iteration_s"] = step, it
+            r["iteration_cost_in_steps"] = it / step

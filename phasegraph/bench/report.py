@@ -1,0 +1,326 @@
+"""Outputs of ``phasegraph bench``: bench.json, the Markdown table (bench.md), issue 7's goals
+and the matplotlib plots."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from phasegraph.bench.common import (
+    BASELINE,
+    CHAIN,
+    HF_ASSISTED,
+    HF_PLAIN,
+    PG_CONFIGS,
+    SCALE_CONFIGS,
+    STANDALONE,
+    TREE,
+    BenchRun,
+    fmt,
+    share_text,
+)
+
+ETA_GOAL, HF_RATIO_GOAL, LARGE_BATCH_GOAL, BOUND_GOAL = 0.75, 5.0, 1.3, 0.85
+
+
+def write_outputs(run: BenchRun, final: bool = False) -> None:
+    """bench.json and bench.md (after every config, so a run cut short keeps what it
+    measured); the plots and the printed table at the end."""
+    result = run.result
+    result["wall_s"] = round(run.elapsed(), 1)
+    result["goals"] = evaluate_goals(result, run.args)
+    if final:
+        result["plots"] = run.guard("plots", draw_plots, result, run.out) or {"files": []}
+    md = render_markdown(result)
+    (run.out / "bench.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
+    (run.out / "bench.md").write_text(md)
+    if final:
+        print("\n" + md, flush=True)
+        print(f"wrote {run.out / 'bench.json'}, {run.out / 'bench.md'} and "
+              f"{', '.join(str(run.out / p) for p in result['plots'].get('files', []))}")
+
+
+def evaluate_goals(result: dict, args: argparse.Namespace) -> list[dict]:
+    """Issue 7's goals, each measured or not, with a note on why one is missed."""
+    goals: list[dict] = []
+    tp = result.get("trained_pair") or {}
+    rows = tp.get("rows", [])
+
+    def find(config, batch, engine="phasegraph"):
+        return next((r for r in rows if r["config"] == config and r["batch"] == batch and r["engine"] == engine), None)
+
+    def add(goal, measured, met, note=None):
+        goals.append({"goal": goal, "measured": measured, "met": met, **({"note": note} if note else {})})
+
+    tree1 = find(TREE, 1)
+    if tree1 and tree1.get("eta") is not None:
+        cost = tree1.get("iteration_cost_in_steps")
+        note = None
+        if tree1["eta"] < ETA_GOAL and cost:
+            shares = share_text(tree1["phase_share"], top=5)
+            note = (f"a tree iteration costs {cost:.2f} baseline steps ({1e3 * tree1['iteration_s']:.2f} ms vs "
+                    f"{1e3 * tree1['baseline_step_s']:.2f} ms per decode step), so η ≈ 1/{cost:.2f} = {1 / cost:.2f}; "
+                    f"wall time of the timed call by phase: {shares}")
+        add(f"trained pair, batch 1: EAGLE-3 tree η ≥ {ETA_GOAL}",
+            f"η = {tree1['eta']:.2f} (speedup {tree1['speedup']:.2f}×, τ = {tree1['tau']:.2f})",
+            tree1["eta"] >= ETA_GOAL, note)
+    else:
+        add(f"trained pair, batch 1: EAGLE-3 tree η ≥ {ETA_GOAL}", "not measured", None)
+
+    asst = find(HF_ASSISTED, 1, "transformers")
+    eagle = [r for r in (find(CHAIN, 1), tree1) if r]
+    if asst and eagle:
+        best = max(eagle, key=lambda r: r["tokens_per_s"])
+        ratio = best["tokens_per_s"] / asst["tokens_per_s"]
+        add(f"trained pair, batch 1: phasegraph EAGLE-3 ≥ {HF_RATIO_GOAL:g}× transformers' assisted generation",
+            f"{ratio:.2f}× ({best['config']} {best['tokens_per_s']:.0f} tok/s vs {asst['tokens_per_s']:.0f} tok/s)",
+            ratio >= HF_RATIO_GOAL)
+    else:
+        add(f"trained pair, batch 1: phasegraph EAGLE-3 ≥ {HF_RATIO_GOAL:g}× transformers' assisted generation",
+            "not measured", None)
+
+    pg = [r for r in rows if r["engine"] == "phasegraph" and r["config"] != BASELINE and "identical" in r]
+    if pg:
+        same = sum(r["identical"] for r in pg)
+        total = sum(r["batch"] for r in pg)
+        bad = [f"{r['config']} b{r['batch']}: {r['identical']}/{r['batch']}" for r in pg if r["identical"] < r["batch"]]
+        gaps = [abs(g["baseline_minus_this_logit"]) for r in pg for g in r.get("first_difference_logit_gaps", [])]
+        note = None
+        if bad:
+            note = "rows with differences: " + "; ".join(bad)
+            if gaps:
+                note += (f". Target logit gap between the two tokens at the first difference (fp32 forward): "
+                         f"median {sorted(gaps)[len(gaps) // 2]:.3f}, max {max(gaps):.3f}")
+            if tp.get("draft_note") and any(r["config"] == STANDALONE for r in pg if r["identical"] < r["batch"]):
+                note += f". {tp['draft_note']}"
+        add("trained pair: greedy outputs identical to the baseline in every row",
+            f"{same}/{total} outputs identical", same == total, note)
+    else:
+        add("trained pair: greedy outputs identical to the baseline in every row", "not measured", None)
+
+    sc = result.get("scale") or {}
+    srows = [r for r in sc.get("rows", []) if "eta" in r]
+    taus = [r["tau_simulated"] for r in srows]
+    top_tau = 4 if 4 in taus else (max(taus) if taus else 4)
+    b_min = min((r["batch"] for r in srows), default=min(args.scale_batch_list))
+    b_max = max((r["batch"] for r in srows), default=max(args.scale_batch_list))
+    configs = list(dict.fromkeys(r["config"] for r in srows))
+    for cname in configs or [SCALE_CONFIGS[k][0] for k in args.scale_config_list]:
+        r1 = next((r for r in srows if r["config"] == cname and r["batch"] == b_min and r["tau_simulated"] == top_tau), None)
+        goal = f"scale ({cname}), batch {b_min}, SIMULATED τ = {top_tau}: η ≥ {ETA_GOAL}"
+        if r1:
+            notes = []
+            if not r1["reached"]:
+                notes.append(f"τ = {top_tau} was not reached (measured {r1['tau_measured']:.2f}): the drafted "
+                             f"path is shallower than {top_tau - 1} with random weights")
+            gpu = next((x for x in sc.get("phase_gpu_s", []) if x["config"] == cname and x["batch"] == b_min), None)
+            base = next((x for x in sc.get("baseline", []) if x["batch"] == b_min), None)
+            if r1["eta"] < ETA_GOAL and base and r1.get("iterations"):
+                it = (r1["seconds"] - r1["prefill_s"]) / r1["iterations"]
+                notes.append(f"end to end an iteration takes {1e3 * it:.2f} ms = {it / base['step_s_end_to_end']:.2f} "
+                             f"baseline steps ({1e3 * base['step_s_end_to_end']:.2f} ms), so η ≈ "
+                             f"{base['step_s_end_to_end'] / it:.2f}")
+            if r1["eta"] < ETA_GOAL and gpu and base and base.get("decode_step_s"):
+                ph = ", ".join(f"{k} {1e3 * v:.2f}" for k, v in gpu["phase_s"].items())
+                notes.append(f"GPU probe: one iteration {1e3 * gpu['iteration_s']:.2f} ms = "
+                             f"{gpu['iteration_s'] / base['decode_step_s']:.2f} decode steps "
+                             f"({1e3 * base['decode_step_s']:.2f} ms); ms per phase: {ph}; host issue "
+                             f"{100 * gpu['host_share']:.0f}% of the iteration")
+            add(goal, f"η = {r1['eta']:.2f} (speedup {r1['speedup']:.2f}×, measured τ {r1['tau_measured']:.2f})",
+                r1["eta"] >= ETA_GOAL and r1["reached"], "; ".join(notes) or None)
+        else:
+            add(goal, "not measured", None)
+        rb = next((r for r in srows if r["config"] == cname and r["batch"] == b_max and r["tau_simulated"] == top_tau), None)
+        goal = f"scale ({cname}), batch {b_max}, SIMULATED τ = {top_tau}: tokens/s ≥ {LARGE_BATCH_GOAL}× baseline"
+        if rb:
+            pays = [r for r in srows if r["config"] == cname and r["tau_simulated"] == top_tau]
+            stop = next((r["batch"] for r in sorted(pays, key=lambda r: r["batch"]) if r["speedup"] < 1.0), None)
+            note = None
+            if rb["speedup"] < LARGE_BATCH_GOAL:
+                if stop == b_min:
+                    note = f"speculation does not pay at any batch measured (speedup < 1 from batch {b_min} on)"
+                elif stop:
+                    note = f"speculation stops paying (speedup < 1) at batch {stop}"
+                else:
+                    note = f"speculation pays at every batch measured, but only {rb['speedup']:.2f}× at batch {b_max}"
+                gpu = next((x for x in sc.get("phase_gpu_s", []) if x["config"] == cname and x["batch"] == b_max), None)
+                base = next((x for x in sc.get("baseline", []) if x["batch"] == b_max), None)
+                if gpu and base and base.get("decode_step_s"):
+                    note += (f"; at batch {b_max} verify takes {1e3 * gpu['phase_s']['verify']:.2f} ms of a "
+                             f"{1e3 * gpu['iteration_s']:.2f} ms iteration vs a {1e3 * base['decode_step_s']:.2f} ms decode "
+                             f"step (the verify forward carries {b_max}×{rb['nodes']} tokens)")
+            if not rb["reached"]:
+                note = (note + "; " if note else "") + f"τ = {top_tau} not reached (measured {rb['tau_measured']:.2f})"
+            add(goal, f"{rb['speedup']:.2f}×", rb["speedup"] >= LARGE_BATCH_GOAL and rb["reached"], note)
+        else:
+            add(goal, "not measured", None)
+    b1 = next((r for r in sc.get("baseline", []) if r["batch"] == b_min), None)
+    goal = f"scale: baseline at batch {b_min} ≥ {BOUND_GOAL:.0%} of the memory-bandwidth bound"
+    if b1:
+        share = b1.get("share_of_bound", b1["share_of_bound_end_to_end"])
+        how = "graphed decode step, GPU time" if "share_of_bound" in b1 else "end-to-end step time (no CUDA)"
+        step = b1.get("decode_step_s", b1["step_s_end_to_end"])
+        add(goal, f"{100 * share:.1f}% ({1e3 * step:.2f} ms per step vs bound {1e3 * sc['bound_s']:.2f} ms; {how})",
+            share >= BOUND_GOAL,
+            None if share >= BOUND_GOAL else
+            f"bound = {sc['weight_bytes'] / 1e9:.2f} GB of weights / {sc['copy_bandwidth_Bps'] / 1e12:.2f} TB/s measured copy bandwidth; "
+            f"end-to-end step {1e3 * b1['step_s_end_to_end']:.2f} ms")
+    else:
+        add(goal, "not measured", None)
+    return goals
+
+
+
+def render_markdown(result: dict) -> str:
+    """bench.md: the settings, the tables of both parts and the goals."""
+    r = result
+    env = r.get("env", {})
+    lines = [f"# phasegraph bench{' — QUICK MODE (tiny models; says nothing about GPU speed)' if r['quick'] else ''}", ""]
+    lines.append(f"`{r['command']}` — {r['started']}, {r.get('wall_s', 0):.0f} s in all.")
+    lines.append(f"Device: {env.get('gpu') or env.get('cpu')} ({env.get('device')}); torch {env.get('torch')}, "
+                 f"triton {env.get('triton') or '–'}, transformers {env.get('transformers')}; commit "
+                 f"{(env.get('git_commit') or 'unknown')[:12]}{' (dirty)' if env.get('git_dirty') else ''}; "
+                 f"validation {env.get('validation')}.")
+    lines.append("")
+    tp = r.get("trained_pair")
+    if tp:
+        lines += [
+            "## 1. Trained pair",
+            "",
+            f"Pair `{tp['pair']}`; held-out stdlib prompts (last ≤ {tp['prompt_tokens_max']} tokens, mean "
+            f"{tp['prompt_tokens_mean']}), greedy, {tp['new_tokens']} new tokens per request (ignore_eos), "
+            f"{tp['dtype']}, CUDA graphs {'on' if tp['cuda_graphs'] else 'off'}. Tokens/s = new tokens / wall "
+            "time of the whole call (prefill included, warm-up excluded); speedup over the phasegraph baseline "
+            "at the same batch; η = speedup / τ; time share by phase = host wall time inside each phase (trace; "
+            "the GPU runs asynchronously, its wait lands in 'other').",
+            "",
+            "| engine | configuration | batch | tokens/s | τ | speedup | η | identical to baseline | time share by phase |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        order = [c[0] for c in PG_CONFIGS] + [HF_PLAIN, HF_ASSISTED]
+        for row in sorted(tp["rows"], key=lambda x: (order.index(x["config"]), x["batch"])):
+            ident = (f"{row['identical']}/{row['batch']}" if "identical" in row else "–")
+            lines.append(
+                f"| {row['engine']} | {row['config']} | {row['batch']} | {row['tokens_per_s']:.1f} | "
+                f"{fmt(row.get('tau'))} | {fmt(row.get('speedup'))}× | {fmt(row.get('eta'))} | {ident} | "
+                f"{share_text(row.get('phase_share', {}))} |")
+        if tp.get("draft_note"):
+            lines += ["", f"Note: {tp['draft_note']}."]
+        lines.append("")
+    sc = r.get("scale")
+    if sc:
+        lines += [
+            "## 2. Scale — SIMULATED acceptance",
+            "",
+            f"{sc['model']}; EAGLE-3-shaped head; prompts of {sc['prompt_tokens']} random tokens, "
+            f"{sc['new_tokens']} new tokens; CUDA graphs {'on' if sc['cuda_graphs'] else 'off'}. "
+            f"**{sc['label']}.** Copy bandwidth {sc['copy_bandwidth_Bps'] / 1e12:.3f} TB/s; weights a step reads "
+            f"{sc['weight_bytes'] / 1e9:.3f} GB → bandwidth bound {1e3 * sc['bound_s']:.3f} ms/step.",
+            "",
+            "| configuration | τ simulated | τ measured | batch | tokens/s | speedup | η | step or iteration |",
+            "|---|---|---|---|---|---|---|---|",
+        ]
+        for b in sc["baseline"]:
+            step = b.get("decode_step_s", b["step_s_end_to_end"])
+            share = b.get("share_of_bound", b["share_of_bound_end_to_end"])
+            lines.append(f"| baseline{' (graphed decode)' if sc['cuda_graphs'] else ''} | – | – | {b['batch']} | {b['tokens_per_s']:.1f} | 1.00× | – | "
+                         f"{1e3 * step:.2f} ms = {100 * share:.1f}% of the bound |")
+        for row in sorted(sc["rows"], key=lambda x: (x["config"], x["tau_simulated"], x.get("batch", 0))):
+            if "skipped" in row:
+                lines.append(f"| {row['config']} | {row['tau_simulated']} | – | – | – | – | – | {row['skipped']} |")
+                continue
+            it = ((row["seconds"] - row["prefill_s"]) / row["iterations"]) if row.get("iterations") else None
+            reach = "" if row["reached"] else " (not reached)"
+            lines.append(f"| {row['config']}, SIMULATED | {row['tau_simulated']} | {row['tau_measured']:.2f}{reach} | "
+                         f"{row['batch']} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}× | {row['eta']:.2f} | "
+                         f"{fmt(it and 1e3 * it)} ms/iteration (end to end) |")
+        if sc.get("phase_gpu_s"):
+            lines += ["", "GPU time per phase of one iteration (bench_scale.spec_iteration_times, synchronised "
+                      "around each phase), SIMULATED acceptance:", "",
+                      "| configuration | τ | batch | iteration | host issue | draft | verify | finalize | draft-extend |",
+                      "|---|---|---|---|---|---|---|---|---|"]
+            for x in sc["phase_gpu_s"]:
+                ph = x["phase_s"]
+                lines.append(f"| {x['config']} | {x['tau_simulated']} | {x['batch']} | {1e3 * x['iteration_s']:.2f} ms | "
+                             f"{1e3 * x['host_issue_s']:.2f} ms ({100 * x['host_share']:.0f}%) | {1e3 * ph['draft']:.2f} | "
+                             f"{1e3 * ph['verify']:.2f} | {1e3 * ph['finalize-tree-path']:.2f} | {1e3 * ph['draft-extend']:.2f} |")
+        lines.append("")
+    lines += ["## Goals (issue 7)", "", "| goal | measured | status |", "|---|---|---|"]
+    for g in r["goals"]:
+        status = {True: "met", False: "**not met**", None: "not measured"}[g["met"]]
+        lines.append(f"| {g['goal']} | {g['measured']} | {status} |")
+    notes = [f"{g['goal']}: {g['note']}" for g in r["goals"] if g.get("note")]
+    if notes or r["skipped"]:
+        lines += ["", "Notes (measured):", ""]
+        lines += [f"- {n}" for n in notes]
+        lines += [f"- {s}" for s in r["skipped"]]
+    if r["quick"]:
+        lines += ["", "QUICK MODE: tiny models on this device; the figures only show that the pipeline runs."]
+    return "\n".join(lines) + "\n"
+
+
+
+def draw_plots(result: dict, out: Path) -> dict:
+    """tokens_per_s.png and eta_vs_tau.png in ``out`` (needs matplotlib)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        import matplotlib.ticker
+    except ImportError:
+        return {"files": [], "skipped": "matplotlib is not installed (pip install matplotlib)"}
+    files = []
+    tag = " — QUICK MODE (tiny models)" if result["quick"] else ""
+    tp = result.get("trained_pair") or {}
+    sc = result.get("scale") or {}
+    fig, axes = plt.subplots(1, 2, figsize=(13, 5))
+    ax = axes[0]
+    for config in dict.fromkeys(r["config"] for r in tp.get("rows", [])):
+        pts = sorted((r["batch"], r["tokens_per_s"]) for r in tp["rows"] if r["config"] == config)
+        label = config if len(config) < 40 else config.split(" (")[0] + " (batch 1)"
+        ax.plot(*zip(*pts, strict=True), marker="o", label=label)
+    ax.set(title="trained pair (measured)", xlabel="batch size", ylabel="tokens/s")
+    ax = axes[1]
+    base = sorted((r["batch"], r["tokens_per_s"]) for r in sc.get("baseline", []))
+    if base:
+        ax.plot(*zip(*base, strict=True), marker="o", color="black",
+                label="baseline (graphed)" if sc.get("cuda_graphs") else "baseline")
+    for key in dict.fromkeys((r["config"], r["tau_simulated"]) for r in sc.get("rows", []) if "eta" in r):
+        pts = sorted((r["batch"], r["tokens_per_s"]) for r in sc["rows"] if "eta" in r and (r["config"], r["tau_simulated"]) == key)
+        ax.plot(*zip(*pts, strict=True), marker="s", linestyle="--", label=f"{key[0]}, SIMULATED τ={key[1]}")
+    ax.set(title="scale, random weights — SIMULATED acceptance", xlabel="batch size", ylabel="tokens/s")
+    for ax, batches in zip(axes, (tp.get("batches") or [1], sc.get("batches") or [1]), strict=True):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(batches, [str(b) for b in batches])
+        ax.xaxis.set_minor_locator(matplotlib.ticker.NullLocator())
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.suptitle("phasegraph bench: tokens/s vs batch size" + tag)
+    fig.tight_layout()
+    fig.savefig(out / "tokens_per_s.png", dpi=120)
+    plt.close(fig)
+    files.append("tokens_per_s.png")
+
+    fig, ax = plt.subplots(figsize=(7, 5))
+    srows = [r for r in sc.get("rows", []) if "eta" in r]
+    for key in dict.fromkeys((r["config"], r["batch"]) for r in srows):
+        pts = sorted((r["tau_simulated"], r["eta"]) for r in srows if (r["config"], r["batch"]) == key)
+        ax.plot(*zip(*pts, strict=True), marker="s", linestyle="--", label=f"scale {key[0]}, batch {key[1]} (SIMULATED τ)")
+    for config in dict.fromkeys(r["config"] for r in tp.get("rows", []) if r.get("eta") is not None):
+        pts = [(r["tau"], r["eta"]) for r in tp["rows"] if r["config"] == config and r.get("eta") is not None]
+        ax.scatter(*zip(*pts, strict=True), marker="o", s=40, label=f"trained pair: {config} (measured τ)")
+    ax.axhline(ETA_GOAL, color="grey", linestyle=":", label=f"goal η = {ETA_GOAL}")
+    ax.set(title="efficiency η = speedup / τ" + tag, xlabel="τ (mean acceptance length)", ylabel="η")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "eta_vs_tau.png", dpi=120)
+    plt.close(fig)
+    files.append("eta_vs_tau.png")
+    return {"files": files}
+
+
