@@ -88,3 +88,27 @@ if INTERPRET:
     os.environ["TRITON_INTERPRET"] = "1"
     _fix_interpreter_scalar_index()
     _fix_interpreter_bfloat16()
+
+
+@pytest.fixture
+def device():
+    """CUDA on the GPU machine; CPU tensors in interpreter mode; else the test is skipped."""
+    import torch
+
+    if torch.cuda.is_available() and not INTERPRET:
+        return torch.device("cuda")
+    if INTERPRET:
+        return torch.device("cpu")
+    pytest.skip("needs CUDA, or PHASEGRAPH_TRITON_INTERPRET=1 for the Triton interpreter")
+
+
+@pytest.fixture
+def gen(request):
+    """A generator per test case, seeded from its id (different inputs for every case,
+    reproducible; ``PHASEGRAPH_TEST_SEED`` draws another set)."""
+    import zlib
+
+    import torch
+
+    salt = os.environ.get("PHASEGRAPH_TEST_SEED", "")
+    return torch.Generator().manual_seed(zlib.crc32(f"{salt}{request.node.nodeid}".encode()))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import os
-import zlib
 
 import pytest
 import torch
@@ -34,23 +33,6 @@ BATCHES = (1, 7, 64) if ON_GPU else (1, 7)
 TOPKS = (1, 4, 8) if ON_GPU else (1, 4)
 PAGE_SIZES = (1, 16)
 INT_POISON = -(2**40) - 7
-
-
-@pytest.fixture
-def device():
-    if ON_GPU:
-        return torch.device("cuda")
-    if INTERPRET:
-        return torch.device("cpu")
-    pytest.skip("needs CUDA, or PHASEGRAPH_TRITON_INTERPRET=1 for the Triton interpreter")
-
-
-@pytest.fixture
-def gen(request):
-    """A generator per test case, seeded from its id (different inputs for every case,
-    reproducible; ``PHASEGRAPH_TEST_SEED`` draws another set)."""
-    salt = os.environ.get("PHASEGRAPH_TEST_SEED", "")
-    return torch.Generator().manual_seed(zlib.crc32(f"{salt}{request.node.nodeid}".encode()))
 
 
 def _poison(t: torch.Tensor) -> torch.Tensor:

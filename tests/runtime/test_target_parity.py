@@ -1,8 +1,8 @@
 """HFTarget over the paged pool == transformers' own forward (full recompute), fp32.
 
 Prefill of several prompts of mixed lengths in one flattened forward (plus a padding row), then
-decode steps, then a tree-masked verify step, for llama / qwen2 / qwen3 / mistral and page
-sizes 1 and 16.
+decode steps, then a tree-masked verify step, for llama / qwen2 / qwen3 / mistral, page sizes 1
+and 16, and both execution paths (the fused decoder, transformers' modules).
 """
 
 from __future__ import annotations
@@ -51,11 +51,13 @@ def random_tree(gen, n: int) -> tuple[list[int], torch.Tensor, list[int]]:
     return parents, mask, depth
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "modules"])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_prefill_decode_verify_match_transformers(target_dir, page_size):
+def test_prefill_decode_verify_match_transformers(target_dir, page_size, fused):
     gen = torch.Generator().manual_seed(page_size)
     ref = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).eval()
-    ours = HFTarget.from_pretrained(target_dir, dtype=torch.float32, feature_mode="eagle3")
+    ours = HFTarget.from_pretrained(target_dir, dtype=torch.float32, feature_mode="eagle3", fused=fused)
+    assert (ours.fused_layers is not None) == fused
     assert_conforms(ours, TargetModel)
     vocab = ours.vocab_size
     max_tokens = 48

@@ -23,6 +23,7 @@ from phasegraph.phases.protocols import TargetOutput
 from phasegraph.runtime.errors import UnsupportedModel
 from phasegraph.runtime.kv_pool import KVPool, KVSpec, check_pool_fits
 from phasegraph.runtime.models.attention_backend import ATTN_IMPLEMENTATION, forward_context
+from phasegraph.runtime.models.fused_decoder import fuse_decoder, run_fused_decoder
 from phasegraph.runtime.models.loading import Checkpoint, load_into_module, read_config
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -111,9 +112,15 @@ class HFTarget:
 
     Sliding-window layers (Mistral ``sliding_window``, Qwen ``use_sliding_window``) are attended
     in full: exact while the context stays within ``sliding_window`` tokens.
+
+    ``fused``: run the layers through :mod:`~phasegraph.runtime.models.fused_decoder` (merged
+    projections, fused norm / rotary / activation kernels; the default where the layers allow
+    it, :attr:`fused_reason` says why not otherwise) or through transformers' modules (False).
     """
 
-    def __init__(self, model: PreTrainedModel, feature_mode: str = "last") -> None:
+    def __init__(
+        self, model: PreTrainedModel, feature_mode: str = "last", fused: bool | None = None
+    ) -> None:
         config = model.config
         check_model_type(getattr(config, "model_type", None), type(model).__name__)
         if feature_mode not in FEATURE_MODES:
@@ -147,6 +154,16 @@ class HFTarget:
         uses_window = getattr(config, "use_sliding_window", True)
         self.sliding_window: int | None = window if (window and uses_window) else None
         self.pool: KVPool | None = None
+        self.fused_layers = None
+        self.fused_reason: str | None = "switched off (fused=False)"
+        if fused is not False:
+            result = fuse_decoder(model)
+            if isinstance(result, str):
+                if fused:
+                    raise UnsupportedModel(f"the fused decoder path cannot run this model: {result}")
+                self.fused_reason = result
+            else:
+                self.fused_layers, self.fused_reason = result, None
 
     @classmethod
     def from_pretrained(
@@ -155,9 +172,10 @@ class HFTarget:
         dtype: torch.dtype | str = torch.float32,
         device: torch.device | str = "cpu",
         feature_mode: str = "last",
+        fused: bool | None = None,
     ) -> HFTarget:
         """Load ``config.json`` + safetensors (single file or sharded), strictly checked."""
-        return cls(load_causal_lm(directory, dtype, device), feature_mode)
+        return cls(load_causal_lm(directory, dtype, device), feature_mode, fused)
 
     # -- modules the draft heads share -----------------------------------------------------------
 
@@ -189,6 +207,12 @@ class HFTarget:
         """Run every decoder layer over the flattened tokens; write KV; return hidden, features."""
         if self.pool is None:
             raise RuntimeError("HFTarget.attach_kv(pool) must be called before forward")
+        if self.fused_layers is not None:
+            hidden, captured = run_fused_decoder(
+                self.model, self.fused_layers, input_ids, positions, attn,
+                self.pool.k, self.pool.v, self.feature_layers,
+            )
+            return hidden, self._features(hidden, captured)
         inner = self.model.model
         hidden = inner.embed_tokens(input_ids[None])  # [1, T, Ht]
         position_ids = positions[None]  # [1, T]
@@ -206,13 +230,14 @@ class HFTarget:
                 )
                 hidden = out[0] if isinstance(out, tuple) else out  # [1, T, Ht]
         hidden = inner.norm(hidden)[0]  # [T, Ht]
+        return hidden, self._features(hidden, captured)
+
+    def _features(self, hidden: torch.Tensor, captured: dict[int, torch.Tensor]) -> torch.Tensor:
         if self.feature_mode == "last":
-            features = hidden
-        elif self.feature_mode == "eagle3":
-            features = torch.cat([captured[i] for i in self.feature_layers], dim=-1)  # [T, 3Ht]
-        else:
-            features = hidden.new_empty(hidden.shape[0], 0)  # [T, 0]
-        return hidden, features
+            return hidden  # [T, Ht]
+        if self.feature_mode == "eagle3":
+            return torch.cat([captured[i] for i in self.feature_layers], dim=-1)  # [T, 3Ht]
+        return hidden.new_empty(hidden.shape[0], 0)  # [T, 0]
 
     @torch.no_grad()
     def logits(

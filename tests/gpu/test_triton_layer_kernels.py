@@ -1,0 +1,79 @@
+"""The fused decoder-layer kernels (add + RMSNorm, rotary + KV write, SiLU x up) against their
+torch references, on fresh random inputs, poisoned allocations and (on CUDA) no host sync.
+
+Float results: within 1e-6 (fp32) or 1e-2 (bf16, a few elements one rounding apart) relative
+error of the reference; the value cache is a pure copy and must be equal; no NaN (poison) may
+survive. Same modes as test_triton_kernels.py (GPU with ``-m gpu``; CPU through the interpreter
+with ``PHASEGRAPH_TRITON_INTERPRET=1``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from phasegraph.kernels import activation, rms_norm, rotary
+from tests.gpu.test_triton_kernels import INTERPRET, ON_GPU, assert_equal, rel_err, run_triton
+
+pytestmark = [] if INTERPRET else [pytest.mark.gpu]
+TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2, torch.float16: 2e-3}
+DTYPES = (torch.float32, torch.bfloat16)
+TOKENS = (1, 7, 64) if ON_GPU else (1, 7)
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, name: str) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (name, out.shape, ref.shape)
+    assert torch.isfinite(out).all(), f"{name}: non-finite (unwritten) elements"
+    err = rel_err(out.float(), ref.float())
+    assert err <= TOL[ref.dtype], f"{name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("with_residual", [True, False])
+def test_add_rms_norm(device, gen, dtype, tokens, with_residual):
+    hidden = 4096 if ON_GPU else 96
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype).to(device)
+    residual = torch.randn(tokens, hidden, generator=gen).to(dtype).to(device) if with_residual else None
+    weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype).to(device)
+    want_n, want_s = rms_norm.add_rms_norm_reference(x, residual, weight, 1e-5)
+    got_n, got_s = run_triton(device, rms_norm.add_rms_norm_triton, x, residual, weight, 1e-5)
+    assert_equal(want_s, got_s, "summed")  # one rounded add: exact
+    _close(got_n, want_n, "normed")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_silu_mul(device, gen, dtype, tokens):
+    inner = 14336 if ON_GPU else 200
+    gate_up = (2 * torch.randn(tokens, 2 * inner, generator=gen)).to(dtype).to(device)
+    want = activation.silu_mul_reference(gate_up)
+    _close(run_triton(device, activation.silu_mul_triton, gate_up), want, "silu_mul")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+@pytest.mark.parametrize("heads", [(32, 8, 128), (4, 4, 24)], ids=["gqa-128", "mha-24"])
+def test_rotary_write_kv(device, gen, dtype, tokens, heads):
+    hq, hkv, d = heads
+    num_slots = 2 * tokens + 8
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=gen).to(dtype).to(device)
+    q = qkv[:, : hq * d].view(tokens, hq, d)  # strided views, as the fused layer passes them
+    k = qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
+    v = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
+    angles = torch.rand(tokens, d // 2, generator=gen) * 100
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
+    slots = (torch.randperm(num_slots - 1, generator=gen)[:tokens] + 1).to(device)
+    slots[0] = -1  # a padding token -> the sink slot 0
+    k_cache = torch.randn(num_slots, hkv, d, generator=gen).to(dtype).to(device)
+    v_cache = torch.randn(num_slots, hkv, d, generator=gen).to(dtype).to(device)
+    ref_k, ref_v = k_cache.clone(), v_cache.clone()
+    want_q = rotary.rotary_write_kv_reference(q, k, v, cos, sin, ref_k, ref_v, slots)
+    got_q = run_triton(device, rotary.rotary_write_kv_triton, q, k, v, cos, sin, k_cache, v_cache, slots)
+    _close(got_q, want_q, "q")
+    _close(k_cache, ref_k, "k_cache")
+    assert_equal(ref_v, v_cache, "v_cache")
+    untouched = torch.ones(num_slots, dtype=torch.bool, device=device)
+    untouched[slots.clamp(min=0)] = False
+    assert torch.equal(k_cache[untouched], ref_k[untouched])  # nothing else written

@@ -1,0 +1,74 @@
+"""The fused decoder path (merged projections, fused norm / rotary / activation kernels).
+
+Parity with transformers' forward in fp32 is in test_target_parity.py (both paths, every
+architecture). Here: the modules' parameters become views of the merged weights (no copy, and
+transformers' own forward is unchanged), unsupported layers keep the module path with a reason,
+and in bf16 the fused path stays within rounding of the module path.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from phasegraph.runtime.errors import UnsupportedModel
+from phasegraph.runtime.kv_pool import KVCacheManager
+from phasegraph.runtime.models.fused_decoder import fuse_decoder
+from phasegraph.runtime.models.target import HFTarget
+from phasegraph.runtime.models.testing_checkpoints import write_hf_target
+
+from .pg_runtime_helpers import causal_meta
+
+
+def _model(tmp_path, model_type="llama", **kw):
+    directory = write_hf_target(tmp_path / model_type, model_type, num_hidden_layers=2, **kw)
+    return AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
+
+
+def test_module_parameters_become_views_of_the_merged_weights(tmp_path):
+    model = _model(tmp_path, "qwen2")  # q/k/v biases too
+    toks = torch.randint(0, model.config.vocab_size, (1, 9))
+    with torch.no_grad():
+        before = model(toks).logits
+    layers = fuse_decoder(model)
+    assert fuse_decoder(model) is layers  # built once per model
+    attn, mlp = model.model.layers[0].self_attn, model.model.layers[0].mlp
+    fused = layers[0]
+    for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+        assert proj.weight.untyped_storage().data_ptr() == fused.qkv_weight.untyped_storage().data_ptr()
+        assert proj.bias.untyped_storage().data_ptr() == fused.qkv_bias.untyped_storage().data_ptr()
+    assert torch.equal(fused.qkv_weight, torch.cat([attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]))
+    assert torch.equal(fused.gate_up_weight, torch.cat([mlp.gate_proj.weight, mlp.up_proj.weight]))
+    assert mlp.up_proj.weight.untyped_storage().data_ptr() == fused.gate_up_weight.untyped_storage().data_ptr()
+    with torch.no_grad():
+        after = model(toks).logits
+    assert torch.equal(before, after)  # transformers' forward reads the same numbers
+
+
+def test_unsupported_activation_keeps_the_modules_with_a_reason(tmp_path):
+    model = _model(tmp_path, hidden_act="gelu")
+    target = HFTarget(model)
+    assert target.fused_layers is None and "gelu" in target.fused_reason
+    with pytest.raises(UnsupportedModel, match="fused decoder path cannot run this model.*gelu"):
+        HFTarget(model, fused=True)
+    assert HFTarget(_model(tmp_path / "b")).fused_reason is None
+
+
+def _logits(target, toks):
+    m = KVCacheManager(num_pages=8, page_size=4, max_reqs=2, max_pages_per_req=6, target=target.kv_spec)
+    target.attach_kv(m.target_pool)
+    row = m.admit(len(toks))
+    meta = causal_meta(m.req_to_page, 4, [row] * len(toks), range(len(toks)))
+    return target.forward(toks, torch.arange(len(toks)), meta).logits
+
+
+def test_bf16_fused_path_within_rounding_of_the_modules(tmp_path):
+    model = _model(tmp_path).to(torch.bfloat16)
+    toks = torch.randint(0, model.config.vocab_size, (13,))
+    modules = _logits(HFTarget(model, fused=False), toks)
+    fused = _logits(HFTarget(model, fused=True), toks)
+    # the same ops in the same order: equal unless a merged product rounds differently
+    rel = (fused - modules).norm() / modules.norm()
+    assert rel < 1e-2, rel
+    assert (fused.argmax(-1) == modules.argmax(-1)).float().mean() > 0.9
