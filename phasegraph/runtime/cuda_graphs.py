@@ -18,8 +18,12 @@ Capture leaves the persistent state as it found it (seed 001's class): phases ne
 inputs (checked in strict mode), and the warm-up and capture runs write KV only where the replay
 that follows writes the same values or into scratch: verify writes the tree nodes behind each
 prefix, draft writes its branch regions, draft-extend writes the positions of the path it
-extends, and padded rows write to the reserved page 0. Tests compare hashes of positions,
-seq_lens, the committed KV and every static buffer before and after capture.
+extends, and padded rows write to the reserved page 0. finalize-tree-path moves accepted KV to
+the front of each request, which is not idempotent (a second run would read slots the first
+overwrote), so it is never warmed up on the real input: its first call for a bucket runs eagerly
+(the real work, which also compiles its kernels), and the next call captures (capture records,
+it does not execute) and replays. Tests compare hashes of positions, seq_lens, the committed KV
+and every static buffer before and after capture.
 """
 
 from __future__ import annotations
@@ -175,12 +179,25 @@ class _Captured:
 
 
 class GraphedPhase:
-    """A phase function that replays per-bucket CUDA graphs (see the module docstring)."""
+    """A phase function that replays per-bucket CUDA graphs (see the module docstring).
 
-    def __init__(self, runner: GraphRunner, spec: PhaseSpec, when: Callable[[Schema], bool] | None = None):
+    ``idempotent``: running the phase twice on the same input leaves the same state (so it can
+    be warmed up on the real input before capture); a phase that is not is warmed up by one
+    eager call per bucket instead.
+    """
+
+    def __init__(
+        self,
+        runner: GraphRunner,
+        spec: PhaseSpec,
+        when: Callable[[Schema], bool] | None = None,
+        idempotent: bool = True,
+    ):
         self.runner = runner
         self.spec = spec
         self.when = when
+        self.idempotent = idempotent
+        self.warmed: set[tuple] = set()
         self.graphs: dict[tuple, _Captured] = {}
         self.replays = 0
         self.eager_calls = 0
@@ -207,12 +224,21 @@ class GraphedPhase:
             return self.spec.fn(state, ctx, **extra)
         key = (bucket, *self.runner.context_key(ctx), *self._shape_key(state, batch))
         cap = self.graphs.get(key)
+        if cap is None and not self.idempotent and key not in self.warmed:
+            self.warmed.add(key)  # warm-up by doing the real work once, eagerly
+            self.eager_calls += 1
+            self.eager_reasons["warm-up call"] = self.eager_reasons.get("warm-up call", 0) + 1
+            return self.spec.fn(state, ctx, **extra)
         if cap is None:
             cap = self._capture(state, ctx, batch, bucket, key)
+            # an emulated capture executes the phase: do not run a non-idempotent one twice
+            replay = not (self.runner.emulate and not self.idempotent)
         else:
             copy_into_static(cap.static_in, state, batch, bucket)
-        cap.graph.replay()
-        self.replays += 1
+            replay = True
+        if replay:
+            cap.graph.replay()
+            self.replays += 1
         return slice_schema(cap.static_out, batch, bucket, _nested_statics(cap.static_in, state, {}))
 
     @staticmethod
@@ -235,12 +261,13 @@ class GraphedPhase:
             cap = _Captured(graph, static_in, static_out, key)
             self.graphs[key] = cap
             return cap
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):  # warm up: allocator, autotuning, lazy init stay outside
-                self.spec.fn(static_in, ctx)
-        torch.cuda.current_stream().wait_stream(stream)
+        if self.idempotent:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up: allocator, autotuning, lazy init stay outside
+                    self.spec.fn(static_in, ctx)
+            torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.runner.pool):
             static_out = self.spec.fn(static_in, ctx)
@@ -272,24 +299,32 @@ class GraphRunner:
                 return b if batch > 0 else None
         return None
 
-    def wrap(self, spec: PhaseSpec, when: Callable[[Schema], bool] | None = None) -> PhaseSpec:
+    def wrap(
+        self, spec: PhaseSpec, when: Callable[[Schema], bool] | None = None, idempotent: bool = True
+    ) -> PhaseSpec:
         """``spec`` with a graphed function; ``when(state)`` False runs the call eagerly."""
-        graphed = GraphedPhase(self, spec, when)
+        graphed = GraphedPhase(self, spec, when, idempotent)
         self.phases[spec.name] = graphed
         return attrs.evolve(spec, fn=graphed)
 
     @functools.cached_property
     def graph(self) -> PhaseGraph:
-        """The EAGLE graph with draft, verify, draft-extend (fixed width, after decode) and decode
-        graphed: the same phases, edges and schemas, another execution."""
+        """The EAGLE graph with every phase of an iteration graphed (draft, verify,
+        finalize-tree-path, draft-extend after decode, decode): the same phases, edges and
+        schemas, another execution."""
         from phasegraph.phases.eagle import EDGES, PHASES
         from phasegraph.phases.schemas import PrefillResult
 
         def after_decode(state: Schema) -> bool:
             return not isinstance(state, PrefillResult)  # prefill's rows are ragged
 
-        when = {"draft": None, "verify": None, "draft-extend": after_decode, "decode": None}
-        phases = [self.wrap(p, when[p.name]) if p.name in when else p for p in PHASES]
+        when = {"draft": None, "verify": None, "finalize-tree-path": None,
+                "draft-extend": after_decode, "decode": None}
+        not_idempotent = {"finalize-tree-path"}  # it moves KV within the request's own slots
+        phases = [
+            self.wrap(p, when[p.name], p.name not in not_idempotent) if p.name in when else p
+            for p in PHASES
+        ]
         return PhaseGraph("eagle", phases, EDGES, entry="prefill-extend")
 
     def stats(self) -> dict[str, dict[str, int]]:

@@ -30,6 +30,9 @@ def test_emulated_graphs_are_lossless_on_and_between_buckets(batch, topk, steps,
     assert stats["verify"]["replays"] > 0 and stats["draft"]["replays"] > 0
     assert stats["draft-extend"]["replays"] > 0  # after decode; prefill's ragged rows run eagerly
     assert stats["draft-extend"]["eager"] > 0
+    # finalize moves KV (not idempotent): warmed up by one real eager call per bucket, then graphed
+    assert stats["finalize-tree-path"]["replays"] > 0
+    assert set(stats["finalize-tree-path"]["eager_reasons"]) == {"warm-up call"}
 
 
 def test_emulated_graphs_baseline_decode():
