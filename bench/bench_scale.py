@@ -6,9 +6,13 @@ Measures, in one run on the same GPU:
 - the device-to-device copy bandwidth and, from it, the autoregressive bandwidth bound
   (weight bytes / bandwidth) of one decode step;
 - the autoregressive decode step (CUDA graphs on) at each batch size, as a share of that bound;
+- the same decode step through transformers' modules (``HFTarget(fused=False)``), to show what
+  the fused decoder path buys;
 - one speculative iteration (EAGLE-3 chain S=3 and tree K=4 S=4 N=16) with graphs on and off:
-  GPU time of each phase (CUDA events), and host time per iteration (the wall time the
-  host spends issuing the iteration, measured without waiting for the GPU);
+  GPU time of each phase (CUDA events), and host time per iteration: the wall time the host
+  spends issuing the iteration (measured without waiting for the GPU), and the time the GPU
+  waits for the host (iteration wall time minus the union of kernel intervals that the profiler
+  records over a few iterations, graph-launched kernels included);
 - with ``--simulate TAU`` (clearly labelled: the accepted length is forced, as SGLang's and
   vLLM's benchmark modes do): tokens/s of speculation vs the baseline and the efficiency
   η = speedup / τ.
@@ -56,7 +60,7 @@ def llama8b_config(layers: int):
     )
 
 
-def build_target(layers: int):
+def build_target(layers: int, fused: bool | None = None):
     from phasegraph.runtime.models.target import HFTarget, build_causal_lm
 
     model = build_causal_lm(llama8b_config(layers), dtype=torch.bfloat16, device="cuda", init=False)
@@ -66,7 +70,7 @@ def build_target(layers: int):
                 p.fill_(1.0)
             else:
                 p.normal_(0.0, 0.02)
-    return HFTarget(model, feature_mode="eagle3")
+    return HFTarget(model, feature_mode="eagle3", fused=fused)
 
 
 def build_eagle3_head(target, draft_vocab: int = 32000):
@@ -145,6 +149,35 @@ def decode_step_time(engine, batch: int, context: int = 256, repeats: int = 20) 
 SPEC_PHASES = ("draft", "verify", "finalize-tree-path", "draft-extend")
 
 
+def gpu_busy_seconds(run, iterations: int) -> tuple[float, int]:
+    """GPU busy time per call of ``run`` (union of kernel and copy intervals in a profiler
+    trace over ``iterations`` calls; CUDA-graph replays are recorded kernel by kernel), and
+    the number of device activities per call."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iterations):
+            run()
+        torch.cuda.synchronize()
+    spans = sorted(
+        (e.time_range.start, e.time_range.end)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+    busy, cur_start, cur_end = 0.0, None, None
+    for a, b in spans:
+        if cur_end is None or a > cur_end:
+            if cur_end is not None:
+                busy += cur_end - cur_start
+            cur_start, cur_end = a, b
+        else:
+            cur_end = max(cur_end, b)
+    if cur_end is not None:
+        busy += cur_end - cur_start
+    return busy * 1e-6 / iterations, len(spans) // iterations
+
+
 def spec_iteration_times(engine, batch: int, context: int = 256, repeats: int = 10) -> dict:
     """Per-phase GPU time (CUDA events, synchronised around each phase) and host time per
     iteration (wall time to issue the four phases without waiting for the GPU, plus the one
@@ -188,13 +221,26 @@ def spec_iteration_times(engine, batch: int, context: int = 256, repeats: int = 
         host.append(issued - start)
         total.append(done - start)
         del out
+
+    def one_iteration():
+        path = None
+        for p in SPEC_PHASES:
+            out = m.advance(p, ctx)
+            if p == "finalize-tree-path":
+                path = out
+        path.accept_lens.tolist()
+
+    busy, activities = gpu_busy_seconds(one_iteration, 5)
     for rid in ids:
         engine.abort(rid)
     engine.step()
     med = {p: statistics.median(v) for p, v in phase_times.items()}
-    return {"batch": batch, "phase_s": med, "iteration_s": statistics.median(total),
+    wall = statistics.median(total)
+    return {"batch": batch, "phase_s": med, "iteration_s": wall,
             "host_issue_s": statistics.median(host),
-            "host_share": statistics.median(host) / statistics.median(total)}
+            "host_share": statistics.median(host) / wall,
+            "gpu_busy_s": busy, "gpu_waits_s": max(wall - busy, 0.0),
+            "gpu_wait_share": max(wall - busy, 0.0) / wall, "device_activities": activities}
 
 
 def main(argv=None) -> int:
@@ -202,6 +248,10 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--out", default="out")
+    ap.add_argument("--compare-modules", action="store_true",
+                    help="also time the decode step through transformers' modules (fused=False)")
+    ap.add_argument("--skip-spec", action="store_true", help="only the autoregressive rows")
+    ap.add_argument("--graphs-off", action="store_true", help="also time iterations with graphs off")
     args = ap.parse_args(argv)
     from phasegraph import SpecConfig
     from phasegraph.runtime.engine import Engine
@@ -222,15 +272,30 @@ def main(argv=None) -> int:
         t = decode_step_time(ar, b)
         rows.append({"batch": b, "decode_step_s": t, "share_of_bound": (wbytes / bw) / t})
         print(f"  AR decode, batch {b:>3}: {1e3 * t:7.2f} ms/step = {100 * (wbytes / bw) / t:5.1f}% of the bandwidth bound", flush=True)
-    result["autoregressive"] = rows
-    (out / "scale.json").write_text(json.dumps(result, indent=2))
     del ar
     torch.cuda.empty_cache()
+    if args.compare_modules:  # the same weights through transformers' modules
+        from phasegraph.runtime.models.target import HFTarget
+
+        modules = HFTarget(target.model, feature_mode="eagle3", fused=False)
+        ar = Engine(modules, spec=SpecConfig(method="none"), max_batch_size=max(args.batches),
+                    kv_pool_tokens=max(args.batches) * 1024, max_context=2048, cuda_graphs=True, trace=False)
+        for row in rows:
+            t = decode_step_time(ar, row["batch"])
+            row.update(modules_decode_step_s=t, modules_share_of_bound=(wbytes / bw) / t)
+            print(f"  AR decode through transformers' modules, batch {row['batch']:>3}: {1e3 * t:7.2f} ms/step "
+                  f"= {100 * (wbytes / bw) / t:5.1f}% of the bound", flush=True)
+        del ar, modules
+        torch.cuda.empty_cache()
+    result["autoregressive"] = rows
+    (out / "scale.json").write_text(json.dumps(result, indent=2))
+    if args.skip_spec:
+        return 0
     draft = build_eagle3_head(target)
     spec_rows = []
     for name, spec in (("chain S=3", SpecConfig(method="eagle3", num_steps=3, topk=1)),
                        ("tree K=4 S=4 N=16", SpecConfig(method="eagle3", num_steps=4, topk=4, num_draft_tokens=16))):
-        for graphs in (True, False):
+        for graphs in ((True, False) if args.graphs_off else (True,)):
             eng = Engine(target, draft, spec=spec, max_batch_size=max(args.batches),
                          kv_pool_tokens=max(args.batches) * 1536, max_context=2048, cuda_graphs=graphs, trace=False)
             for b in args.batches:
@@ -240,7 +305,9 @@ def main(argv=None) -> int:
                 phases = " ".join(f"{p}={1e3 * t:.2f}" for p, t in r["phase_s"].items())
                 print(f"  {name:<18} graphs={'on ' if graphs else 'off'} batch {b:>3}: iteration "
                       f"{1e3 * r['iteration_s']:7.2f} ms, host issue {1e3 * r['host_issue_s']:6.2f} ms "
-                      f"({100 * r['host_share']:4.1f}%); phases ms: {phases}", flush=True)
+                      f"({100 * r['host_share']:4.1f}%), GPU waits {1e3 * r['gpu_waits_s']:5.2f} ms "
+                      f"({100 * r['gpu_wait_share']:4.1f}%, {r['device_activities']} activities); "
+                      f"phases ms: {phases}", flush=True)
             del eng
             torch.cuda.empty_cache()
     result["speculative_iteration"] = spec_rows

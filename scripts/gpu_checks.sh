@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# The GPU checks of issue 5 in one device call: Triton kernels vs references, graph capture and
+# replay, the GPU lossless matrix, then the 8B-shaped scale bench. Results under $OUT (or ./out).
+#   bash scripts/gpu_checks.sh [tests|scale|all]   (default all)
+set -u
+OUT=${OUT:-out}
+mkdir -p "$OUT"
+what=${1:-all}
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee "$OUT/gpu.txt"
+if [[ $what == tests || $what == all ]]; then
+  timeout 300 python -m pytest -q -m gpu -n 8 -p no:cacheprovider \
+    tests/gpu tests/kernels/test_cuda_parity.py tests/runtime/test_gpu_capture.py \
+    2>&1 | tail -25 | tee "$OUT/gpu-tests.txt"
+fi
+if [[ $what == scale || $what == all ]]; then
+  timeout 280 python bench/bench_scale.py --compare-modules --batches 1 8 64 --out "$OUT" \
+    2>&1 | grep -v Warning | tee "$OUT/scale.txt"
+fi
