@@ -73,7 +73,26 @@ def _neutral_fill(name: str, x: torch.Tensor) -> float | int:
 
 
 def copy_into_static(static: Schema, real: Schema, batch: int, bucket: int) -> None:
-    """Copy ``real`` (``batch`` requests) into the padded ``static`` instance in place."""
+    """Copy ``real`` (``batch`` requests) into the padded ``static`` instance in place.
+
+    All copies go out as one ``torch._foreach_copy_`` (a few multi-tensor launches instead of one
+    per field, which at batch 1 is most of a phase's host time); padded rows are filled after.
+    """
+    dsts: list[torch.Tensor] = []
+    srcs: list[torch.Tensor] = []
+    fills: list[tuple[str, torch.Tensor]] = []
+    _collect_static_copies(static, real, batch, bucket, dsts, srcs, fills)
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
+    for name, pad in fills:
+        if name == "tree_mask":  # padded trees: every node sees only itself
+            pad.zero_()
+            pad.diagonal(dim1=-2, dim2=-1).fill_(True)
+        else:
+            pad.fill_(_neutral_fill(name, pad))
+
+
+def _collect_static_copies(static, real, batch, bucket, dsts, srcs, fills) -> None:
     spec = type(static).__schema__
     for t in spec.tensors:
         src = getattr(real, t.name)
@@ -82,20 +101,18 @@ def copy_into_static(static: Schema, real: Schema, batch: int, bucket: int) -> N
             continue
         per = _rows_per_request(t, real, batch)
         if per is None:
-            dst.copy_(src)
+            dsts.append(dst)
+            srcs.append(src)
             continue
         n = batch * per
-        dst[:n].copy_(src)
+        if n:
+            dsts.append(dst[:n])
+            srcs.append(src)
         if bucket > batch:
-            dst[n:].fill_(_neutral_fill(t.name, dst))
-            if t.name == "tree_mask":
-                # padded trees: every node sees only itself
-                pad = dst[batch:]
-                pad.zero_()
-                pad.diagonal(dim1=-2, dim2=-1).fill_(True)
+            fills.append((t.name, dst[n:] if t.name != "tree_mask" else dst[batch:]))
     for v in spec.values:
         if v.nested:
-            copy_into_static(getattr(static, v.name), getattr(real, v.name), batch, bucket)
+            _collect_static_copies(getattr(static, v.name), getattr(real, v.name), batch, bucket, dsts, srcs, fills)
 
 
 def pad_schema(real: Schema, batch: int, bucket: int) -> Schema:
@@ -122,8 +139,18 @@ def pad_schema(real: Schema, batch: int, bucket: int) -> Schema:
 
 
 def slice_schema(static: Schema, batch: int, bucket: int, real_inputs: dict[int, Schema]) -> Schema:
-    """The first ``batch`` requests of a static output, cloned; nested schemas that are static
-    inputs are replaced by the real input objects (``real_inputs`` maps id(static) -> real)."""
+    """The first ``batch`` requests of a static output, copied out (one ``_foreach_copy_`` for
+    every tensor); nested schemas that are static inputs are replaced by the real input objects
+    (``real_inputs`` maps id(static) -> real)."""
+    srcs: list[torch.Tensor] = []
+    dsts: list[torch.Tensor] = []
+    out = _sliced(static, batch, bucket, real_inputs, srcs, dsts)
+    if dsts:
+        torch._foreach_copy_(dsts, srcs)
+    return out
+
+
+def _sliced(static, batch, bucket, real_inputs, srcs, dsts) -> Schema:
     if id(static) in real_inputs:
         return real_inputs[id(static)]
     spec = type(static).__schema__
@@ -134,10 +161,13 @@ def slice_schema(static: Schema, batch: int, bucket: int, real_inputs: dict[int,
             fields[t.name] = None
             continue
         per = _rows_per_request(t, static, bucket)
-        fields[t.name] = x.clone() if per is None else x[: batch * per].clone()
+        src = x if per is None else x[: batch * per]
+        fields[t.name] = torch.empty_like(src, memory_format=torch.contiguous_format)
+        srcs.append(src)
+        dsts.append(fields[t.name])
     for v in spec.values:
         val = getattr(static, v.name)
-        fields[v.name] = slice_schema(val, batch, bucket, real_inputs) if v.nested else val
+        fields[v.name] = _sliced(val, batch, bucket, real_inputs, srcs, dsts) if v.nested else val
     return type(static)(**fields)
 
 
