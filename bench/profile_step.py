@@ -77,9 +77,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--out", default="out")
+    ap.add_argument("--iteration-only", action="store_true", help="skip the products and the decode step")
     args = ap.parse_args(argv)
-    from phasegraph import SamplingParams, SpecConfig
-    from phasegraph.runtime.engine import Engine
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -90,16 +89,27 @@ def main(argv=None) -> int:
     shapes = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336),
               "lm_head": (128256, 4096), "eagle3 fc": (4096, 12288), "draft lm_head 32k": (32000, 4096)}
     result["gemv"] = {}
-    for name, (n, k) in shapes.items():
+    for name, (n, k) in ({} if args.iteration_only else shapes).items():
         for b in (1, 8):
             got = gemv_bandwidth(n, k, b)
             result["gemv"][f"{name} B{b}"] = got
             print(f"  F.linear {name:<18} [{n}x{k}] B={b}: {got / 1e12:5.2f} TB/s = {100 * got / bw:5.1f}% of copy")
     target = bench_scale.build_target(args.layers)
+    g = torch.Generator().manual_seed(0)
+    if not args.iteration_only:
+        _profile_decode(target, g, result)
+    _profile_iteration(target, g, result)
+    (out / "profile.json").write_text(json.dumps(result, indent=1))
+    return 0
+
+
+def _profile_decode(target, g, result) -> None:
+    from phasegraph import SamplingParams, SpecConfig
+    from phasegraph.runtime.engine import Engine
+
+    vocab = target.vocab_size
     eng = Engine(target, spec=SpecConfig(method="none"), max_batch_size=8, kv_pool_tokens=8192,
                  max_context=2048, cuda_graphs=True, trace=False)
-    vocab = target.vocab_size
-    g = torch.Generator().manual_seed(0)
     eng.add_request("p", torch.randint(0, vocab, (256,), generator=g).tolist(),
                     SamplingParams(max_new_tokens=200, ignore_eos=True))
     eng.step()
@@ -107,7 +117,8 @@ def main(argv=None) -> int:
     m = eng.scheduler.machine
     for r in eng.scheduler.running:
         eng.kv.ensure_capacity(r.row, r.seq_len + 64)
-    rows, busy = kernel_table(lambda: m.advance("decode", eng.ctx))
+    ctx = eng.ctx
+    rows, busy = kernel_table(lambda: m.advance("decode", ctx))
     times = []
     for _ in range(10):
         torch.cuda.synchronize()
@@ -126,6 +137,17 @@ def main(argv=None) -> int:
     eng.step()
     del eng
     torch.cuda.empty_cache()
+
+
+def _profile_iteration(target, g, result) -> None:
+    import cProfile
+    import io
+    import pstats
+
+    from phasegraph import SamplingParams, SpecConfig
+    from phasegraph.runtime.engine import Engine
+
+    vocab = target.vocab_size
     draft = bench_scale.build_eagle3_head(target)
     spec = SpecConfig(method="eagle3", num_steps=3, topk=1)
     eng = Engine(target, draft, spec=spec, max_batch_size=8, kv_pool_tokens=8192, max_context=2048,
@@ -136,14 +158,22 @@ def main(argv=None) -> int:
     eng.step()
     m = eng.scheduler.machine
     for r in eng.scheduler.running:
-        eng.kv.ensure_capacity(r.row, r.seq_len + 64)
+        eng.kv.ensure_capacity(r.row, r.seq_len + 160)
     rows, busy = kernel_table(lambda: _iteration(m, eng.ctx), steps=5)
     print(f"\nchain S=3 iteration B1: kernels busy {busy:.0f} µs")
     for k, us, n in rows[:30]:
         print(f"  {us:8.1f} µs  {n:4d}x  {k}")
     result["chain_iteration"] = {"busy_us": busy, "kernels": rows}
-    (out / "profile.json").write_text(json.dumps(result, indent=1))
-    return 0
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(20):
+        _iteration(m, eng.ctx)
+        torch.cuda.synchronize()
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    print("\nhost profile of 20 iterations (sorted by own time):")
+    print("\n".join(line for line in text.getvalue().splitlines()[6:50] if line.strip()))
 
 
 def _iteration(m, ctx):

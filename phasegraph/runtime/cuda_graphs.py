@@ -72,6 +72,21 @@ def _neutral_fill(name: str, x: torch.Tensor) -> float | int:
     return 0
 
 
+def foreach_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
+    """``dst.copy_(src)`` for every pair, as one multi-tensor copy per (dtype, device) group
+    (``torch._foreach_copy_`` takes its fast path only when every source shares one dtype)."""
+    groups: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+    for dst, src in zip(dsts, srcs, strict=True):
+        if dst.dtype != src.dtype or dst.shape != src.shape or not (dst.is_contiguous() and src.is_contiguous()):
+            dst.copy_(src)
+            continue
+        group = groups.setdefault((dst.dtype, dst.device, src.device), ([], []))
+        group[0].append(dst)
+        group[1].append(src)
+    for group_dsts, group_srcs in groups.values():
+        torch._foreach_copy_(group_dsts, group_srcs)
+
+
 def copy_into_static(static: Schema, real: Schema, batch: int, bucket: int) -> None:
     """Copy ``real`` (``batch`` requests) into the padded ``static`` instance in place.
 
@@ -82,8 +97,7 @@ def copy_into_static(static: Schema, real: Schema, batch: int, bucket: int) -> N
     srcs: list[torch.Tensor] = []
     fills: list[tuple[str, torch.Tensor]] = []
     _collect_static_copies(static, real, batch, bucket, dsts, srcs, fills)
-    if dsts:
-        torch._foreach_copy_(dsts, srcs)
+    foreach_copy(dsts, srcs)
     for name, pad in fills:
         if name == "tree_mask":  # padded trees: every node sees only itself
             pad.zero_()
@@ -145,8 +159,7 @@ def slice_schema(static: Schema, batch: int, bucket: int, real_inputs: dict[int,
     srcs: list[torch.Tensor] = []
     dsts: list[torch.Tensor] = []
     out = _sliced(static, batch, bucket, real_inputs, srcs, dsts)
-    if dsts:
-        torch._foreach_copy_(dsts, srcs)
+    foreach_copy(dsts, srcs)
     return out
 
 
