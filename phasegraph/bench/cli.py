@@ -28,10 +28,10 @@ QUICK = {"batches": "1,2", "new_tokens": 16, "prompt_tokens": 64, "scale_batches
 # Figures the time estimate uses. Measured (bench/RESULTS.md §2, H200, 8B shape, graphs on):
 # decode step by batch, chain and tree iteration by batch, eager iteration. Assumed (not measured):
 # the host cost of a phasegraph step on a small model (the measured host issue of an 8B
-# iteration is 2.5-4.4 ms, RESULTS.md §2), transformers' eager generate step, first Triton
+# iteration is 1.6-3.1 ms, RESULTS.md §2), transformers' eager generate step, first Triton
 # compilation and graph capture.
-SCALE_STEP_S = {1: 7.23e-3, 8: 8.50e-3, 64: 11.33e-3}
-SCALE_ITER_S = {"chain": {1: 9.20e-3, 8: 10.73e-3, 64: 15.88e-3}, "tree": {1: 10.67e-3, 8: 12.06e-3, 64: 37.45e-3}}
+SCALE_STEP_S = {1: 4.94e-3, 8: 5.93e-3, 64: 8.17e-3}
+SCALE_ITER_S = {"chain": {1: 6.74e-3, 8: 7.98e-3, 64: 12.34e-3}, "tree": {1: 7.70e-3, 8: 8.86e-3, 64: 31.73e-3}}
 SCALE_EAGER_ITER_S = 62.5e-3
 SMALL_STEP_S, SMALL_ITER_S, HF_STEP_S, TRITON_COMPILE_S, CAPTURE_S = 1.5e-3, 4.5e-3, 10e-3, 40.0, 0.3
 
