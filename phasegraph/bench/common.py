@@ -56,7 +56,11 @@ class BenchRun:
         if self.device.type != "cuda" and not args.quick and not args.dry_run:
             raise CliError("the full bench (a ~96M pair, the 8B shape) needs a CUDA GPU: use --quick on the CPU")
         self.cuda = self.device.type == "cuda"
-        self.dtype = torch.bfloat16 if self.cuda else torch.float32
+        self.dtype = torch.bfloat16 if self.cuda else torch.float32  # part 2 (the 8B shape)
+        # part 1: float32 by default, so that "identical to the baseline" is exact: in bf16 the
+        # rounding of a product depends on its batch shape (a verify of B*N tokens vs a decode of
+        # B), and greedy picks at near-ties flip (RESULTS.md §5 records such a bf16 run)
+        self.pair_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[getattr(args, "pair_dtype", "float32")]
         self.graphs = self.cuda
         self.result: dict = {
             "command": "phasegraph bench " + " ".join(args.argv),

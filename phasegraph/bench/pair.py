@@ -69,7 +69,7 @@ def measure_trained_pair(run: BenchRun) -> None:
         "pair": str(pair), "draft_note": draft_note, "prompts_available": len(ids),
         "prompt_tokens_max": prompt_tokens,
         "prompt_tokens_mean": round(sum(len(p) for p in prompts) / len(prompts), 1),
-        "new_tokens": a.new_tokens, "batches": a.batch_list, "dtype": str(run.dtype).removeprefix("torch."),
+        "new_tokens": a.new_tokens, "batches": a.batch_list, "dtype": str(run.pair_dtype).removeprefix("torch."),
         "cuda_graphs": run.graphs, "greedy": True, "ignore_eos": True, "rows": [],
     }
     run.result["trained_pair"] = part
@@ -151,7 +151,7 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
 
     a = run.args
     engine = Engine.from_pretrained(
-        target_dir, draft_dir, spec=SpecConfig(**spec_kw), device=run.device, dtype=run.dtype,
+        target_dir, draft_dir, spec=SpecConfig(**spec_kw), device=run.device, dtype=run.pair_dtype,
         max_batch_size=max(a.batch_list), kv_pool_tokens=kv_tokens, cuda_graphs=run.graphs, trace=True,
         validate=a.validate,
     )
@@ -195,7 +195,7 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
 def _load_hf_model(run: BenchRun, directory: Path):
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(str(directory), dtype=run.dtype, attn_implementation="sdpa")
+    model = LlamaForCausalLM.from_pretrained(str(directory), dtype=run.pair_dtype, attn_implementation="sdpa")
     model.to(run.device).eval()
     model.generation_config.eos_token_id = None  # generate exactly max_new_tokens, like ignore_eos
     return model
