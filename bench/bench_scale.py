@@ -8,8 +8,10 @@ Measures, in one run on the same GPU:
 - the autoregressive decode step (CUDA graphs on) at each batch size, as a share of that bound;
 - the same decode step through transformers' modules (``HFTarget(fused=False)``), to show what
   the fused decoder path buys;
-- one speculative iteration (EAGLE-3 chain S=3 and tree K=4 S=4 N=16) with graphs on and off:
-  GPU time of each phase (CUDA events), and host time per iteration: the wall time the host
+- one speculative iteration (EAGLE-3 chain S=3 and tree K=4 S=4 N=16) with one graph per
+  iteration, one graph per phase (and graphs off with ``--graphs-off``): time of each phase
+  (CUDA events; with one graph per iteration the draft phase replays the whole iteration and
+  the other phases only hand out its outputs), and host time per iteration: the wall time the host
   spends issuing the iteration (measured without waiting for the GPU), and the time the GPU
   waits for the host (iteration wall time minus the union of kernel intervals that the profiler
   records over a few iterations, graph-launched kernels included);
@@ -252,6 +254,8 @@ def main(argv=None) -> int:
                     help="also time the decode step through transformers' modules (fused=False)")
     ap.add_argument("--skip-spec", action="store_true", help="only the autoregressive rows")
     ap.add_argument("--graphs-off", action="store_true", help="also time iterations with graphs off")
+    ap.add_argument("--scopes", nargs="+", default=["iteration", "phase"], choices=["iteration", "phase"],
+                    help="graph scopes to time (one graph per iteration, or per phase)")
     args = ap.parse_args(argv)
     from phasegraph import SpecConfig
     from phasegraph.runtime.engine import Engine
@@ -295,15 +299,18 @@ def main(argv=None) -> int:
     spec_rows = []
     for name, spec in (("chain S=3", SpecConfig(method="eagle3", num_steps=3, topk=1)),
                        ("tree K=4 S=4 N=16", SpecConfig(method="eagle3", num_steps=4, topk=4, num_draft_tokens=16))):
-        for graphs in ((True, False) if args.graphs_off else (True,)):
+        modes = [(True, scope) for scope in args.scopes] + ([(False, "phase")] if args.graphs_off else [])
+        for graphs, scope in modes:
             eng = Engine(target, draft, spec=spec, max_batch_size=max(args.batches),
-                         kv_pool_tokens=max(args.batches) * 1536, max_context=2048, cuda_graphs=graphs, trace=False)
+                         kv_pool_tokens=max(args.batches) * 1536, max_context=2048, cuda_graphs=graphs, trace=False,
+                         graph_scope=scope)
             for b in args.batches:
                 r = spec_iteration_times(eng, b)
-                r.update(config=name, graphs=graphs)
+                r.update(config=name, graphs=graphs, graph_scope=scope if graphs else None)
                 spec_rows.append(r)
                 phases = " ".join(f"{p}={1e3 * t:.2f}" for p, t in r["phase_s"].items())
-                print(f"  {name:<18} graphs={'on ' if graphs else 'off'} batch {b:>3}: iteration "
+                label = f"graphs={scope}" if graphs else "graphs=off"
+                print(f"  {name:<18} {label:<16} batch {b:>3}: iteration "
                       f"{1e3 * r['iteration_s']:7.2f} ms, host issue {1e3 * r['host_issue_s']:6.2f} ms "
                       f"({100 * r['host_share']:4.1f}%), GPU waits {1e3 * r['gpu_waits_s']:5.2f} ms "
                       f"({100 * r['gpu_wait_share']:4.1f}%, {r['device_activities']} activities); "

@@ -39,6 +39,9 @@ from phasegraph.phases.schemas import ACCEPTED, NODE, REQUEST, TOKEN
 from phasegraph.statemachine import PhaseGraph, PhaseSpec, Schema
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
+# "phase": one graph per phase and bucket; "iteration": the four phases of a speculative
+# iteration as one graph (phasegraph/runtime/iteration_graph.py), per-phase graphs as fallback
+GRAPH_SCOPES = ("phase", "iteration")
 
 
 def _rows_per_request(spec_tensor, obj: Schema, batch: int) -> int | None:
@@ -324,8 +327,16 @@ class GraphRunner:
     """Owns the captured graphs, their static buffers and the shared memory pool."""
 
     def __init__(
-        self, buckets: Sequence[int] = DEFAULT_BUCKETS, enabled: bool = True, emulate: bool = False
+        self,
+        buckets: Sequence[int] = DEFAULT_BUCKETS,
+        enabled: bool = True,
+        emulate: bool = False,
+        scope: str = "iteration",
     ):
+        if scope not in GRAPH_SCOPES:
+            raise ValueError(f"graph scope must be one of {GRAPH_SCOPES}, got {scope!r}")
+        self.scope = scope
+        self.iteration = None  # the IterationGraph, with scope "iteration"
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
         self.emulate = emulate
         self.enabled = enabled and (emulate or torch.cuda.is_available())
@@ -368,11 +379,24 @@ class GraphRunner:
             self.wrap(p, when[p.name], p.name not in not_idempotent) if p.name in when else p
             for p in PHASES
         ]
+        if self.scope == "iteration":
+            from phasegraph.runtime.iteration_graph import ITERATION, IterationGraph
+
+            plain = {p.name: p for p in PHASES if p.name in ITERATION}
+            fallback = {p.name: p.fn for p in phases if p.name in ITERATION}
+            self.iteration = IterationGraph(self, plain, fallback)
+            phases = [attrs.evolve(p, fn=self.iteration.phase_fn(p.name)) if p.name in ITERATION else p
+                      for p in phases]
         return PhaseGraph("eagle", phases, EDGES, entry="prefill-extend")
 
-    def stats(self) -> dict[str, dict[str, int]]:
-        return {
+    def stats(self) -> dict[str, dict[str, Any]]:
+        """Per graphed phase: graphs, replays, eager calls and why; with scope "iteration" also
+        ``"iteration"``: its graphs, replays, and per phase how many calls it served."""
+        out: dict[str, dict[str, Any]] = {
             name: {"graphs": len(p.graphs), "replays": p.replays, "eager": p.eager_calls,
                    "eager_reasons": dict(p.eager_reasons)}
             for name, p in self.phases.items()
         }
+        if self.iteration is not None:
+            out["iteration"] = self.iteration.stats()
+        return out

@@ -20,7 +20,7 @@ import torch
 
 from phasegraph.phases import EAGLE_GRAPH, SpecContext
 from phasegraph.runtime.config import RequestDelta, RequestOutput, SamplingParams, SpecConfig
-from phasegraph.runtime.cuda_graphs import DEFAULT_BUCKETS, GraphRunner
+from phasegraph.runtime.cuda_graphs import DEFAULT_BUCKETS, GRAPH_SCOPES, GraphRunner
 from phasegraph.runtime.errors import InvalidConfig, InvalidRequest, SchedulerInvariantError
 from phasegraph.runtime.kv_pool import KVCacheManager
 from phasegraph.runtime.memory import PhaseMemory
@@ -122,9 +122,13 @@ class Engine:
         seed: int = 0,
         cuda_graphs: bool | str | None = None,
         graph_buckets: Sequence[int] | None = None,
+        graph_scope: str = "iteration",
         simulate_accept_length: int | None = None,
     ):
         spec = _as_spec(spec)
+        if graph_scope not in GRAPH_SCOPES:
+            raise InvalidConfig(f"graph_scope must be one of {', '.join(GRAPH_SCOPES)}; got {graph_scope!r}")
+        self._graph_scope = graph_scope
         if spec.speculative and draft is None:
             raise InvalidConfig(f"SpecConfig(method={spec.method!r}) needs a draft model")
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
@@ -186,8 +190,10 @@ class Engine:
         self._requests: dict[str, Request] = {}
 
     def _graph_runner(self, cuda_graphs, buckets, max_batch_size) -> GraphRunner | None:
-        """CUDA graphs of draft, verify, draft-extend (after decode) and decode: on by default on
-        a GPU; ``"emulate"`` runs the same padding and slicing on the CPU (for tests)."""
+        """CUDA graphs of every phase of an iteration (``graph_scope="iteration"``: one graph
+        for draft -> verify -> finalize -> draft-extend; ``"phase"``: one per phase) and of
+        decode: on by default on a GPU; ``"emulate"`` runs the same padding and slicing on the
+        CPU (for tests)."""
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
         if not cuda_graphs:
@@ -197,7 +203,7 @@ class Engine:
             raise InvalidConfig("cuda_graphs=True needs a CUDA device (use cuda_graphs='emulate' on the CPU)")
         # every batch the engine can form has a bucket: the largest one is max_batch_size
         buckets = tuple(b for b in (buckets or DEFAULT_BUCKETS) if b < max_batch_size) + (max_batch_size,)
-        return GraphRunner(buckets, emulate=emulate)
+        return GraphRunner(buckets, emulate=emulate, scope=self._graph_scope)
 
     def _attach_pools(self) -> None:
         """Point the models at this engine's KV pools. Done before every step, not only at

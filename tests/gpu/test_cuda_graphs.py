@@ -68,10 +68,10 @@ def _noisy_self_draft(target, noise=0.35, seed=99):
     return StandaloneDraft(HFTarget(model, feature_mode="none"), target)
 
 
-def _spec_engine(target, prompts, ref, spec, page_size, graphs, batch):
+def _spec_engine(target, prompts, ref, spec, page_size, graphs, batch, scope="phase"):
     draft = _noisy_self_draft(target)
     return Engine(target, draft, spec=spec, max_batch_size=batch, page_size=page_size,
-                  kv_pool_tokens=16384, cuda_graphs=graphs, check_every_step=True)
+                  kv_pool_tokens=16384, cuda_graphs=graphs, check_every_step=True, graph_scope=scope)
 
 
 def _digest(tensors) -> str:
@@ -81,9 +81,12 @@ def _digest(tensors) -> str:
     return h.hexdigest()
 
 
+@pytest.mark.parametrize("scope", ["phase", "iteration"])
 @pytest.mark.parametrize("method_topk", [("none", 1), ("standalone", 1), ("standalone", 4)])
-def test_graphs_on_equals_graphs_off_and_target_greedy(method_topk):
+def test_graphs_on_equals_graphs_off_and_target_greedy(method_topk, scope):
     method, topk = method_topk
+    if method == "none" and scope == "iteration":
+        pytest.skip("the baseline has no speculative iteration")
     target = _target()
     for batch in (1, 3, 8, 13):  # 3 and 13 are padded to buckets 4 and 16
         prompts = _prompts(batch, seed=batch)
@@ -94,12 +97,14 @@ def test_graphs_on_equals_graphs_off_and_target_greedy(method_topk):
             if method == "none":
                 eng = Engine(target, spec=spec, max_batch_size=batch, kv_pool_tokens=16384, cuda_graphs=graphs, check_every_step=True)
             else:
-                eng = _spec_engine(target, prompts, ref, spec, 16, graphs, batch)
+                eng = _spec_engine(target, prompts, ref, spec, 16, graphs, batch, scope)
             res = eng.generate(prompts, SamplingParams(max_new_tokens=64, ignore_eos=True))
             outs[graphs] = [tuple(o.token_ids) for o in res]
             if graphs:
                 st = eng.graph_runner.stats()
                 assert sum(p["replays"] for p in st.values()) > 0, st
+                if scope == "iteration":
+                    assert st["iteration"]["served"]["finalize-tree-path"] > 0, st
         assert outs[True] == outs[False] == ref
 
 
@@ -124,6 +129,33 @@ def test_replay_is_bitwise_eager_on_the_same_padded_input():
             replayed = [x.clone() for _, x in cap.static_out.tensors()]
             eager = graphed.spec.fn(cap.static_in, eng.ctx)
             for (fname, a), b in zip(eager.tensors(), replayed, strict=True):
+                assert torch.equal(a, b), f"{name}: field {fname} differs between replay and eager"
+
+
+def test_iteration_replay_is_bitwise_eager_on_the_same_padded_input():
+    """For every captured bucket: replaying the whole-iteration graph gives, for each of the four
+    phases, the outputs of running the phases eagerly on the same padded static input (fp32)."""
+    from phasegraph.runtime.iteration_graph import ITERATION
+
+    target = _target()
+    prompts = _prompts(5, seed=8)
+    ref = _reference(target, prompts)
+    spec = SpecConfig(method="standalone", num_steps=3, topk=4, num_draft_tokens=12)
+    eng = _spec_engine(target, prompts, ref, spec, 16, True, 5, scope="iteration")
+    for r, p in enumerate(prompts):
+        eng.add_request(f"r{r}", p, SamplingParams(max_new_tokens=64, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    it = eng.graph_runner.iteration
+    assert it.graphs, "the iteration was never captured"
+    for cap in it.graphs.values():
+        cap.graph.replay()
+        torch.cuda.synchronize()
+        replayed = [[x.clone() for _, x in out.tensors()] for out in cap.static_outs]
+        x = cap.static_in
+        for name, want in zip(ITERATION, replayed, strict=True):
+            x = it.specs[name].fn(x, eng.ctx)
+            for (fname, a), b in zip(x.tensors(), want, strict=True):
                 assert torch.equal(a, b), f"{name}: field {fname} differs between replay and eager"
 
 
@@ -166,12 +198,13 @@ def test_capture_leaves_state_and_committed_kv_unchanged():
     assert torch.equal(out_graph.positions, out_eager.positions)
 
 
-def test_poisoned_padded_rows_change_no_real_request():
+@pytest.mark.parametrize("scope", ["phase", "iteration"])
+def test_poisoned_padded_rows_change_no_real_request(scope):
     target = _target()
     prompts = _prompts(3, seed=3)
     ref = _reference(target, prompts)
     spec = SpecConfig(method="standalone", num_steps=3, topk=4, num_draft_tokens=12)
-    eng = _spec_engine(target, prompts, ref, spec, 16, True, 3)
+    eng = _spec_engine(target, prompts, ref, spec, 16, True, 3, scope)
     runner = eng.graph_runner
     original_copy = copy_into_static
 
@@ -186,12 +219,13 @@ def test_poisoned_padded_rows_change_no_real_request():
         original_copy(static, real, batch, bucket)
 
     import phasegraph.runtime.cuda_graphs as cg
+    import phasegraph.runtime.iteration_graph as ig
 
-    cg.copy_into_static = poisoning_copy
+    cg.copy_into_static = ig.copy_into_static = poisoning_copy
     try:
         outs = eng.generate(prompts, SamplingParams(max_new_tokens=64, ignore_eos=True))
     finally:
-        cg.copy_into_static = original_copy
+        cg.copy_into_static = ig.copy_into_static = original_copy
     assert [tuple(o.token_ids) for o in outs] == ref
     assert sum(p["replays"] for p in runner.stats().values()) > 0
 

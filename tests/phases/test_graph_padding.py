@@ -23,7 +23,8 @@ from .lossless_support import prompts, reference, run_spec, tiny_target
 def test_emulated_graphs_are_lossless_on_and_between_buckets(batch, topk, steps, nodes):
     spec = SpecConfig(method="eagle", num_steps=steps, topk=topk, num_draft_tokens=nodes)
     outs, ref, engine, _ = run_spec(
-        NoisyOracleDraft, spec, 4, batch, engine_kw={"cuda_graphs": "emulate", "graph_buckets": (1, 2, 4, 8)}
+        NoisyOracleDraft, spec, 4, batch,
+        engine_kw={"cuda_graphs": "emulate", "graph_buckets": (1, 2, 4, 8), "graph_scope": "phase"},
     )
     assert outs == list(ref)
     stats = engine.graph_runner.stats()
@@ -33,6 +34,47 @@ def test_emulated_graphs_are_lossless_on_and_between_buckets(batch, topk, steps,
     # finalize moves KV (not idempotent): warmed up by one real eager call per bucket, then graphed
     assert stats["finalize-tree-path"]["replays"] > 0
     assert set(stats["finalize-tree-path"]["eager_reasons"]) == {"warm-up call"}
+
+
+@pytest.mark.parametrize("batch", [1, 3, 5])
+@pytest.mark.parametrize(("topk", "steps", "nodes"), [(1, 3, 4), (4, 3, 12)])
+def test_emulated_iteration_graph_is_lossless(batch, topk, steps, nodes):
+    """One graph per iteration: every phase after the bucket's warm-up iteration is served from
+    the replay, and the output still equals target-only greedy."""
+    spec = SpecConfig(method="eagle", num_steps=steps, topk=topk, num_draft_tokens=nodes)
+    outs, ref, engine, _ = run_spec(
+        NoisyOracleDraft, spec, 4, batch,
+        engine_kw={"cuda_graphs": "emulate", "graph_buckets": (1, 2, 4, 8), "graph_scope": "iteration"},
+    )
+    assert outs == list(ref)
+    it = engine.graph_runner.stats()["iteration"]
+    assert it["replays"] > 0 and it["graphs"] >= 1
+    served = it["served"]
+    assert served["draft"] == served["verify"] == served["finalize-tree-path"] == served["draft-extend"] > 0
+    # phase by phase only: one warm-up iteration per bucket (and shape), draft-extend after prefill
+    warmed = engine.graph_runner.iteration.warmed
+    assert it["fallback"]["draft"] == len(warmed) >= it["graphs"]
+    assert it["fallback"]["verify"] == it["fallback"]["draft"]
+
+
+def test_iteration_graph_serves_only_the_object_it_returned():
+    """verify, finalize and draft-extend are served from a replay only when their input is the
+    object the previous phase of that replay returned; anything else takes the per-phase path."""
+    from phasegraph.runtime.cuda_graphs import GraphRunner
+    from phasegraph.runtime.iteration_graph import IterationGraph
+
+    calls = []
+    fallback = {n: (lambda s, c, n=n, **kw: calls.append(n) or f"fallback {n}")
+                for n in ("draft", "verify", "finalize-tree-path", "draft-extend")}
+    it = IterationGraph(GraphRunner((1,), emulate=True), {}, fallback)
+    mine, other = object(), object()
+    it._pending = ("verify", mine, None, 1, 1, 1)
+    assert it.phase_fn("verify")(other, None) == "fallback verify"  # not the replay's object
+    assert it._pending is None  # and the pending replay is dropped, never served later
+    assert it.phase_fn("verify")(mine, None) == "fallback verify"
+    it._pending = ("verify", mine, None, 1, 1, 1)
+    assert it.phase_fn("draft-extend")(mine, None) == "fallback draft-extend"  # wrong phase
+    assert calls == ["verify", "verify", "draft-extend"] and it.served["verify"] == 0
 
 
 def test_emulated_graphs_baseline_decode():

@@ -1,0 +1,160 @@
+"""One CUDA graph per speculative iteration: draft -> verify -> finalize-tree-path -> draft-extend.
+
+Per-phase graphs (:class:`~phasegraph.runtime.cuda_graphs.GraphedPhase`) launch four graphs an
+iteration and copy each phase's input into its static buffers; at batch 1 that host work is
+what the GPU waits on (bench/RESULTS.md §2). Here the four phases are captured back to back as
+one graph per bucket, so an iteration costs one input copy and one launch.
+
+The state machine still advances phase by phase, with every legality check and schema check:
+
+- ``draft`` copies its input into the static input and replays the whole iteration, then
+  returns the draft's output (sliced out of the static buffers, nested inputs pointing at the
+  real objects, as a per-phase replay would);
+- ``verify``, ``finalize-tree-path`` and ``draft-extend`` return the already computed output of
+  their phase, *only* when their input is the object the previous phase of the same replay
+  returned; any other input runs the per-phase path (``fallback``), so nothing is ever served
+  from a replay that did not see it.
+
+The device-side effects of a replay (tree KV written by verify, the accepted KV moved to the
+front by finalize, draft KV written by draft-extend) land at draft time rather than at each
+phase; all of them write slots past the request's committed length, so an iteration stopped
+after ``draft`` leaves only scratch behind. finalize-tree-path's KV move is not idempotent, so
+a bucket is never warmed up on real input: its first iteration runs phase by phase (the real
+work, which also compiles every kernel), and the next one captures (recording, not executing)
+and replays.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import attrs
+import torch
+
+from phasegraph.runtime.cuda_graphs import (
+    GraphRunner,
+    _copy_outputs,
+    _nested_statics,
+    copy_into_static,
+    pad_schema,
+    slice_schema,
+)
+from phasegraph.statemachine import PhaseSpec, Schema
+
+ITERATION = ("draft", "verify", "finalize-tree-path", "draft-extend")
+
+
+@attrs.define
+class _CapturedIteration:
+    graph: Any  # torch.cuda.CUDAGraph or _EmulatedIteration
+    static_in: Schema  # padded DraftState
+    static_outs: list[Schema]  # the four phases' outputs, in ITERATION order
+
+
+class _EmulatedIteration:
+    """CPU stand-in: a replay reruns the four phases and copies their outputs into the static
+    outputs (tests of the protocol without a GPU)."""
+
+    def __init__(self, run: Callable[[], list[Schema]], static_outs: list[Schema]):
+        self.run = run
+        self.static_outs = static_outs
+
+    def replay(self) -> None:
+        for dst, src in zip(self.static_outs, self.run(), strict=True):
+            _copy_outputs(dst, src)
+
+
+class IterationGraph:
+    """Serves the four phases of a speculative iteration from one graph per bucket."""
+
+    def __init__(self, runner: GraphRunner, specs: dict[str, PhaseSpec], fallback: dict[str, Callable]):
+        self.runner = runner
+        self.specs = specs
+        self.fallback = fallback  # per-phase path (GraphedPhase or the plain function)
+        self.graphs: dict[tuple, _CapturedIteration] = {}
+        self.warmed: set[tuple] = set()
+        self.replays = 0
+        self.served = {name: 0 for name in ITERATION}
+        self.fallback_calls = {name: 0 for name in ITERATION}
+        # what the next phase may be served: (phase name, expected input object, captured, batch, bucket, index)
+        self._pending: tuple | None = None
+
+    def phase_fn(self, name: str) -> Callable:
+        def run(state: Schema, ctx: Any, **extra: Any) -> Schema:
+            return self._draft(state, ctx, extra) if name == "draft" else self._next(name, state, ctx, extra)
+
+        run.__name__ = f"iteration_graph[{name}]"
+        return run
+
+    # ------------------------------------------------------------------ draft: replay the iteration
+    def _draft(self, state: Schema, ctx: Any, extra: dict) -> Schema:
+        self._pending = None
+        batch = state.batch_size or 0
+        bucket = self.runner.bucket_for(batch)
+        if bucket is None or extra or not self.runner.enabled:
+            return self._fall_back("draft", state, ctx, extra)
+        from phasegraph.runtime.cuda_graphs import GraphedPhase
+
+        key = (bucket, *self.runner.context_key(ctx), *GraphedPhase._shape_key(state, batch))
+        cap = self.graphs.get(key)
+        if cap is None and key not in self.warmed:
+            self.warmed.add(key)  # warm-up: this iteration runs phase by phase, for real
+            return self._fall_back("draft", state, ctx, extra)
+        replay = True
+        if cap is None:
+            cap = self._capture(state, ctx, batch, bucket, key)
+            replay = not self.runner.emulate  # an emulated capture has executed the iteration
+        else:
+            copy_into_static(cap.static_in, state, batch, bucket)
+        if replay:
+            cap.graph.replay()
+        self.replays += 1
+        return self._serve(0, cap, state, batch, bucket, {id(cap.static_in): state})
+
+    def _capture(self, state: Schema, ctx: Any, batch: int, bucket: int, key: tuple) -> _CapturedIteration:
+        static_in = pad_schema(state, batch, bucket)
+
+        def run_iteration() -> list[Schema]:
+            outs, x = [], static_in
+            for name in ITERATION:
+                x = self.specs[name].fn(x, ctx)
+                outs.append(x)
+            return outs
+
+        if self.runner.emulate:
+            static_outs = run_iteration()
+            graph = _EmulatedIteration(run_iteration, static_outs)
+        else:  # no warm-up here: the bucket's first iteration ran these kernels for real
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.runner.pool):
+                static_outs = run_iteration()
+        cap = _CapturedIteration(graph, static_in, static_outs)
+        self.graphs[key] = cap
+        return cap
+
+    # ------------------------------------------------------------------ the other three phases
+    def _next(self, name: str, state: Schema, ctx: Any, extra: dict) -> Schema:
+        pending, self._pending = self._pending, None
+        if pending is None or extra or pending[0] != name or pending[1] is not state:
+            return self._fall_back(name, state, ctx, extra)
+        _, _, cap, batch, bucket, index = pending
+        real = _nested_statics(cap.static_outs[index - 1], state, {})
+        return self._serve(index, cap, state, batch, bucket, real)
+
+    def _serve(self, index: int, cap: _CapturedIteration, state: Schema, batch: int, bucket: int,
+               real_inputs: dict[int, Schema]) -> Schema:
+        name = ITERATION[index]
+        out = slice_schema(cap.static_outs[index], batch, bucket, real_inputs)
+        self.served[name] += 1
+        if index + 1 < len(ITERATION):
+            self._pending = (ITERATION[index + 1], out, cap, batch, bucket, index + 1)
+        return out
+
+    def _fall_back(self, name: str, state: Schema, ctx: Any, extra: dict) -> Schema:
+        self.fallback_calls[name] += 1
+        return self.fallback[name](state, ctx, **extra)
+
+    def stats(self) -> dict[str, Any]:
+        return {"graphs": len(self.graphs), "replays": self.replays, "served": dict(self.served),
+                "fallback": dict(self.fallback_calls)}
