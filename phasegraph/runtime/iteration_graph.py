@@ -20,8 +20,8 @@ front by finalize, draft KV written by draft-extend) land at draft time rather t
 phase; all of them write slots past the request's committed length, so an iteration stopped
 after ``draft`` leaves only scratch behind. finalize-tree-path's KV move is not idempotent, so
 a bucket is never warmed up on real input: its first iteration runs phase by phase (the real
-work, which also compiles every kernel), and the next one captures (recording, not executing)
-and replays.
+work), and the next one warms the iteration up on all-padded rows (which write only the
+reserved sink page), captures it on the real rows (recording, not executing) and replays.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from phasegraph.runtime.cuda_graphs import (
     _copy_outputs,
     _nested_statics,
     copy_into_static,
+    fill_neutral,
     pad_schema,
     slice_schema,
 )
@@ -125,7 +126,17 @@ class IterationGraph:
         if self.runner.emulate:
             static_outs = run_iteration()
             graph = _EmulatedIteration(run_iteration, static_outs)
-        else:  # no warm-up here: the bucket's first iteration ran these kernels for real
+        else:
+            # warm up on all-padded rows (they write only the sink page), so that nothing is
+            # compiled, autotuned or lazily initialised inside the capture; then the real rows
+            fill_neutral(static_in, bucket)
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                for _ in range(2):
+                    run_iteration()
+            torch.cuda.current_stream().wait_stream(stream)
+            copy_into_static(static_in, state, batch, bucket)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.runner.pool):
                 static_outs = run_iteration()

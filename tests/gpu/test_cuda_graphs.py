@@ -198,6 +198,51 @@ def test_capture_leaves_state_and_committed_kv_unchanged():
     assert torch.equal(out_graph.positions, out_eager.positions)
 
 
+def test_iteration_capture_leaves_state_and_committed_kv_unchanged():
+    """Capturing the whole iteration for a new bucket (warm-up on all-padded rows, capture, one
+    replay on the real rows) leaves the draft state, the committed KV and every static buffer
+    of the graphs captured before as they were."""
+    target = _target()
+    prompts = _prompts(3, seed=12)
+    ref = _reference(target, prompts)
+    spec = SpecConfig(method="standalone", num_steps=3, topk=2, num_draft_tokens=6)
+    eng = _spec_engine(target, prompts, ref, spec, 4, True, 8, scope="iteration")
+    for r, p in enumerate(prompts):
+        eng.add_request(f"r{r}", p, SamplingParams(max_new_tokens=64, ignore_eos=True))
+    eng.step()
+    eng.step()  # the second iteration of bucket 4 captures it
+    it = eng.graph_runner.iteration
+    assert it.graphs
+    state = eng.scheduler.machine.state
+    P = eng.kv.page_size
+    slots = torch.tensor([int(eng.kv.req_to_page[r.row, pos // P]) * P + pos % P
+                          for r in eng.scheduler.running for pos in range(r.seq_len)], device="cuda")
+    pools = eng.ctx.memory.target_caches() + eng.ctx.memory.draft_caches()
+
+    def digests():
+        statics = {key: _digest([x for _, x in cap.static_in.tensors()]
+                                + [x for out in cap.static_outs for _, x in out.tensors()])
+                   for key, cap in it.graphs.items()}
+        return (_digest([state.seq_lens, state.bonus_tokens, state.topk_p, state.topk_index,
+                         state.params.req_pool_idx]),
+                _digest([c[slots] for c in pools]), statics)
+
+    before = digests()
+    eng.graph_runner.buckets = (3, 8, 16)  # a bucket never captured
+    draft = it.phase_fn("draft")
+    draft(state, eng.ctx)  # the bucket's warm-up call: the per-phase path
+    n_graphs = len(it.graphs)
+    out = draft(state, eng.ctx)  # captures the iteration for bucket 8 and replays it
+    assert len(it.graphs) == n_graphs + 1
+    after = digests()
+    assert before[0] == after[0], "capture changed the draft state"
+    assert before[1] == after[1], "capture changed committed KV"
+    for key, digest in before[2].items():
+        assert after[2][key] == digest, "capture changed the static buffers of another bucket"
+    eager = it.specs["draft"].fn(state, eng.ctx)
+    assert torch.equal(out.draft_tokens, eager.draft_tokens)
+
+
 @pytest.mark.parametrize("scope", ["phase", "iteration"])
 def test_poisoned_padded_rows_change_no_real_request(scope):
     target = _target()
