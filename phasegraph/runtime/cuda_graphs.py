@@ -28,7 +28,9 @@ and every static buffer before and after capture.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -73,6 +75,20 @@ def _neutral_fill(name: str, x: torch.Tensor) -> float | int:
     if name in ("parents", "retrieve_next_token", "retrieve_next_sibling", "stop_ids"):
         return -1
     return 0
+
+
+@contextlib.contextmanager
+def no_garbage_collection():
+    """Python's cyclic GC paused for the block (a capture): a collection during capture may free
+    an old engine's graphs or pool memory, an operation a capturing stream does not allow."""
+    enabled = gc.isenabled()
+    gc.collect()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def foreach_copy(dsts: list[torch.Tensor], srcs: list[torch.Tensor]) -> None:
@@ -334,7 +350,7 @@ class GraphedPhase:
                     self.spec.fn(static_in, ctx)
             torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.runner.pool):
+        with no_garbage_collection(), torch.cuda.graph(graph, pool=self.runner.pool):
             static_out = self.spec.fn(static_in, ctx)
         cap = _Captured(graph, static_in, static_out, key)
         self.graphs[key] = cap

@@ -38,6 +38,7 @@ from phasegraph.runtime.cuda_graphs import (
     _nested_statics,
     copy_into_static,
     fill_neutral,
+    no_garbage_collection,
     pad_schema,
     slice_schema,
 )
@@ -138,7 +139,7 @@ class IterationGraph:
             torch.cuda.current_stream().wait_stream(stream)
             copy_into_static(static_in, state, batch, bucket)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.runner.pool):
+            with no_garbage_collection(), torch.cuda.graph(graph, pool=self.runner.pool):
                 static_outs = run_iteration()
         cap = _CapturedIteration(graph, static_in, static_outs)
         self.graphs[key] = cap
