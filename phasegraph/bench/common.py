@@ -60,7 +60,7 @@ class BenchRun:
         # part 1: float32 by default, so that "identical to the baseline" is exact: in bf16 the
         # rounding of a product depends on its batch shape (a verify of B*N tokens vs a decode of
         # B), and greedy picks at near-ties flip (RESULTS.md §5 records such a bf16 run)
-        self.pair_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[getattr(args, "pair_dtype", "float32")]
+        self.pair_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.pair_dtype]
         self.graphs = self.cuda
         self.result: dict = {
             "command": "phasegraph bench " + " ".join(args.argv),

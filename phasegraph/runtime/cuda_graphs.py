@@ -77,6 +77,29 @@ def _neutral_fill(name: str, x: torch.Tensor) -> float | int:
     return 0
 
 
+def shape_key(state: Schema, batch: int) -> tuple:
+    """Per-request widths that change the captured shapes (stop ids, hidden presence)."""
+    key = []
+    for name, x in state.tensors():
+        per = x.shape[0] // batch if batch else x.shape[0]
+        key.append((name, per, tuple(x.shape[1:])))
+    for v in type(state).__schema__.values:
+        if v.nested:
+            key.append((v.name, shape_key(getattr(state, v.name), batch)))
+    return tuple(key)
+
+
+def warm_up(run: Callable[[], Any], times: int = 2) -> None:
+    """Run ``run`` on a side stream before a capture, so that allocation, autotuning and lazy
+    initialisation happen outside it."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(times):
+            run()
+    torch.cuda.current_stream().wait_stream(stream)
+
+
 @contextlib.contextmanager
 def no_garbage_collection():
     """Python's cyclic GC paused for the block (a capture): a collection during capture may free
@@ -118,11 +141,16 @@ def copy_into_static(static: Schema, real: Schema, batch: int, bucket: int) -> N
     _collect_static_copies(static, real, batch, bucket, dsts, srcs, fills)
     foreach_copy(dsts, srcs)
     for name, pad in fills:
-        if name == "tree_mask":  # padded trees: every node sees only itself
-            pad.zero_()
-            pad.diagonal(dim1=-2, dim2=-1).fill_(True)
-        else:
-            pad.fill_(_neutral_fill(name, pad))
+        _fill_padded(name, pad)
+
+
+def _fill_padded(name: str, rows: torch.Tensor) -> None:
+    """Fill padded rows with their neutral value; padded trees see only themselves."""
+    if name == "tree_mask":
+        rows.zero_()
+        rows.diagonal(dim1=-2, dim2=-1).fill_(True)
+    else:
+        rows.fill_(_neutral_fill(name, rows))
 
 
 def _collect_static_copies(static, real, batch, bucket, dsts, srcs, fills) -> None:
@@ -142,7 +170,7 @@ def _collect_static_copies(static, real, batch, bucket, dsts, srcs, fills) -> No
             dsts.append(dst[:n])
             srcs.append(src)
         if bucket > batch:
-            fills.append((t.name, dst[n:] if t.name != "tree_mask" else dst[batch:]))
+            fills.append((t.name, dst[n:]))
     for v in spec.values:
         if v.nested:
             _collect_static_copies(getattr(static, v.name), getattr(real, v.name), batch, bucket, dsts, srcs, fills)
@@ -157,11 +185,7 @@ def fill_neutral(static: Schema, bucket: int) -> None:
         x = getattr(static, t.name)
         if x is None or _rows_per_request(t, static, bucket) is None:
             continue
-        if t.name == "tree_mask":
-            x.zero_()
-            x.diagonal(dim1=-2, dim2=-1).fill_(True)
-        else:
-            x.fill_(_neutral_fill(t.name, x))
+        _fill_padded(t.name, x)
     for v in spec.values:
         if v.nested:
             fill_neutral(getattr(static, v.name), bucket)
@@ -222,38 +246,44 @@ def _sliced(static, batch, bucket, real_inputs, srcs, dsts) -> Schema:
     return type(static)(**fields)
 
 
-def _nested_statics(static: Schema, real: Schema, out: dict[int, Schema]) -> dict[int, Schema]:
+def nested_statics(static: Schema, real: Schema, out: dict[int, Schema]) -> dict[int, Schema]:
     out[id(static)] = real
     for v in type(static).__schema__.values:
         if v.nested:
-            _nested_statics(getattr(static, v.name), getattr(real, v.name), out)
+            nested_statics(getattr(static, v.name), getattr(real, v.name), out)
     return out
 
 
-class _EmulatedGraph:
-    """CPU stand-in for a captured graph: replay reruns the phase on the static input and writes
-    the results into the static output buffers, as a real replay would. It lets the CPU suite
-    test padding, neutral rows and output slicing."""
+class EmulatedGraph:
+    """CPU stand-in for a captured graph: replay reruns the captured function on the static
+    input and writes the results into the static output buffers (one schema, or a list of them
+    for a whole iteration), as a real replay would. It lets the CPU suite test padding, neutral
+    rows and output slicing."""
 
-    def __init__(self, run: Callable[[], Schema], static_out: Schema):
+    def __init__(self, run: Callable[[], Any], static_out: Any):
         self.run = run
         self.static_out = static_out
 
     def replay(self) -> None:
-        _copy_outputs(self.static_out, self.run())
+        outs, static = self.run(), self.static_out
+        if isinstance(static, list):
+            for dst, src in zip(static, outs, strict=True):
+                copy_outputs(dst, src)
+        else:
+            copy_outputs(static, outs)
 
 
-def _copy_outputs(dst: Schema, src: Schema) -> None:
+def copy_outputs(dst: Schema, src: Schema) -> None:
     for name, x in src.tensors():
         getattr(dst, name).copy_(x)
     for v in type(dst).__schema__.values:
         if v.nested and getattr(dst, v.name) is not getattr(src, v.name):
-            _copy_outputs(getattr(dst, v.name), getattr(src, v.name))
+            copy_outputs(getattr(dst, v.name), getattr(src, v.name))
 
 
 @attrs.define
 class _Captured:
-    graph: Any  # torch.cuda.CUDAGraph or _EmulatedGraph
+    graph: Any  # torch.cuda.CUDAGraph or EmulatedGraph
     static_in: Schema
     static_out: Schema
     key: tuple
@@ -303,7 +333,7 @@ class GraphedPhase:
             self.eager_calls += 1
             self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
             return self.spec.fn(state, ctx, **extra)
-        key = (bucket, *self.runner.context_key(ctx), *self._shape_key(state, batch))
+        key = self.runner.graph_key(state, ctx, batch, bucket)
         cap = self.graphs.get(key)
         if cap is None and not self.idempotent and key not in self.warmed:
             self.warmed.add(key)  # warm-up by doing the real work once, eagerly
@@ -320,35 +350,18 @@ class GraphedPhase:
         if replay:
             cap.graph.replay()
             self.replays += 1
-        return slice_schema(cap.static_out, batch, bucket, _nested_statics(cap.static_in, state, {}))
-
-    @staticmethod
-    def _shape_key(state: Schema, batch: int) -> tuple:
-        """Per-request widths that change the captured shapes (stop ids, hidden presence)."""
-        key = []
-        for name, x in state.tensors():
-            per = x.shape[0] // batch if batch else x.shape[0]
-            key.append((name, per, tuple(x.shape[1:])))
-        for v in type(state).__schema__.values:
-            if v.nested:
-                key.append((v.name, GraphedPhase._shape_key(getattr(state, v.name), batch)))
-        return tuple(key)
+        return slice_schema(cap.static_out, batch, bucket, nested_statics(cap.static_in, state, {}))
 
     def _capture(self, state: Schema, ctx: Any, batch: int, bucket: int, key: tuple) -> _Captured:
         static_in = pad_schema(state, batch, bucket)
         if self.runner.emulate:
             static_out = self.spec.fn(static_in, ctx)
-            graph = _EmulatedGraph(lambda: self.spec.fn(static_in, ctx), static_out)
+            graph = EmulatedGraph(lambda: self.spec.fn(static_in, ctx), static_out)
             cap = _Captured(graph, static_in, static_out, key)
             self.graphs[key] = cap
             return cap
         if self.idempotent:
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):  # warm up: allocator, autotuning, lazy init stay outside
-                    self.spec.fn(static_in, ctx)
-            torch.cuda.current_stream().wait_stream(stream)
+            warm_up(lambda: self.spec.fn(static_in, ctx))
         graph = torch.cuda.CUDAGraph()
         with no_garbage_collection(), torch.cuda.graph(graph, pool=self.runner.pool):
             static_out = self.spec.fn(static_in, ctx)
@@ -381,6 +394,10 @@ class GraphRunner:
             bool(getattr(ctx, "greedy_only", False)),
             bool(getattr(ctx, "return_logprobs", False)),
         )
+
+    def graph_key(self, state: Schema, ctx: Any, batch: int, bucket: int) -> tuple:
+        """What selects a captured graph: the bucket, the context flags, the per-request widths."""
+        return (bucket, *self.context_key(ctx), *shape_key(state, batch))
 
     def bucket_for(self, batch: int) -> int | None:
         for b in self.buckets:

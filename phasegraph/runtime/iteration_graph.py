@@ -33,14 +33,15 @@ import attrs
 import torch
 
 from phasegraph.runtime.cuda_graphs import (
+    EmulatedGraph,
     GraphRunner,
-    _copy_outputs,
-    _nested_statics,
     copy_into_static,
     fill_neutral,
+    nested_statics,
     no_garbage_collection,
     pad_schema,
     slice_schema,
+    warm_up,
 )
 from phasegraph.statemachine import PhaseSpec, Schema
 
@@ -49,22 +50,9 @@ ITERATION = ("draft", "verify", "finalize-tree-path", "draft-extend")
 
 @attrs.define
 class _CapturedIteration:
-    graph: Any  # torch.cuda.CUDAGraph or _EmulatedIteration
+    graph: Any  # torch.cuda.CUDAGraph or EmulatedGraph (over the list of outputs)
     static_in: Schema  # padded DraftState
     static_outs: list[Schema]  # the four phases' outputs, in ITERATION order
-
-
-class _EmulatedIteration:
-    """CPU stand-in: a replay reruns the four phases and copies their outputs into the static
-    outputs (tests of the protocol without a GPU)."""
-
-    def __init__(self, run: Callable[[], list[Schema]], static_outs: list[Schema]):
-        self.run = run
-        self.static_outs = static_outs
-
-    def replay(self) -> None:
-        for dst, src in zip(self.static_outs, self.run(), strict=True):
-            _copy_outputs(dst, src)
 
 
 class IterationGraph:
@@ -96,9 +84,7 @@ class IterationGraph:
         bucket = self.runner.bucket_for(batch)
         if bucket is None or extra or not self.runner.enabled:
             return self._fall_back("draft", state, ctx, extra)
-        from phasegraph.runtime.cuda_graphs import GraphedPhase
-
-        key = (bucket, *self.runner.context_key(ctx), *GraphedPhase._shape_key(state, batch))
+        key = self.runner.graph_key(state, ctx, batch, bucket)
         cap = self.graphs.get(key)
         if cap is None and key not in self.warmed:
             self.warmed.add(key)  # warm-up: this iteration runs phase by phase, for real
@@ -126,17 +112,12 @@ class IterationGraph:
 
         if self.runner.emulate:
             static_outs = run_iteration()
-            graph = _EmulatedIteration(run_iteration, static_outs)
+            graph = EmulatedGraph(run_iteration, static_outs)
         else:
             # warm up on all-padded rows (they write only the sink page), so that nothing is
             # compiled, autotuned or lazily initialised inside the capture; then the real rows
             fill_neutral(static_in, bucket)
-            stream = torch.cuda.Stream()
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                for _ in range(2):
-                    run_iteration()
-            torch.cuda.current_stream().wait_stream(stream)
+            warm_up(run_iteration)
             copy_into_static(static_in, state, batch, bucket)
             graph = torch.cuda.CUDAGraph()
             with no_garbage_collection(), torch.cuda.graph(graph, pool=self.runner.pool):
@@ -151,7 +132,7 @@ class IterationGraph:
         if pending is None or extra or pending[0] != name or pending[1] is not state:
             return self._fall_back(name, state, ctx, extra)
         _, _, cap, batch, bucket, index = pending
-        real = _nested_statics(cap.static_outs[index - 1], state, {})
+        real = nested_statics(cap.static_outs[index - 1], state, {})
         return self._serve(index, cap, state, batch, bucket, real)
 
     def _serve(self, index: int, cap: _CapturedIteration, state: Schema, batch: int, bucket: int,

@@ -102,7 +102,6 @@ def test_markdown_table(quick_run):
 
 
 def test_plots(quick_run):
-    pytest.importorskip("matplotlib")
     out, _, _ = quick_run
     for name in ("tokens_per_s.png", "eta_vs_tau.png"):
         data = (out / name).read_bytes()

@@ -50,10 +50,6 @@ def _merge_rows(modules: list[torch.nn.Linear], name: str) -> torch.Tensor | Non
     return merged
 
 
-def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return F.linear(x, weight, bias)
-
-
 @attrs.frozen(eq=False)
 class FusedLayer:
     """The tensors one fused decoder layer reads (views of, or merged from, the module's own)."""
@@ -87,7 +83,7 @@ class FusedLayer:
     ) -> torch.Tensor:  # [T, H], before the residual add
         tokens = normed.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = _linear(normed, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2Hkv) D]
+        qkv = F.linear(normed, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2Hkv) D]
         q = qkv[:, : hq * d].view(tokens, hq, d)
         k = qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
         v = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
@@ -95,11 +91,11 @@ class FusedLayer:
             q, k = self.q_norm(q), self.k_norm(k)
         q = rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.write_slots)  # [T, Hq, D]
         out = paged_attention(q, k_cache, v_cache, meta, self.scaling)  # [T, Hq, D]
-        return _linear(out.reshape(tokens, hq * d), self.o_weight, self.o_bias)
+        return F.linear(out.reshape(tokens, hq * d), self.o_weight, self.o_bias)
 
     def mlp(self, normed: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        gate_up = _linear(normed, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
-        return _linear(silu_mul(gate_up), self.down_weight, self.down_bias)
+        gate_up = F.linear(normed, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
+        return F.linear(silu_mul(gate_up), self.down_weight, self.down_bias)
 
 
 def _fuse_layer(layer: torch.nn.Module, config) -> FusedLayer:
