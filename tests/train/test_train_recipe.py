@@ -49,7 +49,7 @@ def test_tiny_preset_is_fast(tiny_run):
     # (About 25 s of either on an idle 2-core machine.)
     _, report, (wall, cpu) = tiny_run
     assert cpu < 60, f"tiny preset used {cpu:.1f}s of CPU ({wall:.1f}s wall)"
-    assert report["wall_s"]["total"] <= wall
+    assert report["wall_s"]["total"] <= round(wall, 2)  # the report keeps 2 decimals
 
 
 def test_files_and_report(tiny_run):
