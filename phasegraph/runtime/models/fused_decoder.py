@@ -7,25 +7,35 @@ and gate/up products, RMSNorm as 8 float32 ops, rotary embedding as 12. Speculat
 speedup is measured against that step, and the issue's goal is 85% of the bound. So for the
 same modules and the same weights we run, per layer:
 
+    add_rms_norm+qkv product -> rotary_write_kv -> paged_attention -> o product
+    -> add_rms_norm+gate_up product -> silu_mul+down product
+
+(6 kernels) when a step has one token (bf16/fp16, on CUDA): the skinny Triton product of
+:mod:`phasegraph.kernels.linear` streams each weight once and applies the norm or the
+activation to its operand as it loads it. With 2..16 tokens the products are still the skinny
+Triton kernel but the norm and activation kernels stay separate (fusing them was slower there:
+bench/RESULTS.md §6). Otherwise (more tokens, fp32, CPU) the same public functions run the
+unfused sequence
+
     add_rms_norm -> qkv product -> rotary_write_kv -> paged_attention -> o product
     -> add_rms_norm -> gate_up product -> silu_mul -> down product
 
-(9 kernels). The merged weights are built once; the modules' own parameters become views into
-them, so memory is not doubled and transformers' forward still runs on the same numbers. Every
-kernel's torch reference follows transformers' op order, so in fp32 this path equals the
-modules' output (tests/runtime/test_target_parity.py checks both paths against transformers'
-own forward). Layers this does not recognise (another activation, missing projections, partial
-rotary) are not fused: :func:`fuse_decoder` returns the reason and the target keeps the modules.
+(9 kernels, cuBLAS products), op for op as before. The merged weights are built once; the
+modules' own parameters become views into them, so memory is not doubled and transformers'
+forward still runs on the same numbers. Every kernel's torch reference follows transformers' op
+order, so in fp32 this path equals the modules' output (tests/runtime/test_target_parity.py
+checks both paths against transformers' own forward). Layers this does not recognise (another
+activation, missing projections, partial rotary) are not fused: :func:`fuse_decoder` returns the
+reason and the target keeps the modules.
 """
 
 from __future__ import annotations
 
 import attrs
 import torch
-import torch.nn.functional as F
 
-from phasegraph.kernels.activation import silu_mul
 from phasegraph.kernels.attention import AttentionMetadata, paged_attention
+from phasegraph.kernels.linear import add_rms_norm_linear, linear, silu_mul_linear
 from phasegraph.kernels.rms_norm import add_rms_norm
 from phasegraph.kernels.rotary import rotary_write_kv
 
@@ -81,9 +91,20 @@ class FusedLayer:
         v_cache: torch.Tensor,  # [slots, Hkv, D]
         meta: AttentionMetadata,
     ) -> torch.Tensor:  # [T, H], before the residual add
-        tokens = normed.shape[0]
+        qkv = linear(normed, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2Hkv) D]
+        return self.attention_from_qkv(qkv, cos, sin, k_cache, v_cache, meta)
+
+    def attention_from_qkv(
+        self,
+        qkv: torch.Tensor,  # [T, (Hq + 2Hkv) D], the qkv product of the normed input
+        cos: torch.Tensor,  # [T, D]
+        sin: torch.Tensor,  # [T, D]
+        k_cache: torch.Tensor,  # [slots, Hkv, D]
+        v_cache: torch.Tensor,  # [slots, Hkv, D]
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, H], before the residual add
+        tokens = qkv.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
-        qkv = F.linear(normed, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2Hkv) D]
         q = qkv[:, : hq * d].view(tokens, hq, d)
         k = qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
         v = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
@@ -91,11 +112,28 @@ class FusedLayer:
             q, k = self.q_norm(q), self.k_norm(k)
         q = rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.write_slots)  # [T, Hq, D]
         out = paged_attention(q, k_cache, v_cache, meta, self.scaling)  # [T, Hq, D]
-        return F.linear(out.reshape(tokens, hq * d), self.o_weight, self.o_bias)
+        return linear(out.reshape(tokens, hq * d), self.o_weight, self.o_bias)
 
     def mlp(self, normed: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        gate_up = F.linear(normed, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
-        return F.linear(silu_mul(gate_up), self.down_weight, self.down_bias)
+        gate_up = linear(normed, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
+        return silu_mul_linear(gate_up, self.down_weight, self.down_bias)
+
+    def norm_qkv(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (qkv [T, (Hq + 2Hkv) D], new residual [T, H])
+        """The input norm of ``hidden + residual`` and the qkv product (one kernel at one row)."""
+        return add_rms_norm_linear(
+            hidden, residual, self.input_norm, self.eps, self.qkv_weight, self.qkv_bias
+        )
+
+    def norm_mlp(
+        self, hidden: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # (mlp output [T, H], new residual [T, H])
+        """The post-attention norm, the gate/up product, SiLU x up and the down product."""
+        gate_up, residual = add_rms_norm_linear(
+            hidden, residual, self.post_norm, self.eps, self.gate_up_weight, self.gate_up_bias
+        )
+        return silu_mul_linear(gate_up, self.down_weight, self.down_bias), residual
 
 
 def _fuse_layer(layer: torch.nn.Module, config) -> FusedLayer:
@@ -185,12 +223,11 @@ def run_fused_decoder(
     residual: torch.Tensor | None = None
     captured: dict[int, torch.Tensor] = {}
     for idx, layer in enumerate(layers):
-        normed, residual = add_rms_norm(hidden, residual, layer.input_norm, layer.eps)
+        qkv, residual = layer.norm_qkv(hidden, residual)
         if idx in capture_layers:
             captured[idx] = residual  # the hidden state entering layer idx
-        hidden = layer.attention(normed, cos, sin, k_caches[idx], v_caches[idx], meta)
-        normed, residual = add_rms_norm(hidden, residual, layer.post_norm, layer.eps)
-        hidden = layer.mlp(normed)
+        hidden = layer.attention_from_qkv(qkv, cos, sin, k_caches[idx], v_caches[idx], meta)
+        hidden, residual = layer.norm_mlp(hidden, residual)
     final = inner.norm
     out, _ = add_rms_norm(hidden, residual, final.weight, float(final.variance_epsilon))
     return out, captured

@@ -1,0 +1,558 @@
+"""Matrix products of few token rows ("skinny GEMM"), with the decoder layer's prologues fused.
+
+At batch 1 a decode step is a stream of weight matrices: each product ``y = x W^T + b`` with
+``x [M, K]``, ``W [N, K]`` and M = 1..16 tokens reads W once and does almost no arithmetic, so
+its floor is ``N K`` bytes over the memory bandwidth. cuBLAS picks 64-wide tiles plus a split-K
+reduce kernel for these shapes (~62-74% of copy bandwidth on the attention products of an 8B
+model). The Triton kernel here gives each program ``BLOCK_N`` output columns, streams their
+weight rows once over K in ``BLOCK_K`` chunks, accumulates in float32 and writes its columns
+itself: no split-K, no atomics, so a CUDA-graph replay equals the eager call bit for bit. Two
+forms: a broadcast multiply-sum over at most 4 rows (at one row, with K <= 4096, one weight row
+per program and the whole K in one load is fastest) and a ``tl.dot`` on a 16-row tile (padded
+rows masked; cp.async-pipelined weight tiles, wgmma when W is the left operand).
+
+Two prologues ride on the product's operand load, so the standalone kernels before the qkv,
+gate_up and down products of a decoder layer disappear for small M:
+
+- :func:`add_rms_norm_linear`: ``s = x + residual`` and RMSNorm of ``s`` (rounded exactly as
+  :func:`~phasegraph.kernels.rms_norm.add_rms_norm_reference`: sum in the model dtype, normalise
+  in float32, cast, multiply the weight, cast), then the product. Every program computes the row
+  statistics itself (one extra pass over the H inputs, served by L2); program 0 stores ``s``.
+- :func:`silu_mul_linear`: ``silu(gate) * up`` of a merged gate/up product (rounded as
+  :func:`~phasegraph.kernels.activation.silu_mul_reference`), then the product.
+
+Dispatch (the kernel-module convention of ``_dispatch.py``): the Triton kernel runs on CUDA for
+bf16/fp16, M <= :data:`MAX_M` rows and contiguous inputs, where :data:`CONFIGS` (measured
+against cuBLAS by ``bench/bench_linear.py``) says it wins: every product up to 16 rows, the
+fused prologues at one row (at 2..16 rows the norm / silu kernel runs, then the Triton product).
+Otherwise the public names run exactly the ops they replace (``F.linear``; ``add_rms_norm`` then
+``F.linear``; ``silu_mul`` then ``F.linear``), so fp32, CPU and large-M numbers are unchanged.
+The block shapes come from a fixed table, never from autotuning, so nothing is timed or compiled
+differently during capture.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from phasegraph.kernels._checks import expect_float, expect_shape
+from phasegraph.kernels._dispatch import cdiv, jit, next_pow2, tl, use_triton
+from phasegraph.kernels.activation import silu_mul, silu_mul_reference
+from phasegraph.kernels.rms_norm import add_rms_norm, add_rms_norm_reference
+
+MAX_M = 16  # the kernel's largest row tile (tl.dot needs >= 16 rows; padded rows are masked)
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+_NONE, _RMS_NORM, _SILU_MUL = 0, 1, 2  # prologue kinds
+
+
+def _check_product(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                   inner: int, name: str) -> None:
+    """``x`` is [M, *] and feeds ``inner`` inputs of ``weight [N, inner]`` (+ ``bias [N]``)."""
+    expect_float(weight, "weight", 2)
+    if weight.shape[1] != inner:
+        raise ValueError(
+            f"weight: expected shape (N, {inner}) for {name} of shape {tuple(x.shape)}, "
+            f"got {tuple(weight.shape)}"
+        )
+    if weight.dtype != x.dtype:
+        raise ValueError(f"weight: expected dtype {x.dtype}, got {weight.dtype}")
+    if bias is not None:
+        expect_shape(bias, "bias", (weight.shape[0],))
+        if bias.dtype != x.dtype:
+            raise ValueError(f"bias: expected dtype {x.dtype}, got {bias.dtype}")
+
+
+def _check_linear(x, weight, bias) -> None:
+    expect_float(x, "x", 2)
+    _check_product(x, weight, bias, x.shape[1], "x")
+
+
+def _check_norm_linear(x, residual, norm_weight, weight, bias) -> None:
+    expect_float(x, "x", 2)
+    if residual is not None:
+        expect_shape(residual, "residual", tuple(x.shape))
+        if residual.dtype != x.dtype:
+            raise ValueError(f"residual: expected dtype {x.dtype}, got {residual.dtype}")
+    expect_shape(norm_weight, "norm_weight", (x.shape[1],))
+    _check_product(x, weight, bias, x.shape[1], "x")
+
+
+def _check_silu_linear(gate_up, weight, bias) -> None:
+    expect_float(gate_up, "gate_up", 2)
+    if gate_up.shape[1] % 2:
+        raise ValueError(f"gate_up: expected an even last dimension, got {tuple(gate_up.shape)}")
+    _check_product(gate_up, weight, bias, gate_up.shape[1] // 2, "gate_up")
+
+
+# --------------------------------------------------------------------------------------------
+# References (CPU path and oracle)
+
+
+def linear_reference(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N]
+    """``x @ weight.T + bias`` (``F.linear``)."""
+    _check_linear(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def add_rms_norm_linear_reference(
+    x: torch.Tensor,  # [M, H]
+    residual: torch.Tensor | None,  # [M, H] or None
+    norm_weight: torch.Tensor,  # [H]
+    eps: float,
+    weight: torch.Tensor,  # [N, H]
+    bias: torch.Tensor | None = None,  # [N]
+) -> tuple[torch.Tensor, torch.Tensor]:  # (y [M, N], summed [M, H])
+    """``add_rms_norm_reference`` then ``F.linear`` of the normed rows."""
+    _check_norm_linear(x, residual, norm_weight, weight, bias)
+    normed, summed = add_rms_norm_reference(x, residual, norm_weight, eps)
+    return F.linear(normed, weight, bias), summed
+
+
+def silu_mul_linear_reference(
+    gate_up: torch.Tensor,  # [M, 2I]
+    weight: torch.Tensor,  # [N, I]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N]
+    """``silu_mul_reference`` then ``F.linear``."""
+    _check_silu_linear(gate_up, weight, bias)
+    return F.linear(silu_mul_reference(gate_up), weight, bias)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton
+
+
+class SkinnyConfig(NamedTuple):
+    """Launch shape of the skinny product (one program per ``block_n`` output columns)."""
+
+    block_n: int
+    block_k: int
+    num_warps: int
+    num_stages: int
+    dot: bool  # tl.dot on a 16-row tile (else a broadcast multiply-sum over at most 4 rows)
+    swap: bool = False  # with dot: W is the left operand (acc [BLOCK_N, 16]); else x is
+    pdl: bool = False  # programmatic dependent launch (Hopper): start while the previous
+    # kernel drains; every load of x and every store waits for it (gdc_wait)
+
+
+class _Rule(NamedTuple):
+    m_max: int  # rows this rule covers (from the previous rule's m_max + 1)
+    n_range: tuple[int, int]  # [lo, hi] inclusive
+    k_range: tuple[int, int]
+    config: SkinnyConfig
+    plain: bool  # Triton for `linear` (else cuBLAS)
+    fused: bool  # Triton for the fused prologue forms (else norm/silu kernel + cuBLAS)
+
+
+_ANY = (1, 1 << 40)
+_K_WHOLE = (1, 4096)  # K fits one tile of the multiply-sum form
+_K_LONG = (4097, 1 << 40)
+_GEMV_WHOLE_K = SkinnyConfig(1, 4096, 4, 1, dot=False)  # one weight row per program, K at once
+_GEMV_LOOP = SkinnyConfig(16, 512, 4, 3, dot=False)  # 16 rows, K in 512-chunks, 3 deep
+_DOT = SkinnyConfig(32, 256, 4, 4, dot=True)
+_DOT_WIDE = SkinnyConfig(64, 256, 4, 3, dot=True, swap=True)  # wgmma, W as the left operand
+_DOT_WIDE_K128 = SkinnyConfig(64, 128, 4, 4, dot=True, swap=True)
+_QKV_8B, _GATE_UP_8B = ((6144, 6144), (4096, 4096)), ((28672, 28672), (4096, 4096))
+# Measured by bench/bench_linear.py (bf16, H100 80GB HBM3; time per op in a CUDA graph against
+# cuBLAS, and against the norm / silu kernel + cuBLAS; bench/RESULTS.md). First match wins.
+# - M = 1: the multiply-sum form beats cuBLAS on every 8B shape (qkv 18.2 vs 20.6 us, o 12.8 vs
+#   16.5, gate_up 76.1 vs 85.8, down 41.1 vs 44.5) and so do the fused prologues (qkv+norm 20.1
+#   vs 22.5, gate_up+norm 77.7 vs 84.4, down+silu 41.0 vs 46.3). With K > 4096 the whole-K tile
+#   is as fast plain but repeats the prologue per weight row (down+silu 60 us), hence the loop.
+# - M = 2..16: tl.dot on a 16-row tile beats cuBLAS by 1-2.5 us per product, but the fused
+#   prologues on that form were slower than a separate norm / silu kernel (qkv+norm 29 vs 24,
+#   down+silu 204 vs 47 us at M = 4), so `fused` is off there: the norm / silu kernel runs,
+#   then the Triton product.
+CONFIGS: tuple[_Rule, ...] = (
+    _Rule(1, _ANY, _K_WHOLE, _GEMV_WHOLE_K, True, True),
+    _Rule(1, _ANY, _K_LONG, _GEMV_LOOP, True, True),
+    _Rule(16, *_QKV_8B, _DOT_WIDE, True, False),
+    _Rule(16, *_GATE_UP_8B, _DOT_WIDE_K128, True, False),
+    _Rule(16, _ANY, _ANY, _DOT, True, False),  # o and down of the 8B model; the default
+)
+
+
+def _lookup(m: int, n: int, k: int) -> _Rule | None:
+    for rule in CONFIGS:
+        if m <= rule.m_max and rule.n_range[0] <= n <= rule.n_range[1] \
+                and rule.k_range[0] <= k <= rule.k_range[1]:
+            return rule
+    return None
+
+
+def pick_config(m: int, n: int, k: int) -> SkinnyConfig:
+    """The table's launch shape for ``m`` rows of an ``[n, k]`` weight (a default if none)."""
+    rule = _lookup(m, n, k)
+    if rule is not None:
+        return rule.config
+    return _GEMV_LOOP if m == 1 else _DOT
+
+
+@jit
+def _load_rows(ptr, offs, mask, other_ptr, other_offs, ADD: tl.constexpr):
+    """A [BLOCK_M, BLOCK_K] tile of ``ptr`` (+ the same tile of ``other_ptr``, rounded like the
+    torch add)."""
+    v = tl.load(ptr + offs, mask=mask, other=0.0)
+    if ADD:
+        r = tl.load(other_ptr + other_offs, mask=mask, other=0.0)
+        v = (v.to(tl.float32) + r.to(tl.float32)).to(v.dtype)
+    return v
+
+
+@jit
+def _operand(
+    x_ptr, res_ptr, nw_ptr, rows, cols, M, K, stride_x, stride_r, rstd,
+    PROLOGUE: tl.constexpr, HAS_RESIDUAL: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """The left operand tile [BLOCK_M, BLOCK_K] in the model dtype, prologue applied."""
+    if EVEN_K:
+        mask = rows[:, None] < M
+    else:
+        mask = (rows[:, None] < M) & (cols[None, :] < K)
+    offs = rows[:, None] * stride_x + cols[None, :]
+    if PROLOGUE == 2:  # silu(gate) * up, gate_up = [gate | up] of width 2K
+        gate = tl.load(x_ptr + offs, mask=mask, other=0.0)
+        up = tl.load(x_ptr + offs + K, mask=mask, other=0.0)
+        g = gate.to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # rounded like F.silu
+        a = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+    elif PROLOGUE == 1:  # rms_norm(x + residual) * norm_weight
+        s = _load_rows(x_ptr, offs, mask, res_ptr, rows[:, None] * stride_r + cols[None, :],
+                       HAS_RESIDUAL)
+        if EVEN_K:
+            nw = tl.load(nw_ptr + cols)
+        else:
+            nw = tl.load(nw_ptr + cols, mask=cols < K, other=0.0)
+        n = (s.to(tl.float32) * rstd[:, None]).to(s.dtype)
+        a = (nw.to(tl.float32)[None, :] * n.to(tl.float32)).to(s.dtype)
+    else:
+        a = tl.load(x_ptr + offs, mask=mask, other=0.0)
+    return a
+
+
+@jit
+def _mac(acc, a, w, DOT: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
+         IEEE: tl.constexpr):
+    """acc += a [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K]^T, in the accumulator's layout."""
+    if DOT:
+        if IEEE:
+            if SWAP:
+                acc = tl.dot(w, tl.trans(a), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+        else:
+            if SWAP:
+                acc = tl.dot(w, tl.trans(a), acc)
+            else:
+                acc = tl.dot(a, tl.trans(w), acc)
+    elif BLOCK_M == 1:  # acc [BLOCK_N, BLOCK_K]: products summed over K once, at the end
+        acc += w.to(tl.float32) * a.to(tl.float32)
+    else:  # acc [BLOCK_M, BLOCK_N, BLOCK_K]
+        acc += a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :]
+    return acc
+
+
+@jit
+def _finish(acc, DOT: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """The [BLOCK_M, BLOCK_N] float32 result of an accumulator built by ``_mac``."""
+    if DOT:
+        if SWAP:
+            out = tl.trans(acc)
+        else:
+            out = acc
+    elif BLOCK_M == 1:
+        out = tl.sum(acc, axis=1)[None, :]
+    else:
+        out = tl.sum(acc, axis=2)
+    return out
+
+
+@jit(do_not_specialize=["M"])
+def _skinny_kernel(
+    x_ptr,  # [M, K] (PROLOGUE 2: [M, 2K] gate | up)
+    res_ptr,  # [M, K] residual (PROLOGUE 1 with HAS_RESIDUAL)
+    nw_ptr,  # [K] norm weight (PROLOGUE 1)
+    w_ptr,  # [N, K]
+    b_ptr,  # [N] (HAS_BIAS)
+    y_ptr,  # [M, N] out
+    summed_ptr,  # [M, K] out (PROLOGUE 1), written by program 0
+    M,
+    N,
+    K,
+    stride_x,
+    stride_r,
+    stride_w,
+    stride_y,
+    eps,
+    PROLOGUE: tl.constexpr,
+    HAS_RESIDUAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    STATS_K: tl.constexpr,
+    DOT: tl.constexpr,
+    SWAP: tl.constexpr,
+    IEEE: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    SINGLE_K: tl.constexpr,
+    STAGES: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    if PDL:  # launched early: let the next kernel launch, then wait for the previous one
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    pid = tl.program_id(0)
+    rows = tl.arange(0, BLOCK_M)
+    row_in = rows < M
+    cols_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_in = cols_n < N
+    ks = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + cols_n.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
+
+    if SINGLE_K:  # the whole K in one tile: load the operand once, statistics included
+        if EVEN_K:
+            w = tl.load(w_rows + ks[None, :], mask=n_in[:, None], other=0.0)
+        else:
+            w = tl.load(w_rows + ks[None, :], mask=n_in[:, None] & (ks[None, :] < K), other=0.0)
+        if PROLOGUE == 1:
+            if EVEN_K:
+                mask = row_in[:, None]
+            else:
+                mask = row_in[:, None] & (ks[None, :] < K)
+            s = _load_rows(x_ptr, rows[:, None] * stride_x + ks[None, :], mask,
+                           res_ptr, rows[:, None] * stride_r + ks[None, :], HAS_RESIDUAL)
+            tl.store(summed_ptr + rows[:, None] * K + ks[None, :], s, mask=mask & (pid == 0))
+            h = s.to(tl.float32)
+            rstd = 1.0 / tl.sqrt(tl.sum(h * h, axis=1) / K + eps)  # [BLOCK_M]
+            if EVEN_K:
+                nw = tl.load(nw_ptr + ks)
+            else:
+                nw = tl.load(nw_ptr + ks, mask=ks < K, other=0.0)
+            n = (h * rstd[:, None]).to(s.dtype)
+            a = (nw.to(tl.float32)[None, :] * n.to(tl.float32)).to(s.dtype)
+        else:
+            a = _operand(x_ptr, res_ptr, nw_ptr, rows, ks, M, K, stride_x, stride_r, 0.0,
+                         PROLOGUE, HAS_RESIDUAL, EVEN_K)
+        if DOT:
+            if SWAP:
+                acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            else:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            out = _finish(_mac(acc, a, w, DOT, SWAP, BLOCK_M, IEEE), DOT, SWAP, BLOCK_M)
+        elif BLOCK_M == 1:
+            out = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1)[None, :]
+        else:
+            out = tl.sum(a.to(tl.float32)[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    else:
+        if DOT:
+            if SWAP:
+                acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+            else:
+                acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        elif BLOCK_M == 1:
+            acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+        else:
+            acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if PROLOGUE == 1:  # row statistics of s = x + residual (program 0 also stores s)
+            sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            for k0 in range(0, K, STATS_K):
+                cols = k0 + tl.arange(0, STATS_K)
+                mask = row_in[:, None] & (cols[None, :] < K)
+                s = _load_rows(x_ptr, rows[:, None] * stride_x + cols[None, :], mask,
+                               res_ptr, rows[:, None] * stride_r + cols[None, :], HAS_RESIDUAL)
+                tl.store(summed_ptr + rows[:, None] * K + cols[None, :], s,
+                         mask=mask & (pid == 0))
+                h = s.to(tl.float32)
+                sq += tl.sum(h * h, axis=1)
+            rstd = 1.0 / tl.sqrt(sq / K + eps)
+        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):  # W tiles prefetched STAGES deep
+            cols = k0 + ks
+            if EVEN_K:
+                w = tl.load(w_rows + cols[None, :], mask=n_in[:, None], other=0.0)
+            else:
+                w = tl.load(w_rows + cols[None, :], mask=n_in[:, None] & (cols[None, :] < K),
+                            other=0.0)
+            a = _operand(x_ptr, res_ptr, nw_ptr, rows, cols, M, K, stride_x, stride_r, rstd,
+                         PROLOGUE, HAS_RESIDUAL, EVEN_K)
+            acc = _mac(acc, a, w, DOT, SWAP, BLOCK_M, IEEE)
+        out = _finish(acc, DOT, SWAP, BLOCK_M)
+
+    if HAS_BIAS:
+        b = tl.load(b_ptr + cols_n, mask=n_in, other=0.0)
+        out += b.to(tl.float32)[None, :]
+    y_offs = rows[:, None] * stride_y + cols_n[None, :]
+    tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=row_in[:, None] & n_in[None, :])
+
+
+def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
+            config: SkinnyConfig | None, warmup: bool = False):
+    m = x.shape[0]
+    n, k = weight.shape
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    summed = torch.empty((m, k), dtype=x.dtype, device=x.device) if prologue == _RMS_NORM else None
+    if m == 0 or n == 0:
+        return y, summed
+    if m > MAX_M:
+        raise ValueError(f"x: the skinny product takes at most {MAX_M} rows, got {m}")
+    cfg = config or pick_config(m, n, k)
+    if cfg.dot:
+        block_m = 16
+    else:
+        block_m = next_pow2(m)
+        if block_m > 4:
+            raise ValueError(f"config {cfg}: the multiply-sum form takes at most 4 rows, got {m}")
+    block_k = min(cfg.block_k, max(next_pow2(k), 16))
+    single = block_k >= k
+    stats_k = min(max(next_pow2(k), 16), max(16, 8192 // block_m))
+    ieee = x.dtype == torch.float32
+    if k == 0:
+        raise ValueError("weight: K must be positive")
+    args = (
+        x, x if residual is None else residual, x if norm_weight is None else norm_weight,
+        weight, weight if bias is None else bias, y, y if summed is None else summed,
+        m, n, k, x.stride(0), x.stride(0) if residual is None else residual.stride(0),
+        weight.stride(0), y.stride(0), float(eps),
+    )
+    meta = dict(
+        PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
+        BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, STATS_K=stats_k,
+        DOT=cfg.dot, SWAP=cfg.dot and cfg.swap, IEEE=ieee, EVEN_K=k % block_k == 0,
+        SINGLE_K=single, STAGES=cfg.num_stages, PDL=cfg.pdl, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
+    )
+    if cfg.pdl:
+        meta["launch_pdl"] = True
+    grid = (cdiv(n, cfg.block_n),)
+    if warmup:
+        _skinny_kernel.warmup(*args, grid=grid, **meta)
+    else:
+        _skinny_kernel[grid](*args, **meta)
+    return y, summed
+
+
+def _require_rows(x: torch.Tensor, name: str) -> torch.Tensor:
+    if x.stride(-1) != 1:
+        raise ValueError(f"{name}: the Triton product needs unit stride along the last dimension")
+    return x
+
+
+def linear_triton(
+    x: torch.Tensor,  # [M, K], M <= 16
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+    *,
+    config: SkinnyConfig | None = None,
+    warmup: bool = False,
+) -> torch.Tensor:  # [M, N]
+    """Triton ``linear``: one program per ``block_n`` output columns, weight streamed once.
+    ``warmup`` compiles without launching (the output is then not written)."""
+    _check_linear(x, weight, bias)
+    _require_rows(x, "x")
+    _require_rows(weight, "weight")
+    y, _ = _launch(_NONE, x, None, None, 0.0, weight, bias, config, warmup)
+    return y
+
+
+def add_rms_norm_linear_triton(
+    x: torch.Tensor,  # [M, H], M <= 16
+    residual: torch.Tensor | None,  # [M, H]
+    norm_weight: torch.Tensor,  # [H]
+    eps: float,
+    weight: torch.Tensor,  # [N, H]
+    bias: torch.Tensor | None = None,  # [N]
+    *,
+    config: SkinnyConfig | None = None,
+    warmup: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:  # (y [M, N], summed [M, H])
+    """Triton ``add_rms_norm_linear``: the norm is the product's operand prologue."""
+    _check_norm_linear(x, residual, norm_weight, weight, bias)
+    if norm_weight.dtype != x.dtype:
+        raise ValueError(f"norm_weight: expected dtype {x.dtype}, got {norm_weight.dtype}")
+    _require_rows(x, "x")
+    _require_rows(weight, "weight")
+    if residual is not None:
+        _require_rows(residual, "residual")
+    return _launch(_RMS_NORM, x, residual, norm_weight, eps, weight, bias, config, warmup)
+
+
+def silu_mul_linear_triton(
+    gate_up: torch.Tensor,  # [M, 2I], M <= 16
+    weight: torch.Tensor,  # [N, I]
+    bias: torch.Tensor | None = None,  # [N]
+    *,
+    config: SkinnyConfig | None = None,
+    warmup: bool = False,
+) -> torch.Tensor:  # [M, N]
+    """Triton ``silu_mul_linear``: ``silu(gate) * up`` is the product's operand prologue."""
+    _check_silu_linear(gate_up, weight, bias)
+    _require_rows(gate_up, "gate_up")
+    _require_rows(weight, "weight")
+    y, _ = _launch(_SILU_MUL, gate_up, None, None, 0.0, weight, bias, config, warmup)
+    return y
+
+
+# --------------------------------------------------------------------------------------------
+# Dispatch
+
+
+def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fused: bool,
+          *others: torch.Tensor | None) -> bool:
+    """Whether the Triton product runs (else the ops it replaces)."""
+    if not use_triton(x) or x.dtype not in HALF_DTYPES or not 1 <= x.shape[0] <= MAX_M:
+        return False
+    tensors = (x, weight, bias, *others)
+    if any(t is not None and (t.dtype != x.dtype or not t.is_contiguous()) for t in tensors):
+        return False
+    rule = _lookup(x.shape[0], weight.shape[0], weight.shape[1])
+    return rule is None or (rule.fused if fused else rule.plain)
+
+
+def linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N]
+    """``F.linear`` (the Triton skinny product on CUDA for few half-precision rows)."""
+    _check_linear(x, weight, bias)
+    if _fits(x, weight, bias, False):
+        return linear_triton(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def add_rms_norm_linear(
+    x: torch.Tensor,  # [M, H]
+    residual: torch.Tensor | None,  # [M, H] or None
+    norm_weight: torch.Tensor,  # [H]
+    eps: float,
+    weight: torch.Tensor,  # [N, H]
+    bias: torch.Tensor | None = None,  # [N]
+) -> tuple[torch.Tensor, torch.Tensor]:  # (y [M, N], summed [M, H])
+    """``normed, summed = add_rms_norm(x, residual, norm_weight, eps)``; return
+    ``(linear(normed, weight, bias), summed)`` (one Triton launch where the table fuses it)."""
+    _check_norm_linear(x, residual, norm_weight, weight, bias)
+    if _fits(x, weight, bias, True, residual, norm_weight):
+        return add_rms_norm_linear_triton(x, residual, norm_weight, eps, weight, bias)
+    normed, summed = add_rms_norm(x, residual, norm_weight, eps)
+    return linear(normed, weight, bias), summed
+
+
+def silu_mul_linear(
+    gate_up: torch.Tensor,  # [M, 2I]
+    weight: torch.Tensor,  # [N, I]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N]
+    """``linear(silu_mul(gate_up), weight, bias)`` (one Triton launch where the table fuses it)."""
+    _check_silu_linear(gate_up, weight, bias)
+    if _fits(gate_up, weight, bias, True):
+        return silu_mul_linear_triton(gate_up, weight, bias)
+    return linear(silu_mul(gate_up), weight, bias)

@@ -1,0 +1,163 @@
+"""The skinny Triton products (linear, add_rms_norm_linear, silu_mul_linear) against their torch
+references, on fresh random inputs and poisoned allocations, with no host sync on CUDA.
+
+Products: within 1e-2 relative error of the reference in bf16 (2e-3 in fp16; the kernel sums in
+another order than cuBLAS); the prologue's ``summed`` output is one rounded add and must be
+equal. Every launch config the table may pick (and the sweep of bench/bench_linear.py tries)
+must compute the same function, so the tests run several. On the GPU a graph replay must equal
+the eager call bit for bit (no atomics, no split-K). Same modes as test_triton_kernels.py (GPU
+with ``-m gpu``; CPU through the interpreter with ``PHASEGRAPH_TRITON_INTERPRET=1``, tiny shapes).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from phasegraph.kernels import _dispatch
+from phasegraph.kernels import linear as lin
+from tests.gpu.test_triton_kernels import INTERPRET, ON_GPU, assert_equal, rel_err, run_triton
+
+pytestmark = [] if INTERPRET else [pytest.mark.gpu]
+TOL = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+DTYPES = (torch.bfloat16, torch.float16) if ON_GPU else (torch.bfloat16,)
+ROWS = (1, 7, 16)
+C = lin.SkinnyConfig
+# (N, K): an 8B qkv shape and a ragged one on the GPU; tiny in the interpreter
+SHAPES = [(6144, 4096), (200, 312)] if ON_GPU else [(40, 96)]
+CONFIGS = [None, C(32, 128, 4, 3, True), C(64, 64, 4, 2, True, True)]
+if ON_GPU:  # + a wide wgmma tile, and programmatic dependent launch
+    CONFIGS += [C(128, 128, 8, 3, True, True), C(32, 128, 4, 3, True, pdl=True)]
+GEMV_CONFIGS = [C(8, 64, 4, 1, False), C(4, 512, 4, 1, False)]  # M <= 4 only
+
+
+def _configs(m: int):
+    if m > 4:
+        return CONFIGS
+    whole_k = [C(4, 4096, 4, 1, False)] if m == 1 and ON_GPU else []  # K in one tile
+    return CONFIGS + GEMV_CONFIGS + whole_k
+
+
+def _ids(cfg):
+    return "table" if cfg is None else "-".join(str(int(v)) for v in cfg)
+
+
+def _close(out: torch.Tensor, ref: torch.Tensor, name: str) -> None:
+    assert out.shape == ref.shape and out.dtype == ref.dtype, (name, out.shape, ref.shape)
+    assert torch.isfinite(out).all(), f"{name}: non-finite (unwritten) elements"
+    err = rel_err(out.float(), ref.float())
+    assert err <= TOL[ref.dtype], f"{name}: relative error {err:.2e}"
+
+
+def _inputs(gen, device, dtype, m, n, k, bias):
+    x = torch.randn(m, k, generator=gen).to(dtype).to(device)
+    w = (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(device)
+    b = torch.randn(n, generator=gen).to(dtype).to(device) if bias else None
+    return x, w, b
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", ROWS + ((3,) if ON_GPU else ()))
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_linear(device, gen, dtype, rows, shape):
+    n, k = shape
+    for cfg in _configs(rows) if dtype == torch.bfloat16 else [None]:
+        for bias in (False, True) if cfg is None else (False,):
+            x, w, b = _inputs(gen, device, dtype, rows, n, k, bias)
+            got = run_triton(device, lin.linear_triton, x, w, b, config=cfg)
+            _close(got, lin.linear_reference(x, w, b), f"linear {_ids(cfg)} bias={bias}")
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_add_rms_norm_linear(device, gen, rows, with_residual, shape):
+    dtype = torch.bfloat16
+    n, k = shape
+    for cfg in _configs(rows) if with_residual else [None]:
+        x, w, b = _inputs(gen, device, dtype, rows, n, k, bias=cfg is None)
+        residual = torch.randn(rows, k, generator=gen).to(dtype).to(device) if with_residual else None
+        norm_w = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).to(device)
+        want_y, want_s = lin.add_rms_norm_linear_reference(x, residual, norm_w, 1e-5, w, b)
+        got_y, got_s = run_triton(device, lin.add_rms_norm_linear_triton, x, residual, norm_w,
+                                  1e-5, w, b, config=cfg)
+        assert_equal(want_s, got_s, f"summed {_ids(cfg)}")  # one rounded add: exact
+        _close(got_y, want_y, f"y {_ids(cfg)}")
+
+
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("shape", [(4096, 14336), (96, 200)] if ON_GPU else [(24, 80)], ids=str)
+def test_silu_mul_linear(device, gen, rows, shape):
+    dtype = torch.bfloat16
+    n, inner = shape
+    for cfg in _configs(rows):
+        gate_up = (2 * torch.randn(rows, 2 * inner, generator=gen)).to(dtype).to(device)
+        _, w, b = _inputs(gen, device, dtype, rows, n, inner, bias=cfg is None)
+        want = lin.silu_mul_linear_reference(gate_up, w, b)
+        got = run_triton(device, lin.silu_mul_linear_triton, gate_up, w, b, config=cfg)
+        _close(got, want, f"silu_mul_linear {_ids(cfg)}")
+
+
+def test_dispatch(device, gen, monkeypatch):
+    """Triton for few half-precision contiguous rows on CUDA; the replaced ops otherwise."""
+    calls = []
+    for name in ("linear_triton", "add_rms_norm_linear_triton", "silu_mul_linear_triton"):
+        monkeypatch.setattr(lin, name, lambda *a, name=name, **k: calls.append(name))
+    w = torch.randn(8, 16, generator=gen).to(device)
+    nw = torch.ones(16, device=device)
+
+    def dispatched(x, weight, mode="auto"):
+        monkeypatch.setenv(_dispatch.ENV_VAR, mode)
+        calls.clear()
+        lin.linear(x, weight)
+        lin.add_rms_norm_linear(x, None, nw.to(x.dtype), 1e-5, weight)
+        gate_up = torch.cat([x, x], dim=1)
+        if not x.is_contiguous():
+            gate_up = gate_up.t().contiguous().t()
+        lin.silu_mul_linear(gate_up, weight)
+        return list(calls)
+
+    bf = torch.bfloat16
+    x = torch.randn(1, 16, generator=gen).to(device)
+    fused = ["linear_triton", "add_rms_norm_linear_triton", "silu_mul_linear_triton"]
+    assert dispatched(x, w) == []  # fp32: cuBLAS / the reference
+    assert dispatched(x.to(bf), w.to(bf)) == (fused if ON_GPU else [])
+    assert dispatched(x.to(bf), w.to(bf), "reference") == []
+    assert dispatched(x.to(bf), w.to(bf), "triton") == fused
+    # M > 1: the table keeps the norm / silu kernel, then the Triton product
+    x4 = torch.randn(4, 16, generator=gen).to(bf).to(device)
+    assert dispatched(x4, w.to(bf), "triton") == ["linear_triton"] * 3
+    many = torch.randn(lin.MAX_M + 1, 16, generator=gen).to(bf).to(device)
+    assert dispatched(many, w.to(bf), "triton") == []  # too many rows
+    strided = torch.randn(16, 4, generator=gen).to(bf).to(device).t()
+    assert dispatched(strided, w.to(bf), "triton") == []  # not contiguous
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs")
+@pytest.mark.parametrize("pdl", [False, True], ids=["plain", "pdl"])
+def test_graph_replay_equals_eager(device, gen, pdl):
+    dtype = torch.bfloat16
+    cfg = lin.pick_config(7, 4096, 4096)._replace(pdl=pdl)
+    x, w, _ = _inputs(gen, device, dtype, 7, 4096, 4096, False)
+    residual = torch.randn(7, 4096, generator=gen).to(dtype).to(device)
+    norm_w = (1 + 0.1 * torch.randn(4096, generator=gen)).to(dtype).to(device)
+    gate_up = torch.randn(7, 8192, generator=gen).to(dtype).to(device)
+
+    def step():
+        y, s = lin.add_rms_norm_linear_triton(x, residual, norm_w, 1e-5, w, config=cfg)
+        dependent = lin.linear_triton(y, w, config=cfg)  # reads y: a dependent launch
+        return y, s, dependent, lin.silu_mul_linear_triton(gate_up, w, config=cfg)
+
+    eager = step()  # compiles outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = step()
+    for _ in range(2):
+        x.copy_(torch.randn(7, 4096, generator=gen).to(dtype))
+        graph.replay()
+        eager = step()
+        for a, b in zip(eager, captured, strict=True):
+            assert torch.equal(a, b)
+        want = lin.add_rms_norm_linear_reference(x, residual, norm_w, 1e-5, w)
+        _close(captured[0], want[0], "graph y")
+        assert_equal(want[1], captured[1], "graph summed")

@@ -1,0 +1,124 @@
+"""phasegraph.kernels.linear on the CPU: the references are the ops they replace, the public
+names dispatch to those exact ops off CUDA (so CPU and fp32 numbers are unchanged), bad shapes
+fail with a clear message, and the config table answers every row count it is asked for.
+The Triton kernels themselves are compared in tests/gpu/test_linear_gpu.py (GPU, or the
+interpreter with PHASEGRAPH_TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from phasegraph.kernels import linear as lin
+from phasegraph.kernels._dispatch import ENV_VAR
+from phasegraph.kernels.activation import silu_mul, silu_mul_reference
+from phasegraph.kernels.rms_norm import add_rms_norm, add_rms_norm_reference
+
+DTYPES = (torch.float32, torch.bfloat16)
+
+
+def _case(dtype, m=5, k=24, n=10, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(dtype)
+    residual = torch.randn(m, k, generator=g).to(dtype)
+    norm_w = (1 + 0.1 * torch.randn(k, generator=g)).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype)
+    gate_up = torch.randn(m, 2 * k, generator=g).to(dtype)
+    return x, residual, norm_w, w, b, gate_up
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bias", [False, True])
+def test_references_are_the_replaced_ops(dtype, bias):
+    x, residual, norm_w, w, b, gate_up = _case(dtype)
+    b = b if bias else None
+    assert torch.equal(lin.linear_reference(x, w, b), F.linear(x, w, b))
+    for res in (residual, None):
+        y, summed = lin.add_rms_norm_linear_reference(x, res, norm_w, 1e-6, w, b)
+        normed, want_summed = add_rms_norm_reference(x, res, norm_w, 1e-6)
+        assert torch.equal(summed, want_summed)
+        assert torch.equal(y, F.linear(normed, w, b))
+    got = lin.silu_mul_linear_reference(gate_up, w, b)
+    assert torch.equal(got, F.linear(silu_mul_reference(gate_up), w, b))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("rows", [1, 7, 16, 40])
+@pytest.mark.parametrize("mode", ["auto", "reference"])
+def test_public_names_run_the_replaced_ops_on_cpu(monkeypatch, dtype, rows, mode):
+    monkeypatch.setenv(ENV_VAR, mode)
+    x, residual, norm_w, w, b, gate_up = _case(dtype, m=rows, seed=rows)
+    assert torch.equal(lin.linear(x, w, b), F.linear(x, w, b))
+    y, summed = lin.add_rms_norm_linear(x, residual, norm_w, 1e-5, w, b)
+    normed, want_summed = add_rms_norm(x, residual, norm_w, 1e-5)
+    assert torch.equal(summed, want_summed) and torch.equal(y, F.linear(normed, w, b))
+    y, summed = lin.add_rms_norm_linear(x, None, norm_w, 1e-5, w)
+    assert summed is x  # no residual: the sum is x itself, as add_rms_norm returns it
+    assert torch.equal(lin.silu_mul_linear(gate_up, w, b), F.linear(silu_mul(gate_up), w, b))
+
+
+def test_empty_rows():
+    x, residual, norm_w, w, b, gate_up = _case(torch.float32, m=0)
+    assert lin.linear(x, w, b).shape == (0, 10)
+    y, summed = lin.add_rms_norm_linear(x, residual, norm_w, 1e-5, w, b)
+    assert y.shape == (0, 10) and summed.shape == (0, 24)
+    assert lin.silu_mul_linear(gate_up, w, b).shape == (0, 10)
+
+
+def test_bad_shapes_fail_with_a_message():
+    x, residual, norm_w, w, b, gate_up = _case(torch.float32)
+    with pytest.raises(ValueError, match=r"x: expected 2-d tensor"):
+        lin.linear(x[0], w)
+    with pytest.raises(ValueError, match=r"weight: expected shape \(N, 24\) for x of shape \(5, 24\)"):
+        lin.linear(x, w[:, :20])
+    with pytest.raises(ValueError, match=r"weight: expected 2-d tensor"):
+        lin.linear(x, w[0])
+    with pytest.raises(ValueError, match=r"bias: expected shape \(10,\), got \(9,\)"):
+        lin.linear(x, w, b[:9])
+    with pytest.raises(ValueError, match=r"weight: expected dtype torch.float32"):
+        lin.linear(x, w.to(torch.bfloat16))
+    with pytest.raises(ValueError, match=r"bias: expected dtype torch.float32"):
+        lin.linear(x, w, b.double())
+    with pytest.raises(ValueError, match=r"x: expected a floating-point tensor"):
+        lin.linear(x.long(), w)
+    with pytest.raises(ValueError, match=r"residual: expected shape \(5, 24\)"):
+        lin.add_rms_norm_linear(x, residual[:3], norm_w, 1e-5, w)
+    with pytest.raises(ValueError, match=r"residual: expected dtype torch.float32"):
+        lin.add_rms_norm_linear(x, residual.double(), norm_w, 1e-5, w)
+    with pytest.raises(ValueError, match=r"norm_weight: expected shape \(24,\)"):
+        lin.add_rms_norm_linear(x, residual, norm_w[:5], 1e-5, w)
+    with pytest.raises(ValueError, match=r"weight: expected shape \(N, 24\)"):
+        lin.add_rms_norm_linear(x, residual, norm_w, 1e-5, w.t())
+    with pytest.raises(ValueError, match=r"gate_up: expected an even last dimension"):
+        lin.silu_mul_linear(gate_up[:, :5], w)
+    with pytest.raises(ValueError, match=r"weight: expected shape \(N, 24\) for gate_up of shape \(5, 48\)"):
+        lin.silu_mul_linear(gate_up, w[:, :12])
+    for ref in (lin.linear_reference, lin.linear_triton):
+        with pytest.raises(ValueError, match="weight: expected shape"):
+            ref(x, w[:, :3])
+
+
+def test_triton_wrappers_refuse_what_the_kernel_cannot_take():
+    """Checked on the host before any launch (so these run without a GPU or the interpreter)."""
+    x, residual, norm_w, w, b, gate_up = _case(torch.bfloat16, m=lin.MAX_M + 1)
+    with pytest.raises(ValueError, match=f"at most {lin.MAX_M} rows, got {lin.MAX_M + 1}"):
+        lin.linear_triton(x, w, b)
+    gemv = lin.SkinnyConfig(8, 64, 4, 1, dot=False)
+    with pytest.raises(ValueError, match="multiply-sum form takes at most 4 rows, got 7"):
+        lin.linear_triton(x[:7], w, b, config=gemv)
+    with pytest.raises(ValueError, match="x: the Triton product needs unit stride"):
+        lin.linear_triton(x[:4, ::2], w[:, :12])
+    with pytest.raises(ValueError, match="norm_weight: expected dtype torch.bfloat16"):
+        lin.add_rms_norm_linear_triton(x[:4], residual[:4], norm_w.float(), 1e-5, w)
+
+
+def test_config_table_covers_every_row_count():
+    for m in range(1, lin.MAX_M + 1):
+        for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (40, 96)]:
+            cfg = lin.pick_config(m, n, k)
+            assert isinstance(cfg, lin.SkinnyConfig)
+            assert cfg.dot or m <= 4, (m, n, k, cfg)  # the multiply-sum form takes <= 4 rows
+            assert cfg.block_n >= 1 and cfg.block_k >= 16 and cfg.num_warps in (1, 2, 4, 8, 16)
+    assert lin._lookup(lin.MAX_M, 40, 96) is not None  # small unknown shapes: a default rule
