@@ -131,6 +131,7 @@ def decode_step_time(engine, batch: int, context: int = 256, repeats: int = 20) 
                            SamplingParams(max_new_tokens=repeats + 8, ignore_eos=True))
     engine.step()  # prefill + first decode (captures the bucket's graph)
     engine.step()
+    engine.scheduler.drain()  # host == device before driving the machine by hand
     for r in engine.scheduler.running:  # the pages the timed steps below write
         engine.kv.ensure_capacity(r.row, r.seq_len + repeats + 2)
     m = engine.scheduler.machine
@@ -194,6 +195,7 @@ def spec_iteration_times(engine, batch: int, context: int = 256, repeats: int = 
                            SamplingParams(max_new_tokens=4 * repeats + 64, ignore_eos=True))
     engine.step()
     engine.step()
+    engine.scheduler.drain()  # host == device before driving the machine by hand
     for r in engine.scheduler.running:  # the pages the timed iterations below write
         engine.kv.ensure_capacity(r.row, r.seq_len + 2 * repeats * engine.tokens_per_iteration + 8)
     m = engine.scheduler.machine
@@ -245,6 +247,51 @@ def spec_iteration_times(engine, batch: int, context: int = 256, repeats: int = 
             "gpu_wait_share": max(wall - busy, 0.0) / wall, "device_activities": activities}
 
 
+def scheduler_step_times(engine, batch: int, overlap: bool, context: int = 256, steps: int = 20) -> dict:
+    """Steady-state wall time of one ``Engine.step()`` (one iteration, scheduler included) with
+    overlap scheduling on or off, and the share of it the GPU spends waiting for the host
+    (wall minus the union of device activity over 5 steps, from a profiler trace)."""
+    from phasegraph import SamplingParams
+
+    sched = engine.scheduler
+    sched.drain()
+    sched.overlap = overlap
+    vocab = engine.target.vocab_size
+    g = torch.Generator().manual_seed(2)
+    ids = [f"o{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, torch.randint(0, vocab, (context,), generator=g).tolist(),
+                           SamplingParams(max_new_tokens=8 * (2 * steps + 16), ignore_eos=True))
+    for _ in range(4):  # prefill, warm-up and capture of this bucket
+        engine.step()
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - start) / steps
+    busy, _ = gpu_busy_seconds(engine.step, 5)
+    for rid in ids:
+        engine.abort(rid)
+    sched.drain()
+    while engine.has_unfinished():
+        engine.step()
+    sched.overlap = engine.overlap
+    return {"batch": batch, "overlap": overlap, "step_s": wall, "gpu_busy_s": busy,
+            "gpu_waits_s": max(wall - busy, 0.0), "gpu_wait_share": max(wall - busy, 0.0) / wall}
+
+
+def print_scheduler_rows(name: str, engine, batches, rows: list) -> None:
+    for b in batches:
+        for overlap in (False, True):
+            r = scheduler_step_times(engine, b, overlap)
+            r["config"] = name
+            rows.append(r)
+            print(f"  {name:<18} scheduler step, overlap {'on ' if overlap else 'off'}, batch {b:>3}: "
+                  f"{1e3 * r['step_s']:7.2f} ms/step, GPU waits {1e3 * r['gpu_waits_s']:5.2f} ms "
+                  f"({100 * r['gpu_wait_share']:4.1f}%)", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
@@ -256,6 +303,8 @@ def main(argv=None) -> int:
     ap.add_argument("--graphs-off", action="store_true", help="also time iterations with graphs off")
     ap.add_argument("--scopes", nargs="+", default=["iteration", "phase"], choices=["iteration", "phase"],
                     help="graph scopes to time (one graph per iteration, or per phase)")
+    ap.add_argument("--scheduler", action="store_true",
+                    help="also time whole Engine.step() calls with overlap scheduling on and off")
     args = ap.parse_args(argv)
     from phasegraph import SpecConfig
     from phasegraph.runtime.engine import Engine
@@ -276,6 +325,10 @@ def main(argv=None) -> int:
         t = decode_step_time(ar, b)
         rows.append({"batch": b, "decode_step_s": t, "share_of_bound": (wbytes / bw) / t})
         print(f"  AR decode, batch {b:>3}: {1e3 * t:7.2f} ms/step = {100 * (wbytes / bw) / t:5.1f}% of the bandwidth bound", flush=True)
+    if args.scheduler:
+        sched_rows: list = []
+        print_scheduler_rows("AR decode", ar, args.batches, sched_rows)
+        result["scheduler_steps"] = sched_rows
     del ar
     torch.cuda.empty_cache()
     if args.compare_modules:  # the same weights through transformers' modules
@@ -304,6 +357,8 @@ def main(argv=None) -> int:
             eng = Engine(target, draft, spec=spec, max_batch_size=max(args.batches),
                          kv_pool_tokens=max(args.batches) * 1536, max_context=2048, cuda_graphs=graphs, trace=False,
                          graph_scope=scope)
+            if args.scheduler and graphs and scope == "iteration":
+                print_scheduler_rows(name, eng, args.batches, result.setdefault("scheduler_steps", []))
             for b in args.batches:
                 r = spec_iteration_times(eng, b)
                 r.update(config=name, graphs=graphs, graph_scope=scope if graphs else None)

@@ -28,7 +28,7 @@ def decode(state: DraftState, ctx: SpecContext) -> DraftState:
         params=params,
         seq_lens=state.seq_lens + 1,
         bonus_tokens=nxt,
-        remaining=state.remaining - 1,
+        remaining=(state.remaining - 1).clamp(min=0),  # a finished row may run once more (overlap)
         topk_p=state.topk_p,
         topk_index=state.topk_index,
         hidden=None,

@@ -93,7 +93,7 @@ def finalize_tree_path(state: VerifyResult, ctx: SpecContext) -> FinalizedPath:
         lead=lead,
         seq_lens=seq_lens + lens,
         bonus_tokens=fill_bonus_tokens(state.predict, accept_index, lens),
-        remaining=draft_state.remaining - lens,
+        remaining=(draft_state.remaining - lens).clamp(min=0),  # 0 past the budget (overlap)
         verified=state,
         accept_index=accept_index,
         accept_lens=lens,

@@ -124,6 +124,7 @@ class Engine:
         graph_buckets: Sequence[int] | None = None,
         graph_scope: str = "iteration",
         simulate_accept_length: int | None = None,
+        overlap: bool | None = None,
     ):
         spec = _as_spec(spec)
         if graph_scope not in GRAPH_SCOPES:
@@ -150,10 +151,14 @@ class Engine:
         self.tokens_per_iteration = (
             max(tree.num_draft_tokens, tree.accept_width + int(getattr(self.draft, "kv_lead", 0))) if tree else 1
         )
+        # overlap scheduling (default on a GPU): the device runs one iteration ahead of the
+        # host, so a request may hold the tokens of one more iteration (see scheduler.py)
+        self.overlap = self.device.type == "cuda" if overlap is None else bool(overlap)
+        self.kv_lookahead = self.tokens_per_iteration + ((tree.accept_width if tree else 1) if self.overlap else 0)
         self.page_size = page_size
         kv_tokens = kv_pool_tokens or self._default_pool_tokens()
         num_pages = math.ceil(kv_tokens / page_size) + 1  # + the reserved page 0
-        max_pages = math.ceil((self.max_context + self.tokens_per_iteration) / page_size) + 1
+        max_pages = math.ceil((self.max_context + self.kv_lookahead) / page_size) + 1
         self.kv = KVCacheManager(
             num_pages=num_pages,
             page_size=page_size,
@@ -183,6 +188,7 @@ class Engine:
         self.scheduler = Scheduler(
             graph=graph, ctx=self.ctx, kv=self.kv, max_batch_size=max_batch_size,
             device=self.device, trace=self.trace, validate=validate, check_every_step=check_every_step,
+            overlap=self.overlap,
         )
         self.check_every_step = check_every_step
         self._seed = seed
@@ -275,7 +281,7 @@ class Engine:
                 "so there is no room to generate"
             )
         budget = min(params.max_new_tokens, self.max_context - len(ids))
-        need = len(ids) + budget + self.tokens_per_iteration
+        need = len(ids) + budget + self.kv_lookahead
         capacity = (self.kv.num_pages - 1) * self.page_size - self.kv.pages_per_admission * self.page_size
         if need > capacity:
             raise InvalidRequest(
@@ -354,6 +360,7 @@ class Engine:
     def retract(self, request_id: str) -> bool:
         """Force a running request out of the batch (it is requeued and resumes with the same
         output). Returns False when the request is not running."""
+        self.scheduler.drain()  # it may have finished in the iteration in flight
         for req in self.scheduler.running:
             if req.request_id == request_id:
                 self.scheduler.retract([req])

@@ -7,10 +7,25 @@ One :meth:`Scheduler.step` does, in order:
    (``prefill-extend`` -> ``draft-extend``) and merged into the running batch (``merge``);
 3. reserve: every running request gets the KV pages its next iteration writes; when the pool
    runs short the most recently admitted requests are retracted (``retract``) and requeued;
-4. iterate: one speculative iteration (``draft`` -> ``verify`` -> ``finalize-tree-path`` ->
-   ``draft-extend``) or one ``decode`` step for the baseline, then **the one host
-   synchronisation of the iteration** reads the emitted tokens;
-5. finish: finished requests leave the batch (``filter``), freeing their KV.
+4. issue: one speculative iteration (``draft`` -> ``verify`` -> ``finalize-tree-path`` ->
+   ``draft-extend``) or one ``decode`` step for the baseline, plus an asynchronous copy of its
+   emitted tokens to the host;
+5. collect: **the one host synchronisation of an iteration** reads the emitted tokens and
+   accept lengths (:meth:`Scheduler._collect`);
+6. finish: finished requests leave the batch (``filter``), freeing their KV.
+
+With ``overlap=True`` (the default on a GPU) step 5 collects the iteration issued by the
+*previous* step, after this step's iteration is already queued behind it: the GPU never waits
+for the host's bookkeeping (SGLang's overlap scheduler does the same). The device then runs one
+iteration ahead of the host, which costs three things, all handled here:
+
+- pages: an iteration is issued before the host knows how many tokens the previous one
+  committed, so each request's pages are reserved for the worst case (``commit_per_iteration``
+  more tokens);
+- finished requests run one iteration too many (their extra tokens are dropped on collection;
+  the phases clamp ``remaining`` at 0, so the device state stays valid);
+- host and device bookkeeping agree only after a drain (:meth:`Scheduler.drain`): ``check()``,
+  retraction and a short pool drain first.
 
 The running batch's rows are always in the order of ``self.running``.
 """
@@ -21,6 +36,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
+import attrs
 import torch
 
 from phasegraph.phases import BatchParams, DraftState, PrefillInput, RowSelection, SpecContext
@@ -39,6 +55,22 @@ def tokens_per_iteration(ctx: SpecContext) -> int:
     return max(ctx.tree.num_draft_tokens, ctx.tree.accept_width + lead)
 
 
+def commit_per_iteration(ctx: SpecContext) -> int:
+    """The most tokens one iteration commits to a request's KV: the accepted path (W), or 1."""
+    return 1 if ctx.tree is None else ctx.tree.accept_width
+
+
+@attrs.define(eq=False)
+class InFlight:
+    """An iteration issued to the device whose emitted tokens the host has not read yet."""
+
+    batch: list[Request]  # the running batch it was issued for, in row order
+    tokens: torch.Tensor  # [B, W + 1] emitted tokens (-1 padded) then the accept length; host memory
+    logprobs: torch.Tensor | None  # [B, W]
+    ready: torch.cuda.Event | None  # recorded after the copy to the host (None on the CPU)
+    speculative: bool
+
+
 class Scheduler:
     def __init__(
         self,
@@ -51,6 +83,7 @@ class Scheduler:
         trace: Trace | None = None,
         validate: str | None = None,
         check_every_step: bool = False,
+        overlap: bool = False,
     ):
         self.graph = graph
         self.ctx = ctx
@@ -62,6 +95,9 @@ class Scheduler:
         self.check_every_step = check_every_step
         self.speculative = ctx.tree is not None
         self.tokens_per_iteration = tokens_per_iteration(ctx)
+        self.commit_per_iteration = commit_per_iteration(ctx)
+        self.overlap = overlap
+        self.in_flight: InFlight | None = None
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.machine = Machine(graph, name="running", trace=trace, validate=validate)
@@ -89,7 +125,7 @@ class Scheduler:
         return False
 
     def has_unfinished(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.in_flight is not None)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> set[Request]:
@@ -97,19 +133,45 @@ class Scheduler:
         touched: set[Request] = set()
         touched |= self._admit()
         self._filter_finished()
+        issued = None
         if self.running:
-            self._reserve_pages()
-        if self.running:
-            touched |= self._iterate()
-            self._filter_finished()
+            if self.in_flight is not None and self._pages_short():
+                touched |= self.drain()  # exact lengths before reserving (or retracting)
+            if self.running:
+                self._reserve_pages()
+            if self.running:
+                issued = self._issue()
+        previous, self.in_flight = self.in_flight, issued
+        if previous is not None:  # overlap: it finished on the GPU while `issued` was queued
+            touched |= self._collect(previous)
+        if not self.overlap:
+            touched |= self.drain()
+        self._filter_finished()
         if self.check_every_step:
             self.check()
         return touched
 
+    def drain(self) -> set[Request]:
+        """Collect the iteration in flight, if any, and drop the requests it finished: after
+        this the host's bookkeeping equals the device state again."""
+        previous, self.in_flight = self.in_flight, None
+        if previous is None:
+            return set()
+        touched = self._collect(previous)
+        self._filter_finished()
+        return touched
+
+    def _lookahead(self) -> int:
+        """Tokens past its host-side ``seq_len`` a running request may write in the next
+        iteration: its own writes, plus the tokens the iteration in flight may commit."""
+        ahead = self.commit_per_iteration if self.in_flight is not None else 0
+        return ahead + self.tokens_per_iteration
+
     # ------------------------------------------------------------------ admission
     def _admit(self) -> set[Request]:
         admitted: list[Request] = []
-        reserve = sum(self.kv.pages_needed(r.seq_len + self.tokens_per_iteration, r.row) for r in self.running)
+        ahead = self._lookahead()
+        reserve = sum(self.kv.pages_needed(r.seq_len + ahead, r.row) for r in self.running)
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             req = self.waiting[0]
             need_tokens = len(req.tokens_to_prefill()) + self.tokens_per_iteration
@@ -192,16 +254,19 @@ class Scheduler:
         self.running.extend(reqs)
 
     # ------------------------------------------------------------------ memory
+    def _pages_short(self) -> bool:
+        ahead = self._lookahead()
+        need = sum(self.kv.pages_needed(r.seq_len + ahead, r.row) for r in self.running)
+        return need > self.kv.num_free_pages
+
     def _reserve_pages(self) -> None:
         """Give every running request the pages of its next iteration, retracting the most
         recently admitted requests while the pool is short."""
-        while True:
-            need = sum(self.kv.pages_needed(r.seq_len + self.tokens_per_iteration, r.row) for r in self.running)
-            if need <= self.kv.num_free_pages or len(self.running) <= 1:
-                break
+        while self._pages_short() and len(self.running) > 1:
             self.retract([self.running[-1]])
+        ahead = self._lookahead()
         for r in self.running:
-            self.kv.ensure_capacity(r.row, r.seq_len + self.tokens_per_iteration)
+            self.kv.ensure_capacity(r.row, r.seq_len + ahead)
 
     def retract(self, victims: list[Request]) -> None:
         """Give back everything ``victims`` hold and requeue them (front of the queue) to
@@ -209,6 +274,11 @@ class Scheduler:
         their bonus token, see :meth:`_prefill`)."""
         if not victims:
             return
+        if self.in_flight is not None:
+            self.drain()  # a victim resumes from exactly the tokens the host has
+            victims = [v for v in victims if v.finish_reason is None]
+            if not victims:
+                return
         ids = {id(v) for v in victims}
         rows = [i for i, r in enumerate(self.running) if id(r) in ids]
         self._run(self.machine, "retract", self.running, rows=self._selection(rows))
@@ -226,34 +296,51 @@ class Scheduler:
         self.ctx.greedy_only = all(r.params.greedy for r in reqs)
         self.ctx.return_logprobs = any(r.params.logprobs for r in reqs)
 
-    def _iterate(self) -> set[Request]:
+    def _issue(self) -> InFlight:
+        """Queue one iteration of the running batch and an asynchronous copy of what it emits
+        to the host; nothing here waits for the device."""
         batch = list(self.running)
         self._set_flags(batch)
         m = self.machine
         if not self.speculative:
             state = self._run(m, "decode", batch)
-            # the one host synchronisation of the iteration
-            tokens = state.bonus_tokens.tolist()
-            lps = state.bonus_logprobs.tolist() if state.bonus_logprobs is not None else None
-            for i, req in enumerate(batch):
-                req.seq_len += 1
-                req.append([tokens[i]], None if lps is None else [lps[i]])
-            return set(batch)
-        self._run(m, "draft", batch)
-        self._run(m, "verify", batch)
-        path = self._run(m, "finalize-tree-path", batch)
-        self._run(m, "draft-extend", batch)
-        # the one host synchronisation of the iteration: emitted tokens and accept lengths
-        packed = torch.cat([path.emitted, path.accept_lens[:, None]], dim=1).tolist()
-        lps = None
-        if path.accepted_logprobs is not None:
-            lps = path.accepted_logprobs.view(len(batch), -1).tolist()
-        for i, req in enumerate(batch):
+            emitted = state.bonus_tokens[:, None]  # [B, 1]
+            tokens = torch.cat([emitted, torch.ones_like(emitted)], dim=1)  # accept length 1
+            lps = None if state.bonus_logprobs is None else state.bonus_logprobs[:, None]
+        else:
+            self._run(m, "draft", batch)
+            self._run(m, "verify", batch)
+            path = self._run(m, "finalize-tree-path", batch)
+            self._run(m, "draft-extend", batch)
+            tokens = torch.cat([path.emitted, path.accept_lens[:, None]], dim=1)  # [B, W + 1]
+            lps = None if path.accepted_logprobs is None else path.accepted_logprobs.view(len(batch), -1)
+        ready = None
+        if tokens.device.type == "cuda":
+            tokens = _to_pinned_host(tokens)
+            lps = None if lps is None else _to_pinned_host(lps)
+            ready = torch.cuda.Event()
+            ready.record()
+        return InFlight(batch, tokens, lps, ready, self.speculative)
+
+    def _collect(self, done: InFlight) -> set[Request]:
+        """**The one host synchronisation of an iteration**: wait for its copy to the host and
+        append the emitted tokens. Requests that finished, were aborted or retracted since it
+        was issued ran it for nothing; their tokens are dropped."""
+        if done.ready is not None:
+            done.ready.synchronize()
+        packed = done.tokens.tolist()
+        lps = None if done.logprobs is None else done.logprobs.tolist()
+        touched = set()
+        for i, req in enumerate(done.batch):
+            if req.status is not Status.RUNNING or req.finish_reason is not None:
+                continue
             n = packed[i][-1]
             req.seq_len += n
-            req.stats.accept_lengths.append(n)
+            if done.speculative:
+                req.stats.accept_lengths.append(n)
             req.append(packed[i][:n], None if lps is None else lps[i][:n])
-        return set(batch)
+            touched.add(req)
+        return touched
 
     def _filter_finished(self) -> None:
         done = [r for r in self.running if r.finish_reason is not None]
@@ -299,6 +386,7 @@ class Scheduler:
         tokens``, bonus token, remaining budget); page-table rows held by running requests only,
         each owning the KV of its committed tokens. Raises :class:`SchedulerInvariantError`
         listing every problem found."""
+        self.drain()
         problems: list[str] = []
         try:
             self.kv.check()
@@ -352,3 +440,11 @@ class Scheduler:
             if owned < r.seq_len:
                 p.append(f"{r.request_id}: row {r.row} owns {owned} KV slots < seq_len {r.seq_len}")
         return p
+
+
+def _to_pinned_host(x: torch.Tensor) -> torch.Tensor:
+    """An asynchronous copy of device tensor ``x`` into pinned host memory (valid once the
+    stream reaches the copy)."""
+    host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+    host.copy_(x, non_blocking=True)
+    return host
