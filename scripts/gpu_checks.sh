@@ -14,6 +14,6 @@ if [[ $what == tests || $what == all ]]; then
     2>&1 | tail -25 | tee "$OUT/gpu-tests.txt"
 fi
 if [[ $what == scale || $what == all ]]; then
-  timeout 280 python bench/bench_scale.py --compare-modules --batches 1 8 64 --out "$OUT" \
+  timeout 400 python bench/bench_scale.py --batches 1 8 64 --scopes iteration --scheduler --out "$OUT" \
     2>&1 | grep -v Warning | tee "$OUT/scale.txt"
 fi
