@@ -258,7 +258,7 @@ def scheduler_step_times(engine, batch: int, overlap: bool, context: int = 256, 
     sched.overlap = overlap
     vocab = engine.target.vocab_size
     g = torch.Generator().manual_seed(2)
-    ids = [f"o{batch}-{i}" for i in range(batch)]
+    ids = [f"o{int(overlap)}-{batch}-{i}" for i in range(batch)]
     for rid in ids:
         engine.add_request(rid, torch.randint(0, vocab, (context,), generator=g).tolist(),
                            SamplingParams(max_new_tokens=8 * (2 * steps + 16), ignore_eos=True))
@@ -273,9 +273,8 @@ def scheduler_step_times(engine, batch: int, overlap: bool, context: int = 256, 
     busy, _ = gpu_busy_seconds(engine.step, 5)
     for rid in ids:
         engine.abort(rid)
+    engine.step()  # reports the aborts (and collects the iteration in flight)
     sched.drain()
-    while engine.has_unfinished():
-        engine.step()
     sched.overlap = engine.overlap
     return {"batch": batch, "overlap": overlap, "step_s": wall, "gpu_busy_s": busy,
             "gpu_waits_s": max(wall - busy, 0.0), "gpu_wait_share": max(wall - busy, 0.0) / wall}
