@@ -42,6 +42,15 @@ class KVSpec:
     dtype: torch.dtype
 
 
+def to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device`` without waiting for the device: a CUDA copy goes through pinned
+    memory, asynchronously (a copy from pageable memory would wait for every kernel queued
+    before it, i.e. for the iteration in flight under overlap scheduling)."""
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def check_pool_fits(pool: KVPool, spec: KVSpec, who: str) -> KVPool:
     """``pool`` if its layers, KV heads and head size are the ones ``spec`` describes."""
     have = (pool.spec.num_layers, pool.spec.num_kv_heads, pool.spec.head_dim)
@@ -200,8 +209,33 @@ class RequestTable:
         if need <= have:
             return
         pages = self.allocator.alloc(need - have)  # [need - have] int64 host
-        self.req_to_page[row, have:need] = pages.to(self.device)
+        self.req_to_page[row, have:need] = to_device(pages, self.device)
         self.owned[row].extend(pages.tolist())
+
+    def ensure_capacity_many(self, rows: list[int], num_tokens: list[int]) -> None:
+        """:meth:`ensure_capacity` for several rows with one host-to-device copy and one write
+        into the table (what the scheduler does every iteration). All-or-nothing: on
+        :class:`OutOfKVPages` or :class:`RequestTooLong` nothing is allocated."""
+        grow = []
+        for row, n in zip(rows, num_tokens, strict=True):
+            self.check_row(row)
+            if n > self.max_tokens:
+                raise RequestTooLong(n, self.max_tokens)
+            have, need = len(self.owned[row]), self.pages_for(n)
+            if need > have:
+                grow.append((row, have, need))
+        if not grow:
+            return
+        pages = self.allocator.alloc(sum(need - have for _, have, need in grow)).tolist()
+        where_rows, where_cols = [], []
+        start = 0
+        for row, have, need in grow:
+            self.owned[row].extend(pages[start : start + need - have])
+            start += need - have
+            where_rows += [row] * (need - have)
+            where_cols += range(have, need)
+        packed = to_device(torch.tensor([where_rows, where_cols, pages], dtype=torch.int64), self.device)  # [3, n]
+        self.req_to_page[packed[0], packed[1]] = packed[2]
 
     def release(self, row: int) -> None:
         """Free every page the row owns (over-allocation included); the row stays in use."""
@@ -298,6 +332,9 @@ class KVCacheManager:
 
     def ensure_capacity(self, row: int, num_tokens: int) -> None:
         self.table.ensure_capacity(row, num_tokens)
+
+    def ensure_capacity_many(self, rows: list[int], num_tokens: list[int]) -> None:
+        self.table.ensure_capacity_many(rows, num_tokens)
 
     def release(self, row: int) -> None:
         """Free the row's pages, its branch regions and the row itself."""

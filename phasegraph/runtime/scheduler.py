@@ -41,7 +41,7 @@ import torch
 
 from phasegraph.phases import BatchParams, DraftState, PrefillInput, RowSelection, SpecContext
 from phasegraph.runtime.errors import KVAccountingError, OutOfKVPages, SchedulerInvariantError
-from phasegraph.runtime.kv_pool import KVCacheManager
+from phasegraph.runtime.kv_pool import KVCacheManager, to_device
 from phasegraph.runtime.requests import Request, Status
 from phasegraph.statemachine import Machine, PhaseGraph, Trace
 
@@ -265,8 +265,7 @@ class Scheduler:
         while self._pages_short() and len(self.running) > 1:
             self.retract([self.running[-1]])
         ahead = self._lookahead()
-        for r in self.running:
-            self.kv.ensure_capacity(r.row, r.seq_len + ahead)
+        self.kv.ensure_capacity_many([r.row for r in self.running], [r.seq_len + ahead for r in self.running])
 
     def retract(self, victims: list[Request]) -> None:
         """Give back everything ``victims`` hold and requeue them (front of the queue) to
@@ -355,7 +354,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ helpers
     def _selection(self, rows: list[int]) -> RowSelection:
-        return RowSelection(rows=torch.tensor(rows, dtype=torch.int64, device=self.device))
+        return RowSelection(rows=to_device(torch.tensor(rows, dtype=torch.int64), self.device))
 
     def _run(self, machine: Machine, phase: str, reqs: list[Request], **kw):
         start = time.perf_counter()

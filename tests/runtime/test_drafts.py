@@ -333,3 +333,38 @@ def test_standalone_matches_transformers_at_its_own_positions(
             assert r.hidden.shape == (0,)
             if r.logits is not None:
                 torch.testing.assert_close(r.logits.double(), want[i], atol=ATOL, rtol=0)
+
+
+def test_a_head_built_in_code_attends_over_the_paged_pool(tmp_path, target_dir):
+    """A head built from a plain LlamaConfig (transformers' default: eager attention, which
+    would attend over one call's tokens only) gets the paged attention, and computes exactly
+    what the same weights loaded from a checkpoint compute; a module holding another config
+    that asks for another attention is refused."""
+    from transformers import LlamaConfig
+
+    from phasegraph.runtime.errors import DraftMismatch
+    from phasegraph.runtime.models.eagle3 import Eagle3Head, eagle3_dims
+
+    target = HFTarget.from_pretrained(target_dir, feature_mode="eagle3")
+    loaded = Eagle3Draft.from_pretrained(write_eagle3_draft(tmp_path / "e3", target_dir), target)
+    raw = {k: v for k, v in loaded.config.to_dict().items() if not k.startswith("_")}
+    plain = LlamaConfig(**raw)
+    plain._attn_implementation = "eager"
+    target_hidden, draft_vocab = eagle3_dims(plain)
+    head = Eagle3Head(plain, target_hidden_size=target_hidden, draft_vocab_size=draft_vocab,
+                      with_d2t=hasattr(loaded.head, "d2t"), with_t2d=hasattr(loaded.head, "t2d"))
+    head.load_state_dict(loaded.head.state_dict())
+    built = Eagle3Draft(target, plain, head)
+    assert plain._attn_implementation == "phasegraph"
+    got, want = run_scenario(built, target, 4), run_scenario(loaded, target, 4)
+    rows = [(a, b) for ra, rb in zip(got, want, strict=True) for a, b in zip(ra, rb, strict=True)]
+    computed = [(a, b) for a, b in rows if b.logits is not None]
+    assert len(computed) > 4
+    for a, b in computed:
+        assert torch.equal(a.logits, b.logits) and torch.equal(a.hidden, b.hidden)
+
+    foreign = LlamaConfig(**raw)
+    foreign._attn_implementation = "eager"
+    head.midlayer.self_attn.config = foreign
+    with pytest.raises(DraftMismatch, match="uses attention 'eager', not the paged 'phasegraph'"):
+        Eagle3Draft(target, LlamaConfig(**raw), head)

@@ -41,6 +41,22 @@ def building(device: torch.device | str, init: bool) -> Iterator[None]:
         yield
 
 
+def use_paged_attention(config: LlamaConfig, head: torch.nn.Module, who: str) -> None:
+    """Make the head's attention modules attend over the paged pool (transformers reads
+    ``config._attn_implementation`` at every forward). A config built in code defaults to eager
+    attention, which would silently attend over the tokens of one call only; a module holding
+    another config that says so raises :class:`DraftMismatch`."""
+    config._attn_implementation = ATTN_IMPLEMENTATION
+    for name, module in head.named_modules():
+        cfg = getattr(module, "config", None)
+        impl = getattr(cfg, "_attn_implementation", ATTN_IMPLEMENTATION)
+        require(
+            cfg is None or impl == ATTN_IMPLEMENTATION,
+            f"{who}: module {name or type(head).__name__!r} uses attention {impl!r}, not the paged "
+            f"{ATTN_IMPLEMENTATION!r} attention (build it from the draft's config)",
+        )
+
+
 def require(condition: bool, message: str) -> None:
     if not condition:
         raise DraftMismatch(message)
@@ -58,6 +74,7 @@ class FeatureDraft:
         self.target = target
         self.config = config
         self.head = head.eval()
+        use_paged_attention(config, head, type(self).__name__)
         param = next(head.parameters())
         self.dtype = param.dtype
         self.device = param.device
