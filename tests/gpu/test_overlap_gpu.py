@@ -66,11 +66,12 @@ def test_steady_state_step_syncs_only_to_collect(setup, name, overlap, monkeypat
     collect = Scheduler._collect
 
     def collect_allowed_to_sync(self, done):
+        mode = torch.cuda.get_sync_debug_mode()  # "error" inside the steps; not in check()'s drain
         torch.cuda.set_sync_debug_mode("default")
         try:
             return collect(self, done)
         finally:
-            torch.cuda.set_sync_debug_mode("error")
+            torch.cuda.set_sync_debug_mode(mode)
 
     monkeypatch.setattr(Scheduler, "_collect", collect_allowed_to_sync)
     torch.cuda.set_sync_debug_mode("error")
