@@ -219,120 +219,17 @@ def write_kv_triton(
     )
 
 
-@jit(do_not_specialize=["num_tokens", "max_pages"])
-def _paged_attention_kernel(
-    q_ptr,  # [T, H, D]
-    k_ptr,  # [slots, Hkv, D]
-    v_ptr,  # [slots, Hkv, D]
-    out_ptr,  # [T, H, D], written when NUM_SPLITS == 1
-    part_acc_ptr,  # [T, H, NUM_SPLITS, BLOCK_D] f32, unnormalised P.V (NUM_SPLITS > 1)
-    part_max_ptr,  # [T, H, NUM_SPLITS] f32, running max of the log2-domain scores
-    part_sum_ptr,  # [T, H, NUM_SPLITS] f32, softmax denominator
-    page_table_ptr,  # [R, max_pages] i64
-    query_row_ptr,  # [T] i64
-    kv_len_ptr,  # [T] i64
-    extra_ptr,  # [T, E] u8 tree block (any tensor when HAS_EXTRA is false)
-    num_tokens,
-    max_pages,
-    scale_log2,  # f32, softmax scale * log2(e)
-    stride_qt,
-    stride_qh,
-    stride_qd,
-    stride_ks,
-    stride_kh,
-    stride_kd,
-    stride_vs,
-    stride_vh,
-    stride_vd,
-    stride_ot,
-    stride_oh,
-    stride_od,
-    stride_pr,
-    stride_pp,
-    stride_et,
-    stride_ee,
-    NUM_EXTRA: tl.constexpr,  # E
-    BLOCK_E: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    GROUP: tl.constexpr,  # query heads per kv head
-    GROUP_P: tl.constexpr,  # GROUP rounded up to a power of two
-    BLOCK_T: tl.constexpr,  # query tokens of one aligned block (BLOCK_T * GROUP_P query rows)
-    BLOCK_N: tl.constexpr,  # kv positions per iteration
-    HEAD_DIM: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
-    HAS_EXTRA: tl.constexpr,
-    UPCAST: tl.constexpr,  # fp32 or mixed dtypes: fp32 tiles and full-precision products
-    SPLIT_P: tl.constexpr,  # bf16: P.V as (P_hi + P_lo).V, two bf16 products
+@jit
+def _attend_tiles(
+    lo, hi, m_i, l_i, acc, q, kv_len_m, tree_word, member_m, valid_m, tok_m, offs_d, d_ok,
+    table_row, max_pages, k_ptr, v_ptr, extra_ptr, kv_head, scale_log2,
+    stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_pp, stride_et, stride_ee,
+    NUM_EXTRA: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
+    HAS_EXTRA: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.constexpr,
 ):
-    BLOCK_M: tl.constexpr = BLOCK_T * GROUP_P
-    t = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    split = tl.program_id(2)
-    num_heads = tl.num_programs(1) * GROUP
-
-    # The tokens of t's aligned block that share its page-table row form one "run". Its first
-    # token (the leader) does the whole run, so the run's keys and values are read once; every
-    # other program of the run returns at once.
-    row = tl.load(query_row_ptr + t)
-    block_start = (t // BLOCK_T) * BLOCK_T
-    offs_bt = block_start + tl.arange(0, BLOCK_T)
-    rows_bt = tl.load(query_row_ptr + offs_bt, mask=offs_bt < num_tokens, other=-1)
-    same_bt = (offs_bt < num_tokens) & (rows_bt == row)
-    leader = tl.min(tl.where(same_bt, offs_bt, num_tokens), axis=0)
-    if leader != t:
-        return
-
-    # Query rows: token block_start + m // GROUP_P, head kv_head * GROUP + m % GROUP_P.
-    offs_m = tl.arange(0, BLOCK_M)
-    tok_m = (block_start + offs_m // GROUP_P).to(tl.int64)  # [M]
-    g_m = offs_m % GROUP_P
-    in_range_m = tok_m < num_tokens
-    row_m = tl.load(query_row_ptr + tok_m, mask=in_range_m, other=-1)
-    member_m = in_range_m & (row_m == row)
-    valid_m = member_m & (g_m < GROUP)
-    head_m = kv_head * GROUP + g_m
-    kv_len_m = tl.maximum(tl.load(kv_len_ptr + tok_m, mask=member_m, other=0), 0)  # [M]
-    end_m = kv_len_m
-    if HAS_EXTRA:
-        # A query reads nothing past its last tree bit: [0, kv_len + last set bit + 1).
-        offs_e = tl.arange(0, BLOCK_E)
-        bits = tl.load(
-            extra_ptr + tok_m[:, None] * stride_et + offs_e[None, :] * stride_ee,
-            mask=member_m[:, None] & (offs_e[None, :] < NUM_EXTRA),
-            other=0,
-        )
-        end_m = kv_len_m + tl.max(tl.where(bits != 0, offs_e[None, :] + 1, 0), axis=1)
-        if NUM_EXTRA <= 64:
-            # Tree bits of each query row packed into one int64 (bit e = position kv_len + e),
-            # so the loop tests them with shifts instead of gathering bytes.
-            tree_word = tl.sum(
-                tl.where(bits != 0, tl.full([1], 1, tl.int64) << offs_e[None, :].to(tl.int64), 0),
-                axis=1,
-            )  # [M] i64
-    run_end = tl.max(tl.where(member_m, end_m, 0), axis=0)
-
-    # This split's share of [0, run_end), whole BLOCK_N tiles.
-    per_split = tl.cdiv(tl.cdiv(run_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    lo = split * per_split
-    hi = tl.minimum(lo + per_split, run_end)
-
-    offs_d = tl.arange(0, BLOCK_D)
-    d_ok = offs_d < HEAD_DIM
-    q = tl.load(
-        q_ptr + tok_m[:, None] * stride_qt + head_m[:, None] * stride_qh
-        + offs_d[None, :] * stride_qd,
-        mask=valid_m[:, None] & d_ok[None, :],
-        other=0.0,
-    )  # [M, BLOCK_D]
-    if UPCAST:
-        q = q.to(tl.float32)
-
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    """Online softmax over the positions [lo, hi) of one run, BLOCK_N at a time, continuing
+    from (m_i, l_i, acc): returns the updated running max, denominator and unnormalised P.V."""
     offs_n = tl.arange(0, BLOCK_N)
-    table_row = page_table_ptr + row * stride_pr
     for start in range(lo, hi, BLOCK_N):
         pos = start + offs_n  # [N] logical positions of the row
         col_ok = pos < hi
@@ -395,6 +292,162 @@ def _paged_attention_kernel(
         else:
             acc = tl.dot(p.to(v.dtype), v, acc)
         m_i = m_new
+    return m_i, l_i, acc
+
+
+@jit
+def _merge_partial(run_m, run_l, run_acc, m, denom, acc):
+    """Fold one chunk's partial softmax (max m, denominator denom, unnormalised P.V acc) into the
+    running one. A chunk a row attends nothing of (m = -inf, denom = 0, acc = 0) leaves it exactly
+    as it was, so chunks past a query's end change no bit."""
+    m_new = tl.maximum(run_m, m)
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    a = tl.exp2(run_m - m_use)
+    b = tl.exp2(m - m_use)
+    return m_new, run_l * a + denom * b, run_acc * a[:, None] + acc * b[:, None]
+
+
+@jit(do_not_specialize=["num_tokens", "max_pages"])
+def _paged_attention_kernel(
+    q_ptr,  # [T, H, D]
+    k_ptr,  # [slots, Hkv, D]
+    v_ptr,  # [slots, Hkv, D]
+    out_ptr,  # [T, H, D], written when NUM_SPLITS == 1
+    part_acc_ptr,  # [T, H, NUM_SPLITS, BLOCK_D] f32, unnormalised P.V (NUM_SPLITS > 1)
+    part_max_ptr,  # [T, H, NUM_SPLITS] f32, running max of the log2-domain scores
+    part_sum_ptr,  # [T, H, NUM_SPLITS] f32, softmax denominator
+    page_table_ptr,  # [R, max_pages] i64
+    query_row_ptr,  # [T] i64
+    kv_len_ptr,  # [T] i64
+    extra_ptr,  # [T, E] u8 tree block (any tensor when HAS_EXTRA is false)
+    num_tokens,
+    max_pages,
+    scale_log2,  # f32, softmax scale * log2(e)
+    stride_qt,
+    stride_qh,
+    stride_qd,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_pr,
+    stride_pp,
+    stride_et,
+    stride_ee,
+    NUM_EXTRA: tl.constexpr,  # E
+    BLOCK_E: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per kv head
+    GROUP_P: tl.constexpr,  # GROUP rounded up to a power of two
+    BLOCK_T: tl.constexpr,  # query tokens of one aligned block (BLOCK_T * GROUP_P query rows)
+    BLOCK_N: tl.constexpr,  # kv positions per iteration
+    HEAD_DIM: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    HAS_EXTRA: tl.constexpr,
+    UPCAST: tl.constexpr,  # fp32 or mixed dtypes: fp32 tiles and full-precision products
+    SPLIT_P: tl.constexpr,  # bf16: P.V as (P_hi + P_lo).V, two bf16 products
+    CHUNK: tl.constexpr,  # > 0: fixed chunks of CHUNK positions merged in order (fp32)
+):
+    BLOCK_M: tl.constexpr = BLOCK_T * GROUP_P
+    t = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+    num_heads = tl.num_programs(1) * GROUP
+
+    # The tokens of t's aligned block that share its page-table row form one "run". Its first
+    # token (the leader) does the whole run, so the run's keys and values are read once; every
+    # other program of the run returns at once.
+    row = tl.load(query_row_ptr + t)
+    block_start = (t // BLOCK_T) * BLOCK_T
+    offs_bt = block_start + tl.arange(0, BLOCK_T)
+    rows_bt = tl.load(query_row_ptr + offs_bt, mask=offs_bt < num_tokens, other=-1)
+    same_bt = (offs_bt < num_tokens) & (rows_bt == row)
+    leader = tl.min(tl.where(same_bt, offs_bt, num_tokens), axis=0)
+    if leader != t:
+        return
+
+    # Query rows: token block_start + m // GROUP_P, head kv_head * GROUP + m % GROUP_P.
+    offs_m = tl.arange(0, BLOCK_M)
+    tok_m = (block_start + offs_m // GROUP_P).to(tl.int64)  # [M]
+    g_m = offs_m % GROUP_P
+    in_range_m = tok_m < num_tokens
+    row_m = tl.load(query_row_ptr + tok_m, mask=in_range_m, other=-1)
+    member_m = in_range_m & (row_m == row)
+    valid_m = member_m & (g_m < GROUP)
+    head_m = kv_head * GROUP + g_m
+    kv_len_m = tl.maximum(tl.load(kv_len_ptr + tok_m, mask=member_m, other=0), 0)  # [M]
+    end_m = kv_len_m
+    tree_word = tl.zeros([BLOCK_M], tl.int64)  # bit e: position kv_len + e (NUM_EXTRA <= 64)
+    if HAS_EXTRA:
+        # A query reads nothing past its last tree bit: [0, kv_len + last set bit + 1).
+        offs_e = tl.arange(0, BLOCK_E)
+        bits = tl.load(
+            extra_ptr + tok_m[:, None] * stride_et + offs_e[None, :] * stride_ee,
+            mask=member_m[:, None] & (offs_e[None, :] < NUM_EXTRA),
+            other=0,
+        )
+        end_m = kv_len_m + tl.max(tl.where(bits != 0, offs_e[None, :] + 1, 0), axis=1)
+        if NUM_EXTRA <= 64:
+            # Tree bits of each query row packed into one int64 (bit e = position kv_len + e),
+            # so the loop tests them with shifts instead of gathering bytes.
+            tree_word = tl.sum(
+                tl.where(bits != 0, tl.full([1], 1, tl.int64) << offs_e[None, :].to(tl.int64), 0),
+                axis=1,
+            )  # [M] i64
+    run_end = tl.max(tl.where(member_m, end_m, 0), axis=0)
+
+    if CHUNK > 0:  # split s is chunk s: [s * CHUNK, (s + 1) * CHUNK)
+        lo = split * CHUNK
+        hi = tl.minimum(lo + CHUNK, run_end)
+    else:  # this split's share of [0, run_end), whole BLOCK_N tiles
+        per_split = tl.cdiv(tl.cdiv(run_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, run_end)
+
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < HEAD_DIM
+    q = tl.load(
+        q_ptr + tok_m[:, None] * stride_qt + head_m[:, None] * stride_qh
+        + offs_d[None, :] * stride_qd,
+        mask=valid_m[:, None] & d_ok[None, :],
+        other=0.0,
+    )  # [M, BLOCK_D]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    table_row = page_table_ptr + row * stride_pr
+    if CHUNK > 0 and NUM_SPLITS == 1:
+        # Fixed chunks, each from a fresh state, merged in order: the same arithmetic as one
+        # program per chunk plus the combine kernel, so splitting never changes a bit.
+        run_m = m_i
+        run_l = l_i
+        run_acc = acc
+        for c in range(0, tl.cdiv(run_end, CHUNK)):
+            m_c, l_c, acc_c = _attend_tiles(
+                c * CHUNK, tl.minimum(c * CHUNK + CHUNK, run_end), m_i, l_i, acc, q, kv_len_m,
+                tree_word, member_m, valid_m, tok_m, offs_d, d_ok, table_row, max_pages, k_ptr,
+                v_ptr, extra_ptr, kv_head, scale_log2, stride_ks, stride_kh, stride_kd,
+                stride_vs, stride_vh, stride_vd, stride_pp, stride_et, stride_ee,
+                NUM_EXTRA, PAGE_SIZE, BLOCK_N, HAS_EXTRA, UPCAST, SPLIT_P,
+            )
+            run_m, run_l, run_acc = _merge_partial(run_m, run_l, run_acc, m_c, l_c, acc_c)
+        m_i, l_i, acc = run_m, run_l, run_acc
+    else:
+        m_i, l_i, acc = _attend_tiles(
+            lo, hi, m_i, l_i, acc, q, kv_len_m, tree_word, member_m, valid_m, tok_m, offs_d,
+            d_ok, table_row, max_pages, k_ptr, v_ptr, extra_ptr, kv_head, scale_log2,
+            stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_pp,
+            stride_et, stride_ee, NUM_EXTRA, PAGE_SIZE, BLOCK_N, HAS_EXTRA, UPCAST, SPLIT_P,
+        )
 
     if NUM_SPLITS == 1:
         o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows that attend nothing: 0
@@ -418,34 +471,57 @@ def _combine_splits_kernel(
     part_max_ptr,  # [T, H, NUM_SPLITS] f32
     part_sum_ptr,  # [T, H, NUM_SPLITS] f32
     out_ptr,  # [T, H, D]
+    kv_len_ptr,  # [T] i64 (read when CHUNK > 0)
     stride_ot,
     stride_oh,
     stride_od,
     HEAD_DIM: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    CHUNK: tl.constexpr,  # > 0: split s is chunk s; merge in order as the kernel's own loop does
+    NUM_EXTRA: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
-    offs_s = tl.arange(0, NUM_SPLITS)
     offs_d = tl.arange(0, BLOCK_D)
     base = (t * num_heads + head) * NUM_SPLITS
-    m = tl.load(part_max_ptr + base + offs_s)
-    l_s = tl.load(part_sum_ptr + base + offs_s)
-    live = l_s > 0
-    m_max = tl.max(tl.where(live, m, float("-inf")), axis=0)
-    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
-    w = tl.where(live, tl.exp2(m - m_use), 0.0)  # [S]
-    denom = tl.sum(w * l_s, axis=0)
-    acc = tl.load(part_acc_ptr + (base + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
-                  mask=live[:, None], other=0.0)
-    o = tl.sum(w[:, None] * acc, axis=0) / tl.where(denom > 0, denom, 1.0)
-    tl.store(out_ptr + t * stride_ot + head * stride_oh + offs_d * stride_od,
-             o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
+    if CHUNK > 0:
+        # Chunks past kv_len + E hold nothing of this query (exact no-ops): skip them.
+        kv_len = tl.maximum(tl.load(kv_len_ptr + t), 0)
+        n_live = tl.minimum(tl.cdiv(kv_len + NUM_EXTRA, CHUNK), NUM_SPLITS)
+        one = tl.arange(0, 1)
+        run_m = tl.full([1], float("-inf"), tl.float32)
+        run_l = tl.zeros([1], tl.float32)
+        run_acc = tl.zeros([1, BLOCK_D], tl.float32)
+        for split in range(0, n_live):
+            part = base + split + one  # [1]
+            run_m, run_l, run_acc = _merge_partial(
+                run_m, run_l, run_acc, tl.load(part_max_ptr + part), tl.load(part_sum_ptr + part),
+                tl.load(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :]),
+            )
+        o = run_acc / tl.where(run_l > 0, run_l, 1.0)[:, None]  # [1, BLOCK_D]
+        tl.store(out_ptr + t * stride_ot + head * stride_oh + offs_d[None, :] * stride_od,
+                 o.to(out_ptr.dtype.element_ty), mask=offs_d[None, :] < HEAD_DIM)
+    else:
+        offs_s = tl.arange(0, NUM_SPLITS)
+        m = tl.load(part_max_ptr + base + offs_s)
+        l_s = tl.load(part_sum_ptr + base + offs_s)
+        live = l_s > 0
+        m_max = tl.max(tl.where(live, m, float("-inf")), axis=0)
+        m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+        w = tl.where(live, tl.exp2(m - m_use), 0.0)  # [S]
+        denom = tl.sum(w * l_s, axis=0)
+        acc = tl.load(part_acc_ptr + (base + offs_s)[:, None] * BLOCK_D + offs_d[None, :],
+                      mask=live[:, None], other=0.0)
+        o = tl.sum(w[:, None] * acc, axis=0) / tl.where(denom > 0, denom, 1.0)
+        tl.store(out_ptr + t * stride_ot + head * stride_oh + offs_d * stride_od,
+                 o.to(out_ptr.dtype.element_ty), mask=offs_d < HEAD_DIM)
 
 
 _MAX_SPLITS = 32
+_FP32_CHUNK = 32  # positions per fp32 chunk (grown for long tables, see _fp32_chunk)
+_MAX_FP32_CHUNKS = 256
 
 
 def paged_attention_triton(
@@ -460,6 +536,7 @@ def paged_attention_triton(
     block_n: int | None = None,
     num_warps: int = 4,
     num_stages: int | None = None,
+    chunk: int | None = None,
 ) -> torch.Tensor:  # [T, H, D], dtype of q
     """Triton paged attention with the tree block: same semantics as the reference.
 
@@ -498,10 +575,16 @@ def paged_attention_triton(
 
     **Batch invariance.** A query's result depends only on its own positions and values, the
     fixed ``BLOCK_N`` tiling of its row and the split count: other queries of its run add exact
-    zeros. fp32 (the exactness path) never splits, so its outputs are bitwise the same whatever
-    batch a request sits in (an eager batch equals the replay of a larger, padded CUDA-graph
-    bucket). bf16/fp16 choose ``splits`` from T, so they may differ in the last bit between
-    batch sizes.
+    zeros. fp32 (the exactness path) cuts every row into fixed chunks of ``chunk`` positions
+    (32, doubled while a table row has more than 256 of them), computes each chunk's partial
+    softmax from a fresh state and folds the chunks in order (``_merge_partial``); a chunk a
+    query attends nothing of is an exact no-op. Whether one program folds its chunks itself
+    (many queries) or each chunk gets its own program and the combine kernel folds them (few
+    queries: a batch-1 decode would otherwise run Hkv programs, ~50 us per layer at 256
+    positions) does not change a bit, so fp32 outputs are bitwise the same whatever batch a
+    request sits in (an eager batch equals the replay of a larger, padded CUDA-graph bucket).
+    bf16/fp16 choose ``splits`` from T, so they may differ in the last bit between batch
+    sizes.
 
     Tiles: ``BLOCK_M = 64`` query rows (``BLOCK_T = 64 / G`` tokens), ``BLOCK_N = 32`` positions,
     4 warps, 2 stages (about 220 registers per thread on sm_90 and no spills, by
@@ -544,13 +627,21 @@ def paged_attention_triton(
     num_extra = extra.shape[1] if has_extra else 0
     extra_arg = as_bytes(extra) if has_extra else kv_len
 
-    if num_splits is None and upcast:
-        num_splits = 1  # fp32: a query's result must not depend on the batch size (see above)
+    if chunk is None:
+        chunk = _fp32_chunk(max_pages * page_size, block_n) if upcast else 0
+    if chunk:
+        if chunk % block_n:
+            raise ValueError(f"chunk ({chunk}) must be a multiple of block_n ({block_n})")
+        chunks = cdiv(max_pages * page_size, chunk)
+        if num_splits is None:  # split only where the runs alone leave most SMs idle
+            num_splits = chunks if cdiv(num_tokens, block_t) * num_kv_heads < num_sms(q.device) else 1
+        elif num_splits > 1:
+            num_splits = chunks  # split s is chunk s
     if num_splits is None:
         runs = cdiv(num_tokens, block_t) * num_kv_heads
         tiles = cdiv(max_pages * page_size, block_n)
         num_splits = prev_pow2(min(_MAX_SPLITS, tiles, max(1, 2 * num_sms(q.device) // runs)))
-    if num_splits < 1 or num_splits & (num_splits - 1):
+    if num_splits < 1 or (not chunk and num_splits & (num_splits - 1)):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
 
     if num_splits > 1:
@@ -583,18 +674,30 @@ def paged_attention_triton(
         HAS_EXTRA=has_extra,
         UPCAST=upcast,
         SPLIT_P=split_p,
+        CHUNK=chunk,
         num_warps=num_warps,
         num_stages=num_stages,
     )
     if num_splits > 1:
         _combine_splits_kernel[(num_tokens, num_heads)](
-            part_acc, part_max, part_sum, out, *out.stride(),
+            part_acc, part_max, part_sum, out, kv_len, *out.stride(),
             HEAD_DIM=head_dim,
             BLOCK_D=block_d,
             NUM_SPLITS=num_splits,
-            num_warps=1 if block_d * num_splits <= 1024 else 4,
+            CHUNK=chunk,
+            NUM_EXTRA=num_extra,
+            num_warps=1 if chunk or block_d * num_splits <= 1024 else 4,
         )
     return out
+
+
+def _fp32_chunk(positions: int, block_n: int) -> int:
+    """Chunk length of the fp32 path for a page table of ``positions`` per row: a function of
+    the table only (never of the batch), so every batch cuts a row the same way."""
+    chunk = max(_FP32_CHUNK, block_n)
+    while cdiv(positions, chunk) > _MAX_FP32_CHUNKS:
+        chunk *= 2
+    return chunk
 
 
 # --------------------------------------------------------------------------------------------

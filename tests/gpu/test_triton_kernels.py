@@ -198,16 +198,23 @@ def test_paged_attention_tile_shapes(device, gen, tiles):
     )
 
 
+@pytest.mark.parametrize(("full_splits", "part_splits"), [(None, None), (1, 2), (2, 1)],
+                         ids=["auto", "merged-vs-split", "split-vs-merged"])
 @pytest.mark.parametrize("layout", ["decode", "verify"])
-def test_paged_attention_fp32_batch_invariant(device, gen, layout):
+def test_paged_attention_fp32_batch_invariant(device, gen, layout, full_splits, part_splits):
     """fp32: the first requests of a batch give bitwise the same output alone (plus padding
-    tokens, as an eager run) as inside the full batch (as a padded CUDA-graph bucket)."""
+    tokens, as an eager run) as inside the full batch (as a padded CUDA-graph bucket), whether
+    each run folds its 16-position chunks itself (1) or every chunk is its own program folded
+    by the combine kernel (2: as many splits as chunks), and with the automatic choice."""
     q, k, v, meta = cases.attention_case(
         gen, device, layout=layout, batch=7, topk=4, page_size=16, kv_heads=2, group=4,
         head_dim=32, max_kv=60, dtype=torch.float32, pad_tokens=0,
     )
-    kw = {} if ON_GPU else {"block_n": 16}
-    full = run_triton(device, attn_mod.paged_attention_triton, q, k, v, meta, 0.3, **kw)
+    kw = {"chunk": 16} if full_splits is not None else {}
+    if not ON_GPU:
+        kw["block_n"] = 16
+    full = run_triton(device, attn_mod.paged_attention_triton, q, k, v, meta, 0.3,
+                      num_splits=full_splits, **kw)
     per_req = q.shape[0] // 7
     keep, pad = 3 * per_req, 5
     zeros = torch.zeros(pad, dtype=torch.int64, device=device)
@@ -222,9 +229,14 @@ def test_paged_attention_fp32_batch_invariant(device, gen, layout):
         page_size=16,
     )
     q_sub = torch.cat([q[:keep], q[:pad]])
-    part = run_triton(device, attn_mod.paged_attention_triton, q_sub, k, v, sub, 0.3, **kw)
+    part = run_triton(device, attn_mod.paged_attention_triton, q_sub, k, v, sub, 0.3,
+                      num_splits=part_splits, **kw)
     assert torch.equal(part[:keep], full[:keep])
     assert (part[keep:] == 0).all()
+    ref = attn_mod.paged_attention_reference(
+        q.double(), cases.clean_sink(k, 16).double(), cases.clean_sink(v, 16).double(), meta, 0.3
+    )
+    assert rel_err(full[: keep].double(), ref[:keep]) < 1e-5
 
 
 @pytest.mark.parametrize(("group", "head_dim"), [(1, 64), (8, 96), (3, 80)])

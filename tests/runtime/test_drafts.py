@@ -177,11 +177,14 @@ def causal(n):
 
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize("draft_vocab", [None, 40])
-def test_eagle3_matches_naive(tmp_path, target_dir, page_size, draft_vocab):
+@pytest.mark.parametrize("fused", [True, False], ids=["fused", "modules"])
+def test_eagle3_matches_naive(tmp_path, target_dir, page_size, draft_vocab, fused):
     target = HFTarget.from_pretrained(target_dir, feature_mode="eagle3")
     d = Eagle3Draft.from_pretrained(
-        write_eagle3_draft(tmp_path / "e3", target_dir, draft_vocab_size=draft_vocab), target
+        write_eagle3_draft(tmp_path / "e3", target_dir, draft_vocab_size=draft_vocab), target,
+        fused=fused,
     )
+    assert (d.fused_layer is not None) == fused
     assert d.uses_features and d.hidden_size == 64
     assert d.vocab_size == (draft_vocab or 128)
     hist = run_scenario(d, target, page_size)
@@ -346,7 +349,7 @@ def test_a_head_built_in_code_attends_over_the_paged_pool(tmp_path, target_dir):
     from phasegraph.runtime.models.eagle3 import Eagle3Head, eagle3_dims
 
     target = HFTarget.from_pretrained(target_dir, feature_mode="eagle3")
-    loaded = Eagle3Draft.from_pretrained(write_eagle3_draft(tmp_path / "e3", target_dir), target)
+    loaded = Eagle3Draft.from_pretrained(write_eagle3_draft(tmp_path / "e3", target_dir), target, fused=False)
     raw = {k: v for k, v in loaded.config.to_dict().items() if not k.startswith("_")}
     plain = LlamaConfig(**raw)
     plain._attn_implementation = "eager"
@@ -354,7 +357,7 @@ def test_a_head_built_in_code_attends_over_the_paged_pool(tmp_path, target_dir):
     head = Eagle3Head(plain, target_hidden_size=target_hidden, draft_vocab_size=draft_vocab,
                       with_d2t=hasattr(loaded.head, "d2t"), with_t2d=hasattr(loaded.head, "t2d"))
     head.load_state_dict(loaded.head.state_dict())
-    built = Eagle3Draft(target, plain, head)
+    built = Eagle3Draft(target, plain, head, fused=False)  # the modules path reads the config
     assert plain._attn_implementation == "phasegraph"
     got, want = run_scenario(built, target, 4), run_scenario(loaded, target, 4)
     rows = [(a, b) for ra, rb in zip(got, want, strict=True) for a, b in zip(ra, rb, strict=True)]

@@ -136,7 +136,8 @@ class FusedLayer:
         return silu_mul_linear(gate_up, self.down_weight, self.down_bias), residual
 
 
-def _fuse_layer(layer: torch.nn.Module, config) -> FusedLayer:
+def fuse_layer(layer: torch.nn.Module, config) -> FusedLayer:
+    """The :class:`FusedLayer` of one Llama-style decoder layer (merges its projections)."""
     attn, mlp = layer.self_attn, layer.mlp
     q, k, v, o = attn.q_proj, attn.k_proj, attn.v_proj, attn.o_proj
     head_dim = getattr(attn, "head_dim", None) or config.hidden_size // config.num_attention_heads
@@ -200,7 +201,7 @@ def fuse_decoder(model: torch.nn.Module) -> list[FusedLayer] | str:
     if reason is not None:
         return reason
     with torch.no_grad():
-        layers = [_fuse_layer(layer, model.config) for layer in model.model.layers]
+        layers = [fuse_layer(layer, model.config) for layer in model.model.layers]
     setattr(model, _CACHE_ATTR, layers)
     return layers
 

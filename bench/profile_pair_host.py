@@ -1,0 +1,263 @@
+"""Where a step's wall time goes on the bench pair's shape (96M Llama target, EAGLE-3 head),
+with random weights and SIMULATED acceptance, so that it needs no training:
+
+    python bench/profile_pair_host.py [--out DIR] [--dtype float32] [--batches 1 8]
+
+For the baseline (``method="none"``), EAGLE-3 chain S=3 (simulated τ = 4) and tree K=4 S=4
+N=16 (simulated τ = 3: random weights keep the tree shallow), at each batch size:
+- the steady-state wall time of one ``Engine.step()`` with overlap scheduling off and on, and
+  the GPU busy time per step (bench_scale's profiler probe);
+- the same with ``trace=False`` and ``validate="off"``: what the trace and the phase checks
+  cost the host;
+- a cProfile of 50 steps (overlap on) sorted by own time and by cumulative time.
+
+On this shape the GPU work of a step is a fraction of a millisecond, so the step is bound by
+the host's Python: this script shows which part. Writes ``pair_host.json`` and
+``pair_host_profile.txt`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import io
+import json
+import pstats
+import re
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_scale  # noqa: E402
+
+_LIBRARY_FRAME = re.compile(r"phasegraph/(phases|runtime|kernels|statemachine)/")
+
+
+def build_pair(dtype: torch.dtype, device: str = "cuda"):
+    """Random target and EAGLE-3 head with the ``bench-pair`` preset's shapes."""
+    from transformers import LlamaConfig
+
+    from phasegraph.runtime.models.attention_backend import ATTN_IMPLEMENTATION
+    from phasegraph.runtime.models.eagle3 import Eagle3Draft, Eagle3Head
+    from phasegraph.runtime.models.target import HFTarget, build_causal_lm
+    from phasegraph.train.presets import PRESETS
+
+    preset = PRESETS["bench-pair"]
+    t, h = preset.target, preset.head
+    cfg = LlamaConfig(
+        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_hidden_layers=t.num_layers,
+        num_attention_heads=t.num_heads, num_key_value_heads=t.num_kv_heads, head_dim=t.head_dim,
+        vocab_size=preset.vocab_size, max_position_embeddings=t.context, rope_theta=t.rope_theta,
+        rms_norm_eps=t.rms_norm_eps, tie_word_embeddings=t.tie_embeddings,
+    )
+    model = build_causal_lm(cfg, dtype=dtype, device=device, init=False)
+    hcfg = LlamaConfig(**{**cfg.to_dict(), "num_hidden_layers": 1, "intermediate_size": h.intermediate_size})
+    hcfg.target_hidden_size = t.hidden_size
+    hcfg.draft_vocab_size = preset.vocab_size
+    hcfg._attn_implementation = ATTN_IMPLEMENTATION
+    with torch.device(device):
+        head = Eagle3Head(hcfg, target_hidden_size=t.hidden_size, draft_vocab_size=preset.vocab_size,
+                          with_d2t=False, with_t2d=False)
+    with torch.no_grad():
+        for p in (*model.parameters(), *head.parameters()):
+            if p.ndim == 1:
+                p.fill_(1.0)
+            else:
+                p.normal_(0.0, 0.02)
+    head.to(dtype)
+    target = HFTarget(model, feature_mode="eagle3")
+    return target, Eagle3Draft(target, hcfg, head)
+
+
+def profile_steps(engine, batch: int, steps: int = 50, context: int = 256) -> str:
+    """cProfile of ``steps`` steady-state ``Engine.step()`` calls (overlap as the engine has it)."""
+    from phasegraph import SamplingParams
+
+    vocab = engine.target.vocab_size
+    g = torch.Generator().manual_seed(3)
+    ids = [f"p-{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, torch.randint(0, vocab, (context,), generator=g).tolist(),
+                           SamplingParams(max_new_tokens=8 * (steps + 16), ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+    prof.disable()
+    for rid in ids:
+        engine.abort(rid)
+    engine.step()
+    engine.scheduler.drain()
+    text = io.StringIO()
+    stats = pstats.Stats(prof, stream=text)
+    text.write(f"--- sorted by own time ({steps} steps) ---\n")
+    stats.sort_stats("tottime").print_stats(45)
+    text.write("--- sorted by cumulative time ---\n")
+    stats.sort_stats("cumulative").print_stats(60)
+    return text.getvalue()
+
+
+def kernel_table(engine, batch: int, steps: int = 10, context: int = 256, top: int = 40) -> str:
+    """GPU kernels of ``steps`` steady-state steps (overlap as the engine has it): time and
+    launches per step, by kernel name."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from phasegraph import SamplingParams
+
+    vocab = engine.target.vocab_size
+    g = torch.Generator().manual_seed(4)
+    ids = [f"k-{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, torch.randint(0, vocab, (context,), generator=g).tolist(),
+                           SamplingParams(max_new_tokens=8 * (steps + 16), ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    for rid in ids:
+        engine.abort(rid)
+    engine.step()
+    engine.scheduler.drain()
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start:
+            by_name.setdefault(e.name[:90], []).append(e.time_range.end - e.time_range.start)
+    total = sum(sum(v) for v in by_name.values())
+    count = sum(len(v) for v in by_name.values())
+    lines = [f"kernels per step: {count / steps:.0f}, kernel time per step {total / steps:.1f} us"]
+    for name, v in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"  {sum(v) / steps:8.1f} us {len(v) / steps:6.1f}x  {name}")
+    return "\n".join(lines) + "\n"
+
+
+def launch_sites(engine, batch: int, steps: int = 5, context: int = 256, top: int = 60) -> str:
+    """GPU kernels of ``steps`` steady-state steps of an engine *without* CUDA graphs, grouped by
+    the innermost ``phasegraph`` source line that launched them: where the small kernels of an
+    iteration come from."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from phasegraph import SamplingParams
+
+    vocab = engine.target.vocab_size
+    g = torch.Generator().manual_seed(5)
+    ids = [f"l-{batch}-{i}" for i in range(batch)]
+    for rid in ids:
+        engine.add_request(rid, torch.randint(0, vocab, (context,), generator=g).tolist(),
+                           SamplingParams(max_new_tokens=8 * (steps + 16), ignore_eos=True))
+    for _ in range(4):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    for rid in ids:
+        engine.abort(rid)
+    engine.step()
+    engine.scheduler.drain()
+    sites: dict[str, list[float]] = {}
+    for e in prof.events():
+        kernels = list(e.kernels or [])  # (name, device, duration) of the kernels it launched
+        if not kernels or e.device_type != DeviceType.CPU:
+            continue
+        matches = [m for m in map(_LIBRARY_FRAME.search, e.stack or []) if m]
+        site = matches[0].string[matches[0].start():] if matches else "(no phasegraph frame)"
+        sites.setdefault(f"{site} [{e.name}]", []).extend(k.duration for k in kernels)
+    total = sum(len(v) for v in sites.values())
+    lines = [f"kernel launches per step (eager): {total / steps:.0f}"]
+    for site, v in sorted(sites.items(), key=lambda kv: -len(kv[1]))[:top]:
+        lines.append(f"  {len(v) / steps:6.1f}x {sum(v) / steps:8.1f} us  {site}")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--shape", default="bench-pair", choices=["bench-pair", "8b"],
+                    help="bench-pair (96M target, default) or bench_scale's Llama-3-8B shape (bf16 only)")
+    ap.add_argument("--configs", nargs="+", default=["baseline", "chain", "tree"], choices=["baseline", "chain", "tree"])
+    ap.add_argument("--no-profile", action="store_true", help="no cProfile of the host")
+    ap.add_argument("--sites", action="store_true",
+                    help="only: kernel launches per source line of an eager (graphs off) step at batch 1")
+    ap.add_argument("--kernels", action="store_true", help="also a table of GPU kernels per step at batch 1")
+    ap.add_argument("--checks", nargs="+", default=["default", "off"], choices=["default", "off"],
+                    help="trace and validation settings to time (default: trace + default checks, and none)")
+    args = ap.parse_args(argv)
+    from phasegraph import SpecConfig
+    from phasegraph.runtime.engine import Engine
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = getattr(torch, args.dtype)
+    if args.shape == "8b":
+        target, head = bench_scale.build_target(32), None
+        head = bench_scale.build_eagle3_head(target)
+    else:
+        target, head = build_pair(dtype)
+    base_target = type(target)(target.model, feature_mode="none")
+    configs = [
+        ("baseline", base_target, None, SpecConfig(method="none"), None),
+        ("chain S=3 (SIMULATED tau=4)", target, head, SpecConfig(method="eagle3", num_steps=3, topk=1), 4),
+        ("tree K=4 S=4 N=16 (SIMULATED tau=3)", target, head,
+         SpecConfig(method="eagle3", num_steps=4, topk=4, num_draft_tokens=16), 3),
+    ]
+    configs = [c for c, key in zip(configs, ("baseline", "chain", "tree"), strict=True) if key in args.configs]
+    result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype, "shape": args.shape,
+                    "rows": []}
+    profiles = io.StringIO()
+    max_b = max(args.batches)
+    if args.sites:
+        for name, tgt, draft, spec, tau in configs:
+            eng = Engine(tgt, draft, spec=spec, max_batch_size=max_b, kv_pool_tokens=max_b * 2048,
+                         max_context=1024, cuda_graphs=False, trace=False, simulate_accept_length=tau)
+            table = launch_sites(eng, 1)
+            print(f"===== launch sites: {name}, batch 1 =====\n{table}", flush=True)
+            profiles.write(f"===== launch sites: {name}, batch 1 =====\n{table}")
+            del eng
+        (out / "pair_host_profile.txt").write_text(profiles.getvalue())
+        return 0
+    for name, tgt, draft, spec, tau in configs:
+        for trace, validate in [{"default": (True, None), "off": (False, "off")}[c] for c in args.checks]:
+            t0 = time.perf_counter()
+            eng = Engine(tgt, draft, spec=spec, max_batch_size=max_b, kv_pool_tokens=max_b * 2048,
+                         max_context=1024, cuda_graphs=True, trace=trace, validate=validate,
+                         simulate_accept_length=tau)
+            for b in args.batches:
+                for overlap in (False, True):
+                    r = bench_scale.scheduler_step_times(eng, b, overlap)
+                    r.update(config=name, trace=trace, validate=validate or "default")
+                    result["rows"].append(r)
+                    print(f"  {name:<36} trace={trace!s:<5} validate={validate or 'default':<7} batch {b:>2} "
+                          f"overlap {'on ' if overlap else 'off'}: {1e3 * r['step_s']:6.3f} ms/step, GPU busy "
+                          f"{1e3 * r['gpu_busy_s']:6.3f} ms", flush=True)
+            if trace and not args.no_profile:
+                profiles.write(f"===== {name}, batch 1, overlap on, trace on, validate default =====\n")
+                profiles.write(profile_steps(eng, 1))
+            if trace and args.kernels:
+                table = kernel_table(eng, 1)
+                print(f"  kernels of {name}, batch 1:\n{table}", flush=True)
+                profiles.write(f"===== GPU kernels: {name}, batch 1 =====\n{table}")
+            print(f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
+            del eng
+            torch.cuda.empty_cache()
+    (out / "pair_host.json").write_text(json.dumps(result, indent=2))
+    (out / "pair_host_profile.txt").write_text(profiles.getvalue())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
