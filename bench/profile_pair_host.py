@@ -182,6 +182,48 @@ def launch_sites(engine, batch: int, steps: int = 5, context: int = 256, top: in
     return "\n".join(lines) + "\n"
 
 
+def prefill_table(engine, batch: int, prompt_tokens: int = 128, calls: int = 3, top: int = 25) -> str:
+    """Wall time, GPU kernels and host profile of ``generate`` calls that only prefill
+    (``max_new_tokens=1``): what a prompt costs before the first decode step."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from phasegraph import SamplingParams
+
+    g = torch.Generator().manual_seed(6)
+    prompts = torch.randint(0, engine.target.vocab_size, (batch, prompt_tokens), generator=g).tolist()
+    params = SamplingParams(max_new_tokens=1, ignore_eos=True)
+    engine.generate(prompts, params)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        engine.generate(prompts, params)
+    torch.cuda.synchronize()
+    wall = (time.perf_counter() - t0) / calls
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            engine.generate(prompts, params)
+        torch.cuda.synchronize()
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start:
+            by_name.setdefault(e.name[:90], []).append(e.time_range.end - e.time_range.start)
+    total = sum(sum(v) for v in by_name.values())
+    busy, _ = bench_scale.gpu_busy_seconds(lambda: engine.generate(prompts, params), calls)
+    lines = [f"prefill of {batch} x {prompt_tokens} tokens: {1e3 * wall:.2f} ms per call, kernels "
+             f"{total / calls / 1e3:.2f} ms, GPU busy {1e3 * busy:.2f} ms"]
+    for name, v in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"  {sum(v) / calls:9.1f} us {len(v) / calls:6.1f}x  {name}")
+    prof_host = cProfile.Profile()
+    prof_host.enable()
+    engine.generate(prompts, params)
+    torch.cuda.synchronize()
+    prof_host.disable()
+    text = io.StringIO()
+    pstats.Stats(prof_host, stream=text).sort_stats("cumulative").print_stats(35)
+    return "\n".join(lines) + "\n" + text.getvalue()
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out")
@@ -191,6 +233,8 @@ def main(argv=None) -> int:
                     help="bench-pair (96M target, default) or bench_scale's Llama-3-8B shape (bf16 only)")
     ap.add_argument("--configs", nargs="+", default=["baseline", "chain", "tree"], choices=["baseline", "chain", "tree"])
     ap.add_argument("--no-profile", action="store_true", help="no cProfile of the host")
+    ap.add_argument("--prefill", action="store_true",
+                    help="only: time and profile prefill-only generate calls (128-token prompts) at batch 1")
     ap.add_argument("--sites", action="store_true",
                     help="only: kernel launches per source line of an eager (graphs off) step at batch 1")
     ap.add_argument("--kernels", action="store_true", help="also a table of GPU kernels per step at batch 1")
@@ -220,6 +264,16 @@ def main(argv=None) -> int:
                     "rows": []}
     profiles = io.StringIO()
     max_b = max(args.batches)
+    if args.prefill:
+        for name, tgt, draft, spec, tau in configs:
+            eng = Engine(tgt, draft, spec=spec, max_batch_size=max_b, kv_pool_tokens=max_b * 2048,
+                         max_context=1024, cuda_graphs=True, trace=True, simulate_accept_length=tau)
+            table = prefill_table(eng, 1)
+            print(f"===== prefill: {name} =====\n{table}", flush=True)
+            profiles.write(f"===== prefill: {name} =====\n{table}")
+            del eng
+        (out / "pair_host_profile.txt").write_text(profiles.getvalue())
+        return 0
     if args.sites:
         for name, tgt, draft, spec, tau in configs:
             eng = Engine(tgt, draft, spec=spec, max_batch_size=max_b, kv_pool_tokens=max_b * 2048,

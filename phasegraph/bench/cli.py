@@ -21,7 +21,7 @@ from phasegraph.cli import CliError, register
 DEFAULT_TRAIN_BUDGET_S = 300.0
 
 FULL = {"batches": "1,8,32", "new_tokens": 256, "prompt_tokens": 256, "scale_batches": "1,8,32,64",
-        "scale_new_tokens": 64, "scale_prompt_tokens": 128}
+        "scale_new_tokens": 256, "scale_prompt_tokens": 128}
 QUICK = {"batches": "1,2", "new_tokens": 16, "prompt_tokens": 64, "scale_batches": "1,2",
          "scale_new_tokens": 16, "scale_prompt_tokens": 32}
 
@@ -198,7 +198,7 @@ def add_bench_command(sub) -> None:
     p.add_argument("--scale-configs", default="chain", metavar="chain,tree",
                    help="part 2 drafts: chain (S=3, default: reaches τ=4), tree (K=4 S=4 N=16: with random "
                         "weights the tree keeps depth-1 and depth-2 nodes only, so τ ≤ 3)")
-    p.add_argument("--scale-new-tokens", type=int, metavar="N", help="part 2 new tokens (default 64; quick 16)")
+    p.add_argument("--scale-new-tokens", type=int, metavar="N", help="part 2 new tokens (default 256: decode dominates as in serving; quick 16)")
     p.add_argument("--scale-prompt-tokens", type=int, metavar="N", help="part 2 prompt tokens (default 128; quick 32)")
     p.add_argument("--scale-layers", type=int, default=32, metavar="L", help="layers of the 8B shape (default 32)")
     p.add_argument("--validate", choices=["strict", "boundary", "off"],

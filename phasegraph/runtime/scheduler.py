@@ -23,7 +23,9 @@ iteration ahead of the host, which costs three things, all handled here:
   committed, so each request's pages are reserved for the worst case (``commit_per_iteration``
   more tokens);
 - finished requests run one iteration too many (their extra tokens are dropped on collection;
-  the phases clamp ``remaining`` at 0, so the device state stays valid);
+  the phases clamp ``remaining`` at 0, so the device state stays valid), except at the end of
+  a batch: when every running request may reach its budget in the iteration in flight, the step
+  collects it before issuing another (a stop token cannot be foreseen);
 - host and device bookkeeping agree only after a drain (:meth:`Scheduler.drain`): ``check()``,
   retraction and a short pool drain first.
 
@@ -135,8 +137,11 @@ class Scheduler:
         self._filter_finished()
         issued = None
         if self.running:
-            if self.in_flight is not None and self._pages_short():
-                touched |= self.drain()  # exact lengths before reserving (or retracting)
+            if self.in_flight is not None and (self._pages_short() or self._all_may_finish()):
+                # exact lengths before reserving (or retracting); or the iteration in flight may
+                # finish every request by its budget: one un-overlapped step instead of a wasted
+                # iteration (a whole decode step or speculative iteration at the end of a batch)
+                touched |= self.drain()
             if self.running:
                 self._reserve_pages()
             if self.running:
@@ -160,6 +165,11 @@ class Scheduler:
         touched = self._collect(previous)
         self._filter_finished()
         return touched
+
+    def _all_may_finish(self) -> bool:
+        """Every running request may reach its token budget in the iteration in flight (which
+        commits at least one and at most ``commit_per_iteration`` tokens to each)."""
+        return all(r.remaining <= self.commit_per_iteration for r in self.running)
 
     def _lookahead(self) -> int:
         """Tokens past its host-side ``seq_len`` a running request may write in the next

@@ -95,6 +95,26 @@ def test_overlapped_engine_equals_serial(engine_root, case):
     assert_all_free(fresh)
 
 
+@pytest.mark.parametrize("case", ["baseline-P4", "eagle3-tree-P1"])
+def test_no_iteration_is_wasted_at_the_end_of_a_batch(engine_root, case):
+    """Requests that finish by budget: the overlapped engine runs exactly as many decode steps
+    or speculative iterations as the serial one (it collects before issuing once every running
+    request may reach its budget in the iteration in flight)."""
+    method, spec, page_size, extra = CASES[case]
+    bundle = arch_bundle(engine_root, "llama")
+    prompts = make_prompts(3, seed=9)
+    params = [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in (9, 17, 17)]
+    counts = []
+    for overlap in (False, True):
+        engine = engine_for(bundle, method, page_size=page_size, max_batch_size=4, overlap=overlap,
+                            **spec, **extra)
+        outs = engine.generate(prompts, params)
+        assert [len(o.token_ids) for o in outs] == [9, 17, 17]
+        phase = "decode" if method == "none" else "verify"
+        counts.append(sum(1 for t in engine.trace.transitions if t.target == phase))
+    assert counts[1] == counts[0], counts
+
+
 def test_device_runs_one_iteration_ahead_until_drained(engine_root):
     bundle = arch_bundle(engine_root, "llama")
     engine = engine_for(bundle, "eagle3", topk=2, num_steps=3, num_draft_tokens=6, overlap=True, validate="strict")
