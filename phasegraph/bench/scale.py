@@ -181,6 +181,13 @@ def _measure_baseline(run: BenchRun, bs, target, prompts, params, engine_kw, bas
                    f"{1e3 * row.get('decode_step_s', row['step_s_end_to_end']):.2f} ms, bound {1e3 * bound:.2f} ms")
 
 
+def goal_order(batches: list[int]) -> list[int]:
+    """The smallest and the largest batch first (the goals' rows), then the rest: a run cut by
+    --time-limit-s loses the rows that matter least."""
+    ends = sorted({min(batches), max(batches)})
+    return ends + [b for b in batches if b not in ends]
+
+
 def _measure_spec(run: BenchRun, bs, target, head, name, spec, tau, prompts, params, engine_kw, base_tps,
                   bar) -> None:
     from tqdm.auto import tqdm
@@ -190,7 +197,7 @@ def _measure_spec(run: BenchRun, bs, target, head, name, spec, tau, prompts, par
     a = run.args
     part = run.result["scale"]
     engine = Engine(target, head, spec=spec, simulate_accept_length=tau, trace=True, **engine_kw)
-    for b in a.scale_batch_list:
+    for b in goal_order(a.scale_batch_list):
         bar.set_postfix_str(f"{name}, SIMULATED τ={tau}, batch {b}")
         if b not in base_tps or run.out_of_time(f"scale {name} τ={tau} batch {b}"):
             bar.update(1)

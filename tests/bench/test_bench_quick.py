@@ -106,3 +106,12 @@ def test_plots(quick_run):
     for name in ("tokens_per_s.png", "eta_vs_tau.png"):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
+
+
+def test_goal_rows_are_measured_first():
+    """A run cut by --time-limit-s keeps the smallest and largest batch (the goals' rows)."""
+    from phasegraph.bench.scale import goal_order
+
+    assert goal_order([1, 8, 32, 64]) == [1, 64, 8, 32]
+    assert goal_order([4]) == [4]
+    assert goal_order([8, 1, 2]) == [1, 8, 2]
