@@ -33,6 +33,8 @@ from pathlib import Path
 
 import torch
 
+from phasegraph.bench.common import fill_random_weights
+
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
     """Bytes moved per second by a large device-to-device copy (read + write counted)."""
@@ -66,12 +68,7 @@ def build_target(layers: int, fused: bool | None = None):
     from phasegraph.runtime.models.target import HFTarget, build_causal_lm
 
     model = build_causal_lm(llama8b_config(layers), dtype=torch.bfloat16, device="cuda", init=False)
-    with torch.no_grad():
-        for p in model.parameters():
-            if p.ndim == 1:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
+    fill_random_weights(model)
     return HFTarget(model, feature_mode="eagle3", fused=fused)
 
 
@@ -89,14 +86,9 @@ def build_eagle3_head(target, draft_vocab: int = 32000):
     cfg.target_hidden_size = 4096
     with torch.device("cuda"):
         head = Eagle3Head(cfg, target_hidden_size=4096, draft_vocab_size=draft_vocab, with_d2t=True, with_t2d=False)
-    with torch.no_grad():
-        for p in head.parameters():
-            if p.ndim == 1:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
-        if getattr(head, "d2t", None) is not None:
-            head.d2t.zero_()
+    fill_random_weights(head)
+    if getattr(head, "d2t", None) is not None:
+        head.d2t.zero_()
     head.to(torch.bfloat16)
     return Eagle3Draft(target, cfg, head)
 

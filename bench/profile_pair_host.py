@@ -19,6 +19,7 @@ the host's Python: this script shows which part. Writes ``pair_host.json`` and
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import io
 import json
@@ -40,6 +41,7 @@ def build_pair(dtype: torch.dtype, device: str = "cuda"):
     """Random target and EAGLE-3 head with the ``bench-pair`` preset's shapes."""
     from transformers import LlamaConfig
 
+    from phasegraph.bench.common import fill_random_weights
     from phasegraph.runtime.models.attention_backend import ATTN_IMPLEMENTATION
     from phasegraph.runtime.models.eagle3 import Eagle3Draft, Eagle3Head
     from phasegraph.runtime.models.target import HFTarget, build_causal_lm
@@ -61,40 +63,64 @@ def build_pair(dtype: torch.dtype, device: str = "cuda"):
     with torch.device(device):
         head = Eagle3Head(hcfg, target_hidden_size=t.hidden_size, draft_vocab_size=preset.vocab_size,
                           with_d2t=False, with_t2d=False)
-    with torch.no_grad():
-        for p in (*model.parameters(), *head.parameters()):
-            if p.ndim == 1:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
+    fill_random_weights(model, head)
     head.to(dtype)
     target = HFTarget(model, feature_mode="eagle3")
     return target, Eagle3Draft(target, hcfg, head)
 
 
-def profile_steps(engine, batch: int, steps: int = 50, context: int = 256) -> str:
-    """cProfile of ``steps`` steady-state ``Engine.step()`` calls (overlap as the engine has it)."""
+@contextlib.contextmanager
+def steady_batch(engine, batch: int, tag: str, seed: int, steps: int, context: int = 256):
+    """``batch`` requests of ``context`` random tokens, prefilled and 4 steps in (warm-up and
+    capture of their bucket) with budget for ``steps`` more; aborted and drained after."""
     from phasegraph import SamplingParams
 
     vocab = engine.target.vocab_size
-    g = torch.Generator().manual_seed(3)
-    ids = [f"p-{batch}-{i}" for i in range(batch)]
+    g = torch.Generator().manual_seed(seed)
+    ids = [f"{tag}-{batch}-{i}" for i in range(batch)]
     for rid in ids:
         engine.add_request(rid, torch.randint(0, vocab, (context,), generator=g).tolist(),
                            SamplingParams(max_new_tokens=8 * (steps + 16), ignore_eos=True))
     for _ in range(4):
         engine.step()
     torch.cuda.synchronize()
-    prof = cProfile.Profile()
-    prof.enable()
-    for _ in range(steps):
-        engine.step()
-    torch.cuda.synchronize()
-    prof.disable()
+    yield
     for rid in ids:
         engine.abort(rid)
     engine.step()
     engine.scheduler.drain()
+
+
+def run_steps(engine, steps: int) -> None:
+    for _ in range(steps):
+        engine.step()
+    torch.cuda.synchronize()
+
+
+def kernels_by_name(prof) -> dict[str, list[float]]:
+    """Durations (us) of the device activities of a profiler trace, by (shortened) name."""
+    from torch.autograd import DeviceType
+
+    by_name: dict[str, list[float]] = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start:
+            by_name.setdefault(e.name[:90], []).append(e.time_range.end - e.time_range.start)
+    return by_name
+
+
+def top_kernel_lines(by_name: dict[str, list[float]], per: int, top: int, width: int) -> list[str]:
+    """The ``top`` kernels by total time, per step (or call) of ``per``."""
+    return [f"  {sum(v) / per:{width}.1f} us {len(v) / per:6.1f}x  {name}"
+            for name, v in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]]
+
+
+def profile_steps(engine, batch: int, steps: int = 50) -> str:
+    """cProfile of ``steps`` steady-state ``Engine.step()`` calls (overlap as the engine has it)."""
+    with steady_batch(engine, batch, "p", 3, steps):
+        prof = cProfile.Profile()
+        prof.enable()
+        run_steps(engine, steps)
+        prof.disable()
     text = io.StringIO()
     stats = pstats.Stats(prof, stream=text)
     text.write(f"--- sorted by own time ({steps} steps) ---\n")
@@ -104,69 +130,31 @@ def profile_steps(engine, batch: int, steps: int = 50, context: int = 256) -> st
     return text.getvalue()
 
 
-def kernel_table(engine, batch: int, steps: int = 10, context: int = 256, top: int = 40) -> str:
+def kernel_table(engine, batch: int, steps: int = 10, top: int = 40) -> str:
     """GPU kernels of ``steps`` steady-state steps (overlap as the engine has it): time and
     launches per step, by kernel name."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from phasegraph import SamplingParams
-
-    vocab = engine.target.vocab_size
-    g = torch.Generator().manual_seed(4)
-    ids = [f"k-{batch}-{i}" for i in range(batch)]
-    for rid in ids:
-        engine.add_request(rid, torch.randint(0, vocab, (context,), generator=g).tolist(),
-                           SamplingParams(max_new_tokens=8 * (steps + 16), ignore_eos=True))
-    for _ in range(4):
-        engine.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-    for rid in ids:
-        engine.abort(rid)
-    engine.step()
-    engine.scheduler.drain()
-    by_name: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start:
-            by_name.setdefault(e.name[:90], []).append(e.time_range.end - e.time_range.start)
+    with steady_batch(engine, batch, "k", 4, steps):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run_steps(engine, steps)
+    by_name = kernels_by_name(prof)
     total = sum(sum(v) for v in by_name.values())
     count = sum(len(v) for v in by_name.values())
     lines = [f"kernels per step: {count / steps:.0f}, kernel time per step {total / steps:.1f} us"]
-    for name, v in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
-        lines.append(f"  {sum(v) / steps:8.1f} us {len(v) / steps:6.1f}x  {name}")
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + top_kernel_lines(by_name, steps, top, 8)) + "\n"
 
 
-def launch_sites(engine, batch: int, steps: int = 5, context: int = 256, top: int = 60) -> str:
+def launch_sites(engine, batch: int, steps: int = 5, top: int = 60) -> str:
     """GPU kernels of ``steps`` steady-state steps of an engine *without* CUDA graphs, grouped by
     the innermost ``phasegraph`` source line that launched them: where the small kernels of an
     iteration come from."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from phasegraph import SamplingParams
-
-    vocab = engine.target.vocab_size
-    g = torch.Generator().manual_seed(5)
-    ids = [f"l-{batch}-{i}" for i in range(batch)]
-    for rid in ids:
-        engine.add_request(rid, torch.randint(0, vocab, (context,), generator=g).tolist(),
-                           SamplingParams(max_new_tokens=8 * (steps + 16), ignore_eos=True))
-    for _ in range(4):
-        engine.step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-        for _ in range(steps):
-            engine.step()
-        torch.cuda.synchronize()
-    for rid in ids:
-        engine.abort(rid)
-    engine.step()
-    engine.scheduler.drain()
+    with steady_batch(engine, batch, "l", 5, steps):
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+            run_steps(engine, steps)
     sites: dict[str, list[float]] = {}
     for e in prof.events():
         kernels = list(e.kernels or [])  # (name, device, duration) of the kernels it launched
@@ -185,7 +173,6 @@ def launch_sites(engine, batch: int, steps: int = 5, context: int = 256, top: in
 def prefill_table(engine, batch: int, prompt_tokens: int = 128, calls: int = 3, top: int = 25) -> str:
     """Wall time, GPU kernels and host profile of ``generate`` calls that only prefill
     (``max_new_tokens=1``): what a prompt costs before the first decode step."""
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     from phasegraph import SamplingParams
@@ -204,16 +191,12 @@ def prefill_table(engine, batch: int, prompt_tokens: int = 128, calls: int = 3, 
         for _ in range(calls):
             engine.generate(prompts, params)
         torch.cuda.synchronize()
-    by_name: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start:
-            by_name.setdefault(e.name[:90], []).append(e.time_range.end - e.time_range.start)
+    by_name = kernels_by_name(prof)
     total = sum(sum(v) for v in by_name.values())
     busy, _ = bench_scale.gpu_busy_seconds(lambda: engine.generate(prompts, params), calls)
     lines = [f"prefill of {batch} x {prompt_tokens} tokens: {1e3 * wall:.2f} ms per call, kernels "
              f"{total / calls / 1e3:.2f} ms, GPU busy {1e3 * busy:.2f} ms"]
-    for name, v in sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:top]:
-        lines.append(f"  {sum(v) / calls:9.1f} us {len(v) / calls:6.1f}x  {name}")
+    lines += top_kernel_lines(by_name, calls, top, 9)
     prof_host = cProfile.Profile()
     prof_host.enable()
     engine.generate(prompts, params)
@@ -248,7 +231,7 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     dtype = getattr(torch, args.dtype)
     if args.shape == "8b":
-        target, head = bench_scale.build_target(32), None
+        target = bench_scale.build_target(32)
         head = bench_scale.build_eagle3_head(target)
     else:
         target, head = build_pair(dtype)
@@ -264,32 +247,27 @@ def main(argv=None) -> int:
                     "rows": []}
     profiles = io.StringIO()
     max_b = max(args.batches)
-    if args.prefill:
+
+    def engine(tgt, draft, spec, tau, **kw):
+        return Engine(tgt, draft, spec=spec, max_batch_size=max_b, kv_pool_tokens=max_b * 2048,
+                      max_context=1024, simulate_accept_length=tau, **kw)
+
+    # the modes that print one table per configuration and nothing else
+    only = {"prefill": (prefill_table, "prefill: {}", dict(cuda_graphs=True, trace=True)),
+            "sites": (launch_sites, "launch sites: {}, batch 1", dict(cuda_graphs=False, trace=False))}
+    for mode, (table_of, title, kw) in only.items():
+        if not getattr(args, mode):
+            continue
         for name, tgt, draft, spec, tau in configs:
-            eng = Engine(tgt, draft, spec=spec, max_batch_size=max_b, kv_pool_tokens=max_b * 2048,
-                         max_context=1024, cuda_graphs=True, trace=True, simulate_accept_length=tau)
-            table = prefill_table(eng, 1)
-            print(f"===== prefill: {name} =====\n{table}", flush=True)
-            profiles.write(f"===== prefill: {name} =====\n{table}")
-            del eng
-        (out / "pair_host_profile.txt").write_text(profiles.getvalue())
-        return 0
-    if args.sites:
-        for name, tgt, draft, spec, tau in configs:
-            eng = Engine(tgt, draft, spec=spec, max_batch_size=max_b, kv_pool_tokens=max_b * 2048,
-                         max_context=1024, cuda_graphs=False, trace=False, simulate_accept_length=tau)
-            table = launch_sites(eng, 1)
-            print(f"===== launch sites: {name}, batch 1 =====\n{table}", flush=True)
-            profiles.write(f"===== launch sites: {name}, batch 1 =====\n{table}")
-            del eng
+            table = table_of(engine(tgt, draft, spec, tau, **kw), 1)
+            print(f"===== {title.format(name)} =====\n{table}", flush=True)
+            profiles.write(f"===== {title.format(name)} =====\n{table}")
         (out / "pair_host_profile.txt").write_text(profiles.getvalue())
         return 0
     for name, tgt, draft, spec, tau in configs:
         for trace, validate in [{"default": (True, None), "off": (False, "off")}[c] for c in args.checks]:
             t0 = time.perf_counter()
-            eng = Engine(tgt, draft, spec=spec, max_batch_size=max_b, kv_pool_tokens=max_b * 2048,
-                         max_context=1024, cuda_graphs=True, trace=trace, validate=validate,
-                         simulate_accept_length=tau)
+            eng = engine(tgt, draft, spec, tau, cuda_graphs=True, trace=trace, validate=validate)
             for b in args.batches:
                 for overlap in (False, True):
                     r = bench_scale.scheduler_step_times(eng, b, overlap)

@@ -115,6 +115,20 @@ def fmt(x, spec: str = ".2f", none: str = "–") -> str:
     return format(x, spec)
 
 
+def fill_random_weights(*modules) -> None:
+    """Random weights as every benchmark model gets them: vectors (norm weights) 1, matrices
+    normal(0, 0.02), parameters in module order."""
+    import torch
+
+    with torch.no_grad():
+        for module in modules:
+            for p in module.parameters():
+                if p.ndim == 1:
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02)
+
+
 def sync(device) -> None:
     import torch
 

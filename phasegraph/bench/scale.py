@@ -9,6 +9,7 @@ from phasegraph.bench.common import (
     SCALE_CONFIGS,
     BenchRun,
     count_phase,
+    fill_random_weights,
     free_memory,
     load_bench_scale,
     phase_share,
@@ -108,13 +109,8 @@ def _small_scale_pair(run: BenchRun):
     with torch.device(run.device):
         head = Eagle3Head(hcfg, target_hidden_size=cfg.hidden_size, draft_vocab_size=1024,
                           with_d2t=True, with_t2d=False)
-    with torch.no_grad():
-        for p in (*model.parameters(), *head.parameters()):
-            if p.ndim == 1:
-                p.fill_(1.0)
-            else:
-                p.normal_(0.0, 0.02)
-        head.d2t.zero_()
+    fill_random_weights(model, head)
+    head.d2t.zero_()
     head.to(run.dtype)
     target = HFTarget(model, feature_mode="eagle3")
     return target, Eagle3Draft(target, hcfg, head)

@@ -201,21 +201,13 @@ class RequestTable:
 
     def ensure_capacity(self, row: int, num_tokens: int) -> None:
         """Make ``row`` own logical positions ``[0, num_tokens)``; all-or-nothing."""
-        self.check_row(row)
-        if num_tokens > self.max_tokens:
-            raise RequestTooLong(num_tokens, self.max_tokens)
-        have = len(self.owned[row])
-        need = self.pages_for(num_tokens)
-        if need <= have:
-            return
-        pages = self.allocator.alloc(need - have)  # [need - have] int64 host
-        self.req_to_page[row, have:need] = to_device(pages, self.device)
-        self.owned[row].extend(pages.tolist())
+        self.ensure_capacity_many([row], [num_tokens])
 
     def ensure_capacity_many(self, rows: list[int], num_tokens: list[int]) -> None:
-        """:meth:`ensure_capacity` for several rows with one host-to-device copy and one write
-        into the table (what the scheduler does every iteration). All-or-nothing: on
-        :class:`OutOfKVPages` or :class:`RequestTooLong` nothing is allocated."""
+        """Make each ``rows[i]`` own logical positions ``[0, num_tokens[i])``, with one
+        host-to-device copy and one write into the table (what the scheduler does every
+        iteration). All-or-nothing: on :class:`OutOfKVPages` or :class:`RequestTooLong` nothing
+        is allocated."""
         grow = []
         for row, n in zip(rows, num_tokens, strict=True):
             self.check_row(row)

@@ -92,10 +92,13 @@ class FeatureDraft:
     def attach_kv(self, pool: KVPool) -> None:
         self.pool = check_pool_fits(pool, self.kv_spec, "the draft")
 
-    def _context(self, attn: AttentionMetadata):
+    def _attached_pool(self) -> KVPool:
         if self.pool is None:
             raise RuntimeError(f"{type(self).__name__}.attach_kv(pool) must be called first")
-        return forward_context(attn, self.pool)
+        return self.pool
+
+    def _context(self, attn: AttentionMetadata):
+        return forward_context(attn, self._attached_pool())
 
     def _rope(
         self, like: torch.Tensor, positions: torch.Tensor

@@ -44,7 +44,7 @@ from phasegraph.runtime.models.draft_base import (
     draft_config,
     require,
 )
-from phasegraph.runtime.models.fused_decoder import SILU_ACTIVATIONS, FusedLayer, fuse_layer
+from phasegraph.runtime.models.fused_decoder import FusedLayer, fuse_layer, unfusable_config_reason
 from phasegraph.runtime.models.loading import Checkpoint, load_into_module
 from phasegraph.runtime.models.target import HFTarget, head_dim_of, resolve_dtype
 
@@ -98,15 +98,6 @@ def eagle3_dims(config: LlamaConfig) -> tuple[int, int]:
     return target_hidden, draft_vocab
 
 
-def unfusable_head_reason(config: LlamaConfig) -> str | None:
-    """Why an EAGLE-3 head with this config cannot take the fused path (None: it can)."""
-    if getattr(config, "hidden_act", None) not in SILU_ACTIVATIONS:
-        return f"activation {getattr(config, 'hidden_act', None)!r} is not SiLU"
-    if getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):
-        return "partial rotary embedding"
-    return None
-
-
 class Eagle3Draft(FeatureDraft):
     """:class:`DraftModel` for an EAGLE-3 head; one draft pool layer.
 
@@ -127,7 +118,7 @@ class Eagle3Draft(FeatureDraft):
         self.fused_layer: FusedLayer | None = None
         self.fused_reason: str | None = "switched off (fused=False)"
         if fused is not False:
-            self.fused_reason = unfusable_head_reason(config)
+            self.fused_reason = unfusable_config_reason(config)
             if self.fused_reason is not None and fused:
                 raise UnsupportedModel(f"the fused EAGLE-3 path cannot run this head: {self.fused_reason}")
             if self.fused_reason is None:
@@ -221,15 +212,14 @@ class Eagle3Draft(FeatureDraft):
         is the prologue of the next product, so ``norm -> lm_head`` is one kernel)."""
         head: Eagle3Head = self.head
         mid, layer = head.midlayer, self.fused_layer
-        if self.pool is None:
-            raise RuntimeError(f"{type(self).__name__}.attach_kv(pool) must be called first")
+        pool = self._attached_pool()
         embeds = self._embed(input_ids).to(self.dtype)  # [T, Hd]
         h = linear(hidden.to(self.dtype), head.fc.weight, head.fc.bias) if from_target else hidden  # [T, Hd]
         e_normed, _ = add_rms_norm(embeds, None, layer.input_norm, layer.eps)
         h_normed, _ = add_rms_norm(h, None, mid.hidden_norm.weight, float(mid.hidden_norm.variance_epsilon))
         x = torch.cat([e_normed, h_normed], dim=-1)  # [T, 2Hd]
         cos, sin = self._rope(x, positions)  # [1, T, D] each
-        attn_out = layer.attention(x, cos[0], sin[0], self.pool.k[0], self.pool.v[0], attn)  # [T, Hd]
+        attn_out = layer.attention(x, cos[0], sin[0], pool.k[0], pool.v[0], attn)  # [T, Hd]
         # h1 = h + attn_out; gate_up = post_attention_layernorm(h1) @ gate_up
         gate_up, h1 = add_rms_norm_linear(
             attn_out, h, layer.post_norm, layer.eps, layer.gate_up_weight, layer.gate_up_bias

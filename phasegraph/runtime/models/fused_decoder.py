@@ -168,13 +168,21 @@ def fuse_layer(layer: torch.nn.Module, config) -> FusedLayer:
     )
 
 
-def unfusable_reason(model: torch.nn.Module) -> str | None:
-    """Why the decoder layers of ``model`` cannot take the fused path (None: they can)."""
-    config = model.config
+def unfusable_config_reason(config) -> str | None:
+    """Why layers with this config cannot take the fused path: activation and rotary (None: they
+    can, as far as the config says)."""
     if getattr(config, "hidden_act", None) not in SILU_ACTIVATIONS:
         return f"activation {getattr(config, 'hidden_act', None)!r} is not SiLU"
     if getattr(config, "partial_rotary_factor", 1.0) not in (None, 1.0):
         return "partial rotary embedding"
+    return None
+
+
+def unfusable_reason(model: torch.nn.Module) -> str | None:
+    """Why the decoder layers of ``model`` cannot take the fused path (None: they can)."""
+    reason = unfusable_config_reason(model.config)
+    if reason is not None:
+        return reason
     inner = model.model
     if not hasattr(inner, "rotary_emb") or not hasattr(inner.norm, "variance_epsilon"):
         return "no shared rotary module or RMSNorm final norm"
