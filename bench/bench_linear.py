@@ -69,6 +69,12 @@ GEMV4_CONFIGS = [  # M = 4 rows (a [4, BLOCK_N, BLOCK_K] accumulator)
     C(8, 256, 4, 1, False), C(16, 128, 4, 1, False), C(8, 512, 8, 1, False),
     C(16, 256, 8, 1, False), C(4, 512, 4, 1, False), C(8, 256, 4, 3, False),
 ]
+GEMV4_LONG_K = [  # M = 2..4 with few weight rows per program and long K tiles (the M = 1
+    # optimum, one weight row and the whole K in one load, carried to 4 rows of x)
+    C(1, 4096, 4, 1, False), C(1, 4096, 8, 1, False), C(2, 4096, 8, 1, False),
+    C(1, 2048, 4, 2, False), C(2, 2048, 8, 2, False), C(2, 1024, 4, 3, False),
+    C(4, 1024, 8, 3, False), C(4, 512, 4, 3, False),
+]
 DOT_CONFIGS = [  # tl.dot on a 16-row tile
     C(16, 256, 4, 4, True), C(16, 512, 4, 3, True), C(32, 128, 4, 4, True),
     C(32, 256, 4, 3, True), C(32, 256, 4, 4, True), C(32, 128, 4, 6, True),
@@ -86,7 +92,7 @@ def candidates(m: int, k: int) -> list[lin.SkinnyConfig]:
                 if c.block_k < 4096 or (c.block_k == 4096 and k <= 4096)
                 or (c.block_k > 4096 and 4096 < k <= c.block_k)]
     elif m <= 4:
-        out += GEMV4_CONFIGS
+        out += GEMV4_CONFIGS + [c for c in GEMV4_LONG_K if c.block_k < 4096 or k <= 4096]
     return out
 
 

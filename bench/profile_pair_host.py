@@ -193,6 +193,7 @@ def prefill_table(engine, batch: int, prompt_tokens: int = 128, calls: int = 3, 
         torch.cuda.synchronize()
     by_name = kernels_by_name(prof)
     total = sum(sum(v) for v in by_name.values())
+    host_ops = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=20, max_name_column_width=60)
     busy, _ = bench_scale.gpu_busy_seconds(lambda: engine.generate(prompts, params), calls)
     lines = [f"prefill of {batch} x {prompt_tokens} tokens: {1e3 * wall:.2f} ms per call, kernels "
              f"{total / calls / 1e3:.2f} ms, GPU busy {1e3 * busy:.2f} ms"]
@@ -204,7 +205,36 @@ def prefill_table(engine, batch: int, prompt_tokens: int = 128, calls: int = 3, 
     prof_host.disable()
     text = io.StringIO()
     pstats.Stats(prof_host, stream=text).sort_stats("cumulative").print_stats(35)
-    return "\n".join(lines) + "\n" + text.getvalue()
+    return "\n".join(lines) + "\nhost ops by own CPU time (profiled calls):\n" + host_ops + text.getvalue()
+
+
+def launch_costs(tokens: int = 128, hidden: int = 4096, calls: int = 200) -> str:
+    """Host time per call, without waiting for the GPU, of a few launches the eager prefill
+    makes: what one launch costs this machine's host (lent machines differ)."""
+    import torch.nn.functional as F
+
+    from phasegraph.kernels.rms_norm import add_rms_norm
+
+    x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    w = torch.randn(hidden, device="cuda", dtype=torch.bfloat16)
+    m = torch.randn(hidden, hidden, device="cuda", dtype=torch.bfloat16)
+    probes = {
+        "torch.add (one ATen kernel)": lambda: torch.add(x, x),
+        "torch.empty": lambda: torch.empty(tokens, hidden, device="cuda", dtype=torch.bfloat16),
+        "F.linear [128, 4096] x [4096, 4096] (cuBLAS)": lambda: F.linear(x, m),
+        "add_rms_norm (Triton, phasegraph wrapper)": lambda: add_rms_norm(x, x, w, 1e-5),
+    }
+    lines = []
+    for name, fn in probes.items():
+        fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        host = (time.perf_counter() - t0) / calls
+        torch.cuda.synchronize()
+        lines.append(f"  {1e6 * host:7.1f} us host per call  {name}")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv=None) -> int:
@@ -217,7 +247,8 @@ def main(argv=None) -> int:
     ap.add_argument("--configs", nargs="+", default=["baseline", "chain", "tree"], choices=["baseline", "chain", "tree"])
     ap.add_argument("--no-profile", action="store_true", help="no cProfile of the host")
     ap.add_argument("--prefill", action="store_true",
-                    help="only: time and profile prefill-only generate calls (128-token prompts) at batch 1")
+                    help="only (with --sites: and): time and profile prefill-only generate calls (128-token prompts) at batch 1, "
+                         "and the host cost of single launches")
     ap.add_argument("--sites", action="store_true",
                     help="only: kernel launches per source line of an eager (graphs off) step at batch 1")
     ap.add_argument("--kernels", action="store_true", help="also a table of GPU kernels per step at batch 1")
@@ -255,13 +286,18 @@ def main(argv=None) -> int:
     # the modes that print one table per configuration and nothing else
     only = {"prefill": (prefill_table, "prefill: {}", dict(cuda_graphs=True, trace=True)),
             "sites": (launch_sites, "launch sites: {}, batch 1", dict(cuda_graphs=False, trace=False))}
-    for mode, (table_of, title, kw) in only.items():
-        if not getattr(args, mode):
-            continue
+    if args.prefill:
+        table = launch_costs()
+        print(f"===== launch costs =====\n{table}", flush=True)
+        profiles.write(f"===== launch costs =====\n{table}")
+    modes = [mode for mode in only if getattr(args, mode)]
+    for mode in modes:
+        table_of, title, kw = only[mode]
         for name, tgt, draft, spec, tau in configs:
             table = table_of(engine(tgt, draft, spec, tau, **kw), 1)
             print(f"===== {title.format(name)} =====\n{table}", flush=True)
             profiles.write(f"===== {title.format(name)} =====\n{table}")
+    if modes:
         (out / "pair_host_profile.txt").write_text(profiles.getvalue())
         return 0
     for name, tgt, draft, spec, tau in configs:

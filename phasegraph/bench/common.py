@@ -212,8 +212,10 @@ def environment(device, validate: str | None) -> dict:
         triton_version = triton.__version__
     except ImportError:
         triton_version = None
-    commit = _git("rev-parse", "HEAD") or os.environ.get("PHASEGRAPH_GIT_COMMIT")
-    status = _git("status", "--porcelain")
+    # PHASEGRAPH_GIT_COMMIT names the commit where the checkout's .git is not its own (a copy)
+    pinned = os.environ.get("PHASEGRAPH_GIT_COMMIT")
+    commit = pinned or _git("rev-parse", "HEAD")
+    status = None if pinned else _git("status", "--porcelain")
     cuda = torch.device(device).type == "cuda"
     env = {
         "device": str(device),
@@ -233,5 +235,24 @@ def environment(device, validate: str | None) -> dict:
         "phasegraph_kernels": os.environ.get("PHASEGRAPH_KERNELS", "auto"),
         "validation": validate or os.environ.get("PHASEGRAPH_VALIDATE") or "library default (boundary)",
         "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),
+        "host_launch_us": round(1e6 * host_launch_seconds(device), 2),
     }
     return env
+
+
+def host_launch_seconds(device, calls: int = 2000) -> float:
+    """Host time to issue one tiny op on ``device`` without waiting for it: how fast this
+    machine's host is. Lent machines differ (~2x between two H100 hosts on 2026-11-23), and a
+    small target at batch 1 is bound by the host, so its tokens/s move with this figure."""
+    import torch
+
+    x = torch.zeros(1, device=device)
+    for _ in range(50):
+        torch.add(x, 1)
+    sync(device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        torch.add(x, 1)
+    seconds = (time.perf_counter() - start) / calls
+    sync(device)
+    return seconds

@@ -181,7 +181,7 @@ def render_markdown(result: dict) -> str:
     lines.append(f"Device: {env.get('gpu') or env.get('cpu')} ({env.get('device')}); torch {env.get('torch')}, "
                  f"triton {env.get('triton') or '–'}, transformers {env.get('transformers')}; commit "
                  f"{(env.get('git_commit') or 'unknown')[:12]}{' (dirty)' if env.get('git_dirty') else ''}; "
-                 f"validation {env.get('validation')}.")
+                 f"validation {env.get('validation')}; host {env.get('host_launch_us', '–')} µs to issue one tiny op.")
     lines.append("")
     tp = r.get("trained_pair")
     if tp:

@@ -47,6 +47,8 @@ def test_json_holds_every_figure_and_the_environment(quick_run):
     for key in ("gpu", "torch", "triton", "transformers", "git_commit", "python", "device"):
         assert key in r["env"], key
     assert r["env"]["device"] == "cpu"
+    assert 0 < r["env"]["host_launch_us"] < 1e4  # a tiny op's issue time, in microseconds
+    assert f"host {r['env']['host_launch_us']} µs" in (out / "bench.md").read_text()
     assert r["training"]["preset"] == "tiny"
     assert (out / "train_report.json").exists()
 
@@ -115,3 +117,15 @@ def test_goal_rows_are_measured_first():
     assert goal_order([1, 8, 32, 64]) == [1, 64, 8, 32]
     assert goal_order([4]) == [4]
     assert goal_order([8, 1, 2]) == [1, 8, 2]
+
+
+def test_environment_names_a_pinned_commit(monkeypatch):
+    """A checkout whose .git is a stale copy (the device machine's) records the commit it was
+    told, not the copy's HEAD, and does not guess whether it is dirty."""
+    from phasegraph.bench.common import environment
+
+    monkeypatch.setenv("PHASEGRAPH_GIT_COMMIT", "0123456789abcdef")
+    env = environment("cpu", None)
+    assert env["git_commit"] == "0123456789abcdef"
+    assert env["git_dirty"] is None
+    assert env["host_launch_us"] > 0
