@@ -206,6 +206,9 @@ def add_bench_command(sub) -> None:
     p.add_argument("--time-limit-s", type=float, metavar="S",
                    help="skip the rows that would start after S seconds and write what was measured "
                         "(default 560; none with --quick)")
+    p.add_argument("--gc", choices=["freeze", "default"], default="freeze",
+                   help="freeze the Python heap before each timed call, as serving engines do after "
+                        "warm-up (default), or leave the garbage collector as it is")
     p.add_argument("--seed", type=int, default=0, help="training seed (default 0)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")

@@ -24,7 +24,7 @@ from phasegraph.bench.common import (
     phase_share,
     prefill_seconds,
     share_text,
-    sync,
+    timed_call,
 )
 from phasegraph.bench.report import write_outputs
 from phasegraph.cli import CliError
@@ -160,11 +160,8 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
         batch = prompts[:b]
         warm = engine.generate(batch, params)  # the same call: captures every bucket it uses
         engine.trace.clear()
-        sync(run.device)
-        t0 = time.perf_counter()
-        outs = engine.generate(batch, params)
-        sync(run.device)
-        wall = time.perf_counter() - t0
+        wall, outs, gc_pauses = timed_call(run.device, lambda batch=batch: engine.generate(batch, params),
+                                             a.gc == "freeze")
         tokens = [o.token_ids for o in outs]
         lens = [n for o in outs for n in o.stats.accept_lengths]
         row = {
@@ -177,6 +174,7 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
             "phase_share": phase_share(engine.trace, wall),
             "warmup_identical": [w.token_ids for w in warm] == tokens,
             "graph_stats": engine.graph_runner.stats() if engine.graph_runner is not None else None,
+            "gc": gc_pauses,
         }
         if note:
             row["note"] = note
@@ -243,14 +241,12 @@ def _measure_hf_row(run: BenchRun, model, asst, label, batch, outputs, rows, dra
     a = run.args
     b = len(batch)
     _hf_generate(run, model, batch, min(16, a.new_tokens), asst)  # warm-up
-    sync(run.device)
-    t0 = time.perf_counter()
-    tokens = _hf_generate(run, model, batch, a.new_tokens, asst)
-    sync(run.device)
-    wall = time.perf_counter() - t0
+    wall, tokens, gc_pauses = timed_call(run.device, lambda: _hf_generate(run, model, batch, a.new_tokens, asst),
+                                         a.gc == "freeze")
     n = sum(len(t) for t in tokens)
     row = {"engine": "transformers", "config": label, "batch": b, "seconds": wall, "new_tokens": n,
-           "tokens_per_s": n / wall, "tau": None, "attn_implementation": "sdpa", "phase_share": {}}
+           "tokens_per_s": n / wall, "tau": None, "attn_implementation": "sdpa", "phase_share": {},
+           "gc": gc_pauses}
     if asst is not None:
         gc_ = asst.generation_config
         row["assistant"] = {"num_assistant_tokens": getattr(gc_, "num_assistant_tokens", None),

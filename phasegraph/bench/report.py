@@ -182,6 +182,13 @@ def render_markdown(result: dict) -> str:
                  f"triton {env.get('triton') or '–'}, transformers {env.get('transformers')}; commit "
                  f"{(env.get('git_commit') or 'unknown')[:12]}{' (dirty)' if env.get('git_dirty') else ''}; "
                  f"validation {env.get('validation')}; host {env.get('host_launch_us', '–')} µs to issue one tiny op.")
+    timed = [x for x in ((r.get("trained_pair") or {}).get("rows", []) + (r.get("scale") or {}).get("rows", [])
+                         + (r.get("scale") or {}).get("baseline", [])) if x.get("gc")]
+    if timed:
+        frozen = all(x["gc"]["frozen"] for x in timed)
+        lines.append(f"Timed calls: Python heap {'frozen (gc.freeze, as serving engines do after warm-up)' if frozen else 'not frozen'}; "
+                     f"garbage-collector pauses inside them: {1e3 * sum(x['gc']['seconds'] for x in timed):.1f} ms in all "
+                     f"over {len(timed)} rows, at most {1e3 * max(x['gc']['seconds'] for x in timed):.1f} ms in one.")
     lines.append("")
     tp = r.get("trained_pair")
     if tp:

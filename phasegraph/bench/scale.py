@@ -15,6 +15,7 @@ from phasegraph.bench.common import (
     phase_share,
     prefill_seconds,
     sync,
+    timed_call,
 )
 from phasegraph.bench.report import write_outputs
 from phasegraph.cli import CliError
@@ -132,15 +133,11 @@ def _host_copy_bandwidth(run: BenchRun, nbytes: int = 256 << 20) -> float:
     return 2 * nbytes / sorted(times)[len(times) // 2]
 
 
-def _timed_generate(run: BenchRun, engine, prompts, params) -> tuple[float, list]:
+def _timed_generate(run: BenchRun, engine, prompts, params) -> tuple[float, list, dict]:
     engine.generate(prompts, params)  # warm-up: the same call (captures its buckets)
     if engine.trace is not None:
         engine.trace.clear()
-    sync(run.device)
-    t0 = time.perf_counter()
-    outs = engine.generate(prompts, params)
-    sync(run.device)
-    return time.perf_counter() - t0, outs
+    return timed_call(run.device, lambda: engine.generate(prompts, params), run.args.gc == "freeze")
 
 
 def _measure_baseline(run: BenchRun, bs, target, prompts, params, engine_kw, base_tps, bar) -> None:
@@ -158,13 +155,13 @@ def _measure_baseline(run: BenchRun, bs, target, prompts, params, engine_kw, bas
         if run.out_of_time(f"scale baseline batch {b}"):
             bar.update(1)
             continue
-        wall, outs = _timed_generate(run, engine, prompts[:b], params)
+        wall, outs, gc_pauses = _timed_generate(run, engine, prompts[:b], params)
         tokens = sum(len(o.token_ids) for o in outs)
         steps = count_phase(engine.trace, "decode")
         prefill = prefill_seconds(engine.trace)
         row = {"batch": b, "seconds": wall, "new_tokens": tokens, "tokens_per_s": tokens / wall,
                "step_s_end_to_end": (wall - prefill) / max(1, steps),
-               "phase_share": phase_share(engine.trace, wall)}
+               "phase_share": phase_share(engine.trace, wall), "gc": gc_pauses}
         row["share_of_bound_end_to_end"] = bound / row["step_s_end_to_end"]
         if run.cuda:  # GPU time of one graphed decode step (bench_scale's probe)
             t = bs.decode_step_time(engine, b, context=part["prompt_tokens"])
@@ -198,7 +195,7 @@ def _measure_spec(run: BenchRun, bs, target, head, name, spec, tau, prompts, par
         if b not in base_tps or run.out_of_time(f"scale {name} τ={tau} batch {b}"):
             bar.update(1)
             continue
-        wall, outs = _timed_generate(run, engine, prompts[:b], params)
+        wall, outs, gc_pauses = _timed_generate(run, engine, prompts[:b], params)
         tokens = sum(len(o.token_ids) for o in outs)
         lens = [x for o in outs for x in o.stats.accept_lengths]
         speedup = (tokens / wall) / base_tps[b]
@@ -209,7 +206,7 @@ def _measure_spec(run: BenchRun, bs, target, head, name, spec, tau, prompts, par
                "baseline_tokens_per_s": base_tps[b], "speedup": speedup, "eta": speedup / measured,
                "iterations": count_phase(engine.trace, "verify"), "nodes": spec.num_draft_tokens,
                "prefill_s": prefill_seconds(engine.trace),
-               "phase_share": phase_share(engine.trace, wall)}
+               "phase_share": phase_share(engine.trace, wall), "gc": gc_pauses}
         part["rows"].append(row)
         bar.update(1)
         tqdm.write(f"  scale {name:<18} SIMULATED τ={tau} (measured {measured:.2f}) batch {b:>3}: "

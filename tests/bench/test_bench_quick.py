@@ -66,6 +66,7 @@ def test_json_holds_every_figure_and_the_environment(quick_run):
         assert x["new_tokens"] == 16 * x["batch"], x
         assert x["tokens_per_s"] > 0 and x["speedup"] > 0
         assert 0 <= x["identical_share"] <= 1
+        assert x["gc"]["frozen"] is True and 0 <= x["gc"]["seconds"] <= x["seconds"]  # heap frozen while timed
         if x["engine"] == "phasegraph" and x["config"] != "baseline (autoregressive)":
             assert 1 <= x["tau"] <= 5 and x["eta"] == pytest.approx(x["speedup"] / x["tau"])
             assert x["phase_share"]["verify"] > 0 and x["iterations"] > 0
@@ -83,6 +84,8 @@ def test_json_holds_every_figure_and_the_environment(quick_run):
     for x in sc["rows"]:
         assert x["tau_measured"] == pytest.approx(x["tau_simulated"], abs=0.6)
         assert x["eta"] == pytest.approx(x["speedup"] / x["tau_measured"]) and x["reached"]
+    for x in sc["rows"] + sc["baseline"]:
+        assert x["gc"]["frozen"] is True and 0 <= x["gc"]["seconds"] <= x["seconds"]
 
     assert len(r["goals"]) == 6
     assert all(g["met"] in (True, False) for g in r["goals"]), r["goals"]  # every goal measured
