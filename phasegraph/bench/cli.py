@@ -67,8 +67,8 @@ def estimate_seconds(run: BenchRun) -> dict[str, float]:
         if not a.quick:
             steps = a.new_tokens
             nb = len(a.batch_list)
-            pg = nb * 2 * steps * SMALL_STEP_S  # baseline, warm-up + timed
-            pg += nb * 3 * 2 * (steps / 2.5) * SMALL_ITER_S  # chain, tree, standalone at tau ~2.5
+            pg = nb * 3 * steps * SMALL_STEP_S  # baseline, two warm-ups + timed
+            pg += nb * 3 * 3 * (steps / 2.5) * SMALL_ITER_S  # chain, tree, standalone at tau ~2.5
             pg += nb * 3 * 3 * CAPTURE_S
             hf = sum(1.1 * steps * HF_STEP_S for _ in a.batch_list) + 1.1 * steps / 3 * 2 * HF_STEP_S
             est["part 1: measure"] = pg + hf + TRITON_COMPILE_S + 15.0

@@ -158,8 +158,12 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
     for b in a.batch_list:
         bar.set_postfix_str(f"{label}, batch {b}")
         batch = prompts[:b]
-        warm = engine.generate(batch, params)  # the same call: captures every bucket it uses
+        # the same call twice: a graph is captured the second time its bucket is used, so a
+        # bucket the call uses once (requests finishing one by one) is captured by the second
+        warm = engine.generate(batch, params)
+        engine.generate(batch, params)
         engine.trace.clear()
+        graphs_before = _graph_count(engine)
         wall, outs, gc_pauses = timed_call(run.device, lambda batch=batch: engine.generate(batch, params),
                                              a.gc == "freeze")
         tokens = [o.token_ids for o in outs]
@@ -175,6 +179,7 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
             "warmup_identical": [w.token_ids for w in warm] == tokens,
             "graph_stats": engine.graph_runner.stats() if engine.graph_runner is not None else None,
             "gc": gc_pauses,
+            "captured_while_timed": _graph_count(engine) - graphs_before,
         }
         if note:
             row["note"] = note
@@ -233,6 +238,13 @@ def _measure_hf_rows(run: BenchRun, pair, draft_dir, prompts, outputs, rows, bar
         bar.update(1)
     del assistant
     return model
+
+
+def _graph_count(engine) -> int:
+    """CUDA graphs the engine holds (per-phase and whole-iteration), 0 without graphs."""
+    if engine.graph_runner is None:
+        return 0
+    return sum(v["graphs"] for v in engine.graph_runner.stats().values())
 
 
 def _measure_hf_row(run: BenchRun, model, asst, label, batch, outputs, rows, draft_note) -> None:

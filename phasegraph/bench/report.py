@@ -214,6 +214,10 @@ def render_markdown(result: dict) -> str:
                 f"{share_text(row.get('phase_share', {}))} |")
         if tp.get("draft_note"):
             lines += ["", f"Note: {tp['draft_note']}."]
+        captured = [x for x in tp["rows"] if x.get("captured_while_timed")]
+        lines += ["", "CUDA graphs captured inside a timed call (their capture time counts against the row): "
+                  + (", ".join(f"{x['config']} batch {x['batch']}: {x['captured_while_timed']}" for x in captured)
+                     if captured else "none (each row ran its call twice before timing it).")]
         lines.append("")
     sc = r.get("scale")
     if sc:

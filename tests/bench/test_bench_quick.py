@@ -67,6 +67,8 @@ def test_json_holds_every_figure_and_the_environment(quick_run):
         assert x["tokens_per_s"] > 0 and x["speedup"] > 0
         assert 0 <= x["identical_share"] <= 1
         assert x["gc"]["frozen"] is True and 0 <= x["gc"]["seconds"] <= x["seconds"]  # heap frozen while timed
+        if x["engine"] == "phasegraph":
+            assert x["captured_while_timed"] == 0, x  # CPU: no graphs; a GPU run records its captures
         if x["engine"] == "phasegraph" and x["config"] != "baseline (autoregressive)":
             assert 1 <= x["tau"] <= 5 and x["eta"] == pytest.approx(x["speedup"] / x["tau"])
             assert x["phase_share"]["verify"] > 0 and x["iterations"] > 0
@@ -98,6 +100,7 @@ def test_markdown_table(quick_run):
     assert "| engine | configuration | batch | tokens/s | τ | speedup | η | identical to baseline |" in md
     assert "## 2. Scale — SIMULATED acceptance" in md and "SIMULATED" in md
     assert "batch 1 only" in md
+    assert "CUDA graphs captured inside a timed call" in md
     for goal in ("EAGLE-3 tree η ≥ 0.75", "≥ 5× transformers' assisted generation",
                  "identical to the baseline in every row", "SIMULATED τ = 4: η ≥ 0.75",
                  "≥ 1.3× baseline", "85% of the memory-bandwidth bound"):
