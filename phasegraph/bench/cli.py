@@ -206,6 +206,9 @@ def add_bench_command(sub) -> None:
     p.add_argument("--time-limit-s", type=float, metavar="S",
                    help="skip the rows that would start after S seconds and write what was measured "
                         "(default 560; none with --quick)")
+    p.add_argument("--prefill-graphs", action="store_true",
+                   help="replay prefill from CUDA graphs per request and token bucket (Engine(prefill_graphs=True); "
+                        "off by default until measured on a GPU)")
     p.add_argument("--gc", choices=["freeze", "default"], default="freeze",
                    help="freeze the Python heap before each timed call, as serving engines do after "
                         "warm-up (default), or leave the garbage collector as it is")

@@ -153,7 +153,7 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
     engine = Engine.from_pretrained(
         target_dir, draft_dir, spec=SpecConfig(**spec_kw), device=run.device, dtype=run.pair_dtype,
         max_batch_size=max(a.batch_list), kv_pool_tokens=kv_tokens, cuda_graphs=run.graphs, trace=True,
-        validate=a.validate,
+        validate=a.validate, prefill_graphs=run.graphs and a.prefill_graphs,
     )
     for b in a.batch_list:
         bar.set_postfix_str(f"{label}, batch {b}")

@@ -380,11 +380,15 @@ class GraphRunner:
         enabled: bool = True,
         emulate: bool = False,
         scope: str = "iteration",
+        prefill_token_buckets: Sequence[int] = (),
     ):
         if scope not in GRAPH_SCOPES:
             raise ValueError(f"graph scope must be one of {GRAPH_SCOPES}, got {scope!r}")
         self.scope = scope
         self.iteration = None  # the IterationGraph, with scope "iteration"
+        # prefill-extend graphs per (request bucket, token bucket); none: prefill runs eagerly
+        self.prefill_token_buckets = tuple(prefill_token_buckets)
+        self.prefill = None  # the PrefillGraph, with prefill token buckets
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
         self.emulate = emulate
         self.enabled = enabled and (emulate or torch.cuda.is_available())
@@ -431,6 +435,12 @@ class GraphRunner:
             self.wrap(p, when[p.name], p.name not in not_idempotent) if p.name in when else p
             for p in PHASES
         ]
+        if self.prefill_token_buckets:
+            from phasegraph.runtime.prefill_graph import PrefillGraph
+
+            self.prefill = PrefillGraph(self, next(p for p in PHASES if p.name == "prefill-extend"),
+                                        self.prefill_token_buckets)
+            phases = [attrs.evolve(p, fn=self.prefill) if p.name == "prefill-extend" else p for p in phases]
         if self.scope == "iteration":
             from phasegraph.runtime.iteration_graph import ITERATION, IterationGraph
 
@@ -442,8 +452,9 @@ class GraphRunner:
         return PhaseGraph("eagle", phases, EDGES, entry="prefill-extend")
 
     def stats(self) -> dict[str, dict[str, Any]]:
-        """Per graphed phase: graphs, replays, eager calls and why; with scope "iteration" also
-        ``"iteration"``: its graphs, replays, and per phase how many calls it served."""
+        """Per graphed phase: graphs, replays, eager calls and why (prefill-extend too when its
+        graphs are on); with scope "iteration" also ``"iteration"``: its graphs, replays, and per
+        phase how many calls it served."""
         out: dict[str, dict[str, Any]] = {
             name: {"graphs": len(p.graphs), "replays": p.replays, "eager": p.eager_calls,
                    "eager_reasons": dict(p.eager_reasons)}
@@ -451,4 +462,6 @@ class GraphRunner:
         }
         if self.iteration is not None:
             out["iteration"] = self.iteration.stats()
+        if self.prefill is not None:
+            out["prefill-extend"] = self.prefill.stats()
         return out

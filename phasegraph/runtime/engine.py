@@ -25,6 +25,7 @@ from phasegraph.runtime.errors import InvalidConfig, InvalidRequest, SchedulerIn
 from phasegraph.runtime.kv_pool import KVCacheManager
 from phasegraph.runtime.memory import PhaseMemory
 from phasegraph.runtime.models.target import HFTarget
+from phasegraph.runtime.prefill_graph import token_buckets_for
 from phasegraph.runtime.requests import Request, Status
 from phasegraph.runtime.scheduler import Scheduler
 from phasegraph.statemachine import Trace
@@ -123,6 +124,7 @@ class Engine:
         cuda_graphs: bool | str | None = None,
         graph_buckets: Sequence[int] | None = None,
         graph_scope: str = "iteration",
+        prefill_graphs: bool = False,
         simulate_accept_length: int | None = None,
         overlap: bool | None = None,
     ):
@@ -183,6 +185,7 @@ class Engine:
             self.ctx.simulate_accept_drafts = simulate_accept_length - 1
         self.simulated = simulate_accept_length is not None
         self.trace = Trace() if trace else None
+        self._prefill_graphs = bool(prefill_graphs)
         self.graph_runner = self._graph_runner(cuda_graphs, graph_buckets, max_batch_size)
         graph = EAGLE_GRAPH if self.graph_runner is None else self.graph_runner.graph
         self.scheduler = Scheduler(
@@ -199,17 +202,21 @@ class Engine:
         """CUDA graphs of every phase of an iteration (``graph_scope="iteration"``: one graph
         for draft -> verify -> finalize -> draft-extend; ``"phase"``: one per phase) and of
         decode: on by default on a GPU; ``"emulate"`` runs the same padding and slicing on the
-        CPU (for tests)."""
+        CPU (for tests). ``prefill_graphs=True`` adds graphs of prefill-extend per request and
+        token bucket (phasegraph/runtime/prefill_graph.py); off by default."""
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
         if not cuda_graphs:
+            if self._prefill_graphs:
+                raise InvalidConfig("prefill_graphs=True needs CUDA graphs (cuda_graphs=True on a GPU, 'emulate' on the CPU)")
             return None
         emulate = cuda_graphs == "emulate"
         if not emulate and self.device.type != "cuda":
             raise InvalidConfig("cuda_graphs=True needs a CUDA device (use cuda_graphs='emulate' on the CPU)")
         # every batch the engine can form has a bucket: the largest one is max_batch_size
         buckets = tuple(b for b in (buckets or DEFAULT_BUCKETS) if b < max_batch_size) + (max_batch_size,)
-        return GraphRunner(buckets, emulate=emulate, scope=self._graph_scope)
+        prefill = token_buckets_for(self.max_context) if self._prefill_graphs else ()
+        return GraphRunner(buckets, emulate=emulate, scope=self._graph_scope, prefill_token_buckets=prefill)
 
     def _attach_pools(self) -> None:
         """Point the models at this engine's KV pools. Done before every step, not only at

@@ -1,0 +1,217 @@
+"""CUDA graphs of prefill-extend, per (request bucket, token bucket).
+
+An eager prefill launches every kernel of every layer from Python: a 128-token prefill of a
+Llama-3-8B shape issues ~330 launches, which on the lent H100 hosts take 20-40 ms against
+~7.5 ms of GPU work (bench/RESULTS.md §5). A prefill's tokens are ragged (each request brings its
+own prompt length), so the per-batch-size graphs of the iteration phases do not fit it. Here a
+prefill of ``B`` requests and ``T`` tokens replays the graph captured for the smallest token
+bucket ``>= T`` and the smallest request bucket ``>= B + 1``:
+
+- the ``T`` real tokens come first, then ``bucket_T - T`` padded tokens, all owned by padded
+  request ``B``; its row in the page table is the reserved row 0, every entry of which is the
+  sink page 0, so padded tokens write and read only the sink (they sit at positions
+  ``0 .. bucket_T - T - 1`` of their own causal sequence);
+- requests ``B+1 ..`` own no tokens; every padded request selects the last padded token;
+- attention, sampling and the feature rows are computed per request or per token, so the real
+  rows of the output are those of an eager prefill of the same input (up to the rounding of a
+  matrix product of ``bucket_T`` rows instead of ``T``), and are sliced back out (copied: the
+  next replay overwrites the static outputs).
+
+Capture leaves the committed state as it found it: prefill writes the KV of the prompt
+positions, idempotently (a second run writes the same values), but the first call per bucket
+still runs eagerly (the real work, compiling and autotuning nothing inside the capture), the
+second warms up on all-padded rows and captures. Prompts longer than the largest token bucket,
+batches above the largest request bucket and calls with extra inputs run eagerly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+import torch
+
+from phasegraph.phases.schemas import REQUEST, TOKEN
+from phasegraph.runtime.cuda_graphs import (
+    EmulatedGraph,
+    GraphRunner,
+    foreach_copy,
+    no_garbage_collection,
+    warm_up,
+)
+from phasegraph.statemachine import PhaseSpec, Schema
+
+DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
+
+_REQUEST_NEUTRAL = {"req_pool_idx": 0, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "stop_ids": -1,
+                    "seed": 0, "remaining": 1, "forced_tokens": -1}
+
+
+@attrs.define
+class _CapturedPrefill:
+    graph: Any  # torch.cuda.CUDAGraph or EmulatedGraph
+    static_in: Schema  # padded PrefillInput
+    static_out: Schema  # PrefillResult of the padded input
+
+
+def token_buckets_for(max_context: int, buckets=DEFAULT_TOKEN_BUCKETS) -> tuple[int, ...]:
+    """The token buckets a prefill of at most ``max_context`` tokens per request may use."""
+    return tuple(b for b in buckets if b <= max_context)
+
+
+class PrefillGraph:
+    """prefill-extend served from graphs captured per (request bucket, token bucket)."""
+
+    def __init__(self, runner: GraphRunner, spec: PhaseSpec, token_buckets: tuple[int, ...]):
+        self.runner = runner
+        self.spec = spec
+        self.token_buckets = tuple(sorted(set(int(b) for b in token_buckets)))
+        self.graphs: dict[tuple, _CapturedPrefill] = {}
+        self.warmed: set[tuple] = set()
+        self.replays = 0
+        self.eager_calls = 0
+        self.eager_reasons: dict[str, int] = {}
+
+    # ------------------------------------------------------------------ dispatch
+    def _buckets(self, batch: int, tokens: int) -> tuple[int | None, int | None]:
+        # + the padded request that owns the padded tokens (so one bucket past the runner's)
+        request_buckets = (*self.runner.buckets, self.runner.buckets[-1] + 1)
+        req_bucket = next((b for b in request_buckets if b >= batch + 1), None)
+        tok_bucket = next((b for b in self.token_buckets if b >= tokens), None)
+        return req_bucket, tok_bucket
+
+    def _eager(self, reason: str, state: Schema, ctx: Any, extra: dict) -> Schema:
+        self.eager_calls += 1
+        self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1
+        return self.spec.fn(state, ctx, **extra)
+
+    def __call__(self, state: Schema, ctx: Any, **extra: Any) -> Schema:
+        batch, tokens = state.seq_lens.shape[0], state.input_ids.shape[0]
+        req_bucket, tok_bucket = self._buckets(batch, tokens)
+        if not self.runner.enabled:
+            return self._eager("graphs disabled", state, ctx, extra)
+        if extra:
+            return self._eager("extra inputs", state, ctx, extra)
+        if batch == 0 or req_bucket is None:
+            return self._eager("batch above the largest bucket (or empty)", state, ctx, extra)
+        if tok_bucket is None:
+            return self._eager("tokens above the largest token bucket", state, ctx, extra)
+        key = (req_bucket, tok_bucket, *self.runner.context_key(ctx), state.params.stop_ids.shape[1])
+        cap = self.graphs.get(key)
+        if cap is None and key not in self.warmed:
+            self.warmed.add(key)
+            return self._eager("warm-up call", state, ctx, extra)
+        if cap is None:
+            cap = self._capture(state, ctx, req_bucket, tok_bucket, key)
+        else:
+            copy_into_padded(cap.static_in, state)
+        cap.graph.replay()
+        self.replays += 1
+        return slice_prefill_result(cap.static_out, state)
+
+    def _capture(self, state: Schema, ctx: Any, req_bucket: int, tok_bucket: int, key: tuple) -> _CapturedPrefill:
+        static_in = padded_prefill_input(state, req_bucket, tok_bucket)
+        if self.runner.emulate:
+            static_out = self.spec.fn(static_in, ctx)
+            graph = EmulatedGraph(lambda: self.spec.fn(static_in, ctx), static_out)
+        else:
+            # warm up on an all-padded input (it writes only the sink page), then capture the
+            # real rows (recording, not executing) and replay
+            copy_into_padded(static_in, _empty_like_input(state))
+            warm_up(lambda: self.spec.fn(static_in, ctx))
+            copy_into_padded(static_in, state)
+            graph = torch.cuda.CUDAGraph()
+            with no_garbage_collection(), torch.cuda.graph(graph, pool=self.runner.pool):
+                static_out = self.spec.fn(static_in, ctx)
+        cap = _CapturedPrefill(graph, static_in, static_out)
+        self.graphs[key] = cap
+        return cap
+
+    def stats(self) -> dict[str, Any]:
+        return {"graphs": len(self.graphs), "replays": self.replays, "eager": self.eager_calls,
+                "eager_reasons": dict(self.eager_reasons)}
+
+
+# ---------------------------------------------------------------------- padding and slicing
+def _padded_values(state: Schema, req_bucket: int, tok_bucket: int) -> dict[str, torch.Tensor]:
+    """Every tensor of a padded PrefillInput (``params`` fields by their own names), on the
+    device: real rows first, padded rows as the module docstring describes."""
+    batch, tokens = state.seq_lens.shape[0], state.input_ids.shape[0]
+    dev = state.input_ids.device
+    pad_tokens = tok_bucket - tokens
+    out: dict[str, torch.Tensor] = {}
+    params = state.params
+    for name in ("req_pool_idx", "temperature", "top_p", "top_k", "stop_ids", "seed"):
+        x = getattr(params, name)
+        padded = torch.full((req_bucket, *x.shape[1:]), _REQUEST_NEUTRAL[name], dtype=x.dtype, device=dev)
+        padded[:batch] = x
+        out[name] = padded
+    own = torch.arange(pad_tokens, device=dev)
+    out["input_ids"] = torch.cat([state.input_ids, torch.zeros(pad_tokens, dtype=torch.int64, device=dev)])
+    out["positions"] = torch.cat([state.positions, own])
+    out["token_req"] = torch.cat([state.token_req, torch.full((pad_tokens,), batch, dtype=torch.int64, device=dev)])
+    select = torch.full((req_bucket,), tok_bucket - 1, dtype=torch.int64, device=dev)
+    select[:batch] = state.select_index
+    out["select_index"] = select
+    seq = torch.ones(req_bucket, dtype=torch.int64, device=dev)
+    seq[:batch] = state.seq_lens
+    seq[batch] = max(pad_tokens, 1)
+    out["seq_lens"] = seq
+    for name in ("remaining", "forced_tokens"):
+        x = getattr(state, name)
+        padded = torch.full((req_bucket,), _REQUEST_NEUTRAL[name], dtype=x.dtype, device=dev)
+        padded[:batch] = x
+        out[name] = padded
+    return out
+
+
+def padded_prefill_input(state: Schema, req_bucket: int, tok_bucket: int) -> Schema:
+    """A new PrefillInput: ``state`` padded to ``req_bucket`` requests and ``tok_bucket`` tokens."""
+    v = _padded_values(state, req_bucket, tok_bucket)
+    params = type(state.params)(**{n: v.pop(n) for n in ("req_pool_idx", "temperature", "top_p", "top_k",
+                                                          "stop_ids", "seed")})
+    return type(state)(params=params, **v)
+
+
+def copy_into_padded(static: Schema, state: Schema) -> None:
+    """Write ``state`` into the padded static input in place (one multi-tensor copy)."""
+    req_bucket, tok_bucket = static.seq_lens.shape[0], static.input_ids.shape[0]
+    v = _padded_values(state, req_bucket, tok_bucket)
+    dsts = [getattr(static.params, n) for n in ("req_pool_idx", "temperature", "top_p", "top_k", "stop_ids", "seed")]
+    dsts += [getattr(static, n) for n in ("input_ids", "positions", "token_req", "select_index", "seq_lens",
+                                          "remaining", "forced_tokens")]
+    foreach_copy(dsts, list(v.values()))
+
+
+def _empty_like_input(state: Schema) -> Schema:
+    """A PrefillInput of no request and no token, with ``state``'s widths and dtypes."""
+    def none_of(x: torch.Tensor) -> torch.Tensor:
+        return x[:0]
+
+    params = type(state.params)(**{n: none_of(getattr(state.params, n)) for n in
+                                   ("req_pool_idx", "temperature", "top_p", "top_k", "stop_ids", "seed")})
+    return type(state)(params=params, **{n: none_of(getattr(state, n)) for n in
+                                         ("input_ids", "positions", "token_req", "select_index", "seq_lens",
+                                          "remaining", "forced_tokens")})
+
+
+def slice_prefill_result(static_out: Schema, state: Schema) -> Schema:
+    """The real rows of a padded PrefillResult, copied out (one multi-tensor copy); ``params``
+    is the real input's."""
+    batch, tokens = state.seq_lens.shape[0], state.input_ids.shape[0]
+    rows = {REQUEST: batch, TOKEN: tokens + (batch if static_out.lead else 0)}  # lead 1: a row per request more
+    srcs, dsts, fields = [], [], {}
+    spec = type(static_out).__schema__
+    for t in spec.tensors:
+        x = getattr(static_out, t.name)
+        if x is None:
+            fields[t.name] = None
+            continue
+        src = x[: rows[t.role]]
+        fields[t.name] = torch.empty_like(src, memory_format=torch.contiguous_format)
+        srcs.append(src)
+        dsts.append(fields[t.name])
+    foreach_copy(dsts, srcs)
+    for v in spec.values:
+        fields[v.name] = state.params if v.name == "params" else getattr(static_out, v.name)
+    return type(static_out)(**fields)
