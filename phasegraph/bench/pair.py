@@ -62,7 +62,7 @@ def measure_trained_pair(run: BenchRun) -> None:
     texts = [p.text for p in heldout_prompts(max_lines=40, min_lines=8)]
     ids = [tok(t)["input_ids"][-prompt_tokens:] for t in texts]
     max_b = max(a.batch_list)
-    prompts = [ids[i % len(ids)] for i in range(max_b)]
+    prompts = [ids[i % len(ids)] for i in range(max(max_b, a.batch1_prompts if 1 in a.batch_list else 1))]
     params = SamplingParams(max_new_tokens=a.new_tokens, temperature=0.0, ignore_eos=True)
     kv_tokens = max_b * (prompt_tokens + a.new_tokens + 64) + 1024
     part: dict = {
@@ -71,6 +71,7 @@ def measure_trained_pair(run: BenchRun) -> None:
         "prompt_tokens_mean": round(sum(len(p) for p in prompts) / len(prompts), 1),
         "new_tokens": a.new_tokens, "batches": a.batch_list, "dtype": str(run.pair_dtype).removeprefix("torch."),
         "cuda_graphs": run.graphs, "greedy": True, "ignore_eos": True, "rows": [],
+        "batch1_prompts": a.batch1_prompts,
     }
     run.result["trained_pair"] = part
     rows = part["rows"]
@@ -157,19 +158,20 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
     )
     for b in a.batch_list:
         bar.set_postfix_str(f"{label}, batch {b}")
-        batch = prompts[:b]
-        # the same call twice: a graph is captured the second time its bucket is used, so a
-        # bucket the call uses once (requests finishing one by one) is captured by the second
-        warm = engine.generate(batch, params)
-        engine.generate(batch, params)
+        calls = request_calls(prompts, b, a.batch1_prompts)
+        # each call twice: a graph is captured the second time its bucket is used, so a bucket
+        # a call uses once (requests finishing one by one) is captured by the second
+        warm = []
+        for batch in calls:
+            warm += engine.generate(batch, params)
+            engine.generate(batch, params)
         engine.trace.clear()
         graphs_before = _graph_count(engine)
-        wall, outs, gc_pauses = timed_call(run.device, lambda batch=batch: engine.generate(batch, params),
-                                             a.gc == "freeze")
+        wall, outs, gc_pauses = timed_calls(run, calls, lambda batch: engine.generate(batch, params))
         tokens = [o.token_ids for o in outs]
         lens = [n for o in outs for n in o.stats.accept_lengths]
         row = {
-            "engine": "phasegraph", "config": label, "spec": spec_kw, "batch": b,
+            "engine": "phasegraph", "config": label, "spec": spec_kw, "batch": b, "requests": len(tokens),
             "seconds": wall, "new_tokens": sum(len(t) for t in tokens),
             "tokens_per_s": sum(len(t) for t in tokens) / wall,
             "tau": (sum(lens) / len(lens)) if lens else None,
@@ -233,11 +235,29 @@ def _measure_hf_rows(run: BenchRun, pair, draft_dir, prompts, outputs, rows, bar
             bar.update(1)
             continue
         bar.set_postfix_str(f"transformers, batch {b}{' assisted' if asst is not None else ''}")
-        run.guard(f"{label}, batch {b}", _measure_hf_row, run, model, asst, label, prompts[:b], outputs, rows,
-                  draft_note)
+        run.guard(f"{label}, batch {b}", _measure_hf_row, run, model, asst, label, b,
+                  request_calls(prompts, b, a.batch1_prompts), outputs, rows, draft_note)
         bar.update(1)
     del assistant
     return model
+
+
+def request_calls(prompts: list, batch: int, batch1_prompts: int) -> list[list]:
+    """The generate calls of one row: one batch of ``batch`` prompts, or at batch 1 one call for
+    each of the first ``batch1_prompts`` prompts (a single prompt makes τ at batch 1 noisy)."""
+    if batch == 1:
+        return [[p] for p in prompts[:batch1_prompts]]
+    return [prompts[:batch]]
+
+
+def timed_calls(run: BenchRun, calls: list[list], generate) -> tuple[float, list, dict]:
+    """``timed_call`` for each call in turn: the summed wall time, the outputs in order and the
+    summed collector pauses."""
+    wall, outs, pauses, seconds = 0.0, [], 0, 0.0
+    for batch in calls:
+        w, out, g = timed_call(run.device, lambda batch=batch: generate(batch), run.args.gc == "freeze")
+        wall, outs, pauses, seconds = wall + w, outs + list(out), pauses + g["pauses"], seconds + g["seconds"]
+    return wall, outs, {"pauses": pauses, "seconds": seconds, "frozen": run.args.gc == "freeze"}
 
 
 def _graph_count(engine) -> int:
@@ -247,16 +267,15 @@ def _graph_count(engine) -> int:
     return sum(v["graphs"] for v in engine.graph_runner.stats().values())
 
 
-def _measure_hf_row(run: BenchRun, model, asst, label, batch, outputs, rows, draft_note) -> None:
+def _measure_hf_row(run: BenchRun, model, asst, label, b, calls, outputs, rows, draft_note) -> None:
     from tqdm.auto import tqdm
 
     a = run.args
-    b = len(batch)
-    _hf_generate(run, model, batch, min(16, a.new_tokens), asst)  # warm-up
-    wall, tokens, gc_pauses = timed_call(run.device, lambda: _hf_generate(run, model, batch, a.new_tokens, asst),
-                                         a.gc == "freeze")
+    _hf_generate(run, model, calls[0], min(16, a.new_tokens), asst)  # warm-up
+    wall, tokens, gc_pauses = timed_calls(run, calls, lambda batch: _hf_generate(run, model, batch, a.new_tokens, asst))
     n = sum(len(t) for t in tokens)
-    row = {"engine": "transformers", "config": label, "batch": b, "seconds": wall, "new_tokens": n,
+    row = {"engine": "transformers", "config": label, "batch": b, "requests": len(tokens), "seconds": wall,
+           "new_tokens": n,
            "tokens_per_s": n / wall, "tau": None, "attn_implementation": "sdpa", "phase_share": {},
            "gc": gc_pauses}
     if asst is not None:

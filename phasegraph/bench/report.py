@@ -83,8 +83,8 @@ def evaluate_goals(result: dict, args: argparse.Namespace) -> list[dict]:
     pg = [r for r in rows if r["engine"] == "phasegraph" and r["config"] != BASELINE and "identical" in r]
     if pg:
         same = sum(r["identical"] for r in pg)
-        total = sum(r["batch"] for r in pg)
-        bad = [f"{r['config']} b{r['batch']}: {r['identical']}/{r['batch']}" for r in pg if r["identical"] < r["batch"]]
+        total = sum(_requests(r) for r in pg)
+        bad = [f"{r['config']} b{r['batch']}: {r['identical']}/{_requests(r)}" for r in pg if r["identical"] < _requests(r)]
         gaps = [abs(g["baseline_minus_this_logit"]) for r in pg for g in r.get("first_difference_logit_gaps", [])]
         note = None
         if bad:
@@ -92,7 +92,7 @@ def evaluate_goals(result: dict, args: argparse.Namespace) -> list[dict]:
             if gaps:
                 note += (f". Target logit gap between the two tokens at the first difference (fp32 forward): "
                          f"median {sorted(gaps)[len(gaps) // 2]:.3f}, max {max(gaps):.3f}")
-            if tp.get("draft_note") and any(r["config"] == STANDALONE for r in pg if r["identical"] < r["batch"]):
+            if tp.get("draft_note") and any(r["config"] == STANDALONE for r in pg if r["identical"] < _requests(r)):
                 note += f". {tp['draft_note']}"
         add("trained pair: greedy outputs identical to the baseline in every row",
             f"{same}/{total} outputs identical", same == total, note)
@@ -172,6 +172,11 @@ def evaluate_goals(result: dict, args: argparse.Namespace) -> list[dict]:
 
 
 
+def _requests(row: dict) -> int:
+    """Requests a row generated (a batch-1 row runs several prompts one after another)."""
+    return row.get("requests", row["batch"])
+
+
 def render_markdown(result: dict) -> str:
     """bench.md: the settings, the tables of both parts and the goals."""
     r = result
@@ -197,8 +202,10 @@ def render_markdown(result: dict) -> str:
             "",
             f"Pair `{tp['pair']}`; held-out stdlib prompts (last ≤ {tp['prompt_tokens_max']} tokens, mean "
             f"{tp['prompt_tokens_mean']}), greedy, {tp['new_tokens']} new tokens per request (ignore_eos), "
-            f"{tp['dtype']}, CUDA graphs {'on' if tp['cuda_graphs'] else 'off'}. Tokens/s = new tokens / wall "
-            "time of the whole call (prefill included, warm-up excluded); speedup over the phasegraph baseline "
+            f"{tp['dtype']}, CUDA graphs {'on' if tp['cuda_graphs'] else 'off'}; batch 1 runs "
+            f"{tp.get('batch1_prompts', 1)} prompt(s) one call after another, the other batches one call. "
+            "Tokens/s = new tokens / wall "
+            "time of the whole calls (prefill included, warm-up excluded); speedup over the phasegraph baseline "
             "at the same batch; η = speedup / τ; time share by phase = host wall time inside each phase (trace; "
             "the GPU runs asynchronously, its wait lands in 'other').",
             "",
@@ -207,7 +214,7 @@ def render_markdown(result: dict) -> str:
         ]
         order = [c[0] for c in PG_CONFIGS] + [HF_PLAIN, HF_ASSISTED]
         for row in sorted(tp["rows"], key=lambda x: (order.index(x["config"]), x["batch"])):
-            ident = (f"{row['identical']}/{row['batch']}" if "identical" in row else "–")
+            ident = (f"{row['identical']}/{_requests(row)}" if "identical" in row else "–")
             lines.append(
                 f"| {row['engine']} | {row['config']} | {row['batch']} | {row['tokens_per_s']:.1f} | "
                 f"{fmt(row.get('tau'))} | {fmt(row.get('speedup'))}× | {fmt(row.get('eta'))} | {ident} | "

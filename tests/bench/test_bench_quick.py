@@ -63,7 +63,8 @@ def test_json_holds_every_figure_and_the_environment(quick_run):
     assisted = [x for x in rows if x["config"].startswith("transformers generate + assistant_model")]
     assert [x["batch"] for x in assisted] == [1]  # assisted generation: batch 1 only
     for x in rows:
-        assert x["new_tokens"] == 16 * x["batch"], x
+        assert x["requests"] == (2 if x["batch"] == 1 else x["batch"]), x  # batch 1: --batch1-prompts (quick 2)
+        assert x["new_tokens"] == 16 * x["requests"], x
         assert x["tokens_per_s"] > 0 and x["speedup"] > 0
         assert 0 <= x["identical_share"] <= 1
         assert x["gc"]["frozen"] is True and 0 <= x["gc"]["seconds"] <= x["seconds"]  # heap frozen while timed
@@ -73,7 +74,7 @@ def test_json_holds_every_figure_and_the_environment(quick_run):
             assert 1 <= x["tau"] <= 5 and x["eta"] == pytest.approx(x["speedup"] / x["tau"])
             assert x["phase_share"]["verify"] > 0 and x["iterations"] > 0
         if x["config"] == "baseline (autoregressive)":
-            assert x["identical"] == x["batch"] and x["tau"] is None
+            assert x["identical"] == x["requests"] and x["tau"] is None
             assert x["phase_share"]["decode"] > 0
     assert "RANDOM draft" in r["trained_pair"]["draft_note"]
 
@@ -135,3 +136,12 @@ def test_environment_names_a_pinned_commit(monkeypatch):
     assert env["git_commit"] == "0123456789abcdef"
     assert env["git_dirty"] is None
     assert env["host_launch_us"] > 0
+
+
+def test_batch_one_rows_run_one_call_per_prompt():
+    from phasegraph.bench.pair import request_calls
+
+    prompts = [[1], [2, 2], [3], [4]]
+    assert request_calls(prompts, 1, 3) == [[[1]], [[2, 2]], [[3]]]
+    assert request_calls(prompts, 2, 3) == [[[1], [2, 2]]]
+    assert request_calls(prompts, 4, 1) == [prompts]
