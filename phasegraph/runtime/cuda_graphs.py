@@ -72,7 +72,7 @@ def _neutral_fill(name: str, x: torch.Tensor) -> float | int:
         return 1.0 / max(x.shape[-1], 1)
     if name in ("top_p",):
         return 1.0
-    if name in ("parents", "retrieve_next_token", "retrieve_next_sibling", "stop_ids"):
+    if name in ("parents", "retrieve_next_token", "retrieve_next_sibling", "stop_ids", "forced_tokens"):
         return -1
     return 0
 
@@ -141,10 +141,10 @@ def copy_into_static(static: Schema, real: Schema, batch: int, bucket: int) -> N
     _collect_static_copies(static, real, batch, bucket, dsts, srcs, fills)
     foreach_copy(dsts, srcs)
     for name, pad in fills:
-        _fill_padded(name, pad)
+        fill_padded(name, pad)
 
 
-def _fill_padded(name: str, rows: torch.Tensor) -> None:
+def fill_padded(name: str, rows: torch.Tensor) -> None:
     """Fill padded rows with their neutral value; padded trees see only themselves."""
     if name == "tree_mask":
         rows.zero_()
@@ -185,7 +185,7 @@ def fill_neutral(static: Schema, bucket: int) -> None:
         x = getattr(static, t.name)
         if x is None or _rows_per_request(t, static, bucket) is None:
             continue
-        _fill_padded(t.name, x)
+        fill_padded(t.name, x)
     for v in spec.values:
         if v.nested:
             fill_neutral(getattr(static, v.name), bucket)

@@ -185,8 +185,7 @@ class Engine:
             self.ctx.simulate_accept_drafts = simulate_accept_length - 1
         self.simulated = simulate_accept_length is not None
         self.trace = Trace() if trace else None
-        self._prefill_graphs = bool(prefill_graphs)
-        self.graph_runner = self._graph_runner(cuda_graphs, graph_buckets, max_batch_size)
+        self.graph_runner = self._graph_runner(cuda_graphs, graph_buckets, max_batch_size, prefill_graphs)
         graph = EAGLE_GRAPH if self.graph_runner is None else self.graph_runner.graph
         self.scheduler = Scheduler(
             graph=graph, ctx=self.ctx, kv=self.kv, max_batch_size=max_batch_size,
@@ -198,7 +197,7 @@ class Engine:
         self._counter = itertools.count()
         self._requests: dict[str, Request] = {}
 
-    def _graph_runner(self, cuda_graphs, buckets, max_batch_size) -> GraphRunner | None:
+    def _graph_runner(self, cuda_graphs, buckets, max_batch_size, prefill_graphs: bool) -> GraphRunner | None:
         """CUDA graphs of every phase of an iteration (``graph_scope="iteration"``: one graph
         for draft -> verify -> finalize -> draft-extend; ``"phase"``: one per phase) and of
         decode: on by default on a GPU; ``"emulate"`` runs the same padding and slicing on the
@@ -207,7 +206,7 @@ class Engine:
         if cuda_graphs is None:
             cuda_graphs = self.device.type == "cuda"
         if not cuda_graphs:
-            if self._prefill_graphs:
+            if prefill_graphs:
                 raise InvalidConfig("prefill_graphs=True needs CUDA graphs (cuda_graphs=True on a GPU, 'emulate' on the CPU)")
             return None
         emulate = cuda_graphs == "emulate"
@@ -215,7 +214,7 @@ class Engine:
             raise InvalidConfig("cuda_graphs=True needs a CUDA device (use cuda_graphs='emulate' on the CPU)")
         # every batch the engine can form has a bucket: the largest one is max_batch_size
         buckets = tuple(b for b in (buckets or DEFAULT_BUCKETS) if b < max_batch_size) + (max_batch_size,)
-        prefill = token_buckets_for(self.max_context) if self._prefill_graphs else ()
+        prefill = token_buckets_for(self.max_context) if prefill_graphs else ()
         return GraphRunner(buckets, emulate=emulate, scope=self._graph_scope, prefill_token_buckets=prefill)
 
     def _attach_pools(self) -> None:

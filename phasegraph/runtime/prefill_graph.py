@@ -35,6 +35,7 @@ from phasegraph.phases.schemas import REQUEST, TOKEN
 from phasegraph.runtime.cuda_graphs import (
     EmulatedGraph,
     GraphRunner,
+    fill_padded,
     foreach_copy,
     no_garbage_collection,
     warm_up,
@@ -42,10 +43,6 @@ from phasegraph.runtime.cuda_graphs import (
 from phasegraph.statemachine import PhaseSpec, Schema
 
 DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
-
-_REQUEST_NEUTRAL = {"req_pool_idx": 0, "temperature": 0.0, "top_p": 1.0, "top_k": 0, "stop_ids": -1,
-                    "seed": 0, "remaining": 1, "forced_tokens": -1}
-
 
 @attrs.define
 class _CapturedPrefill:
@@ -66,6 +63,8 @@ class PrefillGraph:
         self.runner = runner
         self.spec = spec
         self.token_buckets = tuple(sorted(set(int(b) for b in token_buckets)))
+        # one request bucket past the runner's: the padded request that owns the padded tokens
+        self.request_buckets = (*runner.buckets, runner.buckets[-1] + 1)
         self.graphs: dict[tuple, _CapturedPrefill] = {}
         self.warmed: set[tuple] = set()
         self.replays = 0
@@ -74,9 +73,7 @@ class PrefillGraph:
 
     # ------------------------------------------------------------------ dispatch
     def _buckets(self, batch: int, tokens: int) -> tuple[int | None, int | None]:
-        # + the padded request that owns the padded tokens (so one bucket past the runner's)
-        request_buckets = (*self.runner.buckets, self.runner.buckets[-1] + 1)
-        req_bucket = next((b for b in request_buckets if b >= batch + 1), None)
+        req_bucket = next((b for b in self.request_buckets if b >= batch + 1), None)
         tok_bucket = next((b for b in self.token_buckets if b >= tokens), None)
         return req_bucket, tok_bucket
 
@@ -117,7 +114,7 @@ class PrefillGraph:
         else:
             # warm up on an all-padded input (it writes only the sink page), then capture the
             # real rows (recording, not executing) and replay
-            copy_into_padded(static_in, _empty_like_input(state))
+            copy_into_padded(static_in, _no_rows(state))
             warm_up(lambda: self.spec.fn(static_in, ctx))
             copy_into_padded(static_in, state)
             graph = torch.cuda.CUDAGraph()
@@ -133,66 +130,48 @@ class PrefillGraph:
 
 
 # ---------------------------------------------------------------------- padding and slicing
-def _padded_values(state: Schema, req_bucket: int, tok_bucket: int) -> dict[str, torch.Tensor]:
-    """Every tensor of a padded PrefillInput (``params`` fields by their own names), on the
-    device: real rows first, padded rows as the module docstring describes."""
-    batch, tokens = state.seq_lens.shape[0], state.input_ids.shape[0]
-    dev = state.input_ids.device
-    pad_tokens = tok_bucket - tokens
-    out: dict[str, torch.Tensor] = {}
-    params = state.params
-    for name in ("req_pool_idx", "temperature", "top_p", "top_k", "stop_ids", "seed"):
-        x = getattr(params, name)
-        padded = torch.full((req_bucket, *x.shape[1:]), _REQUEST_NEUTRAL[name], dtype=x.dtype, device=dev)
-        padded[:batch] = x
-        out[name] = padded
-    own = torch.arange(pad_tokens, device=dev)
-    out["input_ids"] = torch.cat([state.input_ids, torch.zeros(pad_tokens, dtype=torch.int64, device=dev)])
-    out["positions"] = torch.cat([state.positions, own])
-    out["token_req"] = torch.cat([state.token_req, torch.full((pad_tokens,), batch, dtype=torch.int64, device=dev)])
-    select = torch.full((req_bucket,), tok_bucket - 1, dtype=torch.int64, device=dev)
-    select[:batch] = state.select_index
-    out["select_index"] = select
-    seq = torch.ones(req_bucket, dtype=torch.int64, device=dev)
-    seq[:batch] = state.seq_lens
-    seq[batch] = max(pad_tokens, 1)
-    out["seq_lens"] = seq
-    for name in ("remaining", "forced_tokens"):
-        x = getattr(state, name)
-        padded = torch.full((req_bucket,), _REQUEST_NEUTRAL[name], dtype=x.dtype, device=dev)
-        padded[:batch] = x
-        out[name] = padded
-    return out
-
-
 def padded_prefill_input(state: Schema, req_bucket: int, tok_bucket: int) -> Schema:
-    """A new PrefillInput: ``state`` padded to ``req_bucket`` requests and ``tok_bucket`` tokens."""
-    v = _padded_values(state, req_bucket, tok_bucket)
-    params = type(state.params)(**{n: v.pop(n) for n in ("req_pool_idx", "temperature", "top_p", "top_k",
-                                                          "stop_ids", "seed")})
-    return type(state)(params=params, **v)
+    """A new PrefillInput of ``req_bucket`` requests and ``tok_bucket`` tokens holding ``state``."""
+    def rows_of(x: torch.Tensor, role) -> torch.Tensor:
+        n = req_bucket if role == REQUEST else tok_bucket
+        return torch.empty((n, *x.shape[1:]), dtype=x.dtype, device=x.device)
+
+    params = type(state.params)(**{t.name: rows_of(getattr(state.params, t.name), t.role)
+                                   for t in type(state.params).__schema__.tensors})
+    static = type(state)(params=params, **{t.name: rows_of(getattr(state, t.name), t.role)
+                                           for t in type(state).__schema__.tensors})
+    copy_into_padded(static, state)
+    return static
 
 
 def copy_into_padded(static: Schema, state: Schema) -> None:
-    """Write ``state`` into the padded static input in place (one multi-tensor copy)."""
-    req_bucket, tok_bucket = static.seq_lens.shape[0], static.input_ids.shape[0]
-    v = _padded_values(state, req_bucket, tok_bucket)
-    dsts = [getattr(static.params, n) for n in ("req_pool_idx", "temperature", "top_p", "top_k", "stop_ids", "seed")]
-    dsts += [getattr(static, n) for n in ("input_ids", "positions", "token_req", "select_index", "seq_lens",
-                                          "remaining", "forced_tokens")]
-    foreach_copy(dsts, list(v.values()))
+    """Write ``state`` into the padded static input in place: the real rows by one multi-tensor
+    copy, then the padded rows as the module docstring describes."""
+    batch, tokens = state.seq_lens.shape[0], state.input_ids.shape[0]
+    tok_bucket = static.input_ids.shape[0]
+    dsts, srcs = [], []
+    for real, padded in ((state.params, static.params), (state, static)):
+        for t in type(real).__schema__.tensors:
+            x = getattr(real, t.name)
+            dsts.append(getattr(padded, t.name)[: x.shape[0]])
+            srcs.append(x)
+    foreach_copy(dsts, srcs)
+    for name, x in static.params.tensors():
+        fill_padded(name, x[batch:])
+    for name in ("remaining", "forced_tokens"):
+        fill_padded(name, getattr(static, name)[batch:])
+    static.input_ids[tokens:].fill_(0)
+    torch.arange(tok_bucket - tokens, out=static.positions[tokens:])
+    static.token_req[tokens:].fill_(batch)  # padded request ``batch`` owns every padded token
+    static.select_index[batch:].fill_(tok_bucket - 1)
+    static.seq_lens[batch:].fill_(1)
+    static.seq_lens[batch] = max(tok_bucket - tokens, 1)
 
 
-def _empty_like_input(state: Schema) -> Schema:
+def _no_rows(state: Schema) -> Schema:
     """A PrefillInput of no request and no token, with ``state``'s widths and dtypes."""
-    def none_of(x: torch.Tensor) -> torch.Tensor:
-        return x[:0]
-
-    params = type(state.params)(**{n: none_of(getattr(state.params, n)) for n in
-                                   ("req_pool_idx", "temperature", "top_p", "top_k", "stop_ids", "seed")})
-    return type(state)(params=params, **{n: none_of(getattr(state, n)) for n in
-                                         ("input_ids", "positions", "token_req", "select_index", "seq_lens",
-                                          "remaining", "forced_tokens")})
+    params = type(state.params)(**{name: x[:0] for name, x in state.params.tensors()})
+    return type(state)(params=params, **{name: x[:0] for name, x in state.tensors()})
 
 
 def slice_prefill_result(static_out: Schema, state: Schema) -> Schema:
