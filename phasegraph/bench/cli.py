@@ -67,12 +67,12 @@ def estimate_seconds(run: BenchRun) -> dict[str, float]:
         if not a.quick:
             steps = a.new_tokens
             nb = len(a.batch_list)
-            calls = nb - 1 + a.batch1_prompts if 1 in a.batch_list else nb  # batch 1: one call per prompt
+            b1 = a.batch1_prompts if 1 in a.batch_list else 1
+            calls = sum(b1 if b == 1 else 1 for b in a.batch_list)  # batch 1: one call per prompt
             pg = calls * 3 * steps * SMALL_STEP_S  # baseline, two warm-ups + timed
             pg += calls * 3 * 3 * (steps / 2.5) * SMALL_ITER_S  # chain, tree, standalone at tau ~2.5
             pg += nb * 3 * 3 * CAPTURE_S
-            b1 = a.batch1_prompts if 1 in a.batch_list else 1
-            hf = sum(1.1 * steps * HF_STEP_S * (b1 if b == 1 else 1) for b in a.batch_list) + 1.1 * steps / 3 * 2 * HF_STEP_S * b1
+            hf = 1.1 * steps * HF_STEP_S * calls + 1.1 * steps / 3 * 2 * HF_STEP_S * b1
             est["part 1: measure"] = pg + hf + TRITON_COMPILE_S + 15.0
         else:
             est["part 1: measure"] = 30.0
