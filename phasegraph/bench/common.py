@@ -208,6 +208,13 @@ def count_phase(trace, phase: str) -> int:
     return 0 if trace is None else sum(1 for t in trace if t.target == phase)
 
 
+def graph_count(engine) -> int:
+    """CUDA graphs the engine holds (per phase, whole iteration and prefill), 0 without graphs."""
+    if engine.graph_runner is None:
+        return 0
+    return sum(v["graphs"] for v in engine.graph_runner.stats().values())
+
+
 def prefill_seconds(trace) -> float:
     return sum(t.seconds for t in trace if t.target == "prefill-extend")
 

@@ -20,6 +20,7 @@ from phasegraph.bench.common import (
     count_phase,
     fmt,
     free_memory,
+    graph_count,
     has_pair,
     phase_share,
     prefill_seconds,
@@ -166,7 +167,7 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
             warm += engine.generate(batch, params)
             engine.generate(batch, params)
         engine.trace.clear()
-        graphs_before = _graph_count(engine)
+        graphs_before = graph_count(engine)
         wall, outs, gc_pauses = timed_calls(run, calls, lambda batch: engine.generate(batch, params))
         tokens = [o.token_ids for o in outs]
         lens = [n for o in outs for n in o.stats.accept_lengths]
@@ -181,7 +182,7 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
             "warmup_identical": [w.token_ids for w in warm] == tokens,
             "graph_stats": engine.graph_runner.stats() if engine.graph_runner is not None else None,
             "gc": gc_pauses,
-            "captured_while_timed": _graph_count(engine) - graphs_before,
+            "captured_while_timed": graph_count(engine) - graphs_before,
         }
         if note:
             row["note"] = note
@@ -258,13 +259,6 @@ def timed_calls(run: BenchRun, calls: list[list], generate) -> tuple[float, list
         w, out, g = timed_call(run.device, lambda batch=batch: generate(batch), run.args.gc == "freeze")
         wall, outs, pauses, seconds = wall + w, outs + list(out), pauses + g["pauses"], seconds + g["seconds"]
     return wall, outs, {"pauses": pauses, "seconds": seconds, "frozen": run.args.gc == "freeze"}
-
-
-def _graph_count(engine) -> int:
-    """CUDA graphs the engine holds (per-phase and whole-iteration), 0 without graphs."""
-    if engine.graph_runner is None:
-        return 0
-    return sum(v["graphs"] for v in engine.graph_runner.stats().values())
 
 
 def _measure_hf_row(run: BenchRun, model, asst, label, b, calls, outputs, rows, draft_note) -> None:

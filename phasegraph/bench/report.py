@@ -221,11 +221,7 @@ def render_markdown(result: dict) -> str:
                 f"{share_text(row.get('phase_share', {}))} |")
         if tp.get("draft_note"):
             lines += ["", f"Note: {tp['draft_note']}."]
-        captured = [x for x in tp["rows"] if x.get("captured_while_timed")]
-        lines += ["", "CUDA graphs captured inside a timed call (their capture time counts against the row): "
-                  + (", ".join(f"{x['config']} batch {x['batch']}: {x['captured_while_timed']}" for x in captured)
-                     if captured else "none (each row ran its call twice before timing it).")]
-        lines.append("")
+        lines += ["", _captured_text(tp["rows"]), ""]
     sc = r.get("scale")
     if sc:
         lines += [
@@ -263,7 +259,7 @@ def render_markdown(result: dict) -> str:
                 lines.append(f"| {x['config']} | {x['tau_simulated']} | {x['batch']} | {1e3 * x['iteration_s']:.2f} ms | "
                              f"{1e3 * x['host_issue_s']:.2f} ms ({100 * x['host_share']:.0f}%) | {1e3 * ph['draft']:.2f} | "
                              f"{1e3 * ph['verify']:.2f} | {1e3 * ph['finalize-tree-path']:.2f} | {1e3 * ph['draft-extend']:.2f} |")
-        lines.append("")
+        lines += ["", _captured_text(sc["baseline"] + sc["rows"]), ""]
     lines += ["## Goals (issue 7)", "", "| goal | measured | status |", "|---|---|---|"]
     for g in r["goals"]:
         status = {True: "met", False: "**not met**", None: "not measured"}[g["met"]]
@@ -277,6 +273,13 @@ def render_markdown(result: dict) -> str:
         lines += ["", "QUICK MODE: tiny models on this device; the figures only show that the pipeline runs."]
     return "\n".join(lines) + "\n"
 
+
+def _captured_text(rows: list[dict]) -> str:
+    captured = [x for x in rows if x.get("captured_while_timed")]
+    listed = ", ".join(f"{x.get('config', 'baseline')} batch {x['batch']}: {x['captured_while_timed']}"
+                       for x in captured)
+    return ("CUDA graphs captured inside a timed call (their capture time counts against the row): "
+            + (listed if captured else "none (each row ran its call twice before timing it)."))
 
 
 def draw_plots(result: dict, out: Path) -> dict:

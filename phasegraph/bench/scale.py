@@ -11,6 +11,7 @@ from phasegraph.bench.common import (
     count_phase,
     fill_random_weights,
     free_memory,
+    graph_count,
     load_bench_scale,
     phase_share,
     prefill_seconds,
@@ -133,11 +134,17 @@ def _host_copy_bandwidth(run: BenchRun, nbytes: int = 256 << 20) -> float:
     return 2 * nbytes / sorted(times)[len(times) // 2]
 
 
-def _timed_generate(run: BenchRun, engine, prompts, params) -> tuple[float, list, dict]:
-    engine.generate(prompts, params)  # warm-up: the same call (captures its buckets)
+def _timed_generate(run: BenchRun, engine, prompts, params) -> tuple[float, list, dict, int]:
+    """The call timed after running it twice (a graph is captured the second time its bucket is
+    used: prefill's are), and the graphs captured while it was timed (0 when warm)."""
+    for _ in range(2):
+        engine.generate(prompts, params)
     if engine.trace is not None:
         engine.trace.clear()
-    return timed_call(run.device, lambda: engine.generate(prompts, params), run.args.gc == "freeze")
+    before = graph_count(engine)
+    wall, outs, gc_pauses = timed_call(run.device, lambda: engine.generate(prompts, params),
+                                       run.args.gc == "freeze")
+    return wall, outs, gc_pauses, graph_count(engine) - before
 
 
 def _measure_baseline(run: BenchRun, bs, target, prompts, params, engine_kw, base_tps, bar) -> None:
@@ -155,13 +162,13 @@ def _measure_baseline(run: BenchRun, bs, target, prompts, params, engine_kw, bas
         if run.out_of_time(f"scale baseline batch {b}"):
             bar.update(1)
             continue
-        wall, outs, gc_pauses = _timed_generate(run, engine, prompts[:b], params)
+        wall, outs, gc_pauses, captured = _timed_generate(run, engine, prompts[:b], params)
         tokens = sum(len(o.token_ids) for o in outs)
         steps = count_phase(engine.trace, "decode")
         prefill = prefill_seconds(engine.trace)
         row = {"batch": b, "seconds": wall, "new_tokens": tokens, "tokens_per_s": tokens / wall,
                "step_s_end_to_end": (wall - prefill) / max(1, steps),
-               "phase_share": phase_share(engine.trace, wall), "gc": gc_pauses}
+               "phase_share": phase_share(engine.trace, wall), "gc": gc_pauses, "captured_while_timed": captured}
         row["share_of_bound_end_to_end"] = bound / row["step_s_end_to_end"]
         if run.cuda:  # GPU time of one graphed decode step (bench_scale's probe)
             t = bs.decode_step_time(engine, b, context=part["prompt_tokens"])
@@ -195,7 +202,7 @@ def _measure_spec(run: BenchRun, bs, target, head, name, spec, tau, prompts, par
         if b not in base_tps or run.out_of_time(f"scale {name} τ={tau} batch {b}"):
             bar.update(1)
             continue
-        wall, outs, gc_pauses = _timed_generate(run, engine, prompts[:b], params)
+        wall, outs, gc_pauses, captured = _timed_generate(run, engine, prompts[:b], params)
         tokens = sum(len(o.token_ids) for o in outs)
         lens = [x for o in outs for x in o.stats.accept_lengths]
         speedup = (tokens / wall) / base_tps[b]
@@ -206,7 +213,7 @@ def _measure_spec(run: BenchRun, bs, target, head, name, spec, tau, prompts, par
                "baseline_tokens_per_s": base_tps[b], "speedup": speedup, "eta": speedup / measured,
                "iterations": count_phase(engine.trace, "verify"), "nodes": spec.num_draft_tokens,
                "prefill_s": prefill_seconds(engine.trace),
-               "phase_share": phase_share(engine.trace, wall), "gc": gc_pauses}
+               "phase_share": phase_share(engine.trace, wall), "gc": gc_pauses, "captured_while_timed": captured}
         part["rows"].append(row)
         bar.update(1)
         tqdm.write(f"  scale {name:<18} SIMULATED τ={tau} (measured {measured:.2f}) batch {b:>3}: "

@@ -38,3 +38,23 @@ def test_cleans_up_when_the_call_raises():
         timed_call("cpu", boom)
     assert gc.callbacks == callbacks
     assert gc.get_freeze_count() == 0
+
+
+def test_scale_rows_time_a_call_whose_prefill_graph_is_already_captured():
+    """A prefill graph is captured the second time its bucket is used, so part 2 runs each call
+    twice before timing it (one warm-up left the capture inside the timed call)."""
+    from types import SimpleNamespace
+
+    from phasegraph.bench.scale import _timed_generate
+    from phasegraph.runtime.config import SamplingParams, SpecConfig
+    from phasegraph.runtime.engine import Engine
+    from tests.phases.lossless_support import prompts, tiny_target
+
+    engine = Engine(tiny_target(), spec=SpecConfig(method="none"), max_batch_size=2, kv_pool_tokens=4096,
+                    cuda_graphs="emulate", prefill_graphs=True, trace=True)
+    run = SimpleNamespace(device="cpu", args=SimpleNamespace(gc="freeze"))
+    params = SamplingParams(max_new_tokens=4, ignore_eos=True)
+    wall, outs, pauses, captured = _timed_generate(run, engine, prompts(2), params)
+    assert captured == 0 and len(outs) == 2 and wall > 0
+    stats = engine.graph_runner.stats()["prefill-extend"]
+    assert stats["graphs"] == 1 and stats["replays"] == 2  # captured in the 2nd call, replayed in the timed one
