@@ -6,6 +6,7 @@ import torch
 
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.cache_slots import row_slots
+from phasegraph.kernels.softmax_top1 import softmax_top1
 from phasegraph.phases.protocols import KVMemory
 
 
@@ -25,11 +26,13 @@ def causal_extend_metadata(memory: KVMemory, rows: torch.Tensor, positions: torc
 def topk_of_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Top-k of softmax(logits) [R, V]: probabilities [R, k] float32 and ids [R, k].
 
-    Always the full softmax, also for k == 1 (seed 002: a path-specific shortcut collapsed
-    accuracy on one backend). For k == 1 the top is taken with ``max`` (the same value and a
-    maximal index): CUDA's radix top-k costs ~25 us per call over a 32k vocabulary, a max ~5.
+    Always the full softmax's values, also for k == 1 (seed 002: a path-specific shortcut
+    collapsed accuracy on one backend). For k == 1 :func:`softmax_top1` returns the same value
+    and a maximal index (softmax + ``max`` as reference; on CUDA one pass with an online
+    normaliser instead of two single-row kernels; CUDA's radix top-k costs ~25 us per call over
+    a 32k vocabulary).
     """
-    probs = torch.softmax(logits.float(), dim=-1)  # [R, V]
     if k == 1:
-        return probs.max(dim=-1, keepdim=True)
+        return softmax_top1(logits)
+    probs = torch.softmax(logits.float(), dim=-1)  # [R, V]
     return probs.topk(k, dim=-1)

@@ -404,4 +404,9 @@ def compile_cases():
 
     misc(7, 4, 16)
     misc(64, 8, 1)
+
+    top1 = importlib.import_module("phasegraph.kernels.softmax_top1")
+    for dtype, vocab in ((torch.bfloat16, 32000), (torch.float32, 128256)):
+        cases.append((f"softmax_top1/{str(dtype)[6:]}/V{vocab}",
+                      lambda dtype=dtype, vocab=vocab: top1.softmax_top1_triton(torch.randn(4, vocab).to(dtype))))
     return cases

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phasegraph.kernels import activation, rms_norm, rotary
+from phasegraph.kernels import activation, rms_norm, rotary, softmax_top1
 from tests.gpu.test_triton_kernels import INTERPRET, ON_GPU, assert_equal, rel_err, run_triton
 
 pytestmark = [] if INTERPRET else [pytest.mark.gpu]
@@ -77,3 +77,26 @@ def test_rotary_write_kv(device, gen, dtype, tokens, heads):
     untouched = torch.ones(num_slots, dtype=torch.bool, device=device)
     untouched[slots.clamp(min=0)] = False
     assert torch.equal(k_cache[untouched], ref_k[untouched])  # nothing else written
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", (1, 3, 64) if ON_GPU else (1, 3))
+@pytest.mark.parametrize("vocab", (32000, 4096, 5) if ON_GPU else (9000, 5))
+def test_softmax_top1(device, gen, dtype, rows, vocab):
+    logits = (4 * torch.randn(rows, vocab, generator=gen)).to(dtype).to(device)
+    logits[0, vocab // 2] = 30.0  # a clear winner in a middle block of the first row
+    if rows > 1:  # the winner in the last, partial block of the second row
+        logits[1, vocab - 1] = 30.0
+    want_p, want_id = softmax_top1.softmax_top1_reference(logits)
+    got_p, got_id = run_triton(device, softmax_top1.softmax_top1_triton, logits)
+    assert_equal(want_id, got_id, "id")
+    assert got_p.dtype == torch.float32 and got_p.shape == (rows, 1)
+    assert rel_err(got_p, want_p) <= 1e-6, rel_err(got_p, want_p)
+
+
+def test_softmax_top1_takes_the_first_of_tied_logits(device):
+    logits = torch.zeros(2, 9000, device=device)
+    logits[0, [7, 5000, 8999]] = 2.0  # tied maxima in three blocks
+    logits[1, [4100, 4097]] = 2.0  # tied in one block
+    _, ids = run_triton(device, softmax_top1.softmax_top1_triton, logits)
+    assert ids[:, 0].tolist() == [7, 4097]
