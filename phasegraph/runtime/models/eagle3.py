@@ -46,6 +46,7 @@ from phasegraph.runtime.models.draft_base import (
 )
 from phasegraph.runtime.models.fused_decoder import FusedLayer, fuse_layer, unfusable_config_reason
 from phasegraph.runtime.models.loading import Checkpoint, load_into_module
+from phasegraph.runtime.models.rotary_table import RotaryTable
 from phasegraph.runtime.models.target import HFTarget, head_dim_of, resolve_dtype
 
 
@@ -218,8 +219,8 @@ class Eagle3Draft(FeatureDraft):
         e_normed, _ = add_rms_norm(embeds, None, layer.input_norm, layer.eps)
         h_normed, _ = add_rms_norm(h, None, mid.hidden_norm.weight, float(mid.hidden_norm.variance_epsilon))
         x = torch.cat([e_normed, h_normed], dim=-1)  # [T, 2Hd]
-        cos, sin = self._rope(x, positions)  # [1, T, D] each
-        attn_out = layer.attention(x, cos[0], sin[0], pool.k[0], pool.v[0], attn)  # [T, Hd]
+        cos, sin = RotaryTable.of(self.rotary)(x, positions, attn)  # [T, D] each
+        attn_out = layer.attention(x, cos, sin, pool.k[0], pool.v[0], attn)  # [T, Hd]
         # h1 = h + attn_out; gate_up = post_attention_layernorm(h1) @ gate_up
         gate_up, h1 = add_rms_norm_linear(
             attn_out, h, layer.post_norm, layer.eps, layer.gate_up_weight, layer.gate_up_bias

@@ -38,6 +38,7 @@ from phasegraph.kernels.attention import AttentionMetadata, paged_attention
 from phasegraph.kernels.linear import add_rms_norm_linear, linear, silu_mul_linear
 from phasegraph.kernels.rms_norm import add_rms_norm
 from phasegraph.kernels.rotary import rotary_write_kv
+from phasegraph.runtime.models.rotary_table import RotaryTable
 
 SILU_ACTIVATIONS = ("silu", "swish")
 _CACHE_ATTR = "_phasegraph_fused_layers"
@@ -227,8 +228,7 @@ def run_fused_decoder(
     """Every decoder layer, then the final norm; also the residual input of ``capture_layers``."""
     inner = model.model
     hidden = inner.embed_tokens(input_ids)  # [T, H]
-    cos, sin = inner.rotary_emb(hidden[None], positions[None])  # each [1, T, D]
-    cos, sin = cos[0], sin[0]
+    cos, sin = RotaryTable.of(inner.rotary_emb)(hidden, positions, meta)  # each [T, D]
     residual: torch.Tensor | None = None
     captured: dict[int, torch.Tensor] = {}
     for idx, layer in enumerate(layers):
