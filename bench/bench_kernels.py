@@ -3,7 +3,8 @@
     python bench/bench_kernels.py [--only attention|tree,verify,slots] [--quick] [--out DIR]
 
 ``--only attention`` takes ~6 min on an H100 (three extra tile variants per shape; ``--quick``
-times the default tiles only), the other parts together ~3 min.
+times the default tiles only), the other parts together ~3 min (``--only draft``: the chain draft
+step's top-1 and the rotary table, seconds).
 
 Shapes are those of one speculative iteration of a Llama-3-8B-shaped target (32 query heads,
 8 kv heads, head dim 128, bf16, V = 128256) with tree drafting (``--topk`` K, ``--steps`` S,
@@ -48,6 +49,7 @@ compact = importlib.import_module("phasegraph.kernels.compact")
 slots = importlib.import_module("phasegraph.kernels.cache_slots")
 positions = importlib.import_module("phasegraph.kernels.extend_positions")
 rand = importlib.import_module("phasegraph.kernels.random")
+top1 = importlib.import_module("phasegraph.kernels.softmax_top1")
 
 DEVICE = torch.device("cuda")
 ROWS: list[dict] = []
@@ -302,10 +304,40 @@ def bench_slots(args):
 BANDWIDTH = float("nan")
 
 
+def bench_draft_step(args):
+    """A chain draft step's top-1 (softmax + max vs one pass) over the 32k draft vocabulary, and
+    the rotary cos/sin of one forward (transformers' module vs the table gather; the "triton"
+    column is the table)."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    from phasegraph.kernels.attention import AttentionMetadata
+    from phasegraph.runtime.models.rotary_table import RotaryTable
+
+    for batch in args.batches:
+        logits = [torch.randn(batch, 32000, device=DEVICE).to(torch.bfloat16) for _ in range(4)]
+        bench("softmax_top1", f"B{batch} V32000 bf16", [partial(top1.softmax_top1_reference, x) for x in logits],
+              [partial(top1.softmax_top1_triton, x) for x in logits])
+    cfg = LlamaConfig(hidden_size=4096, num_attention_heads=32, max_position_embeddings=8192,
+                      rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                       "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                       "original_max_position_embeddings": 8192})
+    table = RotaryTable(LlamaRotaryEmbedding(cfg).to(DEVICE))
+    empty = torch.zeros(0, dtype=torch.int64, device=DEVICE)
+    meta = AttentionMetadata(write_slots=empty, page_table=torch.zeros(2, 256, dtype=torch.int64, device=DEVICE),
+                             query_row=empty, kv_len=empty, extra_mask=None, page_size=16)
+    like = torch.zeros(1, dtype=torch.bfloat16, device=DEVICE)
+    for tokens in (1, 4):
+        pos = torch.randint(0, 4000, (tokens,), device=DEVICE)
+        table(like, pos, meta)  # builds
+        bench("rotary cos/sin", f"T{tokens} llama3 bf16", [partial(table.module, like, pos)],
+              [partial(table, like, pos, meta)])
+
+
 def main() -> int:
     global BANDWIDTH
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="", help="attention,tree,verify,slots (default all)")
+    parser.add_argument("--only", default="", help="attention,tree,verify,slots,draft (default all)")
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--layouts", default="decode,draft,verify,extend")
     parser.add_argument("--topk", type=int, default=8)
@@ -318,7 +350,7 @@ def main() -> int:
     parser.add_argument("--out", default=os.environ.get("OUT", ""))
     args = parser.parse_args()
     args.batches = [int(b) for b in args.batches.split(",")]
-    parts = args.only.split(",") if args.only else ["attention", "tree", "verify", "slots"]
+    parts = args.only.split(",") if args.only else ["attention", "tree", "verify", "slots", "draft"]
 
     props = torch.cuda.get_device_properties(DEVICE)
     print(f"{props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
@@ -334,6 +366,8 @@ def main() -> int:
         bench_verify(args)
     if "slots" in parts:
         bench_slots(args)
+    if "draft" in parts:
+        bench_draft_step(args)
     print(f"\n{len(ROWS)} rows in {time.time() - start:.0f} s; times in us, median; "
           "eager = do_bench (L2 flushed), graph = do_bench_cudagraph")
     header = (f"{'kernel':<26} {'shape':<40} {'ref eager':>10} {'ref graph':>10} "
