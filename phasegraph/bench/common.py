@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import math
 import os
 import platform
@@ -245,6 +246,18 @@ def _git(*args: str) -> str | None:
     return r.stdout.strip() if r.returncode == 0 else None
 
 
+def source_digest(root: Path = REPO_ROOT) -> str:
+    """sha256 (first 16 hex digits) over the path and bytes of every ``phasegraph/**/*.py`` and
+    ``bench/*.py`` file: names the code a run executed even where .git is a stale copy and the
+    commit is given by hand (PHASEGRAPH_GIT_COMMIT). To match it to a commit:
+    ``git checkout C && python -c 'from phasegraph.bench.common import source_digest as d; print(d())'``."""
+    h = hashlib.sha256()
+    files = sorted([*root.glob("phasegraph/**/*.py"), *root.glob("bench/*.py")])
+    for f in files:
+        h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
+    return h.hexdigest()[:16]
+
+
 def environment(device, validate: str | None) -> dict:
     import torch
     import transformers
@@ -275,6 +288,7 @@ def environment(device, validate: str | None) -> dict:
         "torch_threads": torch.get_num_threads(),
         "git_commit": commit,
         "git_dirty": (bool(status) if status is not None else None),
+        "source_digest": source_digest(),
         "phasegraph_kernels": os.environ.get("PHASEGRAPH_KERNELS", "auto"),
         "validation": validate or os.environ.get("PHASEGRAPH_VALIDATE") or "library default (boundary)",
         "cublas_workspace_config": os.environ.get("CUBLAS_WORKSPACE_CONFIG"),

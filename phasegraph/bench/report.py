@@ -183,9 +183,11 @@ def render_markdown(result: dict) -> str:
     env = r.get("env", {})
     lines = [f"# phasegraph bench{' — QUICK MODE (tiny models; says nothing about GPU speed)' if r['quick'] else ''}", ""]
     lines.append(f"`{r['command']}` — {r['started']}, {r.get('wall_s', 0):.0f} s in all.")
+    digest = f" (source digest {env['source_digest']})" if env.get("source_digest") else ""
     lines.append(f"Device: {env.get('gpu') or env.get('cpu')} ({env.get('device')}); torch {env.get('torch')}, "
                  f"triton {env.get('triton') or '–'}, transformers {env.get('transformers')}; commit "
-                 f"{(env.get('git_commit') or 'unknown')[:12]}{' (dirty)' if env.get('git_dirty') else ''}; "
+                 f"{(env.get('git_commit') or 'unknown')[:12]}{' (dirty)' if env.get('git_dirty') else ''}"
+                 f"{digest}; "
                  f"validation {env.get('validation')}; host {env.get('host_launch_us', '–')} µs to issue one tiny op.")
     timed = [x for x in ((r.get("trained_pair") or {}).get("rows", []) + (r.get("scale") or {}).get("rows", [])
                          + (r.get("scale") or {}).get("baseline", [])) if x.get("gc")]

@@ -136,6 +136,7 @@ def test_environment_names_a_pinned_commit(monkeypatch):
     assert env["git_commit"] == "0123456789abcdef"
     assert env["git_dirty"] is None
     assert env["host_launch_us"] > 0
+    assert len(env["source_digest"]) == 16
 
 
 def test_batch_one_rows_run_one_call_per_prompt():
@@ -145,3 +146,20 @@ def test_batch_one_rows_run_one_call_per_prompt():
     assert request_calls(prompts, 1, 3) == [[[1]], [[2, 2]], [[3]]]
     assert request_calls(prompts, 2, 3) == [[[1], [2, 2]]]
     assert request_calls(prompts, 4, 1) == [prompts]
+
+
+def test_source_digest_names_the_code_not_the_commit(tmp_path):
+    """The digest changes with any byte of the package or bench scripts, and only with those."""
+    from phasegraph.bench.common import source_digest
+
+    (tmp_path / "phasegraph" / "sub").mkdir(parents=True)
+    (tmp_path / "bench").mkdir()
+    (tmp_path / "phasegraph" / "sub" / "a.py").write_text("x = 1\n")
+    (tmp_path / "bench" / "b.py").write_text("y = 2\n")
+    first = source_digest(tmp_path)
+    assert len(first) == 16 and source_digest(tmp_path) == first
+    (tmp_path / "bench" / "RESULTS.md").write_text("figures")  # not code
+    (tmp_path / "README.md").write_text("docs")
+    assert source_digest(tmp_path) == first
+    (tmp_path / "phasegraph" / "sub" / "a.py").write_text("x = 2\n")
+    assert source_digest(tmp_path) != first
