@@ -1,9 +1,13 @@
 """The skinny Triton product (phasegraph/kernels/linear.py) against cuBLAS at decode shapes.
 
     python bench/bench_linear.py [--out DIR] [--quick] [--ms 1,4,16]
+    python bench/bench_linear.py --dtype float32 --shape-set pair --ms 1,16 --no-pdl
 
 Shapes: the four weight products of a Llama-3-8B-shaped layer (bf16): qkv 6144x4096,
-o 4096x4096, gate_up 28672x4096, down 4096x14336, at M = 1, 4, 16 token rows.
+o 4096x4096, gate_up 28672x4096, down 4096x14336, at M = 1, 4, 16 token rows. ``--shape-set
+pair``: those of the bench-pair target (hidden 768, 4 kv heads, MLP 2560), whose products run
+in float32 in `phasegraph bench` part 1 (cuBLAS there: linear.py's dispatch sends only bf16/fp16
+to Triton; ``--dtype float32`` times the kernel's IEEE-fp32 path against cuBLAS).
 
 Timing: every op runs inside a captured CUDA graph, ``ROUNDS`` rounds over ``COPIES`` weight
 copies (so L2, 50-60 MB, never serves the weights), and the replay time over the launches is
@@ -42,8 +46,13 @@ from phasegraph.kernels.activation import silu_mul_triton  # noqa: E402
 from phasegraph.kernels.rms_norm import add_rms_norm_triton  # noqa: E402
 
 DEVICE = torch.device("cuda")
-DTYPE = torch.bfloat16
-SHAPES = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+# read at import so that the spawned compile workers use it too (main() sets it from --dtype)
+DTYPE = {"bfloat16": torch.bfloat16, "float32": torch.float32}[os.environ.get("BENCH_LINEAR_DTYPE", "bfloat16")]
+SHAPE_SETS = {
+    "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
+    "pair": {"qkv": (1280, 768), "o": (768, 768), "gate_up": (5120, 768), "down": (768, 2560)},
+}
+SHAPES = SHAPE_SETS["8b"]
 COPIES = 8
 ROUNDS = 6
 EPS = 1e-5
@@ -98,7 +107,7 @@ def candidates(m: int, k: int) -> list[lin.SkinnyConfig]:
 
 def copy_bandwidth() -> float:
     n = 2 * 1024**3 // 2
-    src = torch.randn(n, device=DEVICE, dtype=DTYPE)
+    src = torch.randn(n, device=DEVICE, dtype=torch.bfloat16)
     dst = torch.empty_like(src)
     for _ in range(3):
         dst.copy_(src)
@@ -115,8 +124,9 @@ def copy_bandwidth() -> float:
     return 2 * n * 2 / sorted(times)[len(times) // 2]
 
 
-def time_graph(step, copies: int = COPIES, rounds: int = ROUNDS) -> float:
+def time_graph(step, copies: int | None = None, rounds: int = ROUNDS) -> float:
     """Seconds per ``step(i)`` call (i = weight copy), replayed in a CUDA graph."""
+    copies = copies or COPIES  # read at call time: main() raises it for small weights
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -162,7 +172,7 @@ class Case:
     def bytes(self, prologue: str = "") -> int:
         extra = {"": self.m * self.k, "norm": 3 * self.m * self.k + self.k,
                  "silu": 2 * self.m * self.k}[prologue]
-        return 2 * (self.n * self.k + self.m * self.n + extra)
+        return DTYPE.itemsize * (self.n * self.k + self.m * self.n + extra)
 
 
 def _compile_jobs(jobs) -> int:
@@ -296,17 +306,26 @@ def main() -> None:
     parser.add_argument("--out", default=os.environ.get("OUT"))
     parser.add_argument("--quick", action="store_true", help="time only the table's configs")
     parser.add_argument("--ms", default="1,4,16")
-    parser.add_argument("--shapes", default=",".join(SHAPES))
+    parser.add_argument("--shapes", default=",".join(SHAPES), help="names within the shape set")
+    parser.add_argument("--shape-set", choices=sorted(SHAPE_SETS), default="8b")
+    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
     parser.add_argument("--no-pdl", action="store_true", help="skip the PDL measurements")
     args = parser.parse_args()
+    global DTYPE, COPIES
+    DTYPE = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    if args.shape_set == "pair":
+        COPIES = 64  # the pair's weights are small: 64 copies keep even o (2.4 MB) out of L2
+    os.environ["BENCH_LINEAR_DTYPE"] = args.dtype  # the spawned compile workers
     ms = [int(v) for v in args.ms.split(",")]
-    shapes = {name: SHAPES[name] for name in args.shapes.split(",")}
+    shape_set = SHAPE_SETS[args.shape_set]
+    shapes = {name: shape_set[name] for name in args.shapes.split(",")}
     gen = torch.Generator().manual_seed(0)
     t_start = time.time()
     name = torch.cuda.get_device_name()
     bw = copy_bandwidth()
     print(f"{name}: copy bandwidth {bw / 1e12:.3f} TB/s", flush=True)
-    result = {"device": name, "copy_bandwidth": bw, "torch": torch.__version__, "sweep": [],
+    result = {"device": name, "copy_bandwidth": bw, "torch": torch.__version__, "dtype": args.dtype,
+              "shape_set": args.shape_set, "sweep": [],
               "fused": [], "layer": [], "pdl": []}
 
     def save():
@@ -390,8 +409,8 @@ def main() -> None:
     table = lin.CONFIGS
     layers = [m for m in ms if all((s, m) in cases for s in SHAPES)]
     for m in layers:
-        h = torch.randn(m, 4096, generator=gen).to(DTYPE).to(DEVICE)
-        attn_out = torch.randn(m, 4096, generator=gen).to(DTYPE).to(DEVICE)
+        h = torch.randn(m, cases["qkv", m].k, generator=gen).to(DTYPE).to(DEVICE)
+        attn_out = torch.randn(m, cases["o", m].k, generator=gen).to(DTYPE).to(DEVICE)
         old, new, layer_bytes = layer_step(cases, m, h, attn_out)
         row = {"m": m, "bytes": layer_bytes, "old_us": time_graph(old) * 1e6,
                "table_us": time_graph(new) * 1e6}
@@ -418,8 +437,8 @@ def main() -> None:
             print(f"pdl {s:8s} M={m:2d}: {row.get('us', row.get('error'))}", flush=True)
         for row in result["layer"]:
             m = row["m"]
-            h = torch.randn(m, 4096, generator=gen).to(DTYPE).to(DEVICE)
-            attn_out = torch.randn(m, 4096, generator=gen).to(DTYPE).to(DEVICE)
+            h = torch.randn(m, cases["qkv", m].k, generator=gen).to(DTYPE).to(DEVICE)
+            attn_out = torch.randn(m, cases["o", m].k, generator=gen).to(DTYPE).to(DEVICE)
             _, new, _ = layer_step(cases, m, h, attn_out)
             lin.CONFIGS = with_pdl(tuned)
             try:
@@ -433,7 +452,7 @@ def main() -> None:
     def pct(nbytes, us):
         return 100 * nbytes / (us * 1e-6) / bw
 
-    print(f"\n{name}, copy bandwidth {bw / 1e12:.3f} TB/s, bf16, time per op in a CUDA graph "
+    print(f"\n{name}, copy bandwidth {bw / 1e12:.3f} TB/s, {args.dtype}, time per op in a CUDA graph "
           f"(launch gaps included), {COPIES} rotating weight copies")
     print(f"{'shape':8s} {'M':>3s} | {'cuBLAS us':>9s} {'%bw':>5s} | {'Triton us':>9s} {'%bw':>5s} "
           f"| {'PDL us':>7s} {'%bw':>5s} | best config (block_n, block_k, warps, stages, dot, swap)")
