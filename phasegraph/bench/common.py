@@ -173,6 +173,33 @@ def timed_call(device, fn, freeze_gc: bool = True):
     return wall, out, {"pauses": len(pauses), "seconds": sum(pauses), "frozen": freeze_gc}
 
 
+def timed_calls(run: BenchRun, calls: list[list], generate) -> tuple[float, list, dict]:
+    """``timed_call`` for each call in turn: the summed wall time, the outputs in order and the
+    summed collector pauses."""
+    wall, outs, pauses, seconds = 0.0, [], 0, 0.0
+    for batch in calls:
+        w, out, g = timed_call(run.device, lambda batch=batch: generate(batch), run.args.gc == "freeze")
+        wall, outs, pauses, seconds = wall + w, outs + list(out), pauses + g["pauses"], seconds + g["seconds"]
+    return wall, outs, {"pauses": pauses, "seconds": seconds, "frozen": run.args.gc == "freeze"}
+
+
+def warm_then_time(run: BenchRun, engine, calls: list[list], params) -> tuple[list, float, list, dict, int]:
+    """Run each of ``calls`` (lists of prompts) through ``engine.generate`` twice, then time them
+    (:func:`timed_calls`): ``(warm-up outputs, wall, outputs, gc pauses, graphs captured while
+    timed)``. Twice because a CUDA graph is captured the second time its bucket is used (a
+    bucket a call uses once, as requests finish one by one, or a prefill bucket), so the timed
+    calls replay graphs only; the last figure says whether they did (0)."""
+    warm = []
+    for batch in calls:
+        warm += engine.generate(batch, params)
+        engine.generate(batch, params)
+    if engine.trace is not None:
+        engine.trace.clear()
+    before = graph_count(engine)
+    wall, outs, gc_pauses = timed_calls(run, calls, lambda batch: engine.generate(batch, params))
+    return warm, wall, outs, gc_pauses, graph_count(engine) - before
+
+
 def free_memory() -> None:
     import torch
 
@@ -304,12 +331,18 @@ def host_launch_seconds(device, calls: int = 2000) -> float:
     import torch
 
     x = torch.zeros(1, device=device)
-    for _ in range(50):
-        torch.add(x, 1)
+    return host_issue_seconds(device, lambda: torch.add(x, 1), calls, warmup=50)
+
+
+def host_issue_seconds(device, fn, calls: int, warmup: int = 1) -> float:
+    """Host seconds per call of ``fn`` issued ``calls`` times in a row without waiting for the
+    device (after ``warmup`` calls and a synchronisation)."""
+    for _ in range(warmup):
+        fn()
     sync(device)
     start = time.perf_counter()
     for _ in range(calls):
-        torch.add(x, 1)
+        fn()
     seconds = (time.perf_counter() - start) / calls
     sync(device)
     return seconds

@@ -20,12 +20,12 @@ from phasegraph.bench.common import (
     count_phase,
     fmt,
     free_memory,
-    graph_count,
     has_pair,
     phase_share,
     prefill_seconds,
     share_text,
-    timed_call,
+    timed_calls,
+    warm_then_time,
 )
 from phasegraph.bench.report import write_outputs
 from phasegraph.cli import CliError
@@ -160,15 +160,7 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
     for b in a.batch_list:
         bar.set_postfix_str(f"{label}, batch {b}")
         calls = request_calls(prompts, b, a.batch1_prompts)
-        # each call twice: a graph is captured the second time its bucket is used, so a bucket
-        # a call uses once (requests finishing one by one) is captured by the second
-        warm = []
-        for batch in calls:
-            warm += engine.generate(batch, params)
-            engine.generate(batch, params)
-        engine.trace.clear()
-        graphs_before = graph_count(engine)
-        wall, outs, gc_pauses = timed_calls(run, calls, lambda batch: engine.generate(batch, params))
+        warm, wall, outs, gc_pauses, captured = warm_then_time(run, engine, calls, params)
         tokens = [o.token_ids for o in outs]
         lens = [n for o in outs for n in o.stats.accept_lengths]
         row = {
@@ -182,7 +174,7 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
             "warmup_identical": [w.token_ids for w in warm] == tokens,
             "graph_stats": engine.graph_runner.stats() if engine.graph_runner is not None else None,
             "gc": gc_pauses,
-            "captured_while_timed": graph_count(engine) - graphs_before,
+            "captured_while_timed": captured,
         }
         if note:
             row["note"] = note
@@ -249,16 +241,6 @@ def request_calls(prompts: list, batch: int, batch1_prompts: int) -> list[list]:
     if batch == 1:
         return [[p] for p in prompts[:batch1_prompts]]
     return [prompts[:batch]]
-
-
-def timed_calls(run: BenchRun, calls: list[list], generate) -> tuple[float, list, dict]:
-    """``timed_call`` for each call in turn: the summed wall time, the outputs in order and the
-    summed collector pauses."""
-    wall, outs, pauses, seconds = 0.0, [], 0, 0.0
-    for batch in calls:
-        w, out, g = timed_call(run.device, lambda batch=batch: generate(batch), run.args.gc == "freeze")
-        wall, outs, pauses, seconds = wall + w, outs + list(out), pauses + g["pauses"], seconds + g["seconds"]
-    return wall, outs, {"pauses": pauses, "seconds": seconds, "frozen": run.args.gc == "freeze"}
 
 
 def _measure_hf_row(run: BenchRun, model, asst, label, b, calls, outputs, rows, draft_note) -> None:

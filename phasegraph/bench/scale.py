@@ -11,12 +11,11 @@ from phasegraph.bench.common import (
     count_phase,
     fill_random_weights,
     free_memory,
-    graph_count,
     load_bench_scale,
     phase_share,
     prefill_seconds,
     sync,
-    timed_call,
+    warm_then_time,
 )
 from phasegraph.bench.report import write_outputs
 from phasegraph.cli import CliError
@@ -134,19 +133,6 @@ def _host_copy_bandwidth(run: BenchRun, nbytes: int = 256 << 20) -> float:
     return 2 * nbytes / sorted(times)[len(times) // 2]
 
 
-def _timed_generate(run: BenchRun, engine, prompts, params) -> tuple[float, list, dict, int]:
-    """The call timed after running it twice (a graph is captured the second time its bucket is
-    used: prefill's are), and the graphs captured while it was timed (0 when warm)."""
-    for _ in range(2):
-        engine.generate(prompts, params)
-    if engine.trace is not None:
-        engine.trace.clear()
-    before = graph_count(engine)
-    wall, outs, gc_pauses = timed_call(run.device, lambda: engine.generate(prompts, params),
-                                       run.args.gc == "freeze")
-    return wall, outs, gc_pauses, graph_count(engine) - before
-
-
 def _measure_baseline(run: BenchRun, bs, target, prompts, params, engine_kw, base_tps, bar) -> None:
     from tqdm.auto import tqdm
 
@@ -162,7 +148,7 @@ def _measure_baseline(run: BenchRun, bs, target, prompts, params, engine_kw, bas
         if run.out_of_time(f"scale baseline batch {b}"):
             bar.update(1)
             continue
-        wall, outs, gc_pauses, captured = _timed_generate(run, engine, prompts[:b], params)
+        _, wall, outs, gc_pauses, captured = warm_then_time(run, engine, [prompts[:b]], params)
         tokens = sum(len(o.token_ids) for o in outs)
         steps = count_phase(engine.trace, "decode")
         prefill = prefill_seconds(engine.trace)
@@ -202,7 +188,7 @@ def _measure_spec(run: BenchRun, bs, target, head, name, spec, tau, prompts, par
         if b not in base_tps or run.out_of_time(f"scale {name} τ={tau} batch {b}"):
             bar.update(1)
             continue
-        wall, outs, gc_pauses, captured = _timed_generate(run, engine, prompts[:b], params)
+        _, wall, outs, gc_pauses, captured = warm_then_time(run, engine, [prompts[:b]], params)
         tokens = sum(len(o.token_ids) for o in outs)
         lens = [x for o in outs for x in o.stats.accept_lengths]
         speedup = (tokens / wall) / base_tps[b]

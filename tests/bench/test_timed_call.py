@@ -40,12 +40,12 @@ def test_cleans_up_when_the_call_raises():
     assert gc.get_freeze_count() == 0
 
 
-def test_scale_rows_time_a_call_whose_prefill_graph_is_already_captured():
-    """A prefill graph is captured the second time its bucket is used, so part 2 runs each call
-    twice before timing it (one warm-up left the capture inside the timed call)."""
+def test_warm_then_time_times_calls_whose_prefill_graph_is_already_captured():
+    """A prefill graph is captured the second time its bucket is used, so both parts run each
+    call twice before timing it (one warm-up left the capture inside the timed call)."""
     from types import SimpleNamespace
 
-    from phasegraph.bench.scale import _timed_generate
+    from phasegraph.bench.common import warm_then_time
     from phasegraph.runtime.config import SamplingParams, SpecConfig
     from phasegraph.runtime.engine import Engine
     from tests.phases.lossless_support import prompts, tiny_target
@@ -54,7 +54,8 @@ def test_scale_rows_time_a_call_whose_prefill_graph_is_already_captured():
                     cuda_graphs="emulate", prefill_graphs=True, trace=True)
     run = SimpleNamespace(device="cpu", args=SimpleNamespace(gc="freeze"))
     params = SamplingParams(max_new_tokens=4, ignore_eos=True)
-    wall, outs, pauses, captured = _timed_generate(run, engine, prompts(2), params)
+    warm, wall, outs, pauses, captured = warm_then_time(run, engine, [prompts(2)], params)
     assert captured == 0 and len(outs) == 2 and wall > 0
+    assert [o.token_ids for o in warm] == [o.token_ids for o in outs]
     stats = engine.graph_runner.stats()["prefill-extend"]
     assert stats["graphs"] == 1 and stats["replays"] == 2  # captured in the 2nd call, replayed in the timed one
