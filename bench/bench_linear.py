@@ -46,8 +46,9 @@ from phasegraph.kernels.activation import silu_mul_triton  # noqa: E402
 from phasegraph.kernels.rms_norm import add_rms_norm_triton  # noqa: E402
 
 DEVICE = torch.device("cuda")
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # read at import so that the spawned compile workers use it too (main() sets it from --dtype)
-DTYPE = {"bfloat16": torch.bfloat16, "float32": torch.float32}[os.environ.get("BENCH_LINEAR_DTYPE", "bfloat16")]
+DTYPE = DTYPES[os.environ.get("BENCH_LINEAR_DTYPE", "bfloat16")]
 SHAPE_SETS = {
     "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
     "pair": {"qkv": (1280, 768), "o": (768, 768), "gate_up": (5120, 768), "down": (768, 2560)},
@@ -308,11 +309,11 @@ def main() -> None:
     parser.add_argument("--ms", default="1,4,16")
     parser.add_argument("--shapes", default=",".join(SHAPES), help="names within the shape set")
     parser.add_argument("--shape-set", choices=sorted(SHAPE_SETS), default="8b")
-    parser.add_argument("--dtype", choices=["bfloat16", "float32"], default="bfloat16")
+    parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--no-pdl", action="store_true", help="skip the PDL measurements")
     args = parser.parse_args()
     global DTYPE, COPIES
-    DTYPE = {"bfloat16": torch.bfloat16, "float32": torch.float32}[args.dtype]
+    DTYPE = DTYPES[args.dtype]
     if args.shape_set == "pair":
         COPIES = 64  # the pair's weights are small: 64 copies keep even o (2.4 MB) out of L2
     os.environ["BENCH_LINEAR_DTYPE"] = args.dtype  # the spawned compile workers

@@ -213,6 +213,7 @@ def launch_costs(tokens: int = 128, hidden: int = 4096, calls: int = 200) -> str
     makes: what one launch costs this machine's host (lent machines differ)."""
     import torch.nn.functional as F
 
+    from phasegraph.bench.common import host_issue_seconds
     from phasegraph.kernels.rms_norm import add_rms_norm
 
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
@@ -226,13 +227,7 @@ def launch_costs(tokens: int = 128, hidden: int = 4096, calls: int = 200) -> str
     }
     lines = []
     for name, fn in probes.items():
-        fn()
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        host = (time.perf_counter() - t0) / calls
-        torch.cuda.synchronize()
+        host = host_issue_seconds("cuda", fn, calls)
         lines.append(f"  {1e6 * host:7.1f} us host per call  {name}")
     return "\n".join(lines) + "\n"
 

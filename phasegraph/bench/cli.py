@@ -214,7 +214,7 @@ def add_bench_command(sub) -> None:
                         "(default 560; none with --quick)")
     p.add_argument("--prefill-graphs", action="store_true",
                    help="replay prefill from CUDA graphs per request and token bucket (Engine(prefill_graphs=True); "
-                        "off by default until measured on a GPU)")
+                        "off by default: it saves the host's prefill time only, bench/RESULTS.md §5; the recorded runs use it)")
     p.add_argument("--gc", choices=["freeze", "default"], default="freeze",
                    help="freeze the Python heap before each timed call, as serving engines do after "
                         "warm-up (default), or leave the garbage collector as it is")
