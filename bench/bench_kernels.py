@@ -50,6 +50,7 @@ slots = importlib.import_module("phasegraph.kernels.cache_slots")
 positions = importlib.import_module("phasegraph.kernels.extend_positions")
 rand = importlib.import_module("phasegraph.kernels.random")
 top1 = importlib.import_module("phasegraph.kernels.softmax_top1")
+topk = importlib.import_module("phasegraph.kernels.softmax_topk")
 
 DEVICE = torch.device("cuda")
 ROWS: list[dict] = []
@@ -305,7 +306,8 @@ BANDWIDTH = float("nan")
 
 
 def bench_draft_step(args):
-    """A chain draft step's top-1 (softmax + max vs one pass) over the 32k draft vocabulary, and
+    """A chain draft step's top-1 (softmax + max vs one pass) and a tree draft step's top-4
+    (softmax + topk vs chunk top-k + merge, over B * 4 rows) over the 32k draft vocabulary, and
     the rotary cos/sin of one forward (transformers' module vs the table gather; the "triton"
     column is the table)."""
     from transformers import LlamaConfig
@@ -318,6 +320,12 @@ def bench_draft_step(args):
         logits = [torch.randn(batch, 32000, device=DEVICE).to(torch.bfloat16) for _ in range(4)]
         bench("softmax_top1", f"B{batch} V32000 bf16", [partial(top1.softmax_top1_reference, x) for x in logits],
               [partial(top1.softmax_top1_triton, x) for x in logits])
+    for batch in args.batches:
+        for dtype in (torch.bfloat16, torch.float32):
+            logits = [torch.randn(4 * batch, 32000, device=DEVICE).to(dtype) for _ in range(4)]
+            bench("softmax_topk k=4", f"R{4 * batch} V32000 {str(dtype)[6:]}",
+                  [partial(topk.softmax_topk_reference, x, 4) for x in logits],
+                  [partial(topk.softmax_topk_triton, x, 4) for x in logits])
     cfg = LlamaConfig(hidden_size=4096, num_attention_heads=32, max_position_embeddings=8192,
                       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,

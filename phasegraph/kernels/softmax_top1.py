@@ -59,12 +59,15 @@ def _softmax_top1_kernel(
         x = x.to(tl.float32)
         block_max, block_arg = tl.max(x, axis=0, return_indices=True, return_indices_tie_break_left=True)
         new_best = tl.maximum(best, block_max)
-        # rescale what was summed under the old maximum (exp(-inf) = 0 on the first block)
-        total = total * tl.exp(best - new_best) + tl.sum(tl.exp(x - new_best), axis=0)
+        # rescale what was summed under the old maximum (exp(-inf) = 0 on the first block);
+        # while every logit so far is -inf, shift by 0 so that the sum stays 0, not NaN
+        shift = tl.where(new_best == float("-inf"), 0.0, new_best)
+        total = total * tl.exp(best - shift) + tl.sum(tl.exp(x - shift), axis=0)
         take = block_max > best  # strictly: the first maximal index across blocks wins
         best_id = tl.where(take, start + block_arg.to(tl.int64), best_id)
         best = new_best
-    tl.store(prob_ptr + row, 1.0 / total)
+    shift = tl.where(best == float("-inf"), 0.0, best)
+    tl.store(prob_ptr + row, tl.exp(best - shift) / total)  # 1 / total; NaN for an all -inf row
     tl.store(id_ptr + row, best_id)
 
 

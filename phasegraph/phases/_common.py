@@ -7,6 +7,7 @@ import torch
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.cache_slots import row_slots
 from phasegraph.kernels.softmax_top1 import softmax_top1
+from phasegraph.kernels.softmax_topk import softmax_topk
 from phasegraph.phases.protocols import KVMemory
 
 
@@ -27,12 +28,11 @@ def topk_of_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     """Top-k of softmax(logits) [R, V]: probabilities [R, k] float32 and ids [R, k].
 
     Always the full softmax's values, also for k == 1 (seed 002: a path-specific shortcut
-    collapsed accuracy on one backend). For k == 1 :func:`softmax_top1` returns the same value
-    and a maximal index (softmax + ``max`` as reference; on CUDA one pass with an online
-    normaliser instead of two single-row kernels; CUDA's radix top-k costs ~25 us per call over
-    a 32k vocabulary).
+    collapsed accuracy on one backend). The kernels keep softmax + ``max`` / ``topk`` as their
+    references; on CUDA :func:`softmax_top1` (k == 1) streams a row once with an online
+    normaliser and :func:`softmax_topk` (k > 1) takes each chunk's top k and merges them, in
+    place of a softmax kernel and CUDA's radix top-k (~25-30 us per call over a 32k vocabulary).
     """
     if k == 1:
         return softmax_top1(logits)
-    probs = torch.softmax(logits.float(), dim=-1)  # [R, V]
-    return probs.topk(k, dim=-1)
+    return softmax_topk(logits, k)

@@ -409,4 +409,8 @@ def compile_cases():
     for dtype, vocab in ((torch.bfloat16, 32000), (torch.float32, 128256)):
         cases.append((f"softmax_top1/{str(dtype)[6:]}/V{vocab}",
                       lambda dtype=dtype, vocab=vocab: top1.softmax_top1_triton(torch.randn(4, vocab).to(dtype))))
+    topk = importlib.import_module("phasegraph.kernels.softmax_topk")
+    for dtype, vocab, k in ((torch.bfloat16, 32000, 4), (torch.float32, 128256, 8)):
+        cases.append((f"softmax_topk/{str(dtype)[6:]}/V{vocab}/k{k}",
+                      lambda dtype=dtype, vocab=vocab, k=k: topk.softmax_topk_triton(torch.randn(16, vocab).to(dtype), k)))
     return cases

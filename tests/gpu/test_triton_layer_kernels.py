@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phasegraph.kernels import activation, rms_norm, rotary, softmax_top1
+from phasegraph.kernels import activation, rms_norm, rotary, softmax_top1, softmax_topk
 from tests.gpu.test_triton_kernels import INTERPRET, ON_GPU, assert_equal, rel_err, run_triton
 
 pytestmark = [] if INTERPRET else [pytest.mark.gpu]
@@ -100,3 +100,57 @@ def test_softmax_top1_takes_the_first_of_tied_logits(device):
     logits[1, [4100, 4097]] = 2.0  # tied in one block
     _, ids = run_triton(device, softmax_top1.softmax_top1_triton, logits)
     assert ids[:, 0].tolist() == [7, 4097]
+
+
+def test_softmax_top1_of_rows_that_start_with_minus_infinity(device):
+    logits = torch.full((2, 9000), float("-inf"), device=device)
+    logits[0, 8500:] = torch.linspace(-1.0, 1.0, 500)  # finite only in the last block
+    want_p, want_id = softmax_top1.softmax_top1_reference(logits)
+    got_p, got_id = run_triton(device, softmax_top1.softmax_top1_triton, logits)
+    assert_equal(want_id[:1], got_id[:1], "id")
+    assert rel_err(got_p[:1], want_p[:1]) <= 1e-6
+    assert torch.isnan(want_p[1]).all() and torch.isnan(got_p[1]).all()  # all -inf: NaN, as softmax
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", (1, 4, 256) if ON_GPU else (1, 4))
+@pytest.mark.parametrize("vocab", (32000, 128256, 9) if ON_GPU else (9000, 9))
+@pytest.mark.parametrize("k", [2, 4, 8])
+def test_softmax_topk(device, gen, dtype, rows, vocab, k):
+    # distinct logits (a permutation scaled apart), so the order is unique in any dtype
+    logits = torch.stack([torch.randperm(vocab, generator=gen) for _ in range(rows)]).float()
+    logits = (logits * (8.0 / vocab)).to(dtype).to(device)
+    if dtype == torch.bfloat16:  # bf16 rounds nearby values together: make the top k distinct
+        top = torch.topk(logits.float(), k, dim=-1).indices
+        logits.scatter_(1, top, (torch.arange(k, 0, -1, device=device) * 0.5 + 9.0).to(dtype).expand(rows, k))
+    want_p, want_id = softmax_topk.softmax_topk_reference(logits, k)
+    got_p, got_id = run_triton(device, softmax_topk.softmax_topk_triton, logits, k)
+    assert_equal(want_id, got_id, "ids")
+    assert got_p.dtype == torch.float32 and got_p.shape == (rows, k)
+    assert rel_err(got_p, want_p) <= 1e-6, rel_err(got_p, want_p)
+
+
+def test_softmax_topk_orders_ties_and_minus_infinity_like_topk(device):
+    """Equal logits come smallest id first; -inf logits fill the top k with probability 0,
+    each id once; a chunk of -inf adds nothing to the normaliser."""
+    logits = torch.full((3, 9000), float("-inf"), device=device)
+    logits[0, [8999, 7, 5000, 4100]] = 2.0  # tied across chunks
+    logits[0, 3] = 1.0
+    logits[1, 6000] = 0.5  # one finite logit: k - 1 of probability 0 follow
+    logits[2] = 0.0
+    logits[2, [4097, 4099]] = 3.0  # tied within one chunk
+    got_p, got_id = run_triton(device, softmax_topk.softmax_topk_triton, logits, 4)
+    assert got_id[0].tolist() == [7, 4100, 5000, 8999]
+    assert got_id[2].tolist()[:2] == [4097, 4099]
+    assert got_id[1, 0].item() == 6000 and got_p[1, 0].item() == 1.0
+    assert torch.equal(got_p[1, 1:], torch.zeros(3, device=device))
+    assert len(set(got_id[1].tolist())) == 4 and all(0 <= i < 9000 for i in got_id[1].tolist())
+    want_p, _ = softmax_topk.softmax_topk_reference(logits, 4)
+    assert rel_err(got_p, want_p) <= 1e-6
+
+
+def test_softmax_topk_of_an_all_minus_infinity_row_is_nan_like_softmax(device):
+    logits = torch.full((1, 5000), float("-inf"), device=device)
+    got_p, got_id = run_triton(device, softmax_topk.softmax_topk_triton, logits, 3)
+    assert torch.isnan(got_p).all() and torch.isnan(softmax_topk.softmax_topk_reference(logits, 3)[0]).all()
+    assert all(0 <= i < 5000 for i in got_id[0].tolist())

@@ -1,0 +1,47 @@
+"""phasegraph.kernels.softmax_topk on the CPU: the reference is softmax + topk (what tree drafts
+computed before), the public name and ``topk_of_logits`` dispatch to it off CUDA, and bad input
+fails by name. The Triton kernel is compared in tests/gpu/test_triton_layer_kernels.py (GPU, or
+the interpreter with PHASEGRAPH_TRITON_INTERPRET=1)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from phasegraph.kernels.softmax_topk import _chunk_size, softmax_topk, softmax_topk_reference
+from phasegraph.phases._common import topk_of_logits
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_reference_is_the_softmax_topk(dtype):
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(0)).to(dtype)
+    probs, ids = softmax_topk(logits, 4)
+    full = torch.softmax(logits.float(), dim=-1)
+    assert probs.dtype == torch.float32 and ids.dtype == torch.int64 and probs.shape == ids.shape == (6, 4)
+    assert torch.equal(probs, full.gather(1, ids))
+    assert (probs[:, :-1] >= probs[:, 1:]).all()  # largest first
+    assert torch.equal(ids[:, 0], logits.float().argmax(dim=-1))
+
+
+def test_tree_drafts_take_it():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(1))
+    for k in (2, 4, 50):
+        assert all(torch.equal(a, b) for a, b in zip(topk_of_logits(logits, k), softmax_topk_reference(logits, k),
+                                                        strict=True))
+
+
+def test_chunks_stay_few_enough_for_the_merge_pass():
+    for vocab in (5, 2048, 32000, 128256, 262144, 1_000_000):
+        chunk = _chunk_size(vocab)
+        assert chunk >= 2048 and chunk & (chunk - 1) == 0 and -(-vocab // chunk) <= 128
+
+
+@pytest.mark.parametrize(("bad", "k", "match"), [
+    (torch.zeros(4), 2, "expected 2-d"),
+    (torch.zeros(2, 3, dtype=torch.int64), 2, "floating-point"),
+    (torch.zeros(2, 3), 4, r"k = 4: expected 1 <= k <= vocabulary size 3"),
+    (torch.zeros(2, 3), 0, r"k = 0"),
+])
+def test_bad_input_fails_by_name(bad, k, match):
+    with pytest.raises(ValueError, match=match):
+        softmax_topk(bad, k)
