@@ -85,6 +85,12 @@ GEMV4_LONG_K = [  # M = 2..4 with few weight rows per program and long K tiles (
     C(1, 2048, 4, 2, False), C(2, 2048, 8, 2, False), C(2, 1024, 4, 3, False),
     C(4, 1024, 8, 3, False), C(4, 512, 4, 3, False),
 ]
+GEMV16_CONFIGS = [  # M = 5..16 rows (a [16, BLOCK_N, BLOCK_K] accumulator): float32 products,
+    # whose IEEE tl.dot runs on FMA units, not tensor cores
+    C(4, 64, 4, 1, False), C(4, 128, 4, 1, False), C(8, 64, 4, 1, False), C(8, 64, 4, 3, False),
+    C(16, 32, 4, 1, False), C(16, 64, 4, 2, False), C(8, 128, 8, 1, False), C(4, 256, 8, 2, False),
+    C(2, 256, 4, 1, False), C(32, 32, 8, 2, False),
+]
 DOT_CONFIGS = [  # tl.dot on a 16-row tile
     C(16, 256, 4, 4, True), C(16, 512, 4, 3, True), C(32, 128, 4, 4, True),
     C(32, 256, 4, 3, True), C(32, 256, 4, 4, True), C(32, 128, 4, 6, True),
@@ -103,6 +109,8 @@ def candidates(m: int, k: int) -> list[lin.SkinnyConfig]:
                 or (c.block_k > 4096 and 4096 < k <= c.block_k)]
     elif m <= 4:
         out += GEMV4_CONFIGS + [c for c in GEMV4_LONG_K if c.block_k < 4096 or k <= 4096]
+    else:
+        out += GEMV16_CONFIGS
     return out
 
 

@@ -137,7 +137,7 @@ class SkinnyConfig(NamedTuple):
     block_k: int
     num_warps: int
     num_stages: int
-    dot: bool  # tl.dot on a 16-row tile (else a broadcast multiply-sum over at most 4 rows)
+    dot: bool  # tl.dot on a 16-row tile (else a broadcast multiply-sum over next_pow2(M) rows)
     swap: bool = False  # with dot: W is the left operand (acc [BLOCK_N, 16]); else x is
     pdl: bool = False  # programmatic dependent launch (Hopper): start while the previous
     # kernel drains; every load of x and every store waits for it (gdc_wait)
@@ -405,12 +405,7 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
     if m > MAX_M:
         raise ValueError(f"x: the skinny product takes at most {MAX_M} rows, got {m}")
     cfg = config or pick_config(m, n, k)
-    if cfg.dot:
-        block_m = 16
-    else:
-        block_m = next_pow2(m)
-        if block_m > 4:
-            raise ValueError(f"config {cfg}: the multiply-sum form takes at most 4 rows, got {m}")
+    block_m = 16 if cfg.dot else next_pow2(m)  # multiply-sum: [BLOCK_M, BLOCK_N, BLOCK_K] sums
     block_k = min(cfg.block_k, max(next_pow2(k), 16))
     single = block_k >= k
     stats_k = min(max(next_pow2(k), 16), max(16, 8192 // block_m))

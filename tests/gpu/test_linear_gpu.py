@@ -28,12 +28,13 @@ SHAPES = [(6144, 4096), (200, 312)] if ON_GPU else [(40, 96)]
 CONFIGS = [None, C(32, 128, 4, 3, True), C(64, 64, 4, 2, True, True)]
 if ON_GPU:  # + a wide wgmma tile, and programmatic dependent launch
     CONFIGS += [C(128, 128, 8, 3, True, True), C(32, 128, 4, 3, True, pdl=True)]
-GEMV_CONFIGS = [C(8, 64, 4, 1, False), C(4, 512, 4, 1, False)]  # M <= 4 only
+GEMV_CONFIGS = [C(8, 64, 4, 1, False), C(4, 512, 4, 1, False)]  # M <= 4
+GEMV16_CONFIGS = [C(8, 64, 4, 1, False), C(4, 128, 4, 3, False)]  # M <= 16: [16, N, K] sums
 
 
 def _configs(m: int):
     if m > 4:
-        return CONFIGS
+        return CONFIGS + GEMV16_CONFIGS
     whole_k = [C(4, 4096, 4, 1, False)] if m == 1 and ON_GPU else []  # K in one tile
     return CONFIGS + GEMV_CONFIGS + whole_k
 
@@ -66,6 +67,19 @@ def test_linear(device, gen, dtype, rows, shape):
             x, w, b = _inputs(gen, device, dtype, rows, n, k, bias)
             got = run_triton(device, lin.linear_triton, x, w, b, config=cfg)
             _close(got, lin.linear_reference(x, w, b), f"linear {_ids(cfg)} bias={bias}")
+
+
+@pytest.mark.parametrize("rows", [1, 4, 7, 16])
+def test_linear_float32_on_both_forms(device, gen, rows):
+    """float32: IEEE tl.dot and the multiply-sum form (up to 16 rows) within 1e-6 of float64."""
+    n, k = (1280, 768) if ON_GPU else (40, 96)
+    configs = [None, C(16, 256, 4, 4, True), C(8, 64, 4, 1, False), C(4, 128, 4, 3, False)]
+    for cfg in configs + ([C(2, 4096, 4, 1, False)] if rows == 1 else []):
+        x, w, b = _inputs(gen, device, torch.float32, rows, n, k, bias=cfg is None)
+        got = run_triton(device, lin.linear_triton, x, w, b, config=cfg)
+        want = lin.linear_reference(x.double(), w.double(), None if b is None else b.double())
+        assert got.dtype == torch.float32 and torch.isfinite(got).all()
+        assert rel_err(got.double(), want) <= 1e-6, (_ids(cfg), rel_err(got.double(), want))
 
 
 @pytest.mark.parametrize("rows", ROWS)
