@@ -49,6 +49,7 @@ DEVICE = torch.device("cuda")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # read at import so that the spawned compile workers use it too (main() sets it from --dtype)
 DTYPE = DTYPES[os.environ.get("BENCH_LINEAR_DTYPE", "bfloat16")]
+TABLE_NAME = {torch.bfloat16: "CONFIGS", torch.float32: "FP32_CONFIGS"}  # linear.py's table per dtype
 SHAPE_SETS = {
     "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
     "pair": {"qkv": (1280, 768), "o": (768, 768), "gate_up": (5120, 768), "down": (768, 2560)},
@@ -283,7 +284,16 @@ def tuned_table(result) -> tuple:
             if fused_ok and f["best"]["us"] < f["fused"][0].get("us", float("inf")) * 0.98:
                 cfg = cfg_of(f["best"])  # the prologue moved the optimum
         rules.append(lin._Rule(e["m"], (e["n"], e["n"]), (e["k"], e["k"]), cfg, plain, fused_ok))
-    return tuple(rules) + tuple(r for r in lin.CONFIGS if r.n_range == lin._ANY)
+    return tuple(rules) + tuple(r for r in table_of_dtype() if r.n_range == lin._ANY)
+
+
+def table_of_dtype() -> tuple:
+    """linear.py's table for this run's dtype (CONFIGS, or FP32_CONFIGS for float32)."""
+    return getattr(lin, TABLE_NAME[DTYPE])
+
+
+def set_table(rules: tuple) -> None:
+    setattr(lin, TABLE_NAME[DTYPE], rules)
 
 
 def layer_step(cases, m, h, attn_out):
@@ -352,11 +362,11 @@ def main() -> None:
     cases = {(s, m): Case(weights[s], m, gen) for s in shapes for m in ms}
     plans = {}
     for (s, m), case in cases.items():
-        plans[s, m] = [lin.pick_config(m, case.n, case.k)]
+        plans[s, m] = [lin.pick_config(m, case.n, case.k, DTYPE)]
         if not args.quick:
             plans[s, m] = list(dict.fromkeys(plans[s, m] + candidates(m, case.k)))
     jobs = [(case, cfg, "plain") for key, case in cases.items() for cfg in plans[key]]
-    jobs += [(case, lin.pick_config(m, case.n, case.k), FUSED_KINDS[s])
+    jobs += [(case, lin.pick_config(m, case.n, case.k, DTYPE), FUSED_KINDS[s])
              for (s, m), case in cases.items() if s in FUSED_KINDS]
     precompile(jobs)
 
@@ -366,7 +376,7 @@ def main() -> None:
         t_cublas = time_graph(lambda i, case=case: F.linear(case.x, case.weights[i]))
         rows = [measure_triton(case, cfg, "plain") for cfg in plans[s, m]]
         ok = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
-        table_cfg = lin.pick_config(m, case.n, case.k)
+        table_cfg = lin.pick_config(m, case.n, case.k, DTYPE)
         table_row = next((r for r in ok if cfg_of(r) == table_cfg), None)
         entry = {"shape": s, "n": case.n, "k": case.k, "m": m, "bytes": case.bytes(),
                  "cublas_us": t_cublas * 1e6, "triton": rows,
@@ -413,9 +423,9 @@ def main() -> None:
 
     # 3. one decoder layer's products and prologue kernels (attention left out): the current
     # sequence, the fused one with linear.py's table, and with the table tuned by this run
-    tuned = tuned_table(result) if not args.quick else lin.CONFIGS
+    tuned = tuned_table(result) if not args.quick else table_of_dtype()
     result["tuned_table"] = [r._asdict() for r in tuned]
-    table = lin.CONFIGS
+    table = table_of_dtype()
     layers = [m for m in ms if all((s, m) in cases for s in SHAPES)]
     for m in layers:
         h = torch.randn(m, cases["qkv", m].k, generator=gen).to(DTYPE).to(DEVICE)
@@ -424,11 +434,11 @@ def main() -> None:
         row = {"m": m, "bytes": layer_bytes, "old_us": time_graph(old) * 1e6,
                "table_us": time_graph(new) * 1e6}
         if not args.quick:
-            lin.CONFIGS = tuned
+            set_table(tuned)
             try:
                 row["tuned_us"] = time_graph(new) * 1e6
             finally:
-                lin.CONFIGS = table
+                set_table(table)
         result["layer"].append(row)
         print(f"layer M={m:2d}: {row}", flush=True)
     save()
@@ -449,13 +459,13 @@ def main() -> None:
             h = torch.randn(m, cases["qkv", m].k, generator=gen).to(DTYPE).to(DEVICE)
             attn_out = torch.randn(m, cases["o", m].k, generator=gen).to(DTYPE).to(DEVICE)
             _, new, _ = layer_step(cases, m, h, attn_out)
-            lin.CONFIGS = with_pdl(tuned)
+            set_table(with_pdl(tuned))
             try:
                 row["tuned_pdl_us"] = time_graph(new) * 1e6
             except Exception as exc:  # noqa: BLE001
                 row["tuned_pdl_error"] = repr(exc)[:300]
             finally:
-                lin.CONFIGS = table
+                set_table(table)
         save()
 
     def pct(nbytes, us):

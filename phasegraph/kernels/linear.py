@@ -22,11 +22,13 @@ gate_up and down products of a decoder layer disappear for small M:
   :func:`~phasegraph.kernels.activation.silu_mul_reference`), then the product.
 
 Dispatch (the kernel-module convention of ``_dispatch.py``): the Triton kernel runs on CUDA for
-bf16/fp16, M <= :data:`MAX_M` rows and contiguous inputs, where :data:`CONFIGS` (measured
-against cuBLAS by ``bench/bench_linear.py``) says it wins: every product up to 16 rows, the
-fused prologues at one row (at 2..16 rows the norm / silu kernel runs, then the Triton product).
-Otherwise the public names run exactly the ops they replace (``F.linear``; ``add_rms_norm`` then
-``F.linear``; ``silu_mul`` then ``F.linear``), so fp32, CPU and large-M numbers are unchanged.
+M <= :data:`MAX_M` rows and contiguous inputs where its table (measured against cuBLAS by
+``bench/bench_linear.py``) says it wins. bf16/fp16 (:data:`CONFIGS`): every product up to 16
+rows, the fused prologues at one row (at 2..16 rows the norm / silu kernel runs, then the Triton
+product). float32 (:data:`FP32_CONFIGS`, IEEE arithmetic, no TF32): K <= 4096 at 1 row (fused
+prologues too) and at 5..16 rows; 2..4 rows and longer K stay with cuBLAS. Otherwise the public
+names run exactly the ops they replace (``F.linear``; ``add_rms_norm`` then ``F.linear``;
+``silu_mul`` then ``F.linear``), so CPU and large-M numbers are unchanged.
 The block shapes come from a fixed table, never from autotuning, so nothing is timed or compiled
 differently during capture.
 """
@@ -180,19 +182,44 @@ CONFIGS: tuple[_Rule, ...] = (
 )
 
 
-def _lookup(m: int, n: int, k: int) -> _Rule | None:
-    for rule in CONFIGS:
+_FP32_GEMV_WHOLE_K = SkinnyConfig(2, 4096, 4, 1, dot=False)  # two weight rows, K at once
+_FP32_GEMV16 = SkinnyConfig(8, 64, 4, 3, dot=False)  # [16, 8, 64] sums, 3 deep
+# float32 (IEEE: a tl.dot then runs on FMA units, and cuBLAS picks SIMT gemm tiles). Measured by
+# `bench/bench_linear.py --dtype float32 --shape-set pair` (H100, the bench pair's 96M target:
+# hidden 768, qkv 1280, MLP 2560; bench/RESULTS.md §6), time per op in a CUDA graph:
+# - M = 1: Triton beats cuBLAS's gemv on every shape (qkv 3.3 vs 4.1 us, o 2.7 vs 3.9, gate_up
+#   6.9 vs 8.1, down 4.8 vs 5.3), and so do the fused prologues (qkv+norm 3.6 vs 5.4, gate_up+norm
+#   7.5 vs 9.8, down+silu 5.3 vs 6.6);
+# - M = 16: the multiply-sum form over 16 rows beats cuBLAS's gemm (qkv 7.8 vs 12.9, o 6.8 vs 9.7,
+#   gate_up 13.5 vs 16.7, down 13.2 vs 18.6); IEEE tl.dot was 2x slower than cuBLAS. Fused
+#   prologues: qkv+norm 11.2 vs 14.7 but gate_up+norm 29.1 vs 19.4, so not fused;
+# - M = 2..4: gate_up 10.1 vs 9.4 us (cuBLAS), so cuBLAS keeps them.
+FP32_CONFIGS: tuple[_Rule, ...] = (
+    _Rule(1, _ANY, _K_WHOLE, _FP32_GEMV_WHOLE_K, True, True),
+    _Rule(4, _ANY, _ANY, _FP32_GEMV_WHOLE_K, False, False),
+    _Rule(16, _ANY, _K_WHOLE, _FP32_GEMV16, True, False),
+)
+
+
+def _table(dtype: torch.dtype) -> tuple[_Rule, ...]:
+    return FP32_CONFIGS if dtype == torch.float32 else CONFIGS
+
+
+def _lookup(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> _Rule | None:
+    for rule in _table(dtype):
         if m <= rule.m_max and rule.n_range[0] <= n <= rule.n_range[1] \
                 and rule.k_range[0] <= k <= rule.k_range[1]:
             return rule
     return None
 
 
-def pick_config(m: int, n: int, k: int) -> SkinnyConfig:
+def pick_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> SkinnyConfig:
     """The table's launch shape for ``m`` rows of an ``[n, k]`` weight (a default if none)."""
-    rule = _lookup(m, n, k)
+    rule = _lookup(m, n, k, dtype)
     if rule is not None:
         return rule.config
+    if dtype == torch.float32:
+        return _FP32_GEMV_WHOLE_K if m == 1 else _FP32_GEMV16
     return _GEMV_LOOP if m == 1 else _DOT
 
 
@@ -404,7 +431,7 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
         return y, summed
     if m > MAX_M:
         raise ValueError(f"x: the skinny product takes at most {MAX_M} rows, got {m}")
-    cfg = config or pick_config(m, n, k)
+    cfg = config or pick_config(m, n, k, x.dtype)
     block_m = 16 if cfg.dot else next_pow2(m)  # multiply-sum: [BLOCK_M, BLOCK_N, BLOCK_K] sums
     block_k = min(cfg.block_k, max(next_pow2(k), 16))
     single = block_k >= k
@@ -503,13 +530,15 @@ def silu_mul_linear_triton(
 def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fused: bool,
           *others: torch.Tensor | None) -> bool:
     """Whether the Triton product runs (else the ops it replaces)."""
-    if not use_triton(x) or x.dtype not in HALF_DTYPES or not 1 <= x.shape[0] <= MAX_M:
+    if not use_triton(x) or x.dtype not in (*HALF_DTYPES, torch.float32) or not 1 <= x.shape[0] <= MAX_M:
         return False
     tensors = (x, weight, bias, *others)
     if any(t is not None and (t.dtype != x.dtype or not t.is_contiguous()) for t in tensors):
         return False
-    rule = _lookup(x.shape[0], weight.shape[0], weight.shape[1])
-    return rule is None or (rule.fused if fused else rule.plain)
+    rule = _lookup(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
+    if rule is None:  # half precision: the default tiles; float32: only where measured
+        return x.dtype in HALF_DTYPES
+    return rule.fused if fused else rule.plain
 
 
 def linear(

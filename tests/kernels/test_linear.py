@@ -119,3 +119,8 @@ def test_config_table_covers_every_row_count():
             assert cfg.dot or m <= 4, (m, n, k, cfg)  # the multiply-sum form takes <= 4 rows
             assert cfg.block_n >= 1 and cfg.block_k >= 16 and cfg.num_warps in (1, 2, 4, 8, 16)
     assert lin._lookup(lin.MAX_M, 40, 96) is not None  # small unknown shapes: a default rule
+    for m in range(1, lin.MAX_M + 1):  # float32: multiply-sum tiles (IEEE tl.dot is slow)
+        cfg = lin.pick_config(m, 1280, 768, torch.float32)
+        assert not cfg.dot and cfg == (lin._FP32_GEMV_WHOLE_K if m <= 4 else lin._FP32_GEMV16)
+    assert lin._lookup(3, 1280, 768, torch.float32).plain is False  # 2..4 rows: cuBLAS
+    assert lin._lookup(8, 4096, 14336, torch.float32) is None  # long K: cuBLAS
