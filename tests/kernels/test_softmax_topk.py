@@ -45,3 +45,18 @@ def test_chunks_stay_few_enough_for_the_merge_pass():
 def test_bad_input_fails_by_name(bad, k, match):
     with pytest.raises(ValueError, match=match):
         softmax_topk(bad, k)
+
+
+def test_the_triton_entry_takes_the_reference_where_its_kernels_do_not_apply():
+    """k above MAX_TRITON_K and rows with a non-unit stride never reach a launch (so this runs
+    without a GPU): both return the reference's values."""
+    from phasegraph.kernels.softmax_topk import MAX_TRITON_K, softmax_topk_triton
+
+    logits = torch.randn(2, 300, generator=torch.Generator().manual_seed(2))
+    big_k = MAX_TRITON_K + 1
+    assert all(torch.equal(a, b) for a, b in zip(softmax_topk_triton(logits, big_k),
+                                                    softmax_topk_reference(logits, big_k), strict=True))
+    strided = logits.t().contiguous().t()
+    assert strided.stride(1) != 1
+    assert all(torch.equal(a, b) for a, b in zip(softmax_topk_triton(strided, 4),
+                                                    softmax_topk_reference(logits, 4), strict=True))
