@@ -83,7 +83,7 @@ def steady_batch(engine, batch: int, tag: str, seed: int, steps: int, context: i
                            SamplingParams(max_new_tokens=8 * (steps + 16), ignore_eos=True))
     for _ in range(4):
         engine.step()
-    torch.cuda.synchronize()
+    _sync()
     yield
     for rid in ids:
         engine.abort(rid)
@@ -91,10 +91,15 @@ def steady_batch(engine, batch: int, tag: str, seed: int, steps: int, context: i
     engine.scheduler.drain()
 
 
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
 def run_steps(engine, steps: int) -> None:
     for _ in range(steps):
         engine.step()
-    torch.cuda.synchronize()
+    _sync()
 
 
 def kernels_by_name(prof) -> dict[str, list[float]]:
@@ -145,28 +150,66 @@ def kernel_table(engine, batch: int, steps: int = 10, top: int = 40) -> str:
     return "\n".join(lines + top_kernel_lines(by_name, steps, top, 8)) + "\n"
 
 
-def launch_sites(engine, batch: int, steps: int = 5, top: int = 60) -> str:
-    """GPU kernels of ``steps`` steady-state steps of an engine *without* CUDA graphs, grouped by
-    the innermost ``phasegraph`` source line that launched them: where the small kernels of an
-    iteration come from."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
+# dispatcher ops that launch no device work (views, metadata, allocation)
+_NO_LAUNCH = frozenset({
+    "view", "_unsafe_view", "as_strided", "slice", "select", "expand", "t", "transpose", "permute",
+    "unsqueeze", "squeeze", "alias", "detach", "empty", "empty_like", "empty_strided", "split",
+    "split_with_sizes", "unbind", "narrow", "lift_fresh", "_reshape_alias", "view_as_real",
+    "view_as_complex", "unfold", "diagonal", "set_", "resize_", "is_same_size", "_has_compatible_shallow_copy_type",
+})
+
+
+def _site_of(frame) -> tuple[str, object | None]:
+    """The innermost phasegraph source line below ``frame``'s caller chain, or, where the op
+    runs inside ``phasegraph/kernels``, the outermost kernel-module function (one call there is
+    one or two launches on a GPU, however many ops its CPU reference takes) and its frame."""
+    inner, kernel, kernel_frame = None, None, None
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        cut = path.rfind("/phasegraph/")
+        if cut >= 0 and "/phasegraph/bench/" not in path:
+            rel = path[cut + 1:]
+            if rel.startswith("phasegraph/kernels/"):
+                kernel, kernel_frame = f"{rel}:{frame.f_code.co_name} (kernel call)", frame
+            elif inner is None:
+                inner = f"{rel}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    if kernel is not None:
+        return kernel, kernel_frame
+    return inner or "(outside phasegraph)", None
+
+
+def launch_sites(engine, batch: int, steps: int = 5, top: int = 150) -> str:
+    """Device launches of ``steps`` steady-state steps of an engine *without* CUDA graphs, by the
+    phasegraph source line that issued them (runs on any device, the CPU included). Every
+    dispatcher op that does device work counts once, except inside ``phasegraph/kernels``, where
+    one call of a kernel module counts once (a Triton launch or two on a GPU; its torch
+    reference on the CPU). A CUDA-graph replay launches the same kernels, so this is the map of
+    what an iteration's small kernels are and where they come from."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    sites: dict[str, int] = {}
+
+    class Count(TorchDispatchMode):
+        last_kernel = None
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func.overloadpacket.__name__.rstrip("_") if func.overloadpacket.__name__ != "set_" else "set_"
+            if name not in _NO_LAUNCH and func.overloadpacket.__name__ not in _NO_LAUNCH:
+                site, kernel_frame = _site_of(sys._getframe(1))
+                if kernel_frame is None or kernel_frame is not self.last_kernel:
+                    key = site if kernel_frame is not None else f"{site} [{func.overloadpacket.__name__}]"
+                    sites[key] = sites.get(key, 0) + 1
+                self.last_kernel = kernel_frame
+            return func(*args, **(kwargs or {}))
 
     with steady_batch(engine, batch, "l", 5, steps):
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
+        with Count():
             run_steps(engine, steps)
-    sites: dict[str, list[float]] = {}
-    for e in prof.events():
-        kernels = list(e.kernels or [])  # (name, device, duration) of the kernels it launched
-        if not kernels or e.device_type != DeviceType.CPU:
-            continue
-        matches = [m for m in map(_LIBRARY_FRAME.search, e.stack or []) if m]
-        site = matches[0].string[matches[0].start():] if matches else "(no phasegraph frame)"
-        sites.setdefault(f"{site} [{e.name}]", []).extend(k.duration for k in kernels)
-    total = sum(len(v) for v in sites.values())
-    lines = [f"kernel launches per step (eager): {total / steps:.0f}"]
-    for site, v in sorted(sites.items(), key=lambda kv: -len(kv[1]))[:top]:
-        lines.append(f"  {len(v) / steps:6.1f}x {sum(v) / steps:8.1f} us  {site}")
+    total = sum(sites.values())
+    lines = [f"launches per step (eager; a kernel-module call counts once): {total / steps:.0f}"]
+    for site, n in sorted(sites.items(), key=lambda kv: (-kv[1], kv[0]))[:top]:
+        lines.append(f"  {n / steps:6.1f}x  {site}")
     return "\n".join(lines) + "\n"
 
 
@@ -245,11 +288,15 @@ def main(argv=None) -> int:
                     help="only (with --sites: and): time and profile prefill-only generate calls (128-token prompts) at batch 1, "
                          "and the host cost of single launches")
     ap.add_argument("--sites", action="store_true",
-                    help="only: kernel launches per source line of an eager (graphs off) step at batch 1")
+                    help="only: device launches per phasegraph source line of an eager (graphs off) step at "
+                         "batch 1 (any --device)")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: --sites only")
     ap.add_argument("--kernels", action="store_true", help="also a table of GPU kernels per step at batch 1")
     ap.add_argument("--checks", nargs="+", default=["default", "off"], choices=["default", "off"],
                     help="trace and validation settings to time (default: trace + default checks, and none)")
     args = ap.parse_args(argv)
+    if args.device == "cpu" and not args.sites:
+        ap.error("--device cpu runs --sites only (the other tables time the GPU)")
     from phasegraph import SpecConfig
     from phasegraph.runtime.engine import Engine
 
@@ -260,7 +307,7 @@ def main(argv=None) -> int:
         target = bench_scale.build_target(32)
         head = bench_scale.build_eagle3_head(target)
     else:
-        target, head = build_pair(dtype)
+        target, head = build_pair(dtype, args.device)
     base_target = type(target)(target.model, feature_mode="none")
     configs = [
         ("baseline", base_target, None, SpecConfig(method="none"), None),
@@ -269,7 +316,7 @@ def main(argv=None) -> int:
          SpecConfig(method="eagle3", num_steps=4, topk=4, num_draft_tokens=16), 3),
     ]
     configs = [c for c, key in zip(configs, ("baseline", "chain", "tree"), strict=True) if key in args.configs]
-    result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "dtype": args.dtype, "shape": args.shape,
+    result: dict = {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "torch": torch.__version__, "dtype": args.dtype, "shape": args.shape,
                     "rows": []}
     profiles = io.StringIO()
     max_b = max(args.batches)

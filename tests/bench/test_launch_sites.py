@@ -1,0 +1,38 @@
+"""bench/profile_pair_host.py --sites on the CPU: a step's device launches by phasegraph source
+line, where one call into phasegraph/kernels counts once whatever its torch reference does."""
+
+import importlib.util
+import re
+from pathlib import Path
+
+import torch
+
+from phasegraph import SpecConfig
+from phasegraph.runtime.engine import Engine
+
+SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "profile_pair_host.py"
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("profile_pair_host", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_decode_step_is_mapped_to_its_kernel_calls_and_phase_lines():
+    script = _script()
+    target, _ = script.build_pair(torch.float32, "cpu")
+    base = type(target)(target.model, feature_mode="none")
+    engine = Engine(base, None, spec=SpecConfig(method="none"), max_batch_size=1, kv_pool_tokens=2048,
+                    max_context=1024, cuda_graphs=False, trace=False)
+    table = script.launch_sites(engine, 1, steps=2)
+    counts = {m.group(2): float(m.group(1)) for m in re.finditer(r"^\s+([\d.]+)x  (.+)$", table, re.MULTILINE)}
+    layers = target.model.config.num_hidden_layers
+    # one call per layer, although each CPU reference runs several ops
+    assert counts["phasegraph/kernels/rotary.py:rotary_write_kv (kernel call)"] == layers
+    assert counts["phasegraph/kernels/attention.py:paged_attention (kernel call)"] == layers
+    assert counts["phasegraph/kernels/linear.py:silu_mul_linear (kernel call)"] == layers
+    assert any(site.startswith("phasegraph/phases/decode.py:") for site in counts)
+    total = float(re.search(r"launches per step \(eager; a kernel-module call counts once\): (\d+)", table).group(1))
+    assert len(counts) < 150 and total == round(sum(counts.values()))  # every site listed, and summed
