@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
-from phasegraph.kernels.bonus import fill_bonus_tokens, gather_accepted_tokens
 from phasegraph.kernels.cache_slots import row_slots
+from phasegraph.kernels.commit_path import commit_path
 from phasegraph.kernels.compact import accepted_kv_moves, compact_to_front, move_kv
 from phasegraph.kernels.extend_positions import extend_positions
 from phasegraph.phases.context import SpecContext
@@ -17,22 +17,6 @@ from phasegraph.phases.schemas import (
     node_fields,
 )
 from phasegraph.statemachine import phase
-
-
-def truncate_at_stop(
-    emitted: torch.Tensor,  # [B, W] -1 padded
-    accept_lens: torch.Tensor,  # [B]
-    stop_ids: torch.Tensor,  # [B, Z] -1 padded
-    remaining: torch.Tensor,  # [B]
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """New accept lengths cut after the first stop token and at the budget, and the finished mask."""
-    W = emitted.shape[1]
-    is_stop = (emitted[:, :, None] == stop_ids[:, None, :]).any(dim=-1) & (emitted >= 0)  # [B, W]
-    j = torch.arange(W, device=emitted.device)
-    first_stop = torch.where(is_stop, j + 1, W + 1).min(dim=1).values  # [B], W+1 = none
-    lens = torch.minimum(torch.minimum(accept_lens, first_stop), remaining.clamp(min=1))
-    finished = (first_stop <= lens) | (lens >= remaining)
-    return lens, finished
 
 
 @phase("finalize-tree-path", input=VerifyResult, output=FinalizedPath)
@@ -54,11 +38,12 @@ def finalize_tree_path(state: VerifyResult, ctx: SpecContext) -> FinalizedPath:
     device = state.accept_index.device
     seq_lens = draft_state.seq_lens
 
-    raw_emitted = gather_accepted_tokens(state.predict, state.accept_index)  # [B, W]
-    lens, finished = truncate_at_stop(raw_emitted, state.accept_lens, params.stop_ids, draft_state.remaining)
+    lead = proposal.draft_lead
+    # the path cut after its first stop token and at the budget, and the state it leaves
+    path = commit_path(state.predict, state.accept_index, state.accept_lens, params.stop_ids,
+                       draft_state.remaining, seq_lens, lead)
+    lens, accept_index = path.lens, path.accept_index
     j = torch.arange(W, device=device)
-    inside = j[None, :] < lens[:, None]  # [B, W]
-    accept_index = torch.where(inside, state.accept_index, -1)
 
     compacted = {}
     for name in node_fields(type(state)):
@@ -72,7 +57,6 @@ def finalize_tree_path(state: VerifyResult, ctx: SpecContext) -> FinalizedPath:
 
     accepted_predict = compacted[accepted_name("predict")]  # [B*W]
     accepted_features = compacted[accepted_name("features")]  # [B*W, Hf]
-    lead = proposal.draft_lead
     if lead == 0:  # row i carries the token after accepted node i, with that node's feature
         ids, features, width = accepted_predict, accepted_features, W
     else:  # standalone drafts: the root token, then every emitted token, at their own positions
@@ -89,15 +73,15 @@ def finalize_tree_path(state: VerifyResult, ctx: SpecContext) -> FinalizedPath:
         positions=extend_positions(seq_lens, width),
         features=features,
         token_req=torch.arange(B, device=device).repeat_interleave(width),
-        select_index=torch.arange(B, device=device) * width + lens - 1 + lead,
+        select_index=path.select_index,
         lead=lead,
-        seq_lens=seq_lens + lens,
-        bonus_tokens=fill_bonus_tokens(state.predict, accept_index, lens),
-        remaining=(draft_state.remaining - lens).clamp(min=0),  # 0 past the budget (overlap)
+        seq_lens=path.seq_lens,
+        bonus_tokens=path.bonus_tokens,
+        remaining=path.remaining,  # 0 past the budget (overlap)
         verified=state,
         accept_index=accept_index,
         accept_lens=lens,
-        emitted=torch.where(inside, raw_emitted, -1),
-        finished=finished,
+        emitted=path.emitted,
+        finished=path.finished,
         **compacted,
     )

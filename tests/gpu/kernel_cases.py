@@ -409,6 +409,13 @@ def compile_cases():
     for dtype, vocab in ((torch.bfloat16, 32000), (torch.float32, 128256)):
         cases.append((f"softmax_top1/{str(dtype)[6:]}/V{vocab}",
                       lambda dtype=dtype, vocab=vocab: top1.softmax_top1_triton(torch.randn(4, vocab).to(dtype))))
+    commit = importlib.import_module("phasegraph.kernels.commit_path")
+    from tests.kernels.commit_path_cases import commit_path_case
+
+    for batch, width, stops in ((1, 4, 1), (64, 9, 0)):
+        cases.append((f"commit_path/B{batch}/W{width}/Z{stops}",
+                      lambda b=batch, w=width, z=stops: commit.commit_path_triton(
+                          *commit_path_case(torch.Generator().manual_seed(0), b, w, w + 3, z, 0))))
     topk = importlib.import_module("phasegraph.kernels.softmax_topk")
     for dtype, vocab, k in ((torch.bfloat16, 32000, 4), (torch.float32, 128256, 8)):
         cases.append((f"softmax_topk/{str(dtype)[6:]}/V{vocab}/k{k}",

@@ -699,3 +699,22 @@ def test_counter_uniform(device, gen):
         random_mod.counter_uniform_reference(one_seed, positions),
         run_triton(device, random_mod.counter_uniform_triton, one_seed, positions),
     )
+
+
+# ------------------------------------------------------------------------------- commit path
+
+commit_mod = importlib.import_module("phasegraph.kernels.commit_path")
+
+
+@pytest.mark.parametrize("lead", [0, 1])
+@pytest.mark.parametrize(("batch", "width", "stops"), [(1, 1, 1), (7, 4, 3), (5, 9, 0), (64, 7, 5)])
+def test_commit_path(device, gen, batch, width, stops, lead):
+    from tests.kernels.commit_path_cases import commit_path_case
+
+    case = commit_path_case(gen, batch, width, nodes=width + 3, stops=stops, lead=lead, device=device)
+    ref = commit_mod.commit_path_reference(*case)
+    out = run_triton(device, commit_mod.commit_path_triton, *case)
+    assert_same_fields(ref, out)
+    if batch >= 7 and stops:  # stop tokens and budgets both cut some paths here
+        cut = ref.lens < case[2]
+        assert cut.any() and (~ref.finished).any()
