@@ -46,10 +46,10 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
     draft_caches = memory.draft_caches()
     move_kv(draft_caches, layout.tail_src, layout.tail_dst)  # prefix tail into every branch region
     branch_rows = torch.arange(B * K, device=device)
-    step_positions = []
+    beam_base = base.repeat_interleave(K)  # [B*K]
+    first_beam_row = branch_rows.view(B, K)[:, :1]  # [B, 1] = b * K
     for i in range(S - 1):
-        positions = base.repeat_interleave(K) + i  # [B*K] draft step i runs at seq_len + lead + i
-        step_positions.append(base + i)
+        positions = beam_base + i  # [B*K] draft step i runs at seq_len + lead + i
         attn = AttentionMetadata(
             write_slots=layout.step_slots[i],
             page_table=layout.branch_page_table,
@@ -74,16 +74,14 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
             src, dst = branch_reorder_moves(memory.draft_regions[rows], grown.beam_parent, memory.page_size)
             move_kv(draft_caches, src, dst)
             if out.hidden is not None and hidden is not None:
-                parent_rows = (torch.arange(B, device=device)[:, None] * K + grown.beam_parent).reshape(-1)
+                parent_rows = (first_beam_row + grown.beam_parent).reshape(-1)
                 hidden = out.hidden[parent_rows]  # [B*K, Hd]
 
     node_tokens, node_parents = select_tree_nodes(
         torch.cat(cand_tokens, dim=1), torch.cat(cand_scores, dim=1), torch.cat(cand_parents, dim=1), N
     )
     built = build_tree(state.bonus_tokens, node_tokens, node_parents, seq_lens)
-    draft_positions = (
-        torch.stack(step_positions, dim=1) if step_positions else seq_lens.new_zeros(B, 0)
-    )
+    draft_positions = base[:, None] + torch.arange(S - 1, device=device)  # [B, S-1] step i at base + i
     return TreeProposal(
         draft=state,
         num_steps=S,
