@@ -24,7 +24,6 @@ import cProfile
 import io
 import json
 import pstats
-import re
 import sys
 import time
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_scale  # noqa: E402
 
-_LIBRARY_FRAME = re.compile(r"phasegraph/(phases|runtime|kernels|statemachine)/")
+from phasegraph.bench.common import sync  # noqa: E402
 
 
 def build_pair(dtype: torch.dtype, device: str = "cuda"):
@@ -83,7 +82,7 @@ def steady_batch(engine, batch: int, tag: str, seed: int, steps: int, context: i
                            SamplingParams(max_new_tokens=8 * (steps + 16), ignore_eos=True))
     for _ in range(4):
         engine.step()
-    _sync()
+    sync(engine.device)
     yield
     for rid in ids:
         engine.abort(rid)
@@ -91,15 +90,10 @@ def steady_batch(engine, batch: int, tag: str, seed: int, steps: int, context: i
     engine.scheduler.drain()
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
-
-
 def run_steps(engine, steps: int) -> None:
     for _ in range(steps):
         engine.step()
-    _sync()
+    sync(engine.device)
 
 
 def kernels_by_name(prof) -> dict[str, list[float]]:
@@ -194,11 +188,11 @@ def launch_sites(engine, batch: int, steps: int = 5, top: int = 150) -> str:
         last_kernel = None
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func.overloadpacket.__name__.rstrip("_") if func.overloadpacket.__name__ != "set_" else "set_"
-            if name not in _NO_LAUNCH and func.overloadpacket.__name__ not in _NO_LAUNCH:
+            op = func.overloadpacket.__name__  # in-place forms end in "_": t_, squeeze_, ...
+            if op not in _NO_LAUNCH and op.rstrip("_") not in _NO_LAUNCH:
                 site, kernel_frame = _site_of(sys._getframe(1))
                 if kernel_frame is None or kernel_frame is not self.last_kernel:
-                    key = site if kernel_frame is not None else f"{site} [{func.overloadpacket.__name__}]"
+                    key = site if kernel_frame is not None else f"{site} [{op}]"
                     sites[key] = sites.get(key, 0) + 1
                 self.last_kernel = kernel_frame
             return func(*args, **(kwargs or {}))

@@ -47,6 +47,7 @@ from phasegraph.kernels.rms_norm import add_rms_norm, add_rms_norm_reference
 
 MAX_M = 16  # the kernel's largest row tile (tl.dot needs >= 16 rows; padded rows are masked)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+TRITON_DTYPES = (*HALF_DTYPES, torch.float32)  # float32 where FP32_CONFIGS has a rule
 
 _NONE, _RMS_NORM, _SILU_MUL = 0, 1, 2  # prologue kinds
 
@@ -530,7 +531,7 @@ def silu_mul_linear_triton(
 def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fused: bool,
           *others: torch.Tensor | None) -> bool:
     """Whether the Triton product runs (else the ops it replaces)."""
-    if not use_triton(x) or x.dtype not in (*HALF_DTYPES, torch.float32) or not 1 <= x.shape[0] <= MAX_M:
+    if not use_triton(x) or x.dtype not in TRITON_DTYPES or not 1 <= x.shape[0] <= MAX_M:
         return False
     tensors = (x, weight, bias, *others)
     if any(t is not None and (t.dtype != x.dtype or not t.is_contiguous()) for t in tensors):

@@ -3,8 +3,8 @@ chain and tree EAGLE-3 and standalone drafting on a tiny Llama emit exactly the 
 greedy tokens (the same engine with ``method="none"`` and the same kernels).
 
 On the GPU (``-m gpu``) the kernels are compiled; on the CPU with
-``PHASEGRAPH_TRITON_INTERPRET=1`` they run in Triton's interpreter (~7 minutes), where the
-baseline must also equal transformers' own greedy continuation. That checks the phases' kernels
+``PHASEGRAPH_TRITON_INTERPRET=1`` they run in Triton's interpreter (~6 minutes), where the
+baseline must also equal transformers' own greedy continuation (checked when it is built). That checks the phases' kernels
 together (commit_path, softmax_topk, the float32 skinny products, ...) before a GPU is at hand."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.engine import support
-from tests.gpu.test_triton_kernels import INTERPRET, ON_GPU
+from tests.gpu.test_triton_kernels import INTERPRET
 
 pytestmark = [] if INTERPRET else [pytest.mark.gpu]
 NEW_TOKENS = 12
@@ -27,14 +27,12 @@ def bundle_and_baseline(tmp_path_factory):
         engine = support.engine_for(bundle, "none", dtype=torch.float32)
         prompts = [list(p) for p in bundle.prompts[:3]]
         outs = engine.generate(prompts, support.greedy(max_new_tokens=NEW_TOKENS))
-    return bundle, prompts, [list(o.token_ids) for o in outs]
-
-
-def test_the_baseline_on_triton_is_transformers_greedy(bundle_and_baseline):
-    bundle, _, baseline = bundle_and_baseline
-    if ON_GPU:  # compiled float32 kernels sum in other orders than transformers on the CPU
-        pytest.skip("compared with transformers on the CPU only (interpreter mode)")
-    assert baseline == [list(r[:NEW_TOKENS]) for r in bundle.reference[:3]]
+    baseline = [list(o.token_ids) for o in outs]
+    if INTERPRET:  # the kernels on the CPU: the baseline is transformers' own greedy continuation
+        # (on a GPU the compiled float32 kernels sum in other orders than transformers on the
+        # CPU, and the claim there, as in test_gpu_lossless.py, is speculation == baseline)
+        assert baseline == [list(r[:NEW_TOKENS]) for r in bundle.reference[:3]]
+    return bundle, prompts, baseline
 
 
 @pytest.mark.parametrize(("method", "kw"), [
