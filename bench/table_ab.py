@@ -1,9 +1,12 @@
-"""A/B of the skinny-product table on whole engine steps: the 8B shape's steady-state decode step
-and EAGLE-3 chain iteration (SIMULATED τ = 4, batch 1) with ``linear.CONFIGS`` as shipped, then
-with the rules a ``bench_linear.py`` run tuned for the row counts it swept, placed before the
-shipped rules of more rows:
+"""A/B of the skinny-product table on whole engine steps at batch 1: the steady-state decode step
+and EAGLE-3 iterations (SIMULATED acceptance) with linear.py's table as shipped, then with the
+rules a ``bench_linear.py`` run tuned for the row counts it swept, placed before the shipped
+rules of as many rows or more. bf16 (``CONFIGS``): the 8B shape, decode and chain; float32
+(``FP32_CONFIGS``): the bench pair's target, decode, chain and tree, with the GPU kernels:
 
     python bench/bench_linear.py --ms 4 --no-pdl --out DIR
+    python bench/table_ab.py --linear DIR/bench_linear.json --out DIR
+    python bench/bench_linear.py --dtype float32 --shape-set pair --ms 4,16 --no-pdl --out DIR
     python bench/table_ab.py --linear DIR/bench_linear.json --out DIR
 
 Prints and writes ``table_ab.json``: step times per table (bench_scale's probe, overlap on).
@@ -24,14 +27,15 @@ import profile_pair_host  # noqa: E402
 from phasegraph.kernels import linear as lin  # noqa: E402
 
 
-def merged_table(tuned_rows: list[dict], swept_m: int) -> tuple:
-    """The shipped rules for fewer rows, the tuned rules for up to ``swept_m`` rows, then the
-    shipped rules for more rows (first match wins)."""
+def merged_table(shipped: tuple, tuned_rows: list[dict], swept: list[int]) -> tuple:
+    """The shipped rules for fewer rows than the smallest swept M, the tuned rules of the swept
+    row counts (per shape in increasing M), then the other shipped rules (first match wins)."""
     tuned = tuple(lin._Rule(r["m_max"], tuple(r["n_range"]), tuple(r["k_range"]),
-                            lin.SkinnyConfig(*r["config"]), r["plain"], r["fused"])
-                  for r in tuned_rows if r["m_max"] == swept_m and r["n_range"] != list(lin._ANY))
-    fewer = tuple(r for r in lin.CONFIGS if r.m_max < swept_m)
-    more = tuple(r for r in lin.CONFIGS if r.m_max >= swept_m)
+                            lin.SkinnyConfig(**r["config"]) if isinstance(r["config"], dict)
+                            else lin.SkinnyConfig(*r["config"]), r["plain"], r["fused"])
+                  for r in tuned_rows if r["m_max"] in swept and r["n_range"] != list(lin._ANY))
+    fewer = tuple(r for r in shipped if r.m_max < min(swept))
+    more = tuple(r for r in shipped if r.m_max >= min(swept))
     return fewer + tuned + more
 
 
@@ -42,21 +46,29 @@ def main() -> int:
     args = ap.parse_args()
     run = json.loads(Path(args.linear).read_text())
     swept = sorted({e["m"] for e in run["sweep"]})
-    if len(swept) != 1:
-        raise SystemExit(f"--linear: expected a sweep of one M, got {swept}")
-    shipped = lin.CONFIGS
-    tables = {"shipped": shipped, f"tuned M<={swept[0]}": merged_table(run["tuned_table"], swept[0])}
-    result = {"gpu": torch.cuda.get_device_name(), "tables": {}}
-    for name, table in tables.items():
-        lin.CONFIGS = table
-        out = Path(args.out) / name.replace(" ", "_").replace("<=", "le")
-        print(f"===== table: {name} =====", flush=True)
-        for rule in table:
-            print(f"  {rule}", flush=True)
-        profile_pair_host.main(["--shape", "8b", "--dtype", "bfloat16", "--batches", "1", "--configs",
-                                "baseline", "chain", "--no-profile", "--checks", "off", "--out", str(out)])
-        result["tables"][name] = json.loads((out / "pair_host.json").read_text())["rows"]
-    lin.CONFIGS = shipped
+    fp32 = run.get("dtype") == "float32"
+    table_name = "FP32_CONFIGS" if fp32 else "CONFIGS"
+    shipped = getattr(lin, table_name)
+    tuned_name = "tuned M=" + ",".join(map(str, swept))
+    tables = {"shipped": shipped, tuned_name: merged_table(shipped, run["tuned_table"], swept)}
+    if fp32:
+        probe = ["--shape", "bench-pair", "--dtype", "float32", "--configs", "baseline", "chain",
+                 "tree", "--kernels"]
+    else:
+        probe = ["--shape", "8b", "--dtype", "bfloat16", "--configs", "baseline", "chain"]
+    result = {"gpu": torch.cuda.get_device_name(), "dtype": run.get("dtype"), "tables": {}}
+    try:
+        for name, table in tables.items():
+            setattr(lin, table_name, table)
+            out = Path(args.out) / name.replace(" ", "_").replace("=", "").replace(",", "-")
+            print(f"===== table: {name} =====", flush=True)
+            for rule in table:
+                print(f"  {rule}", flush=True)
+            profile_pair_host.main(probe + ["--batches", "1", "--no-profile", "--checks", "off",
+                                            "--out", str(out)])
+            result["tables"][name] = json.loads((out / "pair_host.json").read_text())["rows"]
+    finally:
+        setattr(lin, table_name, shipped)
     Path(args.out, "table_ab.json").write_text(json.dumps(result, indent=1))
     return 0
 

@@ -144,6 +144,9 @@ class SkinnyConfig(NamedTuple):
     swap: bool = False  # with dot: W is the left operand (acc [BLOCK_N, 16]); else x is
     pdl: bool = False  # programmatic dependent launch (Hopper): start while the previous
     # kernel drains; every load of x and every store waits for it (gdc_wait)
+    precision: str = "ieee"  # a float32 tl.dot: "ieee" (FMA units) or "tf32x3" (three TF32
+    # tensor-core products per tile, hi*hi + hi*lo + lo*hi: float32-level error); half dtypes
+    # ignore it
 
 
 class _Rule(NamedTuple):
@@ -174,7 +177,11 @@ _QKV_8B, _GATE_UP_8B = ((6144, 6144), (4096, 4096)), ((28672, 28672), (4096, 409
 #   prologues on that form were slower than a separate norm / silu kernel (qkv+norm 29 vs 24,
 #   down+silu 204 vs 47 us at M = 4), so `fused` is off there: the norm / silu kernel runs,
 #   then the Triton product.
+# - N >= 65536 (a target's lm_head over a 128k vocabulary): cuBLAS streams it at 100 % of the
+#   copy bandwidth (247 us at M = 1 in the 8B decode profile), so it keeps it.
+_VOCAB_WIDE = (65536, 1 << 40)
 CONFIGS: tuple[_Rule, ...] = (
+    _Rule(16, _VOCAB_WIDE, _ANY, _DOT, False, False),
     _Rule(1, _ANY, _K_WHOLE, _GEMV_WHOLE_K, True, True),
     _Rule(1, _ANY, _K_LONG, _GEMV_LOOP, True, True),
     _Rule(16, *_QKV_8B, _DOT_WIDE, True, False),
@@ -268,14 +275,14 @@ def _operand(
 
 @jit
 def _mac(acc, a, w, DOT: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr,
-         IEEE: tl.constexpr):
+         PRECISION: tl.constexpr):
     """acc += a [BLOCK_M, BLOCK_K] times w [BLOCK_N, BLOCK_K]^T, in the accumulator's layout."""
     if DOT:
-        if IEEE:
+        if PRECISION != "default":  # float32 operands
             if SWAP:
-                acc = tl.dot(w, tl.trans(a), acc, input_precision="ieee")
+                acc = tl.dot(w, tl.trans(a), acc, input_precision=PRECISION)
             else:
-                acc = tl.dot(a, tl.trans(w), acc, input_precision="ieee")
+                acc = tl.dot(a, tl.trans(w), acc, input_precision=PRECISION)
         else:
             if SWAP:
                 acc = tl.dot(w, tl.trans(a), acc)
@@ -329,7 +336,7 @@ def _skinny_kernel(
     STATS_K: tl.constexpr,
     DOT: tl.constexpr,
     SWAP: tl.constexpr,
-    IEEE: tl.constexpr,
+    PRECISION: tl.constexpr,  # "default" (half dtypes), or a float32 dot's input_precision
     EVEN_K: tl.constexpr,
     SINGLE_K: tl.constexpr,
     STAGES: tl.constexpr,
@@ -375,7 +382,7 @@ def _skinny_kernel(
                 acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
             else:
                 acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            out = _finish(_mac(acc, a, w, DOT, SWAP, BLOCK_M, IEEE), DOT, SWAP, BLOCK_M)
+            out = _finish(_mac(acc, a, w, DOT, SWAP, BLOCK_M, PRECISION), DOT, SWAP, BLOCK_M)
         elif BLOCK_M == 1:
             out = tl.sum(w.to(tl.float32) * a.to(tl.float32), axis=1)[None, :]
         else:
@@ -412,7 +419,7 @@ def _skinny_kernel(
                             other=0.0)
             a = _operand(x_ptr, res_ptr, nw_ptr, rows, cols, M, K, stride_x, stride_r, rstd,
                          PROLOGUE, HAS_RESIDUAL, EVEN_K)
-            acc = _mac(acc, a, w, DOT, SWAP, BLOCK_M, IEEE)
+            acc = _mac(acc, a, w, DOT, SWAP, BLOCK_M, PRECISION)
         out = _finish(acc, DOT, SWAP, BLOCK_M)
 
     if HAS_BIAS:
@@ -437,7 +444,7 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
     block_k = min(cfg.block_k, max(next_pow2(k), 16))
     single = block_k >= k
     stats_k = min(max(next_pow2(k), 16), max(16, 8192 // block_m))
-    ieee = x.dtype == torch.float32
+    precision = cfg.precision if x.dtype == torch.float32 else "default"
     if k == 0:
         raise ValueError("weight: K must be positive")
     args = (
@@ -449,7 +456,7 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
     meta = dict(
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, STATS_K=stats_k,
-        DOT=cfg.dot, SWAP=cfg.dot and cfg.swap, IEEE=ieee, EVEN_K=k % block_k == 0,
+        DOT=cfg.dot, SWAP=cfg.dot and cfg.swap, PRECISION=precision, EVEN_K=k % block_k == 0,
         SINGLE_K=single, STAGES=cfg.num_stages, PDL=cfg.pdl, num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )

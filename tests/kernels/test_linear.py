@@ -119,6 +119,8 @@ def test_config_table_covers_every_row_count():
             assert cfg.dot or m <= 4, (m, n, k, cfg)  # the multiply-sum form takes <= 4 rows
             assert cfg.block_n >= 1 and cfg.block_k >= 16 and cfg.num_warps in (1, 2, 4, 8, 16)
     assert lin._lookup(lin.MAX_M, 40, 96) is not None  # small unknown shapes: a default rule
+    for m in (1, 4, 16):  # a 128k-vocabulary lm_head stays with cuBLAS (100 % of bandwidth)
+        assert lin._lookup(m, 128256, 4096).plain is False
     for m in range(1, lin.MAX_M + 1):  # float32: multiply-sum tiles (IEEE tl.dot is slow)
         cfg = lin.pick_config(m, 1280, 768, torch.float32)
         assert not cfg.dot and cfg == (lin._FP32_GEMV_WHOLE_K if m <= 4 else lin._FP32_GEMV16)
