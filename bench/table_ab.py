@@ -8,6 +8,7 @@ rules of as many rows or more. bf16 (``CONFIGS``): the 8B shape, decode and chai
     python bench/table_ab.py --linear DIR/bench_linear.json --out DIR
     python bench/bench_linear.py --dtype float32 --shape-set pair --ms 4,16 --no-pdl --out DIR
     python bench/table_ab.py --linear DIR/bench_linear.json --out DIR
+    python bench/table_ab.py --fp32-previous --out DIR   # shipped vs PREVIOUS_FP32_CONFIGS
 
 Prints and writes ``table_ab.json``: step times per table (bench_scale's probe, overlap on).
 """
@@ -26,6 +27,15 @@ import profile_pair_host  # noqa: E402
 
 from phasegraph.kernels import linear as lin  # noqa: E402
 
+C = lin.SkinnyConfig
+# linear.FP32_CONFIGS of 19f556f (float32: IEEE multiply-sums at 1 and 5..16 rows, cuBLAS at
+# 2..4 rows): the table the tf32x3 rules of 2026-11-23 replaced, kept to A/B against.
+PREVIOUS_FP32_CONFIGS = (
+    lin._Rule(1, lin._ANY, lin._K_WHOLE, C(2, 4096, 4, 1, dot=False), True, True),
+    lin._Rule(4, lin._ANY, lin._ANY, C(2, 4096, 4, 1, dot=False), False, False),
+    lin._Rule(16, lin._ANY, lin._K_WHOLE, C(8, 64, 4, 3, dot=False), True, False),
+)
+
 
 def merged_table(shipped: tuple, tuned_rows: list[dict], swept: list[int]) -> tuple:
     """The shipped rules for fewer rows than the smallest swept M, the tuned rules of the swept
@@ -41,21 +51,31 @@ def merged_table(shipped: tuple, tuned_rows: list[dict], swept: list[int]) -> tu
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--linear", required=True, help="bench_linear.json of a sweep of one M")
+    what = ap.add_mutually_exclusive_group(required=True)
+    what.add_argument("--linear", help="bench_linear.json of a sweep: shipped vs tuned")
+    what.add_argument("--fp32-previous", action="store_true",
+                      help="float32: PREVIOUS_FP32_CONFIGS vs the shipped FP32_CONFIGS")
     ap.add_argument("--out", default="out")
     args = ap.parse_args()
-    run = json.loads(Path(args.linear).read_text())
-    swept = sorted({e["m"] for e in run["sweep"]})
-    fp32 = run.get("dtype") == "float32"
-    table_name = "FP32_CONFIGS" if fp32 else "CONFIGS"
-    shipped = getattr(lin, table_name)
-    tuned_name = "tuned M=" + ",".join(map(str, swept))
-    tables = {"shipped": shipped, tuned_name: merged_table(shipped, run["tuned_table"], swept)}
+    if args.fp32_previous:
+        fp32, table_name = True, "FP32_CONFIGS"
+        shipped = lin.FP32_CONFIGS
+        tables = {"previous": PREVIOUS_FP32_CONFIGS, "shipped": shipped}
+        run = {"dtype": "float32"}
+    else:
+        run = json.loads(Path(args.linear).read_text())
+        swept = sorted({e["m"] for e in run["sweep"]})
+        fp32 = run.get("dtype") == "float32"
+        table_name = "FP32_CONFIGS" if fp32 else "CONFIGS"
+        shipped = getattr(lin, table_name)
+        tuned_name = "tuned M=" + ",".join(map(str, swept))
+        tables = {"shipped": shipped, tuned_name: merged_table(shipped, run["tuned_table"], swept)}
     if fp32:
         probe = ["--shape", "bench-pair", "--dtype", "float32", "--configs", "baseline", "chain",
-                 "tree", "--kernels"]
+                 "tree", "--kernels", "--checks", "default"]  # kernels: on the traced run
     else:
-        probe = ["--shape", "8b", "--dtype", "bfloat16", "--configs", "baseline", "chain"]
+        probe = ["--shape", "8b", "--dtype", "bfloat16", "--configs", "baseline", "chain",
+                 "--checks", "off"]
     result = {"gpu": torch.cuda.get_device_name(), "dtype": run.get("dtype"), "tables": {}}
     try:
         for name, table in tables.items():
@@ -64,8 +84,7 @@ def main() -> int:
             print(f"===== table: {name} =====", flush=True)
             for rule in table:
                 print(f"  {rule}", flush=True)
-            profile_pair_host.main(probe + ["--batches", "1", "--no-profile", "--checks", "off",
-                                            "--out", str(out)])
+            profile_pair_host.main(probe + ["--batches", "1", "--no-profile", "--out", str(out)])
             result["tables"][name] = json.loads((out / "pair_host.json").read_text())["rows"]
     finally:
         setattr(lin, table_name, shipped)

@@ -7,7 +7,7 @@ reduce kernel for these shapes (~62-74% of copy bandwidth on the attention produ
 model). The Triton kernel here gives each program ``BLOCK_N`` output columns, streams their
 weight rows once over K in ``BLOCK_K`` chunks, accumulates in float32 and writes its columns
 itself: no split-K, no atomics, so a CUDA-graph replay equals the eager call bit for bit. Two
-forms: a broadcast multiply-sum over at most 4 rows (at one row, with K <= 4096, one weight row
+forms: a broadcast multiply-sum over up to 16 rows (at one row, with K <= 4096, one weight row
 per program and the whole K in one load is fastest) and a ``tl.dot`` on a 16-row tile (padded
 rows masked; cp.async-pipelined weight tiles, wgmma when W is the left operand).
 
@@ -25,8 +25,9 @@ Dispatch (the kernel-module convention of ``_dispatch.py``): the Triton kernel r
 M <= :data:`MAX_M` rows and contiguous inputs where its table (measured against cuBLAS by
 ``bench/bench_linear.py``) says it wins. bf16/fp16 (:data:`CONFIGS`): every product up to 16
 rows, the fused prologues at one row (at 2..16 rows the norm / silu kernel runs, then the Triton
-product). float32 (:data:`FP32_CONFIGS`, IEEE arithmetic, no TF32): K <= 4096 at 1 row (fused
-prologues too) and at 5..16 rows; 2..4 rows and longer K stay with cuBLAS. Otherwise the public
+product). float32 (:data:`FP32_CONFIGS`): K <= 4096, IEEE multiply-sums, except the wide products
+at 2..16 rows (gate_up, lm_head), which run a three-pass TF32 ``tl.dot`` (float32-level error) or
+stay with cuBLAS; longer K stays with cuBLAS. Otherwise the public
 names run exactly the ops they replace (``F.linear``; ``add_rms_norm`` then ``F.linear``;
 ``silu_mul`` then ``F.linear``), so CPU and large-M numbers are unchanged.
 The block shapes come from a fixed table, never from autotuning, so nothing is timed or compiled
@@ -191,21 +192,36 @@ CONFIGS: tuple[_Rule, ...] = (
 
 
 _FP32_GEMV_WHOLE_K = SkinnyConfig(2, 4096, 4, 1, dot=False)  # two weight rows, K at once
+_FP32_GEMV4 = SkinnyConfig(4, 512, 4, 3, dot=False)  # [4, 4, 512] sums, 3 deep
 _FP32_GEMV16 = SkinnyConfig(8, 64, 4, 3, dot=False)  # [16, 8, 64] sums, 3 deep
-# float32 (IEEE: a tl.dot then runs on FMA units, and cuBLAS picks SIMT gemm tiles). Measured by
-# `bench/bench_linear.py --dtype float32 --shape-set pair` (H100, the bench pair's 96M target:
-# hidden 768, qkv 1280, MLP 2560; bench/RESULTS.md §6), time per op in a CUDA graph:
-# - M = 1: Triton beats cuBLAS's gemv on every shape (qkv 3.3 vs 4.1 us, o 2.7 vs 3.9, gate_up
-#   6.9 vs 8.1, down 4.8 vs 5.3), and so do the fused prologues (qkv+norm 3.6 vs 5.4, gate_up+norm
-#   7.5 vs 9.8, down+silu 5.3 vs 6.6);
-# - M = 16: the multiply-sum form over 16 rows beats cuBLAS's gemm (qkv 7.8 vs 12.9, o 6.8 vs 9.7,
-#   gate_up 13.5 vs 16.7, down 13.2 vs 18.6); IEEE tl.dot was 2x slower than cuBLAS. Fused
-#   prologues: qkv+norm 11.2 vs 14.7 but gate_up+norm 29.1 vs 19.4, so not fused;
-# - M = 2..4: gate_up 10.1 vs 9.4 us (cuBLAS), so cuBLAS keeps them.
+_FP32_GEMV16_LONG_K = SkinnyConfig(4, 256, 8, 2, dot=False)
+_FP32_TF32X3 = SkinnyConfig(32, 64, 4, 3, dot=True, precision="tf32x3")
+_K_SHORT = (1, 1024)
+_N_WIDE = (4096, 1 << 40)
+_N_VOCAB = (8192, 1 << 40)
+# float32. An IEEE tl.dot runs on FMA units (2x slower than cuBLAS); "tf32x3" runs it on tensor
+# cores in three TF32 passes, within 2-5e-7 of float64 like IEEE sums (bench_linear rel_err). It
+# wins only where N gives it enough 32-wide programs. Measured by `bench/bench_linear.py --dtype
+# float32 --shape-set pair` (H100; the bench pair's target: hidden 768, qkv 1280, MLP 2560,
+# vocabulary 8192, and its EAGLE-3 head: fc 768x2304, qkv 1280x1536; bench/RESULTS.md §6), time
+# per op in a CUDA graph, Triton vs cuBLAS:
+# - M = 1: qkv 3.3 vs 4.1 us, o 2.7 vs 3.9, gate_up 6.9 vs 8.1, down 4.8 vs 5.3; fused
+#   prologues qkv+norm 3.6 vs 5.4, gate_up+norm 7.5 vs 9.8, down+silu 5.3 vs 6.6;
+# - M = 2..4: qkv 4.1 vs 5.3, o 3.3 vs 5.2, down 5.7 vs 13.0, head fc 5.6 vs 11.9, head qkv
+#   5.7 vs 9.3 (multiply-sum); lm_head 12.7 vs 14.2 (tf32x3); gate_up 10.1 vs 9.2 stays with
+#   cuBLAS; fused qkv+norm 6.0 and down+silu 6.6 vs 6.7 and 14.7 for norm / silu + cuBLAS;
+# - M = 5..16: qkv 7.9 vs 13.1, o 6.8 vs 9.8, down 13.2 vs 19.2, head fc 12.4 vs 18.3
+#   (multiply-sum); gate_up 11.4 vs 16.7 and lm_head 12.7 vs 26.6 (tf32x3); the fused
+#   prologues were slower than the norm / silu kernel + the Triton product.
 FP32_CONFIGS: tuple[_Rule, ...] = (
     _Rule(1, _ANY, _K_WHOLE, _FP32_GEMV_WHOLE_K, True, True),
-    _Rule(4, _ANY, _ANY, _FP32_GEMV_WHOLE_K, False, False),
-    _Rule(16, _ANY, _K_WHOLE, _FP32_GEMV16, True, False),
+    _Rule(4, _N_VOCAB, _K_SHORT, _FP32_TF32X3, True, False),
+    _Rule(4, _N_WIDE, _ANY, _FP32_GEMV4, False, False),
+    _Rule(4, _ANY, _K_SHORT, _FP32_GEMV_WHOLE_K, True, True),
+    _Rule(4, _ANY, _K_WHOLE, _FP32_GEMV4, True, True),
+    _Rule(16, _N_WIDE, _K_SHORT, _FP32_TF32X3, True, False),
+    _Rule(16, _ANY, _K_SHORT, _FP32_GEMV16, True, False),
+    _Rule(16, _ANY, _K_WHOLE, _FP32_GEMV16_LONG_K, True, False),
 )
 
 
@@ -227,7 +243,7 @@ def pick_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> 
     if rule is not None:
         return rule.config
     if dtype == torch.float32:
-        return _FP32_GEMV_WHOLE_K if m == 1 else _FP32_GEMV16
+        return _FP32_GEMV_WHOLE_K if m == 1 else _FP32_GEMV4 if m <= 4 else _FP32_GEMV16
     return _GEMV_LOOP if m == 1 else _DOT
 
 
