@@ -139,9 +139,13 @@ def test_dispatch(device, gen, monkeypatch):
     bf = torch.bfloat16
     x = torch.randn(1, 16, generator=gen).to(device)
     fused = ["linear_triton", "add_rms_norm_linear_triton", "silu_mul_linear_triton"]
-    # float32: Triton at 1 row (fused too) and 5..16 rows; cuBLAS at 2..4 rows and K > 4096
+    # float32: Triton at 1 row (fused too), at 2..4 rows (fused too, but the wide products of
+    # 4096..8191 columns stay with cuBLAS) and 5..16 rows (norm / silu kernel, then Triton);
+    # cuBLAS for K > 4096
     assert dispatched(x, w) == (fused if ON_GPU else [])
-    assert dispatched(torch.randn(4, 16, generator=gen).to(device), w, "triton") == []
+    assert dispatched(torch.randn(4, 16, generator=gen).to(device), w, "triton") == fused
+    wide = torch.randn(4096, 16, generator=gen).to(device)
+    assert dispatched(torch.randn(4, 16, generator=gen).to(device), wide, "triton") == []
     assert dispatched(torch.randn(8, 16, generator=gen).to(device), w, "triton") == ["linear_triton"] * 3
     long_k = torch.randn(8, 4097, generator=gen).to(device)
     assert not lin._fits(long_k[:1], long_k, None, False)  # (mode "triton" still set)
