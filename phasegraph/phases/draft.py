@@ -40,21 +40,22 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
     beam_scores, beam_cand, beam_tokens = beams.beam_scores, beams.beam_cand, beams.beam_tokens
     hidden = state.hidden.repeat_interleave(K, dim=0) if state.hidden is not None else None  # [B*K, Hd]
 
-    layout = assign_draft_cache_locs(
-        memory.page_table, rows, base, memory.draft_regions[rows], memory.page_size, S
-    )
+    regions = memory.draft_regions[rows]  # [B] each request's branch region
+    layout = assign_draft_cache_locs(memory.page_table, rows, base, regions, memory.page_size, S)
     draft_caches = memory.draft_caches()
     move_kv(draft_caches, layout.tail_src, layout.tail_dst)  # prefix tail into every branch region
     branch_rows = torch.arange(B * K, device=device)
-    beam_base = base.repeat_interleave(K)  # [B*K]
     first_beam_row = branch_rows.view(B, K)[:, :1]  # [B, 1] = b * K
+    # [S-1, B*K]: draft step i runs every beam of request b at base[b] + i
+    step_positions = base.repeat_interleave(K)[None, :] + torch.arange(S - 1, device=device)[:, None]
+    step_kv_len = step_positions + 1  # [S-1, B*K]
     for i in range(S - 1):
-        positions = beam_base + i  # [B*K] draft step i runs at seq_len + lead + i
+        positions = step_positions[i]  # [B*K]
         attn = AttentionMetadata(
             write_slots=layout.step_slots[i],
             page_table=layout.branch_page_table,
             query_row=branch_rows,
-            kv_len=positions + 1,
+            kv_len=step_kv_len[i],
             extra_mask=None,
             page_size=memory.page_size,
         )
@@ -71,7 +72,7 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
         cand_parents.append(grown.cand_parents)
         beam_scores, beam_cand, beam_tokens = grown.beam_scores, grown.beam_cand, grown.beam_tokens
         if i < S - 2:  # the next forward needs each new beam's ancestors and hidden state
-            src, dst = branch_reorder_moves(memory.draft_regions[rows], grown.beam_parent, memory.page_size)
+            src, dst = branch_reorder_moves(regions, grown.beam_parent, memory.page_size)
             move_kv(draft_caches, src, dst)
             if out.hidden is not None and hidden is not None:
                 parent_rows = (first_beam_row + grown.beam_parent).reshape(-1)
