@@ -178,8 +178,9 @@ def launch_sites(engine, batch: int, steps: int = 5, top: int = 150) -> str:
     phasegraph source line that issued them (runs on any device, the CPU included). Every
     dispatcher op that does device work counts once, except inside ``phasegraph/kernels``, where
     one call of a kernel module counts once (a Triton launch or two on a GPU; its torch
-    reference on the CPU). A CUDA-graph replay launches the same kernels, so this is the map of
-    what an iteration's small kernels are and where they come from."""
+    reference on the CPU). Rotary cos/sin come from the rotary table on every device here, as on
+    CUDA. A CUDA-graph replay launches the same kernels, so this is the map of what an
+    iteration's small kernels are and where they come from."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     sites: dict[str, int] = {}
@@ -197,9 +198,16 @@ def launch_sites(engine, batch: int, steps: int = 5, top: int = 150) -> str:
                 self.last_kernel = kernel_frame
             return func(*args, **(kwargs or {}))
 
-    with steady_batch(engine, batch, "l", 5, steps):
-        with Count():
-            run_steps(engine, steps)
+    from phasegraph.runtime.models.rotary_table import RotaryTable
+
+    devices = RotaryTable.devices
+    RotaryTable.devices = ("cuda", "cpu")  # rotary cos/sin from the table, as on CUDA
+    try:
+        with steady_batch(engine, batch, "l", 5, steps):
+            with Count():
+                run_steps(engine, steps)
+    finally:
+        RotaryTable.devices = devices
     total = sum(sites.values())
     lines = [f"launches per step (eager; a kernel-module call counts once): {total / steps:.0f}"]
     for site, n in sorted(sites.items(), key=lambda kv: (-kv[1], kv[0]))[:top]:

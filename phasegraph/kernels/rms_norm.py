@@ -114,3 +114,103 @@ def add_rms_norm(
     if use_triton(x):
         return add_rms_norm_triton(x, residual, weight, eps)
     return add_rms_norm_reference(x, residual, weight, eps)
+
+
+# --------------------------------------------------------------------------------------------
+# Two rows normalised side by side (the EAGLE-3 head's input)
+
+
+def _check_concat(a, a_weight, b, b_weight) -> None:
+    expect_float(a, "a", 2)
+    expect_float(b, "b", 2)
+    if b.shape[0] != a.shape[0] or b.dtype != a.dtype:
+        raise ValueError(f"b: expected {a.shape[0]} rows of {a.dtype}, got {tuple(b.shape)} {b.dtype}")
+    expect_shape(a_weight, "a_weight", (a.shape[1],))
+    expect_shape(b_weight, "b_weight", (b.shape[1],))
+
+
+def rms_norm_concat_reference(
+    a: torch.Tensor,  # [T, Ha]
+    a_weight: torch.Tensor,  # [Ha]
+    a_eps: float,
+    b: torch.Tensor,  # [T, Hb]
+    b_weight: torch.Tensor,  # [Hb]
+    b_eps: float,
+) -> torch.Tensor:  # [T, Ha + Hb]
+    """``cat([rms_norm(a) * a_weight, rms_norm(b) * b_weight], -1)``: the EAGLE-3 head's input
+    (Li et al., 2025, "EAGLE-3", arXiv 2503.01840: the token embedding and the fused feature,
+    each normed, side by side), each half rounded as ``add_rms_norm_reference``."""
+    _check_concat(a, a_weight, b, b_weight)
+    a_normed, _ = add_rms_norm_reference(a, None, a_weight, a_eps)
+    b_normed, _ = add_rms_norm_reference(b, None, b_weight, b_eps)
+    return torch.cat([a_normed, b_normed], dim=-1)
+
+
+@jit
+def _rms_norm_concat_kernel(
+    a_ptr, b_ptr,  # [T, Ha], [T, Hb] (unit stride along H)
+    a_weight_ptr, b_weight_ptr,  # [Ha], [Hb]
+    out_ptr,  # [T, Ha + Hb] out, contiguous
+    a_hidden, b_hidden, stride_a, stride_b, a_eps, b_eps,
+    BLOCK_H: tl.constexpr,
+):
+    t = tl.program_id(0).to(tl.int64)
+    second = tl.program_id(1) == 1  # program (t, 0) normalises a's row, (t, 1) b's
+    hidden = tl.where(second, b_hidden, a_hidden)
+    eps = tl.where(second, b_eps, a_eps)
+    cols = tl.arange(0, BLOCK_H)
+    inside = cols < hidden
+    if second:
+        x = tl.load(b_ptr + t * stride_b + cols, mask=inside, other=0.0)
+        w = tl.load(b_weight_ptr + cols, mask=inside, other=0.0)
+    else:
+        x = tl.load(a_ptr + t * stride_a + cols, mask=inside, other=0.0)
+        w = tl.load(a_weight_ptr + cols, mask=inside, other=0.0)
+    h = x.to(tl.float32)
+    variance = tl.sum(h * h, axis=0) / hidden
+    n = (h * (1.0 / tl.sqrt(variance + eps))).to(x.dtype)
+    y = (w.to(tl.float32) * n.to(tl.float32)).to(x.dtype)
+    offset = tl.where(second, a_hidden, 0)
+    tl.store(out_ptr + t * (a_hidden + b_hidden) + offset + cols, y, mask=inside)
+
+
+def rms_norm_concat_triton(
+    a: torch.Tensor,  # [T, Ha], unit stride along Ha
+    a_weight: torch.Tensor,  # [Ha]
+    a_eps: float,
+    b: torch.Tensor,  # [T, Hb], unit stride along Hb
+    b_weight: torch.Tensor,  # [Hb]
+    b_eps: float,
+) -> torch.Tensor:  # [T, Ha + Hb]
+    """Triton ``rms_norm_concat``: a (token, half) grid writing both halves of each output row,
+    in place of two norm kernels and a concatenation."""
+    _check_concat(a, a_weight, b, b_weight)
+    if a.stride(1) != 1 or b.stride(1) != 1 or not (a_weight.is_contiguous() and b_weight.is_contiguous()):
+        return rms_norm_concat_reference(a, a_weight, a_eps, b, b_weight, b_eps)
+    tokens, a_hidden = a.shape
+    b_hidden = b.shape[1]
+    out = torch.empty((tokens, a_hidden + b_hidden), dtype=a.dtype, device=a.device)
+    if tokens == 0:
+        return out
+    block = next_pow2(max(a_hidden, b_hidden))
+    _rms_norm_concat_kernel[(tokens, 2)](
+        a, b, a_weight, b_weight, out, a_hidden, b_hidden, a.stride(0), b.stride(0),
+        float(a_eps), float(b_eps),
+        BLOCK_H=block,
+        num_warps=8 if block >= 4096 else 4,
+    )
+    return out
+
+
+def rms_norm_concat(
+    a: torch.Tensor,  # [T, Ha]
+    a_weight: torch.Tensor,  # [Ha]
+    a_eps: float,
+    b: torch.Tensor,  # [T, Hb]
+    b_weight: torch.Tensor,  # [Hb]
+    b_eps: float,
+) -> torch.Tensor:  # [T, Ha + Hb]
+    """``cat([rms_norm(a) * a_weight, rms_norm(b) * b_weight], -1)`` (one Triton launch on CUDA)."""
+    if use_triton(a):
+        return rms_norm_concat_triton(a, a_weight, a_eps, b, b_weight, b_eps)
+    return rms_norm_concat_reference(a, a_weight, a_eps, b, b_weight, b_eps)

@@ -420,4 +420,25 @@ def compile_cases():
     for dtype, vocab, k in ((torch.bfloat16, 32000, 4), (torch.float32, 128256, 8)):
         cases.append((f"softmax_topk/{str(dtype)[6:]}/V{vocab}/k{k}",
                       lambda dtype=dtype, vocab=vocab, k=k: topk.softmax_topk_triton(torch.randn(16, vocab).to(dtype), k)))
+    rotary = importlib.import_module("phasegraph.kernels.rotary")
+    norms = importlib.import_module("phasegraph.kernels.rms_norm")
+
+    def rope(dtype, tables: bool):
+        def run():
+            tokens, hq, hkv, d = 7, 32, 8, 128
+            q, k, v = (torch.randn(tokens, h, d).to(dtype) for h in (hq, hkv, hkv))
+            cache = torch.zeros(64, hkv, d, dtype=dtype)
+            rows = torch.arange(tokens) if tables else None
+            cos = torch.randn(1024 if tables else tokens, d).to(dtype)
+            rotary.rotary_write_kv_triton(q, k, v, cos, cos, cache, cache, torch.arange(tokens), rows)
+
+        cases.append((f"rotary_write_kv/{str(dtype)[6:]}/{'tables' if tables else 'rows'}", run))
+
+    for dtype in (torch.bfloat16, torch.float32):
+        rope(dtype, False)
+        rope(dtype, True)
+        cases.append((f"rms_norm_concat/{str(dtype)[6:]}",
+                      lambda dtype=dtype: norms.rms_norm_concat_triton(
+                          torch.randn(4, 4096).to(dtype), torch.ones(4096).to(dtype), 1e-5,
+                          torch.randn(4, 4096).to(dtype), torch.ones(4096).to(dtype), 1e-5)))
     return cases

@@ -44,6 +44,24 @@ def test_add_rms_norm(device, gen, dtype, tokens, with_residual):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", TOKENS)
+def test_rms_norm_concat(device, gen, dtype, tokens):
+    """Both halves as add_rms_norm computes them (the same rounding steps, so within one
+    rounding of the reference), written side by side; a strided ``b`` as the head passes it."""
+    a_hidden, b_hidden = (4096, 4096) if ON_GPU else (96, 40)
+    a = torch.randn(tokens, a_hidden, generator=gen).to(dtype).to(device)
+    b = torch.randn(tokens, 2 * b_hidden, generator=gen).to(dtype).to(device)[:, :b_hidden]
+    a_w = (1 + 0.1 * torch.randn(a_hidden, generator=gen)).to(dtype).to(device)
+    b_w = (1 + 0.1 * torch.randn(b_hidden, generator=gen)).to(dtype).to(device)
+    want = rms_norm.rms_norm_concat_reference(a, a_w, 1e-5, b, b_w, 1e-6)
+    got = run_triton(device, rms_norm.rms_norm_concat_triton, a, a_w, 1e-5, b, b_w, 1e-6)
+    _close(got, want, "rms_norm_concat")
+    first, _ = rms_norm.add_rms_norm_triton(a, None, a_w, 1e-5)
+    second, _ = rms_norm.add_rms_norm_triton(b.contiguous(), None, b_w, 1e-6)
+    assert_equal(torch.cat([first, second], dim=-1), got, "halves")  # the same kernel math
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
 def test_silu_mul(device, gen, dtype, tokens):
     inner = 14336 if ON_GPU else 200
     gate_up = (2 * torch.randn(tokens, 2 * inner, generator=gen)).to(dtype).to(device)
@@ -77,6 +95,35 @@ def test_rotary_write_kv(device, gen, dtype, tokens, heads):
     untouched = torch.ones(num_slots, dtype=torch.bool, device=device)
     untouched[slots.clamp(min=0)] = False
     assert torch.equal(k_cache[untouched], ref_k[untouched])  # nothing else written
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_rotary_write_kv_reads_rows_of_tables(device, gen, dtype, tokens):
+    """With ``rows`` the kernel reads token t's cos/sin at row rows[t] of [P, D] tables: the same
+    bits as passing the gathered rows (repeated, unordered and last-row positions included)."""
+    hq, hkv, d, table_rows = 4, 2, 64, 50
+    num_slots = 2 * tokens + 8
+    q = torch.randn(tokens, hq, d, generator=gen).to(dtype).to(device)
+    k = torch.randn(tokens, hkv, d, generator=gen).to(dtype).to(device)
+    v = torch.randn(tokens, hkv, d, generator=gen).to(dtype).to(device)
+    angles = torch.rand(table_rows, d // 2, generator=gen) * 100
+    angles = torch.cat([angles, angles], dim=-1)
+    cos_table, sin_table = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
+    rows = torch.randint(0, table_rows, (tokens,), generator=gen)
+    rows[0] = table_rows - 1
+    rows = rows.to(device)
+    slots = (torch.randperm(num_slots - 1, generator=gen)[:tokens] + 1).to(device)
+    k_cache = torch.randn(num_slots, hkv, d, generator=gen).to(dtype).to(device)
+    v_cache = torch.randn(num_slots, hkv, d, generator=gen).to(dtype).to(device)
+    gathered_k, gathered_v = k_cache.clone(), v_cache.clone()
+    want_q = rotary.rotary_write_kv_triton(q, k, v, cos_table[rows], sin_table[rows], gathered_k,
+                                           gathered_v, slots)
+    got_q = run_triton(device, rotary.rotary_write_kv_triton, q, k, v, cos_table, sin_table,
+                       k_cache, v_cache, slots, rows)
+    assert_equal(want_q, got_q, "q")
+    assert_equal(gathered_k, k_cache, "k_cache")
+    assert_equal(gathered_v, v_cache, "v_cache")
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

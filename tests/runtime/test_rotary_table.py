@@ -65,3 +65,19 @@ def test_off_cuda_and_for_dynamic_rope_the_module_runs():
     assert table.cos is None and cos.shape == (2, 16)
     dynamic = RotaryTable(_rotary(rope_type="dynamic", factor=2.0))
     assert not dynamic.static
+
+
+def test_lookup_hands_the_tables_and_positions_to_the_kernel(on_cpu):
+    """Where the table serves the rows, ``lookup`` returns the tables and the positions as the
+    rows ``rotary_write_kv`` reads itself (no gather launched); the module's rows and None where
+    it does not (off the table's devices, dynamic rope)."""
+    table = RotaryTable(_rotary())
+    positions = torch.tensor([4, 0, 9])
+    cos, sin, rows = table.lookup(torch.zeros(1), positions, _meta(pages=4, page_size=16))
+    assert rows is positions and cos is table.cos and sin is table.sin
+    assert cos.shape == (1024, 16)
+    gathered_cos, _ = table(torch.zeros(1), positions, _meta(pages=4, page_size=16))
+    assert torch.equal(gathered_cos, cos[positions])
+    dynamic = RotaryTable(_rotary(rope_type="dynamic", factor=2.0))
+    cos, _, rows = dynamic.lookup(torch.zeros(1), positions, _meta(pages=4, page_size=16))
+    assert rows is None and cos.shape == (3, 16)

@@ -34,7 +34,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.linear import add_rms_norm_linear, linear, silu_mul_linear
-from phasegraph.kernels.rms_norm import add_rms_norm
+from phasegraph.kernels.rms_norm import rms_norm_concat
 from phasegraph.phases.protocols import DraftOutput
 from phasegraph.runtime.errors import UnsupportedModel
 from phasegraph.runtime.models.draft_base import (
@@ -216,11 +216,12 @@ class Eagle3Draft(FeatureDraft):
         pool = self._attached_pool()
         embeds = self._embed(input_ids).to(self.dtype)  # [T, Hd]
         h = linear(hidden.to(self.dtype), head.fc.weight, head.fc.bias) if from_target else hidden  # [T, Hd]
-        e_normed, _ = add_rms_norm(embeds, None, layer.input_norm, layer.eps)
-        h_normed, _ = add_rms_norm(h, None, mid.hidden_norm.weight, float(mid.hidden_norm.variance_epsilon))
-        x = torch.cat([e_normed, h_normed], dim=-1)  # [T, 2Hd]
-        cos, sin = RotaryTable.of(self.rotary)(x, positions, attn)  # [T, D] each
-        attn_out = layer.attention(x, cos, sin, pool.k[0], pool.v[0], attn)  # [T, Hd]
+        x = rms_norm_concat(  # [T, 2Hd] = [input_layernorm(embeds) | hidden_norm(h)]
+            embeds, layer.input_norm, layer.eps,
+            h, mid.hidden_norm.weight, float(mid.hidden_norm.variance_epsilon),
+        )
+        cos, sin, rope_rows = RotaryTable.of(self.rotary).lookup(x, positions, attn)
+        attn_out = layer.attention(x, cos, sin, pool.k[0], pool.v[0], attn, rope_rows)  # [T, Hd]
         # h1 = h + attn_out; gate_up = post_attention_layernorm(h1) @ gate_up
         gate_up, h1 = add_rms_norm_linear(
             attn_out, h, layer.post_norm, layer.eps, layer.gate_up_weight, layer.gate_up_bias

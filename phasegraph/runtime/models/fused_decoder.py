@@ -86,23 +86,25 @@ class FusedLayer:
     def attention(
         self,
         normed: torch.Tensor,  # [T, H]
-        cos: torch.Tensor,  # [T, D]
-        sin: torch.Tensor,  # [T, D]
+        cos: torch.Tensor,  # [T, D], or [P, D] tables with rope_rows
+        sin: torch.Tensor,  # [T, D], or [P, D] tables with rope_rows
         k_cache: torch.Tensor,  # [slots, Hkv, D]
         v_cache: torch.Tensor,  # [slots, Hkv, D]
         meta: AttentionMetadata,
+        rope_rows: torch.Tensor | None = None,  # [T] i64: each token's row of the tables
     ) -> torch.Tensor:  # [T, H], before the residual add
         qkv = linear(normed, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2Hkv) D]
-        return self.attention_from_qkv(qkv, cos, sin, k_cache, v_cache, meta)
+        return self.attention_from_qkv(qkv, cos, sin, k_cache, v_cache, meta, rope_rows)
 
     def attention_from_qkv(
         self,
         qkv: torch.Tensor,  # [T, (Hq + 2Hkv) D], the qkv product of the normed input
-        cos: torch.Tensor,  # [T, D]
-        sin: torch.Tensor,  # [T, D]
+        cos: torch.Tensor,  # [T, D], or [P, D] tables with rope_rows
+        sin: torch.Tensor,  # [T, D], or [P, D] tables with rope_rows
         k_cache: torch.Tensor,  # [slots, Hkv, D]
         v_cache: torch.Tensor,  # [slots, Hkv, D]
         meta: AttentionMetadata,
+        rope_rows: torch.Tensor | None = None,  # [T] i64: each token's row of the tables
     ) -> torch.Tensor:  # [T, H], before the residual add
         tokens = qkv.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
@@ -111,7 +113,7 @@ class FusedLayer:
         v = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.write_slots)  # [T, Hq, D]
+        q = rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.write_slots, rope_rows)  # [T, Hq, D]
         out = paged_attention(q, k_cache, v_cache, meta, self.scaling)  # [T, Hq, D]
         return linear(out.reshape(tokens, hq * d), self.o_weight, self.o_bias)
 
@@ -228,14 +230,14 @@ def run_fused_decoder(
     """Every decoder layer, then the final norm; also the residual input of ``capture_layers``."""
     inner = model.model
     hidden = inner.embed_tokens(input_ids)  # [T, H]
-    cos, sin = RotaryTable.of(inner.rotary_emb)(hidden, positions, meta)  # each [T, D]
+    cos, sin, rope_rows = RotaryTable.of(inner.rotary_emb).lookup(hidden, positions, meta)
     residual: torch.Tensor | None = None
     captured: dict[int, torch.Tensor] = {}
     for idx, layer in enumerate(layers):
         qkv, residual = layer.norm_qkv(hidden, residual)
         if idx in capture_layers:
             captured[idx] = residual  # the hidden state entering layer idx
-        hidden = layer.attention_from_qkv(qkv, cos, sin, k_caches[idx], v_caches[idx], meta)
+        hidden = layer.attention_from_qkv(qkv, cos, sin, k_caches[idx], v_caches[idx], meta, rope_rows)
         hidden, residual = layer.norm_mlp(hidden, residual)
     final = inner.norm
     out, _ = add_rms_norm(hidden, residual, final.weight, float(final.variance_epsilon))

@@ -6,7 +6,9 @@ recomputes cos and sin on every forward: a float cast, a batched product, a conc
 sin, two scalings and two casts, ~9 kernels, for the target's and for every draft forward (four
 per chain iteration). For the rope types
 whose angles depend on the position only, the table holds the module's own output for positions
-``0 .. n-1`` (computed once, by the module) and a forward gathers its rows: 2 kernels.
+``0 .. n-1`` (computed once, by the module). :meth:`RotaryTable.lookup` hands the tables and
+the positions to :func:`~phasegraph.kernels.rotary.rotary_write_kv`, which reads each token's row
+itself (no kernel of its own); calling the table gathers the rows (2 kernels).
 
 A table is sized from the attention metadata's page table (no position can lie beyond the pages a
 row owns, and the shape is host metadata, so no synchronisation) and rebuilt larger when a
@@ -54,22 +56,35 @@ class RotaryTable:
         cos, sin = self.rotary(like, positions[None])  # [1, T, D] each
         return cos[0], sin[0]
 
+    def lookup(
+        self,
+        like: torch.Tensor,  # any tensor of the forward's dtype and device
+        positions: torch.Tensor,  # [T] int64
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``(cos, sin, rows)`` for ``rotary_write_kv``: the tables [n, D] and ``rows =
+        positions`` where the table serves them, else the module's rows [T, D] and None."""
+        if not self.static or positions.device.type not in self.devices:
+            return (*self.module(like, positions), None)
+        need = meta.page_table.shape[1] * meta.page_size  # every position of the rows' pages
+        fits = self.cos is not None and self.cos.shape[0] >= need and self.cos.dtype == like.dtype \
+            and self.cos.device == positions.device
+        if not fits:
+            if positions.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                return (*self.module(like, positions), None)  # building would record, not compute
+            self._build(like, positions.device, need)
+        return self.cos, self.sin, positions
+
     def __call__(
         self,
         like: torch.Tensor,  # any tensor of the forward's dtype and device
         positions: torch.Tensor,  # [T] int64
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: [T, D] each, ``like``'s dtype
-        if not self.static or positions.device.type not in self.devices:
-            return self.module(like, positions)
-        need = meta.page_table.shape[1] * meta.page_size
-        fits = self.cos is not None and self.cos.shape[0] >= need and self.cos.dtype == like.dtype \
-            and self.cos.device == positions.device
-        if not fits:
-            if positions.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                return self.module(like, positions)  # building here would record, not compute
-            self._build(like, positions.device, need)
-        return self.cos.index_select(0, positions), self.sin.index_select(0, positions)
+        cos, sin, rows = self.lookup(like, positions, meta)
+        if rows is None:
+            return cos, sin
+        return cos.index_select(0, rows), sin.index_select(0, rows)
 
     def _build(self, like: torch.Tensor, device: torch.device, need: int) -> None:
         n = -(-need // _ROUND) * _ROUND
