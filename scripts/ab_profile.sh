@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Side-by-side A/B of two commits' GPU work per step (the bench pair, float32, batch 1: decode,
+# chain and tree, with kernel tables) in one device call, so that both sides run on one machine.
+#   bash scripts/ab_profile.sh prepare <commit>   # here: that commit's code into .ab/ (ignored)
+#   bash scripts/ab_profile.sh run                # on the GPU machine, .ab/ carried along:
+#                                                 # writes $OUT/profile-{old,new}.txt
+set -eu
+case ${1:-} in
+  prepare)
+    rm -rf .ab && mkdir .ab
+    git archive "$2" phasegraph bench | tar -x -C .ab
+    rm -rf .ab/bench/results .ab/phasegraph/data  # not needed by the probe (random weights)
+    mkdir -p "$(git rev-parse --git-dir)/info"
+    grep -qx '.ab/' "$(git rev-parse --git-dir)/info/exclude" 2>/dev/null \
+      || echo '.ab/' >> "$(git rev-parse --git-dir)/info/exclude"
+    echo "prepared .ab/ from $2 ($(du -sh .ab | cut -f1)); carry it: run(carry=[\".ab\"])";;
+  run)
+    OUT=${OUT:-out}
+    for side in old new; do
+      dir=$PWD; [ "$side" = old ] && dir=$PWD/.ab
+      (cd "$dir" && PYTHONPATH=$dir timeout 120 python bench/profile_pair_host.py --dtype float32 \
+        --batches 1 --configs baseline chain tree --kernels --no-profile --checks default \
+        --out "$OUT/$side" 2>&1 | grep -v Warning > "$OUT/profile-$side.txt")
+      echo "== $side"; grep -E "overlap on|kernels per step" "$OUT/profile-$side.txt"
+    done;;
+  *) echo "usage: bash scripts/ab_profile.sh prepare <commit> | run" >&2; exit 2;;
+esac
