@@ -43,16 +43,18 @@ def finalize_tree_path(state: VerifyResult, ctx: SpecContext) -> FinalizedPath:
     path = commit_path(state.predict, state.accept_index, state.accept_lens, params.stop_ids,
                        draft_state.remaining, seq_lens, lead)
     lens, accept_index = path.lens, path.accept_index
-    j = torch.arange(W, device=device)
 
     compacted = {}
     for name in node_fields(type(state)):
         x = getattr(state, name)
         compacted[accepted_name(name)] = None if x is None else compact_to_front(x, accept_index)
 
-    node_slots = row_slots(memory.page_table, params.req_pool_idx, seq_lens[:, None] + torch.arange(N, device=device), memory.page_size)
-    front_slots = row_slots(memory.page_table, params.req_pool_idx, seq_lens[:, None] + j, memory.page_size)
-    src, dst = accepted_kv_moves(accept_index, lens, node_slots.reshape(-1), front_slots.reshape(-1))
+    # the slots of logical positions seq_len + 0 .. max(N, W) - 1: node j sits at seq_len + j and
+    # accepted node i moves to seq_len + i (W <= N in every configuration; one lookup for both)
+    logical = seq_lens[:, None] + torch.arange(max(N, W), device=device)  # [B, max(N, W)]
+    slots = row_slots(memory.page_table, params.req_pool_idx, logical, memory.page_size)
+    node_slots, front_slots = slots[:, :N].reshape(-1), slots[:, :W].reshape(-1)  # [B*N], [B*W]
+    src, dst = accepted_kv_moves(accept_index, lens, node_slots, front_slots)
     move_kv(memory.target_caches(), src, dst)
 
     accepted_predict = compacted[accepted_name("predict")]  # [B*W]
