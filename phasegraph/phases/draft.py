@@ -45,7 +45,6 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
     draft_caches = memory.draft_caches()
     move_kv(draft_caches, layout.tail_src, layout.tail_dst)  # prefix tail into every branch region
     branch_rows = torch.arange(B * K, device=device)
-    first_beam_row = branch_rows.view(B, K)[:, :1]  # [B, 1] = b * K
     # [S-1, B*K]: draft step i runs every beam of request b at base[b] + i
     step_positions = base.repeat_interleave(K)[None, :] + torch.arange(S - 1, device=device)[:, None]
     step_kv_len = step_positions + 1  # [S-1, B*K]
@@ -75,8 +74,9 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
             src, dst = branch_reorder_moves(regions, grown.beam_parent, memory.page_size)
             move_kv(draft_caches, src, dst)
             if out.hidden is not None and hidden is not None:
-                parent_rows = (first_beam_row + grown.beam_parent).reshape(-1)
-                hidden = out.hidden[parent_rows]  # [B*K, Hd]
+                hd = out.hidden.shape[1]  # new beam k of request b continues beam beam_parent[b, k]
+                parent = grown.beam_parent[:, :, None].expand(B, K, hd)  # [B, K, Hd]
+                hidden = out.hidden.view(B, K, hd).gather(1, parent).view(B * K, hd)
 
     node_tokens, node_parents = select_tree_nodes(
         torch.cat(cand_tokens, dim=1), torch.cat(cand_scores, dim=1), torch.cat(cand_parents, dim=1), N
