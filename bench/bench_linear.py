@@ -113,11 +113,22 @@ TF32X3_CONFIGS = [  # float32, M = 2..16: tl.dot on tensor cores in three TF32 p
     )
 ]
 
+SPLIT_K_CONFIGS = [  # float32, M = 2..16: K in slices, one program each, for the 768- and
+    # 1280-wide products whose column blocks alone leave most SMs idle
+    *(C(32, 64, 4, 3, True, precision="tf32x3", split_k=sk) for sk in (2, 4, 8)),
+    C(64, 64, 4, 3, True, precision="tf32x3", split_k=4),
+    C(16, 64, 4, 3, True, precision="tf32x3", split_k=4),
+    *(C(8, 64, 4, 3, False, split_k=sk) for sk in (2, 4)),
+    *(C(4, 256, 8, 2, False, split_k=sk) for sk in (2, 4)),
+    C(4, 512, 4, 3, False, split_k=2), C(2, 1024, 4, 3, False, split_k=2),
+]
+
 
 def candidates(m: int, k: int) -> list[lin.SkinnyConfig]:
-    out = list(DOT_CONFIGS)
-    if DTYPE == torch.float32 and m > 1:
-        out += TF32X3_CONFIGS
+    if DTYPE == torch.float32:  # an IEEE tl.dot runs on FMA units: 2x slower than cuBLAS
+        out = TF32X3_CONFIGS + SPLIT_K_CONFIGS if m > 1 else []
+    else:
+        out = list(DOT_CONFIGS)
     if m == 1:
         out += [c for c in GEMV_CONFIGS
                 if c.block_k < 4096 or (c.block_k == 4096 and k <= 4096)
@@ -292,11 +303,13 @@ def tuned_table(result) -> tuple:
         cfg = cfg_of(e["best"])
         plain = e["best"]["us"] < e["cublas_us"]
         f = fused.get((e["shape"], e["m"]))
-        fused_ok = plain
+        fused_ok = False  # unmeasured prologue (an A/B found one slower): norm / silu kernel first
         if f is not None and f["best"]:
             fused_ok = f["best"]["us"] < f["two_kernels_cublas_us"]
             if fused_ok and f["best"]["us"] < f["fused"][0].get("us", float("inf")) * 0.98:
                 cfg = cfg_of(f["best"])  # the prologue moved the optimum
+        if cfg.split_k > 1:  # a split-K rule runs the norm / silu kernel, then the product
+            fused_ok = False
         rules.append(lin._Rule(e["m"], (e["n"], e["n"]), (e["k"], e["k"]), cfg, plain, fused_ok))
     return tuple(rules) + tuple(r for r in table_of_dtype() if r.n_range == lin._ANY)
 
@@ -415,7 +428,8 @@ def main() -> None:
         if s in FUSED_KINDS:
             extra = FUSED_EXTRA + (GEMV4_CONFIGS[:1] + GEMV4_CONFIGS[-1:] if m <= 4 else [])
             extra = extra if m > 1 and not args.quick else []
-            best[s, m, "fused"] = list(dict.fromkeys(best[s, m] + extra))
+            plain_best = [c for c in best[s, m] if c.split_k == 1]  # split-K: plain products only
+            best[s, m, "fused"] = list(dict.fromkeys(plain_best + extra))
             fused_jobs += [(case, cfg, FUSED_KINDS[s]) for cfg in best[s, m, "fused"]]
         if best[s, m] and not args.no_pdl:
             fused_jobs.append((case, best[s, m][0]._replace(pdl=True), "plain"))

@@ -6,8 +6,10 @@ its floor is ``N K`` bytes over the memory bandwidth. cuBLAS picks 64-wide tiles
 reduce kernel for these shapes (~62-74% of copy bandwidth on the attention products of an 8B
 model). The Triton kernel here gives each program ``BLOCK_N`` output columns, streams their
 weight rows once over K in ``BLOCK_K`` chunks, accumulates in float32 and writes its columns
-itself: no split-K, no atomics, so a CUDA-graph replay equals the eager call bit for bit. Two
-forms: a broadcast multiply-sum over up to 16 rows (at one row, with K <= 4096, one weight row
+itself, in one launch. Optionally (``SkinnyConfig.split_k``, for few output columns) the
+programs of a column block take slices of K: each stores its partial, and the last to arrive
+(an atomic counter) sums the partials in slice order, so the result never depends on arrival
+order and a CUDA-graph replay equals the eager call bit for bit either way. Two forms: a broadcast multiply-sum over up to 16 rows (at one row, with K <= 4096, one weight row
 per program and the whole K in one load is fastest) and a ``tl.dot`` on a 16-row tile (padded
 rows masked; cp.async-pipelined weight tiles, wgmma when W is the left operand).
 
@@ -148,6 +150,9 @@ class SkinnyConfig(NamedTuple):
     precision: str = "ieee"  # a float32 tl.dot: "ieee" (FMA units) or "tf32x3" (three TF32
     # tensor-core products per tile, hi*hi + hi*lo + lo*hi: float32-level error); half dtypes
     # ignore it
+    split_k: int = 1  # > 1: K in that many slices, one program each (more programs in flight for
+    # few output columns); the last slice of a column block to finish sums the partials in slice
+    # order (deterministic), plain products only
 
 
 class _Rule(NamedTuple):
@@ -335,6 +340,8 @@ def _skinny_kernel(
     b_ptr,  # [N] (HAS_BIAS)
     y_ptr,  # [M, N] out
     summed_ptr,  # [M, K] out (PROLOGUE 1), written by program 0
+    partial_ptr,  # [SPLIT_K, BLOCK_M, N] float32 scratch (SPLIT_K > 1)
+    arrived_ptr,  # [column blocks] int32, zero between launches (SPLIT_K > 1)
     M,
     N,
     K,
@@ -357,11 +364,17 @@ def _skinny_kernel(
     SINGLE_K: tl.constexpr,
     STAGES: tl.constexpr,
     PDL: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     if PDL:  # launched early: let the next kernel launch, then wait for the previous one
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
+    k_begin, k_end = 0, K
+    if SPLIT_K > 1:  # this program's slice of K: whole BLOCK_K tiles
+        per_slice = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_begin = tl.program_id(1) * per_slice
+        k_end = tl.minimum(k_begin + per_slice, K)
     rows = tl.arange(0, BLOCK_M)
     row_in = rows < M
     cols_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -426,7 +439,7 @@ def _skinny_kernel(
                 h = s.to(tl.float32)
                 sq += tl.sum(h * h, axis=1)
             rstd = 1.0 / tl.sqrt(sq / K + eps)
-        for k0 in tl.range(0, K, BLOCK_K, num_stages=STAGES):  # W tiles prefetched STAGES deep
+        for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):  # W tiles, STAGES deep
             cols = k0 + ks
             if EVEN_K:
                 w = tl.load(w_rows + cols[None, :], mask=n_in[:, None], other=0.0)
@@ -438,11 +451,44 @@ def _skinny_kernel(
             acc = _mac(acc, a, w, DOT, SWAP, BLOCK_M, PRECISION)
         out = _finish(acc, DOT, SWAP, BLOCK_M)
 
-    if HAS_BIAS:
-        b = tl.load(b_ptr + cols_n, mask=n_in, other=0.0)
-        out += b.to(tl.float32)[None, :]
     y_offs = rows[:, None] * stride_y + cols_n[None, :]
-    tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=row_in[:, None] & n_in[None, :])
+    y_mask = row_in[:, None] & n_in[None, :]
+    if SPLIT_K > 1:  # publish this slice's partial; the last slice to arrive writes y
+        part_offs = rows[:, None] * N + cols_n[None, :]  # [BLOCK_M, BLOCK_N] in one slice
+        tl.store(partial_ptr + tl.program_id(1) * BLOCK_M * N + part_offs, out, mask=y_mask)
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        arrived = tl.atomic_add(arrived_ptr + pid, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for k_slice in range(SPLIT_K):  # slice order, whatever the arrival order
+                total += tl.load(partial_ptr + k_slice * BLOCK_M * N + part_offs, mask=y_mask,
+                                 other=0.0, cache_modifier=".cg")
+            if HAS_BIAS:
+                b = tl.load(b_ptr + cols_n, mask=n_in, other=0.0)
+                total += b.to(tl.float32)[None, :]
+            tl.store(y_ptr + y_offs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+            tl.atomic_xchg(arrived_ptr + pid, 0, sem="relaxed", scope="gpu")  # for the next launch
+    else:
+        if HAS_BIAS:
+            b = tl.load(b_ptr + cols_n, mask=n_in, other=0.0)
+            out += b.to(tl.float32)[None, :]
+        tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
+
+
+_ARRIVED: dict[torch.device, torch.Tensor] = {}  # per device: split-K arrival counters, all zero
+_ARRIVED_SLOTS = 8192  # column blocks one split-K launch may use
+
+
+def _arrival_counters(device: torch.device) -> torch.Tensor | None:
+    """The device's zeroed split-K counters (every launch leaves them zero again); None if they
+    do not exist yet and the stream is capturing a CUDA graph (a zeroing recorded in a capture
+    would run only at replay, so the caller runs without split-K instead)."""
+    counters = _ARRIVED.get(device)
+    if counters is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _ARRIVED[device] = torch.zeros(_ARRIVED_SLOTS, dtype=torch.int32, device=device)
+    return counters
 
 
 def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
@@ -463,9 +509,24 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
     precision = cfg.precision if x.dtype == torch.float32 else "default"
     if k == 0:
         raise ValueError("weight: K must be positive")
+    split = cfg.split_k
+    if split < 1:
+        raise ValueError(f"config: split_k must be >= 1, got {split}")
+    if split > 1 and prologue != _NONE:
+        raise ValueError("config: split_k > 1 takes the plain product only (no fused prologue)")
+    tiles = cdiv(k, block_k)
+    split = cdiv(tiles, cdiv(tiles, min(split, tiles)))  # whole tiles per slice, none empty
+    blocks = cdiv(n, cfg.block_n)
+    counters = _arrival_counters(x.device) if split > 1 and blocks <= _ARRIVED_SLOTS else None
+    if counters is None:
+        split = 1
+    partials = torch.empty((split, block_m, n), dtype=torch.float32, device=x.device) \
+        if split > 1 else y
+    single = single and split == 1
     args = (
         x, x if residual is None else residual, x if norm_weight is None else norm_weight,
         weight, weight if bias is None else bias, y, y if summed is None else summed,
+        partials, y if counters is None else counters,
         m, n, k, x.stride(0), x.stride(0) if residual is None else residual.stride(0),
         weight.stride(0), y.stride(0), float(eps),
     )
@@ -473,12 +534,12 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, STATS_K=stats_k,
         DOT=cfg.dot, SWAP=cfg.dot and cfg.swap, PRECISION=precision, EVEN_K=k % block_k == 0,
-        SINGLE_K=single, STAGES=cfg.num_stages, PDL=cfg.pdl, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        SINGLE_K=single, STAGES=cfg.num_stages, PDL=cfg.pdl, SPLIT_K=split,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.pdl:
         meta["launch_pdl"] = True
-    grid = (cdiv(n, cfg.block_n),)
+    grid = (blocks, split)
     if warmup:
         _skinny_kernel.warmup(*args, grid=grid, **meta)
     else:

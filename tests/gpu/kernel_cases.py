@@ -434,6 +434,16 @@ def compile_cases():
 
         cases.append((f"rotary_write_kv/{str(dtype)[6:]}/{'tables' if tables else 'rows'}", run))
 
+    linear = importlib.import_module("phasegraph.kernels.linear")
+    float32_tiles = {
+        "tf32x3": linear.SkinnyConfig(32, 64, 4, 3, True, precision="tf32x3"),
+        "tf32x3-split4": linear.SkinnyConfig(32, 64, 4, 3, True, precision="tf32x3", split_k=4),
+        "sums16-split4": linear.SkinnyConfig(8, 64, 4, 3, False, split_k=4),
+    }
+    for name, cfg in float32_tiles.items():
+        cases.append((f"linear/float32/M16/{name}",
+                      lambda cfg=cfg: linear.linear_triton(torch.randn(16, 2560), torch.randn(768, 2560),
+                                                           config=cfg)))
     for dtype in (torch.bfloat16, torch.float32):
         rope(dtype, False)
         rope(dtype, True)

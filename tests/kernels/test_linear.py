@@ -135,3 +135,5 @@ def test_config_table_covers_every_row_count():
     assert lin._lookup(8, 4096, 14336, torch.float32) is None  # long K: cuBLAS
     for rule in lin.FP32_CONFIGS:  # half-precision tiles never leak into the float32 table
         assert rule.config.precision in ("ieee", "tf32x3")
+    for rule in lin.CONFIGS + lin.FP32_CONFIGS:  # split-K takes plain products only
+        assert rule.config.split_k >= 1 and not (rule.config.split_k > 1 and rule.fused), rule
