@@ -16,6 +16,7 @@ from phasegraph.kernels.cache_slots import (
     branch_reorder_moves,
     draft_region_pages,
     row_slots,
+    span_slots,
 )
 from phasegraph.kernels.compact import accepted_kv_moves, compact_to_front, move_kv
 from phasegraph.kernels.draft_expand import (
@@ -51,6 +52,7 @@ __all__ = [
     "ragged_extend_positions",
     "row_slots",
     "select_tree_nodes",
+    "span_slots",
     "target_probs",
     "verify_tree_greedy",
     "verify_tree_sampling",

@@ -10,7 +10,7 @@ page-aligned region of R pages. The branch's virtual page-table row is the reque
 ``tail + i``. The prefix tail is copied into every region before draft step 0, and a region is
 copied to a new beam that descends from it (SGLang ``assign_draft_cache_locs``, PR #7725).
 
-``row_slots``, ``assign_draft_cache_locs`` and ``branch_reorder_moves`` dispatch to Triton on
+``row_slots``, ``span_slots``, ``assign_draft_cache_locs`` and ``branch_reorder_moves`` dispatch to Triton on
 CUDA tensors (index arithmetic, one small launch each instead of 4-20 torch ops) and to their
 ``*_reference`` torch versions elsewhere; ``draft_region_pages`` is host arithmetic.
 """
@@ -49,6 +49,21 @@ def row_slots_reference(
         1, torch.div(positions, page_size, rounding_mode="floor")
     )
     return pages * page_size + positions % page_size
+
+
+def span_slots_reference(
+    page_table: torch.Tensor,  # [R, max_pages] i64
+    rows: torch.Tensor,  # [B] i64, page-table row of each request
+    starts: torch.Tensor,  # [B] i64, first logical position of each request's span
+    count: int,  # positions per span
+    page_size: int,
+) -> torch.Tensor:  # [B, count] i64
+    """KV slots of logical positions ``starts[b] + 0 .. count-1`` of row ``rows[b]``: a tree's
+    nodes at ``seq_len + j``, or the accepted path's front."""
+    expect(starts, "starts", 1, torch.int64)
+    expect_shape(starts, "starts", (rows.shape[0],))
+    positions = starts[:, None] + torch.arange(count, device=starts.device)  # [B, count]
+    return row_slots_reference(page_table, rows, positions, page_size)
 
 
 def draft_region_pages(page_size: int, num_steps: int) -> int:
@@ -157,17 +172,21 @@ def branch_reorder_moves_reference(
 def _row_slots_kernel(
     page_table_ptr,  # [R, max_pages] i64
     rows_ptr,  # [B] i64
-    positions_ptr,  # [B, X] i64
+    positions_ptr,  # [B, X] i64, or [B] span starts (SPAN)
     slots_ptr,  # [B, X] i64, out
     num_positions,
     stride_pr,
     PAGE_SIZE: tl.constexpr,
     BLOCK_X: tl.constexpr,
+    SPAN: tl.constexpr,  # position x of request b is positions[b] + x
 ):
     b = tl.program_id(0).to(tl.int64)
     x = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
     ok = x < num_positions
-    pos = tl.load(positions_ptr + b * num_positions + x, mask=ok, other=0)
+    if SPAN:
+        pos = tl.load(positions_ptr + b) + x
+    else:
+        pos = tl.load(positions_ptr + b * num_positions + x, mask=ok, other=0)
     row = tl.load(rows_ptr + b)
     page = tl.load(page_table_ptr + row * stride_pr + pos // PAGE_SIZE, mask=ok, other=0)
     tl.store(slots_ptr + b * num_positions + x, page * PAGE_SIZE + pos % PAGE_SIZE, mask=ok)
@@ -186,6 +205,12 @@ def row_slots_triton(
     expect(positions, "positions", 2, torch.int64)
     batch, num_positions = positions.shape
     expect_shape(positions, "positions", (rows.shape[0], num_positions))
+    return _launch_row_slots(page_table, rows, positions, num_positions, page_size, span=False)
+
+
+def _launch_row_slots(page_table, rows, positions, num_positions: int, page_size: int,
+                      span: bool) -> torch.Tensor:
+    batch = rows.shape[0]
     slots = torch.empty((batch, num_positions), dtype=torch.int64, device=positions.device)
     if slots.numel() > 0:
         page_table = page_table if page_table.stride(1) == 1 else page_table.contiguous()
@@ -193,9 +218,25 @@ def row_slots_triton(
         _row_slots_kernel[(batch, -(-num_positions // block))](
             page_table, rows.contiguous(), positions.contiguous(), slots, num_positions,
             page_table.stride(0),
-            PAGE_SIZE=page_size, BLOCK_X=block, num_warps=1 if block <= 128 else 4,
+            PAGE_SIZE=page_size, BLOCK_X=block, SPAN=span, num_warps=1 if block <= 128 else 4,
         )
     return slots
+
+
+def span_slots_triton(
+    page_table: torch.Tensor,  # [R, max_pages] i64
+    rows: torch.Tensor,  # [B] i64
+    starts: torch.Tensor,  # [B] i64
+    count: int,
+    page_size: int,
+) -> torch.Tensor:  # [B, count] i64
+    """Triton ``span_slots``: the row_slots kernel computing each position from its span start
+    (the reference's arange and add need no launch of their own)."""
+    expect(page_table, "page_table", 2, torch.int64)
+    expect(rows, "rows", 1, torch.int64)
+    expect(starts, "starts", 1, torch.int64)
+    expect_shape(starts, "starts", (rows.shape[0],))
+    return _launch_row_slots(page_table, rows, starts, count, page_size, span=True)
 
 
 @jit
@@ -364,6 +405,18 @@ def row_slots(
     """KV slot of logical position ``positions[b, x]`` of page-table row ``rows[b]``."""
     impl = row_slots_triton if use_triton(positions) else row_slots_reference
     return impl(page_table, rows, positions, page_size)
+
+
+def span_slots(
+    page_table: torch.Tensor,  # [R, max_pages] i64
+    rows: torch.Tensor,  # [B] i64, page-table row of each request
+    starts: torch.Tensor,  # [B] i64, first logical position of each request's span
+    count: int,  # positions per span
+    page_size: int,
+) -> torch.Tensor:  # [B, count] i64
+    """KV slots of logical positions ``starts[b] + 0 .. count-1`` of page-table row ``rows[b]``."""
+    impl = span_slots_triton if use_triton(starts) else span_slots_reference
+    return impl(page_table, rows, starts, count, page_size)
 
 
 def assign_draft_cache_locs(

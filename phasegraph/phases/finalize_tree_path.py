@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from phasegraph.kernels.cache_slots import row_slots
+from phasegraph.kernels.cache_slots import span_slots
 from phasegraph.kernels.commit_path import commit_path
 from phasegraph.kernels.compact import accepted_kv_moves, compact_to_front, move_kv
 from phasegraph.kernels.extend_positions import extend_positions
@@ -51,8 +51,7 @@ def finalize_tree_path(state: VerifyResult, ctx: SpecContext) -> FinalizedPath:
 
     # the slots of logical positions seq_len + 0 .. max(N, W) - 1: node j sits at seq_len + j and
     # accepted node i moves to seq_len + i (W <= N in every configuration; one lookup for both)
-    logical = seq_lens[:, None] + torch.arange(max(N, W), device=device)  # [B, max(N, W)]
-    slots = row_slots(memory.page_table, params.req_pool_idx, logical, memory.page_size)
+    slots = span_slots(memory.page_table, params.req_pool_idx, seq_lens, max(N, W), memory.page_size)
     node_slots, front_slots = slots[:, :N].reshape(-1), slots[:, :W].reshape(-1)  # [B*N], [B*W]
     src, dst = accepted_kv_moves(accept_index, lens, node_slots, front_slots)
     move_kv(memory.target_caches(), src, dst)

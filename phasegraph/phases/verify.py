@@ -6,7 +6,7 @@ import torch
 
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.bonus import fill_bonus_tokens
-from phasegraph.kernels.cache_slots import row_slots
+from phasegraph.kernels.cache_slots import span_slots
 from phasegraph.kernels.random import (
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,
@@ -38,8 +38,8 @@ def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
     S = state.num_steps
     device = state.depth.device
     seq_lens = draft_state.seq_lens  # [B]
-    node_logical = seq_lens[:, None] + torch.arange(N, device=device)  # [B, N]
-    slots = row_slots(memory.page_table, params.req_pool_idx, node_logical, memory.page_size)
+    # node j at logical position seq_len + j
+    slots = span_slots(memory.page_table, params.req_pool_idx, seq_lens, N, memory.page_size)
     attn = AttentionMetadata(
         write_slots=slots.reshape(-1),
         page_table=memory.page_table,

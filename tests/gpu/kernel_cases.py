@@ -378,6 +378,7 @@ def compile_cases():
             region_pages = torch.randint(1, 100, (batch, topk, region))
             pos = seq_lens[:, None] + torch.arange(num_nodes)
             node_slots = slots.row_slots_triton(table, rows, pos, page_size)
+            slots.span_slots_triton(table, rows, seq_lens, num_nodes, page_size)
             layout = slots.assign_draft_cache_locs_triton(
                 table, rows, seq_lens, region_pages, page_size, num_steps
             )

@@ -573,6 +573,10 @@ def test_slots_and_moves(device, gen, batch, topk, page_size):
         out = run_triton(device, getattr(slots_mod, fn + "_triton"), page_table, rows,
                          positions, page_size)
         assert_equal(ref, out, fn)
+    spans = run_triton(device, slots_mod.span_slots_triton, page_table, rows, seq_lens, num_nodes,
+                       page_size)
+    assert_equal(slots_mod.span_slots_reference(page_table, rows, seq_lens, num_nodes, page_size),
+                 spans, "span_slots")
     node_slots = slots_mod.row_slots_reference(page_table, rows, positions, page_size)
     front_slots = node_slots[:, :width]
 

@@ -11,6 +11,7 @@ from phasegraph.kernels import (
     draft_region_pages,
     move_kv,
     row_slots,
+    span_slots,
 )
 
 
@@ -20,6 +21,18 @@ def test_row_slots_hand_case():
         page_table, torch.tensor([1, 0]), torch.tensor([[0, 3, 4, 9], [0, 1, 2, 3]]), 4
     )
     assert torch.equal(slots, torch.tensor([[28, 31, 12, 37], [0, 1, 2, 3]]))
+
+
+def test_span_slots_are_the_row_slots_of_consecutive_positions():
+    page_table = torch.tensor([[0, 0, 0], [7, 3, 9], [5, 6, 2]])
+    rows, starts = torch.tensor([1, 2, 0]), torch.tensor([2, 7, 0])
+    spans = span_slots(page_table, rows, starts, 4, 4)
+    positions = starts[:, None] + torch.arange(4)
+    assert torch.equal(spans, row_slots(page_table, rows, positions, 4))
+    assert torch.equal(spans[0], torch.tensor([30, 31, 12, 13]))  # crosses into the next page
+    assert span_slots(page_table, rows, starts, 0, 4).shape == (3, 0)
+    with pytest.raises(ValueError, match="starts"):
+        span_slots(page_table, rows, starts[:2], 4, 4)
 
 
 @pytest.mark.parametrize(
