@@ -32,6 +32,9 @@ class DraftCacheLayout:
     step_slots: torch.Tensor  # [max(S-1, 0), B*K] i64, slot written by draft step i, branch k
     tail_src: torch.Tensor  # [B*K*(P-1)] i64, prefix tail slots (self-copies past the tail)
     tail_dst: torch.Tensor  # [B*K*(P-1)] i64, the matching slots of each branch region
+    step_positions: torch.Tensor  # [max(S-1, 0), B*K] i64, logical position seq_len + i of step i
+    step_kv_len: torch.Tensor  # [max(S-1, 0), B*K] i64, seq_len + i + 1: KV a step-i query sees
+    draft_positions: torch.Tensor  # [B, max(S-1, 0)] i64, seq_len + i per request
 
 
 def row_slots_reference(
@@ -135,11 +138,16 @@ def assign_draft_cache_locs_reference(
     dst = region_pages[:, :, :1] * page_size + within[None, None, :]  # [B, K, P-1]
     src = torch.where(within[None, None, :] < tail[:, None, None], src, dst)
 
+    draft_positions = seq_lens[:, None] + steps[None, :]  # [B, S-1]
+    step_positions = draft_positions.t().repeat_interleave(topk, dim=1)  # [S-1, B*K]
     return DraftCacheLayout(
         branch_page_table=branch_page_table.reshape(batch * topk, max_pages + region),
         step_slots=step_slots.reshape(steps.shape[0], batch * topk),
         tail_src=src.reshape(-1),
         tail_dst=dst.reshape(-1),
+        step_positions=step_positions,
+        step_kv_len=step_positions + 1,
+        draft_positions=draft_positions,
     )
 
 
@@ -249,6 +257,9 @@ def _draft_cache_locs_kernel(
     step_slots_ptr,  # [S-1, B*K] i64, out
     tail_src_ptr,  # [B*K*(P-1)] i64, out
     tail_dst_ptr,  # [B*K*(P-1)] i64, out
+    step_positions_ptr,  # [S-1, B*K] i64, out
+    step_kv_len_ptr,  # [S-1, B*K] i64, out
+    draft_positions_ptr,  # [B, S-1] i64, out (written by each request's branch 0)
     max_pages,
     num_branches,  # B*K
     stride_pr,
@@ -288,6 +299,10 @@ def _draft_cache_locs_kernel(
     page = tl.load(region_ptr + offset // PAGE_SIZE, mask=steps_ok, other=0)
     tl.store(step_slots_ptr + steps * num_branches + branch,
              page * PAGE_SIZE + offset % PAGE_SIZE, mask=steps_ok)
+    tl.store(step_positions_ptr + steps * num_branches + branch, seq_len + steps, mask=steps_ok)
+    tl.store(step_kv_len_ptr + steps * num_branches + branch, seq_len + steps + 1, mask=steps_ok)
+    tl.store(draft_positions_ptr + b * NUM_WRITES + steps, seq_len + steps,
+             mask=steps_ok & (branch % TOPK == 0))
 
     # Prefix tail (logical [full*P, seq_len)) -> first `tail` slots of the region.
     if PAGE_SIZE > 1:
@@ -309,7 +324,8 @@ def assign_draft_cache_locs_triton(
     num_steps: int,
 ) -> DraftCacheLayout:
     """Triton ``assign_draft_cache_locs``: one program per branch writes its virtual page-table
-    row, its S-1 step slots and its P-1 tail copies (about 20 torch ops in the reference)."""
+    row, its S-1 step slots and positions and its P-1 tail copies (about 25 torch ops in the
+    reference)."""
     expect(page_table, "page_table", 2, torch.int64)
     expect(rows, "rows", 1, torch.int64)
     expect(seq_lens, "seq_lens", 1, torch.int64)
@@ -326,11 +342,15 @@ def assign_draft_cache_locs_triton(
     step_slots = torch.empty((writes, branches), dtype=torch.int64, device=device)
     tail_src = torch.empty(branches * (page_size - 1), dtype=torch.int64, device=device)
     tail_dst = torch.empty(branches * (page_size - 1), dtype=torch.int64, device=device)
+    step_positions = torch.empty((writes, branches), dtype=torch.int64, device=device)
+    step_kv_len = torch.empty((writes, branches), dtype=torch.int64, device=device)
+    draft_positions = torch.empty((batch, writes), dtype=torch.int64, device=device)
     if branches > 0:
         page_table = page_table if page_table.stride(1) == 1 else page_table.contiguous()
         _draft_cache_locs_kernel[(branches,)](
             page_table, rows.contiguous(), seq_lens.contiguous(), region_pages.contiguous(),
-            branch_table, step_slots, tail_src, tail_dst, max_pages, branches,
+            branch_table, step_slots, tail_src, tail_dst, step_positions, step_kv_len,
+            draft_positions, max_pages, branches,
             page_table.stride(0),
             TOPK=topk,
             REGION=region,
@@ -346,6 +366,9 @@ def assign_draft_cache_locs_triton(
         step_slots=step_slots,
         tail_src=tail_src,
         tail_dst=tail_dst,
+        step_positions=step_positions,
+        step_kv_len=step_kv_len,
+        draft_positions=draft_positions,
     )
 
 
@@ -427,7 +450,8 @@ def assign_draft_cache_locs(
     page_size: int,
     num_steps: int,
 ) -> DraftCacheLayout:
-    """Virtual page-table rows, per-step write slots and prefix-tail copies of every branch."""
+    """Virtual page-table rows, per-step write slots and positions, and prefix-tail copies of
+    every branch."""
     impl = (
         assign_draft_cache_locs_triton
         if use_triton(region_pages)

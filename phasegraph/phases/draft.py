@@ -45,16 +45,13 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
     draft_caches = memory.draft_caches()
     move_kv(draft_caches, layout.tail_src, layout.tail_dst)  # prefix tail into every branch region
     branch_rows = torch.arange(B * K, device=device)
-    # [S-1, B*K]: draft step i runs every beam of request b at base[b] + i
-    step_positions = base.repeat_interleave(K)[None, :] + torch.arange(S - 1, device=device)[:, None]
-    step_kv_len = step_positions + 1  # [S-1, B*K]
     for i in range(S - 1):
-        positions = step_positions[i]  # [B*K]
+        positions = layout.step_positions[i]  # [B*K]: every beam of request b at base[b] + i
         attn = AttentionMetadata(
             write_slots=layout.step_slots[i],
             page_table=layout.branch_page_table,
             query_row=branch_rows,
-            kv_len=step_kv_len[i],
+            kv_len=layout.step_kv_len[i],
             extra_mask=None,
             page_size=memory.page_size,
         )
@@ -82,7 +79,6 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
         torch.cat(cand_tokens, dim=1), torch.cat(cand_scores, dim=1), torch.cat(cand_parents, dim=1), N
     )
     built = build_tree(state.bonus_tokens, node_tokens, node_parents, seq_lens)
-    draft_positions = base[:, None] + torch.arange(S - 1, device=device)  # [B, S-1] step i at base + i
     return TreeProposal(
         draft=state,
         num_steps=S,
@@ -95,5 +91,5 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
         retrieve_index=built.retrieve_index,
         retrieve_next_token=built.retrieve_next_token,
         retrieve_next_sibling=built.retrieve_next_sibling,
-        draft_positions=draft_positions,
+        draft_positions=layout.draft_positions,  # [B, S-1] step i at base + i
     )
