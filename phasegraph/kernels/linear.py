@@ -9,7 +9,9 @@ weight rows once over K in ``BLOCK_K`` chunks, accumulates in float32 and writes
 itself, in one launch. Optionally (``SkinnyConfig.split_k``, for few output columns) the
 programs of a column block take slices of K: each stores its partial, and the last to arrive
 (an atomic counter) sums the partials in slice order, so the result never depends on arrival
-order and a CUDA-graph replay equals the eager call bit for bit either way. Two forms: a broadcast multiply-sum over up to 16 rows (at one row, with K <= 4096, one weight row
+order and a CUDA-graph replay equals the eager call bit for bit either way. The counters are one
+buffer per device, so split-K products must not run on two streams of a device at once (the
+engine issues every product on one stream); no table uses split-K yet. Two forms: a broadcast multiply-sum over up to 16 rows (at one row, with K <= 4096, one weight row
 per program and the whole K in one load is fastest) and a ``tl.dot`` on a 16-row tile (padded
 rows masked; cp.async-pipelined weight tiles, wgmma when W is the left operand).
 
