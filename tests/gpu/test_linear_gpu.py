@@ -95,6 +95,7 @@ def test_split_k_sums_the_slices_in_order(device, gen, rows):
     equals the eager call bit for bit whatever order the slices arrive in."""
     n, k = (1280, 2560) if ON_GPU else (40, 200)
     configs = [C(32, 64, 4, 3, True, precision="tf32x3", split_k=4),
+               C(64, 64, 4, 3, True, True, precision="tf32x3", split_k=2),
                C(8, 64, 4, 3, False, split_k=3), C(4, 64, 4, 2, False, split_k=16)]
     for cfg in configs:
         x, w, b = _inputs(gen, device, torch.float32, rows, n, k, bias=True)
