@@ -46,6 +46,16 @@ def add_rms_norm_reference(
 
 
 @jit
+def _normalise(s, w, hidden, eps):
+    """``w * s / sqrt(mean(s^2) + eps)`` of one row, rounded as the reference rounds it
+    (statistics and scaling in float32, cast, weight product in float32, cast)."""
+    h = s.to(tl.float32)
+    variance = tl.sum(h * h, axis=0) / hidden
+    n = (h * (1.0 / tl.sqrt(variance + eps))).to(s.dtype)
+    return (w.to(tl.float32) * n.to(tl.float32)).to(s.dtype)
+
+
+@jit
 def _add_rms_norm_kernel(
     x_ptr,  # [T, H]
     residual_ptr,  # [T, H] (unused without HAS_RESIDUAL)
@@ -69,12 +79,8 @@ def _add_rms_norm_kernel(
     else:
         s = x
     tl.store(summed_ptr + t * hidden + cols, s, mask=inside)
-    h = s.to(tl.float32)
-    variance = tl.sum(h * h, axis=0) / hidden
-    n = (h * (1.0 / tl.sqrt(variance + eps))).to(x.dtype)
     w = tl.load(weight_ptr + cols, mask=inside, other=0.0)
-    y = (w.to(tl.float32) * n.to(tl.float32)).to(x.dtype)
-    tl.store(normed_ptr + t * hidden + cols, y, mask=inside)
+    tl.store(normed_ptr + t * hidden + cols, _normalise(s, w, hidden, eps), mask=inside)
 
 
 def add_rms_norm_triton(
@@ -166,12 +172,9 @@ def _rms_norm_concat_kernel(
     else:
         x = tl.load(a_ptr + t * stride_a + cols, mask=inside, other=0.0)
         w = tl.load(a_weight_ptr + cols, mask=inside, other=0.0)
-    h = x.to(tl.float32)
-    variance = tl.sum(h * h, axis=0) / hidden
-    n = (h * (1.0 / tl.sqrt(variance + eps))).to(x.dtype)
-    y = (w.to(tl.float32) * n.to(tl.float32)).to(x.dtype)
     offset = tl.where(second, a_hidden, 0)
-    tl.store(out_ptr + t * (a_hidden + b_hidden) + offset + cols, y, mask=inside)
+    tl.store(out_ptr + t * (a_hidden + b_hidden) + offset + cols, _normalise(x, w, hidden, eps),
+             mask=inside)
 
 
 def rms_norm_concat_triton(

@@ -448,6 +448,10 @@ def compile_cases():
     for dtype in (torch.bfloat16, torch.float32):
         rope(dtype, False)
         rope(dtype, True)
+        cases.append((f"add_rms_norm/{str(dtype)[6:]}",
+                      lambda dtype=dtype: norms.add_rms_norm_triton(
+                          torch.randn(4, 4096).to(dtype), torch.randn(4, 4096).to(dtype),
+                          torch.ones(4096).to(dtype), 1e-5)))
         cases.append((f"rms_norm_concat/{str(dtype)[6:]}",
                       lambda dtype=dtype: norms.rms_norm_concat_triton(
                           torch.randn(4, 4096).to(dtype), torch.ones(4096).to(dtype), 1e-5,
