@@ -1,13 +1,14 @@
 """The skinny Triton product (phasegraph/kernels/linear.py) against cuBLAS at decode shapes.
 
     python bench/bench_linear.py [--out DIR] [--quick] [--ms 1,4,16]
-    python bench/bench_linear.py --dtype float32 --shape-set pair --ms 1,16 --no-pdl
+    python bench/bench_linear.py --dtype float32 --shape-set pair --ms 4,16 --no-pdl
 
 Shapes: the four weight products of a Llama-3-8B-shaped layer (bf16): qkv 6144x4096,
 o 4096x4096, gate_up 28672x4096, down 4096x14336, at M = 1, 4, 16 token rows. ``--shape-set
-pair``: those of the bench-pair target (hidden 768, 4 kv heads, MLP 2560), whose products run
-in float32 in `phasegraph bench` part 1 (cuBLAS there: linear.py's dispatch sends only bf16/fp16
-to Triton; ``--dtype float32`` times the kernel's IEEE-fp32 path against cuBLAS).
+pair``: those of the bench-pair target (hidden 768, 4 kv heads, MLP 2560, vocabulary 8192) and
+of its EAGLE-3 head (fc 768x2304, qkv 1280x1536), which run in float32 in `phasegraph bench`
+part 1 (``--dtype float32``: the multiply-sum tiles, the three-pass TF32 ``tl.dot`` tiles and
+their split-K forms against cuBLAS; linear.py's ``FP32_CONFIGS`` comes from these sweeps).
 
 Timing: every op runs inside a captured CUDA graph, ``ROUNDS`` rounds over ``COPIES`` weight
 copies (so L2, 50-60 MB, never serves the weights), and the replay time over the launches is
