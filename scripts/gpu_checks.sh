@@ -21,6 +21,6 @@ if [[ $what == fp32-table ]]; then  # the bench pair's float32 products at 4 and
   # whole steps (decode, chain, tree) with the shipped table against the one this sweep tunes
   timeout 300 python bench/bench_linear.py --dtype float32 --shape-set pair --ms 4,16 --no-pdl \
     --out "$OUT/linear" 2>&1 | grep -v Warning | tee "$OUT/linear.txt"
-  timeout 300 python bench/table_ab.py --linear "$OUT/linear/bench_linear.json" --out "$OUT/ab" \
+  timeout 240 python bench/table_ab.py --linear "$OUT/linear/bench_linear.json" --out "$OUT/ab" \
     2>&1 | grep -v Warning | tee "$OUT/table-ab.txt"
 fi
