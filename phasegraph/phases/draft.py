@@ -8,7 +8,7 @@ from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.build_tree import build_tree, select_tree_nodes
 from phasegraph.kernels.cache_slots import assign_draft_cache_locs, branch_reorder_moves
 from phasegraph.kernels.compact import move_kv
-from phasegraph.kernels.draft_expand import expand_step, first_step_candidates
+from phasegraph.kernels.draft_expand import concat_candidates, expand_step, first_step_candidates
 from phasegraph.phases._common import topk_of_logits
 from phasegraph.phases.context import SpecContext
 from phasegraph.phases.schemas import DraftState, TreeProposal
@@ -36,7 +36,7 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
     lead = int(getattr(model, "kv_lead", 0))
     base = seq_lens + lead  # [B] the draft's committed KV length; step i runs at base + i
     beams = first_step_candidates(state.topk_p, state.topk_index)
-    cand_tokens, cand_scores, cand_parents = [beams.cand_tokens], [beams.cand_scores], [beams.cand_parents]
+    steps = []  # ExpandedCandidates of draft steps 1 .. S-1
     beam_scores, beam_cand, beam_tokens = beams.beam_scores, beams.beam_cand, beams.beam_tokens
     hidden = state.hidden.repeat_interleave(K, dim=0) if state.hidden is not None else None  # [B*K, Hd]
 
@@ -63,9 +63,7 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
         grown = expand_step(
             beam_scores, beam_cand, step_p.view(B, K, K), step_ids.view(B, K, K), step=i + 1, topk=K
         )
-        cand_tokens.append(grown.cand_tokens)
-        cand_scores.append(grown.cand_scores)
-        cand_parents.append(grown.cand_parents)
+        steps.append(grown)
         beam_scores, beam_cand, beam_tokens = grown.beam_scores, grown.beam_cand, grown.beam_tokens
         if i < S - 2:  # the next forward needs each new beam's ancestors and hidden state
             src, dst = branch_reorder_moves(regions, grown.beam_parent, memory.page_size)
@@ -75,9 +73,7 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
                 parent = grown.beam_parent[:, :, None].expand(B, K, hd)  # [B, K, Hd]
                 hidden = out.hidden.view(B, K, hd).gather(1, parent).view(B * K, hd)
 
-    node_tokens, node_parents = select_tree_nodes(
-        torch.cat(cand_tokens, dim=1), torch.cat(cand_scores, dim=1), torch.cat(cand_parents, dim=1), N
-    )
+    node_tokens, node_parents = select_tree_nodes(*concat_candidates(beams, steps), N)
     built = build_tree(state.bonus_tokens, node_tokens, node_parents, seq_lens)
     return TreeProposal(
         draft=state,
