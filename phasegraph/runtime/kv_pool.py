@@ -203,11 +203,17 @@ class RequestTable:
         """Make ``row`` own logical positions ``[0, num_tokens)``; all-or-nothing."""
         self.ensure_capacity_many([row], [num_tokens])
 
-    def ensure_capacity_many(self, rows: list[int], num_tokens: list[int]) -> None:
+    def ensure_capacity_many(self, rows: list[int], num_tokens: list[int], spare_tokens: int = 0) -> None:
         """Make each ``rows[i]`` own logical positions ``[0, num_tokens[i])``, with one
         host-to-device copy and one write into the table (what the scheduler does every
         iteration). All-or-nothing: on :class:`OutOfKVPages` or :class:`RequestTooLong` nothing
-        is allocated."""
+        is allocated.
+
+        ``spare_tokens``: a row that must grow takes the pages of that many more positions too
+        (capped at the row's maximum) when the pool has them free, so that the next iterations
+        find their pages already there and write nothing into the table; when the pool cannot
+        spare them, each row gets exactly what it asked for. :meth:`trim` gives spare pages back.
+        """
         grow = []
         for row, n in zip(rows, num_tokens, strict=True):
             self.check_row(row)
@@ -215,9 +221,14 @@ class RequestTable:
                 raise RequestTooLong(n, self.max_tokens)
             have, need = len(self.owned[row]), self.pages_for(n)
             if need > have:
-                grow.append((row, have, need))
+                spare = min(self.pages_for(n + spare_tokens), self.max_pages) if spare_tokens > 0 else need
+                grow.append((row, have, need, max(need, spare)))
         if not grow:
             return
+        if sum(spare - have for _, have, _, spare in grow) <= self.allocator.num_free:
+            grow = [(row, have, spare) for row, have, _, spare in grow]
+        else:
+            grow = [(row, have, need) for row, have, need, _ in grow]
         pages = self.allocator.alloc(sum(need - have for _, have, need in grow)).tolist()
         where_rows, where_cols = [], []
         start = 0
@@ -228,6 +239,20 @@ class RequestTable:
             where_cols += range(have, need)
         packed = to_device(torch.tensor([where_rows, where_cols, pages], dtype=torch.int64), self.device)  # [3, n]
         self.req_to_page[packed[0], packed[1]] = packed[2]
+
+    def trim(self, row: int, num_tokens: int) -> int:
+        """Give back the pages ``row`` owns past those of positions ``[0, num_tokens)`` (spare
+        pages taken by :meth:`ensure_capacity_many`); their table entries return to 0. Returns
+        how many pages were freed."""
+        self.check_row(row)
+        keep = self.pages_for(num_tokens)
+        extra = self.owned[row][keep:]
+        if not extra:
+            return 0
+        del self.owned[row][keep:]
+        self.allocator.free(extra)
+        self.req_to_page[row, keep : keep + len(extra)].zero_()
+        return len(extra)
 
     def release(self, row: int) -> None:
         """Free every page the row owns (over-allocation included); the row stays in use."""
@@ -325,8 +350,12 @@ class KVCacheManager:
     def ensure_capacity(self, row: int, num_tokens: int) -> None:
         self.table.ensure_capacity(row, num_tokens)
 
-    def ensure_capacity_many(self, rows: list[int], num_tokens: list[int]) -> None:
-        self.table.ensure_capacity_many(rows, num_tokens)
+    def ensure_capacity_many(self, rows: list[int], num_tokens: list[int], spare_tokens: int = 0) -> None:
+        self.table.ensure_capacity_many(rows, num_tokens, spare_tokens)
+
+    def trim(self, row: int, num_tokens: int) -> int:
+        """Give back ``row``'s pages past positions ``[0, num_tokens)``; returns how many."""
+        return self.table.trim(row, num_tokens)
 
     def release(self, row: int) -> None:
         """Free the row's pages, its branch regions and the row itself."""

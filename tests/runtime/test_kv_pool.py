@@ -156,8 +156,38 @@ def test_check_lists_every_problem():
     assert len(info.value.problems) >= 5
 
 
+def test_spare_pages_are_taken_when_free_and_trimmed_back():
+    m = manager(draft=None)  # page size 4, 19 free pages, at most 6 pages per row
+    row = m.admit(5)  # 2 pages
+    m.ensure_capacity_many([row], [9], spare_tokens=8)  # 3 pages asked, 5 = ceil(17 / 4) taken
+    assert len(m.table.owned[row]) == 5 and m.num_free_pages == 14
+    assert (m.req_to_page[row, :5] > 0).all() and (m.req_to_page[row, 5:] == 0).all()
+    m.ensure_capacity_many([row], [20], spare_tokens=8)  # already owned: nothing moves
+    assert len(m.table.owned[row]) == 5 and m.num_free_pages == 14
+    m.ensure_capacity_many([row], [21], spare_tokens=64)  # spare capped at the row's 6 pages
+    assert len(m.table.owned[row]) == 6
+    m.check()
+    assert m.trim(row, 9) == 3  # keeps ceil(9 / 4) = 3 pages
+    assert len(m.table.owned[row]) == 3 and m.num_free_pages == 16
+    assert (m.req_to_page[row, :3] > 0).all() and (m.req_to_page[row, 3:] == 0).all()
+    assert m.trim(row, 12) == 0
+    m.check()
+
+
+def test_spare_pages_are_not_taken_from_a_short_pool():
+    m = manager(draft=None, num_pages=5, max_pages_per_req=4)  # 4 free pages
+    a, b = m.admit(4), m.admit(4)  # one page each, 2 left
+    m.ensure_capacity_many([a, b], [5, 5], spare_tokens=8)  # spare would need 2 x 2 pages > 2 free
+    assert [len(m.table.owned[r]) for r in (a, b)] == [2, 2] and m.num_free_pages == 0
+    with pytest.raises(OutOfKVPages):
+        m.ensure_capacity_many([a], [9], spare_tokens=8)
+    assert len(m.table.owned[a]) == 2
+    m.check()
+
+
 class KVAccounting(RuleBasedStateMachine):
-    """Random admit / grow / release sequences keep the accounting exact."""
+    """Random admit / grow (with and without spare pages) / trim / release sequences keep the
+    accounting exact."""
 
     @initialize(
         page_size=st.sampled_from([1, 2, 4, 16]), topk=st.integers(0, 3), steps=st.integers(1, 4)
@@ -174,12 +204,10 @@ class KVAccounting(RuleBasedStateMachine):
             num_steps=steps,
         )
         self.tokens: dict[int, int] = {}  # row -> tokens owned so far (max requested)
+        self.pages: dict[int, int] = {}  # row -> pages it owns (spare included)
 
     def expected_in_use(self) -> int:
-        m = self.m
-        return sum(
-            math.ceil(n / m.page_size) + m.pages_per_admission for n in self.tokens.values()
-        )
+        return sum(n + self.m.pages_per_admission for n in self.pages.values())
 
     @rule(n=st.integers(0, 40))
     def admit(self, n):
@@ -191,26 +219,40 @@ class KVAccounting(RuleBasedStateMachine):
             return
         assert row not in self.tokens and row != 0
         self.tokens[row] = n
+        self.pages[row] = math.ceil(n / self.m.page_size)
 
     @precondition(lambda self: self.tokens)
-    @rule(data=st.data(), extra=st.integers(0, 20))
-    def grow(self, data, extra):
+    @rule(data=st.data(), extra=st.integers(0, 20), spare=st.sampled_from([0, 0, 3, 16]))
+    def grow(self, data, extra, spare):
         row = data.draw(st.sampled_from(sorted(self.tokens)))
-        free = self.m.num_free_pages
+        m, free = self.m, self.m.num_free_pages
         want = self.tokens[row] + extra
         try:
-            self.m.ensure_capacity(row, want)
+            m.ensure_capacity_many([row], [want], spare_tokens=spare)
         except (OutOfKVPages, RequestTooLong):
-            assert self.m.num_free_pages == free
+            assert m.num_free_pages == free
             return
+        need = math.ceil(want / m.page_size)
+        if need > self.pages[row]:
+            roomy = max(need, min(math.ceil((want + spare) / m.page_size), m.table.max_pages))
+            self.pages[row] = roomy if roomy - self.pages[row] <= free else need
         self.tokens[row] = want
+
+    @precondition(lambda self: self.tokens)
+    @rule(data=st.data(), keep=st.integers(0, 40))
+    def trim(self, data, keep):
+        row = data.draw(st.sampled_from(sorted(self.tokens)))
+        kept = min(self.pages[row], math.ceil(keep / self.m.page_size))
+        assert self.m.trim(row, keep) == self.pages[row] - kept
+        self.pages[row] = kept
+        self.tokens[row] = min(self.tokens[row], kept * self.m.page_size)
 
     @precondition(lambda self: self.tokens)
     @rule(data=st.data())
     def release(self, data):
         row = data.draw(st.sampled_from(sorted(self.tokens)))
         self.m.release(row)
-        del self.tokens[row]
+        del self.tokens[row], self.pages[row]
 
     @invariant()
     def accounting_holds(self):
