@@ -350,10 +350,7 @@ class Engine:
 
     def step(self) -> list[RequestDelta]:
         """Run one scheduling step; returns what each affected request produced."""
-        self._attach_pools()
-        self.scheduler.step()
-        if self.check_every_step:
-            self._check_requests()
+        self._step_scheduler()
         deltas = []
         for rid, req in list(self._requests.items()):
             tokens, text = req.take_delta()
@@ -362,6 +359,12 @@ class Engine:
             if req.status is Status.FINISHED:
                 del self._requests[rid]
         return deltas
+
+    def _step_scheduler(self) -> None:
+        self._attach_pools()
+        self.scheduler.step()
+        if self.check_every_step:
+            self._check_requests()
 
     def retract(self, request_id: str) -> bool:
         """Force a running request out of the batch (it is requeued and resumes with the same
@@ -403,14 +406,19 @@ class Engine:
 
             bar = tqdm(total=sum(r.budget for r in reqs), unit="tok", desc="generating")
         try:
+            # scheduler steps without the streaming deltas of step(): nobody reads this batch's
+            # text before it ends; requests added through add_request keep theirs for step()
             while any(r.status is not Status.FINISHED for r in reqs):
                 before = sum(len(r.output) for r in reqs)
-                self.step()
+                self._step_scheduler()
                 if bar is not None:
                     bar.update(sum(len(r.output) for r in reqs) - before)
         finally:
             if bar is not None:
                 bar.close()
+            for req in reqs:
+                if req.status is Status.FINISHED:
+                    self._requests.pop(req.request_id, None)
         return [r.to_output() for r in reqs]
 
     # ------------------------------------------------------------------ introspection

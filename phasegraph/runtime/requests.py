@@ -44,7 +44,8 @@ class Request:
         self.finish_reason: str | None = None
         self.row: int | None = None  # page-table row while running
         self.seq_len = 0
-        self.text = ""
+        self._text = ""  # decoded from output[:_text_tokens] (cut at a stop string once one is hit)
+        self._text_tokens = 0
         self._reported_tokens = 0
         self._reported_text = ""
         self._stop_string_hit = False
@@ -82,22 +83,31 @@ class Request:
                 self.finish("length")
         self._update_text()
 
+    @property
+    def text(self) -> str:
+        """The output's text, decoded when read (a full decode of a long output costs ~0.1 ms
+        of host time, too much for every iteration of a batch nobody streams)."""
+        if self._decode is not None and not self._stop_string_hit and self._text_tokens != len(self.output):
+            self._text, self._text_tokens = self._decode(self.output), len(self.output)
+        return self._text
+
     def _update_text(self) -> None:
-        if self._decode is None:
+        """Stop strings: look for one in the text after every append (only then is the text
+        decoded eagerly); on a hit, cut the output and the text there for good."""
+        if self._decode is None or not self.params.stop or self._stop_string_hit:
             return
-        text = self._decode(self.output)
-        if self.params.stop and not self._stop_string_hit:
-            cut = _first_stop(text, self.params.stop)
-            if cut is not None:
-                # keep the shortest token prefix whose text still reaches the stop string
-                self._stop_string_hit = True
-                while len(self.output) > 1 and _first_stop(self._decode(self.output[:-1]), self.params.stop) is not None:
-                    self.output.pop()
-                    if self.logprobs:
-                        self.logprobs.pop()
-                text = text[:cut]
-                self.finish_reason = "stop"  # wins over a budget reached in the same step
-        self.text = text
+        text = self.text
+        cut = _first_stop(text, self.params.stop)
+        if cut is None:
+            return
+        # keep the shortest token prefix whose text still reaches the stop string
+        self._stop_string_hit = True
+        while len(self.output) > 1 and _first_stop(self._decode(self.output[:-1]), self.params.stop) is not None:
+            self.output.pop()
+            if self.logprobs:
+                self.logprobs.pop()
+        self._text, self._text_tokens = text[:cut], len(self.output)
+        self.finish_reason = "stop"  # wins over a budget reached in the same step
 
     def finish(self, reason: str) -> None:
         if self.finish_reason is None:

@@ -183,3 +183,54 @@ def test_logprobs_align_with_the_target(engine_root, method):
         assert o.logprobs == pytest.approx(want, abs=1e-4)
         assert all(lp <= 0 for lp in o.logprobs)
     assert_all_free(eng)
+
+
+class _CountingTokenizer:
+    """The bundle's tokenizer, counting its decode calls."""
+
+    def __init__(self, inner):
+        self.inner, self.decodes = inner, 0
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.inner(*args, **kwargs)
+
+    def decode(self, *args, **kwargs):
+        self.decodes += 1
+        return self.inner.decode(*args, **kwargs)
+
+
+def test_generate_decodes_each_text_once(engine_root):
+    """Without stop strings, generate decodes each request's text once, when it returns (not
+    every iteration); the text is the tokenizer's decode of the output."""
+    eng = _engine(engine_root, "none")
+    counting = _CountingTokenizer(eng.tokenizer)
+    eng.tokenizer = counting
+    outs = eng.generate(PROMPTS, SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    assert counting.decodes == len(PROMPTS)
+    for o in outs:
+        assert len(o.token_ids) == NEW
+        assert o.text == counting.inner.decode(o.token_ids, skip_special_tokens=True)
+
+
+def test_requests_of_the_step_api_lose_nothing_to_generate(engine_root, unconstrained):
+    """A request added with add_request runs in the same batch as a generate call; what it
+    produced there is reported by the next step() calls, text included."""
+    eng = _engine(engine_root, "none")
+    eng.add_request("side", PROMPTS[0], SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    eng.generate(PROMPTS[1:], SamplingParams(max_new_tokens=NEW, ignore_eos=True))
+    tokens, text, finish = [], "", None
+    for _ in range(NEW + 2):
+        if finish is not None:
+            break
+        for d in eng.step():
+            assert d.request_id == "side"
+            tokens += d.new_token_ids
+            text += d.new_text
+            finish = d.finish_reason
+    assert finish == "length"
+    assert tokens == unconstrained[0].token_ids
+    assert text == unconstrained[0].text
+    assert_all_free(eng)
