@@ -225,6 +225,24 @@ def slice_schema(static: Schema, batch: int, bucket: int, real_inputs: dict[int,
     return out
 
 
+def slice_schemas(statics: Sequence[Schema], batch: int, bucket: int, real_input: Schema,
+                  static_input: Schema) -> list[Schema]:
+    """:func:`slice_schema` for a chain of static outputs, each phase's output the next one's
+    input (a whole iteration's): all copied out in one ``_foreach_copy_`` per dtype. In each
+    output, a nested schema that is the previous static output (or the static input) is the
+    real object sliced before it (or ``real_input``)."""
+    srcs: list[torch.Tensor] = []
+    dsts: list[torch.Tensor] = []
+    outs: list[Schema] = []
+    real_inputs = {id(static_input): real_input}
+    for static in statics:
+        out = _sliced(static, batch, bucket, real_inputs, srcs, dsts)
+        outs.append(out)
+        real_inputs = nested_statics(static, out, {})
+    foreach_copy(dsts, srcs)
+    return outs
+
+
 def _sliced(static, batch, bucket, real_inputs, srcs, dsts) -> Schema:
     if id(static) in real_inputs:
         return real_inputs[id(static)]

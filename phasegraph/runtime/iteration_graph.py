@@ -7,10 +7,10 @@ one graph per bucket, so an iteration costs one input copy and one launch.
 
 The state machine still advances phase by phase, with every legality check and schema check:
 
-- ``draft`` copies its input into the static input and replays the whole iteration, then
-  returns the draft's output (sliced out of the static buffers, nested inputs pointing at the
-  real objects, as a per-phase replay would);
-- ``verify``, ``finalize-tree-path`` and ``draft-extend`` return the already computed output of
+- ``draft`` copies its input into the static input and replays the whole iteration, copies
+  all four phases' outputs out of the static buffers (one multi-tensor copy per dtype; nested
+  inputs pointing at the real objects, as a per-phase replay would), and returns the draft's;
+- ``verify``, ``finalize-tree-path`` and ``draft-extend`` return the already copied output of
   their phase, *only* when their input is the object the previous phase of the same replay
   returned; any other input runs the per-phase path (``fallback``), so nothing is ever served
   from a replay that did not see it.
@@ -37,10 +37,9 @@ from phasegraph.runtime.cuda_graphs import (
     GraphRunner,
     copy_into_static,
     fill_neutral,
-    nested_statics,
     no_garbage_collection,
     pad_schema,
-    slice_schema,
+    slice_schemas,
     warm_up,
 )
 from phasegraph.statemachine import PhaseSpec, Schema
@@ -67,7 +66,7 @@ class IterationGraph:
         self.replays = 0
         self.served = {name: 0 for name in ITERATION}
         self.fallback_calls = {name: 0 for name in ITERATION}
-        # what the next phase may be served: (phase name, expected input object, captured, batch, bucket, index)
+        # what the next phase may be served: (phase name, expected input object, the replay's outputs, index)
         self._pending: tuple | None = None
 
     def phase_fn(self, name: str) -> Callable:
@@ -98,7 +97,8 @@ class IterationGraph:
         if replay:
             cap.graph.replay()
         self.replays += 1
-        return self._serve(0, cap, state, batch, bucket, {id(cap.static_in): state})
+        # every phase's output copied out now, in one multi-tensor copy per dtype
+        return self._serve(0, slice_schemas(cap.static_outs, batch, bucket, state, cap.static_in))
 
     def _capture(self, state: Schema, ctx: Any, batch: int, bucket: int, key: tuple) -> _CapturedIteration:
         static_in = pad_schema(state, batch, bucket)
@@ -131,18 +131,16 @@ class IterationGraph:
         pending, self._pending = self._pending, None
         if pending is None or extra or pending[0] != name or pending[1] is not state:
             return self._fall_back(name, state, ctx, extra)
-        _, _, cap, batch, bucket, index = pending
-        real = nested_statics(cap.static_outs[index - 1], state, {})
-        return self._serve(index, cap, state, batch, bucket, real)
+        _, _, outs, index = pending
+        return self._serve(index, outs)
 
-    def _serve(self, index: int, cap: _CapturedIteration, state: Schema, batch: int, bucket: int,
-               real_inputs: dict[int, Schema]) -> Schema:
-        name = ITERATION[index]
-        out = slice_schema(cap.static_outs[index], batch, bucket, real_inputs)
-        self.served[name] += 1
+    def _serve(self, index: int, outs: list[Schema]) -> Schema:
+        """Phase ``index``'s output of the replay; the next phase may be served only if its
+        input is this very object."""
+        self.served[ITERATION[index]] += 1
         if index + 1 < len(ITERATION):
-            self._pending = (ITERATION[index + 1], out, cap, batch, bucket, index + 1)
-        return out
+            self._pending = (ITERATION[index + 1], outs[index], outs, index + 1)
+        return outs[index]
 
     def _fall_back(self, name: str, state: Schema, ctx: Any, extra: dict) -> Schema:
         self.fallback_calls[name] += 1

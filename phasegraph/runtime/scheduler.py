@@ -75,8 +75,10 @@ class InFlight:
     """An iteration issued to the device whose emitted tokens the host has not read yet."""
 
     batch: list[Request]  # the running batch it was issued for, in row order
-    tokens: torch.Tensor  # [B, W + 1] emitted tokens (-1 padded) then the accept length; host memory
-    logprobs: torch.Tensor | None  # [B, W]
+    # speculative: [B, W + 1] emitted tokens (-1 padded) then the accept length; decode: [B];
+    # in host memory
+    tokens: torch.Tensor
+    logprobs: torch.Tensor | None  # [B, W] or [B]
     ready: torch.cuda.Event | None  # recorded after the copy to the host (None on the CPU)
     speculative: bool
 
@@ -335,9 +337,8 @@ class Scheduler:
         m = self.machine
         if not self.speculative:
             state = self._run(m, "decode", batch)
-            emitted = state.bonus_tokens[:, None]  # [B, 1]
-            tokens = torch.cat([emitted, torch.ones_like(emitted)], dim=1)  # accept length 1
-            lps = None if state.bonus_logprobs is None else state.bonus_logprobs[:, None]
+            tokens = state.bonus_tokens  # [B]: one token each
+            lps = state.bonus_logprobs  # [B] or None
         else:
             self._run(m, "draft", batch)
             self._run(m, "verify", batch)
@@ -365,11 +366,14 @@ class Scheduler:
         for i, req in enumerate(done.batch):
             if req.status is not Status.RUNNING or req.finish_reason is not None:
                 continue
-            n = packed[i][-1]
-            req.seq_len += n
             if done.speculative:
+                n = packed[i][-1]
                 req.stats.accept_lengths.append(n)
-            req.append(packed[i][:n], None if lps is None else lps[i][:n])
+                req.append(packed[i][:n], None if lps is None else lps[i][:n])
+            else:
+                n = 1
+                req.append(packed[i : i + 1], None if lps is None else lps[i : i + 1])
+            req.seq_len += n
             touched.add(req)
         return touched
 
