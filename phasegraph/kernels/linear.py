@@ -220,8 +220,41 @@ _N_VOCAB = (8192, 1 << 40)
 # - M = 5..16: qkv 7.9 vs 13.1, o 6.8 vs 9.8, down 13.2 vs 19.2, head fc 12.4 vs 18.3
 #   (multiply-sum); gate_up 11.4 vs 16.7 and lm_head 12.7 vs 26.6 (tf32x3); the fused
 #   prologues were slower than the norm / silu kernel + the Triton product.
+#
+# The bench pair's own shapes (one N and K each) have exact rules from the split-K sweep of
+# 2026-11-24 (`bash scripts/gpu_checks.sh fp32-table`, H100; bench/RESULTS.md §6): at 5..16
+# rows a three-pass TF32 tl.dot with K split over 2..8 programs per column block (the narrow
+# products have only 24-40 blocks of 32 columns otherwise) beats the multiply-sums: qkv 5.9 us
+# (cuBLAS 13.0), o 5.3 (9.7), gate_up 10.4 (16.6), down 8.1 (18.9), head fc 7.8 (18.3), head qkv
+# 7.6 (21.0); a target layer's products at 16 rows 44.9 -> 35.7 us. On whole steps (bench
+# pair, batch 1) the tree iteration's GPU work went 1.152 -> 1.035 ms, chain 0.824 -> 0.815,
+# decode unchanged (bench/table_ab.py --linear).
+_FP32_TF32X3_SPLIT = {s: SkinnyConfig(32, 64, 4, 3, dot=True, precision="tf32x3", split_k=s) for s in (1, 2, 4, 8)}
+
+
+def _shape(n: int, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    return (n, n), (k, k)
+
+
+_FP32_PAIR_RULES: tuple[_Rule, ...] = (
+    _Rule(4, *_shape(768, 768), SkinnyConfig(2, 1024, 4, 3, dot=False), True, False),  # o
+    _Rule(16, *_shape(768, 768), _FP32_TF32X3_SPLIT[4], True, False),
+    _Rule(4, *_shape(768, 2304), SkinnyConfig(4, 512, 4, 3, dot=False), True, False),  # head fc
+    _Rule(16, *_shape(768, 2304), _FP32_TF32X3_SPLIT[8], True, False),
+    _Rule(4, *_shape(768, 2560), SkinnyConfig(4, 512, 4, 3, dot=False), True, True),  # down
+    _Rule(16, *_shape(768, 2560), _FP32_TF32X3_SPLIT[8], True, False),
+    _Rule(4, *_shape(1280, 768), SkinnyConfig(8, 256, 4, 3, dot=False), True, True),  # qkv
+    _Rule(16, *_shape(1280, 768), _FP32_TF32X3_SPLIT[8], True, False),
+    _Rule(4, *_shape(1280, 1536), SkinnyConfig(4, 512, 4, 3, dot=False), True, False),  # head qkv
+    _Rule(16, *_shape(1280, 1536), _FP32_TF32X3_SPLIT[8], True, False),
+    _Rule(4, *_shape(5120, 768), SkinnyConfig(8, 256, 4, 3, dot=False), False, False),  # gate_up
+    _Rule(16, *_shape(5120, 768), _FP32_TF32X3_SPLIT[2], True, False),
+    _Rule(4, *_shape(8192, 768), _FP32_TF32X3_SPLIT[2], True, False),  # lm_head
+    _Rule(16, *_shape(8192, 768), _FP32_TF32X3_SPLIT[1], True, False),
+)
 FP32_CONFIGS: tuple[_Rule, ...] = (
     _Rule(1, _ANY, _K_WHOLE, _FP32_GEMV_WHOLE_K, True, True),
+    *_FP32_PAIR_RULES,
     _Rule(4, _N_VOCAB, _K_SHORT, _FP32_TF32X3, True, False),
     _Rule(4, _N_WIDE, _ANY, _FP32_GEMV4, False, False),
     _Rule(4, _ANY, _K_SHORT, _FP32_GEMV_WHOLE_K, True, True),

@@ -121,17 +121,20 @@ def test_config_table_covers_every_row_count():
     assert lin._lookup(lin.MAX_M, 40, 96) is not None  # small unknown shapes: a default rule
     for m in (1, 4, 16):  # a 128k-vocabulary lm_head stays with cuBLAS (100 % of bandwidth)
         assert lin._lookup(m, 128256, 4096).plain is False
-    for m in range(1, lin.MAX_M + 1):  # float32 qkv: multiply-sum tiles (IEEE tl.dot is slow)
-        cfg = lin.pick_config(m, 1280, 768, torch.float32)
-        assert not cfg.dot and cfg == (lin._FP32_GEMV_WHOLE_K if m <= 4 else lin._FP32_GEMV16)
-        assert lin._lookup(m, 1280, 768, torch.float32).plain
+    for m in range(1, lin.MAX_M + 1):  # the pair's float32 qkv: multiply-sums up to 4 rows,
+        rule = lin._lookup(m, 1280, 768, torch.float32)  # then split-K three-pass TF32
+        assert rule.plain and rule.config.dot == (m > 4), (m, rule)
+        assert rule.config.split_k == (8 if m > 4 else 1) and rule.fused == (m <= 4)
     for m in range(2, lin.MAX_M + 1):  # float32 lm_head: three-pass TF32 on tensor cores
         rule = lin._lookup(m, 8192, 768, torch.float32)
         assert rule.config.dot and rule.config.precision == "tf32x3" and rule.plain
         assert not rule.fused  # the norm prologue on the dot form was slower
     assert lin._lookup(3, 5120, 768, torch.float32).plain is False  # gate_up, 2..4 rows: cuBLAS
     assert lin._lookup(8, 5120, 768, torch.float32).config.precision == "tf32x3"
-    assert lin._lookup(8, 768, 2560, torch.float32).config == lin._FP32_GEMV16_LONG_K
+    assert lin._lookup(8, 768, 2560, torch.float32).config.split_k == 8  # the pair's down
+    # shapes outside the pair's keep the general rules
+    assert lin._lookup(8, 1024, 768, torch.float32).config == lin._FP32_GEMV16
+    assert lin._lookup(8, 768, 3072, torch.float32).config == lin._FP32_GEMV16_LONG_K
     assert lin._lookup(8, 4096, 14336, torch.float32) is None  # long K: cuBLAS
     for rule in lin.FP32_CONFIGS:  # half-precision tiles never leak into the float32 table
         assert rule.config.precision in ("ieee", "tf32x3")
