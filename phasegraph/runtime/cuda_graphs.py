@@ -11,8 +11,9 @@ Replay protocol, per call:
    ``[B, bucket)`` with neutral values (request row 0 and page 0 are the reserved sinks, so
    padded rows never read or write another request's KV; tokens 0, finite hidden states);
 2. replay the graph;
-3. return the output schema with every tensor sliced back to ``B`` rows and cloned (a later
-   replay overwrites the static outputs), nested schemas pointing at the real input.
+3. return the output schema with every tensor sliced back to ``B`` rows and copied out into
+   fresh memory (a later replay overwrites the static outputs), nested schemas pointing at the
+   real input (:class:`OutputCopier`, planned once per graph and batch size).
 
 Capture leaves the persistent state as it found it (seed 001's class): phases never mutate their
 inputs (checked in strict mode), and the warm-up and capture runs write KV only where the replay
@@ -214,62 +215,124 @@ def pad_schema(real: Schema, batch: int, bucket: int) -> Schema:
     return static
 
 
-def slice_schema(static: Schema, batch: int, bucket: int, real_inputs: dict[int, Schema]) -> Schema:
-    """The first ``batch`` requests of a static output, copied out (one ``_foreach_copy_`` for
-    every tensor); nested schemas that are static inputs are replaced by the real input objects
-    (``real_inputs`` maps id(static) -> real)."""
-    srcs: list[torch.Tensor] = []
-    dsts: list[torch.Tensor] = []
-    out = _sliced(static, batch, bucket, real_inputs, srcs, dsts)
-    foreach_copy(dsts, srcs)
-    return out
+_ALIGN_BYTES = 16  # every copied-out tensor starts on a 16-byte boundary (Triton's divisibility)
+_BUILD, _REAL, _TENSOR, _NONE, _VALUE = range(5)
 
 
-def slice_schemas(statics: Sequence[Schema], batch: int, bucket: int, real_input: Schema,
-                  static_input: Schema) -> list[Schema]:
-    """:func:`slice_schema` for a chain of static outputs, each phase's output the next one's
-    input (a whole iteration's): all copied out in one ``_foreach_copy_`` per dtype. In each
-    output, a nested schema that is the previous static output (or the static input) is the
-    real object sliced before it (or ``real_input``)."""
-    srcs: list[torch.Tensor] = []
-    dsts: list[torch.Tensor] = []
-    outs: list[Schema] = []
-    real_inputs = {id(static_input): real_input}
-    for static in statics:
-        out = _sliced(static, batch, bucket, real_inputs, srcs, dsts)
-        outs.append(out)
-        real_inputs = nested_statics(static, out, {})
-    foreach_copy(dsts, srcs)
-    return outs
+class OutputCopier:
+    """Copies the first ``batch`` requests of a chain of static outputs (one phase's, or the four
+    of an iteration, each the next one's input) out of a graph's buffers, with everything that
+    depends only on the shapes worked out once per graph and batch size: which rows of which
+    static buffers to copy, and how to rebuild each output schema. A call allocates one buffer
+    per dtype, carves the outputs out of it (16-byte aligned), fills them with one
+    ``_foreach_copy_`` per dtype and builds the schemas: at batch 1, slicing and allocating
+    field by field was a large part of what an iteration cost the host.
 
+    The outputs are fresh memory, never the static buffers (a later replay overwrites those). A
+    nested schema that is the static input (or, in each output after the first, the previous
+    static output), or a schema nested in it, is the real object instead.
+    """
 
-def _sliced(static, batch, bucket, real_inputs, srcs, dsts) -> Schema:
-    if id(static) in real_inputs:
-        return real_inputs[id(static)]
-    spec = type(static).__schema__
-    fields: dict[str, Any] = {}
-    for t in spec.tensors:
-        x = getattr(static, t.name)
-        if x is None:
-            fields[t.name] = None
-            continue
-        per = _rows_per_request(t, static, bucket)
-        src = x if per is None else x[: batch * per]
-        fields[t.name] = torch.empty_like(src, memory_format=torch.contiguous_format)
+    def __init__(self, statics: Sequence[Schema], static_input: Schema, batch: int, bucket: int):
+        self.batch, self.bucket = batch, bucket
+        # per (dtype, device): sources, and per source (dst index, shape, stride, element offset)
+        self.groups: dict[tuple, tuple[list[torch.Tensor], list[tuple], list[int]]] = {}
+        self.strided: list[tuple[int, torch.Tensor]] = []  # non-contiguous sources: copy_ each
+        self.count = 0
+        tokens = _nested_tokens(static_input, ("in", ()), {})
+        self.recipes = []
+        for k, static in enumerate(statics):
+            self.recipes.append(self._plan(static, tokens))
+            tokens = _nested_tokens(static, ("out", k, ()), {})
+
+    def _plan(self, static: Schema, tokens: dict[int, tuple]) -> tuple:
+        token = tokens.get(id(static))
+        if token is not None:
+            return (_REAL, token)
+        spec = type(static).__schema__
+        fields = []
+        for t in spec.tensors:
+            x = getattr(static, t.name)
+            if x is None:
+                fields.append((t.name, _NONE, None))
+                continue
+            per = _rows_per_request(t, static, self.bucket)
+            fields.append((t.name, _TENSOR, self._register(x if per is None else x[: self.batch * per])))
+        for v in spec.values:
+            val = getattr(static, v.name)
+            if v.nested and val is not None:
+                fields.append((v.name, _BUILD, self._plan(val, tokens)))
+            else:
+                fields.append((v.name, _VALUE, val))
+        return (_BUILD, (type(static), fields))
+
+    def _register(self, src: torch.Tensor) -> int:
+        index, self.count = self.count, self.count + 1
+        if not src.is_contiguous():
+            self.strided.append((index, src))
+            return index
+        srcs, places, end = self.groups.setdefault((src.dtype, src.device), ([], [], [0]))
+        shape = tuple(src.shape)
+        stride = _contiguous_strides(shape)
+        places.append((index, shape, stride, end[0]))
         srcs.append(src)
-        dsts.append(fields[t.name])
-    for v in spec.values:
-        val = getattr(static, v.name)
-        fields[v.name] = _sliced(val, batch, bucket, real_inputs, srcs, dsts) if v.nested else val
-    return type(static)(**fields)
+        per = max(1, _ALIGN_BYTES // src.element_size())
+        end[0] += -(-src.numel() // per) * per
+        return index
+
+    def __call__(self, real_input: Schema) -> list[Schema]:
+        dsts: list[torch.Tensor | None] = [None] * self.count
+        for (dtype, device), (srcs, places, end) in self.groups.items():
+            flat = torch.empty(end[0], dtype=dtype, device=device)
+            views = [flat.as_strided(shape, stride, offset) for _, shape, stride, offset in places]
+            torch._foreach_copy_(views, srcs)
+            for (index, *_), view in zip(places, views, strict=True):
+                dsts[index] = view
+        for index, src in self.strided:
+            dsts[index] = torch.empty_like(src, memory_format=torch.contiguous_format).copy_(src)
+        outs: list[Schema] = []
+        for recipe in self.recipes:
+            outs.append(_build(recipe, real_input, outs, dsts))
+        return outs
 
 
-def nested_statics(static: Schema, real: Schema, out: dict[int, Schema]) -> dict[int, Schema]:
-    out[id(static)] = real
+def _nested_tokens(static: Schema, token: tuple, out: dict[int, tuple]) -> dict[int, tuple]:
+    """Maps ``id`` of ``static`` and of every schema nested in it to a reference to the real
+    object that stands for it: ``("in", path)`` (the real input) or ``("out", k, path)`` (output
+    ``k`` of the chain), ``path`` the attribute names from there."""
+    out[id(static)] = token
     for v in type(static).__schema__.values:
-        if v.nested:
-            nested_statics(getattr(static, v.name), getattr(real, v.name), out)
+        val = getattr(static, v.name)
+        if v.nested and val is not None:
+            _nested_tokens(val, (*token[:-1], (*token[-1], v.name)), out)
     return out
+
+
+def _build(recipe: tuple, real_input: Schema, outs: list[Schema], dsts: list) -> Any:
+    kind, arg = recipe
+    if kind == _REAL:
+        obj = real_input if arg[0] == "in" else outs[arg[1]]
+        for name in arg[-1]:
+            obj = getattr(obj, name)
+        return obj
+    cls, fields = arg
+    values = {}
+    for name, how, what in fields:
+        if how == _TENSOR:
+            values[name] = dsts[what]
+        elif how == _BUILD:
+            values[name] = _build(what, real_input, outs, dsts)
+        else:
+            values[name] = what
+    return cls(**values)
+
+
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 class EmulatedGraph:
@@ -305,6 +368,7 @@ class _Captured:
     static_in: Schema
     static_out: Schema
     key: tuple
+    copiers: dict[int, OutputCopier] = attrs.field(factory=dict)  # per batch size
 
 
 class GraphedPhase:
@@ -368,7 +432,10 @@ class GraphedPhase:
         if replay:
             cap.graph.replay()
             self.replays += 1
-        return slice_schema(cap.static_out, batch, bucket, nested_statics(cap.static_in, state, {}))
+        copier = cap.copiers.get(batch)
+        if copier is None:
+            copier = cap.copiers[batch] = OutputCopier([cap.static_out], cap.static_in, batch, bucket)
+        return copier(state)[0]
 
     def _capture(self, state: Schema, ctx: Any, batch: int, bucket: int, key: tuple) -> _Captured:
         static_in = pad_schema(state, batch, bucket)

@@ -35,11 +35,11 @@ import torch
 from phasegraph.runtime.cuda_graphs import (
     EmulatedGraph,
     GraphRunner,
+    OutputCopier,
     copy_into_static,
     fill_neutral,
     no_garbage_collection,
     pad_schema,
-    slice_schemas,
     warm_up,
 )
 from phasegraph.statemachine import PhaseSpec, Schema
@@ -52,6 +52,7 @@ class _CapturedIteration:
     graph: Any  # torch.cuda.CUDAGraph or EmulatedGraph (over the list of outputs)
     static_in: Schema  # padded DraftState
     static_outs: list[Schema]  # the four phases' outputs, in ITERATION order
+    copiers: dict[int, OutputCopier] = attrs.field(factory=dict)  # per batch size
 
 
 class IterationGraph:
@@ -98,7 +99,10 @@ class IterationGraph:
             cap.graph.replay()
         self.replays += 1
         # every phase's output copied out now, in one multi-tensor copy per dtype
-        return self._serve(0, slice_schemas(cap.static_outs, batch, bucket, state, cap.static_in))
+        copier = cap.copiers.get(batch)
+        if copier is None:
+            copier = cap.copiers[batch] = OutputCopier(cap.static_outs, cap.static_in, batch, bucket)
+        return self._serve(0, copier(state))
 
     def _capture(self, state: Schema, ctx: Any, batch: int, bucket: int, key: tuple) -> _CapturedIteration:
         static_in = pad_schema(state, batch, bucket)

@@ -68,11 +68,11 @@ def test_iteration_graph_serves_only_the_object_it_returned():
                 for n in ("draft", "verify", "finalize-tree-path", "draft-extend")}
     it = IterationGraph(GraphRunner((1,), emulate=True), {}, fallback)
     mine, other = object(), object()
-    it._pending = ("verify", mine, None, 1, 1, 1)
+    it._pending = ("verify", mine, None, 1)
     assert it.phase_fn("verify")(other, None) == "fallback verify"  # not the replay's object
     assert it._pending is None  # and the pending replay is dropped, never served later
     assert it.phase_fn("verify")(mine, None) == "fallback verify"
-    it._pending = ("verify", mine, None, 1, 1, 1)
+    it._pending = ("verify", mine, None, 1)
     assert it.phase_fn("draft-extend")(mine, None) == "fallback draft-extend"  # wrong phase
     assert calls == ["verify", "verify", "draft-extend"] and it.served["verify"] == 0
 

@@ -1,0 +1,99 @@
+"""OutputCopier: what a graph replay hands to the phases after it. The first ``batch`` requests'
+rows of every static output, in fresh 16-byte-aligned memory (never the static buffers, which
+the next replay overwrites); nested schemas that are the static input, or the previous output
+of the chain, replaced by the real objects; everything else copied."""
+
+from __future__ import annotations
+
+import torch
+from jaxtyping import Bool, Float32, Int64
+
+from phasegraph.phases.schemas import NODE, REQUEST
+from phasegraph.runtime.cuda_graphs import OutputCopier
+from phasegraph.statemachine import Schema, schema, tensor, value
+
+Tensor = torch.Tensor
+
+
+@schema
+class Knobs(Schema):
+    seed: Int64[Tensor, "B"] = tensor(role=REQUEST)
+
+
+@schema
+class Start(Schema):
+    x: Float32[Tensor, "B 3"] = tensor(role=REQUEST)
+    knobs: Knobs = value()
+
+
+@schema
+class Middle(Schema):
+    nodes: Float32[Tensor, "B*N 2"] = tensor(role=NODE)
+    picked: Bool[Tensor, "B"] = tensor(role=REQUEST)
+    table: Float32[Tensor, "5"] = tensor()  # not batch-indexed: copied whole
+    strided: Float32[Tensor, "B 4"] = tensor(role=REQUEST)
+    missing: Float32[Tensor, "B"] | None = tensor(role=REQUEST, default=None)
+    knobs: Knobs = value()
+    source: Start = value()
+    step: int = value()
+
+
+@schema
+class End(Schema):
+    y: Int64[Tensor, "B"] = tensor(role=REQUEST)
+    middle: Middle = value()
+    knobs: Knobs = value()
+
+
+def _statics(bucket: int = 4, nodes: int = 3):
+    g = torch.Generator().manual_seed(0)
+    knobs = Knobs(seed=torch.arange(bucket) + 10)
+    start = Start(x=torch.randn(bucket, 3, generator=g), knobs=knobs)
+    middle = Middle(nodes=torch.randn(bucket * nodes, 2, generator=g), picked=torch.rand(bucket, generator=g) > 0.5,
+                    table=torch.randn(5, generator=g), strided=torch.randn(4, bucket, generator=g).t(),
+                    knobs=knobs, source=start, step=7)
+    end = End(y=torch.randint(0, 99, (bucket,), generator=g), middle=middle, knobs=Knobs(seed=torch.arange(bucket)))
+    return start, middle, end
+
+
+def _storages(obj: Schema) -> set[int]:
+    return {x.untyped_storage().data_ptr() for _, x in obj.tensors() if x.numel()}
+
+
+def test_copies_the_real_rows_into_fresh_aligned_memory():
+    start, middle, end = _statics()
+    real = Start(x=torch.randn(2, 3), knobs=Knobs(seed=torch.tensor([5, 6])))
+    copier = OutputCopier([middle, end], start, batch=2, bucket=4)
+    got_middle, got_end = copier(real)
+    # rows of the first two requests (3 nodes each), tables whole, the strided field contiguous
+    assert torch.equal(got_middle.nodes, middle.nodes[:6])
+    assert torch.equal(got_middle.picked, middle.picked[:2])
+    assert torch.equal(got_middle.table, middle.table)
+    assert torch.equal(got_middle.strided, middle.strided[:2]) and got_middle.strided.is_contiguous()
+    assert got_middle.missing is None and got_middle.step == 7
+    assert torch.equal(got_end.y, end.y[:2])
+    # nested schemas standing for the static input are the real objects, down the chain too
+    assert got_middle.source is real and got_middle.knobs is real.knobs
+    assert got_end.middle is got_middle
+    # a nested schema nobody stands for is copied (sliced) like the rest
+    assert got_end.knobs is not end.knobs and torch.equal(got_end.knobs.seed, end.knobs.seed[:2])
+    statics = _storages(start) | _storages(middle) | _storages(end)
+    for out in (got_middle, got_end, got_end.knobs):
+        assert not _storages(out) & statics
+        for _, x in out.tensors():
+            assert x.data_ptr() % 16 == 0
+    # a replay overwrites the static buffers; what was handed out stays
+    before = got_middle.nodes.clone()
+    middle.nodes.add_(1.0)
+    assert torch.equal(got_middle.nodes, before)
+
+
+def test_each_call_hands_out_new_memory_from_the_same_plan():
+    start, middle, end = _statics()
+    copier = OutputCopier([middle], start, batch=3, bucket=4)
+    real = Start(x=torch.randn(3, 3), knobs=Knobs(seed=torch.tensor([1, 2, 3])))
+    first = copier(real)[0]
+    middle.picked.logical_not_()
+    second = copier(real)[0]
+    assert torch.equal(second.picked, middle.picked[:3]) and torch.equal(first.picked, ~second.picked)
+    assert not _storages(first) & _storages(second)
