@@ -14,6 +14,13 @@ N=16 (simulated τ = 3: random weights keep the tree shallow), at each batch siz
 On this shape the GPU work of a step is a fraction of a millisecond, so the step is bound by
 the host's Python: this script shows which part. Writes ``pair_host.json`` and
 ``pair_host_profile.txt`` under ``--out``.
+
+``--generate`` times whole ``generate`` calls instead, as part 1 of ``phasegraph bench`` does
+(batch 1, three calls of 256 new tokens, trace, default checks and text on; then all off), and
+splits each iteration's wall time into the host's wait for the device, the scheduler's pieces,
+the phases and text decoding, beside the GPU busy time (``pair_generate.json``,
+``pair_generate_profile.txt``). ``bash scripts/ab_profile.sh run generate`` runs it for two
+commits on one machine.
 """
 
 from __future__ import annotations
@@ -253,6 +260,146 @@ def prefill_table(engine, batch: int, prompt_tokens: int = 128, calls: int = 3, 
     return "\n".join(lines) + "\nhost ops by own CPU time (profiled calls):\n" + host_ops + text.getvalue()
 
 
+class _TimedEvent:
+    """A recorded CUDA event whose ``synchronize`` adds the seconds it blocked to ``waits``."""
+
+    def __init__(self, event, waits: list[float]):
+        self.event, self.waits = event, waits
+
+    def synchronize(self) -> None:
+        start = time.perf_counter()
+        self.event.synchronize()
+        self.waits.append(time.perf_counter() - start)
+
+
+@contextlib.contextmanager
+def timed_methods(methods: dict[str, tuple[type, str]], seconds: dict[str, float], waits: list[float]):
+    """Patch each ``(cls, name)`` of ``methods`` to add its wall time to ``seconds[label]``, and
+    wrap the ready event of every issued iteration so that the host's one wait per iteration is
+    timed apart (``waits``); restores the methods on exit."""
+    from phasegraph.runtime.scheduler import Scheduler
+
+    saved = []
+
+    def wrap(label, fn):
+        def timed(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                seconds[label] = seconds.get(label, 0.0) + time.perf_counter() - start
+        return timed
+
+    def issue_with_timed_event(fn):
+        def issue(self, *args, **kwargs):
+            flight = fn(self, *args, **kwargs)
+            if flight.ready is not None:
+                flight.ready = _TimedEvent(flight.ready, waits)
+            return flight
+        return issue
+
+    for label, (cls, name) in methods.items():
+        saved.append((cls, name, cls.__dict__[name]))
+        setattr(cls, name, wrap(label, cls.__dict__[name]))
+    issue = Scheduler.__dict__["_issue"]
+    Scheduler._issue = issue_with_timed_event(Scheduler._issue)
+    try:
+        yield
+    finally:
+        Scheduler._issue = issue
+        for cls, name, fn in saved:
+            setattr(cls, name, fn)
+
+
+class _ModuloTokenizer:
+    """The embedded demo tokenizer (4096 tokens) decoding ids modulo its vocabulary, so that a
+    random 8192-token model's requests carry text as the bench's do (one full decode per
+    iteration, ``Request._update_text``)."""
+
+    def __init__(self):
+        from phasegraph.runtime.engine import _load_tokenizer
+
+        self.inner = _load_tokenizer(Path(__file__).resolve().parents[1] / "phasegraph/data/demo_pair/target")
+        self.eos_token_id = None
+
+    def decode(self, tokens, skip_special_tokens=True):
+        n = len(self.inner)
+        return self.inner.decode([t % n for t in tokens], skip_special_tokens=skip_special_tokens)
+
+
+def generate_breakdown(engine, batch: int = 1, calls: int = 3, prompt_tokens: int = 128,
+                       new_tokens: int = 256) -> tuple[str, dict]:
+    """Where the wall time of the bench's ``generate`` calls goes (``calls`` calls of ``batch``
+    prompts, ``new_tokens`` greedy tokens each, as part 1 of ``phasegraph bench`` times them):
+    per iteration, the host's wait for the device (``Scheduler._collect``'s one sync), the
+    scheduler's pieces, the phases (``Machine.advance``), text decoding, ``Engine.step``'s
+    request loop; and the GPU busy time per iteration (profiler)."""
+    from phasegraph import SamplingParams
+    from phasegraph.runtime.engine import Engine
+    from phasegraph.runtime.requests import Request
+    from phasegraph.runtime.scheduler import Scheduler
+    from phasegraph.statemachine.machine import Machine
+
+    g = torch.Generator().manual_seed(8)
+    prompts = torch.randint(0, engine.target.vocab_size, (batch, prompt_tokens), generator=g).tolist()
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+
+    def one_call():
+        return engine.generate(prompts, params)
+
+    for _ in range(2):  # warm-up and graph capture, as the bench's warm_then_time
+        one_call()
+    sync(engine.device)
+    start = time.perf_counter()
+    for _ in range(calls):
+        outs = one_call()
+    sync(engine.device)
+    wall = (time.perf_counter() - start) / calls
+    tokens = sum(len(o.token_ids) for o in outs)
+    iterations = max(len(o.stats.accept_lengths) for o in outs) if engine.scheduler.speculative else tokens // batch
+    methods = {
+        "Engine.step": (Engine, "step"),
+        "Scheduler.step": (Scheduler, "step"),
+        "  _admit (prefill)": (Scheduler, "_admit"),
+        "  _filter_finished": (Scheduler, "_filter_finished"),
+        "  _reserve_pages": (Scheduler, "_reserve_pages"),
+        "  _issue": (Scheduler, "_issue"),
+        "  _collect": (Scheduler, "_collect"),
+        "    Request._update_text (text of the whole output)": (Request, "_update_text"),
+        "  Request.take_delta": (Request, "take_delta"),
+        "Machine.advance (every phase, host side)": (Machine, "advance"),
+    }
+    seconds: dict[str, float] = {}
+    waits: list[float] = []
+    with timed_methods(methods, seconds, waits):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            one_call()
+        sync(engine.device)
+        timed_wall = (time.perf_counter() - t0) / calls
+    busy, launches = bench_scale.gpu_busy_seconds(one_call, 1) if engine.device.type == "cuda" else (0.0, 0)
+    per_it = 1e3 / iterations
+    figures = {"wall_ms_per_call": 1e3 * wall, "iterations_per_call": iterations, "tokens_per_call": tokens,
+               "wall_ms_per_iteration": wall * per_it, "timed_wall_ms_per_iteration": timed_wall * per_it,
+               "gpu_busy_ms_per_iteration": busy * per_it, "device_activities_per_call": launches,
+               "host_wait_ms_per_iteration": sum(waits) / calls * per_it,
+               "ms_per_iteration": {k: seconds.get(k, 0.0) / calls * per_it for k in methods}}
+    lines = [f"{calls} calls of {batch} x {prompt_tokens}-token prompts, {new_tokens} new tokens: "
+             f"{1e3 * wall:.1f} ms per call, {iterations} iterations, {wall * per_it:.3f} ms per iteration "
+             f"({timed_wall * per_it:.3f} with the timers below); GPU busy {busy * per_it:.3f} ms per iteration "
+             f"({launches} device activities per call)",
+             f"  {figures['host_wait_ms_per_iteration']:.3f} ms  host waits for the device (the sync in _collect)"]
+    lines += [f"  {v:.3f} ms  {k}" for k, v in figures["ms_per_iteration"].items()]
+    prof = cProfile.Profile()
+    prof.enable()
+    one_call()
+    sync(engine.device)
+    prof.disable()
+    text = io.StringIO()
+    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
+    return "\n".join(lines) + "\n--- cProfile of one call, by own time ---\n" + text.getvalue(), figures
+
+
 def launch_costs(tokens: int = 128, hidden: int = 4096, calls: int = 200) -> str:
     """Host time per call, without waiting for the GPU, of a few launches the eager prefill
     makes: what one launch costs this machine's host (lent machines differ)."""
@@ -292,6 +439,9 @@ def main(argv=None) -> int:
     ap.add_argument("--sites", action="store_true",
                     help="only: device launches per phasegraph source line of an eager (graphs off) step at "
                          "batch 1 (any --device)")
+    ap.add_argument("--generate", action="store_true",
+                    help="only: where the wall time of the bench's generate calls goes (batch 1, 3 x 256 new "
+                         "tokens), with the bench's engine settings (trace, default checks, text) and with none")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: --sites only")
     ap.add_argument("--kernels", action="store_true", help="also a table of GPU kernels per step at batch 1")
     ap.add_argument("--checks", nargs="+", default=["default", "off"], choices=["default", "off"],
@@ -334,6 +484,26 @@ def main(argv=None) -> int:
         table = launch_costs()
         print(f"===== launch costs =====\n{table}", flush=True)
         profiles.write(f"===== launch costs =====\n{table}")
+    if args.generate:
+        from phasegraph.bench.common import host_launch_seconds
+
+        result["host_us_per_tiny_op"] = 1e6 * host_launch_seconds("cuda")
+        print(f"host: {result['host_us_per_tiny_op']:.2f} us to issue one tiny op", flush=True)
+        profiles.write(f"host: {result['host_us_per_tiny_op']:.2f} us to issue one tiny op\n")
+        settings = {"bench (trace, default checks, text)": dict(trace=True, tokenizer=_ModuloTokenizer()),
+                    "bare (no trace, checks off, no text)": dict(trace=False, validate="off")}
+        for name, tgt, draft, spec, tau in configs:
+            for label, kw in settings.items():
+                eng = engine(tgt, draft, spec, tau, cuda_graphs=True, prefill_graphs=True, **kw)
+                table, figures = generate_breakdown(eng)
+                result["rows"].append({"config": name, "settings": label, **figures})
+                print(f"===== generate: {name}, {label} =====\n{table.split('--- cProfile')[0]}", flush=True)
+                profiles.write(f"===== generate: {name}, {label} =====\n{table}")
+                del eng
+                torch.cuda.empty_cache()
+        (out / "pair_generate.json").write_text(json.dumps(result, indent=2))
+        (out / "pair_generate_profile.txt").write_text(profiles.getvalue())
+        return 0
     modes = [mode for mode in only if getattr(args, mode)]
     for mode in modes:
         table_of, title, kw = only[mode]

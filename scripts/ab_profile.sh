@@ -4,6 +4,9 @@
 #   bash scripts/ab_profile.sh prepare <commit>   # here: that commit's code into .ab/ (ignored)
 #   bash scripts/ab_profile.sh run                # on the GPU machine, .ab/ carried along:
 #                                                 # writes $OUT/profile-{old,new}.txt
+#   bash scripts/ab_profile.sh run generate       # the same for whole generate calls (host
+#                                                 # and GPU time per iteration, batch 1): this
+#                                                 # checkout's probe on both sides' package
 set -eu
 case ${1:-} in
   prepare)
@@ -16,6 +19,15 @@ case ${1:-} in
     echo "prepared .ab/ from $2 ($(du -sh .ab | cut -f1)); carry it: run(carry=[\".ab\"])";;
   run)
     OUT=${OUT:-out}
+    if [ "${2:-}" = generate ]; then
+      for side in old new; do
+        pkg=$PWD; [ "$side" = old ] && pkg=$PWD/.ab
+        PYTHONPATH=$pkg timeout 240 python bench/profile_pair_host.py --generate --batches 1 \
+          --out "$OUT/generate-$side" 2>&1 | grep -v Warning > "$OUT/generate-$side.txt"
+        echo "== $side"; grep -E "=====|ms per call" "$OUT/generate-$side.txt"
+      done
+      exit 0
+    fi
     for side in old new; do
       dir=$PWD; [ "$side" = old ] && dir=$PWD/.ab
       (cd "$dir" && PYTHONPATH=$dir timeout 120 python bench/profile_pair_host.py --dtype float32 \
