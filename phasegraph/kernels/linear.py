@@ -229,7 +229,7 @@ _N_VOCAB = (8192, 1 << 40)
 # 7.6 (21.0); a target layer's products at 16 rows 44.9 -> 35.7 us. On whole steps (bench
 # pair, batch 1) the tree iteration's GPU work went 1.152 -> 1.035 ms, chain 0.824 -> 0.815,
 # decode unchanged (bench/table_ab.py --linear).
-_FP32_TF32X3_SPLIT = {s: SkinnyConfig(32, 64, 4, 3, dot=True, precision="tf32x3", split_k=s) for s in (1, 2, 4, 8)}
+_FP32_TF32X3_SPLIT = {s: _FP32_TF32X3._replace(split_k=s) for s in (2, 4, 8)}
 
 
 def _shape(n: int, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
@@ -250,7 +250,7 @@ _FP32_PAIR_RULES: tuple[_Rule, ...] = (
     _Rule(4, *_shape(5120, 768), SkinnyConfig(8, 256, 4, 3, dot=False), False, False),  # gate_up
     _Rule(16, *_shape(5120, 768), _FP32_TF32X3_SPLIT[2], True, False),
     _Rule(4, *_shape(8192, 768), _FP32_TF32X3_SPLIT[2], True, False),  # lm_head
-    _Rule(16, *_shape(8192, 768), _FP32_TF32X3_SPLIT[1], True, False),
+    _Rule(16, *_shape(8192, 768), _FP32_TF32X3, True, False),
 )
 FP32_CONFIGS: tuple[_Rule, ...] = (
     _Rule(1, _ANY, _K_WHOLE, _FP32_GEMV_WHOLE_K, True, True),

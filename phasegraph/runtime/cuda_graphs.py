@@ -296,6 +296,16 @@ class OutputCopier:
         return outs
 
 
+def copy_outputs_out(copiers: dict[int, OutputCopier], statics: Sequence[Schema], static_input: Schema,
+                     real_input: Schema, batch: int, bucket: int) -> list[Schema]:
+    """``statics`` copied out for ``real_input`` by the copier of this batch size in
+    ``copiers`` (a captured graph's), planned on first use."""
+    copier = copiers.get(batch)
+    if copier is None:
+        copier = copiers[batch] = OutputCopier(statics, static_input, batch, bucket)
+    return copier(real_input)
+
+
 def _nested_tokens(static: Schema, token: tuple, out: dict[int, tuple]) -> dict[int, tuple]:
     """Maps ``id`` of ``static`` and of every schema nested in it to a reference to the real
     object that stands for it: ``("in", path)`` (the real input) or ``("out", k, path)`` (output
@@ -432,10 +442,7 @@ class GraphedPhase:
         if replay:
             cap.graph.replay()
             self.replays += 1
-        copier = cap.copiers.get(batch)
-        if copier is None:
-            copier = cap.copiers[batch] = OutputCopier([cap.static_out], cap.static_in, batch, bucket)
-        return copier(state)[0]
+        return copy_outputs_out(cap.copiers, [cap.static_out], cap.static_in, state, batch, bucket)[0]
 
     def _capture(self, state: Schema, ctx: Any, batch: int, bucket: int, key: tuple) -> _Captured:
         static_in = pad_schema(state, batch, bucket)

@@ -37,6 +37,7 @@ from phasegraph.runtime.cuda_graphs import (
     GraphRunner,
     OutputCopier,
     copy_into_static,
+    copy_outputs_out,
     fill_neutral,
     no_garbage_collection,
     pad_schema,
@@ -99,10 +100,7 @@ class IterationGraph:
             cap.graph.replay()
         self.replays += 1
         # every phase's output copied out now, in one multi-tensor copy per dtype
-        copier = cap.copiers.get(batch)
-        if copier is None:
-            copier = cap.copiers[batch] = OutputCopier(cap.static_outs, cap.static_in, batch, bucket)
-        return self._serve(0, copier(state))
+        return self._serve(0, copy_outputs_out(cap.copiers, cap.static_outs, cap.static_in, state, batch, bucket))
 
     def _capture(self, state: Schema, ctx: Any, batch: int, bucket: int, key: tuple) -> _CapturedIteration:
         static_in = pad_schema(state, batch, bucket)
