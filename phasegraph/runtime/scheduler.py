@@ -66,7 +66,7 @@ def commit_per_iteration(ctx: SpecContext) -> int:
 # them free: at batch 1 the page table is then written once every ~64 tokens instead of every
 # iteration (a host-to-device copy and an indexed write, ~0.15 ms of host time on a slow host).
 # Under pressure the spare pages go back first (Scheduler._trim_spare), so admission and
-# retraction see the same free pages as with exact growth.
+# retraction see the same free pages as with exact growth; while requests wait, growth is exact.
 KV_SPARE_TOKENS = 64
 
 
@@ -197,10 +197,10 @@ class Scheduler:
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             req = self.waiting[0]
             need_tokens = len(req.tokens_to_prefill()) + self.tokens_per_iteration
-            if self.kv.pages_needed(need_tokens) + reserve > self.kv.num_free_pages and not self._trim_spare():
-                break
             if self.kv.pages_needed(need_tokens) + reserve > self.kv.num_free_pages:
-                break
+                self._trim_spare()  # spare pages go back before a request is turned away
+                if self.kv.pages_needed(need_tokens) + reserve > self.kv.num_free_pages:
+                    break
             try:
                 req.row = self.kv.admit(need_tokens)
             except OutOfKVPages:
@@ -291,15 +291,16 @@ class Scheduler:
         while self._pages_short() and len(self.running) > 1:
             self.retract([self.running[-1]])
         ahead = self._lookahead()
-        self.kv.ensure_capacity_many(
-            [r.row for r in self.running], [r.seq_len + ahead for r in self.running], self.spare_tokens
-        )
+        # no spare pages while requests wait for room: they would be trimmed again next step
+        spare = 0 if self.waiting else self.spare_tokens
+        self.kv.ensure_capacity_many([r.row for r in self.running], [r.seq_len + ahead for r in self.running], spare)
 
-    def _trim_spare(self) -> bool:
+    def _trim_spare(self) -> None:
         """Give back every running request's spare pages (those past the positions its next
-        iteration and the one in flight may write); True if any were freed."""
+        iteration and the one in flight may write)."""
         ahead = self._lookahead()
-        return sum(self.kv.trim(r.row, r.seq_len + ahead) for r in self.running) > 0
+        for r in self.running:
+            self.kv.trim(r.row, r.seq_len + ahead)
 
     def retract(self, victims: list[Request]) -> None:
         """Give back everything ``victims`` hold and requeue them (front of the queue) to
