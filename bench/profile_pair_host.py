@@ -151,6 +151,57 @@ def kernel_table(engine, batch: int, steps: int = 10, top: int = 40) -> str:
     return "\n".join(lines + top_kernel_lines(by_name, steps, top, 8)) + "\n"
 
 
+def phase_kernel_table(engine, batch: int, iterations: int = 10, top: int = 14) -> str:
+    """GPU kernels of one speculative iteration split by phase: the machine is driven by hand
+    (as ``bench_scale.spec_iteration_times`` does), with a synchronisation after every phase, so
+    each kernel is credited to the phase whose host range (``record_function``) it started in.
+    Give it an engine with ``graph_scope="phase"``: the iteration graph replays all four phases
+    at the first one."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    phases = bench_scale.SPEC_PHASES
+    m, ctx = engine.scheduler.machine, engine.ctx
+    with steady_batch(engine, batch, "f", 9, 4 * iterations):
+        engine.scheduler.drain()  # host == device before driving the machine by hand
+        for r in engine.scheduler.running:
+            engine.kv.ensure_capacity(r.row, r.seq_len + 2 * (iterations + 2) * engine.tokens_per_iteration + 8)
+        for _ in range(2):  # warm-up (graph capture of each phase)
+            for p in phases:
+                m.advance(p, ctx)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(iterations):
+                for p in phases:
+                    with record_function(f"phase::{p}"):
+                        m.advance(p, ctx)
+                        torch.cuda.synchronize()
+    events = prof.events()
+    ranges = sorted((e.time_range.start, e.time_range.end, e.name.split("::", 1)[1]) for e in events
+                    if e.device_type == DeviceType.CPU and e.name.startswith("phase::"))
+    by_phase: dict[str, dict[str, list[float]]] = {p: {} for p in phases}
+    unplaced = 0
+    for e in events:
+        if e.device_type != DeviceType.CUDA or e.time_range.end <= e.time_range.start:
+            continue
+        start = e.time_range.start
+        owner = next((name for lo, hi, name in ranges if lo <= start <= hi), None)
+        if owner is None:
+            unplaced += 1
+            continue
+        by_phase[owner].setdefault(e.name[:90], []).append(e.time_range.end - e.time_range.start)
+    lines = []
+    for p in phases:
+        kernels = by_phase[p]
+        total = sum(sum(v) for v in kernels.values())
+        count = sum(len(v) for v in kernels.values())
+        lines.append(f"--- {p}: {count / iterations:.0f} kernels, {total / iterations:.1f} us per iteration")
+        lines += top_kernel_lines(kernels, iterations, top, 8)
+    if unplaced:
+        lines.append(f"({unplaced} device activities outside every phase range)")
+    return "\n".join(lines) + "\n"
+
+
 # dispatcher ops that launch no device work (views, metadata, allocation)
 _NO_LAUNCH = frozenset({
     "view", "_unsafe_view", "as_strided", "slice", "select", "expand", "t", "transpose", "permute",
@@ -444,6 +495,8 @@ def main(argv=None) -> int:
                          "tokens), with the bench's engine settings (trace, default checks, text) and with none")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: --sites only")
     ap.add_argument("--kernels", action="store_true", help="also a table of GPU kernels per step at batch 1")
+    ap.add_argument("--phase-kernels", action="store_true",
+                    help="only: GPU kernels of a speculative iteration at batch 1, split by phase (chain, tree)")
     ap.add_argument("--checks", nargs="+", default=["default", "off"], choices=["default", "off"],
                     help="trace and validation settings to time (default: trace + default checks, and none)")
     args = ap.parse_args(argv)
@@ -479,6 +532,7 @@ def main(argv=None) -> int:
 
     # the modes that print one table per configuration and nothing else
     only = {"prefill": (prefill_table, "prefill: {}", dict(cuda_graphs=True, trace=True)),
+            "phase_kernels": (phase_kernel_table, "GPU kernels by phase: {}, batch 1", dict(cuda_graphs=True, graph_scope="phase", trace=False)),
             "sites": (launch_sites, "launch sites: {}, batch 1", dict(cuda_graphs=False, trace=False))}
     if args.prefill:
         table = launch_costs()
@@ -508,6 +562,8 @@ def main(argv=None) -> int:
     for mode in modes:
         table_of, title, kw = only[mode]
         for name, tgt, draft, spec, tau in configs:
+            if mode == "phase_kernels" and spec.method == "none":
+                continue
             table = table_of(engine(tgt, draft, spec, tau, **kw), 1)
             print(f"===== {title.format(name)} =====\n{table}", flush=True)
             profiles.write(f"===== {title.format(name)} =====\n{table}")

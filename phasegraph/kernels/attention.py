@@ -40,6 +40,10 @@ class AttentionMetadata:
     kv_len: torch.Tensor  # [T] int64
     extra_mask: torch.Tensor | None  # [T, E] bool, or None
     page_size: int
+    # A promise of the caller (decode, draft steps): no two query tokens share a page-table row
+    # and no token reads a slot another token writes. Then rotary + KV write + attention may run
+    # as one kernel (kernels/rope_attention.py); tests/engine/test_one_query_per_row.py checks it.
+    one_query_per_row: bool = False
 
 
 # Upper bound on gathered key elements per chunk of queries (keeps the reference's memory bounded

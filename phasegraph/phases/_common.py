@@ -11,8 +11,11 @@ from phasegraph.kernels.softmax_topk import softmax_topk
 from phasegraph.phases.protocols import KVMemory
 
 
-def causal_extend_metadata(memory: KVMemory, rows: torch.Tensor, positions: torch.Tensor) -> AttentionMetadata:
-    """Tokens at ``positions`` [T] of request rows ``rows`` [T], each attending causally up to itself."""
+def causal_extend_metadata(
+    memory: KVMemory, rows: torch.Tensor, positions: torch.Tensor, one_query_per_row: bool = False
+) -> AttentionMetadata:
+    """Tokens at ``positions`` [T] of request rows ``rows`` [T], each attending causally up to
+    itself. ``one_query_per_row``: the caller guarantees that ``rows`` has no repeats (decode)."""
     slots = row_slots(memory.page_table, rows, positions[:, None], memory.page_size)[:, 0]  # [T]
     return AttentionMetadata(
         write_slots=slots,
@@ -21,6 +24,7 @@ def causal_extend_metadata(memory: KVMemory, rows: torch.Tensor, positions: torc
         kv_len=positions + 1,
         extra_mask=None,
         page_size=memory.page_size,
+        one_query_per_row=one_query_per_row,
     )
 
 

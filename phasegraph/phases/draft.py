@@ -54,6 +54,7 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
             kv_len=layout.step_kv_len[i],
             extra_mask=None,
             page_size=memory.page_size,
+            one_query_per_row=True,  # every beam on its own branch row
         )
         out = model.forward(
             beam_tokens.reshape(-1), hidden, positions, attn, from_target=False, step=i

@@ -9,6 +9,7 @@ with ``PHASEGRAPH_TRITON_INTERPRET=1``).
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 
@@ -201,3 +202,120 @@ def test_softmax_topk_of_an_all_minus_infinity_row_is_nan_like_softmax(device):
     got_p, got_id = run_triton(device, softmax_topk.softmax_topk_triton, logits, 3)
     assert torch.isnan(got_p).all() and torch.isnan(softmax_topk.softmax_topk_reference(logits, 3)[0]).all()
     assert all(0 <= i < 5000 for i in got_id[0].tolist())
+
+
+def _private_tails(meta, k_cache, v_cache, page_size: int):
+    """Draft-step layout: each token's row keeps the shared prefix pages but gets private copies
+    of the pages from its own position on (the draft's branch regions), so no token reads a slot
+    another one writes. Returns ``(page_table, k_cache, v_cache)`` with the copies appended."""
+    table = meta.page_table.clone()
+    num_pages = k_cache.shape[0] // page_size
+    copied = []
+    for t in range(meta.query_row.shape[0]):
+        if int(meta.kv_len[t]) == 0:
+            continue
+        r = int(meta.query_row[t])
+        for col in range((int(meta.kv_len[t]) - 1) // page_size, table.shape[1]):
+            copied.append(int(table[r, col]))
+            table[r, col] = num_pages + len(copied) - 1
+
+    def grow(cache):
+        pages = cache.view(num_pages, page_size, *cache.shape[1:])
+        return torch.cat([pages, pages[torch.tensor(copied, device=cache.device)]]).flatten(0, 1)
+
+    return table, grow(k_cache), grow(v_cache)
+
+
+def _own_slots(meta, page_size: int) -> torch.Tensor:
+    """[T] i64: the slot of each token's own position (kv_len - 1) in its row; -1 for padding."""
+    pos = (meta.kv_len - 1).clamp(min=0)
+    pages = meta.page_table[meta.query_row, pos // page_size]
+    return torch.where(meta.kv_len > 0, pages * page_size + pos % page_size, -1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("layout", ["decode", "draft"])
+@pytest.mark.parametrize("batch", (1, 7, 48) if ON_GPU else (1, 5))
+@pytest.mark.parametrize("tables", [True, False], ids=["tables", "rows"])
+def test_rope_paged_attention_equals_rotary_then_attention(device, gen, dtype, layout, batch, tables):
+    """One launch (rotary + KV write + attention, one query per row) against the two kernels it
+    replaces: the same key and value in the pool, bit for bit; the same attention output bit for
+    bit in float32 (its exactness path) and within bf16 rounding otherwise (the split count may
+    differ); padding tokens (row 0, kv_len 0) give zeros; nothing outside the written slots
+    changes."""
+    from phasegraph.kernels import attention, rope_attention
+    from tests.gpu import kernel_cases as cases
+
+    kv_heads, group, head_dim = (8, 4, 128) if ON_GPU else (2, 3, 32)
+    page_size = 16
+    q, k_cache, v_cache, meta = cases.attention_case(
+        gen, device, layout=layout, batch=batch, topk=4, page_size=page_size, kv_heads=kv_heads,
+        group=group, head_dim=head_dim, max_kv=300 if ON_GPU else 40, dtype=dtype,
+    )
+    tokens, heads = q.shape[0], kv_heads * group
+    table = meta.page_table
+    if layout == "draft":  # the case's branch rows share all pages; the draft's share the prefix
+        table, k_cache, v_cache = _private_tails(meta, k_cache, v_cache, page_size)
+    meta = attrs.evolve(meta, page_table=table)
+    slots = _own_slots(meta, page_size)
+    meta = attention.AttentionMetadata(
+        write_slots=slots, page_table=meta.page_table, query_row=meta.query_row,
+        kv_len=meta.kv_len, extra_mask=None, page_size=page_size, one_query_per_row=True,
+    )
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype).to(device)
+    table_rows = meta.page_table.shape[1] * page_size
+    angles = torch.rand(table_rows, head_dim // 2, generator=gen) * 100
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
+    rows = (meta.kv_len - 1).clamp(min=0)
+    if not tables:
+        cos, sin, rows = cos[rows], sin[rows], None
+    scale = head_dim**-0.5
+
+    q, k, v = rope_attention._split_qkv(qkv, heads, kv_heads, head_dim)
+    k_two, v_two = k_cache.clone(), v_cache.clone()
+    q_rot = rotary.rotary_write_kv_triton(q, k, v, cos, sin, k_two, v_two, slots, rows)
+    kw = {} if ON_GPU else {"block_n": 16}
+    want = attention.paged_attention_triton(q_rot, k_two, v_two, meta, scale, **kw)
+    k_one, v_one = k_cache.clone(), v_cache.clone()
+    got = run_triton(device, rope_attention.rope_paged_attention_triton, qkv, heads, kv_heads,
+                     head_dim, cos, sin, k_one, v_one, meta, scale, rows)
+
+    real = meta.kv_len > 0
+    assert torch.isfinite(got[real]).all() and (got[~real] == 0).all()
+    # the sink page takes the padding tokens' writes in any order: compare the rest
+    assert_equal(k_two[page_size:], k_one[page_size:], "k_cache")
+    assert_equal(v_two[page_size:], v_one[page_size:], "v_cache")
+    written = torch.zeros(k_cache.shape[0], dtype=torch.bool, device=device)
+    written[slots.clamp(min=0)] = True
+    written[:page_size] = True
+    assert torch.equal(k_one[~written], k_cache[~written]), "a slot outside write_slots changed"
+    if dtype == torch.float32:
+        assert_equal(want, got, "attention")
+    else:
+        assert rel_err(got[real].float(), want[real].float()) < 4e-3
+    ref = attention.paged_attention_reference(
+        q_rot.double(), cases.clean_sink(k_two, page_size).double(),
+        cases.clean_sink(v_two, page_size).double(), meta, scale,
+    )
+    assert rel_err(got[real].double(), ref[real]) < (2e-6 if dtype == torch.float32 else 2.5e-3)
+
+
+def test_rope_paged_attention_runs_two_kernels_without_the_promise(device, gen, monkeypatch):
+    """Without ``one_query_per_row`` (prefill, draft-extend, verify: rows hold several queries)
+    the public function runs rotary_write_kv and paged_attention, never the one-launch kernel."""
+    from phasegraph.kernels import rope_attention
+    from tests.gpu import kernel_cases as cases
+
+    q, k_cache, v_cache, meta = cases.attention_case(
+        gen, device, layout="extend", batch=2, topk=2, page_size=16, kv_heads=2, group=2,
+        head_dim=32, max_kv=30, dtype=torch.float32,
+    )
+    qkv = torch.randn(q.shape[0], 8 * 32, generator=gen).to(device)
+    cos = torch.ones(q.shape[0], 32, device=device)
+    calls = []
+    monkeypatch.setattr(rope_attention, "rope_paged_attention_triton",
+                        lambda *a, **k: calls.append("one") or None)
+    monkeypatch.setenv("PHASEGRAPH_KERNELS", "triton")  # the Triton side of the dispatch
+    out = rope_attention.rope_paged_attention(qkv, 4, 2, 32, cos, cos * 0, k_cache, v_cache, meta, 0.2)
+    assert calls == [] and out.shape == (q.shape[0], 4, 32)

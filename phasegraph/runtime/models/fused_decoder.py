@@ -10,7 +10,9 @@ same modules and the same weights we run, per layer:
     add_rms_norm+qkv product -> rotary_write_kv -> paged_attention -> o product
     -> add_rms_norm+gate_up product -> silu_mul+down product
 
-(6 kernels) when a step has one token (bf16/fp16, on CUDA): the skinny Triton product of
+(6 kernels) when a step has one token (bf16/fp16, on CUDA); where every query token has its own
+page-table row (decode, draft steps) rotary_write_kv and paged_attention are one kernel
+(:mod:`phasegraph.kernels.rope_attention`), so 5 (plus the combine pass where attention splits): the skinny Triton product of
 :mod:`phasegraph.kernels.linear` streams each weight once and applies the norm or the
 activation to its operand as it loads it. With 2..16 tokens the products are still the skinny
 Triton kernel but the norm and activation kernels stay separate (fusing them was slower there:
@@ -37,6 +39,7 @@ import torch
 from phasegraph.kernels.attention import AttentionMetadata, paged_attention
 from phasegraph.kernels.linear import add_rms_norm_linear, linear, silu_mul_linear
 from phasegraph.kernels.rms_norm import add_rms_norm
+from phasegraph.kernels.rope_attention import rope_paged_attention
 from phasegraph.kernels.rotary import rotary_write_kv
 from phasegraph.runtime.models.rotary_table import RotaryTable
 
@@ -108,6 +111,10 @@ class FusedLayer:
     ) -> torch.Tensor:  # [T, H], before the residual add
         tokens = qkv.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.q_norm is None:  # one launch where every query has its own row (decode, draft)
+            out = rope_paged_attention(qkv, hq, hkv, d, cos, sin, k_cache, v_cache, meta,
+                                       self.scaling, rope_rows)  # [T, Hq, D]
+            return linear(out.reshape(tokens, hq * d), self.o_weight, self.o_bias)
         q = qkv[:, : hq * d].view(tokens, hq, d)
         k = qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
         v = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)

@@ -1,0 +1,372 @@
+"""Rotary embedding, KV write and paged attention in one launch, for one query per row.
+
+A decode step (and every draft step) runs, per layer, ``rotary_write_kv`` (rotate q and k,
+write k and v into the pool), ``paged_attention`` and, where it splits the positions, the
+combine kernel: three launches of a few microseconds each whose cost is mostly launch and
+memory latency, not bytes (bench/RESULTS.md §5, "What limits the goals"). When every query token
+has its own page-table row (``AttentionMetadata.one_query_per_row``: decode, draft steps), the
+first two fold into one kernel: each program (token, kv head, split) rotates its group's query
+heads from the qkv product itself, and the program whose positions hold the token's own slot
+(the last, ``kv_len - 1``) rotates the key and writes key and value into the pool before it reads
+its positions, so no other program of the launch reads that slot.
+
+Same arithmetic as the two kernels it replaces: the rotation is
+:func:`~phasegraph.kernels.rotary._rotate` on the same halves, the positions are cut into the same
+splits or float32 chunks and attended by the same tile loop
+(:func:`~phasegraph.kernels.attention._attend_tiles`), and the combine kernel is the same. So
+float32 outputs are bitwise those of ``rotary_write_kv`` + ``paged_attention`` (the exactness
+path), which the GPU tests check. The reference is exactly those two references.
+
+Where a row held several query tokens of one launch (prefill, draft-extend, verify), the kernel
+would read slots another program of the same launch writes: :func:`rope_paged_attention` runs
+the two-kernel path unless the metadata says one query per row.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from phasegraph.kernels._dispatch import cdiv, jit, next_pow2, num_sms, prev_pow2, tl, use_triton
+from phasegraph.kernels.attention import (
+    _MAX_SPLITS,
+    AttentionMetadata,
+    _attend_tiles,
+    _combine_splits_kernel,
+    _fp32_chunk,
+    _merge_partial,
+    paged_attention,
+    paged_attention_reference,
+)
+from phasegraph.kernels.rotary import _rotate, rotary_write_kv, rotary_write_kv_reference
+
+
+def _split_qkv(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int):
+    """Views ``q [T, H, D]``, ``k``, ``v [T, Hkv, D]`` of a merged qkv product ``[T, (H + 2Hkv) D]``."""
+    tokens = qkv.shape[0]
+    q = qkv[:, : num_heads * head_dim].view(tokens, num_heads, head_dim)
+    k = qkv[:, num_heads * head_dim : (num_heads + num_kv_heads) * head_dim]
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim :]
+    return q, k.view(tokens, num_kv_heads, head_dim), v.view(tokens, num_kv_heads, head_dim)
+
+
+def _check(qkv, num_heads, num_kv_heads, head_dim, k_cache) -> None:
+    if qkv.ndim != 2 or qkv.shape[1] != (num_heads + 2 * num_kv_heads) * head_dim:
+        raise ValueError(
+            f"qkv: expected [T, {(num_heads + 2 * num_kv_heads) * head_dim}] for {num_heads} query "
+            f"and {num_kv_heads} kv heads of {head_dim}, got {tuple(qkv.shape)}"
+        )
+    if num_heads % num_kv_heads:
+        raise ValueError(f"{num_heads} query heads are not a multiple of {num_kv_heads} kv heads")
+    if tuple(k_cache.shape[1:]) != (num_kv_heads, head_dim):
+        raise ValueError(f"k_cache: rows of shape {(num_kv_heads, head_dim)} expected, got {tuple(k_cache.shape)}")
+
+
+def rope_paged_attention_reference(
+    qkv: torch.Tensor,  # [T, (H + 2Hkv) D]
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cos: torch.Tensor,  # [T, D], or [P, D] tables with rope_rows
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,  # [slots, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+    rope_rows: torch.Tensor | None = None,  # [T] i64
+) -> torch.Tensor:  # [T, H, D]
+    """``rotary_write_kv_reference`` then ``paged_attention_reference``."""
+    _check(qkv, num_heads, num_kv_heads, head_dim, k_cache)
+    q, k, v = _split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    q = rotary_write_kv_reference(q, k, v, cos, sin, k_cache, v_cache, meta.write_slots, rope_rows)
+    return paged_attention_reference(q, k_cache, v_cache, meta, scale)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton
+
+
+@jit
+def _rotated_rows(base, rows_ok, c1, c2, s1, s2, HALF: tl.constexpr):
+    """Rows ``x * cos + rotate_half(x) * sin`` of the ``[R, 2 * HALF]`` block at ``base`` (row
+    pointers, unit stride along D), rotated half by half as the rotary kernel does, and joined
+    back into ``[R, 2 * HALF]`` (HALF a power of two)."""
+    cols = tl.arange(0, HALF)
+    x1 = tl.load(base[:, None] + cols[None, :], mask=rows_ok[:, None], other=0.0)
+    x2 = tl.load(base[:, None] + HALF + cols[None, :], mask=rows_ok[:, None], other=0.0)
+    y1, y2 = _rotate(x1, x2, c1[None, :], c2[None, :], s1[None, :], s2[None, :])
+    both = tl.join(y1, y2)  # [R, HALF, 2]
+    return tl.reshape(tl.permute(both, (0, 2, 1)), (base.shape[0], 2 * HALF))
+
+
+@jit(do_not_specialize=["max_pages"])
+def _rope_attention_kernel(
+    qkv_ptr,  # [T, (H + 2Hkv) D], unit stride along the row
+    cos_ptr,  # [T, D], or [P, D] tables (INDEXED)
+    sin_ptr,
+    rope_rows_ptr,  # [T] i64: token t's row of the tables (INDEXED)
+    slots_ptr,  # [T] i64: where token t's key and value go (negative: the sink slot 0)
+    k_ptr,  # [slots, Hkv, D]
+    v_ptr,  # [slots, Hkv, D]
+    out_ptr,  # [T, H, D], written when NUM_SPLITS == 1
+    part_acc_ptr,  # [T, H, NUM_SPLITS, BLOCK_D] f32 (NUM_SPLITS > 1)
+    part_max_ptr,  # [T, H, NUM_SPLITS] f32
+    part_sum_ptr,  # [T, H, NUM_SPLITS] f32
+    page_table_ptr,  # [R, max_pages] i64
+    query_row_ptr,  # [T] i64, every token its own row
+    kv_len_ptr,  # [T] i64, the token's own position + 1 (0: padding)
+    max_pages,
+    scale_log2,  # f32, softmax scale * log2(e)
+    stride_qkv,
+    stride_ct,
+    stride_st,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_pr,
+    stride_pp,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,  # query heads per kv head
+    GROUP_P: tl.constexpr,  # GROUP rounded up to a power of two
+    BLOCK_T: tl.constexpr,  # tokens per tile in paged_attention's layout (BLOCK_T * GROUP_P rows)
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,  # a power of two
+    NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    SPLIT_P: tl.constexpr,
+    CHUNK: tl.constexpr,  # > 0: fixed chunks of CHUNK positions merged in order (fp32)
+    INDEXED: tl.constexpr,
+):
+    HALF: tl.constexpr = HEAD_DIM // 2
+    BLOCK_M: tl.constexpr = BLOCK_T * GROUP_P
+    t = tl.program_id(0).to(tl.int64)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    row = tl.load(query_row_ptr + t)
+    kv_len = tl.maximum(tl.load(kv_len_ptr + t), 0)
+    if CHUNK > 0:  # split s is chunk s: [s * CHUNK, (s + 1) * CHUNK)
+        per_split = CHUNK
+    else:  # this split's share of [0, kv_len), whole BLOCK_N tiles
+        per_split = tl.maximum(tl.cdiv(tl.cdiv(kv_len, NUM_SPLITS), BLOCK_N) * BLOCK_N, BLOCK_N)
+    lo = split * per_split
+    hi = tl.minimum(lo + per_split, kv_len)
+    if NUM_SPLITS == 1:
+        lo = 0
+        hi = kv_len
+
+    cols = tl.arange(0, HALF)
+    table_row = t
+    if INDEXED:
+        table_row = tl.load(rope_rows_ptr + t)
+    c1 = tl.load(cos_ptr + table_row * stride_ct + cols).to(tl.float32)
+    c2 = tl.load(cos_ptr + table_row * stride_ct + HALF + cols).to(tl.float32)
+    s1 = tl.load(sin_ptr + table_row * stride_st + cols).to(tl.float32)
+    s2 = tl.load(sin_ptr + table_row * stride_st + HALF + cols).to(tl.float32)
+    qkv_row = qkv_ptr + t * stride_qkv
+
+    # The owner of the token's own position (kv_len - 1; split 0 for padding) writes its key and
+    # value, then reads its positions after a barrier: the only program that reads that slot.
+    owner = split * 0
+    if NUM_SPLITS > 1:
+        owner = tl.maximum(kv_len - 1, 0) // per_split
+    if split == owner:
+        k_src = qkv_row + (NUM_HEADS + kv_head) * HEAD_DIM
+        k1, k2 = _rotate(tl.load(k_src + cols), tl.load(k_src + HALF + cols), c1, c2, s1, s2)
+        slot = tl.maximum(tl.load(slots_ptr + t), 0)
+        k_dst = k_ptr + slot * stride_ks + kv_head * stride_kh
+        tl.store(k_dst + cols * stride_kd, k1.to(k_ptr.dtype.element_ty))
+        tl.store(k_dst + (HALF + cols) * stride_kd, k2.to(k_ptr.dtype.element_ty))
+        v_src = qkv_row + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
+        v_dst = v_ptr + slot * stride_vs + kv_head * stride_vh
+        tl.store(v_dst + cols * stride_vd, tl.load(v_src + cols).to(v_ptr.dtype.element_ty))
+        tl.store(v_dst + (HALF + cols) * stride_vd,
+                 tl.load(v_src + HALF + cols).to(v_ptr.dtype.element_ty))
+        tl.debug_barrier()  # every thread's store is visible to the loads below
+
+    # Query rows where paged_attention's kernel puts a one-token run of token t: tile rows
+    # [(t % BLOCK_T) * GROUP_P, + GROUP), heads kv_head * GROUP + m % GROUP_P (same tile, same
+    # row, so the same products bit for bit).
+    offs_m = tl.arange(0, BLOCK_M)
+    g_m = offs_m % GROUP_P
+    valid_m = (offs_m // GROUP_P == t % BLOCK_T) & (g_m < GROUP)
+    head_m = kv_head * GROUP + g_m
+    q = _rotated_rows(qkv_row + head_m * HEAD_DIM, valid_m, c1, c2, s1, s2, HALF)  # [M, D]
+    if UPCAST:
+        q = q.to(tl.float32)
+
+    offs_d = tl.arange(0, HEAD_DIM)
+    d_ok = offs_d < HEAD_DIM
+    tok_m = tl.zeros([BLOCK_M], tl.int64) + t
+    kv_len_m = tl.zeros([BLOCK_M], tl.int64) + kv_len
+    no_tree = tl.zeros([BLOCK_M], tl.int64)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    table = page_table_ptr + row * stride_pr
+    if CHUNK > 0 and NUM_SPLITS == 1:
+        # Fixed chunks from a fresh state, merged in order, as paged_attention's kernel does.
+        run_m = m_i
+        run_l = l_i
+        run_acc = acc
+        for c in range(0, tl.cdiv(kv_len, CHUNK)):
+            m_c, l_c, acc_c = _attend_tiles(
+                c * CHUNK, tl.minimum(c * CHUNK + CHUNK, kv_len), m_i, l_i, acc, q, kv_len_m,
+                no_tree, valid_m, valid_m, tok_m, offs_d, d_ok, table, max_pages, k_ptr, v_ptr,
+                k_ptr, kv_head, scale_log2, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh,
+                stride_vd, stride_pp, 0, 0, 0, PAGE_SIZE, BLOCK_N, False, UPCAST, SPLIT_P,
+            )
+            run_m, run_l, run_acc = _merge_partial(run_m, run_l, run_acc, m_c, l_c, acc_c)
+        m_i, l_i, acc = run_m, run_l, run_acc
+    else:
+        m_i, l_i, acc = _attend_tiles(
+            lo, hi, m_i, l_i, acc, q, kv_len_m, no_tree, valid_m, valid_m, tok_m, offs_d, d_ok,
+            table, max_pages, k_ptr, v_ptr, k_ptr, kv_head, scale_log2, stride_ks, stride_kh,
+            stride_kd, stride_vs, stride_vh, stride_vd, stride_pp, 0, 0, 0, PAGE_SIZE, BLOCK_N,
+            False, UPCAST, SPLIT_P,
+        )
+
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows that attend nothing: 0
+        tl.store(
+            out_ptr + t * stride_ot + head_m[:, None] * stride_oh + offs_d[None, :] * stride_od,
+            o.to(out_ptr.dtype.element_ty),
+            mask=valid_m[:, None],
+        )
+    else:
+        part = (t * NUM_HEADS + head_m) * NUM_SPLITS + split  # [M]
+        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
+                 mask=valid_m[:, None])
+        tl.store(part_max_ptr + part, m_i, mask=valid_m)
+        tl.store(part_sum_ptr + part, l_i, mask=valid_m)
+
+
+def fits_triton(qkv: torch.Tensor, head_dim: int, k_cache: torch.Tensor, cos: torch.Tensor) -> bool:
+    """Whether the one-launch kernel takes these inputs (else the two-kernel path runs)."""
+    return (
+        head_dim >= 16
+        and head_dim & (head_dim - 1) == 0
+        and qkv.stride(1) == 1
+        and cos.stride(-1) == 1
+        and k_cache.stride(-1) == 1
+    )
+
+
+def rope_paged_attention_triton(
+    qkv: torch.Tensor,  # [T, (H + 2Hkv) D], unit stride along the row
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,  # a power of two >= 16
+    cos: torch.Tensor,  # [T, D], or [P, D] tables with rope_rows
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,  # [slots, Hkv, D]
+    meta: AttentionMetadata,  # one query token per page-table row
+    scale: float,
+    rope_rows: torch.Tensor | None = None,  # [T] i64
+) -> torch.Tensor:  # [T, H, D], dtype of qkv
+    """Triton ``rope_paged_attention``: grid ``(T, Hkv, splits)``. Tiles as
+    :func:`~phasegraph.kernels.attention.paged_attention_triton` (64 query rows in bf16/fp16,
+    16 in fp32; fp32 in fixed chunks of positions), with one token per program; ``splits``
+    brings ``T * Hkv * splits`` to about two programs per SM (bf16/fp16), or is the number of
+    float32 chunks while ``T * Hkv`` leaves most SMs idle."""
+    _check(qkv, num_heads, num_kv_heads, head_dim, k_cache)
+    num_tokens = qkv.shape[0]
+    group = num_heads // num_kv_heads
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if num_tokens == 0:
+        return out
+    upcast = len({qkv.dtype, k_cache.dtype, v_cache.dtype}) > 1 or qkv.dtype == torch.float32
+    group_p = next_pow2(group)
+    block_t = max(1, (16 if upcast else 64) // group_p)  # paged_attention_triton's tile
+    if block_t * group_p < 16:
+        block_t = cdiv(16, group_p)
+    block_n = 16 if upcast else 32
+    page_size = meta.page_size
+    max_pages = meta.page_table.shape[1]
+    positions = max_pages * page_size
+    runs = num_tokens * num_kv_heads
+    if upcast:
+        chunk = _fp32_chunk(positions, block_n)
+        num_splits = cdiv(positions, chunk) if runs < num_sms(qkv.device) else 1
+    else:
+        chunk = 0
+        num_splits = prev_pow2(min(_MAX_SPLITS, cdiv(positions, block_n), max(1, 2 * num_sms(qkv.device) // runs)))
+    if num_splits > 1:
+        part_acc = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32,
+                               device=qkv.device)
+        part_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32,
+                               device=qkv.device)
+        part_sum = torch.empty_like(part_max)
+    else:
+        part_acc = part_max = part_sum = out  # never touched
+    indexed = rope_rows is not None
+    slots = meta.write_slots.contiguous()
+    _rope_attention_kernel[(num_tokens, num_kv_heads, num_splits)](
+        qkv, cos, sin, rope_rows.contiguous() if indexed else slots, slots, k_cache, v_cache,
+        out, part_acc, part_max, part_sum, meta.page_table, meta.query_row.contiguous(),
+        meta.kv_len.contiguous(), max_pages, float(scale) * math.log2(math.e),
+        qkv.stride(0), cos.stride(0), sin.stride(0),
+        *k_cache.stride(), *v_cache.stride(), *out.stride(), *meta.page_table.stride(),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        PAGE_SIZE=page_size,
+        GROUP=group,
+        GROUP_P=group_p,
+        BLOCK_T=block_t,
+        BLOCK_N=block_n,
+        HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits,
+        UPCAST=upcast,
+        SPLIT_P=not upcast and qkv.dtype == torch.bfloat16,
+        CHUNK=chunk,
+        INDEXED=indexed,
+        num_warps=4,
+        num_stages=1 if upcast else 2,
+    )
+    if num_splits > 1:
+        _combine_splits_kernel[(num_tokens, num_heads)](
+            part_acc, part_max, part_sum, out, meta.kv_len.contiguous(), *out.stride(),
+            HEAD_DIM=head_dim,
+            BLOCK_D=head_dim,
+            NUM_SPLITS=num_splits,
+            CHUNK=chunk,
+            NUM_EXTRA=0,
+            num_warps=1 if chunk or head_dim * num_splits <= 1024 else 4,
+        )
+    return out
+
+
+def rope_paged_attention(
+    qkv: torch.Tensor,  # [T, (H + 2Hkv) D]
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    cos: torch.Tensor,  # [T, D], or [P, D] tables with rope_rows
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,  # [slots, Hkv, D]
+    meta: AttentionMetadata,
+    scale: float,
+    rope_rows: torch.Tensor | None = None,  # [T] i64: each token's row of the tables
+) -> torch.Tensor:  # [T, H, D]
+    """RoPE on the query and key heads of ``qkv``, key and value written at
+    ``meta.write_slots``, then paged attention: one Triton launch (plus the combine kernel where
+    it splits) on CUDA when ``meta.one_query_per_row``; else ``rotary_write_kv`` and
+    ``paged_attention`` (their Triton kernels on CUDA, their references elsewhere)."""
+    if use_triton(qkv) and meta.one_query_per_row and fits_triton(qkv, head_dim, k_cache, cos):
+        return rope_paged_attention_triton(qkv, num_heads, num_kv_heads, head_dim, cos, sin,
+                                           k_cache, v_cache, meta, scale, rope_rows)
+    _check(qkv, num_heads, num_kv_heads, head_dim, k_cache)
+    q, k, v = _split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    q = rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.write_slots, rope_rows)
+    return paged_attention(q, k_cache, v_cache, meta, scale)
