@@ -1,6 +1,6 @@
 """Triton kernels against their torch references on the GPU, one row per kernel and shape.
 
-    python bench/bench_kernels.py [--only attention|tree,verify,slots] [--quick] [--out DIR]
+    python bench/bench_kernels.py [--only attention|tree,verify,slots|rope] [--quick] [--out DIR]
 
 ``--only attention`` takes ~6 min on an H100 (three extra tile variants per shape; ``--quick``
 times the default tiles only), the other parts together ~3 min (``--only draft``: the chain draft
@@ -342,10 +342,51 @@ def bench_draft_step(args):
               [partial(table, like, pos, meta)])
 
 
+def bench_rope(args):
+    """Rotary + KV write + attention of one decode token per row: the two kernels (rotary_write_kv,
+    paged_attention; both followed by the combine pass where they split) as "ref", against
+    rope_attention's one launch; float32 on the bench pair's attention shape (4 kv heads x 3,
+    head dim 64), bf16 on the 8B shape."""
+    rope = importlib.import_module("phasegraph.kernels.rope_attention")
+    rotary = importlib.import_module("phasegraph.kernels.rotary")
+    shapes = [("pair", torch.float32, 4, 3, 64), ("8b", torch.bfloat16, 8, 4, 128)]
+    for name, dtype, kv_heads, group, head_dim in shapes:
+        for batch in args.batches:
+            sets = []
+            for seed in range(4):
+                gen = torch.Generator().manual_seed(seed)
+                _, k, v, meta = cases.attention_case(
+                    gen, DEVICE, layout="decode", batch=batch, topk=1, page_size=16,
+                    kv_heads=kv_heads, group=group, head_dim=head_dim, max_kv=args.kv,
+                    dtype=dtype, sink_poison=0.0, pool_on_device=True,
+                )
+                pos = (meta.kv_len - 1).clamp(min=0)
+                pages = meta.page_table[meta.query_row, pos // 16]
+                slots = torch.where(meta.kv_len > 0, pages * 16 + pos % 16, -1)
+                meta = attn.AttentionMetadata(
+                    write_slots=slots, page_table=meta.page_table, query_row=meta.query_row,
+                    kv_len=meta.kv_len, extra_mask=None, page_size=16, one_query_per_row=True,
+                )
+                heads = kv_heads * group
+                qkv = torch.randn(pos.shape[0], (heads + 2 * kv_heads) * head_dim, device=DEVICE, dtype=dtype)
+                angles = torch.rand(meta.page_table.shape[1] * 16, head_dim, device=DEVICE) * 100
+                sets.append((qkv, heads, kv_heads, head_dim, angles.cos().to(dtype),
+                             angles.sin().to(dtype), k, v, meta, head_dim**-0.5, pos))
+
+            def two(qkv, heads, kv_heads, head_dim, cos, sin, k, v, meta, scale, rows):
+                q, kk, vv = rope._split_qkv(qkv, heads, kv_heads, head_dim)
+                q = rotary.rotary_write_kv_triton(q, kk, vv, cos, sin, k, v, meta.write_slots, rows)
+                return attn.paged_attention_triton(q, k, v, meta, scale)
+
+            shape = f"{name} {str(dtype)[6:]} decode B{batch} kv<={args.kv}"
+            bench("rope_attention", shape, [partial(two, *s) for s in sets],
+                  [partial(rope.rope_paged_attention_triton, *s) for s in sets])
+
+
 def main() -> int:
     global BANDWIDTH
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="", help="attention,tree,verify,slots,draft (default all)")
+    parser.add_argument("--only", default="", help="attention,tree,verify,slots,draft,rope (default all but rope)")
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--layouts", default="decode,draft,verify,extend")
     parser.add_argument("--topk", type=int, default=8)
@@ -376,6 +417,8 @@ def main() -> int:
         bench_slots(args)
     if "draft" in parts:
         bench_draft_step(args)
+    if "rope" in parts:
+        bench_rope(args)
     print(f"\n{len(ROWS)} rows in {time.time() - start:.0f} s; times in us, median; "
           "eager = do_bench (L2 flushed), graph = do_bench_cudagraph")
     header = (f"{'kernel':<26} {'shape':<40} {'ref eager':>10} {'ref graph':>10} "

@@ -7,6 +7,9 @@
 #   bash scripts/ab_profile.sh run generate       # the same for whole generate calls (host
 #                                                 # and GPU time per iteration, batch 1): this
 #                                                 # checkout's probe on both sides' package
+#   bash scripts/ab_profile.sh run 8b             # the 8B-shaped decode step at batch 1 (bf16),
+#                                                 # old/new interleaved twice (share of the
+#                                                 # bandwidth bound), then each side's kernels
 set -eu
 case ${1:-} in
   prepare)
@@ -19,6 +22,24 @@ case ${1:-} in
     echo "prepared .ab/ from $2 ($(du -sh .ab | cut -f1)); carry it: run(carry=[\".ab\"])";;
   run)
     OUT=${OUT:-out}
+    if [ "${2:-}" = 8b ]; then
+      for round in 1 2; do
+        for side in old new; do
+          pkg=$PWD; [ "$side" = old ] && pkg=$PWD/.ab
+          echo "== $side (round $round)"
+          PYTHONPATH=$pkg timeout 150 python bench/bench_scale.py --batches 1 --skip-spec \
+            --out "$OUT/8b-$side-$round" 2>&1 | grep -E "GPU|AR decode"
+        done
+      done
+      for side in old new; do
+        pkg=$PWD; [ "$side" = old ] && pkg=$PWD/.ab
+        PYTHONPATH=$pkg timeout 150 python bench/profile_pair_host.py --shape 8b --dtype bfloat16 \
+          --batches 1 --configs baseline --kernels --no-profile --checks default --out "$OUT/8b-kernels-$side" \
+          2>&1 | grep -v Warning > "$OUT/8b-kernels-$side.txt"
+        echo "== $side kernels"; grep -E "kernels per step" -A6 "$OUT/8b-kernels-$side.txt"
+      done
+      exit 0
+    fi
     if [ "${2:-}" = generate ]; then
       for side in old new; do
         pkg=$PWD; [ "$side" = old ] && pkg=$PWD/.ab

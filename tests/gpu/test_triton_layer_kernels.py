@@ -319,3 +319,48 @@ def test_rope_paged_attention_runs_two_kernels_without_the_promise(device, gen, 
     monkeypatch.setenv("PHASEGRAPH_KERNELS", "triton")  # the Triton side of the dispatch
     out = rope_attention.rope_paged_attention(qkv, 4, 2, 32, cos, cos * 0, k_cache, v_cache, meta, 0.2)
     assert calls == [] and out.shape == (q.shape[0], 4, 32)
+
+
+@pytest.mark.skipif(not ON_GPU, reason="CUDA graphs need a GPU")
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_rope_paged_attention_cuda_graph_replay(gen, dtype):
+    """Captured once; new queries, keys and lengths written in place and replayed, many times:
+    equal to eager calls bit for bit."""
+    from phasegraph.kernels import attention, rope_attention
+    from tests.gpu import kernel_cases as cases
+
+    device = torch.device("cuda")
+    kv_heads, group, head_dim, page_size = 8, 4, 128, 16
+    _, k_cache, v_cache, meta = cases.attention_case(
+        gen, device, layout="decode", batch=3, topk=1, page_size=page_size, kv_heads=kv_heads,
+        group=group, head_dim=head_dim, dtype=dtype, sink_poison=0.0,
+    )
+    kv_len = meta.kv_len.clone()
+    slots = _own_slots(meta, page_size)
+    static = attention.AttentionMetadata(
+        write_slots=slots, page_table=meta.page_table, query_row=meta.query_row, kv_len=kv_len,
+        extra_mask=None, page_size=page_size, one_query_per_row=True,
+    )
+    heads = kv_heads * group
+    qkv = torch.randn(kv_len.shape[0], (heads + 2 * kv_heads) * head_dim, device=device, dtype=dtype)
+    angles = torch.rand(meta.page_table.shape[1] * page_size, head_dim, device=device) * 100
+    cos, sin = angles.cos().to(dtype), angles.sin().to(dtype)
+    rows = (kv_len - 1).clamp(min=0)
+
+    def call():
+        return rope_attention.rope_paged_attention_triton(
+            qkv, heads, kv_heads, head_dim, cos, sin, k_cache, v_cache, static, 0.1, rows)
+
+    call()  # compile outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = call()
+    for _ in range(5):
+        qkv.copy_(torch.randn_like(qkv))
+        kv_len.copy_((meta.kv_len - torch.randint(0, 30, kv_len.shape, generator=gen).to(device))
+                     .clamp(min=1) * (meta.query_row != 0))
+        static.write_slots.copy_(_own_slots(static, page_size))
+        rows.copy_((kv_len - 1).clamp(min=0))
+        graph.replay()
+        replayed = out.clone()
+        assert torch.equal(replayed, call())
