@@ -5,6 +5,7 @@
 
 Shapes: the four weight products of a Llama-3-8B-shaped layer (bf16): qkv 6144x4096,
 o 4096x4096, gate_up 28672x4096, down 4096x14336, at M = 1, 4, 16 token rows. ``--shape-set
+8b-vocab``: the 8B target's lm_head over 128256 tokens. ``--shape-set
 pair``: those of the bench-pair target (hidden 768, 4 kv heads, MLP 2560, vocabulary 8192) and
 of its EAGLE-3 head (fc 768x2304, qkv 1280x1536), which run in float32 in `phasegraph bench`
 part 1 (``--dtype float32``: the multiply-sum tiles, the three-pass TF32 ``tl.dot`` tiles and
@@ -53,6 +54,7 @@ DTYPE = DTYPES[os.environ.get("BENCH_LINEAR_DTYPE", "bfloat16")]
 TABLE_NAME = {torch.bfloat16: "CONFIGS", torch.float32: "FP32_CONFIGS"}  # linear.py's table per dtype
 SHAPE_SETS = {
     "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
+    "8b-vocab": {"lm_head": (128256, 4096)},  # the 8B target's lm_head (cuBLAS in the table)
     "pair": {"qkv": (1280, 768), "o": (768, 768), "gate_up": (5120, 768), "down": (768, 2560),
              "lm_head": (8192, 768), "head_fc": (768, 2304), "head_qkv": (1280, 1536)},
 }

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from phasegraph.kernels.argmax import argmax
 from phasegraph.kernels.tree_sampling import target_probs
 
 
@@ -37,6 +38,6 @@ def sample_tokens(
     """Next token per row: argmax when every row is greedy, else a sample from the target's
     temperature / top-k / top-p processed distribution (greedy rows stay exact argmax)."""
     if greedy_only:
-        return logits.argmax(dim=-1)
+        return argmax(logits)
     probs = target_probs(logits, temperature, top_k, top_p, 1)  # [R, V]
     return inverse_cdf_sample(probs, coins)

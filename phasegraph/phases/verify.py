@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from phasegraph.kernels.argmax import argmax
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.bonus import fill_bonus_tokens
 from phasegraph.kernels.cache_slots import span_slots
@@ -52,13 +53,13 @@ def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
     logits = out.logits  # [B*N, V]
     if ctx.simulate_accept_drafts is not None:  # benchmark mode, labelled as such by the engine
         outcome = verify_tree_simulated(
-            state.draft_tokens, state.retrieve_next_token, logits.argmax(dim=-1), S,
+            state.draft_tokens, state.retrieve_next_token, argmax(logits), S,
             ctx.simulate_accept_drafts,
         )
     elif ctx.greedy_only:
         outcome = verify_tree_greedy(
             state.draft_tokens, state.retrieve_next_token, state.retrieve_next_sibling,
-            logits.argmax(dim=-1), S,
+            argmax(logits), S,
         )
     else:
         probs = target_probs(logits, params.temperature, params.top_k, params.top_p, N)

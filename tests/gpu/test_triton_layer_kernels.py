@@ -364,3 +364,31 @@ def test_rope_paged_attention_cuda_graph_replay(gen, dtype):
         graph.replay()
         replayed = out.clone()
         assert torch.equal(replayed, call())
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("vocab", (128256, 8192, 5000, 1) if ON_GPU else (20000, 4099, 1))
+def test_argmax_equals_torch(device, gen, dtype, vocab):
+    """The first maximum of each row, as torch.argmax: random rows, a maximum repeated in later
+    blocks (the first must win), NaN (the first NaN wins), +inf, and rows of -inf only."""
+    from phasegraph.kernels import argmax
+
+    rows = 9
+    logits = torch.randn(rows, vocab, generator=gen).to(dtype)
+    if vocab > 1:
+        top = float(logits.float().max()) + 1
+        logits[1, vocab // 3] = top  # tie: the same maximum at three places, two blocks apart
+        logits[1, vocab - 1] = top
+        logits[1, 2 * vocab // 3] = top
+        logits[2, vocab // 2] = float("nan")
+        logits[2, vocab - 1] = float("nan")
+        logits[2, 0] = float("inf")
+        logits[3, vocab - 1] = float("inf")
+    logits[4] = float("-inf")
+    logits[5, -1] = float("nan")
+    logits = logits.to(device)
+    got = run_triton(device, argmax.argmax_triton, logits)
+    assert_equal(logits.cpu().argmax(dim=-1), got.cpu(), "argmax")
+    assert_equal(logits[:, : max(1, vocab // 2)].cpu().argmax(dim=-1),
+                 run_triton(device, argmax.argmax_triton, logits[:, : max(1, vocab // 2)]).cpu(),
+                 "argmax of a strided view")

@@ -1,0 +1,114 @@
+"""Greedy choice: the index of each row's largest logit, as ``torch.argmax(logits, dim=-1)``.
+
+Every greedy decode step and verify takes it over the target's vocabulary. torch reduces one
+row in a single thread block, which reads a 128k vocabulary's 0.5 MB of float32 logits on one
+SM (27 µs of an 8B decode step on an H100, bench/RESULTS.md §2). Here the row is cut into
+blocks of up to ``BLOCK_MAX`` logits, one program each, and a second launch merges the blocks'
+candidates; a row that fits one block is done in one launch.
+
+Semantics are torch's: the first index of the maximum; NaN counts as larger than everything,
+so a row with NaN gives its first NaN (tests/gpu/test_triton_layer_kernels.py checks ties across
+blocks, NaN, infinities and all -inf rows against ``torch.argmax``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from phasegraph.kernels._checks import expect_float
+from phasegraph.kernels._dispatch import cdiv, jit, next_pow2, tl, use_triton
+
+BLOCK_MAX = 8192  # logits per program
+
+
+def _check(logits: torch.Tensor) -> None:
+    expect_float(logits, "logits", 2)
+    if logits.shape[1] == 0:
+        raise ValueError("logits: an empty vocabulary has no largest entry")
+
+
+def argmax_reference(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
+    _check(logits)
+    return logits.argmax(dim=-1)
+
+
+@jit
+def _first_max(x, idx, BIG: tl.constexpr):
+    """(value, index) of the first maximum of ``x`` (NaN above everything: the first NaN)."""
+    nan = x != x
+    first_nan = tl.min(tl.where(nan, idx, BIG), axis=0)
+    best = tl.max(tl.where(nan, float("-inf"), x), axis=0)
+    first_best = tl.min(tl.where((x == best) & ~nan, idx, BIG), axis=0)
+    has_nan = first_nan < BIG
+    return tl.where(has_nan, float("nan"), best), tl.where(has_nan, first_nan, first_best)
+
+
+@jit(do_not_specialize=["vocab"])
+def _block_argmax_kernel(
+    logits_ptr,  # [R, V]
+    val_ptr,  # [R, NB] f32 out: each block's maximum (NaN if it holds one)
+    idx_ptr,  # [R, NB] i64 out: its first index (the final answer when NB == 1)
+    vocab,
+    stride_r,
+    NB: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    b = tl.program_id(1)
+    idx = b * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
+    x = tl.load(logits_ptr + r * stride_r + idx, mask=idx < vocab, other=float("-inf")).to(tl.float32)
+    best, first = _first_max(x, idx, 1 << 62)
+    if NB > 1:
+        tl.store(val_ptr + r * NB + b, best)
+    tl.store(idx_ptr + r * NB + b, first)
+
+
+@jit
+def _merge_blocks_kernel(
+    val_ptr,  # [R, NB] f32
+    idx_ptr,  # [R, NB] i64
+    out_ptr,  # [R] i64
+    NB: tl.constexpr,
+    BLOCK_NB: tl.constexpr,
+):
+    r = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_NB)
+    ok = offs < NB
+    val = tl.load(val_ptr + r * NB + offs, mask=ok, other=float("-inf"))
+    idx = tl.load(idx_ptr + r * NB + offs, mask=ok, other=1 << 62)
+    # Blocks are in index order and each holds its own first maximum, so the smallest index of
+    # the blocks that hold the maximum (or a NaN) is the row's first.
+    _, first = _first_max(val, idx, 1 << 62)
+    tl.store(out_ptr + r, first)
+
+
+def argmax_triton(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
+    """Triton ``argmax``: grid ``(R, cdiv(V, BLOCK))`` with ``BLOCK = min(next_pow2(V),
+    BLOCK_MAX)``, then one program per row over the blocks' candidates (skipped with one block).
+    Reads each logit once."""
+    _check(logits)
+    if logits.stride(1) != 1:
+        logits = logits.contiguous()
+    rows, vocab = logits.shape
+    out = torch.empty(rows, dtype=torch.int64, device=logits.device)
+    if rows == 0:
+        return out
+    block = min(next_pow2(vocab), BLOCK_MAX)
+    blocks = cdiv(vocab, block)
+    if blocks == 1:
+        _block_argmax_kernel[(rows, 1)](logits, out, out, vocab, logits.stride(0), NB=1, BLOCK=block,
+                                        num_warps=8)
+        return out
+    val = torch.empty((rows, blocks), dtype=torch.float32, device=logits.device)
+    idx = torch.empty((rows, blocks), dtype=torch.int64, device=logits.device)
+    _block_argmax_kernel[(rows, blocks)](logits, val, idx, vocab, logits.stride(0), NB=blocks,
+                                         BLOCK=block, num_warps=8)
+    _merge_blocks_kernel[(rows,)](val, idx, out, NB=blocks, BLOCK_NB=next_pow2(blocks), num_warps=1)
+    return out
+
+
+def argmax(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
+    """``logits.argmax(dim=-1)`` (Triton on CUDA)."""
+    if use_triton(logits):
+        return argmax_triton(logits)
+    return argmax_reference(logits)
