@@ -188,10 +188,12 @@ _QKV_8B, _GATE_UP_8B = ((6144, 6144), (4096, 4096)), ((28672, 28672), (4096, 409
 # - N >= 65536 (a target's lm_head over a 128k vocabulary): at M = 1 the whole-K multiply-sum
 #   streams 128256 x 4096 in 331 us against cuBLAS's 372 (105.7 vs 94.2 % of the copy
 #   bandwidth; `bench/bench_linear.py --shape-set 8b-vocab --ms 1`, H100, 2026-11-24); at
-#   M = 2..16 cuBLAS keeps it (not measured against the Triton tiles at that width).
+#   M = 2..4 (a chain's verify) the wgmma tile W-left, 64 x 256, 341 us against 371 (`--ms 4`);
+#   at M = 5..16 cuBLAS keeps it (not measured against the Triton tiles at that width).
 _VOCAB_WIDE = (65536, 1 << 40)
 CONFIGS: tuple[_Rule, ...] = (
     _Rule(1, _ANY, _K_WHOLE, _GEMV_WHOLE_K, True, True),
+    _Rule(4, _VOCAB_WIDE, _K_WHOLE, _DOT_WIDE, True, False),
     _Rule(16, _VOCAB_WIDE, _ANY, _DOT, False, False),
     _Rule(1, _ANY, _K_LONG, _GEMV_LOOP, True, True),
     _Rule(16, *_QKV_8B, _DOT_WIDE, True, False),

@@ -120,10 +120,11 @@ def test_config_table_covers_every_row_count():
             assert cfg.block_n >= 1 and cfg.block_k >= 16 and cfg.num_warps in (1, 2, 4, 8, 16)
     assert lin._lookup(lin.MAX_M, 40, 96) is not None  # small unknown shapes: a default rule
     # a 128k-vocabulary lm_head: the whole-K multiply-sum at one row (331 vs 372 us on an H100),
-    # cuBLAS at 2..16 rows and wherever K is longer than one tile
+    # the wgmma tile at 2..4 rows (341 vs 371), cuBLAS at 5..16 rows and wherever K is longer
     assert lin._lookup(1, 128256, 4096).config == lin._GEMV_WHOLE_K
-    for m in (4, 16):
-        assert lin._lookup(m, 128256, 4096).plain is False
+    assert lin._lookup(4, 128256, 4096).config == lin._DOT_WIDE
+    assert lin._lookup(4, 128256, 4096).plain is True
+    assert lin._lookup(16, 128256, 4096).plain is False
     assert lin._lookup(1, 128256, 8192).plain is False
     for m in range(1, lin.MAX_M + 1):  # the pair's float32 qkv: multiply-sums up to 4 rows,
         rule = lin._lookup(m, 1280, 768, torch.float32)  # then split-K three-pass TF32
