@@ -252,7 +252,7 @@ def render_markdown(result: dict) -> str:
                          f"{row['batch']} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}× | {row['eta']:.2f} | "
                          f"{fmt(it and 1e3 * it)} ms/iteration (end to end) |")
         if sc.get("phase_gpu_s"):
-            lines += ["", "GPU time per phase of one iteration (bench_scale.spec_iteration_times, synchronised "
+            lines += ["", "GPU time per phase of one iteration (bench_scale.spec_iteration_times, one CUDA graph per phase, synchronised "
                       "around each phase), SIMULATED acceptance:", "",
                       "| configuration | τ | batch | iteration | host issue | draft | verify | finalize | draft-extend |",
                       "|---|---|---|---|---|---|---|---|---|"]

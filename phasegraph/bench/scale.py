@@ -206,7 +206,12 @@ def _measure_spec(run: BenchRun, bs, target, head, name, spec, tau, prompts, par
                    f"{row['tokens_per_s']:9.1f} tok/s speedup {speedup:.2f} η {row['eta']:.2f}")
     if run.cuda and tau == max(a.scale_tau_list):
         # GPU time per phase at the smallest and largest batch (bench_scale's probe): what
-        # limits η at batch 1 and the speedup at the largest batch, measured
+        # limits η at batch 1 and the speedup at the largest batch, measured. One graph per
+        # phase: the iteration graph the timed rows replay runs all four phases at draft.
+        del engine
+        free_memory()
+        engine = Engine(target, head, spec=spec, simulate_accept_length=tau, trace=False,
+                        **{**engine_kw, "graph_scope": "phase"})
         for b in sorted({min(a.scale_batch_list), max(a.scale_batch_list)}):
             r = bs.spec_iteration_times(engine, b, context=part["prompt_tokens"], repeats=5)
-            part["phase_gpu_s"].append({"config": name, "tau_simulated": tau, **r})
+            part["phase_gpu_s"].append({"config": name, "tau_simulated": tau, "graph_scope": "phase", **r})

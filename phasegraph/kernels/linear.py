@@ -11,7 +11,7 @@ programs of a column block take slices of K: each stores its partial, and the la
 (an atomic counter) sums the partials in slice order, so the result never depends on arrival
 order and a CUDA-graph replay equals the eager call bit for bit either way. The counters are one
 buffer per device, so split-K products must not run on two streams of a device at once (the
-engine issues every product on one stream); no table uses split-K yet. Two forms: a broadcast multiply-sum over up to 16 rows (at one row, with K <= 4096, one weight row
+engine issues every product on one stream); the float32 rules of the bench pair's shapes use it. Two forms: a broadcast multiply-sum over up to 16 rows (at one row, with K <= 4096, one weight row
 per program and the whole K in one load is fastest) and a ``tl.dot`` on a 16-row tile (padded
 rows masked; cp.async-pipelined weight tiles, wgmma when W is the left operand).
 
