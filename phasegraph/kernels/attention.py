@@ -311,6 +311,69 @@ def _merge_partial(run_m, run_l, run_acc, m, denom, acc):
     return m_new, run_l * a + denom * b, run_acc * a[:, None] + acc * b[:, None]
 
 
+@jit
+def _attend_run(
+    lo, hi, run_end, q, kv_len_m, tree_word, member_m, valid_m, tok_m, offs_d, d_ok, table_row,
+    max_pages, k_ptr, v_ptr, extra_ptr, kv_head, scale_log2,
+    stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_pp, stride_et, stride_ee,
+    BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, NUM_EXTRA: tl.constexpr, PAGE_SIZE: tl.constexpr,
+    BLOCK_N: tl.constexpr, HAS_EXTRA: tl.constexpr, UPCAST: tl.constexpr, SPLIT_P: tl.constexpr,
+    CHUNK: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """(running max, denominator, unnormalised P.V) of a run's query rows over this program's
+    positions: ``[lo, hi)``, or with float32 chunks and one split every chunk of ``[0, run_end)``
+    from a fresh state, folded in order (the same arithmetic as one program per chunk plus the
+    combine kernel, so splitting never changes a bit)."""
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    if CHUNK > 0 and NUM_SPLITS == 1:
+        run_m = m_i
+        run_l = l_i
+        run_acc = acc
+        for c in range(0, tl.cdiv(run_end, CHUNK)):
+            m_c, l_c, acc_c = _attend_tiles(
+                c * CHUNK, tl.minimum(c * CHUNK + CHUNK, run_end), m_i, l_i, acc, q, kv_len_m,
+                tree_word, member_m, valid_m, tok_m, offs_d, d_ok, table_row, max_pages, k_ptr,
+                v_ptr, extra_ptr, kv_head, scale_log2, stride_ks, stride_kh, stride_kd,
+                stride_vs, stride_vh, stride_vd, stride_pp, stride_et, stride_ee,
+                NUM_EXTRA, PAGE_SIZE, BLOCK_N, HAS_EXTRA, UPCAST, SPLIT_P,
+            )
+            run_m, run_l, run_acc = _merge_partial(run_m, run_l, run_acc, m_c, l_c, acc_c)
+        m_i, l_i, acc = run_m, run_l, run_acc
+    else:
+        m_i, l_i, acc = _attend_tiles(
+            lo, hi, m_i, l_i, acc, q, kv_len_m, tree_word, member_m, valid_m, tok_m, offs_d,
+            d_ok, table_row, max_pages, k_ptr, v_ptr, extra_ptr, kv_head, scale_log2,
+            stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_pp,
+            stride_et, stride_ee, NUM_EXTRA, PAGE_SIZE, BLOCK_N, HAS_EXTRA, UPCAST, SPLIT_P,
+        )
+    return m_i, l_i, acc
+
+
+@jit
+def _store_run(
+    out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, m_i, l_i, acc, tok_m, head_m, valid_m,
+    offs_d, d_ok, split, num_heads, stride_ot, stride_oh, stride_od,
+    BLOCK_D: tl.constexpr, NUM_SPLITS: tl.constexpr,
+):
+    """The run's output rows (one split), or its partial softmax for the combine kernel."""
+    if NUM_SPLITS == 1:
+        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows that attend nothing: 0
+        tl.store(
+            out_ptr + tok_m[:, None] * stride_ot + head_m[:, None] * stride_oh
+            + offs_d[None, :] * stride_od,
+            o.to(out_ptr.dtype.element_ty),
+            mask=valid_m[:, None] & d_ok[None, :],
+        )
+    else:
+        part = (tok_m * num_heads + head_m) * NUM_SPLITS + split  # [M]
+        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc,
+                 mask=valid_m[:, None])
+        tl.store(part_max_ptr + part, m_i, mask=valid_m)
+        tl.store(part_sum_ptr + part, l_i, mask=valid_m)
+
+
 @jit(do_not_specialize=["num_tokens", "max_pages"])
 def _paged_attention_kernel(
     q_ptr,  # [T, H, D]
@@ -425,48 +488,16 @@ def _paged_attention_kernel(
     if UPCAST:
         q = q.to(tl.float32)
 
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     table_row = page_table_ptr + row * stride_pr
-    if CHUNK > 0 and NUM_SPLITS == 1:
-        # Fixed chunks, each from a fresh state, merged in order: the same arithmetic as one
-        # program per chunk plus the combine kernel, so splitting never changes a bit.
-        run_m = m_i
-        run_l = l_i
-        run_acc = acc
-        for c in range(0, tl.cdiv(run_end, CHUNK)):
-            m_c, l_c, acc_c = _attend_tiles(
-                c * CHUNK, tl.minimum(c * CHUNK + CHUNK, run_end), m_i, l_i, acc, q, kv_len_m,
-                tree_word, member_m, valid_m, tok_m, offs_d, d_ok, table_row, max_pages, k_ptr,
-                v_ptr, extra_ptr, kv_head, scale_log2, stride_ks, stride_kh, stride_kd,
-                stride_vs, stride_vh, stride_vd, stride_pp, stride_et, stride_ee,
-                NUM_EXTRA, PAGE_SIZE, BLOCK_N, HAS_EXTRA, UPCAST, SPLIT_P,
-            )
-            run_m, run_l, run_acc = _merge_partial(run_m, run_l, run_acc, m_c, l_c, acc_c)
-        m_i, l_i, acc = run_m, run_l, run_acc
-    else:
-        m_i, l_i, acc = _attend_tiles(
-            lo, hi, m_i, l_i, acc, q, kv_len_m, tree_word, member_m, valid_m, tok_m, offs_d,
-            d_ok, table_row, max_pages, k_ptr, v_ptr, extra_ptr, kv_head, scale_log2,
-            stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_pp,
-            stride_et, stride_ee, NUM_EXTRA, PAGE_SIZE, BLOCK_N, HAS_EXTRA, UPCAST, SPLIT_P,
-        )
-
-    if NUM_SPLITS == 1:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows that attend nothing: 0
-        tl.store(
-            out_ptr + tok_m[:, None] * stride_ot + head_m[:, None] * stride_oh
-            + offs_d[None, :] * stride_od,
-            o.to(out_ptr.dtype.element_ty),
-            mask=valid_m[:, None] & d_ok[None, :],
-        )
-    else:
-        part = (tok_m * num_heads + head_m) * NUM_SPLITS + split  # [M]
-        tl.store(part_acc_ptr + part[:, None] * BLOCK_D + offs_d[None, :], acc,
-                 mask=valid_m[:, None])
-        tl.store(part_max_ptr + part, m_i, mask=valid_m)
-        tl.store(part_sum_ptr + part, l_i, mask=valid_m)
+    m_i, l_i, acc = _attend_run(
+        lo, hi, run_end, q, kv_len_m, tree_word, member_m, valid_m, tok_m, offs_d, d_ok, table_row,
+        max_pages, k_ptr, v_ptr, extra_ptr, kv_head, scale_log2, stride_ks, stride_kh, stride_kd,
+        stride_vs, stride_vh, stride_vd, stride_pp, stride_et, stride_ee, BLOCK_M, BLOCK_D,
+        NUM_EXTRA, PAGE_SIZE, BLOCK_N, HAS_EXTRA, UPCAST, SPLIT_P, CHUNK, NUM_SPLITS,
+    )
+    _store_run(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, m_i, l_i, acc, tok_m, head_m,
+               valid_m, offs_d, d_ok, split, num_heads, stride_ot, stride_oh, stride_od, BLOCK_D,
+               NUM_SPLITS)
 
 
 @jit

@@ -32,10 +32,10 @@ from phasegraph.kernels._dispatch import cdiv, jit, next_pow2, num_sms, prev_pow
 from phasegraph.kernels.attention import (
     _MAX_SPLITS,
     AttentionMetadata,
-    _attend_tiles,
+    _attend_run,
     _combine_splits_kernel,
     _fp32_chunk,
-    _merge_partial,
+    _store_run,
     paged_attention,
     paged_attention_reference,
 )
@@ -209,45 +209,15 @@ def _rope_attention_kernel(
     tok_m = tl.zeros([BLOCK_M], tl.int64) + t
     kv_len_m = tl.zeros([BLOCK_M], tl.int64) + kv_len
     no_tree = tl.zeros([BLOCK_M], tl.int64)
-    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    table = page_table_ptr + row * stride_pr
-    if CHUNK > 0 and NUM_SPLITS == 1:
-        # Fixed chunks from a fresh state, merged in order, as paged_attention's kernel does.
-        run_m = m_i
-        run_l = l_i
-        run_acc = acc
-        for c in range(0, tl.cdiv(kv_len, CHUNK)):
-            m_c, l_c, acc_c = _attend_tiles(
-                c * CHUNK, tl.minimum(c * CHUNK + CHUNK, kv_len), m_i, l_i, acc, q, kv_len_m,
-                no_tree, valid_m, valid_m, tok_m, offs_d, d_ok, table, max_pages, k_ptr, v_ptr,
-                k_ptr, kv_head, scale_log2, stride_ks, stride_kh, stride_kd, stride_vs, stride_vh,
-                stride_vd, stride_pp, 0, 0, 0, PAGE_SIZE, BLOCK_N, False, UPCAST, SPLIT_P,
-            )
-            run_m, run_l, run_acc = _merge_partial(run_m, run_l, run_acc, m_c, l_c, acc_c)
-        m_i, l_i, acc = run_m, run_l, run_acc
-    else:
-        m_i, l_i, acc = _attend_tiles(
-            lo, hi, m_i, l_i, acc, q, kv_len_m, no_tree, valid_m, valid_m, tok_m, offs_d, d_ok,
-            table, max_pages, k_ptr, v_ptr, k_ptr, kv_head, scale_log2, stride_ks, stride_kh,
-            stride_kd, stride_vs, stride_vh, stride_vd, stride_pp, 0, 0, 0, PAGE_SIZE, BLOCK_N,
-            False, UPCAST, SPLIT_P,
-        )
-
-    if NUM_SPLITS == 1:
-        o = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # rows that attend nothing: 0
-        tl.store(
-            out_ptr + t * stride_ot + head_m[:, None] * stride_oh + offs_d[None, :] * stride_od,
-            o.to(out_ptr.dtype.element_ty),
-            mask=valid_m[:, None],
-        )
-    else:
-        part = (t * NUM_HEADS + head_m) * NUM_SPLITS + split  # [M]
-        tl.store(part_acc_ptr + part[:, None] * HEAD_DIM + offs_d[None, :], acc,
-                 mask=valid_m[:, None])
-        tl.store(part_max_ptr + part, m_i, mask=valid_m)
-        tl.store(part_sum_ptr + part, l_i, mask=valid_m)
+    m_i, l_i, acc = _attend_run(
+        lo, hi, kv_len, q, kv_len_m, no_tree, valid_m, valid_m, tok_m, offs_d, d_ok,
+        page_table_ptr + row * stride_pr, max_pages, k_ptr, v_ptr, k_ptr, kv_head, scale_log2,
+        stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_pp, 0, 0,
+        BLOCK_M, HEAD_DIM, 0, PAGE_SIZE, BLOCK_N, False, UPCAST, SPLIT_P, CHUNK, NUM_SPLITS,
+    )
+    _store_run(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, m_i, l_i, acc, tok_m, head_m,
+               valid_m, offs_d, d_ok, split, NUM_HEADS, stride_ot, stride_oh, stride_od, HEAD_DIM,
+               NUM_SPLITS)
 
 
 def fits_triton(qkv: torch.Tensor, head_dim: int, k_cache: torch.Tensor, cos: torch.Tensor) -> bool:

@@ -2,6 +2,12 @@
 
     python tests/gpu/compile_sm90.py            # all cases
     python tests/gpu/compile_sm90.py attention  # cases whose name contains "attention"
+    python tests/gpu/compile_sm90.py attention --ptx DIR   # also each kernel's PTX code, debug
+                                                           # info stripped, one file per kernel
+
+Two ``--ptx`` directories from two versions of a kernel module, compared with ``diff -r``, say
+whether a refactor changed one instruction the GPU runs (a refactor that changes none needs no
+new GPU measurement).
 
 The interpreter (``TRITON_INTERPRET=1``) runs kernels as Python and never compiles them, so it
 misses everything the compiler rejects. This script installs a stand-in Triton driver that
@@ -75,9 +81,24 @@ def resource_usage(kernel) -> str:
     return f"regs {reg:>3}  stack {stack:>4}  local {local:>4}  shared {shared:>6}"
 
 
+def ptx_code(kernel) -> str:
+    """The kernel's PTX up to its debug sections, without comments, source locations and the
+    numbering of temporary labels."""
+    ptx = kernel.asm["ptx"].split("\t.section\t.debug", 1)[0]
+    ptx = re.sub(r"^\s*(//.*|\.loc\s.*|\.file\s.*|\$L__tmp\d+:)$", "", ptx, flags=re.M)
+    ptx = re.sub(r"\$L__tmp\d+", "$L__tmp", ptx)
+    return "\n".join(line for line in ptx.splitlines() if line.strip()) + "\n"
+
+
 def main(argv: list[str]) -> int:
     driver.set_active(_Sm90Driver())
     JITFunction.run = _compile_only
+    ptx_dir = None
+    if "--ptx" in argv:
+        at = argv.index("--ptx")
+        ptx_dir = argv[at + 1]
+        argv = argv[:at] + argv[at + 2:]
+        os.makedirs(ptx_dir, exist_ok=True)
     pattern = argv[1] if len(argv) > 1 else ""
     failures = 0
     torch.manual_seed(0)
@@ -91,7 +112,11 @@ def main(argv: list[str]) -> int:
             failures += 1
             print(f"FAIL {name}: {type(exc).__name__}: {str(exc)[:2000]}")
             continue
-        for kernel_name, kernel in _COMPILED:
+        for i, (kernel_name, kernel) in enumerate(_COMPILED):
+            if ptx_dir is not None:
+                path = os.path.join(ptx_dir, f"{name.replace('/', '_')}__{i}_{kernel_name}.ptx")
+                with open(path, "w") as f:
+                    f.write(ptx_code(kernel))
             meta = kernel.metadata
             print(
                 f"ok   {name:<44} {kernel_name:<32} warps {meta.num_warps} stages "

@@ -445,9 +445,34 @@ def compile_cases():
         cases.append((f"linear/float32/M16/{name}",
                       lambda cfg=cfg: linear.linear_triton(torch.randn(16, 2560), torch.randn(768, 2560),
                                                            config=cfg)))
+    rope_attention = importlib.import_module("phasegraph.kernels.rope_attention")
+    argmax = importlib.import_module("phasegraph.kernels.argmax")
+
+    def rope_attn(dtype, batch: int, tables: bool):
+        def run():
+            gen = torch.Generator().manual_seed(0)
+            _, k, v, meta = attention_case(gen, "cpu", layout="decode", batch=batch, topk=1,
+                                           page_size=16, max_kv=64, dtype=dtype)
+            meta = attention.AttentionMetadata(
+                write_slots=torch.arange(meta.kv_len.shape[0]), page_table=meta.page_table,
+                query_row=meta.query_row, kv_len=meta.kv_len, extra_mask=None, page_size=16,
+                one_query_per_row=True)
+            tokens = meta.kv_len.shape[0]
+            qkv = torch.randn(tokens, (32 + 16) * 128).to(dtype)
+            cos = torch.randn(1024 if tables else tokens, 128).to(dtype)
+            rope_attention.rope_paged_attention_triton(
+                qkv, 32, 8, 128, cos, cos, k, v, meta, 0.1, meta.kv_len if tables else None)
+
+        cases.append((f"rope_attention/{str(dtype)[6:]}/B{batch}/{'tables' if tables else 'rows'}", run))
+
     for dtype in (torch.bfloat16, torch.float32):
         rope(dtype, False)
         rope(dtype, True)
+        rope_attn(dtype, 1, True)
+        rope_attn(dtype, 64, False)
+        for vocab in (128256, 8192):
+            cases.append((f"argmax/{str(dtype)[6:]}/V{vocab}",
+                          lambda dtype=dtype, vocab=vocab: argmax.argmax_triton(torch.randn(3, vocab).to(dtype))))
         cases.append((f"add_rms_norm/{str(dtype)[6:]}",
                       lambda dtype=dtype: norms.add_rms_norm_triton(
                           torch.randn(4, 4096).to(dtype), torch.randn(4, 4096).to(dtype),
