@@ -3,7 +3,10 @@
     python bench/bench_transition.py [--batch 64] [--repeat 20000]
 
 The phase body returns a prebuilt output, so the figure is the machine's own cost: the legality
-lookup, the boundary checks of the mode, the mutation check (strict) and the trace hook.
+lookup, the boundary checks of the mode, the mutation check (strict) and the trace hook. The
+output carries its input's BatchParams, as decode and the speculative phases do; strict mode
+checks the invariants of a nested schema only where a phase built a new one (prefill, merge,
+filter, retract), which costs those transitions ~25 us more on a 2-core CPU.
 Goal (issue 2): strict <= 50 us, off <= 3 us per transition on the CPU machine.
 """
 
@@ -25,7 +28,7 @@ from phasegraph.testing import synthetic as syn
 def build(batch: int):
     base = syn.synthetic_eagle_graph()
     a = syn.draft_state(batch, K=4, hd=256)
-    b = syn.draft_state(batch, K=4, hd=256)
+    b = syn.draft_state(batch, K=4, hd=256).replace(params=a.params)  # params carried, as decode does
     outputs = {True: b, False: a}
     flip = {"v": True}
 

@@ -67,6 +67,14 @@ class BatchParams(Schema):
         row = _first_bad_row(self.req_pool_idx >= 1)
         return None if row is None else f"request {row} has req_pool_idx {int(self.req_pool_idx[row])}"
 
+    @invariant("no two requests share a req_pool_idx (decode and draft steps promise one query per row)")
+    def _rows_unique(self) -> str | None:
+        if self.req_pool_idx.numel() < 2:
+            return None
+        rows = torch.sort(self.req_pool_idx).values  # [B]
+        i = _first_bad_row(rows[1:] != rows[:-1])
+        return None if i is None else f"row {int(rows[i])} is held by two requests"
+
     @invariant("0 <= temperature, 0 < top_p <= 1, top_k >= 0")
     def _sampling_ranges(self) -> str | None:
         ok = (self.temperature >= 0) & (self.top_p > 0) & (self.top_p <= 1) & (self.top_k >= 0)

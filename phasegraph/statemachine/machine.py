@@ -22,7 +22,7 @@ from phasegraph.statemachine.errors import (
 )
 from phasegraph.statemachine.graph import PhaseGraph
 from phasegraph.statemachine.modes import ValidationMode, get_validation_mode
-from phasegraph.statemachine.schema import Schema, check_fields, check_invariants
+from phasegraph.statemachine.schema import Schema, check_fields, check_invariants, nested_schemas
 
 _ids = itertools.count(1)
 _STRICT = ValidationMode.STRICT
@@ -131,7 +131,9 @@ class Machine:
                     name, f"mutated its input {type(inp).__name__} in place (fields {changed})"
                 )
         if mode is not _OFF:
-            self._validate(out, mode, name, "output")
+            # nested schemas the input carried were checked with it; new ones are checked here
+            known = frozenset(map(id, (inp, *nested_schemas(inp)))) if mode is _STRICT else frozenset()
+            self._validate(out, mode, name, "output", known)
         self._phase = name
         self._state = out
         if self.trace is not None or _trace.has_listeners():
@@ -161,12 +163,13 @@ class Machine:
         self._phase, self._state = phase, state
 
     # -- helpers
-    def _validate(self, obj: Schema, mode: ValidationMode, phase: str, side: str) -> None:
+    def _validate(self, obj: Schema, mode: ValidationMode, phase: str, side: str,
+                  known: frozenset[int] = frozenset()) -> None:
         spec = type(obj).__schema__
         try:
             check_fields(obj, spec, self.device)
             if mode is _STRICT:
-                check_invariants(obj, spec)
+                check_invariants(obj, spec, nested=True, known=known)
         except SchemaViolation as err:
             raise err.at(phase, side) from None
 

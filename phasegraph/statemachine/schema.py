@@ -332,7 +332,7 @@ class Schema:
             return {}
         dims = check_fields(self, type(self).__schema__, device)
         if mode is ValidationMode.STRICT:
-            check_invariants(self, type(self).__schema__)
+            check_invariants(self, type(self).__schema__, nested=True)
         return dims
 
     def replace(self, **changes: Any):
@@ -522,11 +522,30 @@ def _check_expr(name, ts, axis, d: _Dim, size: int, bindings, bound_by) -> None:
     )
 
 
-def check_invariants(obj: Any, spec: CompiledSchema) -> None:
+def nested_schemas(obj: Any) -> Iterator[Any]:
+    """Every schema instance nested in ``obj``, depth first (``obj`` itself excluded)."""
+    for vs in type(obj).__schema__.values:
+        if vs.nested:
+            inner = getattr(obj, vs.name)
+            if inner is not None:
+                yield inner
+                yield from nested_schemas(inner)
+
+
+def check_invariants(
+    obj: Any, spec: CompiledSchema, nested: bool = False, known: frozenset[int] = frozenset()
+) -> None:
+    """The value invariants of ``obj``; with ``nested`` also those of every schema nested in it
+    (e.g. a state's BatchParams) except the instances whose ``id`` is in ``known`` (already
+    checked: a phase's output carrying its input's params unchanged pays nothing for them)."""
     for label, fn in spec.invariants:
         problem = fn(obj)
         if problem:
             raise InvariantViolation(spec.name, label, problem)
+    if nested:
+        for inner in nested_schemas(obj):
+            if id(inner) not in known:
+                check_invariants(inner, type(inner).__schema__)
 
 
 # ----------------------------------------------------------------------------- compatibility

@@ -187,3 +187,43 @@ def test_seed_000_bonus_stride_bug_is_an_invariant_violation():
     assert not torch.equal(wrong, good.bonus_tokens)
     with pytest.raises(InvariantViolation, match="stride W, seed 000"):
         good.replace(bonus_tokens=wrong).validate("strict")
+
+
+def test_two_requests_on_one_page_table_row_are_an_invariant_violation():
+    """Decode and the draft steps run rotary + attention as one kernel on the promise that every
+    query has its own row (AttentionMetadata.one_query_per_row): a batch whose requests share a
+    row would read keys before they are written, so strict mode rejects it."""
+    from phasegraph.statemachine import InvariantViolation
+
+    d = syn.draft_state(3, K=2)
+    d.validate("strict")
+    rows = d.params.req_pool_idx.clone()
+    rows[2] = rows[0]
+    bad = d.replace(params=d.params.replace(req_pool_idx=rows))
+    with pytest.raises(InvariantViolation, match=f"row {int(rows[0])} is held by two requests"):
+        bad.validate("strict")
+    bad.validate("boundary")  # no value reads there
+
+
+def test_a_phase_that_builds_params_with_a_shared_row_fails_strict_validation():
+    """Nested schemas are checked where a phase builds a new one: a decode that hands back
+    params whose requests share a row fails strict mode at its output."""
+    import attrs
+
+    from phasegraph.phases.eagle import EDGES
+    from phasegraph.statemachine import InvariantViolation, PhaseGraph
+
+    start = syn.draft_state(3, K=2)
+    rows = start.params.req_pool_idx.clone()
+    rows[1] = rows[2]
+    shared = start.params.replace(req_pool_idx=rows)
+
+    def decode_with_new_params(state: DraftState, ctx):
+        return state.replace(params=shared)
+
+    phases = [attrs.evolve(p, fn=decode_with_new_params) if p.name == "decode" else p
+              for p in syn.synthetic_eagle_graph()]
+    m = Machine(PhaseGraph("buggy", phases, EDGES, entry="prefill-extend"), validate="strict")
+    m.reset("decode", start)
+    with pytest.raises(InvariantViolation, match="held by two requests"):
+        m.advance("decode", syn.SyntheticContext())
