@@ -12,8 +12,9 @@ its positions, so no other program of the launch reads that slot.
 
 Same arithmetic as the two kernels it replaces: the rotation is
 :func:`~phasegraph.kernels.rotary._rotate` on the same halves, the positions are cut into the same
-splits or float32 chunks and attended by the same tile loop
-(:func:`~phasegraph.kernels.attention._attend_tiles`), and the combine kernel is the same. So
+splits or float32 chunks and attended and stored by the same helpers as ``paged_attention``'s
+kernel (:func:`~phasegraph.kernels.attention._attend_run`, ``_store_run``), and the combine
+kernel is the same. So
 float32 outputs are bitwise those of ``rotary_write_kv`` + ``paged_attention`` (the exactness
 path), which the GPU tests check. The reference is exactly those two references.
 
