@@ -647,10 +647,7 @@ def paged_attention_triton(
     if num_stages is None:
         num_stages = 1 if upcast else 2
 
-    group_p = next_pow2(group)
-    block_t = max(1, block_m // group_p)
-    if block_t * group_p < 16:  # tl.dot needs at least 16 rows
-        block_t = cdiv(16, group_p)
+    group_p, block_t = tile_tokens(group, block_m)
     block_d = max(16, next_pow2(head_dim))
     page_size = meta.page_size
     page_table = meta.page_table
@@ -662,33 +659,20 @@ def paged_attention_triton(
     num_extra = extra.shape[1] if has_extra else 0
     extra_arg = as_bytes(extra) if has_extra else kv_len
 
+    positions = max_pages * page_size
     if chunk is None:
-        chunk = _fp32_chunk(max_pages * page_size, block_n) if upcast else 0
+        chunk = _fp32_chunk(positions, block_n) if upcast else 0
     if chunk:
         if chunk % block_n:
             raise ValueError(f"chunk ({chunk}) must be a multiple of block_n ({block_n})")
-        chunks = cdiv(max_pages * page_size, chunk)
-        if num_splits is None:  # split only where the runs alone leave most SMs idle
-            num_splits = chunks if cdiv(num_tokens, block_t) * num_kv_heads < num_sms(q.device) else 1
-        elif num_splits > 1:
-            num_splits = chunks  # split s is chunk s
+        if num_splits is not None and num_splits > 1:
+            num_splits = cdiv(positions, chunk)  # split s is chunk s
     if num_splits is None:
-        runs = cdiv(num_tokens, block_t) * num_kv_heads
-        tiles = cdiv(max_pages * page_size, block_n)
-        num_splits = prev_pow2(min(_MAX_SPLITS, tiles, max(1, 2 * num_sms(q.device) // runs)))
+        num_splits = auto_splits(positions, block_n, chunk, cdiv(num_tokens, block_t) * num_kv_heads, q.device)
     if num_splits < 1 or (not chunk and num_splits & (num_splits - 1)):
         raise ValueError(f"num_splits must be a power of two, got {num_splits}")
 
-    if num_splits > 1:
-        part_acc = torch.empty(
-            (num_tokens, num_heads, num_splits, block_d), dtype=torch.float32, device=q.device
-        )
-        part_max = torch.empty(
-            (num_tokens, num_heads, num_splits), dtype=torch.float32, device=q.device
-        )
-        part_sum = torch.empty_like(part_max)
-    else:
-        part_acc = part_max = part_sum = out  # never touched
+    part_acc, part_max, part_sum = split_buffers(out, num_splits, block_d)
     _paged_attention_kernel[(num_tokens, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_max, part_sum,
         page_table, query_row, kv_len, extra_arg,
@@ -713,17 +697,56 @@ def paged_attention_triton(
         num_warps=num_warps,
         num_stages=num_stages,
     )
-    if num_splits > 1:
-        _combine_splits_kernel[(num_tokens, num_heads)](
-            part_acc, part_max, part_sum, out, kv_len, *out.stride(),
-            HEAD_DIM=head_dim,
-            BLOCK_D=block_d,
-            NUM_SPLITS=num_splits,
-            CHUNK=chunk,
-            NUM_EXTRA=num_extra,
-            num_warps=1 if chunk or block_d * num_splits <= 1024 else 4,
-        )
+    combine_splits(out, part_acc, part_max, part_sum, kv_len, block_d, chunk, num_extra)
     return out
+
+
+def tile_tokens(group: int, block_m: int) -> tuple[int, int]:
+    """``(GROUP_P, BLOCK_T)`` of the attention kernels' query tile: ``BLOCK_T`` tokens of
+    ``GROUP_P`` rows each (the group rounded up to a power of two), ``block_m`` rows or the
+    fewest tokens that make 16 (``tl.dot`` needs at least 16 rows)."""
+    group_p = next_pow2(group)
+    block_t = max(1, block_m // group_p)
+    if block_t * group_p < 16:
+        block_t = cdiv(16, group_p)
+    return group_p, block_t
+
+
+def auto_splits(positions: int, block_n: int, chunk: int, runs: int, device: torch.device) -> int:
+    """How many programs share a run's ``positions`` when the caller does not say: with float32
+    chunks, one per chunk where the ``runs`` alone leave most SMs idle, else 1; otherwise the
+    largest power of two (<= 32 and <= the ``block_n`` tiles) that brings ``runs * splits`` to
+    about two programs per SM."""
+    if chunk:
+        return cdiv(positions, chunk) if runs < num_sms(device) else 1
+    return prev_pow2(min(_MAX_SPLITS, cdiv(positions, block_n), max(1, 2 * num_sms(device) // runs)))
+
+
+def split_buffers(out: torch.Tensor, num_splits: int, block_d: int):
+    """``(acc [T, H, S, BLOCK_D], max [T, H, S], sum [T, H, S])`` float32 partials of ``out``'s
+    rows over ``num_splits`` splits; with one split, ``out`` three times (never touched)."""
+    if num_splits == 1:
+        return out, out, out
+    num_tokens, num_heads = out.shape[:2]
+    part_acc = torch.empty((num_tokens, num_heads, num_splits, block_d), dtype=torch.float32, device=out.device)
+    part_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32, device=out.device)
+    return part_acc, part_max, torch.empty_like(part_max)
+
+
+def combine_splits(out, part_acc, part_max, part_sum, kv_len, block_d: int, chunk: int, num_extra: int) -> None:
+    """Merge the partials of :func:`split_buffers` into ``out`` [T, H, D] (nothing with one split)."""
+    if part_max is out:  # one split: the kernel wrote ``out`` itself
+        return
+    num_splits = part_max.shape[2]
+    _combine_splits_kernel[tuple(out.shape[:2])](
+        part_acc, part_max, part_sum, out, kv_len, *out.stride(),
+        HEAD_DIM=out.shape[2],
+        BLOCK_D=block_d,
+        NUM_SPLITS=num_splits,
+        CHUNK=chunk,
+        NUM_EXTRA=num_extra,
+        num_warps=1 if chunk or block_d * num_splits <= 1024 else 4,
+    )
 
 
 def _fp32_chunk(positions: int, block_n: int) -> int:

@@ -29,16 +29,18 @@ import math
 
 import torch
 
-from phasegraph.kernels._dispatch import cdiv, jit, next_pow2, num_sms, prev_pow2, tl, use_triton
+from phasegraph.kernels._dispatch import jit, tl, use_triton
 from phasegraph.kernels.attention import (
-    _MAX_SPLITS,
     AttentionMetadata,
     _attend_run,
-    _combine_splits_kernel,
     _fp32_chunk,
     _store_run,
+    auto_splits,
+    combine_splits,
     paged_attention,
     paged_attention_reference,
+    split_buffers,
+    tile_tokens,
 )
 from phasegraph.kernels.rotary import _rotate, rotary_write_kv, rotary_write_kv_reference
 
@@ -257,29 +259,15 @@ def rope_paged_attention_triton(
     if num_tokens == 0:
         return out
     upcast = len({qkv.dtype, k_cache.dtype, v_cache.dtype}) > 1 or qkv.dtype == torch.float32
-    group_p = next_pow2(group)
-    block_t = max(1, (16 if upcast else 64) // group_p)  # paged_attention_triton's tile
-    if block_t * group_p < 16:
-        block_t = cdiv(16, group_p)
+    group_p, block_t = tile_tokens(group, 16 if upcast else 64)  # paged_attention_triton's tile
     block_n = 16 if upcast else 32
     page_size = meta.page_size
     max_pages = meta.page_table.shape[1]
     positions = max_pages * page_size
-    runs = num_tokens * num_kv_heads
-    if upcast:
-        chunk = _fp32_chunk(positions, block_n)
-        num_splits = cdiv(positions, chunk) if runs < num_sms(qkv.device) else 1
-    else:
-        chunk = 0
-        num_splits = prev_pow2(min(_MAX_SPLITS, cdiv(positions, block_n), max(1, 2 * num_sms(qkv.device) // runs)))
-    if num_splits > 1:
-        part_acc = torch.empty((num_tokens, num_heads, num_splits, head_dim), dtype=torch.float32,
-                               device=qkv.device)
-        part_max = torch.empty((num_tokens, num_heads, num_splits), dtype=torch.float32,
-                               device=qkv.device)
-        part_sum = torch.empty_like(part_max)
-    else:
-        part_acc = part_max = part_sum = out  # never touched
+    chunk = _fp32_chunk(positions, block_n) if upcast else 0
+    # every token is its own run here (paged_attention assumes runs of BLOCK_T tokens)
+    num_splits = auto_splits(positions, block_n, chunk, num_tokens * num_kv_heads, qkv.device)
+    part_acc, part_max, part_sum = split_buffers(out, num_splits, head_dim)
     indexed = rope_rows is not None
     slots = meta.write_slots.contiguous()
     _rope_attention_kernel[(num_tokens, num_kv_heads, num_splits)](
@@ -304,16 +292,7 @@ def rope_paged_attention_triton(
         num_warps=4,
         num_stages=1 if upcast else 2,
     )
-    if num_splits > 1:
-        _combine_splits_kernel[(num_tokens, num_heads)](
-            part_acc, part_max, part_sum, out, meta.kv_len.contiguous(), *out.stride(),
-            HEAD_DIM=head_dim,
-            BLOCK_D=head_dim,
-            NUM_SPLITS=num_splits,
-            CHUNK=chunk,
-            NUM_EXTRA=0,
-            num_warps=1 if chunk or head_dim * num_splits <= 1024 else 4,
-        )
+    combine_splits(out, part_acc, part_max, part_sum, meta.kv_len.contiguous(), head_dim, chunk, 0)
     return out
 
 
