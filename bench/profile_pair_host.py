@@ -103,14 +103,25 @@ def run_steps(engine, steps: int) -> None:
     sync(engine.device)
 
 
-def kernels_by_name(prof) -> dict[str, list[float]]:
-    """Durations (us) of the device activities of a profiler trace, by (shortened) name."""
+PHASE_RANGE = "phase::"  # record_function label of one phase in phase_kernel_table
+
+
+def device_activities(events):
+    """``(event, duration us)`` of the device activities among profiler ``events`` (kernels,
+    copies), without the device-side copies of the ``PHASE_RANGE`` annotations."""
     from torch.autograd import DeviceType
 
+    for e in events:
+        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start \
+                and not e.name.startswith(PHASE_RANGE):
+            yield e, e.time_range.end - e.time_range.start
+
+
+def kernels_by_name(prof) -> dict[str, list[float]]:
+    """Durations (us) of the device activities of a profiler trace, by (shortened) name."""
     by_name: dict[str, list[float]] = {}
-    for e in prof.events():
-        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start:
-            by_name.setdefault(e.name[:90], []).append(e.time_range.end - e.time_range.start)
+    for e, us in device_activities(prof.events()):
+        by_name.setdefault(e.name[:90], []).append(us)
     return by_name
 
 
@@ -173,23 +184,21 @@ def phase_kernel_table(engine, batch: int, iterations: int = 10, top: int = 14) 
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(iterations):
                 for p in phases:
-                    with record_function(f"phase::{p}"):
+                    with record_function(f"{PHASE_RANGE}{p}"):
                         m.advance(p, ctx)
                         torch.cuda.synchronize()
     events = prof.events()
-    ranges = sorted((e.time_range.start, e.time_range.end, e.name.split("::", 1)[1]) for e in events
-                    if e.device_type == DeviceType.CPU and e.name.startswith("phase::"))
+    ranges = sorted((e.time_range.start, e.time_range.end, e.name[len(PHASE_RANGE):]) for e in events
+                    if e.device_type == DeviceType.CPU and e.name.startswith(PHASE_RANGE))
     by_phase: dict[str, dict[str, list[float]]] = {p: {} for p in phases}
     unplaced = 0
-    for e in events:
-        if e.device_type != DeviceType.CUDA or e.time_range.end <= e.time_range.start:
-            continue
+    for e, us in device_activities(events):
         start = e.time_range.start
         owner = next((name for lo, hi, name in ranges if lo <= start <= hi), None)
         if owner is None:
             unplaced += 1
             continue
-        by_phase[owner].setdefault(e.name[:90], []).append(e.time_range.end - e.time_range.start)
+        by_phase[owner].setdefault(e.name[:90], []).append(us)
     lines = []
     for p in phases:
         kernels = by_phase[p]
