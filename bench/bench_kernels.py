@@ -360,18 +360,16 @@ def bench_rope(args):
                     kv_heads=kv_heads, group=group, head_dim=head_dim, max_kv=args.kv,
                     dtype=dtype, sink_poison=0.0, pool_on_device=True,
                 )
-                pos = (meta.kv_len - 1).clamp(min=0)
-                pages = meta.page_table[meta.query_row, pos // 16]
-                slots = torch.where(meta.kv_len > 0, pages * 16 + pos % 16, -1)
+                slots = cases.own_slots(meta)
                 meta = attn.AttentionMetadata(
                     write_slots=slots, page_table=meta.page_table, query_row=meta.query_row,
                     kv_len=meta.kv_len, extra_mask=None, page_size=16, one_query_per_row=True,
                 )
                 heads = kv_heads * group
-                qkv = torch.randn(pos.shape[0], (heads + 2 * kv_heads) * head_dim, device=DEVICE, dtype=dtype)
+                qkv = torch.randn(slots.shape[0], (heads + 2 * kv_heads) * head_dim, device=DEVICE, dtype=dtype)
                 angles = torch.rand(meta.page_table.shape[1] * 16, head_dim, device=DEVICE) * 100
                 sets.append((qkv, heads, kv_heads, head_dim, angles.cos().to(dtype),
-                             angles.sin().to(dtype), k, v, meta, head_dim**-0.5, pos))
+                             angles.sin().to(dtype), k, v, meta, head_dim**-0.5, (meta.kv_len - 1).clamp(min=0)))
 
             def two(qkv, heads, kv_heads, head_dim, cos, sin, k, v, meta, scale, rows):
                 q, kk, vv = rope._split_qkv(qkv, heads, kv_heads, head_dim)

@@ -138,6 +138,14 @@ def attention_case(
     return q.to(device), k_cache.to(device), v_cache.to(device), meta
 
 
+def own_slots(meta: AttentionMetadata) -> torch.Tensor:
+    """[T] i64: the slot of each token's own position (kv_len - 1) in its row, -1 for padding:
+    the write slots of a decode or draft step."""
+    pos = (meta.kv_len - 1).clamp(min=0)
+    pages = meta.page_table[meta.query_row, pos // meta.page_size]
+    return torch.where(meta.kv_len > 0, pages * meta.page_size + pos % meta.page_size, -1)
+
+
 def clean_sink(cache: torch.Tensor, page_size: int) -> torch.Tensor:
     """A copy of ``cache`` with the sink page zeroed (what the torch reference may read)."""
     cache = cache.clone()

@@ -226,13 +226,6 @@ def _private_tails(meta, k_cache, v_cache, page_size: int):
     return table, grow(k_cache), grow(v_cache)
 
 
-def _own_slots(meta, page_size: int) -> torch.Tensor:
-    """[T] i64: the slot of each token's own position (kv_len - 1) in its row; -1 for padding."""
-    pos = (meta.kv_len - 1).clamp(min=0)
-    pages = meta.page_table[meta.query_row, pos // page_size]
-    return torch.where(meta.kv_len > 0, pages * page_size + pos % page_size, -1)
-
-
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["decode", "draft"])
 @pytest.mark.parametrize("batch", (1, 7, 48) if ON_GPU else (1, 5))
@@ -257,7 +250,7 @@ def test_rope_paged_attention_equals_rotary_then_attention(device, gen, dtype, l
     if layout == "draft":  # the case's branch rows share all pages; the draft's share the prefix
         table, k_cache, v_cache = _private_tails(meta, k_cache, v_cache, page_size)
     meta = attrs.evolve(meta, page_table=table)
-    slots = _own_slots(meta, page_size)
+    slots = cases.own_slots(meta)
     meta = attention.AttentionMetadata(
         write_slots=slots, page_table=meta.page_table, query_row=meta.query_row,
         kv_len=meta.kv_len, extra_mask=None, page_size=page_size, one_query_per_row=True,
@@ -336,7 +329,7 @@ def test_rope_paged_attention_cuda_graph_replay(gen, dtype):
         group=group, head_dim=head_dim, dtype=dtype, sink_poison=0.0,
     )
     kv_len = meta.kv_len.clone()
-    slots = _own_slots(meta, page_size)
+    slots = cases.own_slots(meta)
     static = attention.AttentionMetadata(
         write_slots=slots, page_table=meta.page_table, query_row=meta.query_row, kv_len=kv_len,
         extra_mask=None, page_size=page_size, one_query_per_row=True,
@@ -359,7 +352,7 @@ def test_rope_paged_attention_cuda_graph_replay(gen, dtype):
         qkv.copy_(torch.randn_like(qkv))
         kv_len.copy_((meta.kv_len - torch.randint(0, 30, kv_len.shape, generator=gen).to(device))
                      .clamp(min=1) * (meta.query_row != 0))
-        static.write_slots.copy_(_own_slots(static, page_size))
+        static.write_slots.copy_(cases.own_slots(static))
         rows.copy_((kv_len - 1).clamp(min=0))
         graph.replay()
         replayed = out.clone()
