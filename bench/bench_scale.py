@@ -152,32 +152,47 @@ def decode_step_time(engine, batch: int, context: int = 256, repeats: int = 20, 
 SPEC_PHASES = ("draft", "verify", "finalize-tree-path", "draft-extend")
 
 
-def gpu_busy_seconds(run, iterations: int) -> tuple[float, int]:
+def device_spans(prof) -> list[tuple[float, float, str]]:
+    """(start µs, end µs, name) of every device activity of a profiler trace, by start."""
+    from torch.autograd import DeviceType
+
+    return sorted(
+        (e.time_range.start, e.time_range.end, e.name)
+        for e in prof.events()
+        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
+    )
+
+
+def idle_gaps(spans: list[tuple[float, float, str]]) -> list[tuple[float, str, str]]:
+    """(idle µs, activity before, activity after) for every stretch of the device trace where
+    no activity runs: where, between which two launches, the GPU waits."""
+    gaps, last_end, last_name = [], None, ""
+    for a, b, name in spans:
+        if last_end is not None and a > last_end:
+            gaps.append((a - last_end, last_name, name))
+        if last_end is None or b >= last_end:
+            last_end, last_name = b, name
+    return gaps
+
+
+def gpu_busy_seconds(run, iterations: int, gaps: list | None = None) -> tuple[float, int]:
     """GPU busy time per call of ``run`` (union of kernel and copy intervals in a profiler
     trace over ``iterations`` calls; CUDA-graph replays are recorded kernel by kernel), and
-    the number of device activities per call."""
-    from torch.autograd import DeviceType
+    the number of device activities per call. ``gaps``, if given, receives the trace's
+    :func:`idle_gaps`."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(iterations):
             run()
         torch.cuda.synchronize()
-    spans = sorted(
-        (e.time_range.start, e.time_range.end)
-        for e in prof.events()
-        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
-    )
-    busy, cur_start, cur_end = 0.0, None, None
-    for a, b in spans:
-        if cur_end is None or a > cur_end:
-            if cur_end is not None:
-                busy += cur_end - cur_start
-            cur_start, cur_end = a, b
-        else:
-            cur_end = max(cur_end, b)
-    if cur_end is not None:
-        busy += cur_end - cur_start
+    spans = device_spans(prof)
+    if not spans:
+        return 0.0, 0
+    idle = idle_gaps(spans)
+    if gaps is not None:
+        gaps.extend(idle)
+    busy = (max(b for _, b, _ in spans) - spans[0][0]) - sum(g for g, _, _ in idle)
     return busy * 1e-6 / iterations, len(spans) // iterations
 
 

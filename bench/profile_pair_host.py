@@ -437,7 +437,8 @@ def generate_breakdown(engine, batch: int = 1, calls: int = 3, prompt_tokens: in
             one_call()
         sync(engine.device)
         timed_wall = (time.perf_counter() - t0) / calls
-    busy, launches = bench_scale.gpu_busy_seconds(one_call, 1) if engine.device.type == "cuda" else (0.0, 0)
+    gaps: list = []
+    busy, launches = bench_scale.gpu_busy_seconds(one_call, 1, gaps) if engine.device.type == "cuda" else (0.0, 0)
     per_it = 1e3 / iterations
     figures = {"wall_ms_per_call": 1e3 * wall, "iterations_per_call": iterations, "tokens_per_call": tokens,
                "wall_ms_per_iteration": wall * per_it, "timed_wall_ms_per_iteration": timed_wall * per_it,
@@ -450,6 +451,7 @@ def generate_breakdown(engine, batch: int = 1, calls: int = 3, prompt_tokens: in
              f"({launches} device activities per call)",
              f"  {figures['host_wait_ms_per_iteration']:.3f} ms  host waits for the device (the sync in _collect)"]
     lines += [f"  {v:.3f} ms  {k}" for k, v in figures["ms_per_iteration"].items()]
+    lines += gap_table(gaps, per_it)
     prof = cProfile.Profile()
     prof.enable()
     one_call()
@@ -458,6 +460,20 @@ def generate_breakdown(engine, batch: int = 1, calls: int = 3, prompt_tokens: in
     text = io.StringIO()
     pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(30)
     return "\n".join(lines) + "\n--- cProfile of one call, by own time ---\n" + text.getvalue(), figures
+
+
+def gap_table(gaps: list[tuple[float, str, str]], per_iteration: float, rows: int = 8) -> list[str]:
+    """Where one call's GPU idles: idle time per iteration, by the pair of device activities
+    around each idle stretch, largest first (``per_iteration`` = 1e3 / iterations)."""
+    by_pair: dict[tuple[str, str], list[float]] = {}
+    for idle, before, after in gaps:
+        by_pair.setdefault((before[:48], after[:48]), []).append(idle)
+    total = sum(idle for idle, _, _ in gaps)
+    lines = [f"  GPU idle {1e-6 * total * per_iteration:.3f} ms per iteration in {len(gaps)} stretches; "
+             f"the largest, by the activities around them (ms per iteration, count per call):"]
+    ranked = sorted(by_pair.items(), key=lambda kv: -sum(kv[1]))[:rows]
+    lines += [f"    {1e-6 * sum(v) * per_iteration:.3f} ms  {len(v):>5}x  {b} -> {a}" for (b, a), v in ranked]
+    return lines
 
 
 def launch_costs(tokens: int = 128, hidden: int = 4096, calls: int = 200) -> str:
