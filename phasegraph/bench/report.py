@@ -62,6 +62,10 @@ def evaluate_goals(result: dict, args: argparse.Namespace) -> list[dict]:
             note = (f"a tree iteration costs {cost:.2f} baseline steps ({1e3 * tree1['iteration_s']:.2f} ms vs "
                     f"{1e3 * tree1['baseline_step_s']:.2f} ms per decode step), so η ≈ 1/{cost:.2f} = {1 / cost:.2f}; "
                     f"wall time of the timed call by phase: {shares}")
+            if tree1.get("eta_gpu_work"):
+                note += (f"; GPU work (profiler): {1e3 * tree1['gpu_iteration_s']:.2f} ms per iteration vs "
+                         f"{1e3 * tree1['baseline_gpu_step_s']:.2f} ms per decode step, so even a host that kept up "
+                         f"would leave η ≤ {tree1['eta_gpu_work']:.2f}")
         add(f"trained pair, batch 1: EAGLE-3 tree η ≥ {ETA_GOAL}",
             f"η = {tree1['eta']:.2f} (speedup {tree1['speedup']:.2f}×, τ = {tree1['tau']:.2f})",
             tree1["eta"] >= ETA_GOAL, note)
@@ -223,6 +227,7 @@ def render_markdown(result: dict) -> str:
                 f"{share_text(row.get('phase_share', {}))} |")
         if tp.get("draft_note"):
             lines += ["", f"Note: {tp['draft_note']}."]
+        lines += _gpu_work_table(tp["rows"])
         lines += ["", _captured_text(tp["rows"]), ""]
     sc = r.get("scale")
     if sc:
@@ -274,6 +279,26 @@ def render_markdown(result: dict) -> str:
     if r["quick"]:
         lines += ["", "QUICK MODE: tiny models on this device; the figures only show that the pipeline runs."]
     return "\n".join(lines) + "\n"
+
+
+def _gpu_work_table(rows: list[dict]) -> list[str]:
+    """Batch 1, end to end against the GPU's own work (profiler over one more run of the timed
+    calls): what the host costs and what η the GPU work alone would allow."""
+    gpu = [r for r in rows if r.get("gpu_iteration_s")]
+    if not gpu:
+        return []
+    step, gpu_step = gpu[0]["baseline_step_s"], gpu[0]["baseline_gpu_step_s"]  # every row's baseline
+    lines = ["", "Batch 1 on the GPU (profiler over one more run of the same calls, prefill included; η the GPU work "
+             "allows = GPU time per baseline step / GPU time per iteration, what η would be if the host kept up):", "",
+             "| configuration | end to end per iteration | GPU work per iteration | GPU idle | η measured | "
+             "η the GPU work allows |", "|---|---|---|---|---|---|",
+             f"| {BASELINE} | {1e3 * step:.3f} ms | {1e3 * gpu_step:.3f} ms | "
+             f"{100 * max(0.0, 1 - gpu_step / step):.0f}% | – | – |"]
+    for r in gpu:
+        idle = max(0.0, 1 - r["gpu_iteration_s"] / r["iteration_s"])
+        lines.append(f"| {r['config']} | {1e3 * r['iteration_s']:.3f} ms | {1e3 * r['gpu_iteration_s']:.3f} ms | "
+                     f"{100 * idle:.0f}% | {fmt(r.get('eta'))} | {r['eta_gpu_work']:.2f} |")
+    return lines
 
 
 def _captured_text(rows: list[dict]) -> str:

@@ -163,3 +163,36 @@ def test_source_digest_names_the_code_not_the_commit(tmp_path):
     assert source_digest(tmp_path) == first
     (tmp_path / "phasegraph" / "sub" / "a.py").write_text("x = 2\n")
     assert source_digest(tmp_path) != first
+
+
+def test_batch_one_gpu_work_gives_the_eta_a_host_that_kept_up_would_allow():
+    """Rows that carry the profiler's GPU busy time get the GPU work per step and per iteration,
+    the η it allows, a table in bench.md and a clause in the tree goal's note."""
+    import argparse
+
+    from phasegraph.bench.common import BASELINE, TREE
+    from phasegraph.bench.pair import _compare_with_baseline
+    from phasegraph.bench.report import _gpu_work_table, evaluate_goals
+
+    base = {"engine": "phasegraph", "config": BASELINE, "batch": 1, "requests": 1, "seconds": 0.130,
+            "prefill_s": 0.002, "iterations": 256, "tokens_per_s": 256 / 0.130, "tau": None,
+            "gpu_busy_s": 0.1075, "phase_share": {}}
+    tree = {"engine": "phasegraph", "config": TREE, "batch": 1, "requests": 1, "seconds": 0.082,
+            "prefill_s": 0.002, "iterations": 64, "tokens_per_s": 256 / 0.082, "tau": 4.0,
+            "gpu_busy_s": 0.0672, "phase_share": {"verify": 0.5}}
+    outputs = {(BASELINE, 1): [[1, 2, 3]], (TREE, 1): [[1, 2, 3]]}
+    _compare_with_baseline(None, [base, tree], outputs, [[0]], None)
+    assert tree["gpu_iteration_s"] == pytest.approx(0.0672 / 64)
+    assert tree["baseline_gpu_step_s"] == pytest.approx(0.1075 / 256)
+    assert tree["eta_gpu_work"] == pytest.approx((0.1075 / 256) / (0.0672 / 64))  # 0.40
+    assert tree["eta"] == pytest.approx((0.130 / 0.082) / 4.0)
+
+    table = "\n".join(_gpu_work_table([base, tree]))
+    assert "| η the GPU work allows |" in table
+    assert f"| {TREE} | 1.250 ms | 1.050 ms | 16% | 0.40 | 0.40 |" in table
+    assert f"| {BASELINE} | 0.500 ms | 0.420 ms | 16% | – | – |" in table
+
+    args = argparse.Namespace(scale_batch_list=[1], scale_config_list=["chain"])
+    goal = evaluate_goals({"trained_pair": {"rows": [base, tree]}}, args)[0]
+    assert goal["met"] is False and "even a host that kept up would leave η ≤ 0.40" in goal["note"]
+    assert _gpu_work_table([dict(base, gpu_busy_s=None)]) == []  # no profiler figures, no table
