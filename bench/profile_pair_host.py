@@ -359,6 +359,8 @@ def timed_methods(methods: dict[str, tuple[type, str]], seconds: dict[str, float
         return issue
 
     for label, (cls, name) in methods.items():
+        if cls is None or name not in cls.__dict__:  # another version of the package (ab_profile.sh)
+            continue
         saved.append((cls, name, cls.__dict__[name]))
         setattr(cls, name, wrap(label, cls.__dict__[name]))
     issue = Scheduler.__dict__["_issue"]
@@ -395,6 +397,8 @@ def generate_breakdown(engine, batch: int = 1, calls: int = 3, prompt_tokens: in
     scheduler's pieces, the phases (``Machine.advance``), text decoding, ``Engine.step``'s
     request loop; and the GPU busy time per iteration (profiler)."""
     from phasegraph import SamplingParams
+    from phasegraph.runtime import cuda_graphs, iteration_graph
+    from phasegraph.runtime import scheduler as scheduler_module
     from phasegraph.runtime.engine import Engine
     from phasegraph.runtime.requests import Request
     from phasegraph.runtime.scheduler import Scheduler
@@ -428,6 +432,15 @@ def generate_breakdown(engine, batch: int = 1, calls: int = 3, prompt_tokens: in
         "    Request._update_text (text of the whole output)": (Request, "_update_text"),
         "  Request.take_delta": (Request, "take_delta"),
         "Machine.advance (every phase, host side)": (Machine, "advance"),
+        "  iteration graph: copy_into_static": (iteration_graph, "copy_into_static"),
+        "  iteration graph: copy_outputs_out": (iteration_graph, "copy_outputs_out"),
+        "  phase graphs: copy_into_static": (cuda_graphs, "copy_into_static"),
+        "  phase graphs: copy_outputs_out": (cuda_graphs, "copy_outputs_out"),
+        "  CUDAGraph.replay": (torch.cuda.CUDAGraph, "replay"),
+        "PinnedBuffers.copy (copy of the emitted tokens)": (getattr(scheduler_module, "PinnedBuffers", None), "copy"),
+        "_to_pinned_host (the same, before PinnedBuffers)": (scheduler_module, "_to_pinned_host"),
+        "  iteration graph: copy_inputs_in": (iteration_graph, "copy_inputs_in"),
+        "  phase graphs: copy_inputs_in": (cuda_graphs, "copy_inputs_in"),
     }
     seconds: dict[str, float] = {}
     waits: list[float] = []

@@ -35,7 +35,9 @@ import torch
 from phasegraph.runtime.cuda_graphs import (
     EmulatedGraph,
     GraphRunner,
+    InputCopier,
     OutputCopier,
+    copy_inputs_in,
     copy_into_static,
     copy_outputs_out,
     fill_neutral,
@@ -54,6 +56,7 @@ class _CapturedIteration:
     static_in: Schema  # padded DraftState
     static_outs: list[Schema]  # the four phases' outputs, in ITERATION order
     copiers: dict[int, OutputCopier] = attrs.field(factory=dict)  # per batch size
+    input_copiers: dict[int, InputCopier] = attrs.field(factory=dict)  # per batch size
 
 
 class IterationGraph:
@@ -95,7 +98,7 @@ class IterationGraph:
             cap = self._capture(state, ctx, batch, bucket, key)
             replay = not self.runner.emulate  # an emulated capture has executed the iteration
         else:
-            copy_into_static(cap.static_in, state, batch, bucket)
+            copy_inputs_in(cap.input_copiers, cap.static_in, state, batch, bucket)
         if replay:
             cap.graph.replay()
         self.replays += 1

@@ -252,9 +252,13 @@ def test_poisoned_padded_rows_change_no_real_request(scope):
     spec = SpecConfig(method="standalone", num_steps=3, topk=4, num_draft_tokens=12)
     eng = _spec_engine(target, prompts, ref, spec, 16, True, 3, scope)
     runner = eng.graph_runner
-    original_copy = copy_into_static
+    import phasegraph.runtime.cuda_graphs as cg
+    import phasegraph.runtime.iteration_graph as ig
 
-    def poisoning_copy(static, real, batch, bucket):
+    original_copy = cg.copy_inputs_in
+    poisoned = []
+
+    def poisoning_copy(copiers, static, real, batch, bucket):
         # stale garbage from an earlier, bigger batch: NaN floats, out-of-range ids
         for _, x in static.tensors():
             if x.shape[0] > batch:
@@ -262,17 +266,16 @@ def test_poisoned_padded_rows_change_no_real_request(scope):
                     x[batch:].fill_(float("nan"))
                 elif x.dtype == torch.int64:
                     x[batch:].fill_(VOCAB + 7)
-        original_copy(static, real, batch, bucket)
+        poisoned.append(batch)
+        original_copy(copiers, static, real, batch, bucket)
 
-    import phasegraph.runtime.cuda_graphs as cg
-    import phasegraph.runtime.iteration_graph as ig
-
-    cg.copy_into_static = ig.copy_into_static = poisoning_copy
+    cg.copy_inputs_in = ig.copy_inputs_in = poisoning_copy
     try:
         outs = eng.generate(prompts, SamplingParams(max_new_tokens=64, ignore_eos=True))
     finally:
-        cg.copy_into_static = ig.copy_into_static = original_copy
+        cg.copy_inputs_in = ig.copy_inputs_in = original_copy
     assert [tuple(o.token_ids) for o in outs] == ref
+    assert poisoned, "no replay copied its input: the poison was never applied"
     assert sum(p["replays"] for p in runner.stats().values()) > 0
 
 
@@ -312,3 +315,18 @@ def test_bf16_speculative_matches_bf16_autoregressive():
             target.model.set_attn_implementation("phasegraph")
         top2 = logits.topk(2).values
         assert float(top2[0] - top2[1]) < 0.25, f"diverged after a margin of {float(top2[0] - top2[1]):.3f}"
+
+
+def test_the_host_copies_of_emitted_tokens_reuse_pinned_buffers():
+    """Every iteration copies its emitted tokens into pinned host memory; the buffers are reused
+    once read, so a long generation allocates one per iteration in flight (two with overlap),
+    and its tokens are still the target's greedy ones."""
+    target = _target()
+    prompts = _prompts(1, seed=11)
+    ref = _reference(target, prompts)
+    eng = Engine(target, spec=SpecConfig(method="none"), max_batch_size=4, kv_pool_tokens=4096, cuda_graphs=True)
+    outs = eng.generate(prompts, SamplingParams(max_new_tokens=64, ignore_eos=True))
+    assert [tuple(o.token_ids) for o in outs] == ref
+    buffers = eng.scheduler.host_buffers
+    assert 1 <= buffers.allocated <= 2, buffers.allocated
+    assert sum(len(v) for v in buffers.free.values()) == buffers.allocated  # all given back

@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from phasegraph.runtime.config import SamplingParams, SpecConfig
-from phasegraph.runtime.cuda_graphs import copy_into_static, pad_schema
+from phasegraph.runtime.cuda_graphs import (
+    InputCopier,
+    copy_inputs_in,
+    copy_into_static,
+    pad_schema,
+)
 from phasegraph.runtime.engine import Engine
 from phasegraph.testing import synthetic as syn
 from phasegraph.testing.drafters import NoisyOracleDraft
@@ -98,6 +103,36 @@ def test_padded_rows_are_neutral_and_overwrite_stale_garbage():
     copy_into_static(static, d, 3, 8)
     assert torch.isfinite(static.topk_p).all()
     assert (static.bonus_tokens[3:] == 0).all() and (static.params.req_pool_idx[3:] == 0).all()
+
+
+def test_a_planned_input_copier_copies_each_new_input_and_refills_the_padding():
+    """The copier a replay uses is planned on the first input of a batch size and then serves
+    every later input of that size: it copies *their* values (nested params included), into the
+    first rows only, and refills the padded rows each time."""
+    first, second = syn.draft_state(3, K=4), syn.draft_state(3, K=4)
+    second.seq_lens.add_(7)
+    second.topk_p.mul_(0.5)
+    second.params.req_pool_idx.add_(3)
+    static = pad_schema(first, 3, 8)
+    copiers: dict[int, InputCopier] = {}
+    copy_inputs_in(copiers, static, first, 3, 8)
+    planned = copiers[3]
+    static.topk_p[3:].fill_(float("nan"))  # stale rows of an earlier, bigger batch
+    static.params.req_pool_idx[3:].fill_(5)
+    copy_inputs_in(copiers, static, second, 3, 8)
+    assert copiers[3] is planned  # planned once per batch size
+    assert torch.equal(static.seq_lens[:3], second.seq_lens) and (static.seq_lens[3:] == 1).all()
+    assert torch.equal(static.topk_p[:3], second.topk_p) and torch.isfinite(static.topk_p).all()
+    assert torch.equal(static.params.req_pool_idx[:3], second.params.req_pool_idx)
+    assert (static.params.req_pool_idx[3:] == 0).all()
+    # the same result as copying field by field
+    reference = pad_schema(first, 3, 8)
+    copy_into_static(reference, second, 3, 8)
+    for (name, got), (_, want) in zip(static.tensors(), reference.tensors(), strict=True):
+        assert torch.equal(got, want), name
+    # another batch size in the same bucket gets its own plan
+    copy_inputs_in(copiers, static, syn.draft_state(2, K=4), 2, 8)
+    assert set(copiers) == {2, 3} and (static.params.req_pool_idx[2:] == 0).all()
 
 
 def test_padded_tree_rows_see_only_themselves():
