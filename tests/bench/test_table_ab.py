@@ -60,3 +60,35 @@ def test_the_previous_float32_table_is_the_one_19f556f_shipped():
     assert all(not r.config.dot and r.config.precision == "ieee" for r in table)
     assert lin.FP32_CONFIGS != table  # the shipped table moved on
     assert lin._lookup(9, 5120, 768, torch.float32).config.precision == "tf32x3"
+
+
+def _bench_linear():
+    spec = importlib.util.spec_from_file_location("bench_linear", BENCH / "bench_linear.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_a_fused_rule_must_beat_the_two_kernel_sequence_the_dispatcher_would_run():
+    """bench_linear's tuned table turns a fused prologue on only where it beats the norm / silu
+    kernel followed by the *faster* of cuBLAS and the swept Triton product (2026-11-24: a fused
+    qkv+norm at 16 rows, 11.7 us, beat norm + cuBLAS, 14.7 us, but not norm + Triton, ~8.6)."""
+    bl = _bench_linear()
+    cfg = lin.SkinnyConfig(32, 64, 4, 3, True, precision="tf32x3")  # split-K forms never fuse
+
+    def result(fused_us, cublas_seq_us, triton_seq_us):
+        return {
+            "sweep": [{"shape": "qkv", "n": 1280, "k": 768, "m": 16, "cublas_us": 12.9,
+                       "best": {"config": cfg._asdict(), "us": 6.0}}],
+            "fused": [{"shape": "qkv", "m": 16, "two_kernels_cublas_us": cublas_seq_us,
+                       "two_kernels_triton_us": triton_seq_us,
+                       "fused": [{"config": cfg._asdict(), "us": fused_us}],
+                       "best": {"config": cfg._asdict(), "us": fused_us}}],
+        }
+
+    def rule(res):
+        return next(r for r in bl.tuned_table(res) if r.n_range == (1280, 1280))
+
+    assert rule(result(11.7, 14.7, 8.6)).fused is False
+    assert rule(result(7.9, 14.7, 8.6)).fused is True
+    assert rule(result(11.7, 14.7, None)).fused is True  # no Triton sequence measured: cuBLAS's
