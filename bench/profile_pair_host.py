@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
+import functools
 import io
 import json
 import pstats
@@ -220,6 +221,17 @@ _NO_LAUNCH = frozenset({
 })
 
 
+def _innermost_site(frame) -> str:
+    """The innermost phasegraph source line of ``frame``'s caller chain, kernel modules included."""
+    while frame is not None:
+        path = frame.f_code.co_filename.replace("\\", "/")
+        cut = path.rfind("/phasegraph/")
+        if cut >= 0 and "/phasegraph/bench/" not in path:
+            return f"{path[cut + 1:]}:{frame.f_lineno} ({frame.f_code.co_name})"
+        frame = frame.f_back
+    return "(outside phasegraph)"
+
+
 def _site_of(frame) -> tuple[str, object | None]:
     """The innermost phasegraph source line below ``frame``'s caller chain, or, where the op
     runs inside ``phasegraph/kernels``, the outermost kernel-module function (one call there is
@@ -240,14 +252,16 @@ def _site_of(frame) -> tuple[str, object | None]:
     return inner or "(outside phasegraph)", None
 
 
-def launch_sites(engine, batch: int, steps: int = 5, top: int = 150) -> str:
+def launch_sites(engine, batch: int, steps: int = 5, top: int = 150, expand: bool = False) -> str:
     """Device launches of ``steps`` steady-state steps of an engine *without* CUDA graphs, by the
     phasegraph source line that issued them (runs on any device, the CPU included). Every
     dispatcher op that does device work counts once, except inside ``phasegraph/kernels``, where
     one call of a kernel module counts once (a Triton launch or two on a GPU; its torch
     reference on the CPU). Rotary cos/sin come from the rotary table on every device here, as on
     CUDA. A CUDA-graph replay launches the same kernels, so this is the map of what an
-    iteration's small kernels are and where they come from."""
+    iteration's small kernels are and where they come from. ``expand``: every torch op counts
+    at its own line, inside kernel modules too (the torch work around their Triton launches,
+    which the launches themselves, not dispatcher ops, do not show)."""
     from torch.utils._python_dispatch import TorchDispatchMode
 
     sites: dict[str, int] = {}
@@ -257,7 +271,10 @@ def launch_sites(engine, batch: int, steps: int = 5, top: int = 150) -> str:
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             op = func.overloadpacket.__name__  # in-place forms end in "_": t_, squeeze_, ...
-            if op not in _NO_LAUNCH and op.rstrip("_") not in _NO_LAUNCH:
+            if (op not in _NO_LAUNCH and op.rstrip("_") not in _NO_LAUNCH) and expand:
+                key = f"{_innermost_site(sys._getframe(1))} [{op}]"
+                sites[key] = sites.get(key, 0) + 1
+            elif op not in _NO_LAUNCH and op.rstrip("_") not in _NO_LAUNCH:
                 site, kernel_frame = _site_of(sys._getframe(1))
                 if kernel_frame is None or kernel_frame is not self.last_kernel:
                     key = site if kernel_frame is not None else f"{site} [{op}]"
@@ -276,7 +293,8 @@ def launch_sites(engine, batch: int, steps: int = 5, top: int = 150) -> str:
     finally:
         RotaryTable.devices = devices
     total = sum(sites.values())
-    lines = [f"launches per step (eager; a kernel-module call counts once): {total / steps:.0f}"]
+    how = "every torch op at its own line" if expand else "a kernel-module call counts once"
+    lines = [f"launches per step (eager; {how}): {total / steps:.0f}"]
     for site, n in sorted(sites.items(), key=lambda kv: (-kv[1], kv[0]))[:top]:
         lines.append(f"  {n / steps:6.1f}x  {site}")
     return "\n".join(lines) + "\n"
@@ -531,6 +549,8 @@ def main(argv=None) -> int:
     ap.add_argument("--generate", action="store_true",
                     help="only: where the wall time of the bench's generate calls goes (batch 1, 3 x 256 new "
                          "tokens), with the bench's engine settings (trace, default checks, text) and with none")
+    ap.add_argument("--expand", action="store_true",
+                    help="with --sites: every torch op at its own source line, inside kernel modules too")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: --sites only")
     ap.add_argument("--kernels", action="store_true", help="also a table of GPU kernels per step at batch 1")
     ap.add_argument("--phase-kernels", action="store_true",
@@ -571,7 +591,8 @@ def main(argv=None) -> int:
     # the modes that print one table per configuration and nothing else
     only = {"prefill": (prefill_table, "prefill: {}", dict(cuda_graphs=True, trace=True)),
             "phase_kernels": (phase_kernel_table, "GPU kernels by phase: {}, batch 1", dict(cuda_graphs=True, graph_scope="phase", trace=False)),
-            "sites": (launch_sites, "launch sites: {}, batch 1", dict(cuda_graphs=False, trace=False))}
+            "sites": (functools.partial(launch_sites, expand=args.expand), "launch sites: {}, batch 1",
+                      dict(cuda_graphs=False, trace=False))}
     if args.prefill:
         table = launch_costs()
         print(f"===== launch costs =====\n{table}", flush=True)

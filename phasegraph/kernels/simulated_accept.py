@@ -5,16 +5,35 @@ draft would be accepted, so speed at a given acceptance length is measured by ma
 accept the first ``accept_drafts`` nodes along the first-child chain of every tree. The emitted
 tokens are then the drafted ones, not the target's: outputs of a simulated run are labelled as
 such and never compared with a baseline.
+
+``verify_tree_simulated_reference`` is the CPU path and the oracle; on CUDA
+``verify_tree_simulated_triton`` does the walk in one launch (the reference's loop was ~17 small
+torch ops per accepted depth, ~50 launches in a chain iteration's graph, which a benchmark of the
+iteration's speed should not carry).
 """
 
 from __future__ import annotations
 
 import torch
 
-from phasegraph.kernels.verify_greedy import VerifyOutcome
+from phasegraph.kernels._checks import expect, expect_shape
+from phasegraph.kernels._dispatch import jit, next_pow2, tl, use_triton
+from phasegraph.kernels.verify_greedy import VerifyOutcome, _take
 
 
-def verify_tree_simulated(
+def _check(draft_tokens, retrieve_next_token, target_predict, num_steps, accept_drafts) -> tuple[int, int]:
+    expect(draft_tokens, "draft_tokens", 1, torch.int64)
+    expect(retrieve_next_token, "retrieve_next_token", 2, torch.int64)
+    expect(target_predict, "target_predict", 1, torch.int64)
+    batch, num_nodes = retrieve_next_token.shape
+    expect_shape(draft_tokens, "draft_tokens", (batch * num_nodes,))
+    expect_shape(target_predict, "target_predict", (batch * num_nodes,))
+    if num_steps < 0 or accept_drafts < 0:
+        raise ValueError(f"num_steps and accept_drafts must be >= 0, got {num_steps} and {accept_drafts}")
+    return batch, num_nodes
+
+
+def verify_tree_simulated_reference(
     draft_tokens: torch.Tensor,  # [B*N] int64
     retrieve_next_token: torch.Tensor,  # [B, N] int64, first child, -1
     target_predict: torch.Tensor,  # [B*N] int64, target argmax after each node
@@ -24,7 +43,7 @@ def verify_tree_simulated(
     """Accept the root and the first ``min(accept_drafts, S)`` nodes of the first-child chain
     (fewer where the tree is shallower); ``predict`` of each accepted node but the last is the
     next accepted node's token, so the bonus is the target's choice after the last one."""
-    B, N = retrieve_next_token.shape
+    B, N = _check(draft_tokens, retrieve_next_token, target_predict, num_steps, accept_drafts)
     device = draft_tokens.device
     node_base = torch.arange(B, dtype=torch.int64, device=device) * N  # [B]
     accept_index = torch.full((B, num_steps + 1), -1, dtype=torch.int64, device=device)
@@ -43,3 +62,85 @@ def verify_tree_simulated(
         accept_lens = accept_lens + alive.long()
         last = torch.where(alive, child, last)
     return VerifyOutcome(predict=predict, accept_index=accept_index, accept_lens=accept_lens)
+
+
+# --------------------------------------------------------------------------------------------
+# Triton
+
+
+@jit
+def _simulated_accept_kernel(
+    draft_tokens_ptr,  # [B*N] i64
+    next_token_ptr,  # [B, N] i64, first child
+    target_ptr,  # [B*N] i64
+    predict_ptr,  # [B*N] i64, out
+    accept_index_ptr,  # [B, S+1] i64, out
+    accept_lens_ptr,  # [B] i64, out
+    num_nodes,
+    num_steps,
+    depths,  # min(accept_drafts, num_steps)
+    stride_tr,
+    BLOCK_NODES: tl.constexpr,
+    BLOCK_W: tl.constexpr,
+):
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_NODES)
+    node_ok = offs < num_nodes
+    base = b * num_nodes
+    tokens = tl.load(draft_tokens_ptr + base + offs, mask=node_ok, other=-1)
+    predict = tl.load(target_ptr + base + offs, mask=node_ok, other=-1)
+    first_child = tl.load(next_token_ptr + b * stride_tr + offs, mask=node_ok, other=-1)
+
+    offs_w = tl.arange(0, BLOCK_W)
+    path = tl.where(offs_w == 0, base, -1)  # [W] node rows of the accepted path
+    last = base * 0  # node index of the last accepted node (i64 scalar)
+    length = last + 1
+    alive = length > 0
+    for depth in range(1, depths + 1):
+        child = _take(first_child, offs, last)
+        alive = alive & (child >= 0)
+        # the node before an accepted child predicts that child's token
+        predict = tl.where(alive & (offs == last), _take(tokens, offs, child), predict)
+        path = tl.where((offs_w == depth) & alive, base + child, path)
+        length += alive.to(tl.int64)
+        last = tl.where(alive, child, last)
+    tl.store(predict_ptr + base + offs, predict, mask=node_ok)
+    tl.store(accept_index_ptr + b * (num_steps + 1) + offs_w, path, mask=offs_w <= num_steps)
+    tl.store(accept_lens_ptr + b, length)
+
+
+def verify_tree_simulated_triton(
+    draft_tokens: torch.Tensor,  # [B*N] int64
+    retrieve_next_token: torch.Tensor,  # [B, N] int64, first child, -1
+    target_predict: torch.Tensor,  # [B*N] int64
+    num_steps: int,
+    accept_drafts: int,
+) -> VerifyOutcome:
+    """Triton simulated acceptance: one program (one warp) per request walks its first-child
+    chain in registers, as :func:`~phasegraph.kernels.verify_greedy.verify_tree_greedy_triton`
+    walks the tree, and writes ``predict``, ``accept_index`` and ``accept_lens`` in one launch."""
+    batch, num_nodes = _check(draft_tokens, retrieve_next_token, target_predict, num_steps, accept_drafts)
+    device = draft_tokens.device
+    predict = torch.empty(batch * num_nodes, dtype=torch.int64, device=device)
+    accept_index = torch.empty((batch, num_steps + 1), dtype=torch.int64, device=device)
+    accept_lens = torch.empty(batch, dtype=torch.int64, device=device)
+    if batch > 0:
+        next_token = retrieve_next_token.contiguous()
+        _simulated_accept_kernel[(batch,)](
+            draft_tokens.contiguous(), next_token, target_predict.contiguous(), predict, accept_index,
+            accept_lens, num_nodes, num_steps, min(accept_drafts, num_steps), next_token.stride(0),
+            BLOCK_NODES=next_pow2(num_nodes), BLOCK_W=next_pow2(num_steps + 1), num_warps=1,
+        )
+    return VerifyOutcome(predict=predict, accept_index=accept_index, accept_lens=accept_lens)
+
+
+def verify_tree_simulated(
+    draft_tokens: torch.Tensor,  # [B*N] int64
+    retrieve_next_token: torch.Tensor,  # [B, N] int64, first child, -1
+    target_predict: torch.Tensor,  # [B*N] int64, target argmax after each node
+    num_steps: int,
+    accept_drafts: int,
+) -> VerifyOutcome:
+    """Simulated acceptance (see :func:`verify_tree_simulated_reference`); Triton on CUDA."""
+    impl = verify_tree_simulated_triton if use_triton(draft_tokens) else verify_tree_simulated_reference
+    return impl(draft_tokens, retrieve_next_token, target_predict, num_steps, accept_drafts)

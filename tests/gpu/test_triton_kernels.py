@@ -377,6 +377,23 @@ def test_verify_tree_greedy(device, gen, batch, topk):
         assert float(ref.accept_lens.float().mean()) > 1.3  # the paths are not trivial
 
 
+simulated_mod = importlib.import_module("phasegraph.kernels.simulated_accept")
+
+
+@pytest.mark.parametrize(("batch", "topk"), GRID)
+@pytest.mark.parametrize("accept_drafts", [0, 1, 3, 9])
+def test_verify_tree_simulated(device, gen, batch, topk, accept_drafts):
+    """Benchmark mode's simulated acceptance: the one-launch walk equals the reference, also
+    where the first-child chain is shorter than the drafts asked for (a leaf ends it)."""
+    d = _verify_inputs(gen, device, batch, topk)
+    args = (d["draft_tokens"], d["next_token"], d["target_predict"], d["num_steps"], accept_drafts)
+    ref = simulated_mod.verify_tree_simulated_reference(*args)
+    out = run_triton(device, simulated_mod.verify_tree_simulated_triton, *args)
+    assert_same_fields(ref, out)
+    if accept_drafts == 0:
+        assert (ref.accept_lens == 1).all()
+
+
 @pytest.mark.parametrize(("batch", "topk"), GRID)
 def test_verify_tree_sampling(device, gen, batch, topk):
     d = _verify_inputs(gen, device, batch, topk)
