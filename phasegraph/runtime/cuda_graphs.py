@@ -264,8 +264,9 @@ class OutputCopier:
     ``_foreach_copy_`` per dtype and builds the schemas: at batch 1, slicing and allocating
     field by field was a large part of what an iteration cost the host.
 
-    The outputs are fresh memory, never the static buffers (a later replay overwrites those). A
-    nested schema that is the static input (or, in each output after the first, the previous
+    The outputs are fresh memory, never the static buffers (a later replay overwrites those); a
+    static tensor that sits in several outputs (passed on unchanged by a phase) is copied once and
+    shared by them, as in the eager phases. A nested schema that is the static input (or, in each output after the first, the previous
     static output), or a schema nested in it, is the real object instead.
     """
 
@@ -275,6 +276,7 @@ class OutputCopier:
         self.groups: dict[tuple, tuple[list[torch.Tensor], list[tuple], list[int]]] = {}
         self.strided: list[tuple[int, torch.Tensor]] = []  # non-contiguous sources: copy_ each
         self.count = 0
+        self.registered: dict[tuple, int] = {}  # the static view each index copies
         tokens = _nested_tokens(static_input, ("in", ()), {})
         self.recipes = []
         for k, static in enumerate(statics):
@@ -303,7 +305,13 @@ class OutputCopier:
         return (_BUILD, (type(static), fields))
 
     def _register(self, src: torch.Tensor) -> int:
+        # a tensor that a phase passed on unchanged sits in two outputs (accept_lens, say): one
+        # copy serves both, so the outputs alias each other as the eager phases' do
+        key = (src.untyped_storage().data_ptr(), src.storage_offset(), tuple(src.shape), src.stride(), src.dtype)
+        if key in self.registered:
+            return self.registered[key]
         index, self.count = self.count, self.count + 1
+        self.registered[key] = index
         if not src.is_contiguous():
             self.strided.append((index, src))
             return index

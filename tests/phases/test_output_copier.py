@@ -97,3 +97,22 @@ def test_each_call_hands_out_new_memory_from_the_same_plan():
     second = copier(real)[0]
     assert torch.equal(second.picked, middle.picked[:3]) and torch.equal(first.picked, ~second.picked)
     assert not _storages(first) & _storages(second)
+
+
+def test_a_tensor_passed_on_unchanged_is_copied_once_and_shared():
+    """A phase that hands a tensor on unchanged puts one static tensor in two output fields; the
+    copier copies it once and both fields hold that copy, as the eager phases' outputs share
+    theirs. Equal values in different tensors stay separate copies."""
+    start, middle, end = _statics()
+    shared = End(y=end.y, middle=middle, knobs=Knobs(seed=end.y))  # the same tensor twice
+    copier = OutputCopier([middle, shared], start, batch=2, bucket=4)
+    assert copier.count == 5  # nodes, picked, table, strided; y once
+    real = Start(x=torch.randn(2, 3), knobs=Knobs(seed=torch.tensor([5, 6])))
+    got_end = copier(real)[1]
+    assert got_end.knobs.seed is got_end.y and torch.equal(got_end.y, end.y[:2])
+    assert not _storages(got_end) & _storages(shared)  # still fresh memory
+    equal = End(y=end.y, middle=middle, knobs=Knobs(seed=end.y.clone()))  # equal values only
+    other = OutputCopier([middle, equal], start, batch=2, bucket=4)
+    assert other.count == 6
+    got = other(real)[1]
+    assert got.knobs.seed is not got.y and torch.equal(got.knobs.seed, got.y)
