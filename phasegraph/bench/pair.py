@@ -179,7 +179,7 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
         if note:
             row["note"] = note
         if b == 1 and run.cuda:
-            row["gpu_busy_s"] = _gpu_busy_seconds(engine, calls, params)
+            row["gpu_busy_s"], row["gpu_busy_iterations"] = _gpu_busy_seconds(engine, calls[0], params)
         outputs[(label, b)] = tokens
         rows.append(row)
         bar.update(1)
@@ -187,14 +187,19 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
                    f"τ {fmt(row['tau'])}  phases: {share_text(row['phase_share'])}")
 
 
-def _gpu_busy_seconds(engine, calls: list[list], params) -> float:
-    """GPU busy time (union of device activity, profiler) of one more run of the timed calls,
-    prefill included: with the row's wall time it says how much of an iteration the GPU worked
-    and how much it waited for the host."""
+def _gpu_busy_seconds(engine, prompts: list, params) -> tuple[float, int]:
+    """GPU busy time (union of device activity, profiler) of one more run of the first timed
+    call, prefill included, and the iterations (decode steps or verify phases) it ran: with the
+    row's wall time they say how much of an iteration the GPU worked and how much it waited for
+    the host. One call, not all of the row's, keeps the profiler's cost to the run small."""
     from phasegraph.bench.common import load_bench_scale
 
-    busy, _ = load_bench_scale().gpu_busy_seconds(lambda: [engine.generate(c, params) for c in calls], 1)
-    return busy
+    def iterations() -> int:
+        return count_phase(engine.trace, "verify") or count_phase(engine.trace, "decode")
+
+    before = iterations()
+    busy, _ = load_bench_scale().gpu_busy_seconds(lambda: engine.generate(prompts, params), 1)
+    return busy, iterations() - before
 
 
 # ------------------------------------------------------------------------------------------------
@@ -323,10 +328,10 @@ def _compare_with_baseline(run: BenchRun, rows, outputs, prompts, hf_model) -> N
             it = (r["seconds"] - r["prefill_s"]) / r["iterations"]
             r["baseline_step_s"], r["iteration_s"] = step, it
             r["iteration_cost_in_steps"] = it / step
-            if r.get("gpu_busy_s") and base.get("gpu_busy_s"):
+            if r.get("gpu_busy_iterations") and base.get("gpu_busy_iterations"):
                 # GPU work alone: with a host that kept up, η would be the ratio of GPU work
                 # per baseline step to GPU work per iteration (prefill included in both)
-                gpu_step = base["gpu_busy_s"] / base["iterations"]
-                gpu_it = r["gpu_busy_s"] / r["iterations"]
+                gpu_step = base["gpu_busy_s"] / base["gpu_busy_iterations"]
+                gpu_it = r["gpu_busy_s"] / r["gpu_busy_iterations"]
                 r["baseline_gpu_step_s"], r["gpu_iteration_s"] = gpu_step, gpu_it
                 r["eta_gpu_work"] = gpu_step / gpu_it

@@ -176,23 +176,28 @@ def test_batch_one_gpu_work_gives_the_eta_a_host_that_kept_up_would_allow():
 
     base = {"engine": "phasegraph", "config": BASELINE, "batch": 1, "requests": 1, "seconds": 0.130,
             "prefill_s": 0.002, "iterations": 256, "tokens_per_s": 256 / 0.130, "tau": None,
-            "gpu_busy_s": 0.1075, "phase_share": {}}
+            "gpu_busy_s": 0.1075 / 3, "gpu_busy_iterations": 256 // 3, "phase_share": {}}
     tree = {"engine": "phasegraph", "config": TREE, "batch": 1, "requests": 1, "seconds": 0.082,
             "prefill_s": 0.002, "iterations": 64, "tokens_per_s": 256 / 0.082, "tau": 4.0,
-            "gpu_busy_s": 0.0672, "phase_share": {"verify": 0.5}}
+            "gpu_busy_s": 0.0672 / 2, "gpu_busy_iterations": 32, "phase_share": {"verify": 0.5}}
     outputs = {(BASELINE, 1): [[1, 2, 3]], (TREE, 1): [[1, 2, 3]]}
     _compare_with_baseline(None, [base, tree], outputs, [[0]], None)
+    # per iteration of the profiled call (one of the row's calls), not of the timed row
     assert tree["gpu_iteration_s"] == pytest.approx(0.0672 / 64)
-    assert tree["baseline_gpu_step_s"] == pytest.approx(0.1075 / 256)
-    assert tree["eta_gpu_work"] == pytest.approx((0.1075 / 256) / (0.0672 / 64))  # 0.40
+    assert tree["baseline_gpu_step_s"] == pytest.approx(0.1075 / 3 / 85)
+    assert tree["eta_gpu_work"] == pytest.approx((0.1075 / 3 / 85) / (0.0672 / 64))
     assert tree["eta"] == pytest.approx((0.130 / 0.082) / 4.0)
 
     table = "\n".join(_gpu_work_table([base, tree]))
     assert "| η the GPU work allows |" in table
     assert f"| {TREE} | 1.250 ms | 1.050 ms | 16% | 0.40 | 0.40 |" in table
-    assert f"| {BASELINE} | 0.500 ms | 0.420 ms | 16% | – | – |" in table
+    assert f"| {BASELINE} | 0.500 ms | 0.422 ms | 16% | – | – |" in table
 
     args = argparse.Namespace(scale_batch_list=[1], scale_config_list=["chain"])
     goal = evaluate_goals({"trained_pair": {"rows": [base, tree]}}, args)[0]
     assert goal["met"] is False and "even a host that kept up would leave η ≤ 0.40" in goal["note"]
-    assert _gpu_work_table([dict(base, gpu_busy_s=None)]) == []  # no profiler figures, no table
+    # rows without profiler figures (a CPU run) get no GPU-work figures and no table
+    bare = {k: v for k, v in tree.items() if not k.startswith(("gpu_", "baseline_gpu", "eta_gpu"))}
+    bare_base = {k: v for k, v in base.items() if not k.startswith("gpu_")}
+    _compare_with_baseline(None, [bare_base, bare], outputs, [[0]], None)
+    assert "eta_gpu_work" not in bare and _gpu_work_table([bare_base, bare]) == []
