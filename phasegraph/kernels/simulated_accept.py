@@ -18,7 +18,13 @@ import torch
 
 from phasegraph.kernels._checks import expect, expect_shape
 from phasegraph.kernels._dispatch import jit, next_pow2, tl, use_triton
-from phasegraph.kernels.verify_greedy import VerifyOutcome, _take
+from phasegraph.kernels.verify_greedy import (
+    VerifyOutcome,
+    _request_tree,
+    _root_path,
+    _store_path,
+    _take,
+)
 
 
 def _check(draft_tokens, retrieve_next_token, target_predict, num_steps, accept_drafts) -> tuple[int, int]:
@@ -83,19 +89,9 @@ def _simulated_accept_kernel(
     BLOCK_NODES: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_NODES)
-    node_ok = offs < num_nodes
-    base = b * num_nodes
-    tokens = tl.load(draft_tokens_ptr + base + offs, mask=node_ok, other=-1)
-    predict = tl.load(target_ptr + base + offs, mask=node_ok, other=-1)
-    first_child = tl.load(next_token_ptr + b * stride_tr + offs, mask=node_ok, other=-1)
-
-    offs_w = tl.arange(0, BLOCK_W)
-    path = tl.where(offs_w == 0, base, -1)  # [W] node rows of the accepted path
-    last = base * 0  # node index of the last accepted node (i64 scalar)
-    length = last + 1
-    alive = length > 0
+    b, offs, node_ok, base, tokens, predict, first_child = _request_tree(
+        draft_tokens_ptr, next_token_ptr, target_ptr, num_nodes, stride_tr, BLOCK_NODES)
+    offs_w, path, last, length, alive = _root_path(base, BLOCK_W)  # path: [W] node rows
     for depth in range(1, depths + 1):
         child = _take(first_child, offs, last)
         alive = alive & (child >= 0)
@@ -105,8 +101,7 @@ def _simulated_accept_kernel(
         length += alive.to(tl.int64)
         last = tl.where(alive, child, last)
     tl.store(predict_ptr + base + offs, predict, mask=node_ok)
-    tl.store(accept_index_ptr + b * (num_steps + 1) + offs_w, path, mask=offs_w <= num_steps)
-    tl.store(accept_lens_ptr + b, length)
+    _store_path(accept_index_ptr, accept_lens_ptr, b, offs_w, path, length, num_steps)
 
 
 def verify_tree_simulated_triton(

@@ -107,6 +107,37 @@ def _take(vec, offs, index):
 
 
 @jit
+def _request_tree(draft_tokens_ptr, next_token_ptr, target_ptr, num_nodes, stride_tr,
+                  BLOCK_NODES: tl.constexpr):
+    """This program's request: its node tokens, the target's predictions and the first children,
+    in registers, with the node offsets, their mask and the request's first node row."""
+    b = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_NODES)
+    node_ok = offs < num_nodes
+    base = b * num_nodes
+    tokens = tl.load(draft_tokens_ptr + base + offs, mask=node_ok, other=-1)
+    target = tl.load(target_ptr + base + offs, mask=node_ok, other=-1)
+    first_child = tl.load(next_token_ptr + b * stride_tr + offs, mask=node_ok, other=-1)
+    return b, offs, node_ok, base, tokens, target, first_child
+
+
+@jit
+def _root_path(base, BLOCK_W: tl.constexpr):
+    """A path holding only the root: ``(offs_w, path [W] node rows, last node, length, alive)``."""
+    offs_w = tl.arange(0, BLOCK_W)
+    path = tl.where(offs_w == 0, base, -1)
+    last = base * 0  # node index of the last accepted node (i64 scalar)
+    length = last + 1
+    return offs_w, path, last, length, length > 0
+
+
+@jit
+def _store_path(accept_index_ptr, accept_lens_ptr, b, offs_w, path, length, num_steps):
+    tl.store(accept_index_ptr + b * (num_steps + 1) + offs_w, path, mask=offs_w <= num_steps)
+    tl.store(accept_lens_ptr + b, length)
+
+
+@jit
 def _verify_greedy_kernel(
     draft_tokens_ptr,  # [B*N] i64
     next_token_ptr,  # [B, N] i64
@@ -122,21 +153,12 @@ def _verify_greedy_kernel(
     BLOCK_NODES: tl.constexpr,
     BLOCK_W: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_NODES)
-    node_ok = offs < num_nodes
-    base = b * num_nodes
-    tokens = tl.load(draft_tokens_ptr + base + offs, mask=node_ok, other=-1)
-    target = tl.load(target_ptr + base + offs, mask=node_ok, other=-1)
-    first_child = tl.load(next_token_ptr + b * stride_tr + offs, mask=node_ok, other=-1)
+    b, offs, node_ok, base, tokens, target, first_child = _request_tree(
+        draft_tokens_ptr, next_token_ptr, target_ptr, num_nodes, stride_tr, BLOCK_NODES)
     sibling = tl.load(next_sibling_ptr + b * stride_sr + offs, mask=node_ok, other=-1)
     tl.store(predict_ptr + base + offs, target, mask=node_ok)
 
-    offs_w = tl.arange(0, BLOCK_W)
-    path = tl.where(offs_w == 0, base, -1)  # [W] node rows of the accepted path
-    last = base * 0  # node index of the last accepted node (i64 scalar)
-    length = last + 1
-    alive = length > 0
+    offs_w, path, last, length, alive = _root_path(base, BLOCK_W)  # path: [W] node rows
     for depth in range(1, num_steps + 1):
         want = _take(target, offs, last)
         child = _take(first_child, offs, last)
@@ -153,8 +175,7 @@ def _verify_greedy_kernel(
         path = tl.where((offs_w == depth) & alive, base + chosen, path)
         length += alive.to(tl.int64)
         last = tl.where(alive, chosen, last)
-    tl.store(accept_index_ptr + b * (num_steps + 1) + offs_w, path, mask=offs_w <= num_steps)
-    tl.store(accept_lens_ptr + b, length)
+    _store_path(accept_index_ptr, accept_lens_ptr, b, offs_w, path, length, num_steps)
 
 
 def verify_tree_greedy_triton(

@@ -333,6 +333,7 @@ def compile_cases():
     expand = importlib.import_module("phasegraph.kernels.draft_expand")
     sampling = importlib.import_module("phasegraph.kernels.tree_sampling")
     greedy = importlib.import_module("phasegraph.kernels.verify_greedy")
+    simulated = importlib.import_module("phasegraph.kernels.simulated_accept")
 
     def verify(batch, topk, num_steps, vocab):
         def run():
@@ -341,6 +342,8 @@ def compile_cases():
             lists = (d["draft_tokens"], d["next_token"], d["next_sibling"])
             probs = torch.rand(d["probs"].shape[0], vocab).softmax(-1)
             greedy.verify_tree_greedy_triton(*lists, d["target_predict"], num_steps)
+            simulated.verify_tree_simulated_triton(d["draft_tokens"], d["next_token"], d["target_predict"],
+                                                   num_steps, num_steps - 1)
             out = sampling.verify_tree_sampling_triton(
                 *lists, probs, d["coins"], d["bonus_coins"], num_steps
             )
