@@ -73,6 +73,7 @@ def measure_trained_pair(run: BenchRun) -> None:
         "new_tokens": a.new_tokens, "batches": a.batch_list, "dtype": str(run.pair_dtype).removeprefix("torch."),
         "cuda_graphs": run.graphs, "greedy": True, "ignore_eos": True, "rows": [],
         "batch1_prompts": a.batch1_prompts,
+        "wall_s_by_group": {},  # where part 1's time goes: engine, compiles, captures, warm-ups, rows
     }
     run.result["trained_pair"] = part
     rows = part["rows"]
@@ -88,18 +89,24 @@ def measure_trained_pair(run: BenchRun) -> None:
         if run.out_of_time(label):
             bar.update(len(a.batch_list))
             continue
+        t_group = time.perf_counter()
         run.guard(label, _measure_pg_config, run, label, spec_kw, pair / "target",
                   drafts[draft_key] if draft_key else None, prompts, params, kv_tokens, outputs, rows, bar,
                   draft_note if draft_key == "draft" else None)
+        part["wall_s_by_group"][label] = round(time.perf_counter() - t_group, 1)
         free_memory()
         write_outputs(run)
 
     hf_model = None
     if not a.no_hf and not run.out_of_time("transformers rows"):
+        t_group = time.perf_counter()
         hf_model = run.guard("transformers rows", _measure_hf_rows, run, pair, drafts["draft"], prompts, outputs,
                              rows, bar, draft_note)
+        part["wall_s_by_group"]["transformers rows"] = round(time.perf_counter() - t_group, 1)
     bar.close()
+    t_group = time.perf_counter()
     run.guard("comparison with the baseline", _compare_with_baseline, run, rows, outputs, prompts, hf_model)
+    part["wall_s_by_group"]["comparison with the baseline"] = round(time.perf_counter() - t_group, 1)
     del hf_model
     free_memory()
     run.result["parts_wall_s"]["part 1"] = round(time.perf_counter() - t_part, 1)

@@ -228,6 +228,9 @@ def render_markdown(result: dict) -> str:
         if tp.get("draft_note"):
             lines += ["", f"Note: {tp['draft_note']}."]
         lines += _gpu_work_table(tp["rows"])
+        if tp.get("wall_s_by_group"):
+            groups = " · ".join(f"{k} {v:.0f} s" for k, v in tp["wall_s_by_group"].items())
+            lines += ["", f"Part 1's wall time by row group (engine, compiles, captures, warm-ups and timed calls): {groups}."]
         lines += ["", _captured_text(tp["rows"]), ""]
     sc = r.get("scale")
     if sc:

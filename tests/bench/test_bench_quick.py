@@ -53,6 +53,10 @@ def test_json_holds_every_figure_and_the_environment(quick_run):
     assert (out / "train_report.json").exists()
 
     rows = r["trained_pair"]["rows"]
+    groups = r["trained_pair"]["wall_s_by_group"]  # where part 1's time went
+    assert {"baseline (autoregressive)", "EAGLE-3 tree K=4 S=4 N=16", "transformers rows"} <= set(groups)
+    assert groups["EAGLE-3 tree K=4 S=4 N=16"] > 0 and all(v >= 0 for v in groups.values())
+    assert sum(groups.values()) <= r["parts_wall_s"]["part 1"]
     got = {(x["engine"], x["config"], x["batch"]) for x in rows}
     for config in ("baseline (autoregressive)", "EAGLE-3 chain S=3", "EAGLE-3 tree K=4 S=4 N=16",
                    "standalone draft chain S=3"):
@@ -102,6 +106,7 @@ def test_markdown_table(quick_run):
     assert "## 2. Scale — SIMULATED acceptance" in md and "SIMULATED" in md
     assert "batch 1 only" in md
     assert "CUDA graphs captured inside a timed call" in md
+    assert "Part 1's wall time by row group" in md
     for goal in ("EAGLE-3 tree η ≥ 0.75", "≥ 5× transformers' assisted generation",
                  "identical to the baseline in every row", "SIMULATED τ = 4: η ≥ 0.75",
                  "≥ 1.3× baseline", "85% of the memory-bandwidth bound"):
