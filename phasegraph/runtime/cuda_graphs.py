@@ -266,8 +266,9 @@ class OutputCopier:
 
     The outputs are fresh memory, never the static buffers (a later replay overwrites those); a
     static tensor that sits in several outputs (passed on unchanged by a phase) is copied once and
-    shared by them, as in the eager phases. A nested schema that is the static input (or, in each output after the first, the previous
-    static output), or a schema nested in it, is the real object instead.
+    shared by them, as in the eager phases. A nested schema that is the static input (or, in each
+    output after the first, the previous static output), or a schema nested in it, is the real
+    object instead.
     """
 
     def __init__(self, statics: Sequence[Schema], static_input: Schema, batch: int, bucket: int):
