@@ -33,7 +33,12 @@ QUICK = {"batches": "1,2", "new_tokens": 16, "prompt_tokens": 64, "batch1_prompt
 SCALE_STEP_S = {1: 4.94e-3, 8: 5.93e-3, 64: 8.17e-3}
 SCALE_ITER_S = {"chain": {1: 6.74e-3, 8: 7.98e-3, 64: 12.34e-3}, "tree": {1: 7.70e-3, 8: 8.86e-3, 64: 31.73e-3}}
 SCALE_EAGER_ITER_S = 62.5e-3
-SMALL_STEP_S, SMALL_ITER_S, HF_STEP_S, TRITON_COMPILE_S, CAPTURE_S = 1.5e-3, 4.5e-3, 10e-3, 40.0, 0.3
+SMALL_STEP_S, SMALL_ITER_S, TRITON_COMPILE_S, CAPTURE_S = 1.5e-3, 4.5e-3, 40.0, 0.3
+# Measured in run 12 (bench/RESULTS.md §5, H100): transformers' generate on the 96M pair, 42 tok/s
+# plain and 16-31 tok/s assisted at batch 1 (host bound); part 1 took 215 s to measure, of which
+# the timed and warm-up calls of phasegraph were ~14 s and transformers' rows ~79 s: the rest is
+# per configuration (engine, compiles, captures, the GPU-work probe), ~20-25 s each.
+HF_STEP_S, HF_ASSISTED_STEP_S, CONFIG_SETUP_S = 24e-3, 40e-3, 20.0
 
 
 def _ints(text: str) -> list[int]:
@@ -71,8 +76,8 @@ def estimate_seconds(run: BenchRun) -> dict[str, float]:
             calls = sum(b1 if b == 1 else 1 for b in a.batch_list)  # batch 1: one call per prompt
             pg = calls * 3 * steps * SMALL_STEP_S  # baseline, two warm-ups + timed
             pg += calls * 3 * 3 * (steps / 2.5) * SMALL_ITER_S  # chain, tree, standalone at tau ~2.5
-            pg += nb * 3 * 3 * CAPTURE_S
-            hf = 1.1 * steps * HF_STEP_S * calls + 1.1 * steps / 3 * 2 * HF_STEP_S * b1
+            pg += nb * 3 * 3 * CAPTURE_S + 4 * CONFIG_SETUP_S
+            hf = 0.0 if a.no_hf else 1.1 * steps * (HF_STEP_S * calls + HF_ASSISTED_STEP_S * b1)
             est["part 1: measure"] = pg + hf + TRITON_COMPILE_S + 15.0
         else:
             est["part 1: measure"] = 30.0
