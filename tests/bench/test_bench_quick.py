@@ -206,3 +206,20 @@ def test_batch_one_gpu_work_gives_the_eta_a_host_that_kept_up_would_allow():
     bare_base = {k: v for k, v in base.items() if not k.startswith("gpu_")}
     _compare_with_baseline(None, [bare_base, bare], outputs, [[0]], None)
     assert "eta_gpu_work" not in bare and _gpu_work_table([bare_base, bare]) == []
+
+
+def test_the_estimate_counts_transformers_rows_only_when_they_run(tmp_path):
+    """--dry-run's part-1 estimate carries transformers' rows at the measured per-token cost
+    (plain and assisted at batch 1) and drops them with --no-hf."""
+    from phasegraph.bench.cli import HF_ASSISTED_STEP_S, HF_STEP_S, _resolve_args, estimate_seconds
+    from phasegraph.bench.common import BenchRun
+    from phasegraph.cli import build_parser
+
+    def part1(*extra):
+        args = build_parser().parse_args(["bench", "--out", str(tmp_path), "--pair", str(tmp_path / "pair"),
+                                          "--parts", "1", "--dry-run", *extra])
+        return estimate_seconds(BenchRun(_resolve_args(args)))["part 1: measure"]
+
+    with_hf, without = part1(), part1("--no-hf")
+    calls = 3 + 1 + 1  # batch 1: three prompts one call each; batches 8 and 32: one call
+    assert with_hf - without == pytest.approx(1.1 * 256 * (HF_STEP_S * calls + HF_ASSISTED_STEP_S * 3))
