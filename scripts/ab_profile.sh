@@ -6,7 +6,8 @@
 #                                                 # writes $OUT/profile-{old,new}.txt
 #   bash scripts/ab_profile.sh run generate       # the same for whole generate calls (host
 #                                                 # and GPU time per iteration, batch 1): this
-#                                                 # checkout's probe on both sides' package
+#                                                 # checkout's probe on both sides' package;
+#                                                 # ROUNDS=N alternates the sides N times
 #   bash scripts/ab_profile.sh run 8b             # the 8B-shaped decode step at batch 1 (bf16),
 #                                                 # old/new interleaved twice (share of the
 #                                                 # bandwidth bound), then each side's kernels
@@ -41,11 +42,17 @@ case ${1:-} in
       exit 0
     fi
     if [ "${2:-}" = generate ]; then
-      for side in old new; do
-        pkg=$PWD; [ "$side" = old ] && pkg=$PWD/.ab
-        PYTHONPATH=$pkg timeout 240 python bench/profile_pair_host.py --generate --batches 1 \
-          --out "$OUT/generate-$side" 2>&1 | grep -v Warning > "$OUT/generate-$side.txt"
-        echo "== $side"; grep -E "=====|ms per call" "$OUT/generate-$side.txt"
+      # ROUNDS=N alternates the sides N times (old, new, old, new, ...): the host's speed drifts
+      # by ±10 % on a lent machine, so one round each cannot show a host-side change end to end
+      rounds=${ROUNDS:-1}
+      for round in $(seq 1 "$rounds"); do
+        for side in old new; do
+          pkg=$PWD; [ "$side" = old ] && pkg=$PWD/.ab
+          tag=$side; [ "$rounds" -gt 1 ] && tag=$side-$round
+          PYTHONPATH=$pkg timeout 240 python bench/profile_pair_host.py --generate --batches 1 \
+            --out "$OUT/generate-$tag" 2>&1 | grep -v Warning > "$OUT/generate-$tag.txt"
+          echo "== $tag"; grep -E "=====|ms per call" "$OUT/generate-$tag.txt"
+        done
       done
       exit 0
     fi
