@@ -221,15 +221,24 @@ _NO_LAUNCH = frozenset({
 })
 
 
-def _innermost_site(frame) -> str:
-    """The innermost phasegraph source line of ``frame``'s caller chain, kernel modules included."""
+def _phasegraph_frames(frame):
+    """(path below the repository, frame) of every phasegraph frame of ``frame``'s caller chain,
+    innermost first (the bench's own frames left out)."""
     while frame is not None:
         path = frame.f_code.co_filename.replace("\\", "/")
         cut = path.rfind("/phasegraph/")
         if cut >= 0 and "/phasegraph/bench/" not in path:
-            return f"{path[cut + 1:]}:{frame.f_lineno} ({frame.f_code.co_name})"
+            yield path[cut + 1:], frame
         frame = frame.f_back
-    return "(outside phasegraph)"
+
+
+def _line(rel: str, frame) -> str:
+    return f"{rel}:{frame.f_lineno} ({frame.f_code.co_name})"
+
+
+def _innermost_site(frame) -> str:
+    """The innermost phasegraph source line of ``frame``'s caller chain, kernel modules included."""
+    return next((_line(rel, f) for rel, f in _phasegraph_frames(frame)), "(outside phasegraph)")
 
 
 def _site_of(frame) -> tuple[str, object | None]:
@@ -237,16 +246,11 @@ def _site_of(frame) -> tuple[str, object | None]:
     runs inside ``phasegraph/kernels``, the outermost kernel-module function (one call there is
     one or two launches on a GPU, however many ops its CPU reference takes) and its frame."""
     inner, kernel, kernel_frame = None, None, None
-    while frame is not None:
-        path = frame.f_code.co_filename.replace("\\", "/")
-        cut = path.rfind("/phasegraph/")
-        if cut >= 0 and "/phasegraph/bench/" not in path:
-            rel = path[cut + 1:]
-            if rel.startswith("phasegraph/kernels/"):
-                kernel, kernel_frame = f"{rel}:{frame.f_code.co_name} (kernel call)", frame
-            elif inner is None:
-                inner = f"{rel}:{frame.f_lineno} ({frame.f_code.co_name})"
-        frame = frame.f_back
+    for rel, f in _phasegraph_frames(frame):
+        if rel.startswith("phasegraph/kernels/"):
+            kernel, kernel_frame = f"{rel}:{f.f_code.co_name} (kernel call)", f
+        elif inner is None:
+            inner = _line(rel, f)
     if kernel is not None:
         return kernel, kernel_frame
     return inner or "(outside phasegraph)", None
@@ -271,10 +275,11 @@ def launch_sites(engine, batch: int, steps: int = 5, top: int = 150, expand: boo
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             op = func.overloadpacket.__name__  # in-place forms end in "_": t_, squeeze_, ...
-            if (op not in _NO_LAUNCH and op.rstrip("_") not in _NO_LAUNCH) and expand:
+            launches = op not in _NO_LAUNCH and op.rstrip("_") not in _NO_LAUNCH
+            if launches and expand:
                 key = f"{_innermost_site(sys._getframe(1))} [{op}]"
                 sites[key] = sites.get(key, 0) + 1
-            elif op not in _NO_LAUNCH and op.rstrip("_") not in _NO_LAUNCH:
+            elif launches:
                 site, kernel_frame = _site_of(sys._getframe(1))
                 if kernel_frame is None or kernel_frame is not self.last_kernel:
                     key = site if kernel_frame is not None else f"{site} [{op}]"
