@@ -95,15 +95,14 @@ def argmax_triton(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
         return out
     block = min(next_pow2(vocab), BLOCK_MAX)
     blocks = cdiv(vocab, block)
-    if blocks == 1:
-        _block_argmax_kernel[(rows, 1)](logits, out, out, vocab, logits.stride(0), NB=1, BLOCK=block,
-                                        num_warps=8)
-        return out
-    val = torch.empty((rows, blocks), dtype=torch.float32, device=logits.device)
-    idx = torch.empty((rows, blocks), dtype=torch.int64, device=logits.device)
+    val = idx = out  # one block: its first index is the answer (the kernel stores no value)
+    if blocks > 1:
+        val = torch.empty((rows, blocks), dtype=torch.float32, device=logits.device)
+        idx = torch.empty((rows, blocks), dtype=torch.int64, device=logits.device)
     _block_argmax_kernel[(rows, blocks)](logits, val, idx, vocab, logits.stride(0), NB=blocks,
                                          BLOCK=block, num_warps=8)
-    _merge_blocks_kernel[(rows,)](val, idx, out, NB=blocks, BLOCK_NB=next_pow2(blocks), num_warps=1)
+    if blocks > 1:
+        _merge_blocks_kernel[(rows,)](val, idx, out, NB=blocks, BLOCK_NB=next_pow2(blocks), num_warps=1)
     return out
 
 
