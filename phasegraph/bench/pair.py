@@ -89,27 +89,36 @@ def measure_trained_pair(run: BenchRun) -> None:
         if run.out_of_time(label):
             bar.update(len(a.batch_list))
             continue
-        t_group = time.perf_counter()
-        run.guard(label, _measure_pg_config, run, label, spec_kw, pair / "target",
-                  drafts[draft_key] if draft_key else None, prompts, params, kv_tokens, outputs, rows, bar,
-                  draft_note if draft_key == "draft" else None)
-        part["wall_s_by_group"][label] = round(time.perf_counter() - t_group, 1)
+        _timed_guard(run, label, _measure_pg_config, run, label, spec_kw, pair / "target",
+                     drafts[draft_key] if draft_key else None, prompts, params, kv_tokens, outputs, rows, bar,
+                     draft_note if draft_key == "draft" else None)
         free_memory()
         write_outputs(run)
 
     hf_model = None
     if not a.no_hf and not run.out_of_time("transformers rows"):
-        t_group = time.perf_counter()
-        hf_model = run.guard("transformers rows", _measure_hf_rows, run, pair, drafts["draft"], prompts, outputs,
-                             rows, bar, draft_note)
-        part["wall_s_by_group"]["transformers rows"] = round(time.perf_counter() - t_group, 1)
+        hf_model = _timed_guard(run, "transformers rows", _measure_hf_rows, run, pair, drafts["draft"], prompts,
+                                outputs, rows, bar, draft_note)
     bar.close()
-    t_group = time.perf_counter()
-    run.guard("comparison with the baseline", _compare_with_baseline, run, rows, outputs, prompts, hf_model)
-    part["wall_s_by_group"]["comparison with the baseline"] = round(time.perf_counter() - t_group, 1)
+    _timed_guard(run, "comparison with the baseline", _compare_with_baseline, run, rows, outputs, prompts, hf_model)
     del hf_model
     free_memory()
     run.result["parts_wall_s"]["part 1"] = round(time.perf_counter() - t_part, 1)
+
+
+def _timed_guard(run: BenchRun, name: str, fn, *args):
+    """``run.guard(name, fn, *args)``, its wall time kept under ``name`` in part 1's
+    ``wall_s_by_group`` (engine, compiles, captures, warm-ups and timed calls together)."""
+    start = time.perf_counter()
+    try:
+        return run.guard(name, fn, *args)
+    finally:
+        run.result["trained_pair"]["wall_s_by_group"][name] = round(time.perf_counter() - start, 1)
+
+
+def _iterations(trace) -> int:
+    """Speculative iterations (verify phases) of a trace, or decode steps for the baseline."""
+    return count_phase(trace, "verify") or count_phase(trace, "decode")
 
 
 def _trained_pair_dir(run: BenchRun) -> Path:
@@ -175,7 +184,7 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
             "seconds": wall, "new_tokens": sum(len(t) for t in tokens),
             "tokens_per_s": sum(len(t) for t in tokens) / wall,
             "tau": (sum(lens) / len(lens)) if lens else None,
-            "iterations": count_phase(engine.trace, "verify") or count_phase(engine.trace, "decode"),
+            "iterations": _iterations(engine.trace),
             "prefill_s": prefill_seconds(engine.trace),
             "phase_share": phase_share(engine.trace, wall),
             "warmup_identical": [w.token_ids for w in warm] == tokens,
@@ -201,12 +210,9 @@ def _gpu_busy_seconds(engine, prompts: list, params) -> tuple[float, int]:
     the host. One call, not all of the row's, keeps the profiler's cost to the run small."""
     from phasegraph.bench.common import load_bench_scale
 
-    def iterations() -> int:
-        return count_phase(engine.trace, "verify") or count_phase(engine.trace, "decode")
-
-    before = iterations()
+    before = _iterations(engine.trace)
     busy, _ = load_bench_scale().gpu_busy_seconds(lambda: engine.generate(prompts, params), 1)
-    return busy, iterations() - before
+    return busy, _iterations(engine.trace) - before
 
 
 # ------------------------------------------------------------------------------------------------
