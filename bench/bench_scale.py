@@ -152,15 +152,16 @@ def decode_step_time(engine, batch: int, context: int = 256, repeats: int = 20, 
 SPEC_PHASES = ("draft", "verify", "finalize-tree-path", "draft-extend")
 
 
-def device_spans(prof) -> list[tuple[float, float, str]]:
-    """(start µs, end µs, name) of every device activity of a profiler trace, by start."""
+def device_events(events):
+    """The device activities (kernels, copies) among profiler ``events``."""
     from torch.autograd import DeviceType
 
-    return sorted(
-        (e.time_range.start, e.time_range.end, e.name)
-        for e in prof.events()
-        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start
-    )
+    return (e for e in events if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+
+
+def device_spans(prof) -> list[tuple[float, float, str]]:
+    """(start µs, end µs, name) of every device activity of a profiler trace, by start."""
+    return sorted((e.time_range.start, e.time_range.end, e.name) for e in device_events(prof.events()))
 
 
 def idle_gaps(spans: list[tuple[float, float, str]]) -> list[tuple[float, str, str]]:

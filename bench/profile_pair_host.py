@@ -110,11 +110,8 @@ PHASE_RANGE = "phase::"  # record_function label of one phase in phase_kernel_ta
 def device_activities(events):
     """``(event, duration us)`` of the device activities among profiler ``events`` (kernels,
     copies), without the device-side copies of the ``PHASE_RANGE`` annotations."""
-    from torch.autograd import DeviceType
-
-    for e in events:
-        if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start \
-                and not e.name.startswith(PHASE_RANGE):
+    for e in bench_scale.device_events(events):
+        if not e.name.startswith(PHASE_RANGE):
             yield e, e.time_range.end - e.time_range.start
 
 
