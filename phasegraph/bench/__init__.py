@@ -2,7 +2,7 @@
 
 One command, one process, one GPU::
 
-    phasegraph bench --out DIR [--pair PAIR_DIR] [--train-budget-s 300] [--parts 1,2]
+    phasegraph bench --out DIR [--pair PAIR_DIR] [--train-budget-s 250] [--parts 1,2]
     phasegraph bench --quick --out DIR            # the whole pipeline on the CPU, tiny models
 
 Part 1, trained pair: reuses ``--pair`` when it holds ``target/`` and ``eagle3/`` (and

@@ -96,7 +96,7 @@ class EvalSpec:
 
     loss_windows: int = 256  # held-out windows for target loss / head agreement (cap)
     prompt_max_lines: int = 40
-    max_prompts: int = 64
+    max_prompts: int = 64  # 0: no simulated speculative decode (the bench measures τ itself)
     gen_tokens: int = 128  # greedy continuation length the acceptance is simulated on
     chain_steps: int = 3
     tree_topk: int = 4

@@ -223,3 +223,31 @@ def test_the_estimate_counts_transformers_rows_only_when_they_run(tmp_path):
     with_hf, without = part1(), part1("--no-hf")
     calls = 3 + 1 + 1  # batch 1: three prompts one call each; batches 8 and 32: one call
     assert with_hf - without == pytest.approx(1.1 * 256 * (HF_STEP_S * calls + HF_ASSISTED_STEP_S * 3))
+
+
+def test_the_training_estimate_follows_the_budget_and_the_acceptance_check(tmp_path):
+    """The recipe spends its stage share of --train-budget-s plus held-out evaluation; its own
+    simulated-acceptance check is skipped by the bench unless --train-set turns it back on
+    (the last override wins, as in the recipe)."""
+    from phasegraph.bench.cli import (
+        DEFAULT_TRAIN_BUDGET_S,
+        TRAIN_ACCEPTANCE_S,
+        TRAIN_EVAL_S,
+        TRAIN_STAGE_SHARE,
+        _resolve_args,
+        estimate_seconds,
+    )
+    from phasegraph.bench.common import BenchRun
+    from phasegraph.cli import build_parser
+
+    def training(*extra):
+        args = build_parser().parse_args(["bench", "--out", str(tmp_path), "--pair", str(tmp_path / "pair"),
+                                          "--parts", "1", "--dry-run", *extra])
+        return estimate_seconds(BenchRun(_resolve_args(args)))["part 1: training"]
+
+    assert training() == pytest.approx(DEFAULT_TRAIN_BUDGET_S * TRAIN_STAGE_SHARE + TRAIN_EVAL_S)
+    assert training("--train-budget-s", "100") == pytest.approx(100 * TRAIN_STAGE_SHARE + TRAIN_EVAL_S)
+    asked = training("--train-set", "eval.max_prompts=4")
+    assert asked - training() == pytest.approx(TRAIN_ACCEPTANCE_S)
+    assert training("--train-set", "eval.max_prompts=4", "--train-set", "eval.max_prompts=0") == training()
+    assert training("--skip-train", "--pair", str(tmp_path / "none")) == 0.0

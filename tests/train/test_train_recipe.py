@@ -188,3 +188,16 @@ def test_cli_plan_and_overrides(capsys):
     assert apply_overrides(TINY, ["head.draft_vocab_size=256"]).head.draft_vocab_size == 256
     with pytest.raises(SystemExit):
         main(["tiny"])  # --out missing
+
+
+def test_no_acceptance_check_with_zero_prompts(tmp_path, single_thread):
+    """``eval.max_prompts=0`` (what ``phasegraph bench`` passes: it measures τ on the engine)
+    skips the simulated speculative decode; the report and its summary say so."""
+    lines = []
+    preset = apply_overrides(_small(TINY), ["eval.max_prompts=0"])
+    report = run_recipe(preset, tmp_path, seed=0, device="cpu", progress=False, log=lines.append)
+    assert report["acceptance"] is None
+    assert "acceptance" not in report["wall_s"]
+    assert json.loads((tmp_path / "train_report.json").read_text())["acceptance"] is None
+    assert "simulated tau (held-out) | not run (eval.max_prompts=0)" in lines[-1]
+    assert (tmp_path / "eagle3" / "model.safetensors").is_file()
