@@ -8,7 +8,15 @@ import os
 import signal
 import sys
 
-from phasegraph.bench.common import SCALE_CONFIGS, BenchRun, environment, free_memory, has_pair
+from phasegraph.bench.common import (
+    SCALE_CONFIGS,
+    TRAIN_PRESET,
+    TRAIN_PRESET_QUICK,
+    BenchRun,
+    environment,
+    free_memory,
+    has_pair,
+)
 from phasegraph.bench.pair import measure_trained_pair
 from phasegraph.bench.report import write_outputs
 from phasegraph.bench.scale import measure_scale
@@ -144,6 +152,12 @@ def _resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         args.train_budget_s = DEFAULT_TRAIN_BUDGET_S
     if args.train_budget_s is not None and args.train_budget_s <= 0:
         args.train_budget_s = None
+    from phasegraph.train.presets import PRESETS, apply_overrides
+
+    try:  # a typo in --train-set fails here, not after part 2 has run
+        apply_overrides(PRESETS[TRAIN_PRESET_QUICK if args.quick else TRAIN_PRESET], args.train_set)
+    except ValueError as exc:
+        raise CliError(f"--train-set: {exc}") from exc
     return args
 
 

@@ -27,6 +27,7 @@ PG_CONFIGS = (
 BASELINE, CHAIN, TREE, STANDALONE = (c[0] for c in PG_CONFIGS)
 HF_PLAIN = "transformers generate"
 HF_ASSISTED = "transformers generate + assistant_model (batch 1 only: assisted generation does not batch)"
+TRAIN_PRESET, TRAIN_PRESET_QUICK = "bench-pair", "tiny"  # the recipe presets part 1 trains (full, --quick)
 # Part 2 drafts: the chain is the default. Simulated acceptance takes the first-child path of the
 # drafted tree; with random weights every draft probability is small (~1e-3 at the 8B shape, by
 # estimate: logits of std ~1.3 over 32k tokens), so

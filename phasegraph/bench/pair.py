@@ -15,6 +15,8 @@ from phasegraph.bench.common import (
     HF_PLAIN,
     PG_CONFIGS,
     STANDALONE,
+    TRAIN_PRESET,
+    TRAIN_PRESET_QUICK,
     TREE,
     BenchRun,
     count_phase,
@@ -130,7 +132,7 @@ def _trained_pair_dir(run: BenchRun) -> Path:
         return pair
     if a.skip_train:
         raise CliError(f"--skip-train: {pair} holds no trained pair (target/ and eagle3/)")
-    preset_name = "tiny" if a.quick else "bench-pair"
+    preset_name = TRAIN_PRESET_QUICK if a.quick else TRAIN_PRESET
     from phasegraph.train.presets import PRESETS, apply_overrides
 
     overrides = list(a.train_set)

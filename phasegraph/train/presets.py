@@ -244,6 +244,16 @@ def _parse_scalar(text: str, like: object) -> object:
     return text
 
 
+def _parsed(item: str, text: str, like: object) -> object:
+    """``text`` as the type of the field it replaces; a ValueError names the override."""
+    try:
+        return _parse_scalar(text.strip(), like)
+    except ValueError as exc:
+        kinds = {bool: "a boolean", int: "an integer", float: "a number"}
+        kind = kinds.get(type(like), "a number or text")
+        raise ValueError(f"override {item!r}: expected {kind}, got {text!r}") from exc
+
+
 def apply_overrides(preset: Preset, overrides: list[str]) -> Preset:
     """Replace fields from ``section.field=value`` (or ``field=value`` for top-level fields).
 
@@ -259,7 +269,7 @@ def apply_overrides(preset: Preset, overrides: list[str]) -> Preset:
             if not hasattr(preset, parts[0]):
                 raise ValueError(f"unknown preset field {parts[0]!r}")
             like = getattr(preset, parts[0])
-            preset = dataclasses.replace(preset, **{parts[0]: _parse_scalar(value, like)})
+            preset = dataclasses.replace(preset, **{parts[0]: _parsed(item, value, like)})
             continue
         if len(parts) != 2:
             raise ValueError(f"override key {key!r} must be 'section.field'")
@@ -267,7 +277,7 @@ def apply_overrides(preset: Preset, overrides: list[str]) -> Preset:
         sub = getattr(preset, section, None)
         if sub is None or not dataclasses.is_dataclass(sub) or not hasattr(sub, name):
             raise ValueError(f"unknown preset field {key!r}")
-        sub = dataclasses.replace(sub, **{name: _parse_scalar(value, getattr(sub, name))})
+        sub = dataclasses.replace(sub, **{name: _parsed(item, value, getattr(sub, name))})
         preset = dataclasses.replace(preset, **{section: sub})
     return preset
 

@@ -251,3 +251,18 @@ def test_the_training_estimate_follows_the_budget_and_the_acceptance_check(tmp_p
     assert asked - training() == pytest.approx(TRAIN_ACCEPTANCE_S)
     assert training("--train-set", "eval.max_prompts=4", "--train-set", "eval.max_prompts=0") == training()
     assert training("--skip-train", "--pair", str(tmp_path / "none")) == 0.0
+
+
+@pytest.mark.parametrize(("override", "message"), [
+    ("nope.x=1", "--train-set: unknown preset field 'nope.x'"),
+    ("eval.max_prompts=abc", "--train-set: override 'eval.max_prompts=abc': expected an integer, got 'abc'"),
+])
+def test_a_bad_train_set_fails_before_anything_runs(tmp_path, capsys, override, message):
+    """A typo in --train-set is a CLI error at the start (exit 2, nothing written), not a part-1
+    error reported after part 2 has run."""
+    from phasegraph.cli import main
+
+    assert main(["bench", "--quick", "--out", str(tmp_path / "out"), "--pair", str(tmp_path / "pair"),
+                 "--train-set", override]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "pair").exists()

@@ -186,6 +186,10 @@ def test_cli_plan_and_overrides(capsys):
     with pytest.raises(ValueError, match="unknown preset field"):
         main(["tiny", "--plan", "--set", "target_train.nope=1"])
     assert apply_overrides(TINY, ["head.draft_vocab_size=256"]).head.draft_vocab_size == 256
+    with pytest.raises(ValueError, match=r"override 'eval.max_prompts=abc': expected an integer, got 'abc'"):
+        apply_overrides(TINY, ["eval.max_prompts=abc"])
+    with pytest.raises(ValueError, match=r"override 'target_train.lr=fast': expected a number"):
+        apply_overrides(TINY, ["target_train.lr=fast"])
     with pytest.raises(SystemExit):
         main(["tiny"])  # --out missing
 
