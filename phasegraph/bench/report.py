@@ -331,7 +331,7 @@ def draw_plots(result: dict, out: Path) -> dict:
     for config in dict.fromkeys(r["config"] for r in tp.get("rows", [])):
         pts = sorted((r["batch"], r["tokens_per_s"]) for r in tp["rows"] if r["config"] == config)
         label = config if len(config) < 40 else config.split(" (")[0] + " (batch 1)"
-        ax.plot(*zip(*pts, strict=True), marker="o", label=label)
+        ax.plot(*zip(*pts, strict=True), marker="o", label=label, color="black" if config == BASELINE else None)
     ax.set(title="trained pair (measured)", xlabel="batch size", ylabel="tokens/s")
     ax = axes[1]
     base = sorted((r["batch"], r["tokens_per_s"]) for r in sc.get("baseline", []))
@@ -356,18 +356,30 @@ def draw_plots(result: dict, out: Path) -> dict:
     plt.close(fig)
     files.append("tokens_per_s.png")
 
-    fig, ax = plt.subplots(figsize=(7, 5))
+    fig, ax = plt.subplots(figsize=(9.5, 5))
     srows = [r for r in sc.get("rows", []) if "eta" in r]
-    for key in dict.fromkeys((r["config"], r["batch"]) for r in srows):
+    # scale lines in shades of one colour (darker = larger batch), trained-pair configurations
+    # in colours of their own, each point marked and labelled with its batch size
+    keys = sorted(dict.fromkeys((r["config"], r["batch"]) for r in srows), key=lambda k: (k[0], k[1]))
+    shades = plt.get_cmap("Blues")
+    for i, key in enumerate(keys):
         pts = sorted((r["tau_simulated"], r["eta"]) for r in srows if (r["config"], r["batch"]) == key)
-        ax.plot(*zip(*pts, strict=True), marker="s", linestyle="--", label=f"scale {key[0]}, batch {key[1]} (SIMULATED τ)")
+        ax.plot(*zip(*pts, strict=True), marker="s", linestyle="--", color=shades(0.45 + 0.55 * i / max(1, len(keys) - 1)),
+                label=f"scale {key[0]}, batch {key[1]} (SIMULATED τ)")
+    pair_colours = iter(("tab:red", "tab:purple", "tab:orange", "tab:green", "tab:brown"))
     for config in dict.fromkeys(r["config"] for r in tp.get("rows", []) if r.get("eta") is not None):
-        pts = [(r["tau"], r["eta"]) for r in tp["rows"] if r["config"] == config and r.get("eta") is not None]
-        ax.scatter(*zip(*pts, strict=True), marker="o", s=40, label=f"trained pair: {config} (measured τ)")
+        colour = next(pair_colours, None)
+        pts = sorted((r["batch"], r["tau"], r["eta"]) for r in tp["rows"]
+                     if r["config"] == config and r.get("eta") is not None)
+        ax.scatter([p[1] for p in pts], [p[2] for p in pts], marker="o", s=40, color=colour,
+                   label=f"trained pair: {config} (measured τ)")
+        for batch, tau, eta in pts:
+            ax.annotate(f"B{batch}", (tau, eta), textcoords="offset points", xytext=(5, 3), fontsize=7,
+                        color=colour)
     ax.axhline(ETA_GOAL, color="grey", linestyle=":", label=f"goal η = {ETA_GOAL}")
     ax.set(title="efficiency η = speedup / τ" + tag, xlabel="τ (mean acceptance length)", ylabel="η")
     ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0)
     fig.tight_layout()
     fig.savefig(out / "eta_vs_tau.png", dpi=120)
     plt.close(fig)
