@@ -115,18 +115,16 @@ def verify_tree_simulated_triton(
     chain in registers, as :func:`~phasegraph.kernels.verify_greedy.verify_tree_greedy_triton`
     walks the tree, and writes ``predict``, ``accept_index`` and ``accept_lens`` in one launch."""
     batch, num_nodes = _check(draft_tokens, retrieve_next_token, target_predict, num_steps, accept_drafts)
-    device = draft_tokens.device
-    predict = torch.empty(batch * num_nodes, dtype=torch.int64, device=device)
-    accept_index = torch.empty((batch, num_steps + 1), dtype=torch.int64, device=device)
-    accept_lens = torch.empty(batch, dtype=torch.int64, device=device)
+    out = VerifyOutcome.empty(batch, num_nodes, num_steps, draft_tokens.device)
     if batch > 0:
         next_token = retrieve_next_token.contiguous()
         _simulated_accept_kernel[(batch,)](
-            draft_tokens.contiguous(), next_token, target_predict.contiguous(), predict, accept_index,
-            accept_lens, num_nodes, num_steps, min(accept_drafts, num_steps), next_token.stride(0),
+            draft_tokens.contiguous(), next_token, target_predict.contiguous(), out.predict,
+            out.accept_index, out.accept_lens, num_nodes, num_steps, min(accept_drafts, num_steps),
+            next_token.stride(0),
             BLOCK_NODES=next_pow2(num_nodes), BLOCK_W=next_pow2(num_steps + 1), num_warps=1,
         )
-    return VerifyOutcome(predict=predict, accept_index=accept_index, accept_lens=accept_lens)
+    return out
 
 
 def verify_tree_simulated(

@@ -375,17 +375,15 @@ def verify_tree_sampling_triton(
     expect_shape(bonus_coins, "bonus_coins", (batch, num_steps + 1))
     device = probs.device
     rows = batch * num_nodes
-    predict = torch.empty(rows, dtype=torch.int64, device=device)
-    accept_index = torch.empty((batch, num_steps + 1), dtype=torch.int64, device=device)
-    accept_lens = torch.empty(batch, dtype=torch.int64, device=device)
+    out = VerifyOutcome.empty(batch, num_nodes, num_steps, device)
     if batch == 0:
-        return VerifyOutcome(predict=predict, accept_index=accept_index, accept_lens=accept_lens)
+        return out
     if probs.stride(1) != 1:
         probs = probs.contiguous()
     row_sum = torch.empty(rows, dtype=torch.float64, device=device)
     row_positive = torch.empty(rows, dtype=torch.int64, device=device)
     _row_stats_kernel[(rows,)](
-        probs, predict, row_sum, row_positive, vocab, probs.stride(0),
+        probs, out.predict, row_sum, row_positive, vocab, probs.stride(0),
         BLOCK_V=min(4096, next_pow2(vocab)),
         num_warps=8,
     )
@@ -398,9 +396,9 @@ def verify_tree_sampling_triton(
         bonus_coins,
         row_sum,
         row_positive,
-        predict,
-        accept_index,
-        accept_lens,
+        out.predict,
+        out.accept_index,
+        out.accept_lens,
         num_nodes,
         num_steps,
         vocab,
@@ -412,7 +410,7 @@ def verify_tree_sampling_triton(
         BLOCK_V=min(2048, next_pow2(vocab)),
         num_warps=4,
     )
-    return VerifyOutcome(predict=predict, accept_index=accept_index, accept_lens=accept_lens)
+    return out
 
 
 def verify_tree_sampling(

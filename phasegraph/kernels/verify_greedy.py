@@ -23,6 +23,15 @@ class VerifyOutcome:
     accept_index: torch.Tensor  # [B, W] i64, node rows b*N + j of the path from the root, -1 pad
     accept_lens: torch.Tensor  # [B] i64, accepted drafts + 1 (bonus), in [1, W]
 
+    @classmethod
+    def empty(cls, batch: int, num_nodes: int, num_steps: int, device: torch.device) -> VerifyOutcome:
+        """Uninitialised outputs for a kernel that writes every element of them."""
+        return cls(
+            predict=torch.empty(batch * num_nodes, dtype=torch.int64, device=device),
+            accept_index=torch.empty((batch, num_steps + 1), dtype=torch.int64, device=device),
+            accept_lens=torch.empty(batch, dtype=torch.int64, device=device),
+        )
+
 
 def _check_tree_lists(
     draft_tokens: torch.Tensor,  # [B*N] i64
@@ -199,10 +208,7 @@ def verify_tree_greedy_triton(
     )
     expect(target_predict, "target_predict", 1, torch.int64)
     expect_shape(target_predict, "target_predict", (batch * num_nodes,))
-    device = draft_tokens.device
-    predict = torch.empty(batch * num_nodes, dtype=torch.int64, device=device)
-    accept_index = torch.empty((batch, num_steps + 1), dtype=torch.int64, device=device)
-    accept_lens = torch.empty(batch, dtype=torch.int64, device=device)
+    out = VerifyOutcome.empty(batch, num_nodes, num_steps, draft_tokens.device)
     if batch > 0:
         next_token = retrieve_next_token.contiguous()
         next_sibling = retrieve_next_sibling.contiguous()
@@ -211,9 +217,9 @@ def verify_tree_greedy_triton(
             next_token,
             next_sibling,
             target_predict.contiguous(),
-            predict,
-            accept_index,
-            accept_lens,
+            out.predict,
+            out.accept_index,
+            out.accept_lens,
             num_nodes,
             num_steps,
             next_token.stride(0),
@@ -222,7 +228,7 @@ def verify_tree_greedy_triton(
             BLOCK_W=next_pow2(num_steps + 1),
             num_warps=1,
         )
-    return VerifyOutcome(predict=predict, accept_index=accept_index, accept_lens=accept_lens)
+    return out
 
 
 def verify_tree_greedy(
