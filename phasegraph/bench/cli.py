@@ -10,12 +10,11 @@ import sys
 
 from phasegraph.bench.common import (
     SCALE_CONFIGS,
-    TRAIN_PRESET,
-    TRAIN_PRESET_QUICK,
     BenchRun,
     environment,
     free_memory,
     has_pair,
+    training_preset,
 )
 from phasegraph.bench.pair import measure_trained_pair
 from phasegraph.bench.report import write_outputs
@@ -74,16 +73,6 @@ def _interp(table: dict[int, float], x: int) -> float:
     return table[keys[-1]] * x / keys[-1]
 
 
-def _asks_acceptance(train_set: list[str]) -> bool:
-    """Whether ``--train-set`` turns the recipe's simulated-acceptance check back on."""
-    asks = False
-    for item in train_set:  # the last one wins, as in the recipe's overrides
-        key, _, value = item.partition("=")
-        if key.strip() == "eval.max_prompts":
-            asks = value.strip().isdigit() and int(value) > 0  # else the recipe says what is wrong
-    return asks
-
-
 def estimate_seconds(run: BenchRun) -> dict[str, float]:
     """Seconds per part, from the figures above (measured 8B figures, assumed host costs)."""
     a = run.args
@@ -96,7 +85,7 @@ def estimate_seconds(run: BenchRun) -> dict[str, float]:
             train = 30.0
         else:
             train = (a.train_budget_s or 600.0) * TRAIN_STAGE_SHARE + TRAIN_EVAL_S
-            train += TRAIN_ACCEPTANCE_S if _asks_acceptance(a.train_set) else 0.0
+            train += TRAIN_ACCEPTANCE_S if training_preset(a)[2].eval.max_prompts > 0 else 0.0
         est["part 1: training"] = train
         if not a.quick:
             steps = a.new_tokens
@@ -152,10 +141,8 @@ def _resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         args.train_budget_s = DEFAULT_TRAIN_BUDGET_S
     if args.train_budget_s is not None and args.train_budget_s <= 0:
         args.train_budget_s = None
-    from phasegraph.train.presets import PRESETS, apply_overrides
-
     try:  # a typo in --train-set fails here, not after part 2 has run
-        apply_overrides(PRESETS[TRAIN_PRESET_QUICK if args.quick else TRAIN_PRESET], args.train_set)
+        training_preset(args)
     except ValueError as exc:
         raise CliError(f"--train-set: {exc}") from exc
     return args

@@ -15,8 +15,6 @@ from phasegraph.bench.common import (
     HF_PLAIN,
     PG_CONFIGS,
     STANDALONE,
-    TRAIN_PRESET,
-    TRAIN_PRESET_QUICK,
     TREE,
     BenchRun,
     count_phase,
@@ -27,6 +25,7 @@ from phasegraph.bench.common import (
     prefill_seconds,
     share_text,
     timed_calls,
+    training_preset,
     warm_then_time,
 )
 from phasegraph.bench.report import write_outputs
@@ -132,15 +131,7 @@ def _trained_pair_dir(run: BenchRun) -> Path:
         return pair
     if a.skip_train:
         raise CliError(f"--skip-train: {pair} holds no trained pair (target/ and eagle3/)")
-    preset_name = TRAIN_PRESET_QUICK if a.quick else TRAIN_PRESET
-    from phasegraph.train.presets import PRESETS, apply_overrides
-
-    overrides = list(a.train_set)
-    if not a.quick:
-        # the bench measures τ itself, on the engine; the recipe's own simulated-acceptance
-        # check (28 s on 4 held-out prompts in run 13) is skipped unless --train-set asks for it
-        overrides = ["eval.max_prompts=0", *overrides]
-    preset = apply_overrides(PRESETS[preset_name], overrides)
+    preset_name, overrides, preset = training_preset(a)
     print(f"part 1: training the {preset_name} pair into {pair} (budget "
           f"{fmt(a.train_budget_s, '.0f')} s; overrides: {overrides or 'none'})", flush=True)
     from phasegraph.train.recipe import run_recipe
