@@ -28,6 +28,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench_kernels import rotating  # noqa: E402  (bench/ is this script's directory)
 from triton.testing import do_bench_cudagraph  # noqa: E402
 
 from phasegraph.kernels import attention as attn  # noqa: E402
@@ -104,13 +105,7 @@ def main() -> int:
             base = outs if base is None else base
             same = all(torch.equal(o, b) for o, b in zip(outs, base, strict=True))
             err = max(float((o - r).abs().max()) for o, r in zip(outs, ref, strict=True))
-            fns = [partial(attn.paged_attention_triton, *s, scale, **kw) for s in sets]
-            state = {"i": 0}
-
-            def call(fns=fns, state=state):
-                fns[state["i"] % len(fns)]()
-                state["i"] += 1
-
+            call = rotating([partial(attn.paged_attention_triton, *s, scale, **kw) for s in sets])
             call()
             us = 1e3 * do_bench_cudagraph(call, rep=50, return_mode="median")
             rows.append(dict(layout=layout, variant=name, us=us, bitwise_equal_default=same, max_err_ref=err))
