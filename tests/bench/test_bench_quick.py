@@ -208,17 +208,24 @@ def test_batch_one_gpu_work_gives_the_eta_a_host_that_kept_up_would_allow():
     assert "eta_gpu_work" not in bare and _gpu_work_table([bare_base, bare]) == []
 
 
-def test_the_estimate_counts_transformers_rows_only_when_they_run(tmp_path):
-    """--dry-run's part-1 estimate carries transformers' rows at the measured per-token cost
-    (plain and assisted at batch 1) and drops them with --no-hf."""
-    from phasegraph.bench.cli import HF_ASSISTED_STEP_S, HF_STEP_S, _resolve_args, estimate_seconds
+def _part1_estimate(tmp_path, *extra) -> dict[str, float]:
+    """``--dry-run``'s estimate of a ``--parts 1`` run with ``extra`` options (no pair in place)."""
+    from phasegraph.bench.cli import _resolve_args, estimate_seconds
     from phasegraph.bench.common import BenchRun
     from phasegraph.cli import build_parser
 
+    args = build_parser().parse_args(["bench", "--out", str(tmp_path), "--pair", str(tmp_path / "pair"),
+                                      "--parts", "1", "--dry-run", *extra])
+    return estimate_seconds(BenchRun(_resolve_args(args)))
+
+
+def test_the_estimate_counts_transformers_rows_only_when_they_run(tmp_path):
+    """--dry-run's part-1 estimate carries transformers' rows at the measured per-token cost
+    (plain and assisted at batch 1) and drops them with --no-hf."""
+    from phasegraph.bench.cli import HF_ASSISTED_STEP_S, HF_STEP_S
+
     def part1(*extra):
-        args = build_parser().parse_args(["bench", "--out", str(tmp_path), "--pair", str(tmp_path / "pair"),
-                                          "--parts", "1", "--dry-run", *extra])
-        return estimate_seconds(BenchRun(_resolve_args(args)))["part 1: measure"]
+        return _part1_estimate(tmp_path, *extra)["part 1: measure"]
 
     with_hf, without = part1(), part1("--no-hf")
     calls = 3 + 1 + 1  # batch 1: three prompts one call each; batches 8 and 32: one call
@@ -234,16 +241,10 @@ def test_the_training_estimate_follows_the_budget_and_the_acceptance_check(tmp_p
         TRAIN_ACCEPTANCE_S,
         TRAIN_EVAL_S,
         TRAIN_STAGE_SHARE,
-        _resolve_args,
-        estimate_seconds,
     )
-    from phasegraph.bench.common import BenchRun
-    from phasegraph.cli import build_parser
 
     def training(*extra):
-        args = build_parser().parse_args(["bench", "--out", str(tmp_path), "--pair", str(tmp_path / "pair"),
-                                          "--parts", "1", "--dry-run", *extra])
-        return estimate_seconds(BenchRun(_resolve_args(args)))["part 1: training"]
+        return _part1_estimate(tmp_path, *extra)["part 1: training"]
 
     assert training() == pytest.approx(DEFAULT_TRAIN_BUDGET_S * TRAIN_STAGE_SHARE + TRAIN_EVAL_S)
     assert training("--train-budget-s", "100") == pytest.approx(100 * TRAIN_STAGE_SHARE + TRAIN_EVAL_S)
