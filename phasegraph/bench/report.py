@@ -360,7 +360,7 @@ def draw_plots(result: dict, out: Path) -> dict:
     srows = [r for r in sc.get("rows", []) if "eta" in r]
     # scale lines in shades of one colour (darker = larger batch), trained-pair configurations
     # in colours of their own, each point marked and labelled with its batch size
-    keys = sorted(dict.fromkeys((r["config"], r["batch"]) for r in srows), key=lambda k: (k[0], k[1]))
+    keys = sorted({(r["config"], r["batch"]) for r in srows})
     shades = plt.get_cmap("Blues")
     for i, key in enumerate(keys):
         pts = sorted((r["tau_simulated"], r["eta"]) for r in srows if (r["config"], r["batch"]) == key)
