@@ -33,7 +33,7 @@ from pathlib import Path
 
 import torch
 
-from phasegraph.bench.common import fill_random_weights
+from phasegraph.bench.common import fill_random_weights, forward_weight_bytes
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
@@ -95,9 +95,8 @@ def build_eagle3_head(target, draft_vocab: int = 32000):
 
 def weight_bytes(model) -> int:
     """Bytes of weights a decode step must read: every parameter but the input embedding
-    table (a step gathers only B rows of it)."""
-    embed = model.get_input_embeddings().weight
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p is not embed)
+    table (a step gathers only B rows of it; a table tied to the lm_head counts)."""
+    return forward_weight_bytes(model)
 
 
 def time_engine_tokens(engine, prompts, new_tokens, params_cls) -> tuple[float, int, float | None]:

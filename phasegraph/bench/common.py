@@ -130,6 +130,47 @@ def fill_random_weights(*modules) -> None:
                     p.normal_(0.0, 0.02)
 
 
+def _tensor_bytes(params) -> int:
+    return sum(p.numel() * p.element_size() for p in params)
+
+
+def forward_weight_bytes(model) -> int:
+    """Bytes of weights one forward of a causal LM streams at batch 1: every parameter but an
+    input embedding table the lm_head does not share (a step gathers only B rows of it; a tied
+    table is read whole by the lm_head)."""
+    embed = model.get_input_embeddings().weight
+    head = model.get_output_embeddings()
+    tied = head is not None and head.weight is embed
+    return _tensor_bytes(p for p in model.parameters() if tied or p is not embed)
+
+
+def iteration_weight_bytes(engine) -> dict | None:
+    """Weight bytes a batch-1 decode step and a speculative iteration of ``engine`` stream: the
+    target once (a decode step; verify runs every tree node in one forward), then the draft's S
+    forwards (draft-extend and the S-1 draft steps), each reading the draft's weights and its
+    lm_head; an EAGLE-3 head's ``fc`` only in draft-extend, on the target features. None for the
+    methods the bench does not run (EAGLE-1 and MTP heads read other weights per step).
+
+    With every weight read from memory once per forward (a bandwidth-bound GPU), η could not
+    pass ``step / iteration``: the bound the weight bytes alone put on η, whatever the kernels.
+    """
+    target, method = engine.target.model, engine.spec.method
+    step = forward_weight_bytes(target)
+    once = per_pass = passes = 0
+    if method == "eagle3":  # the embedding stays in the target; the head has its own lm_head
+        once = _tensor_bytes(engine.draft.head.fc.parameters())
+        per_pass = _tensor_bytes(engine.draft.head.parameters()) - once
+    elif method == "standalone":
+        per_pass = forward_weight_bytes(engine.draft.model.model)  # StandaloneDraft wraps an HFTarget
+    elif method != "none":
+        return None
+    if method != "none":
+        passes = engine.spec.num_steps
+    iteration = step + passes * per_pass + once
+    return {"step": step, "draft_pass": per_pass, "draft_passes": passes, "draft_once": once,
+            "iteration": iteration, "eta_bound": step / iteration}
+
+
 def sync(device) -> None:
     import torch
 

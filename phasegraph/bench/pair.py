@@ -21,6 +21,7 @@ from phasegraph.bench.common import (
     fmt,
     free_memory,
     has_pair,
+    iteration_weight_bytes,
     phase_share,
     prefill_seconds,
     share_text,
@@ -166,6 +167,7 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
         max_batch_size=max(a.batch_list), kv_pool_tokens=kv_tokens, cuda_graphs=run.graphs, trace=True,
         validate=a.validate, prefill_graphs=run.graphs and a.prefill_graphs,
     )
+    weight_bytes = iteration_weight_bytes(engine)
     for b in a.batch_list:
         bar.set_postfix_str(f"{label}, batch {b}")
         calls = request_calls(prompts, b, a.batch1_prompts)
@@ -184,6 +186,7 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
             "graph_stats": engine.graph_runner.stats() if engine.graph_runner is not None else None,
             "gc": gc_pauses,
             "captured_while_timed": captured,
+            "weight_bytes": weight_bytes,
         }
         if note:
             row["note"] = note

@@ -66,6 +66,12 @@ def evaluate_goals(result: dict, args: argparse.Namespace) -> list[dict]:
                 note += (f"; GPU work (profiler): {1e3 * tree1['gpu_iteration_s']:.2f} ms per iteration vs "
                          f"{1e3 * tree1['baseline_gpu_step_s']:.2f} ms per decode step, so even a host that kept up "
                          f"would leave η ≤ {tree1['eta_gpu_work']:.2f}")
+            if tree1.get("weight_bytes"):
+                wb = tree1["weight_bytes"]
+                note += (f"; weight bytes: {_megabytes(wb, 'iteration')} per iteration (the target once, "
+                         f"{wb['draft_passes']} draft forwards of {_megabytes(wb, 'draft_pass')}, the head's fc "
+                         f"once) vs {_megabytes(wb, 'step')} per decode step, so even at the memory-bandwidth "
+                         f"bound η ≤ {wb['eta_bound']:.2f}")
         add(f"trained pair, batch 1: EAGLE-3 tree η ≥ {ETA_GOAL}",
             f"η = {tree1['eta']:.2f} (speedup {tree1['speedup']:.2f}×, τ = {tree1['tau']:.2f})",
             tree1["eta"] >= ETA_GOAL, note)
@@ -292,16 +298,25 @@ def _gpu_work_table(rows: list[dict]) -> list[str]:
         return []
     step, gpu_step = gpu[0]["baseline_step_s"], gpu[0]["baseline_gpu_step_s"]  # every row's baseline
     lines = ["", "Batch 1 on the GPU (profiler over one more run of each row's first call, prefill included; η the GPU work "
-             "allows = GPU time per baseline step / GPU time per iteration, what η would be if the host kept up):", "",
+             "allows = GPU time per baseline step / GPU time per iteration, what η would be if the host kept up; "
+             "η the weight bytes allow = weight bytes per decode step / weight bytes per iteration (the target "
+             "once, the draft's S forwards), what η would be if every kernel ran at the memory-bandwidth bound):", "",
              "| configuration | end to end per iteration | GPU work per iteration | GPU idle | η measured | "
-             "η the GPU work allows |", "|---|---|---|---|---|---|",
+             "η the GPU work allows | weight bytes per iteration | η the weight bytes allow |",
+             "|---|---|---|---|---|---|---|---|",
              f"| {BASELINE} | {1e3 * step:.3f} ms | {1e3 * gpu_step:.3f} ms | "
-             f"{100 * max(0.0, 1 - gpu_step / step):.0f}% | – | – |"]
+             f"{100 * max(0.0, 1 - gpu_step / step):.0f}% | – | – | {_megabytes(gpu[0].get('weight_bytes'), 'step')} | – |"]
     for r in gpu:
         idle = max(0.0, 1 - r["gpu_iteration_s"] / r["iteration_s"])
+        bound = (r.get("weight_bytes") or {}).get("eta_bound")
         lines.append(f"| {r['config']} | {1e3 * r['iteration_s']:.3f} ms | {1e3 * r['gpu_iteration_s']:.3f} ms | "
-                     f"{100 * idle:.0f}% | {fmt(r.get('eta'))} | {r['eta_gpu_work']:.2f} |")
+                     f"{100 * idle:.0f}% | {fmt(r.get('eta'))} | {r['eta_gpu_work']:.2f} | "
+                     f"{_megabytes(r.get('weight_bytes'), 'iteration')} | {fmt(bound)} |")
     return lines
+
+
+def _megabytes(weight_bytes: dict | None, key: str) -> str:
+    return f"{weight_bytes[key] / 1e6:.1f} MB" if weight_bytes else "–"
 
 
 def _captured_text(rows: list[dict]) -> str:

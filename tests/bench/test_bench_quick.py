@@ -172,7 +172,8 @@ def test_source_digest_names_the_code_not_the_commit(tmp_path):
 
 def test_batch_one_gpu_work_gives_the_eta_a_host_that_kept_up_would_allow():
     """Rows that carry the profiler's GPU busy time get the GPU work per step and per iteration,
-    the η it allows, a table in bench.md and a clause in the tree goal's note."""
+    the η it allows, a table in bench.md (with the η the weight bytes allow) and a clause in the
+    tree goal's note."""
     import argparse
 
     from phasegraph.bench.common import BASELINE, TREE
@@ -185,6 +186,10 @@ def test_batch_one_gpu_work_gives_the_eta_a_host_that_kept_up_would_allow():
     tree = {"engine": "phasegraph", "config": TREE, "batch": 1, "requests": 1, "seconds": 0.082,
             "prefill_s": 0.002, "iterations": 64, "tokens_per_s": 256 / 0.082, "tau": 4.0,
             "gpu_busy_s": 0.0672 / 2, "gpu_busy_iterations": 32, "phase_share": {"verify": 0.5}}
+    base["weight_bytes"] = {"step": 400e6, "draft_pass": 0, "draft_passes": 0, "draft_once": 0,
+                            "iteration": 400e6, "eta_bound": 1.0}
+    tree["weight_bytes"] = {"step": 400e6, "draft_pass": 50e6, "draft_passes": 4, "draft_once": 2e6,
+                            "iteration": 602e6, "eta_bound": 400 / 602}
     outputs = {(BASELINE, 1): [[1, 2, 3]], (TREE, 1): [[1, 2, 3]]}
     _compare_with_baseline(None, [base, tree], outputs, [[0]], None)
     # per iteration of the profiled call (one of the row's calls), not of the timed row
@@ -195,12 +200,15 @@ def test_batch_one_gpu_work_gives_the_eta_a_host_that_kept_up_would_allow():
 
     table = "\n".join(_gpu_work_table([base, tree]))
     assert "| η the GPU work allows |" in table
-    assert f"| {TREE} | 1.250 ms | 1.050 ms | 16% | 0.40 | 0.40 |" in table
-    assert f"| {BASELINE} | 0.500 ms | 0.422 ms | 16% | – | – |" in table
+    assert "| η the GPU work allows | weight bytes per iteration | η the weight bytes allow |" in table
+    assert f"| {TREE} | 1.250 ms | 1.050 ms | 16% | 0.40 | 0.40 | 602.0 MB | 0.66 |" in table
+    assert f"| {BASELINE} | 0.500 ms | 0.422 ms | 16% | – | – | 400.0 MB | – |" in table
 
     args = argparse.Namespace(scale_batch_list=[1], scale_config_list=["chain"])
     goal = evaluate_goals({"trained_pair": {"rows": [base, tree]}}, args)[0]
     assert goal["met"] is False and "even a host that kept up would leave η ≤ 0.40" in goal["note"]
+    assert ("weight bytes: 602.0 MB per iteration (the target once, 4 draft forwards of 50.0 MB, the head's fc "
+            "once) vs 400.0 MB per decode step, so even at the memory-bandwidth bound η ≤ 0.66") in goal["note"]
     # rows without profiler figures (a CPU run) get no GPU-work figures and no table
     bare = {k: v for k, v in tree.items() if not k.startswith(("gpu_", "baseline_gpu", "eta_gpu"))}
     bare_base = {k: v for k, v in base.items() if not k.startswith("gpu_")}
