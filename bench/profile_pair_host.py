@@ -52,10 +52,11 @@ def build_pair(dtype: torch.dtype, device: str = "cuda"):
     from phasegraph.runtime.models.attention_backend import ATTN_IMPLEMENTATION
     from phasegraph.runtime.models.eagle3 import Eagle3Draft, Eagle3Head
     from phasegraph.runtime.models.target import HFTarget, build_causal_lm
-    from phasegraph.train.presets import PRESETS
+    from phasegraph.train.presets import PRESETS, head_dims
 
     preset = PRESETS["bench-pair"]
     t, h = preset.target, preset.head
+    head_heads, head_kv_heads, _ = head_dims(h, t)  # the trained head's attention shape
     cfg = LlamaConfig(
         hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_hidden_layers=t.num_layers,
         num_attention_heads=t.num_heads, num_key_value_heads=t.num_kv_heads, head_dim=t.head_dim,
@@ -63,7 +64,8 @@ def build_pair(dtype: torch.dtype, device: str = "cuda"):
         rms_norm_eps=t.rms_norm_eps, tie_word_embeddings=t.tie_embeddings,
     )
     model = build_causal_lm(cfg, dtype=dtype, device=device, init=False)
-    hcfg = LlamaConfig(**{**cfg.to_dict(), "num_hidden_layers": 1, "intermediate_size": h.intermediate_size})
+    hcfg = LlamaConfig(**{**cfg.to_dict(), "num_hidden_layers": 1, "intermediate_size": h.intermediate_size,
+                          "num_attention_heads": head_heads, "num_key_value_heads": head_kv_heads})
     hcfg.target_hidden_size = t.hidden_size
     hcfg.draft_vocab_size = preset.vocab_size
     hcfg._attn_implementation = ATTN_IMPLEMENTATION

@@ -34,7 +34,7 @@ from phasegraph.train.loop import (
     stage_generator,
     train_loop,
 )
-from phasegraph.train.presets import HeadSpec, LMSpec, TrainSpec
+from phasegraph.train.presets import HeadSpec, LMSpec, TrainSpec, head_dims
 
 __all__ = [
     "FrozenTarget",
@@ -84,15 +84,15 @@ def build_head(
     seed: int,
     train_stream: torch.Tensor,
 ) -> Eagle3Head:
-    heads = spec.num_heads or target_spec.num_heads
+    heads, kv_heads, head_dim = head_dims(spec, target_spec)
     draft_vocab = spec.draft_vocab_size or vocab
     cfg = Eagle3Config(
         hidden_size=target_spec.hidden_size,
         target_hidden_size=target_spec.hidden_size,
         intermediate_size=spec.intermediate_size,
         num_attention_heads=heads,
-        num_key_value_heads=spec.num_kv_heads or heads,
-        head_dim=target_spec.head_dim,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
         vocab_size=vocab,
         draft_vocab_size=draft_vocab,
         eagle_aux_layers=eagle3_aux_layers(target_spec.num_layers),
