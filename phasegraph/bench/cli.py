@@ -15,6 +15,7 @@ from phasegraph.bench.common import (
     free_memory,
     has_pair,
     training_preset,
+    untrainable_pair_dir,
 )
 from phasegraph.bench.pair import measure_trained_pair
 from phasegraph.bench.report import write_outputs
@@ -158,6 +159,8 @@ def run_bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(max(1, args.threads))
     a = args
     run.result["settings"] = {k: v for k, v in vars(a).items() if k not in ("func", "argv")}
+    if 1 in a.parts_list and not a.skip_train and (problem := untrainable_pair_dir(run.pair_path())):
+        raise CliError(problem)  # before anything runs, --dry-run included
     if 1 in a.parts_list and not has_pair(run.pair_path()) and not a.skip_train:
         # the training recipe is deterministic only with this set before cuBLAS starts
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")

@@ -253,6 +253,16 @@ def has_pair(d: Path) -> bool:
     return (d / "target" / "config.json").exists() and (d / "eagle3" / "config.json").exists()
 
 
+def untrainable_pair_dir(d: Path) -> str | None:
+    """Why the bench may not train a pair into ``d``: it holds files but no pair to reuse, and
+    training would overwrite them (None: ``d`` is missing, empty, or holds a pair)."""
+    if has_pair(d) or not d.exists() or (d.is_dir() and not any(d.iterdir())):
+        return None
+    what = "is a file" if not d.is_dir() else "holds files but no trained pair (target/ and eagle3/ with config.json)"
+    return (f"--pair {d} {what}: training the pair into it would overwrite them; point --pair at a new "
+            "or empty directory, or at a complete pair to reuse")
+
+
 def training_preset(args):
     """``(name, overrides, preset)`` of the recipe part 1 trains: ``bench-pair`` (``tiny`` with
     --quick), the bench's own override first and --train-set's after it (so the user's win), and

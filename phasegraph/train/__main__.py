@@ -36,6 +36,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="override a preset field, e.g. --set target_train.steps=500")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--overwrite", action="store_true",
+                   help="train into a non-empty --out (its target/, eagle3/, draft/ are replaced)")
     p.add_argument("--plan", action="store_true",
                    help="print sizes and the projected H100 time, then exit")
     return p
@@ -72,10 +74,13 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     from phasegraph.train.recipe import run_recipe
 
-    run_recipe(
-        preset, args.out, seed=args.seed, device=args.device, time_budget_s=args.time_budget_s,
-        progress=not args.no_progress,
-    )
+    try:
+        run_recipe(
+            preset, args.out, seed=args.seed, device=args.device, time_budget_s=args.time_budget_s,
+            progress=not args.no_progress, overwrite=args.overwrite,
+        )
+    except FileExistsError as exc:
+        _parser().error(str(exc))
     return 0
 
 

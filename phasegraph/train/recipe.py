@@ -132,10 +132,22 @@ def run_recipe(
     time_budget_s: float | None = None,
     progress: bool = True,
     log: Callable[[str], None] = print,
+    overwrite: bool = False,
 ) -> dict:
-    """Run every stage, write the files and ``train_report.json``; returns the report."""
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    """Run every stage, write the files and ``train_report.json``; returns the report.
+    ``out_dir`` must be missing or empty unless ``overwrite`` (FileExistsError): the run writes
+    ``target/``, ``eagle3/``, ``draft/`` and the report there, over whatever they replace."""
     out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} is a file, not a directory")
+    held = sorted(p.name for p in out_dir.iterdir()) if out_dir.exists() else []
+    if held and not overwrite:
+        listed = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+        raise FileExistsError(
+            f"{out_dir} is not empty ({listed}): training would overwrite what it holds; "
+            "choose a new or empty directory, or overwrite it on purpose (--overwrite)"
+        )
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     out_dir.mkdir(parents=True, exist_ok=True)
     with deterministic_mode():
         return _run(preset, out_dir, seed, device, time_budget_s, progress, log)

@@ -275,3 +275,20 @@ def test_a_bad_train_set_fails_before_anything_runs(tmp_path, capsys, override, 
                  "--train-set", override]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out").exists() and not (tmp_path / "pair").exists()
+
+
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_a_pair_directory_with_other_files_is_refused_before_anything_runs(tmp_path, capsys, dry_run):
+    """--pair holding files but no pair: training would overwrite them, so the bench stops at the
+    start (exit 2, --dry-run too) and the files stay as they were."""
+    from phasegraph.cli import main
+
+    pair = tmp_path / "pair"
+    (pair / "target").mkdir(parents=True)
+    (pair / "target" / "config.json").write_text("{}")  # a target without eagle3/: not a pair
+    argv = ["bench", "--quick", "--out", str(tmp_path / "out"), "--pair", str(pair)] + (["--dry-run"] if dry_run else [])
+    assert main(argv) == 2
+    assert f"--pair {pair} holds files but no trained pair" in capsys.readouterr().err
+    assert sorted(p.name for p in pair.rglob("*")) == ["config.json", "target"]
+    assert (pair / "target" / "config.json").read_text() == "{}"
+    assert not any((tmp_path / "out").glob("bench.*"))

@@ -205,3 +205,28 @@ def test_no_acceptance_check_with_zero_prompts(tmp_path, single_thread):
     assert json.loads((tmp_path / "train_report.json").read_text())["acceptance"] is None
     assert "simulated tau (held-out) | not run (eval.max_prompts=0)" in lines[-1]
     assert (tmp_path / "eagle3" / "model.safetensors").is_file()
+
+
+def test_training_refuses_a_directory_that_holds_files(tmp_path, capsys, single_thread):
+    """Nothing lost: the recipe and its CLI refuse to train into a non-empty directory before
+    they read or write anything; ``overwrite=True`` (``--overwrite``) trains there on purpose and
+    leaves the files it does not write alone."""
+    out = tmp_path / "pair"
+    (out / "target").mkdir(parents=True)
+    (out / "target" / "config.json").write_text("{}")
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(FileExistsError, match=r"pair is not empty \(notes.txt, target\): training would overwrite"):
+        run_recipe(TINY, out, device="cpu", progress=False, log=lambda s: None)
+    with pytest.raises(SystemExit) as exited:
+        main(["tiny", "--out", str(out)])
+    assert exited.value.code == 2 and "--overwrite" in capsys.readouterr().err
+    assert sorted(p.name for p in out.rglob("*")) == ["config.json", "notes.txt", "target"]
+    assert (out / "target" / "config.json").read_text() == "{}"
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FileExistsError, match="is a file"):
+        run_recipe(TINY, tmp_path / "file", device="cpu", progress=False, log=lambda s: None)
+
+    report = run_recipe(_small(TINY), out, device="cpu", progress=False, log=lambda s: None, overwrite=True)
+    assert report["target"]["params"] > 0
+    assert json.loads((out / "target" / "config.json").read_text())["model_type"] == "llama"
+    assert (out / "notes.txt").read_text() == "mine"
