@@ -209,3 +209,20 @@ def test_kv_and_slot_kernels_on_cuda():
         K.ragged_extend_positions, seq_lens, accept_lens, int(accept_lens.sum()) + 3
     )
     assert_same(ragged, gpu)
+
+
+@pytest.mark.parametrize("rows", [1, 2, 16, 63, 64, 300])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_take_rows_and_embed_copy_the_rows_exactly(rows, dtype):
+    """Both forms take_rows picks between (index_select, advanced indexing) give index_select's rows."""
+    from phasegraph.kernels.take_rows import embed, take_rows
+
+    g = torch.Generator().manual_seed(rows)
+    table = torch.randn(1000, 48, generator=g).to(dtype)
+    index = torch.randint(0, 1000, (rows,), generator=g)
+    cpu, gpu = both(take_rows, table, index)
+    assert_same(cpu, gpu)
+    assert torch.equal(cpu, table.index_select(0, index))
+    module = torch.nn.Embedding.from_pretrained(table)
+    cpu, gpu = both(embed, module.cuda(), index)
+    assert torch.equal(gpu.cpu(), table.index_select(0, index))

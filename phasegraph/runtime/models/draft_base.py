@@ -18,6 +18,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from phasegraph.kernels.attention import AttentionMetadata
+from phasegraph.kernels.take_rows import embed, take_rows
 from phasegraph.runtime.errors import DraftMismatch
 from phasegraph.runtime.kv_pool import KVPool, KVSpec, check_pool_fits
 from phasegraph.runtime.models.attention_backend import ATTN_IMPLEMENTATION, forward_context
@@ -106,11 +107,11 @@ class FeatureDraft:
         return self.rotary(like, positions[None])
 
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T, Ht]
-        return self.target.embed_tokens(input_ids)
+        return embed(self.target.embed_tokens, input_ids)
 
     @staticmethod
     def _rows(x: torch.Tensor, logits_index: torch.Tensor | None) -> torch.Tensor:
-        return x if logits_index is None else x.index_select(0, logits_index)
+        return x if logits_index is None else take_rows(x, logits_index)
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids

@@ -35,6 +35,7 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.linear import add_rms_norm_linear, linear, silu_mul_linear
 from phasegraph.kernels.rms_norm import rms_norm_concat
+from phasegraph.kernels.take_rows import take_rows
 from phasegraph.phases.protocols import DraftOutput
 from phasegraph.runtime.errors import UnsupportedModel
 from phasegraph.runtime.models.draft_base import (
@@ -235,7 +236,7 @@ class Eagle3Draft(FeatureDraft):
         else:
             out = h1 + mlp_out  # [T, Hd]
             logits, _ = add_rms_norm_linear(
-                out.index_select(0, logits_index), None, head.norm.weight, norm_eps,
+                take_rows(out, logits_index), None, head.norm.weight, norm_eps,
                 head.lm_head.weight, head.lm_head.bias,
             )
         return DraftOutput(logits=logits.float(), hidden=out)

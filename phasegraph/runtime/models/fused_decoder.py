@@ -41,6 +41,7 @@ from phasegraph.kernels.linear import add_rms_norm_linear, linear, silu_mul_line
 from phasegraph.kernels.rms_norm import add_rms_norm
 from phasegraph.kernels.rope_attention import rope_paged_attention
 from phasegraph.kernels.rotary import rotary_write_kv
+from phasegraph.kernels.take_rows import embed
 from phasegraph.runtime.models.rotary_table import RotaryTable
 
 SILU_ACTIVATIONS = ("silu", "swish")
@@ -236,7 +237,7 @@ def run_fused_decoder(
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # ([T, H] after the final norm, {layer: [T, H]})
     """Every decoder layer, then the final norm; also the residual input of ``capture_layers``."""
     inner = model.model
-    hidden = inner.embed_tokens(input_ids)  # [T, H]
+    hidden = embed(inner.embed_tokens, input_ids)  # [T, H]
     cos, sin, rope_rows = RotaryTable.of(inner.rotary_emb).lookup(hidden, positions, meta)
     residual: torch.Tensor | None = None
     captured: dict[int, torch.Tensor] = {}

@@ -24,6 +24,7 @@ from __future__ import annotations
 import torch
 
 from phasegraph.kernels.attention import AttentionMetadata
+from phasegraph.kernels.take_rows import take_rows
 
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
 _ROUND = 1024  # table lengths are multiples of this (a few rebuilds at most)
@@ -84,7 +85,7 @@ class RotaryTable:
         cos, sin, rows = self.lookup(like, positions, meta)
         if rows is None:
             return cos, sin
-        return cos.index_select(0, rows), sin.index_select(0, rows)
+        return take_rows(cos, rows), take_rows(sin, rows)
 
     def _build(self, like: torch.Tensor, device: torch.device, need: int) -> None:
         n = -(-need // _ROUND) * _ROUND

@@ -20,6 +20,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.linear import linear
+from phasegraph.kernels.take_rows import take_rows
 from phasegraph.phases.protocols import TargetOutput
 from phasegraph.runtime.errors import UnsupportedModel
 from phasegraph.runtime.kv_pool import KVPool, KVSpec, check_pool_fits
@@ -246,7 +247,7 @@ class HFTarget:
         hidden: torch.Tensor,  # [T, Ht] after the final norm
         logits_index: torch.Tensor | None = None,  # [R] int64
     ) -> torch.Tensor:  # [R, V] float32
-        rows = hidden if logits_index is None else hidden.index_select(0, logits_index)
+        rows = hidden if logits_index is None else take_rows(hidden, logits_index)
         head = self.model.lm_head
         if type(head) is torch.nn.Linear:  # the skinny product where its table says it wins
             return linear(rows, head.weight, head.bias).float()
