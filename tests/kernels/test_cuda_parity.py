@@ -215,7 +215,7 @@ def test_kv_and_slot_kernels_on_cuda():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_take_rows_and_embed_copy_the_rows_exactly(rows, dtype):
     """Both forms take_rows picks between (index_select, advanced indexing) give index_select's rows."""
-    from phasegraph.kernels.take_rows import embed, take_rows
+    from phasegraph.runtime.models.take_rows import embed, take_rows
 
     g = torch.Generator().manual_seed(rows)
     table = torch.randn(1000, 48, generator=g).to(dtype)

@@ -18,11 +18,11 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from phasegraph.kernels.attention import AttentionMetadata
-from phasegraph.kernels.take_rows import embed, take_rows
 from phasegraph.runtime.errors import DraftMismatch
 from phasegraph.runtime.kv_pool import KVPool, KVSpec, check_pool_fits
 from phasegraph.runtime.models.attention_backend import ATTN_IMPLEMENTATION, forward_context
 from phasegraph.runtime.models.loading import read_config
+from phasegraph.runtime.models.take_rows import embed, take_rows
 from phasegraph.runtime.models.target import HFTarget, head_dim_of, no_weight_init
 
 

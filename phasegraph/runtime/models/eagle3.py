@@ -35,7 +35,6 @@ from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, L
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.linear import add_rms_norm_linear, linear, silu_mul_linear
 from phasegraph.kernels.rms_norm import rms_norm_concat
-from phasegraph.kernels.take_rows import take_rows
 from phasegraph.phases.protocols import DraftOutput
 from phasegraph.runtime.errors import UnsupportedModel
 from phasegraph.runtime.models.draft_base import (
@@ -48,6 +47,7 @@ from phasegraph.runtime.models.draft_base import (
 from phasegraph.runtime.models.fused_decoder import FusedLayer, fuse_layer, unfusable_config_reason
 from phasegraph.runtime.models.loading import Checkpoint, load_into_module
 from phasegraph.runtime.models.rotary_table import RotaryTable
+from phasegraph.runtime.models.take_rows import take_rows
 from phasegraph.runtime.models.target import HFTarget, head_dim_of, resolve_dtype
 
 

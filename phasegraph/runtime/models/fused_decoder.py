@@ -41,8 +41,8 @@ from phasegraph.kernels.linear import add_rms_norm_linear, linear, silu_mul_line
 from phasegraph.kernels.rms_norm import add_rms_norm
 from phasegraph.kernels.rope_attention import rope_paged_attention
 from phasegraph.kernels.rotary import rotary_write_kv
-from phasegraph.kernels.take_rows import embed
 from phasegraph.runtime.models.rotary_table import RotaryTable
+from phasegraph.runtime.models.take_rows import embed
 
 SILU_ACTIVATIONS = ("silu", "swish")
 _CACHE_ATTR = "_phasegraph_fused_layers"

@@ -24,7 +24,7 @@ from __future__ import annotations
 import torch
 
 from phasegraph.kernels.attention import AttentionMetadata
-from phasegraph.kernels.take_rows import take_rows
+from phasegraph.runtime.models.take_rows import take_rows
 
 STATIC_ROPE_TYPES = frozenset({"default", "linear", "llama3"})
 _ROUND = 1024  # table lengths are multiples of this (a few rebuilds at most)

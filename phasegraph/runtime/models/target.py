@@ -20,13 +20,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.linear import linear
-from phasegraph.kernels.take_rows import take_rows
 from phasegraph.phases.protocols import TargetOutput
 from phasegraph.runtime.errors import UnsupportedModel
 from phasegraph.runtime.kv_pool import KVPool, KVSpec, check_pool_fits
 from phasegraph.runtime.models.attention_backend import ATTN_IMPLEMENTATION, forward_context
 from phasegraph.runtime.models.fused_decoder import fuse_decoder, run_fused_decoder
 from phasegraph.runtime.models.loading import Checkpoint, load_into_module, read_config
+from phasegraph.runtime.models.take_rows import take_rows
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 FEATURE_MODES = ("last", "eagle3", "none")

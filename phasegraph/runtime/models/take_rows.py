@@ -1,4 +1,6 @@
-"""Rows of a table by index, in the torch form that launches the fastest kernel for the count.
+"""Rows of a table by index, in the torch form that launches the fastest kernel for the count
+(a choice between two torch ops, so it lives with the models, not among the kernels with
+references and Triton twins).
 
 ``index_select`` (and ``F.embedding``, which runs it) takes a kernel for few indices
 (``indexSelectSmallIndex``) that is slow between one and a few dozen rows; advanced indexing

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phasegraph.kernels.take_rows import embed, take_rows
+from phasegraph.runtime.models.take_rows import embed, take_rows
 
 
 @pytest.mark.parametrize("rows", [0, 1, 2, 16, 64, 300])
