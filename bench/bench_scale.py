@@ -93,12 +93,6 @@ def build_eagle3_head(target, draft_vocab: int = 32000):
     return Eagle3Draft(target, cfg, head)
 
 
-def weight_bytes(model) -> int:
-    """Bytes of weights a decode step must read: every parameter but the input embedding
-    table (a step gathers only B rows of it; a table tied to the lm_head counts)."""
-    return forward_weight_bytes(model)
-
-
 def time_engine_tokens(engine, prompts, new_tokens, params_cls) -> tuple[float, int, float | None]:
     engine.generate(prompts[:1], params_cls(max_new_tokens=8, ignore_eos=True))  # warm up
     torch.cuda.synchronize()
@@ -328,7 +322,7 @@ def main(argv=None) -> int:
     result: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__}
     bw = copy_bandwidth()
     target = build_target(args.layers)
-    wbytes = weight_bytes(target.model)
+    wbytes = forward_weight_bytes(target.model)  # all but the input embedding table
     result.update(copy_bandwidth_Bps=bw, weight_bytes=wbytes, bound_s=wbytes / bw)
     print(f"GPU {result['gpu']}: copy {bw / 1e12:.2f} TB/s; target weights {wbytes / 1e9:.2f} GB; "
           f"bandwidth bound {1e3 * wbytes / bw:.2f} ms/step", flush=True)

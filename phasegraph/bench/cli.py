@@ -159,11 +159,12 @@ def run_bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(max(1, args.threads))
     a = args
     run.result["settings"] = {k: v for k, v in vars(a).items() if k not in ("func", "argv")}
-    if 1 in a.parts_list and not a.skip_train and (problem := untrainable_pair_dir(run.pair_path())):
-        raise CliError(problem)  # before anything runs, --dry-run included
-    if 1 in a.parts_list and not has_pair(run.pair_path()) and not a.skip_train:
-        # the training recipe is deterministic only with this set before cuBLAS starts
-        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if 1 in a.parts_list and not a.skip_train:
+        if problem := untrainable_pair_dir(run.pair_path()):
+            raise CliError(problem)  # before anything runs, --dry-run included
+        if not has_pair(run.pair_path()):
+            # the training recipe is deterministic only with this set before cuBLAS starts
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     est = estimate_seconds(run)
     run.result["estimate_s"] = {k: round(v, 1) for k, v in est.items()}
     print(f"phasegraph bench{' --quick' if a.quick else ''}: device {run.device}, parts {a.parts_list}; "

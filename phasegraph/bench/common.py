@@ -156,7 +156,7 @@ def iteration_weight_bytes(engine) -> dict | None:
     """
     target, method = engine.target.model, engine.spec.method
     step = forward_weight_bytes(target)
-    once = per_pass = passes = 0
+    once = per_pass = 0
     if method == "eagle3":  # the embedding stays in the target; the head has its own lm_head
         once = _tensor_bytes(engine.draft.head.fc.parameters())
         per_pass = _tensor_bytes(engine.draft.head.parameters()) - once
@@ -164,8 +164,7 @@ def iteration_weight_bytes(engine) -> dict | None:
         per_pass = forward_weight_bytes(engine.draft.model.model)  # StandaloneDraft wraps an HFTarget
     elif method != "none":
         return None
-    if method != "none":
-        passes = engine.spec.num_steps
+    passes = 0 if method == "none" else engine.spec.num_steps
     iteration = step + passes * per_pass + once
     return {"step": step, "draft_pass": per_pass, "draft_passes": passes, "draft_once": once,
             "iteration": iteration, "eta_bound": step / iteration}

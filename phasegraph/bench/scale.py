@@ -10,6 +10,7 @@ from phasegraph.bench.common import (
     BenchRun,
     count_phase,
     fill_random_weights,
+    forward_weight_bytes,
     free_memory,
     load_bench_scale,
     phase_share,
@@ -44,7 +45,7 @@ def measure_scale(run: BenchRun) -> None:
         target = bs.build_target(a.scale_layers)
         head = bs.build_eagle3_head(target)
         model_label = f"Llama-3-8B shape ({a.scale_layers} layers), random bf16 weights"
-    wbytes = bs.weight_bytes(target.model)
+    wbytes = forward_weight_bytes(target.model)
     bound = wbytes / bw
     max_b = max(a.scale_batch_list)
     n, p = a.scale_new_tokens, a.scale_prompt_tokens
