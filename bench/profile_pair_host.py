@@ -44,17 +44,18 @@ import bench_scale  # noqa: E402
 from phasegraph.bench.common import sync  # noqa: E402
 
 
-def build_pair(dtype: torch.dtype, device: str = "cuda"):
-    """Random target and EAGLE-3 head with the ``bench-pair`` preset's shapes."""
+def build_pair(dtype: torch.dtype, device: str = "cuda", overrides: list[str] | None = None):
+    """Random target and EAGLE-3 head with the ``bench-pair`` preset's shapes (``overrides``:
+    ``section.field=value`` replacements, as ``python -m phasegraph.train --set`` takes)."""
     from transformers import LlamaConfig
 
     from phasegraph.bench.common import fill_random_weights
     from phasegraph.runtime.models.attention_backend import ATTN_IMPLEMENTATION
     from phasegraph.runtime.models.eagle3 import Eagle3Draft, Eagle3Head
     from phasegraph.runtime.models.target import HFTarget, build_causal_lm
-    from phasegraph.train.presets import PRESETS, head_dims
+    from phasegraph.train.presets import PRESETS, apply_overrides, head_dims
 
-    preset = PRESETS["bench-pair"]
+    preset = apply_overrides(PRESETS["bench-pair"], overrides or [])
     t, h = preset.target, preset.head
     head_heads, head_kv_heads, _ = head_dims(h, t)  # the trained head's attention shape
     cfg = LlamaConfig(
@@ -542,6 +543,8 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--shape", default="bench-pair", choices=["bench-pair", "8b"],
                     help="bench-pair (96M target, default) or bench_scale's Llama-3-8B shape (bf16 only)")
+    ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
+                    help="with --shape bench-pair: replace a field of the preset (e.g. target.num_layers=24)")
     ap.add_argument("--configs", nargs="+", default=["baseline", "chain", "tree"], choices=["baseline", "chain", "tree"])
     ap.add_argument("--no-profile", action="store_true", help="no cProfile of the host")
     ap.add_argument("--prefill", action="store_true",
@@ -574,7 +577,7 @@ def main(argv=None) -> int:
         target = bench_scale.build_target(32)
         head = bench_scale.build_eagle3_head(target)
     else:
-        target, head = build_pair(dtype, args.device)
+        target, head = build_pair(dtype, args.device, args.set)
     base_target = type(target)(target.model, feature_mode="none")
     configs = [
         ("baseline", base_target, None, SpecConfig(method="none"), None),
@@ -584,6 +587,8 @@ def main(argv=None) -> int:
     ]
     configs = [c for c, key in zip(configs, ("baseline", "chain", "tree"), strict=True) if key in args.configs]
     result: dict = {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "torch": torch.__version__, "dtype": args.dtype, "shape": args.shape,
+                    "overrides": args.set, "params": {"target": sum(p.numel() for p in target.model.parameters()),
+                                                      "head": sum(p.numel() for p in head.head.parameters())} if args.shape == "bench-pair" else None,
                     "rows": []}
     profiles = io.StringIO()
     max_b = max(args.batches)
