@@ -44,6 +44,12 @@ class AttentionMetadata:
     # and no token reads a slot another token writes. Then rotary + KV write + attention may run
     # as one kernel (kernels/rope_attention.py); tests/engine/test_one_query_per_row.py checks it.
     one_query_per_row: bool = False
+    # A promise of the caller (verify): the query tokens of a row are E = extra_mask.shape[1]
+    # consecutive tokens of the call, starting at a multiple of E, with one kv_len, and token j
+    # of them writes logical position kv_len + j (node j of the row's tree block). Then rotary +
+    # KV write + attention may run as one kernel that writes, in every program, the tree-block
+    # keys it reads (kernels/rope_attention.py); tests/engine/test_one_query_per_row.py checks it.
+    tree_block_writes: bool = False
 
 
 # Upper bound on gathered key elements per chunk of queries (keeps the reference's memory bounded
@@ -374,6 +380,78 @@ def _store_run(
         tl.store(part_sum_ptr + part, l_i, mask=valid_m)
 
 
+@jit
+def run_leader(t, query_row_ptr, num_tokens, BLOCK_T: tl.constexpr):
+    """``(row, block_start, leader)`` of query token ``t``: the tokens of t's aligned block of
+    ``BLOCK_T`` that share its page-table row form one "run"; its first token (the leader) does
+    the whole run, so the run's keys and values are read once, and every other program of the
+    run returns at once."""
+    row = tl.load(query_row_ptr + t)
+    block_start = (t // BLOCK_T) * BLOCK_T
+    offs_bt = block_start + tl.arange(0, BLOCK_T)
+    rows_bt = tl.load(query_row_ptr + offs_bt, mask=offs_bt < num_tokens, other=-1)
+    same_bt = (offs_bt < num_tokens) & (rows_bt == row)
+    leader = tl.min(tl.where(same_bt, offs_bt, num_tokens), axis=0)
+    return row, block_start, leader
+
+
+@jit
+def run_queries(
+    row, block_start, kv_head, query_row_ptr, kv_len_ptr, extra_ptr, num_tokens, stride_et,
+    stride_ee, NUM_EXTRA: tl.constexpr, BLOCK_E: tl.constexpr, GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr, BLOCK_M: tl.constexpr, HAS_EXTRA: tl.constexpr,
+):
+    """The query rows of a run: tile row m is token ``block_start + m // GROUP_P``, head
+    ``kv_head * GROUP + m % GROUP_P``. Returns ``(tok_m, member_m, valid_m, head_m, kv_len_m,
+    tree_word, run_end)``: the rows' tokens, whether each belongs to the run (and is a real
+    head), their heads and prefix lengths, their tree bits packed into one int64 (bit e:
+    position kv_len + e, when NUM_EXTRA <= 64) and the end of the run's positions."""
+    offs_m = tl.arange(0, BLOCK_M)
+    tok_m = (block_start + offs_m // GROUP_P).to(tl.int64)  # [M]
+    g_m = offs_m % GROUP_P
+    in_range_m = tok_m < num_tokens
+    row_m = tl.load(query_row_ptr + tok_m, mask=in_range_m, other=-1)
+    member_m = in_range_m & (row_m == row)
+    valid_m = member_m & (g_m < GROUP)
+    head_m = kv_head * GROUP + g_m
+    kv_len_m = tl.maximum(tl.load(kv_len_ptr + tok_m, mask=member_m, other=0), 0)  # [M]
+    end_m = kv_len_m
+    tree_word = tl.zeros([BLOCK_M], tl.int64)
+    if HAS_EXTRA:
+        # A query reads nothing past its last tree bit: [0, kv_len + last set bit + 1).
+        offs_e = tl.arange(0, BLOCK_E)
+        bits = tl.load(
+            extra_ptr + tok_m[:, None] * stride_et + offs_e[None, :] * stride_ee,
+            mask=member_m[:, None] & (offs_e[None, :] < NUM_EXTRA),
+            other=0,
+        )
+        end_m = kv_len_m + tl.max(tl.where(bits != 0, offs_e[None, :] + 1, 0), axis=1)
+        if NUM_EXTRA <= 64:
+            # Tree bits of each query row packed into one int64 (bit e = position kv_len + e),
+            # so the loop tests them with shifts instead of gathering bytes.
+            tree_word = tl.sum(
+                tl.where(bits != 0, tl.full([1], 1, tl.int64) << offs_e[None, :].to(tl.int64), 0),
+                axis=1,
+            )  # [M] i64
+    run_end = tl.max(tl.where(member_m, end_m, 0), axis=0)
+    return tok_m, member_m, valid_m, head_m, kv_len_m, tree_word, run_end
+
+
+@jit
+def split_range(split, run_end, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
+                CHUNK: tl.constexpr):
+    """``[lo, hi)``: the positions of ``[0, run_end)`` split ``split`` attends: with float32
+    chunks, chunk ``split``; else its share of whole ``BLOCK_N`` tiles."""
+    if CHUNK > 0:  # split s is chunk s: [s * CHUNK, (s + 1) * CHUNK)
+        lo = split * CHUNK
+        hi = tl.minimum(lo + CHUNK, run_end)
+    else:
+        per_split = tl.cdiv(tl.cdiv(run_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = split * per_split
+        hi = tl.minimum(lo + per_split, run_end)
+    return lo, hi
+
+
 @jit(do_not_specialize=["num_tokens", "max_pages"])
 def _paged_attention_kernel(
     q_ptr,  # [T, H, D]
@@ -427,55 +505,14 @@ def _paged_attention_kernel(
     split = tl.program_id(2)
     num_heads = tl.num_programs(1) * GROUP
 
-    # The tokens of t's aligned block that share its page-table row form one "run". Its first
-    # token (the leader) does the whole run, so the run's keys and values are read once; every
-    # other program of the run returns at once.
-    row = tl.load(query_row_ptr + t)
-    block_start = (t // BLOCK_T) * BLOCK_T
-    offs_bt = block_start + tl.arange(0, BLOCK_T)
-    rows_bt = tl.load(query_row_ptr + offs_bt, mask=offs_bt < num_tokens, other=-1)
-    same_bt = (offs_bt < num_tokens) & (rows_bt == row)
-    leader = tl.min(tl.where(same_bt, offs_bt, num_tokens), axis=0)
+    row, block_start, leader = run_leader(t, query_row_ptr, num_tokens, BLOCK_T)
     if leader != t:
         return
-
-    # Query rows: token block_start + m // GROUP_P, head kv_head * GROUP + m % GROUP_P.
-    offs_m = tl.arange(0, BLOCK_M)
-    tok_m = (block_start + offs_m // GROUP_P).to(tl.int64)  # [M]
-    g_m = offs_m % GROUP_P
-    in_range_m = tok_m < num_tokens
-    row_m = tl.load(query_row_ptr + tok_m, mask=in_range_m, other=-1)
-    member_m = in_range_m & (row_m == row)
-    valid_m = member_m & (g_m < GROUP)
-    head_m = kv_head * GROUP + g_m
-    kv_len_m = tl.maximum(tl.load(kv_len_ptr + tok_m, mask=member_m, other=0), 0)  # [M]
-    end_m = kv_len_m
-    tree_word = tl.zeros([BLOCK_M], tl.int64)  # bit e: position kv_len + e (NUM_EXTRA <= 64)
-    if HAS_EXTRA:
-        # A query reads nothing past its last tree bit: [0, kv_len + last set bit + 1).
-        offs_e = tl.arange(0, BLOCK_E)
-        bits = tl.load(
-            extra_ptr + tok_m[:, None] * stride_et + offs_e[None, :] * stride_ee,
-            mask=member_m[:, None] & (offs_e[None, :] < NUM_EXTRA),
-            other=0,
-        )
-        end_m = kv_len_m + tl.max(tl.where(bits != 0, offs_e[None, :] + 1, 0), axis=1)
-        if NUM_EXTRA <= 64:
-            # Tree bits of each query row packed into one int64 (bit e = position kv_len + e),
-            # so the loop tests them with shifts instead of gathering bytes.
-            tree_word = tl.sum(
-                tl.where(bits != 0, tl.full([1], 1, tl.int64) << offs_e[None, :].to(tl.int64), 0),
-                axis=1,
-            )  # [M] i64
-    run_end = tl.max(tl.where(member_m, end_m, 0), axis=0)
-
-    if CHUNK > 0:  # split s is chunk s: [s * CHUNK, (s + 1) * CHUNK)
-        lo = split * CHUNK
-        hi = tl.minimum(lo + CHUNK, run_end)
-    else:  # this split's share of [0, run_end), whole BLOCK_N tiles
-        per_split = tl.cdiv(tl.cdiv(run_end, NUM_SPLITS), BLOCK_N) * BLOCK_N
-        lo = split * per_split
-        hi = tl.minimum(lo + per_split, run_end)
+    tok_m, member_m, valid_m, head_m, kv_len_m, tree_word, run_end = run_queries(
+        row, block_start, kv_head, query_row_ptr, kv_len_ptr, extra_ptr, num_tokens, stride_et,
+        stride_ee, NUM_EXTRA, BLOCK_E, GROUP, GROUP_P, BLOCK_M, HAS_EXTRA,
+    )
+    lo, hi = split_range(split, run_end, NUM_SPLITS, BLOCK_N, CHUNK)
 
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM
@@ -639,13 +676,11 @@ def paged_attention_triton(
     dtypes = {q.dtype, k_cache.dtype, v_cache.dtype}
     upcast = len(dtypes) > 1 or q.dtype == torch.float32
     split_p = not upcast and q.dtype == torch.bfloat16
-    if block_m is None:
-        block_m = 16 if upcast else 64
-    if block_n is None:
-        # fp32 products, and the byte-gather tree path (E > 64), need the smaller tile
-        block_n = 16 if upcast or (meta.extra_mask is not None and meta.extra_mask.shape[1] > 64) else 32
-    if num_stages is None:
-        num_stages = 1 if upcast else 2
+    num_extra = 0 if meta.extra_mask is None else meta.extra_mask.shape[1]
+    default_m, default_n, default_stages = default_tiles(upcast, num_extra)
+    block_m = default_m if block_m is None else block_m
+    block_n = default_n if block_n is None else block_n
+    num_stages = default_stages if num_stages is None else num_stages
 
     group_p, block_t = tile_tokens(group, block_m)
     block_d = max(16, next_pow2(head_dim))
@@ -656,7 +691,6 @@ def paged_attention_triton(
     kv_len = meta.kv_len.contiguous()
     extra = meta.extra_mask
     has_extra = extra is not None and extra.shape[1] > 0
-    num_extra = extra.shape[1] if has_extra else 0
     extra_arg = as_bytes(extra) if has_extra else kv_len
 
     positions = max_pages * page_size
@@ -699,6 +733,14 @@ def paged_attention_triton(
     )
     combine_splits(out, part_acc, part_max, part_sum, kv_len, block_d, chunk, num_extra)
     return out
+
+
+def default_tiles(upcast: bool, num_extra: int) -> tuple[int, int, int]:
+    """``(block_m, block_n, num_stages)`` of the attention kernels: 64 query rows, 32 positions
+    and 2 stages in bf16/fp16; float32 products (``upcast``) and the byte-gather tree path
+    (``num_extra`` > 64) need 16 positions, and float32 16 rows and 1 stage."""
+    block_n = 16 if upcast or num_extra > 64 else 32
+    return (16, block_n, 1) if upcast else (64, block_n, 2)
 
 
 def tile_tokens(group: int, block_m: int) -> tuple[int, int]:

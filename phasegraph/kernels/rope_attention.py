@@ -1,4 +1,4 @@
-"""Rotary embedding, KV write and paged attention in one launch, for one query per row.
+"""Rotary embedding, KV write and paged attention in one launch: one query per row, or a verify.
 
 A decode step (and every draft step) runs, per layer, ``rotary_write_kv`` (rotate q and k,
 write k and v into the pool), ``paged_attention`` and, where it splits the positions, the
@@ -18,9 +18,13 @@ kernel is the same. So
 float32 outputs are bitwise those of ``rotary_write_kv`` + ``paged_attention`` (the exactness
 path), which the GPU tests check. The reference is exactly those two references.
 
-Where a row held several query tokens of one launch (prefill, draft-extend, verify), the kernel
-would read slots another program of the same launch writes: :func:`rope_paged_attention` runs
-the two-kernel path unless the metadata says one query per row.
+Where a row holds several query tokens of one launch, a program would read slots another
+program of the same launch writes. A verify (``AttentionMetadata.tree_block_writes``) still runs
+as one launch, :func:`rope_tree_attention_triton`: its new keys are the row's tree block, E nodes
+at positions ``[kv_len, kv_len + E)`` written by the row's E consecutive tokens, so every program
+can rotate and write the nodes of the positions it owns itself before it reads them (several
+programs write the same bits into a slot; none reads a slot it has not written). Prefill and
+draft-extend run the two-kernel path.
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import math
 
 import torch
 
-from phasegraph.kernels._dispatch import jit, tl, use_triton
+from phasegraph.kernels._dispatch import as_bytes, cdiv, jit, next_pow2, tl, use_triton
 from phasegraph.kernels.attention import (
     AttentionMetadata,
     _attend_run,
@@ -37,9 +41,13 @@ from phasegraph.kernels.attention import (
     _store_run,
     auto_splits,
     combine_splits,
+    default_tiles,
     paged_attention,
     paged_attention_reference,
+    run_leader,
+    run_queries,
     split_buffers,
+    split_range,
     tile_tokens,
 )
 from phasegraph.kernels.rotary import _rotate, rotary_write_kv, rotary_write_kv_reference
@@ -94,11 +102,12 @@ def rope_paged_attention_reference(
 def _rotated_rows(base, rows_ok, c1, c2, s1, s2, HALF: tl.constexpr):
     """Rows ``x * cos + rotate_half(x) * sin`` of the ``[R, 2 * HALF]`` block at ``base`` (row
     pointers, unit stride along D), rotated half by half as the rotary kernel does, and joined
-    back into ``[R, 2 * HALF]`` (HALF a power of two)."""
+    back into ``[R, 2 * HALF]`` (HALF a power of two). ``c1, c2, s1, s2``: the halves of cos and
+    sin, ``[1, HALF]`` (one token) or ``[R, HALF]`` (a token per row), float32."""
     cols = tl.arange(0, HALF)
     x1 = tl.load(base[:, None] + cols[None, :], mask=rows_ok[:, None], other=0.0)
     x2 = tl.load(base[:, None] + HALF + cols[None, :], mask=rows_ok[:, None], other=0.0)
-    y1, y2 = _rotate(x1, x2, c1[None, :], c2[None, :], s1[None, :], s2[None, :])
+    y1, y2 = _rotate(x1, x2, c1, c2, s1, s2)
     both = tl.join(y1, y2)  # [R, HALF, 2]
     return tl.reshape(tl.permute(both, (0, 2, 1)), (base.shape[0], 2 * HALF))
 
@@ -203,7 +212,8 @@ def _rope_attention_kernel(
     g_m = offs_m % GROUP_P
     valid_m = (offs_m // GROUP_P == t % BLOCK_T) & (g_m < GROUP)
     head_m = kv_head * GROUP + g_m
-    q = _rotated_rows(qkv_row + head_m * HEAD_DIM, valid_m, c1, c2, s1, s2, HALF)  # [M, D]
+    q = _rotated_rows(qkv_row + head_m * HEAD_DIM, valid_m, c1[None, :], c2[None, :],
+                      s1[None, :], s2[None, :], HALF)  # [M, D]
     if UPCAST:
         q = q.to(tl.float32)
 
@@ -221,6 +231,212 @@ def _rope_attention_kernel(
     _store_run(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, m_i, l_i, acc, tok_m, head_m,
                valid_m, offs_d, d_ok, split, NUM_HEADS, stride_ot, stride_oh, stride_od, HEAD_DIM,
                NUM_SPLITS)
+
+
+@jit
+def _table_halves(cos_ptr, sin_ptr, table_row, rows_ok, stride_ct, stride_st, HALF: tl.constexpr):
+    """``(c1, c2, s1, s2)`` [R, HALF] float32: the halves of rows ``table_row`` [R] of the cos
+    and sin tables (0 where not ``rows_ok``)."""
+    cols = tl.arange(0, HALF)[None, :]
+    ok = rows_ok[:, None]
+    c_row = cos_ptr + table_row[:, None] * stride_ct
+    s_row = sin_ptr + table_row[:, None] * stride_st
+    c1 = tl.load(c_row + cols, mask=ok, other=0.0).to(tl.float32)
+    c2 = tl.load(c_row + HALF + cols, mask=ok, other=0.0).to(tl.float32)
+    s1 = tl.load(s_row + cols, mask=ok, other=0.0).to(tl.float32)
+    s2 = tl.load(s_row + HALF + cols, mask=ok, other=0.0).to(tl.float32)
+    return c1, c2, s1, s2
+
+
+@jit(do_not_specialize=["num_tokens", "max_pages"])
+def _rope_tree_attention_kernel(
+    qkv_ptr,  # [T, (H + 2Hkv) D], unit stride along the row
+    cos_ptr,  # [T, D], or [P, D] tables (INDEXED)
+    sin_ptr,
+    rope_rows_ptr,  # [T] i64: token t's row of the tables (INDEXED)
+    slots_ptr,  # [T] i64: where token t's key and value go (negative: the sink slot 0)
+    k_ptr,  # [slots, Hkv, D]
+    v_ptr,  # [slots, Hkv, D]
+    out_ptr,  # [T, H, D], written when NUM_SPLITS == 1
+    part_acc_ptr,  # [T, H, NUM_SPLITS, HEAD_DIM] f32 (NUM_SPLITS > 1)
+    part_max_ptr,  # [T, H, NUM_SPLITS] f32
+    part_sum_ptr,  # [T, H, NUM_SPLITS] f32
+    page_table_ptr,  # [R, max_pages] i64
+    query_row_ptr,  # [T] i64
+    kv_len_ptr,  # [T] i64, the row's prefix (one value per row)
+    extra_ptr,  # [T, E] u8 tree block
+    num_tokens,
+    max_pages,
+    scale_log2,  # f32, softmax scale * log2(e)
+    stride_qkv,
+    stride_ct,
+    stride_st,
+    stride_ks,
+    stride_kh,
+    stride_kd,
+    stride_vs,
+    stride_vh,
+    stride_vd,
+    stride_ot,
+    stride_oh,
+    stride_od,
+    stride_pr,
+    stride_pp,
+    stride_et,
+    stride_ee,
+    NUM_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    NUM_EXTRA: tl.constexpr,  # E: tree nodes per row
+    BLOCK_E: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    GROUP: tl.constexpr,
+    GROUP_P: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr,  # a power of two
+    NUM_SPLITS: tl.constexpr,
+    UPCAST: tl.constexpr,
+    SPLIT_P: tl.constexpr,
+    CHUNK: tl.constexpr,
+    INDEXED: tl.constexpr,
+):
+    HALF: tl.constexpr = HEAD_DIM // 2
+    BLOCK_M: tl.constexpr = BLOCK_T * GROUP_P
+    t = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    row, block_start, leader = run_leader(t, query_row_ptr, num_tokens, BLOCK_T)
+    if leader != t:
+        return
+    tok_m, member_m, valid_m, head_m, kv_len_m, tree_word, run_end = run_queries(
+        row, block_start, kv_head, query_row_ptr, kv_len_ptr, extra_ptr, num_tokens, stride_et,
+        stride_ee, NUM_EXTRA, BLOCK_E, GROUP, GROUP_P, BLOCK_M, True,
+    )
+    lo, hi = split_range(split, run_end, NUM_SPLITS, BLOCK_N, CHUNK)
+
+    # The tree block of t's row: node e is token row_base + e at position kv_len + e. This program
+    # writes the nodes of the positions it owns (every position it may read, and together with
+    # the other splits every node), then reads them after a barrier: no program reads a slot
+    # before it wrote it itself. Runs of one row in several blocks write the same bits.
+    offs_e = tl.arange(0, BLOCK_E)
+    pos_e = tl.maximum(tl.load(kv_len_ptr + t), 0) + offs_e  # [E]
+    node_e = (t // NUM_EXTRA) * NUM_EXTRA + offs_e.to(tl.int64)  # [E]
+    write_e = (offs_e < NUM_EXTRA) & (node_e < num_tokens)
+    if NUM_SPLITS > 1:
+        if CHUNK > 0:
+            write_e = write_e & (pos_e // CHUNK == split)
+        else:
+            per_split = tl.maximum(tl.cdiv(tl.cdiv(run_end, NUM_SPLITS), BLOCK_N) * BLOCK_N, 1)
+            write_e = write_e & (tl.minimum(pos_e // per_split, NUM_SPLITS - 1) == split)
+    table_e = node_e
+    if INDEXED:
+        table_e = tl.load(rope_rows_ptr + node_e, mask=write_e, other=0)
+    c1, c2, s1, s2 = _table_halves(cos_ptr, sin_ptr, table_e, write_e, stride_ct, stride_st, HALF)
+    node_qkv = qkv_ptr + node_e * stride_qkv  # [E]
+    k_e = _rotated_rows(node_qkv + (NUM_HEADS + kv_head) * HEAD_DIM, write_e, c1, c2, s1, s2, HALF)
+    offs_d = tl.arange(0, HEAD_DIM)
+    v_e = tl.load(node_qkv[:, None] + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
+                  + offs_d[None, :], mask=write_e[:, None], other=0.0)
+    slot_e = tl.maximum(tl.load(slots_ptr + node_e, mask=write_e, other=0), 0)
+    tl.store(k_ptr + slot_e[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :] * stride_kd,
+             k_e.to(k_ptr.dtype.element_ty), mask=write_e[:, None])
+    tl.store(v_ptr + slot_e[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :] * stride_vd,
+             v_e.to(v_ptr.dtype.element_ty), mask=write_e[:, None])
+    tl.debug_barrier()  # every thread's store is visible to the loads below
+
+    table_m = tok_m
+    if INDEXED:
+        table_m = tl.load(rope_rows_ptr + tok_m, mask=valid_m, other=0)
+    c1, c2, s1, s2 = _table_halves(cos_ptr, sin_ptr, table_m, valid_m, stride_ct, stride_st, HALF)
+    q = _rotated_rows(qkv_ptr + tok_m * stride_qkv + head_m * HEAD_DIM, valid_m, c1, c2, s1, s2,
+                      HALF)  # [M, D]
+    if UPCAST:
+        q = q.to(tl.float32)
+    d_ok = offs_d < HEAD_DIM
+    m_i, l_i, acc = _attend_run(
+        lo, hi, run_end, q, kv_len_m, tree_word, member_m, valid_m, tok_m, offs_d, d_ok,
+        page_table_ptr + row * stride_pr, max_pages, k_ptr, v_ptr, extra_ptr, kv_head, scale_log2,
+        stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_pp, stride_et,
+        stride_ee, BLOCK_M, HEAD_DIM, NUM_EXTRA, PAGE_SIZE, BLOCK_N, True, UPCAST, SPLIT_P, CHUNK,
+        NUM_SPLITS,
+    )
+    _store_run(out_ptr, part_acc_ptr, part_max_ptr, part_sum_ptr, m_i, l_i, acc, tok_m, head_m,
+               valid_m, offs_d, d_ok, split, NUM_HEADS, stride_ot, stride_oh, stride_od, HEAD_DIM,
+               NUM_SPLITS)
+
+
+def rope_tree_attention_triton(
+    qkv: torch.Tensor,  # [T, (H + 2Hkv) D], unit stride along the row
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,  # a power of two >= 16
+    cos: torch.Tensor,  # [T, D], or [P, D] tables with rope_rows
+    sin: torch.Tensor,
+    k_cache: torch.Tensor,  # [slots, Hkv, D]
+    v_cache: torch.Tensor,  # [slots, Hkv, D]
+    meta: AttentionMetadata,  # with a tree block and ``tree_block_writes``
+    scale: float,
+    rope_rows: torch.Tensor | None = None,  # [T] i64
+) -> torch.Tensor:  # [T, H, D], dtype of qkv
+    """Triton ``rope_paged_attention`` for a verify (``meta.tree_block_writes``): grid ``(T, Hkv,
+    splits)`` with the tiles, runs and splits of
+    :func:`~phasegraph.kernels.attention.paged_attention_triton`, so the output is bitwise that
+    of ``rotary_write_kv`` + ``paged_attention``; each program first rotates and writes the tree
+    nodes whose positions it owns (each node's key and value once per run that shares its split,
+    all the same bits)."""
+    _check(qkv, num_heads, num_kv_heads, head_dim, k_cache)
+    num_tokens = qkv.shape[0]
+    group = num_heads // num_kv_heads
+    out = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if num_tokens == 0:
+        return out
+    extra = meta.extra_mask
+    if extra is None or extra.shape[1] == 0 or num_tokens % extra.shape[1]:
+        raise ValueError("rope_tree_attention_triton needs a tree block of E nodes per row and "
+                         f"a multiple of E tokens, got {num_tokens} tokens and extra_mask "
+                         f"{None if extra is None else tuple(extra.shape)}")
+    num_extra = extra.shape[1]
+    upcast = len({qkv.dtype, k_cache.dtype, v_cache.dtype}) > 1 or qkv.dtype == torch.float32
+    block_m, block_n, num_stages = default_tiles(upcast, num_extra)
+    group_p, block_t = tile_tokens(group, block_m)
+    page_size = meta.page_size
+    max_pages = meta.page_table.shape[1]
+    positions = max_pages * page_size
+    chunk = _fp32_chunk(positions, block_n) if upcast else 0
+    num_splits = auto_splits(positions, block_n, chunk, cdiv(num_tokens, block_t) * num_kv_heads, qkv.device)
+    part_acc, part_max, part_sum = split_buffers(out, num_splits, head_dim)
+    indexed = rope_rows is not None
+    slots = meta.write_slots.contiguous()
+    kv_len = meta.kv_len.contiguous()
+    extra_bytes = as_bytes(extra)
+    _rope_tree_attention_kernel[(num_tokens, num_kv_heads, num_splits)](
+        qkv, cos, sin, rope_rows.contiguous() if indexed else slots, slots, k_cache, v_cache,
+        out, part_acc, part_max, part_sum, meta.page_table, meta.query_row.contiguous(), kv_len,
+        extra_bytes, num_tokens, max_pages, float(scale) * math.log2(math.e),
+        qkv.stride(0), cos.stride(0), sin.stride(0),
+        *k_cache.stride(), *v_cache.stride(), *out.stride(), *meta.page_table.stride(),
+        *extra_bytes.stride(),
+        NUM_HEADS=num_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        NUM_EXTRA=num_extra,
+        BLOCK_E=next_pow2(num_extra),
+        PAGE_SIZE=page_size,
+        GROUP=group,
+        GROUP_P=group_p,
+        BLOCK_T=block_t,
+        BLOCK_N=block_n,
+        HEAD_DIM=head_dim,
+        NUM_SPLITS=num_splits,
+        UPCAST=upcast,
+        SPLIT_P=not upcast and qkv.dtype == torch.bfloat16,
+        CHUNK=chunk,
+        INDEXED=indexed,
+        num_warps=4,
+        num_stages=num_stages,
+    )
+    combine_splits(out, part_acc, part_max, part_sum, kv_len, head_dim, chunk, num_extra)
+    return out
 
 
 def fits_triton(qkv: torch.Tensor, head_dim: int, k_cache: torch.Tensor, cos: torch.Tensor) -> bool:
@@ -313,9 +529,15 @@ def rope_paged_attention(
     ``meta.write_slots``, then paged attention: one Triton launch (plus the combine kernel where
     it splits) on CUDA when ``meta.one_query_per_row``; else ``rotary_write_kv`` and
     ``paged_attention`` (their Triton kernels on CUDA, their references elsewhere)."""
-    if use_triton(qkv) and meta.one_query_per_row and fits_triton(qkv, head_dim, k_cache, cos):
-        return rope_paged_attention_triton(qkv, num_heads, num_kv_heads, head_dim, cos, sin,
-                                           k_cache, v_cache, meta, scale, rope_rows)
+    if use_triton(qkv) and fits_triton(qkv, head_dim, k_cache, cos):
+        if meta.one_query_per_row:
+            return rope_paged_attention_triton(qkv, num_heads, num_kv_heads, head_dim, cos, sin,
+                                               k_cache, v_cache, meta, scale, rope_rows)
+        extra = meta.extra_mask
+        if meta.tree_block_writes and extra is not None and extra.shape[1] > 0 \
+                and qkv.shape[0] % extra.shape[1] == 0:
+            return rope_tree_attention_triton(qkv, num_heads, num_kv_heads, head_dim, cos, sin,
+                                              k_cache, v_cache, meta, scale, rope_rows)
     _check(qkv, num_heads, num_kv_heads, head_dim, k_cache)
     q, k, v = _split_qkv(qkv, num_heads, num_kv_heads, head_dim)
     q = rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.write_slots, rope_rows)

@@ -48,6 +48,7 @@ def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
         kv_len=seq_lens.repeat_interleave(N),
         extra_mask=state.tree_mask.reshape(B * N, N),
         page_size=memory.page_size,
+        tree_block_writes=True,  # node j of each row's N writes position seq_len + j
     )
     out = ctx.target.forward(state.draft_tokens, state.positions, attn, logits_index=None)
     logits = out.logits  # [B*N, V]

@@ -3,7 +3,9 @@
 no token reads a slot another token of the call writes (else a program could read a key before
 the program that owns it writes it). The phases that make the promise (decode, draft steps) must
 keep it on every call of real generations, with every page size and draft kind; the others
-(prefill, draft-extend, verify) must not make it."""
+(prefill, draft-extend, verify) must not make it. ``tree_block_writes`` is verify's promise for
+the one-launch tree kernel (each row's tree nodes are its consecutive tokens, node j writing
+position kv_len + j), checked on the same generations."""
 
 from __future__ import annotations
 
@@ -21,13 +23,28 @@ def _read_slots(meta, token: int) -> set[int]:
     return {int(meta.page_table[row, pos // ps]) * ps + pos % ps for pos in range(int(meta.kv_len[token]))}
 
 
+def _check_tree_block_writes(meta) -> None:
+    """The verify promise: rows of E consecutive tokens from a multiple of E, one row and one
+    kv_len each, and token j of them writes position kv_len + j of its row."""
+    nodes = meta.extra_mask.shape[1]
+    rows, kv_len, writes = meta.query_row.tolist(), meta.kv_len.tolist(), meta.write_slots.tolist()
+    assert len(rows) % nodes == 0, f"{len(rows)} tokens are not rows of {nodes}"
+    ps = meta.page_size
+    for t in range(len(rows)):
+        base = t - t % nodes
+        assert (rows[t], kv_len[t]) == (rows[base], kv_len[base]), f"token {t} leaves its row's block"
+        pos = kv_len[t] + t % nodes
+        want = int(meta.page_table[rows[t], pos // ps]) * ps + pos % ps
+        assert writes[t] == want, f"token {t} writes slot {writes[t]}, not position kv_len + {t % nodes}"
+
+
 @pytest.mark.parametrize("page_size", [1, 4])
 @pytest.mark.parametrize(("method", "draft", "topk"), [
     ("none", None, 1), ("eagle3", None, 1), ("eagle3", None, 3), ("standalone", None, 2),
 ])
 def test_calls_that_promise_one_query_per_row_keep_it(engine_root, monkeypatch, page_size, method, draft, topk):
     bundle = arch_bundle(engine_root, "llama")
-    promised, other = [], []
+    promised, tree, other = [], [], []
     real = fused_decoder.rope_paged_attention
 
     def checking(qkv, num_heads, num_kv_heads, head_dim, cos, sin, k_cache, v_cache, meta, scale, rope_rows=None):
@@ -41,6 +58,9 @@ def test_calls_that_promise_one_query_per_row_keep_it(engine_root, monkeypatch, 
                 others = {w for i, w in enumerate(writes) if i != j}
                 assert not reads & others, f"token {j} reads a slot another token writes"
             promised.append(len(rows))
+        elif meta.tree_block_writes:
+            _check_tree_block_writes(meta)
+            tree.append(len(meta.query_row))
         else:
             other.append(qkv.shape[0])
         return real(qkv, num_heads, num_kv_heads, head_dim, cos, sin, k_cache, v_cache, meta, scale, rope_rows)
@@ -54,3 +74,5 @@ def test_calls_that_promise_one_query_per_row_keep_it(engine_root, monkeypatch, 
     assert_all_free(engine)
     assert promised, "decode / draft steps never took the one-launch path"
     assert other, "prefill must not promise one query per row"
+    if method != "none":
+        assert tree, "verify never took the one-launch tree path"

@@ -385,3 +385,96 @@ def test_argmax_equals_torch(device, gen, dtype, vocab):
     assert_equal(logits[:, : max(1, vocab // 2)].cpu().argmax(dim=-1),
                  run_triton(device, argmax.argmax_triton, logits[:, : max(1, vocab // 2)]).cpu(),
                  "argmax of a strided view")
+
+
+def _tree_block_slots(meta, nodes: int) -> torch.Tensor:
+    """[T] i64: node j of each row at logical position kv_len + j (a verify's write slots), -1 for
+    padding."""
+    j = torch.arange(meta.kv_len.shape[0], device=meta.kv_len.device) % nodes
+    pos = meta.kv_len + j
+    pages = meta.page_table[meta.query_row, pos // meta.page_size]
+    return torch.where(meta.kv_len > 0, pages * meta.page_size + pos % meta.page_size, -1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("batch", (1, 3, 33) if ON_GPU else (1, 3))
+@pytest.mark.parametrize("topk", (1, 4) if ON_GPU else (1, 4))
+@pytest.mark.parametrize("tables", [True, False], ids=["tables", "rows"])
+def test_rope_tree_attention_equals_rotary_then_attention(device, gen, dtype, batch, topk, tables):
+    """A verify in one launch (rotary + tree-block KV write + attention) against the two kernels
+    it replaces, bit for bit: the pool's keys and values and the attention output, in both
+    dtypes (the same tiles and splits), with a padded request as a CUDA-graph bucket adds and the
+    first request's tree block straddling a float32 chunk (its nodes are read by two splits)."""
+    from phasegraph.kernels import attention, rope_attention
+    from tests.gpu import kernel_cases as cases
+
+    kv_heads, group, head_dim = (8, 4, 128) if ON_GPU else (2, 3, 32)
+    page_size, nodes = 16, 1 + 2 * topk
+    q, k_cache, v_cache, meta = cases.attention_case(
+        gen, device, layout="verify", batch=batch, topk=topk, page_size=page_size,
+        kv_heads=kv_heads, group=group, head_dim=head_dim, max_kv=300 if ON_GPU else 40,
+        dtype=dtype, pad_tokens=nodes,
+    )
+    kv_len = meta.kv_len.clone()
+    kv_len[:nodes] = 30  # nodes at positions 30.. cross the float32 chunk boundary at 32
+    meta = attention.AttentionMetadata(
+        write_slots=torch.zeros_like(kv_len), page_table=meta.page_table,
+        query_row=meta.query_row, kv_len=kv_len, extra_mask=meta.extra_mask, page_size=page_size,
+        tree_block_writes=True,
+    )
+    slots = _tree_block_slots(meta, nodes)
+    meta = attrs.evolve(meta, write_slots=slots)
+    tokens, heads = q.shape[0], kv_heads * group
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype).to(device)
+    table_rows = meta.page_table.shape[1] * page_size
+    angles = torch.rand(table_rows, head_dim // 2, generator=gen) * 100
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
+    rows = torch.randint(0, table_rows, (tokens,), generator=gen).to(device)
+    if not tables:
+        cos, sin, rows = cos[rows], sin[rows], None
+    scale = head_dim**-0.5
+
+    q, k, v = rope_attention._split_qkv(qkv, heads, kv_heads, head_dim)
+    k_two, v_two = k_cache.clone(), v_cache.clone()
+    q_rot = rotary.rotary_write_kv_triton(q, k, v, cos, sin, k_two, v_two, slots, rows)
+    want = attention.paged_attention_triton(q_rot, k_two, v_two, meta, scale)
+    k_one, v_one = k_cache.clone(), v_cache.clone()
+    got = run_triton(device, rope_attention.rope_tree_attention_triton, qkv, heads, kv_heads,
+                     head_dim, cos, sin, k_one, v_one, meta, scale, rows)
+
+    real = meta.kv_len > 0
+    assert torch.isfinite(got[real]).all() and (got[~real] == 0).all()
+    assert_equal(k_two[page_size:], k_one[page_size:], "k_cache")  # the sink takes padding
+    assert_equal(v_two[page_size:], v_one[page_size:], "v_cache")
+    assert_equal(want[real], got[real], "attention")
+    ref = attention.paged_attention_reference(
+        q_rot.double(), cases.clean_sink(k_two, page_size).double(),
+        cases.clean_sink(v_two, page_size).double(), meta, scale,
+    )
+    assert rel_err(got[real].double(), ref[real]) < (2e-6 if dtype == torch.float32 else 2.5e-3)
+
+
+def test_rope_paged_attention_runs_the_tree_kernel_only_with_the_promise(device, gen, monkeypatch):
+    """A tree block alone is not enough: only ``tree_block_writes`` (verify) takes the one-launch
+    tree kernel; without it the public function runs rotary_write_kv and paged_attention."""
+    from phasegraph.kernels import rope_attention
+    from tests.gpu import kernel_cases as cases
+
+    q, k_cache, v_cache, meta = cases.attention_case(
+        gen, device, layout="verify", batch=2, topk=1, page_size=16, kv_heads=2, group=2,
+        head_dim=32, max_kv=30, dtype=torch.float32, pad_tokens=3,
+    )
+    qkv = torch.randn(q.shape[0], 8 * 32, generator=gen).to(device)
+    cos = torch.ones(q.shape[0], 32, device=device)
+    calls = []
+    monkeypatch.setattr(rope_attention, "rope_tree_attention_triton",
+                        lambda *a, **k: calls.append("one") or torch.zeros(q.shape[0], 4, 32))
+    monkeypatch.setenv("PHASEGRAPH_KERNELS", "triton")
+    out = rope_attention.rope_paged_attention(qkv, 4, 2, 32, cos, cos * 0, k_cache, v_cache, meta, 0.2)
+    assert calls == [] and out.shape == (q.shape[0], 4, 32)
+    rope_attention.rope_paged_attention(qkv[:6], 4, 2, 32, cos[:6], cos[:6] * 0, k_cache, v_cache,
+                                        attrs.evolve(meta, tree_block_writes=True, write_slots=meta.write_slots[:6],
+                                                     query_row=meta.query_row[:6], kv_len=meta.kv_len[:6],
+                                                     extra_mask=meta.extra_mask[:6]), 0.2)
+    assert calls == ["one"]
