@@ -8,6 +8,9 @@
 #                                                 # and GPU time per iteration, batch 1): this
 #                                                 # checkout's probe on both sides' package;
 #                                                 # ROUNDS=N alternates the sides N times
+#   bash scripts/ab_profile.sh run 8b-spec        # the 8B shape at batch 1: decode step, chain
+#                                                 # and tree iterations (bench_scale, random
+#                                                 # weights), old/new interleaved twice
 #   bash scripts/ab_profile.sh run 8b             # the 8B-shaped decode step at batch 1 (bf16),
 #                                                 # old/new interleaved twice (share of the
 #                                                 # bandwidth bound), then each side's kernels
@@ -38,6 +41,17 @@ case ${1:-} in
           --batches 1 --configs baseline --kernels --no-profile --checks default --out "$OUT/8b-kernels-$side" \
           2>&1 | grep -v Warning > "$OUT/8b-kernels-$side.txt"
         echo "== $side kernels"; grep -E "kernels per step" -A6 "$OUT/8b-kernels-$side.txt"
+      done
+      exit 0
+    fi
+    if [ "${2:-}" = 8b-spec ]; then
+      for round in 1 2; do
+        for side in old new; do
+          pkg=$PWD; [ "$side" = old ] && pkg=$PWD/.ab
+          echo "== $side (round $round)"
+          PYTHONPATH=$pkg timeout 200 python bench/bench_scale.py --batches 1 --scopes iteration \
+            --out "$OUT/8b-spec-$side-$round" 2>&1 | grep -E "AR decode|iteration " | cut -c1-120
+        done
       done
       exit 0
     fi
