@@ -333,16 +333,21 @@ def _rope_tree_attention_kernel(
     if INDEXED:
         table_e = tl.load(rope_rows_ptr + node_e, mask=write_e, other=0)
     c1, c2, s1, s2 = _table_halves(cos_ptr, sin_ptr, table_e, write_e, stride_ct, stride_st, HALF)
-    node_qkv = qkv_ptr + node_e * stride_qkv  # [E]
-    k_e = _rotated_rows(node_qkv + (NUM_HEADS + kv_head) * HEAD_DIM, write_e, c1, c2, s1, s2, HALF)
-    offs_d = tl.arange(0, HEAD_DIM)
-    v_e = tl.load(node_qkv[:, None] + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
-                  + offs_d[None, :], mask=write_e[:, None], other=0.0)
+    # key and value half by half ([E, HALF] tiles), as the rotary kernel writes them
+    cols = tl.arange(0, HALF)[None, :]
+    ok = write_e[:, None]
+    k_src = (qkv_ptr + node_e * stride_qkv + (NUM_HEADS + kv_head) * HEAD_DIM)[:, None] + cols
+    v_src = k_src + NUM_KV_HEADS * HEAD_DIM
+    k1, k2 = _rotate(tl.load(k_src, mask=ok, other=0.0), tl.load(k_src + HALF, mask=ok, other=0.0),
+                     c1, c2, s1, s2)
     slot_e = tl.maximum(tl.load(slots_ptr + node_e, mask=write_e, other=0), 0)
-    tl.store(k_ptr + slot_e[:, None] * stride_ks + kv_head * stride_kh + offs_d[None, :] * stride_kd,
-             k_e.to(k_ptr.dtype.element_ty), mask=write_e[:, None])
-    tl.store(v_ptr + slot_e[:, None] * stride_vs + kv_head * stride_vh + offs_d[None, :] * stride_vd,
-             v_e.to(v_ptr.dtype.element_ty), mask=write_e[:, None])
+    k_dst = (k_ptr + slot_e * stride_ks + kv_head * stride_kh)[:, None] + cols * stride_kd
+    v_dst = (v_ptr + slot_e * stride_vs + kv_head * stride_vh)[:, None] + cols * stride_vd
+    tl.store(k_dst, k1.to(k_ptr.dtype.element_ty), mask=ok)
+    tl.store(k_dst + HALF * stride_kd, k2.to(k_ptr.dtype.element_ty), mask=ok)
+    tl.store(v_dst, tl.load(v_src, mask=ok, other=0.0).to(v_ptr.dtype.element_ty), mask=ok)
+    tl.store(v_dst + HALF * stride_vd, tl.load(v_src + HALF, mask=ok, other=0.0).to(v_ptr.dtype.element_ty),
+             mask=ok)
     tl.debug_barrier()  # every thread's store is visible to the loads below
 
     table_m = tok_m
@@ -353,6 +358,7 @@ def _rope_tree_attention_kernel(
                       HALF)  # [M, D]
     if UPCAST:
         q = q.to(tl.float32)
+    offs_d = tl.arange(0, HEAD_DIM)
     d_ok = offs_d < HEAD_DIM
     m_i, l_i, acc = _attend_run(
         lo, hi, run_end, q, kv_len_m, tree_word, member_m, valid_m, tok_m, offs_d, d_ok,
@@ -420,7 +426,9 @@ def rope_tree_attention_triton(
         NUM_HEADS=num_heads,
         NUM_KV_HEADS=num_kv_heads,
         NUM_EXTRA=num_extra,
-        BLOCK_E=next_pow2(num_extra),
+        # whole 16-row tiles for the node writes: with 4-row tiles (E = 3, joined halves) the
+        # bfloat16 keys came out wrong on an H100 (Triton 3.6; the GPU test caught it)
+        BLOCK_E=max(16, next_pow2(num_extra)),
         PAGE_SIZE=page_size,
         GROUP=group,
         GROUP_P=group_p,
