@@ -226,6 +226,21 @@ def _private_tails(meta, k_cache, v_cache, page_size: int):
     return table, grow(k_cache), grow(v_cache)
 
 
+def _rope_inputs(gen, device, dtype, meta, heads: int, kv_heads: int, head_dim: int,
+                 rows: torch.Tensor, tables: bool):
+    """``(qkv, cos, sin, rope_rows)`` of a rotary + attention call: a random qkv product, random
+    cos/sin tables over the page table's positions, and each token's table row ``rows``; with
+    ``tables`` False, the per-token rows of the tables and no ``rope_rows``."""
+    tokens = meta.query_row.shape[0]
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype).to(device)
+    angles = torch.rand(meta.page_table.shape[1] * meta.page_size, head_dim // 2, generator=gen) * 100
+    angles = torch.cat([angles, angles], dim=-1)
+    cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
+    if not tables:
+        return qkv, cos[rows], sin[rows], None
+    return qkv, cos, sin, rows
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["decode", "draft"])
 @pytest.mark.parametrize("batch", (1, 7, 48) if ON_GPU else (1, 5))
@@ -245,7 +260,7 @@ def test_rope_paged_attention_equals_rotary_then_attention(device, gen, dtype, l
         gen, device, layout=layout, batch=batch, topk=4, page_size=page_size, kv_heads=kv_heads,
         group=group, head_dim=head_dim, max_kv=300 if ON_GPU else 40, dtype=dtype,
     )
-    tokens, heads = q.shape[0], kv_heads * group
+    heads = kv_heads * group
     table = meta.page_table
     if layout == "draft":  # the case's branch rows share all pages; the draft's share the prefix
         table, k_cache, v_cache = _private_tails(meta, k_cache, v_cache, page_size)
@@ -255,14 +270,8 @@ def test_rope_paged_attention_equals_rotary_then_attention(device, gen, dtype, l
         write_slots=slots, page_table=meta.page_table, query_row=meta.query_row,
         kv_len=meta.kv_len, extra_mask=None, page_size=page_size, one_query_per_row=True,
     )
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype).to(device)
-    table_rows = meta.page_table.shape[1] * page_size
-    angles = torch.rand(table_rows, head_dim // 2, generator=gen) * 100
-    angles = torch.cat([angles, angles], dim=-1)
-    cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
-    rows = (meta.kv_len - 1).clamp(min=0)
-    if not tables:
-        cos, sin, rows = cos[rows], sin[rows], None
+    qkv, cos, sin, rows = _rope_inputs(gen, device, dtype, meta, heads, kv_heads, head_dim,
+                                       (meta.kv_len - 1).clamp(min=0), tables)
     scale = head_dim**-0.5
 
     q, k, v = rope_attention._split_qkv(qkv, heads, kv_heads, head_dim)
@@ -425,14 +434,10 @@ def test_rope_tree_attention_equals_rotary_then_attention(device, gen, dtype, ba
     slots = _tree_block_slots(meta, nodes)
     meta = attrs.evolve(meta, write_slots=slots)
     tokens, heads = q.shape[0], kv_heads * group
-    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen).to(dtype).to(device)
     table_rows = meta.page_table.shape[1] * page_size
-    angles = torch.rand(table_rows, head_dim // 2, generator=gen) * 100
-    angles = torch.cat([angles, angles], dim=-1)
-    cos, sin = angles.cos().to(dtype).to(device), angles.sin().to(dtype).to(device)
-    rows = torch.randint(0, table_rows, (tokens,), generator=gen).to(device)
-    if not tables:
-        cos, sin, rows = cos[rows], sin[rows], None
+    qkv, cos, sin, rows = _rope_inputs(gen, device, dtype, meta, heads, kv_heads, head_dim,
+                                       torch.randint(0, table_rows, (tokens,), generator=gen).to(device),
+                                       tables)
     scale = head_dim**-0.5
 
     q, k, v = rope_attention._split_qkv(qkv, heads, kv_heads, head_dim)
