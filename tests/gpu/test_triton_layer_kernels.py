@@ -407,7 +407,7 @@ def _tree_block_slots(meta, nodes: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", (1, 3, 33) if ON_GPU else (1, 3))
-@pytest.mark.parametrize("topk", (1, 4) if ON_GPU else (1, 4))
+@pytest.mark.parametrize("topk", (1, 4, 40))  # trees of 3, 9 and 81 nodes (> 64: the byte-gather path)
 @pytest.mark.parametrize("tables", [True, False], ids=["tables", "rows"])
 def test_rope_tree_attention_equals_rotary_then_attention(device, gen, dtype, batch, topk, tables):
     """A verify in one launch (rotary + tree-block KV write + attention) against the two kernels
