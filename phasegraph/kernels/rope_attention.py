@@ -384,13 +384,18 @@ def rope_tree_attention_triton(
     meta: AttentionMetadata,  # with a tree block and ``tree_block_writes``
     scale: float,
     rope_rows: torch.Tensor | None = None,  # [T] i64
+    *,
+    num_splits: int | None = None,
 ) -> torch.Tensor:  # [T, H, D], dtype of qkv
     """Triton ``rope_paged_attention`` for a verify (``meta.tree_block_writes``): grid ``(T, Hkv,
     splits)`` with the tiles, runs and splits of
     :func:`~phasegraph.kernels.attention.paged_attention_triton`, so the output is bitwise that
     of ``rotary_write_kv`` + ``paged_attention``; each program first rotates and writes the tree
     nodes whose positions it owns (each node's key and value once per run that shares its split,
-    all the same bits)."""
+    all the same bits). ``num_splits`` overrides the split count as
+    :func:`~phasegraph.kernels.attention.paged_attention_triton`'s does (> 1 with float32
+    chunks: one split per chunk), for tests that need several splits where the grid would not
+    choose them."""
     _check(qkv, num_heads, num_kv_heads, head_dim, k_cache)
     num_tokens = qkv.shape[0]
     group = num_heads // num_kv_heads
@@ -410,7 +415,10 @@ def rope_tree_attention_triton(
     max_pages = meta.page_table.shape[1]
     positions = max_pages * page_size
     chunk = _fp32_chunk(positions, block_n) if upcast else 0
-    num_splits = auto_splits(positions, block_n, chunk, cdiv(num_tokens, block_t) * num_kv_heads, qkv.device)
+    if num_splits is None:
+        num_splits = auto_splits(positions, block_n, chunk, cdiv(num_tokens, block_t) * num_kv_heads, qkv.device)
+    elif chunk and num_splits > 1:
+        num_splits = cdiv(positions, chunk)  # split s is chunk s
     part_acc, part_max, part_sum = split_buffers(out, num_splits, head_dim)
     indexed = rope_rows is not None
     slots = meta.write_slots.contiguous()

@@ -407,13 +407,14 @@ def _tree_block_slots(meta, nodes: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", (1, 3, 33) if ON_GPU else (1, 3))
-@pytest.mark.parametrize("topk", (1, 4, 40))  # trees of 3, 9 and 81 nodes (> 64: the byte-gather path)
+@pytest.mark.parametrize("topk", [1, 4, 40])  # trees of 3, 9 and 81 nodes (> 64: the byte-gather path)
 @pytest.mark.parametrize("tables", [True, False], ids=["tables", "rows"])
 def test_rope_tree_attention_equals_rotary_then_attention(device, gen, dtype, batch, topk, tables):
     """A verify in one launch (rotary + tree-block KV write + attention) against the two kernels
     it replaces, bit for bit: the pool's keys and values and the attention output, in both
-    dtypes (the same tiles and splits), with a padded request as a CUDA-graph bucket adds and the
-    first request's tree block straddling a float32 chunk (its nodes are read by two splits)."""
+    dtypes (the same tiles and splits), with a padded request as a CUDA-graph bucket adds, the
+    first request's tree block straddling a float32 chunk (its nodes are read by two splits) and
+    NaN in the nodes' slots before the call (a node read before it is written would leak it)."""
     from phasegraph.kernels import attention, rope_attention
     from tests.gpu import kernel_cases as cases
 
@@ -433,6 +434,9 @@ def test_rope_tree_attention_equals_rotary_then_attention(device, gen, dtype, ba
     )
     slots = _tree_block_slots(meta, nodes)
     meta = attrs.evolve(meta, write_slots=slots)
+    # NaN in every node's slot: a program that read a node before writing it would show it
+    k_cache[slots[slots >= 0]] = float("nan")
+    v_cache[slots[slots >= 0]] = float("nan")
     tokens, heads = q.shape[0], kv_heads * group
     table_rows = meta.page_table.shape[1] * page_size
     qkv, cos, sin, rows = _rope_inputs(gen, device, dtype, meta, heads, kv_heads, head_dim,
@@ -443,10 +447,12 @@ def test_rope_tree_attention_equals_rotary_then_attention(device, gen, dtype, ba
     q, k, v = rope_attention._split_qkv(qkv, heads, kv_heads, head_dim)
     k_two, v_two = k_cache.clone(), v_cache.clone()
     q_rot = rotary.rotary_write_kv_triton(q, k, v, cos, sin, k_two, v_two, slots, rows)
-    want = attention.paged_attention_triton(q_rot, k_two, v_two, meta, scale)
+    # the interpreter's 4 "SMs" would give one split: ask for several (the GPU picks its own)
+    kw = {} if ON_GPU else {"num_splits": 2}
+    want = attention.paged_attention_triton(q_rot, k_two, v_two, meta, scale, **kw)
     k_one, v_one = k_cache.clone(), v_cache.clone()
     got = run_triton(device, rope_attention.rope_tree_attention_triton, qkv, heads, kv_heads,
-                     head_dim, cos, sin, k_one, v_one, meta, scale, rows)
+                     head_dim, cos, sin, k_one, v_one, meta, scale, rows, **kw)
 
     real = meta.kv_len > 0
     assert torch.isfinite(got[real]).all() and (got[~real] == 0).all()
