@@ -241,6 +241,31 @@ def _rope_inputs(gen, device, dtype, meta, heads: int, kv_heads: int, head_dim: 
     return qkv, cos, sin, rows
 
 
+def _one_launch_and_two(device, one_launch, qkv, heads, cos, sin, k_cache, v_cache, meta, scale,
+                        rows, two_kw: dict, one_kw: dict):
+    """Run ``one_launch`` (rotary + KV write + attention) and the two kernels it replaces
+    (``rotary_write_kv`` then ``paged_attention``, with ``two_kw``) on copies of the pool; check
+    what both must share: finite outputs, zeros for padding tokens, and the same keys and values
+    bit for bit outside the sink page (which takes the padding tokens' writes in any order).
+    Returns ``(want, got, rotated q, (k_two, v_two, k_one))``."""
+    from phasegraph.kernels import attention, rope_attention
+
+    num_heads, num_kv_heads, head_dim = heads
+    q, k, v = rope_attention._split_qkv(qkv, num_heads, num_kv_heads, head_dim)
+    k_two, v_two = k_cache.clone(), v_cache.clone()
+    q_rot = rotary.rotary_write_kv_triton(q, k, v, cos, sin, k_two, v_two, meta.write_slots, rows)
+    want = attention.paged_attention_triton(q_rot, k_two, v_two, meta, scale, **two_kw)
+    k_one, v_one = k_cache.clone(), v_cache.clone()
+    got = run_triton(device, one_launch, qkv, num_heads, num_kv_heads, head_dim, cos, sin, k_one,
+                     v_one, meta, scale, rows, **one_kw)
+    real = meta.kv_len > 0
+    assert torch.isfinite(got[real]).all() and (got[~real] == 0).all()
+    page_size = meta.page_size
+    assert_equal(k_two[page_size:], k_one[page_size:], "k_cache")
+    assert_equal(v_two[page_size:], v_one[page_size:], "v_cache")
+    return want, got, q_rot, (k_two, v_two, k_one)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("layout", ["decode", "draft"])
 @pytest.mark.parametrize("batch", (1, 7, 48) if ON_GPU else (1, 5))
@@ -274,20 +299,11 @@ def test_rope_paged_attention_equals_rotary_then_attention(device, gen, dtype, l
                                        (meta.kv_len - 1).clamp(min=0), tables)
     scale = head_dim**-0.5
 
-    q, k, v = rope_attention._split_qkv(qkv, heads, kv_heads, head_dim)
-    k_two, v_two = k_cache.clone(), v_cache.clone()
-    q_rot = rotary.rotary_write_kv_triton(q, k, v, cos, sin, k_two, v_two, slots, rows)
-    kw = {} if ON_GPU else {"block_n": 16}
-    want = attention.paged_attention_triton(q_rot, k_two, v_two, meta, scale, **kw)
-    k_one, v_one = k_cache.clone(), v_cache.clone()
-    got = run_triton(device, rope_attention.rope_paged_attention_triton, qkv, heads, kv_heads,
-                     head_dim, cos, sin, k_one, v_one, meta, scale, rows)
-
+    want, got, q_rot, (k_two, v_two, k_one) = _one_launch_and_two(
+        device, rope_attention.rope_paged_attention_triton, qkv, (heads, kv_heads, head_dim),
+        cos, sin, k_cache, v_cache, meta, scale, rows, {} if ON_GPU else {"block_n": 16}, {},
+    )
     real = meta.kv_len > 0
-    assert torch.isfinite(got[real]).all() and (got[~real] == 0).all()
-    # the sink page takes the padding tokens' writes in any order: compare the rest
-    assert_equal(k_two[page_size:], k_one[page_size:], "k_cache")
-    assert_equal(v_two[page_size:], v_one[page_size:], "v_cache")
     written = torch.zeros(k_cache.shape[0], dtype=torch.bool, device=device)
     written[slots.clamp(min=0)] = True
     written[:page_size] = True
@@ -444,20 +460,13 @@ def test_rope_tree_attention_equals_rotary_then_attention(device, gen, dtype, ba
                                        tables)
     scale = head_dim**-0.5
 
-    q, k, v = rope_attention._split_qkv(qkv, heads, kv_heads, head_dim)
-    k_two, v_two = k_cache.clone(), v_cache.clone()
-    q_rot = rotary.rotary_write_kv_triton(q, k, v, cos, sin, k_two, v_two, slots, rows)
     # the interpreter's 4 "SMs" would give one split: ask for several (the GPU picks its own)
     kw = {} if ON_GPU else {"num_splits": 2}
-    want = attention.paged_attention_triton(q_rot, k_two, v_two, meta, scale, **kw)
-    k_one, v_one = k_cache.clone(), v_cache.clone()
-    got = run_triton(device, rope_attention.rope_tree_attention_triton, qkv, heads, kv_heads,
-                     head_dim, cos, sin, k_one, v_one, meta, scale, rows, **kw)
-
+    want, got, q_rot, (k_two, v_two, _) = _one_launch_and_two(
+        device, rope_attention.rope_tree_attention_triton, qkv, (heads, kv_heads, head_dim),
+        cos, sin, k_cache, v_cache, meta, scale, rows, kw, kw,
+    )
     real = meta.kv_len > 0
-    assert torch.isfinite(got[real]).all() and (got[~real] == 0).all()
-    assert_equal(k_two[page_size:], k_one[page_size:], "k_cache")  # the sink takes padding
-    assert_equal(v_two[page_size:], v_one[page_size:], "v_cache")
     assert_equal(want[real], got[real], "attention")
     ref = attention.paged_attention_reference(
         q_rot.double(), cases.clean_sink(k_two, page_size).double(),
