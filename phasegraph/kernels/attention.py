@@ -673,8 +673,7 @@ def paged_attention_triton(
     if num_tokens == 0:
         return out
 
-    dtypes = {q.dtype, k_cache.dtype, v_cache.dtype}
-    upcast = len(dtypes) > 1 or q.dtype == torch.float32
+    upcast = full_precision(q, k_cache, v_cache)
     split_p = not upcast and q.dtype == torch.bfloat16
     num_extra = 0 if meta.extra_mask is None else meta.extra_mask.shape[1]
     default_m, default_n, default_stages = default_tiles(upcast, num_extra)
@@ -696,15 +695,10 @@ def paged_attention_triton(
     positions = max_pages * page_size
     if chunk is None:
         chunk = _fp32_chunk(positions, block_n) if upcast else 0
-    if chunk:
-        if chunk % block_n:
-            raise ValueError(f"chunk ({chunk}) must be a multiple of block_n ({block_n})")
-        if num_splits is not None and num_splits > 1:
-            num_splits = cdiv(positions, chunk)  # split s is chunk s
-    if num_splits is None:
-        num_splits = auto_splits(positions, block_n, chunk, cdiv(num_tokens, block_t) * num_kv_heads, q.device)
-    if num_splits < 1 or (not chunk and num_splits & (num_splits - 1)):
-        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    if chunk and chunk % block_n:
+        raise ValueError(f"chunk ({chunk}) must be a multiple of block_n ({block_n})")
+    num_splits = launch_splits(positions, block_n, chunk, num_splits,
+                               cdiv(num_tokens, block_t) * num_kv_heads, q.device)
 
     part_acc, part_max, part_sum = split_buffers(out, num_splits, block_d)
     _paged_attention_kernel[(num_tokens, num_kv_heads, num_splits)](
@@ -733,6 +727,26 @@ def paged_attention_triton(
     )
     combine_splits(out, part_acc, part_max, part_sum, kv_len, block_d, chunk, num_extra)
     return out
+
+
+def full_precision(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    """Whether the attention kernels run float32 tiles and full-precision products (UPCAST):
+    float32 queries, or mixed dtypes."""
+    return len({q.dtype, k_cache.dtype, v_cache.dtype}) > 1 or q.dtype == torch.float32
+
+
+def launch_splits(positions: int, block_n: int, chunk: int, num_splits: int | None, runs: int,
+                  device: torch.device) -> int:
+    """The split count of a launch over rows of ``positions``: ``num_splits`` as asked (> 1 with
+    float32 chunks: one split per chunk; else a power of two), or :func:`auto_splits` for
+    ``runs`` runs."""
+    if num_splits is None:
+        return auto_splits(positions, block_n, chunk, runs, device)
+    if chunk and num_splits > 1:
+        return cdiv(positions, chunk)  # split s is chunk s
+    if num_splits < 1 or (not chunk and num_splits & (num_splits - 1)):
+        raise ValueError(f"num_splits must be a power of two, got {num_splits}")
+    return num_splits
 
 
 def default_tiles(upcast: bool, num_extra: int) -> tuple[int, int, int]:

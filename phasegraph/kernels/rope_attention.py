@@ -42,6 +42,8 @@ from phasegraph.kernels.attention import (
     auto_splits,
     combine_splits,
     default_tiles,
+    full_precision,
+    launch_splits,
     paged_attention,
     paged_attention_reference,
     run_leader,
@@ -408,17 +410,15 @@ def rope_tree_attention_triton(
                          f"a multiple of E tokens, got {num_tokens} tokens and extra_mask "
                          f"{None if extra is None else tuple(extra.shape)}")
     num_extra = extra.shape[1]
-    upcast = len({qkv.dtype, k_cache.dtype, v_cache.dtype}) > 1 or qkv.dtype == torch.float32
+    upcast = full_precision(qkv, k_cache, v_cache)
     block_m, block_n, num_stages = default_tiles(upcast, num_extra)
     group_p, block_t = tile_tokens(group, block_m)
     page_size = meta.page_size
     max_pages = meta.page_table.shape[1]
     positions = max_pages * page_size
     chunk = _fp32_chunk(positions, block_n) if upcast else 0
-    if num_splits is None:
-        num_splits = auto_splits(positions, block_n, chunk, cdiv(num_tokens, block_t) * num_kv_heads, qkv.device)
-    elif chunk and num_splits > 1:
-        num_splits = cdiv(positions, chunk)  # split s is chunk s
+    num_splits = launch_splits(positions, block_n, chunk, num_splits,
+                               cdiv(num_tokens, block_t) * num_kv_heads, qkv.device)
     part_acc, part_max, part_sum = split_buffers(out, num_splits, head_dim)
     indexed = rope_rows is not None
     slots = meta.write_slots.contiguous()
@@ -490,7 +490,7 @@ def rope_paged_attention_triton(
     out = torch.empty((num_tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if num_tokens == 0:
         return out
-    upcast = len({qkv.dtype, k_cache.dtype, v_cache.dtype}) > 1 or qkv.dtype == torch.float32
+    upcast = full_precision(qkv, k_cache, v_cache)
     group_p, block_t = tile_tokens(group, 16 if upcast else 64)  # paged_attention_triton's tile
     block_n = 16 if upcast else 32
     page_size = meta.page_size
