@@ -44,9 +44,11 @@ import bench_scale  # noqa: E402
 from phasegraph.bench.common import sync  # noqa: E402
 
 
-def build_pair(dtype: torch.dtype, device: str = "cuda", overrides: list[str] | None = None):
+def build_pair(dtype: torch.dtype, device: str = "cuda", overrides: list[str] | None = None,
+               draft_dtype: torch.dtype | None = None):
     """Random target and EAGLE-3 head with the ``bench-pair`` preset's shapes (``overrides``:
-    ``section.field=value`` replacements, as ``python -m phasegraph.train --set`` takes)."""
+    ``section.field=value`` replacements, as ``python -m phasegraph.train --set`` takes); the
+    head in ``draft_dtype`` (default: ``dtype``)."""
     from transformers import LlamaConfig
 
     from phasegraph.bench.common import fill_random_weights
@@ -74,7 +76,7 @@ def build_pair(dtype: torch.dtype, device: str = "cuda", overrides: list[str] | 
         head = Eagle3Head(hcfg, target_hidden_size=t.hidden_size, draft_vocab_size=preset.vocab_size,
                           with_d2t=False, with_t2d=False)
     fill_random_weights(model, head)
-    head.to(dtype)
+    head.to(draft_dtype or dtype)
     target = HFTarget(model, feature_mode="eagle3")
     return target, Eagle3Draft(target, hcfg, head)
 
@@ -540,6 +542,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--draft-dtype", choices=["float32", "bfloat16"],
+                    help="the EAGLE-3 head's dtype (default: --dtype)")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--shape", default="bench-pair", choices=["bench-pair", "8b"],
                     help="bench-pair (96M target, default) or bench_scale's Llama-3-8B shape (bf16 only)")
@@ -577,7 +581,8 @@ def main(argv=None) -> int:
         target = bench_scale.build_target(32)
         head = bench_scale.build_eagle3_head(target)
     else:
-        target, head = build_pair(dtype, args.device, args.set)
+        target, head = build_pair(dtype, args.device, args.set,
+                                  getattr(torch, args.draft_dtype) if args.draft_dtype else None)
     base_target = type(target)(target.model, feature_mode="none")
     configs = [
         ("baseline", base_target, None, SpecConfig(method="none"), None),
@@ -586,7 +591,7 @@ def main(argv=None) -> int:
          SpecConfig(method="eagle3", num_steps=4, topk=4, num_draft_tokens=16), 3),
     ]
     configs = [c for c, key in zip(configs, ("baseline", "chain", "tree"), strict=True) if key in args.configs]
-    result: dict = {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "torch": torch.__version__, "dtype": args.dtype, "shape": args.shape,
+    result: dict = {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "torch": torch.__version__, "dtype": args.dtype, "draft_dtype": args.draft_dtype or args.dtype, "shape": args.shape,
                     "overrides": args.set, "params": {"target": sum(p.numel() for p in target.model.parameters()),
                                                       "head": sum(p.numel() for p in head.head.parameters())} if args.shape == "bench-pair" else None,
                     "rows": []}

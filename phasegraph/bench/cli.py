@@ -230,6 +230,9 @@ def add_bench_command(sub) -> None:
     p.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
     p.add_argument("--pair-dtype", choices=("float32", "bfloat16"), default="float32",
                    help="part 1 dtype (default float32: the identity check is exact; bf16 flips near-ties)")
+    p.add_argument("--draft-dtype", choices=("float32", "bfloat16"),
+                   help="part 1 drafts' dtype (EAGLE-3 head, standalone draft, transformers' assistant; "
+                        "default bfloat16 on a GPU, --pair-dtype on the CPU): it moves τ, never the output")
     p.add_argument("--scale-batches", metavar="B,B,...", help="part 2 batch sizes (default 1,8,32,64; quick 1,2)")
     p.add_argument("--scale-taus", default="2,3,4", metavar="T,T,...", help="simulated acceptance lengths (default 2,3,4)")
     p.add_argument("--scale-configs", default="chain", metavar="chain,tree",

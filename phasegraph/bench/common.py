@@ -62,6 +62,10 @@ class BenchRun:
         # rounding of a product depends on its batch shape (a verify of B*N tokens vs a decode of
         # B), and greedy picks at near-ties flip (RESULTS.md §5 records such a bf16 run)
         self.pair_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.pair_dtype]
+        # the drafts (EAGLE-3 head, standalone draft, transformers' assistant): bfloat16 on a GPU,
+        # as their checkpoints are saved; a draft only proposes, so this moves τ, never the output
+        draft_dtype = getattr(args, "draft_dtype", None) or ("bfloat16" if self.cuda else args.pair_dtype)
+        self.draft_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[draft_dtype]
         self.graphs = self.cuda
         self.result: dict = {
             "command": "phasegraph bench " + " ".join(args.argv),

@@ -73,6 +73,7 @@ def measure_trained_pair(run: BenchRun) -> None:
         "prompt_tokens_max": prompt_tokens,
         "prompt_tokens_mean": round(sum(len(p) for p in prompts) / len(prompts), 1),
         "new_tokens": a.new_tokens, "batches": a.batch_list, "dtype": str(run.pair_dtype).removeprefix("torch."),
+        "draft_dtype": str(run.draft_dtype).removeprefix("torch."),
         "cuda_graphs": run.graphs, "greedy": True, "ignore_eos": True, "rows": [],
         "batch1_prompts": a.batch1_prompts,
         "wall_s_by_group": {},  # where part 1's time goes: engine, compiles, captures, warm-ups, rows
@@ -164,7 +165,7 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
     a = run.args
     engine = Engine.from_pretrained(
         target_dir, draft_dir, spec=SpecConfig(**spec_kw), device=run.device, dtype=run.pair_dtype,
-        max_batch_size=max(a.batch_list), kv_pool_tokens=kv_tokens, cuda_graphs=run.graphs, trace=True,
+        draft_dtype=run.draft_dtype, max_batch_size=max(a.batch_list), kv_pool_tokens=kv_tokens, cuda_graphs=run.graphs, trace=True,
         validate=a.validate, prefill_graphs=run.graphs and a.prefill_graphs,
     )
     weight_bytes = iteration_weight_bytes(engine)
@@ -216,10 +217,10 @@ def _gpu_busy_seconds(engine, prompts: list, params) -> tuple[float, int]:
 # ------------------------------------------------------------------------------------------------
 
 
-def _load_hf_model(run: BenchRun, directory: Path):
+def _load_hf_model(run: BenchRun, directory: Path, dtype=None):
     from transformers import LlamaForCausalLM
 
-    model = LlamaForCausalLM.from_pretrained(str(directory), dtype=run.pair_dtype, attn_implementation="sdpa")
+    model = LlamaForCausalLM.from_pretrained(str(directory), dtype=dtype or run.pair_dtype, attn_implementation="sdpa")
     model.to(run.device).eval()
     model.generation_config.eos_token_id = None  # generate exactly max_new_tokens, like ignore_eos
     return model
@@ -246,7 +247,7 @@ def _measure_hf_rows(run: BenchRun, pair, draft_dir, prompts, outputs, rows, bar
     transformers.logging.set_verbosity_error()
     transformers.utils.logging.disable_progress_bar()
     model = _load_hf_model(run, pair / "target")
-    assistant = _load_hf_model(run, draft_dir) if draft_dir is not None else None
+    assistant = _load_hf_model(run, draft_dir, run.draft_dtype) if draft_dir is not None else None
     runs = [(HF_ASSISTED, 1, assistant)] if assistant is not None else []  # the goal's row first
     runs += [(HF_PLAIN, b, None) for b in a.batch_list]
     for label, b, asst in runs:

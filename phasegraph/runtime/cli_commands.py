@@ -55,6 +55,8 @@ def add_generate(sub) -> None:
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto (default)")
     p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--draft-dtype", help="the draft's precision (default: --dtype); it moves the "
+                   "acceptance length, never the output")
     p.add_argument("--trace", metavar="FILE", help="save the phase trace (Chrome-trace JSON) to FILE")
     p.add_argument("--no-progress", action="store_true", help="never show a progress bar")
     p.set_defaults(func=run_generate)
@@ -97,7 +99,7 @@ def run_generate(args: argparse.Namespace) -> int:
             raise CliError(f"--trace {args.trace}: not a writable file path (a directory, or its directory is missing)")
     engine = Engine.from_pretrained(
         args.target, args.draft, spec=spec, device=args.device, dtype=args.dtype,
-        page_size=args.page_size, kv_pool_tokens=args.kv_pool_tokens, trace=bool(args.trace),
+        draft_dtype=args.draft_dtype, page_size=args.page_size, kv_pool_tokens=args.kv_pool_tokens, trace=bool(args.trace),
     )
     progress = not args.no_progress and args.max_new_tokens >= PROGRESS_MIN_TOKENS
     start = time.perf_counter()

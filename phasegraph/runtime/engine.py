@@ -62,7 +62,7 @@ def resolve_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torch.dtype:
+def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, name: str = "dtype") -> torch.dtype:
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
@@ -70,7 +70,7 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device) -> torc
     names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
     if dtype not in names:
-        raise InvalidConfig(f"dtype must be one of {', '.join(names)}; got {dtype!r}")
+        raise InvalidConfig(f"{name} must be one of {', '.join(names)}; got {dtype!r}")
     return names[dtype]
 
 
@@ -235,23 +235,30 @@ class Engine:
         spec: SpecConfig | None = None,
         device: str | torch.device | None = None,
         dtype: str | torch.dtype | None = None,
+        draft_dtype: str | torch.dtype | None = None,
         page_size: int = 1,
         kv_pool_tokens: int | None = None,
         **kwargs,
     ) -> Engine:
         """Load a target directory (config.json + safetensors, sharded or not, plus its
         tokenizer if present) and, for speculative methods, a draft directory in that method's
-        public checkpoint layout."""
+        public checkpoint layout.
+
+        ``draft_dtype`` (default: ``dtype``) runs the draft in another precision than the target,
+        e.g. a bfloat16 head beside a float32 target: the draft only proposes tokens, so its
+        precision moves the acceptance length, never the output (which is always the target's).
+        """
         spec = _as_spec(spec)
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
+        draft_dt = dt if draft_dtype is None else resolve_dtype(draft_dtype, dev, "draft_dtype")
         target_path = Path(target_dir)
         target = HFTarget.from_pretrained(target_path, dtype=dt, device=dev, feature_mode=FEATURE_MODE[spec.method])
         draft = None
         if spec.speculative:
             if draft_dir is None:
                 raise InvalidConfig(f"SpecConfig(method={spec.method!r}) needs draft_dir")
-            draft = _draft_class(spec.method).from_pretrained(Path(draft_dir), target, dtype=dt, device=dev)
+            draft = _draft_class(spec.method).from_pretrained(Path(draft_dir), target, dtype=draft_dt, device=dev)
         tokenizer = _load_tokenizer(target_path)
         kwargs.setdefault("eos_token_ids", _eos_ids(target, target_path, tokenizer))
         return cls(target, draft, spec=spec, tokenizer=tokenizer, page_size=page_size,

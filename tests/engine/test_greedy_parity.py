@@ -80,3 +80,27 @@ def test_self_draft_accepts_every_draft(engine_root, arch, shape):
     # multi-token acceptance happened, up to the full chain / the deepest the tree holds
     assert max(lens) >= (spec["num_steps"] + 1 if shape == "chain" else spec["num_steps"])
     assert sum(lens) / len(lens) > 1.5
+
+
+@pytest.mark.parametrize("kind", DRAFT_KINDS)
+def test_bfloat16_draft_beside_float32_target_keeps_the_output(engine_root, kind):
+    """``draft_dtype``: the draft runs (weights, KV pool, hidden state) in bfloat16 while the target
+    stays float32; the draft only proposes, so the output is still transformers' greedy one."""
+    import torch
+
+    bundle = arch_bundle(engine_root, "qwen3")  # EAGLE-3 with a reduced vocabulary (d2t)
+    engine = engine_for(bundle, kind, topk=4, num_steps=3, num_draft_tokens=8,
+                        dtype="float32", draft_dtype="bfloat16")
+    assert engine.target.dtype == torch.float32
+    assert engine.draft.dtype == torch.bfloat16
+    assert engine.kv.draft_pool.k[0].dtype == torch.bfloat16
+    assert engine.kv.target_pool.k[0].dtype == torch.float32
+    _check_run(engine, bundle, 3)
+
+
+def test_unknown_draft_dtype_is_refused(engine_root):
+    from phasegraph.runtime.errors import InvalidConfig
+
+    bundle = arch_bundle(engine_root, "llama")
+    with pytest.raises(InvalidConfig, match="draft_dtype must be one of"):
+        engine_for(bundle, "eagle3", draft_dtype="float8")
