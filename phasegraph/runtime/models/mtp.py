@@ -109,10 +109,11 @@ class MTPDraft(FeatureDraft):
         """Draft step ``step`` attends the prefix plus only those ancestors (draft steps
         ``0..step``, the block behind ``kv_len - step - 1``) that ran the same MTP layer: a
         layer never wrote the KV of steps another layer ran."""
-        layer = self.layer_for_step(step)
-        same = torch.tensor(
-            [self.layer_for_step(j) == layer for j in range(step + 1)], device=attn.kv_len.device
-        )  # [step+1]
+        # steps j <= step that ran layer_for_step(step): j == step alone, or every j >= L-2 once
+        # the steps reach the last layer. Built on the device (no host list to copy), so a CUDA
+        # graph can capture it.
+        first = step if step + 1 < self.num_layers - 1 else max(self.num_layers - 2, 0)
+        same = torch.arange(step + 1, device=attn.kv_len.device) >= first  # [step+1]
         return AttentionMetadata(
             write_slots=attn.write_slots,
             page_table=attn.page_table,
