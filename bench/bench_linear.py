@@ -312,8 +312,8 @@ def tuned_table(result) -> tuple:
             fused_ok = f["best"]["us"] < unfused  # against the faster two-kernel sequence
             if fused_ok and f["best"]["us"] < f["fused"][0].get("us", float("inf")) * 0.98:
                 cfg = cfg_of(f["best"])  # the prologue moved the optimum
-        if cfg.split_k > 1:  # a split-K rule runs the norm / silu kernel, then the product
-            fused_ok = False
+        if cfg.split_k > 1 and FUSED_KINDS.get(e["shape"]) != "silu":
+            fused_ok = False  # a split-K rule runs the norm kernel, then the product
         rules.append(lin._Rule(e["m"], (e["n"], e["n"]), (e["k"], e["k"]), cfg, plain, fused_ok))
     return tuple(rules) + tuple(r for r in table_of_dtype() if r.n_range == lin._ANY)
 
@@ -432,7 +432,8 @@ def main() -> None:
         if s in FUSED_KINDS:
             extra = FUSED_EXTRA + (GEMV4_CONFIGS[:1] + GEMV4_CONFIGS[-1:] if m <= 4 else [])
             extra = extra if m > 1 and not args.quick else []
-            plain_best = [c for c in best[s, m] if c.split_k == 1]  # split-K: plain products only
+            kind = FUSED_KINDS[s]  # split-K takes the silu prologue, not the norm
+            plain_best = [c for c in best[s, m] if c.split_k == 1 or kind == "silu"]
             best[s, m, "fused"] = list(dict.fromkeys(plain_best + extra))
             fused_jobs += [(case, cfg, FUSED_KINDS[s]) for cfg in best[s, m, "fused"]]
         if best[s, m] and not args.no_pdl:

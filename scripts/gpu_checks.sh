@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 5 in one device call: Triton kernels vs references, graph capture and
 # replay, the GPU lossless matrix, then the 8B-shaped scale bench. Results under $OUT (or ./out).
-#   bash scripts/gpu_checks.sh [tests|scale|fp32-table|all]   (default all; fp32-table is not in all)
+#   bash scripts/gpu_checks.sh [tests|scale|fp32-table|bf16-head|all]   (default all; fp32-table
+#   and bf16-head are not in all)
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -23,4 +24,21 @@ if [[ $what == fp32-table ]]; then  # the bench pair's float32 products at 4 and
     --out "$OUT/linear" 2>&1 | grep -v Warning | tee "$OUT/linear.txt"
   timeout 240 python bench/table_ab.py --linear "$OUT/linear/bench_linear.json" --out "$OUT/ab" \
     2>&1 | grep -v Warning | tee "$OUT/table-ab.txt"
+fi
+if [[ $what == bf16-head ]]; then  # a bfloat16 EAGLE-3 head beside the float32 target: its
+  # engine path on the GPU, the skinny products at the head's shapes in bfloat16 (1, 4 and 5 rows:
+  # a draft step's beams and draft-extend's accepted path at batch 1), the split-K down product
+  # with its silu prologue at 16 rows (verify), and a tree iteration's kernels with either head
+  timeout 200 python -m pytest -q -p no:cacheprovider tests/engine/test_greedy_parity.py \
+    -k "bfloat16_draft" tests/gpu/test_linear_gpu.py 2>&1 | tail -8 | tee "$OUT/tests.txt"
+  timeout 240 python bench/bench_linear.py --dtype bfloat16 --shape-set pair --ms 1,4,5 --no-pdl \
+    --shapes o,gate_up,down,lm_head,head_fc,head_qkv --out "$OUT/linear-bf16" 2>&1 \
+    | grep -v Warning | tee "$OUT/linear-bf16.txt"
+  timeout 120 python bench/bench_linear.py --dtype float32 --shape-set pair --ms 16 --no-pdl \
+    --shapes down --out "$OUT/linear-f32-down" 2>&1 | grep -v Warning | tee "$OUT/linear-f32-down.txt"
+  for head in float32 bfloat16; do
+    timeout 200 python bench/profile_pair_host.py --out "$OUT/head-$head" --draft-dtype $head \
+      --batches 1 --configs baseline tree --kernels --no-profile --checks off 2>&1 \
+      | grep -v Warning | tee "$OUT/head-$head.txt"
+  done
 fi

@@ -154,7 +154,8 @@ class SkinnyConfig(NamedTuple):
     # ignore it
     split_k: int = 1  # > 1: K in that many slices, one program each (more programs in flight for
     # few output columns); the last slice of a column block to finish sums the partials in slice
-    # order (deterministic), plain products only
+    # order (deterministic); plain products and the silu prologue (elementwise, so a slice needs
+    # only its own columns of gate and up), not the norm (row statistics over the whole K)
 
 
 class _Rule(NamedTuple):
@@ -191,8 +192,35 @@ _QKV_8B, _GATE_UP_8B = ((6144, 6144), (4096, 4096)), ((28672, 28672), (4096, 409
 #   M = 2..4 (a chain's verify) the wgmma tile W-left, 64 x 256, 341 us against 371 (`--ms 4`);
 #   at M = 5..16 cuBLAS keeps it (not measured against the Triton tiles at that width).
 _VOCAB_WIDE = (65536, 1 << 40)
+
+
+def _shape(n: int, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    return (n, n), (k, k)
+
+
+# The bench pair's EAGLE-3 head in bfloat16 beside its float32 target (`phasegraph bench
+# --draft-dtype bfloat16`): a draft step runs 4 rows (K beams) and draft-extend 5 (the accepted
+# path) at batch 1. Measured by `bash scripts/gpu_checks.sh bf16-head` (bench_linear.py --dtype
+# bfloat16 --shape-set pair --ms 1,4,5, H100, 2026-11-24; bench/RESULTS.md §6), us per op in a
+# CUDA graph, best Triton tile vs cuBLAS: 4 rows o 3.0 vs 4.0, head fc 4.7 vs 6.1, down 4.7 vs
+# 6.4, head qkv 4.6 vs 5.2 (multiply-sums), gate_up 5.1 vs 5.4 and lm_head 6.3 vs 6.8 (wgmma,
+# W on the left); 5 rows on tl.dot tiles. The 1-row forms are the general rule's; at 4-5 rows
+# the norm / silu kernel + the product beat the fused prologues (gate_up+norm 6.7 vs 7.9 us).
+_BF16_PAIR_RULES: tuple[_Rule, ...] = (
+    _Rule(4, *_shape(768, 768), SkinnyConfig(2, 1024, 4, 3, dot=False), True, False),  # o
+    _Rule(5, *_shape(768, 768), SkinnyConfig(32, 256, 4, 3, dot=True), True, False),
+    _Rule(4, *_shape(768, 2304), SkinnyConfig(4, 512, 4, 3, dot=False), True, False),  # head fc
+    _Rule(5, *_shape(768, 2304), SkinnyConfig(32, 256, 4, 4, dot=True), True, False),
+    _Rule(4, *_shape(768, 2560), SkinnyConfig(4, 512, 4, 3, dot=False), True, False),  # down
+    _Rule(5, *_shape(768, 2560), SkinnyConfig(16, 512, 4, 3, dot=True), True, False),
+    _Rule(4, *_shape(1280, 1536), SkinnyConfig(4, 512, 4, 3, dot=False), True, False),  # qkv
+    _Rule(5, *_shape(1280, 1536), SkinnyConfig(16, 512, 4, 3, dot=True), True, False),
+    _Rule(5, *_shape(5120, 768), SkinnyConfig(64, 128, 4, 4, dot=True, swap=True), True, False),
+    _Rule(5, *_shape(8192, 768), SkinnyConfig(64, 128, 4, 4, dot=True, swap=True), True, False),
+)
 CONFIGS: tuple[_Rule, ...] = (
     _Rule(1, _ANY, _K_WHOLE, _GEMV_WHOLE_K, True, True),
+    *_BF16_PAIR_RULES,
     _Rule(4, _VOCAB_WIDE, _K_WHOLE, _DOT_WIDE, True, False),
     _Rule(16, _VOCAB_WIDE, _ANY, _DOT, False, False),
     _Rule(1, _ANY, _K_LONG, _GEMV_LOOP, True, True),
@@ -234,10 +262,6 @@ _N_VOCAB = (8192, 1 << 40)
 # pair, batch 1) the tree iteration's GPU work went 1.152 -> 1.035 ms, chain 0.824 -> 0.815,
 # decode unchanged (bench/table_ab.py --linear).
 _FP32_TF32X3_SPLIT = {s: _FP32_TF32X3._replace(split_k=s) for s in (2, 4, 8)}
-
-
-def _shape(n: int, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    return (n, n), (k, k)
 
 
 _FP32_PAIR_RULES: tuple[_Rule, ...] = (
@@ -551,8 +575,9 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
     split = cfg.split_k
     if split < 1:
         raise ValueError(f"config: split_k must be >= 1, got {split}")
-    if split > 1 and prologue != _NONE:
-        raise ValueError("config: split_k > 1 takes the plain product only (no fused prologue)")
+    if split > 1 and prologue == _RMS_NORM:
+        raise ValueError("config: split_k > 1 takes no norm prologue (every slice would need the "
+                         "row statistics over the whole K)")
     tiles = cdiv(k, block_k)
     split = cdiv(tiles, cdiv(tiles, min(split, tiles)))  # whole tiles per slice, none empty
     blocks = cdiv(n, cfg.block_n)
