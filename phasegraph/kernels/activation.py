@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from phasegraph.kernels._checks import expect_float
 from phasegraph.kernels._dispatch import cdiv, jit, tl, use_triton
+from phasegraph.kernels.split_sum import SplitSum, load_total, materialize, split_args
 
 
 def _check(gate_up: torch.Tensor) -> None:
@@ -34,42 +35,59 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T,
 
 @jit
 def _silu_mul_kernel(
-    gate_up_ptr,  # [T, 2I]
+    gate_up_ptr,  # [T, 2I], or [S, R, 2I] float32 partials (SPLIT)
     out_ptr,  # [T, I] out
+    bias_ptr,  # [2I] the split product's bias (SPLIT and HAS_BIAS)
     inner,
     stride_in,
+    slices,
+    slice_stride,
+    SPLIT: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < inner
-    gate = tl.load(gate_up_ptr + t * stride_in + cols, mask=inside, other=0.0)
-    up = tl.load(gate_up_ptr + t * stride_in + inner + cols, mask=inside, other=0.0)
+    dtype = out_ptr.dtype.element_ty
+    gate = load_total(gate_up_ptr, t * stride_in + cols, inside, slices, slice_stride, bias_ptr,
+                      cols, SPLIT, HAS_BIAS, dtype)
+    up = load_total(gate_up_ptr, t * stride_in + inner + cols, inside, slices, slice_stride,
+                    bias_ptr, inner + cols, SPLIT, HAS_BIAS, dtype)
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # silu, rounded like F.silu
     y = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
     tl.store(out_ptr + t * inner + cols, y, mask=inside)
 
 
-def silu_mul_triton(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
-    """Triton ``silu_mul``: a 2-d grid of (token, block of I) programs; reads 2I, writes I."""
-    _check(gate_up)
-    if gate_up.stride(1) != 1:
-        return silu_mul_reference(gate_up)
+def silu_mul_triton(gate_up: torch.Tensor | SplitSum) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    """Triton ``silu_mul``: a 2-d grid of (token, block of I) programs; reads 2I, writes I. A
+    :class:`SplitSum` is summed as it is read."""
+    split = isinstance(gate_up, SplitSum)
+    if split:
+        if gate_up.shape[1] % 2:
+            raise ValueError(f"gate_up: expected an even last dimension, got {tuple(gate_up.shape)}")
+    else:
+        _check(gate_up)
+        if gate_up.stride(1) != 1:
+            return silu_mul_reference(gate_up)
     tokens, width = gate_up.shape
     inner = width // 2
     out = torch.empty((tokens, inner), dtype=gate_up.dtype, device=gate_up.device)
     if tokens == 0 or inner == 0:
         return out
+    base, slices, slice_stride, bias = split_args(gate_up)
     block = 1024
     _silu_mul_kernel[(tokens, cdiv(inner, block))](
-        gate_up, out, inner, gate_up.stride(0), BLOCK=block, num_warps=4
+        base, out, out if bias is None else bias, inner, width if split else base.stride(0),
+        slices, slice_stride, SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4
     )
     return out
 
 
-def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T, I]
-    """``silu(gate) * up`` of a merged gate/up product (Triton on CUDA)."""
-    if use_triton(gate_up):
+def silu_mul(gate_up: torch.Tensor | SplitSum) -> torch.Tensor:  # [T, 2I] -> [T, I]
+    """``silu(gate) * up`` of a merged gate/up product (Triton on CUDA); a deferred split-K
+    product (:class:`SplitSum`) is summed as the kernel reads it."""
+    if use_triton(gate_up.partials if isinstance(gate_up, SplitSum) else gate_up):
         return silu_mul_triton(gate_up)
-    return silu_mul_reference(gate_up)
+    return silu_mul_reference(materialize(gate_up))

@@ -49,6 +49,7 @@ from phasegraph.kernels._checks import expect_float, expect_shape
 from phasegraph.kernels._dispatch import cdiv, jit, next_pow2, tl, use_triton
 from phasegraph.kernels.activation import silu_mul, silu_mul_reference
 from phasegraph.kernels.rms_norm import add_rms_norm, add_rms_norm_reference
+from phasegraph.kernels.split_sum import SplitSum
 
 MAX_M = 16  # the kernel's largest row tile (tl.dot needs >= 16 rows; padded rows are masked)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
@@ -428,6 +429,7 @@ def _skinny_kernel(
     STAGES: tl.constexpr,
     PDL: tl.constexpr,
     SPLIT_K: tl.constexpr,
+    DEFER: tl.constexpr,  # split-K: store the partials only; the consumer sums them (SplitSum)
 ):
     if PDL:  # launched early: let the next kernel launch, then wait for the previous one
         tl.extra.cuda.gdc_launch_dependents()
@@ -519,6 +521,8 @@ def _skinny_kernel(
     if SPLIT_K > 1:  # publish this slice's partial; the last slice to arrive writes y
         part_offs = rows[:, None] * N + cols_n[None, :]  # [BLOCK_M, BLOCK_N] in one slice
         tl.store(partial_ptr + tl.program_id(1) * BLOCK_M * N + part_offs, out, mask=y_mask)
+        if DEFER:
+            return
         tl.debug_barrier()  # every thread's partial is stored before the release below
         arrived = tl.atomic_add(arrived_ptr + pid, 1, sem="acq_rel", scope="gpu")
         if arrived == SPLIT_K - 1:
@@ -555,7 +559,8 @@ def _arrival_counters(device: torch.device) -> torch.Tensor | None:
 
 
 def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
-            config: SkinnyConfig | None, warmup: bool = False):
+            config: SkinnyConfig | None, warmup: bool = False, defer: bool = False):
+    """(y, summed); with ``defer`` and a split-K config, y is a :class:`SplitSum`."""
     m = x.shape[0]
     n, k = weight.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
@@ -581,9 +586,12 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
     tiles = cdiv(k, block_k)
     split = cdiv(tiles, cdiv(tiles, min(split, tiles)))  # whole tiles per slice, none empty
     blocks = cdiv(n, cfg.block_n)
-    counters = _arrival_counters(x.device) if split > 1 and blocks <= _ARRIVED_SLOTS else None
-    if counters is None:
-        split = 1
+    defer = defer and split > 1
+    counters = None
+    if split > 1 and not defer:
+        counters = _arrival_counters(x.device) if blocks <= _ARRIVED_SLOTS else None
+        if counters is None:
+            split = 1
     partials = torch.empty((split, block_m, n), dtype=torch.float32, device=x.device) \
         if split > 1 else y
     single = single and split == 1
@@ -598,7 +606,7 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, STATS_K=stats_k,
         DOT=cfg.dot, SWAP=cfg.dot and cfg.swap, PRECISION=precision, EVEN_K=k % block_k == 0,
-        SINGLE_K=single, STAGES=cfg.num_stages, PDL=cfg.pdl, SPLIT_K=split,
+        SINGLE_K=single, STAGES=cfg.num_stages, PDL=cfg.pdl, SPLIT_K=split, DEFER=defer,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if cfg.pdl:
@@ -608,6 +616,8 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
         _skinny_kernel.warmup(*args, grid=grid, **meta)
     else:
         _skinny_kernel[grid](*args, **meta)
+    if defer:
+        return SplitSum(partials, m, bias, y.dtype), summed
     return y, summed
 
 
@@ -624,13 +634,15 @@ def linear_triton(
     *,
     config: SkinnyConfig | None = None,
     warmup: bool = False,
-) -> torch.Tensor:  # [M, N]
+    defer: bool = False,
+) -> torch.Tensor | SplitSum:  # [M, N]
     """Triton ``linear``: one program per ``block_n`` output columns, weight streamed once.
-    ``warmup`` compiles without launching (the output is then not written)."""
+    ``warmup`` compiles without launching (the output is then not written); ``defer`` hands a
+    split-K product on as a :class:`SplitSum` (its slices summed by the consumer)."""
     _check_linear(x, weight, bias)
     _require_rows(x, "x")
     _require_rows(weight, "weight")
-    y, _ = _launch(_NONE, x, None, None, 0.0, weight, bias, config, warmup)
+    y, _ = _launch(_NONE, x, None, None, 0.0, weight, bias, config, warmup, defer)
     return y
 
 
@@ -645,7 +657,8 @@ def add_rms_norm_linear_triton(
     config: SkinnyConfig | None = None,
     warmup: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (y [M, N], summed [M, H])
-    """Triton ``add_rms_norm_linear``: the norm is the product's operand prologue."""
+    """Triton ``add_rms_norm_linear``: the norm is the product's operand prologue (no split-K,
+    so never deferred)."""
     _check_norm_linear(x, residual, norm_weight, weight, bias)
     if norm_weight.dtype != x.dtype:
         raise ValueError(f"norm_weight: expected dtype {x.dtype}, got {norm_weight.dtype}")
@@ -663,12 +676,13 @@ def silu_mul_linear_triton(
     *,
     config: SkinnyConfig | None = None,
     warmup: bool = False,
-) -> torch.Tensor:  # [M, N]
+    defer: bool = False,
+) -> torch.Tensor | SplitSum:  # [M, N]
     """Triton ``silu_mul_linear``: ``silu(gate) * up`` is the product's operand prologue."""
     _check_silu_linear(gate_up, weight, bias)
     _require_rows(gate_up, "gate_up")
     _require_rows(weight, "weight")
-    y, _ = _launch(_SILU_MUL, gate_up, None, None, 0.0, weight, bias, config, warmup)
+    y, _ = _launch(_SILU_MUL, gate_up, None, None, 0.0, weight, bias, config, warmup, defer)
     return y
 
 
@@ -694,11 +708,15 @@ def linear(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
-) -> torch.Tensor:  # [M, N]
-    """``F.linear`` (the Triton skinny product on CUDA for few half-precision rows)."""
+    *,
+    defer: bool = False,
+) -> torch.Tensor | SplitSum:  # [M, N]
+    """``F.linear`` (the Triton skinny product on CUDA for few rows). ``defer``: where the table
+    splits K, return the unsummed :class:`SplitSum` for a consumer that takes one
+    (``add_rms_norm``, ``silu_mul`` and the fused forms below)."""
     _check_linear(x, weight, bias)
     if _fits(x, weight, bias, False):
-        return linear_triton(x, weight, bias)
+        return linear_triton(x, weight, bias, defer=defer)
     return F.linear(x, weight, bias)
 
 
@@ -709,23 +727,36 @@ def add_rms_norm_linear(
     eps: float,
     weight: torch.Tensor,  # [N, H]
     bias: torch.Tensor | None = None,  # [N]
-) -> tuple[torch.Tensor, torch.Tensor]:  # (y [M, N], summed [M, H])
+    *,
+    defer: bool = False,
+) -> tuple[torch.Tensor | SplitSum, torch.Tensor]:  # (y [M, N], summed [M, H])
     """``normed, summed = add_rms_norm(x, residual, norm_weight, eps)``; return
-    ``(linear(normed, weight, bias), summed)`` (one Triton launch where the table fuses it)."""
+    ``(linear(normed, weight, bias), summed)`` (one Triton launch where the table fuses it).
+    ``x`` may be a :class:`SplitSum` (the norm kernel sums it); ``defer`` as in :func:`linear`."""
+    if isinstance(x, SplitSum):  # a deferred product: the norm kernel sums its slices
+        normed, summed = add_rms_norm(x, residual, norm_weight, eps)
+        return linear(normed, weight, bias, defer=defer), summed
     _check_norm_linear(x, residual, norm_weight, weight, bias)
     if _fits(x, weight, bias, True, residual, norm_weight):
         return add_rms_norm_linear_triton(x, residual, norm_weight, eps, weight, bias)
     normed, summed = add_rms_norm(x, residual, norm_weight, eps)
-    return linear(normed, weight, bias), summed
+    return linear(normed, weight, bias, defer=defer), summed
 
 
 def silu_mul_linear(
     gate_up: torch.Tensor,  # [M, 2I]
     weight: torch.Tensor,  # [N, I]
     bias: torch.Tensor | None = None,  # [N]
-) -> torch.Tensor:  # [M, N]
-    """``linear(silu_mul(gate_up), weight, bias)`` (one Triton launch where the table fuses it)."""
+    *,
+    defer: bool = False,
+) -> torch.Tensor | SplitSum:  # [M, N]
+    """``linear(silu_mul(gate_up), weight, bias)`` (one Triton launch where the table fuses it).
+    ``gate_up`` may be a :class:`SplitSum` (the SwiGLU kernel sums it); ``defer`` as in
+    :func:`linear`."""
+    if isinstance(gate_up, SplitSum):
+        act = silu_mul(gate_up)
+        return linear(act, weight, bias, defer=defer)
     _check_silu_linear(gate_up, weight, bias)
     if _fits(gate_up, weight, bias, True):
-        return silu_mul_linear_triton(gate_up, weight, bias)
-    return linear(silu_mul(gate_up), weight, bias)
+        return silu_mul_linear_triton(gate_up, weight, bias, defer=defer)
+    return linear(silu_mul(gate_up), weight, bias, defer=defer)

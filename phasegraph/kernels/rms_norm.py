@@ -15,6 +15,7 @@ import torch
 
 from phasegraph.kernels._checks import expect_float, expect_shape
 from phasegraph.kernels._dispatch import jit, next_pow2, tl, use_triton
+from phasegraph.kernels.split_sum import SplitSum, load_total, materialize, split_args
 
 
 def _check(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
@@ -57,22 +58,28 @@ def _normalise(s, w, hidden, eps):
 
 @jit
 def _add_rms_norm_kernel(
-    x_ptr,  # [T, H]
+    x_ptr,  # [T, H], or [S, R, H] float32 partials (SPLIT)
     residual_ptr,  # [T, H] (unused without HAS_RESIDUAL)
     weight_ptr,  # [H]
     normed_ptr,  # [T, H] out
     summed_ptr,  # [T, H] out
+    x_bias_ptr,  # [H] the split product's bias (SPLIT and X_BIAS)
     hidden,
     stride_x,
     stride_r,
+    slices,
+    slice_stride,
     eps,
     HAS_RESIDUAL: tl.constexpr,
+    SPLIT: tl.constexpr,
+    X_BIAS: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     inside = cols < hidden
-    x = tl.load(x_ptr + t * stride_x + cols, mask=inside, other=0.0)
+    x = load_total(x_ptr, t * stride_x + cols, inside, slices, slice_stride, x_bias_ptr, cols,
+                   SPLIT, X_BIAS, summed_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + t * stride_r + cols, mask=inside, other=0.0)
         s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded like the torch add
@@ -84,42 +91,63 @@ def _add_rms_norm_kernel(
 
 
 def add_rms_norm_triton(
-    x: torch.Tensor,  # [T, H], unit stride along H
+    x: torch.Tensor | SplitSum,  # [T, H], unit stride along H
     residual: torch.Tensor | None,  # [T, H]
     weight: torch.Tensor,  # [H]
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed [T, H], new residual [T, H])
     """Triton ``add_rms_norm``: one program per token row (reads x, residual and the weight once,
-    writes the sum and the normed row once)."""
-    _check(x, residual, weight)
-    if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
-        return add_rms_norm_reference(x, residual, weight, eps)
+    writes the sum and the normed row once). A :class:`SplitSum` ``x`` is summed as it is read."""
+    split = isinstance(x, SplitSum)
+    if not split:
+        _check(x, residual, weight)
+        if x.stride(1) != 1 or (residual is not None and residual.stride(1) != 1):
+            return add_rms_norm_reference(x, residual, weight, eps)
+    else:
+        _check_split(x, residual, weight)
     tokens, hidden = x.shape
-    normed = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
-    summed = torch.empty((tokens, hidden), dtype=x.dtype, device=x.device)
+    dtype = x.dtype
+    normed = torch.empty((tokens, hidden), dtype=dtype, device=x.device)
+    summed = torch.empty((tokens, hidden), dtype=dtype, device=x.device)
     if tokens == 0:
         return normed, summed
+    base, slices, slice_stride, x_bias = split_args(x)
+    stride_x = hidden if split else x.stride(0)
     block = next_pow2(hidden)
     _add_rms_norm_kernel[(tokens,)](
-        x, x if residual is None else residual, weight, normed, summed,
-        hidden, x.stride(0), x.stride(0) if residual is None else residual.stride(0), float(eps),
+        base, base if residual is None else residual, weight, normed, summed,
+        weight if x_bias is None else x_bias,
+        hidden, stride_x, stride_x if residual is None else residual.stride(0), slices,
+        slice_stride, float(eps),
         HAS_RESIDUAL=residual is not None,
+        SPLIT=split,
+        X_BIAS=x_bias is not None,
         BLOCK_H=block,
         num_warps=8 if block >= 4096 else 4,
     )
     return normed, summed
 
 
+def _check_split(x: SplitSum, residual: torch.Tensor | None, weight: torch.Tensor) -> None:
+    """A deferred product feeds the norm like the tensor it stands for would."""
+    expect_shape(weight, "weight", (x.shape[1],))
+    if residual is not None:
+        expect_shape(residual, "residual", tuple(x.shape))
+        if residual.dtype != x.dtype or residual.stride(1) != 1:
+            raise ValueError(f"residual: expected a unit-stride {x.dtype} tensor, got {residual.dtype}")
+
+
 def add_rms_norm(
-    x: torch.Tensor,  # [T, H]
+    x: torch.Tensor | SplitSum,  # [T, H]
     residual: torch.Tensor | None,  # [T, H] or None
     weight: torch.Tensor,  # [H]
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed [T, H], new residual [T, H])
-    """``(rms_norm(x + residual) * weight, x + residual)`` (Triton on CUDA)."""
-    if use_triton(x):
+    """``(rms_norm(x + residual) * weight, x + residual)`` (Triton on CUDA). ``x`` may be a
+    deferred split-K product (:class:`SplitSum`), summed as the kernel reads it."""
+    if use_triton(x.partials if isinstance(x, SplitSum) else x):
         return add_rms_norm_triton(x, residual, weight, eps)
-    return add_rms_norm_reference(x, residual, weight, eps)
+    return add_rms_norm_reference(materialize(x), residual, weight, eps)
 
 
 # --------------------------------------------------------------------------------------------

@@ -252,3 +252,72 @@ def test_graph_replay_equals_eager(device, gen, pdl):
         want = lin.add_rms_norm_linear_reference(x, residual, norm_w, 1e-5, w)
         _close(captured[0], want[0], "graph y")
         assert_equal(want[1], captured[1], "graph summed")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rows", [5, 16])
+def test_deferred_split_k_gives_the_consumers_the_same_bits(device, gen, dtype, rows):
+    """``defer=True``: a split-K product hands its slices on unsummed (SplitSum), and the norm and
+    SwiGLU kernels that sum them as they load produce exactly the bits of the product summed by
+    its own last program (same slice order, bias, rounding); SplitSum.total() equals it too."""
+    from phasegraph.kernels.activation import silu_mul_triton
+    from phasegraph.kernels.rms_norm import add_rms_norm_triton
+    from phasegraph.kernels.split_sum import SplitSum
+
+    n, k = (768, 2560) if ON_GPU else (48, 200)
+    precision = "tf32x3" if dtype == torch.float32 else "ieee"
+    configs = [C(32, 64, 4, 3, True, precision=precision, split_k=8),
+               C(8, 64, 4, 3, False, split_k=3)]
+    for cfg in configs:
+        for bias in (False, True):
+            x, w, b = _inputs(gen, device, dtype, rows, n, k, bias)
+            summed_here = run_triton(device, lin.linear_triton, x, w, b, config=cfg)
+            deferred = lin.linear_triton(x, w, b, config=cfg, defer=True)
+            assert isinstance(deferred, SplitSum) and deferred.slices > 1
+            assert tuple(deferred.shape) == (rows, n) and deferred.dtype == dtype
+            assert_equal(deferred.total(), summed_here, f"total {_ids(cfg)} bias={bias}")
+            residual = torch.randn(rows, n, generator=gen).to(dtype).to(device)
+            norm_w = (1 + 0.1 * torch.randn(n, generator=gen)).to(dtype).to(device)
+            for res in (residual, None):
+                want = add_rms_norm_triton(summed_here, res, norm_w, 1e-5)
+                got = add_rms_norm_triton(deferred, res, norm_w, 1e-5)
+                assert_equal(got[0], want[0], f"normed {_ids(cfg)} bias={bias}")
+                assert_equal(got[1], want[1], f"summed {_ids(cfg)} bias={bias}")
+            # SwiGLU of a [rows, 2I] split product
+            w2 = torch.cat([w, w.flip(0)])  # [2n, k]
+            b2 = None if b is None else torch.cat([b, -b])
+            gate_up = run_triton(device, lin.linear_triton, x, w2, b2, config=cfg)
+            gate_up_deferred = lin.linear_triton(x, w2, b2, config=cfg, defer=True)
+            assert_equal(silu_mul_triton(gate_up_deferred), silu_mul_triton(gate_up),
+                         f"silu {_ids(cfg)} bias={bias}")
+    assert int(lin._ARRIVED[x.device].abs().sum()) == 0
+
+
+@pytest.mark.gpu
+def test_deferred_products_of_a_pair_verify_layer_equal_the_summed_ones():
+    """The float32 table splits K for the bench pair's 16-row verify products; through the public
+    dispatchers (o -> norm -> gate_up -> SwiGLU -> down -> norm, as run_fused_decoder runs them)
+    the deferred chain equals the one whose products sum their own slices, bit for bit."""
+    from phasegraph.kernels.rms_norm import add_rms_norm
+    from phasegraph.kernels.split_sum import SplitSum
+
+    dev, g = torch.device("cuda"), torch.Generator().manual_seed(7)
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=g)).to(dev)
+
+    attn, residual = rand(16, 768), rand(16, 768)
+    w_o, w_gu, w_down = rand(768, 768, scale=0.03), rand(5120, 768, scale=0.03), rand(768, 2560, scale=0.02)
+    norm1, norm2 = 1 + rand(768, scale=0.1), 1 + rand(768, scale=0.1)
+
+    def chain(defer: bool):
+        o = lin.linear(attn, w_o, defer=defer)
+        gate_up, res = lin.add_rms_norm_linear(o, residual, norm1, 1e-5, w_gu, defer=defer)
+        down = lin.silu_mul_linear(gate_up, w_down, defer=defer)
+        return (o, gate_up, down), add_rms_norm(down, res, norm2, 1e-5)
+
+    (o, gate_up, down), deferred = chain(True)
+    assert all(isinstance(p, SplitSum) for p in (o, gate_up, down))  # the table splits all three
+    _, summed = chain(False)
+    for got, want, name in zip(deferred, summed, ("normed", "residual"), strict=True):
+        assert_equal(want, got, name)

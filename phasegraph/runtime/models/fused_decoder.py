@@ -41,6 +41,7 @@ from phasegraph.kernels.linear import add_rms_norm_linear, linear, silu_mul_line
 from phasegraph.kernels.rms_norm import add_rms_norm
 from phasegraph.kernels.rope_attention import rope_paged_attention
 from phasegraph.kernels.rotary import rotary_write_kv
+from phasegraph.kernels.split_sum import SplitSum
 from phasegraph.runtime.models.rotary_table import RotaryTable
 from phasegraph.runtime.models.take_rows import embed
 
@@ -109,13 +110,16 @@ class FusedLayer:
         v_cache: torch.Tensor,  # [slots, Hkv, D]
         meta: AttentionMetadata,
         rope_rows: torch.Tensor | None = None,  # [T] i64: each token's row of the tables
-    ) -> torch.Tensor:  # [T, H], before the residual add
+        defer: bool = False,
+    ) -> torch.Tensor | SplitSum:  # [T, H], before the residual add
+        """Rotary, KV write, attention and the ``o`` product; ``defer``: a split-K ``o`` product
+        comes back unsummed (:class:`SplitSum`), for the norm that follows to sum."""
         tokens = qkv.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.q_norm is None:  # one launch where every query has its own row (decode, draft)
             out = rope_paged_attention(qkv, hq, hkv, d, cos, sin, k_cache, v_cache, meta,
                                        self.scaling, rope_rows)  # [T, Hq, D]
-            return linear(out.reshape(tokens, hq * d), self.o_weight, self.o_bias)
+            return linear(out.reshape(tokens, hq * d), self.o_weight, self.o_bias, defer=defer)
         q = qkv[:, : hq * d].view(tokens, hq, d)
         k = qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
         v = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
@@ -123,14 +127,14 @@ class FusedLayer:
             q, k = self.q_norm(q), self.k_norm(k)
         q = rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.write_slots, rope_rows)  # [T, Hq, D]
         out = paged_attention(q, k_cache, v_cache, meta, self.scaling)  # [T, Hq, D]
-        return linear(out.reshape(tokens, hq * d), self.o_weight, self.o_bias)
+        return linear(out.reshape(tokens, hq * d), self.o_weight, self.o_bias, defer=defer)
 
     def mlp(self, normed: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         gate_up = linear(normed, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
         return silu_mul_linear(gate_up, self.down_weight, self.down_bias)
 
     def norm_qkv(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None
+        self, hidden: torch.Tensor | SplitSum, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (qkv [T, (Hq + 2Hkv) D], new residual [T, H])
         """The input norm of ``hidden + residual`` and the qkv product (one kernel at one row)."""
         return add_rms_norm_linear(
@@ -138,13 +142,16 @@ class FusedLayer:
         )
 
     def norm_mlp(
-        self, hidden: torch.Tensor, residual: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:  # (mlp output [T, H], new residual [T, H])
-        """The post-attention norm, the gate/up product, SiLU x up and the down product."""
+        self, hidden: torch.Tensor | SplitSum, residual: torch.Tensor, defer: bool = False
+    ) -> tuple[torch.Tensor | SplitSum, torch.Tensor]:  # (mlp output [T, H], new residual [T, H])
+        """The post-attention norm, the gate/up product, SiLU x up and the down product;
+        ``defer``: split-K ``gate_up`` and ``down`` products go on unsummed (the SwiGLU kernel
+        and the next norm sum them)."""
         gate_up, residual = add_rms_norm_linear(
-            hidden, residual, self.post_norm, self.eps, self.gate_up_weight, self.gate_up_bias
+            hidden, residual, self.post_norm, self.eps, self.gate_up_weight, self.gate_up_bias,
+            defer=defer,
         )
-        return silu_mul_linear(gate_up, self.down_weight, self.down_bias), residual
+        return silu_mul_linear(gate_up, self.down_weight, self.down_bias, defer=defer), residual
 
 
 def fuse_layer(layer: torch.nn.Module, config) -> FusedLayer:
@@ -235,7 +242,9 @@ def run_fused_decoder(
     v_caches: list[torch.Tensor],
     capture_layers: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # ([T, H] after the final norm, {layer: [T, H]})
-    """Every decoder layer, then the final norm; also the residual input of ``capture_layers``."""
+    """Every decoder layer, then the final norm; also the residual input of ``capture_layers``.
+    Split-K products whose next kernel is a norm or SwiGLU hand on their slices unsummed
+    (:mod:`phasegraph.kernels.split_sum`: the same bits, one reduction pass less)."""
     inner = model.model
     hidden = embed(inner.embed_tokens, input_ids)  # [T, H]
     cos, sin, rope_rows = RotaryTable.of(inner.rotary_emb).lookup(hidden, positions, meta)
@@ -245,8 +254,9 @@ def run_fused_decoder(
         qkv, residual = layer.norm_qkv(hidden, residual)
         if idx in capture_layers:
             captured[idx] = residual  # the hidden state entering layer idx
-        hidden = layer.attention_from_qkv(qkv, cos, sin, k_caches[idx], v_caches[idx], meta, rope_rows)
-        hidden, residual = layer.norm_mlp(hidden, residual)
+        hidden = layer.attention_from_qkv(qkv, cos, sin, k_caches[idx], v_caches[idx], meta, rope_rows,
+                                          defer=True)
+        hidden, residual = layer.norm_mlp(hidden, residual, defer=True)
     final = inner.norm
     out, _ = add_rms_norm(hidden, residual, final.weight, float(final.variance_epsilon))
     return out, captured
