@@ -35,14 +35,13 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T,
 
 @jit
 def _silu_mul_kernel(
-    gate_up_ptr,  # [T, 2I], or [S, R, 2I] float32 partials (SPLIT)
+    gate_up_ptr,  # [T, 2I], or [S, R, 2I] float32 partials (SLICES)
     out_ptr,  # [T, I] out
-    bias_ptr,  # [2I] the split product's bias (SPLIT and HAS_BIAS)
+    bias_ptr,  # [2I] the split product's bias (SLICES and HAS_BIAS)
     inner,
     stride_in,
-    slices,
     slice_stride,
-    SPLIT: tl.constexpr,
+    SLICES: tl.constexpr,  # > 0: gate_up is that many float32 partials of a split-K product
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
@@ -50,10 +49,10 @@ def _silu_mul_kernel(
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < inner
     dtype = out_ptr.dtype.element_ty
-    gate = load_total(gate_up_ptr, t * stride_in + cols, inside, slices, slice_stride, bias_ptr,
-                      cols, SPLIT, HAS_BIAS, dtype)
-    up = load_total(gate_up_ptr, t * stride_in + inner + cols, inside, slices, slice_stride,
-                    bias_ptr, inner + cols, SPLIT, HAS_BIAS, dtype)
+    gate = load_total(gate_up_ptr, t * stride_in + cols, inside, slice_stride, bias_ptr, cols,
+                      SLICES, HAS_BIAS, dtype)
+    up = load_total(gate_up_ptr, t * stride_in + inner + cols, inside, slice_stride, bias_ptr,
+                    inner + cols, SLICES, HAS_BIAS, dtype)
     g = gate.to(tl.float32)
     act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # silu, rounded like F.silu
     y = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
@@ -80,7 +79,7 @@ def silu_mul_triton(gate_up: torch.Tensor | SplitSum) -> torch.Tensor:  # [T, 2I
     block = 1024
     _silu_mul_kernel[(tokens, cdiv(inner, block))](
         base, out, out if bias is None else bias, inner, width if split else base.stride(0),
-        slices, slice_stride, SPLIT=split, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4
+        slice_stride, SLICES=slices, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4
     )
     return out
 

@@ -521,20 +521,19 @@ def _skinny_kernel(
     if SPLIT_K > 1:  # publish this slice's partial; the last slice to arrive writes y
         part_offs = rows[:, None] * N + cols_n[None, :]  # [BLOCK_M, BLOCK_N] in one slice
         tl.store(partial_ptr + tl.program_id(1) * BLOCK_M * N + part_offs, out, mask=y_mask)
-        if DEFER:
-            return
-        tl.debug_barrier()  # every thread's partial is stored before the release below
-        arrived = tl.atomic_add(arrived_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k_slice in range(SPLIT_K):  # slice order, whatever the arrival order
-                total += tl.load(partial_ptr + k_slice * BLOCK_M * N + part_offs, mask=y_mask,
-                                 other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                b = tl.load(b_ptr + cols_n, mask=n_in, other=0.0)
-                total += b.to(tl.float32)[None, :]
-            tl.store(y_ptr + y_offs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
-            tl.atomic_xchg(arrived_ptr + pid, 0, sem="relaxed", scope="gpu")  # for the next launch
+        if not DEFER:  # else the consumer sums the partials (SplitSum)
+            tl.debug_barrier()  # every thread's partial is stored before the release below
+            arrived = tl.atomic_add(arrived_ptr + pid, 1, sem="acq_rel", scope="gpu")
+            if arrived == SPLIT_K - 1:
+                total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+                for k_slice in range(SPLIT_K):  # slice order, whatever the arrival order
+                    total += tl.load(partial_ptr + k_slice * BLOCK_M * N + part_offs, mask=y_mask,
+                                     other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    b = tl.load(b_ptr + cols_n, mask=n_in, other=0.0)
+                    total += b.to(tl.float32)[None, :]
+                tl.store(y_ptr + y_offs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
+                tl.atomic_xchg(arrived_ptr + pid, 0, sem="relaxed", scope="gpu")  # for the next launch
     else:
         if HAS_BIAS:
             b = tl.load(b_ptr + cols_n, mask=n_in, other=0.0)

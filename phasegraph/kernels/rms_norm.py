@@ -58,28 +58,27 @@ def _normalise(s, w, hidden, eps):
 
 @jit
 def _add_rms_norm_kernel(
-    x_ptr,  # [T, H], or [S, R, H] float32 partials (SPLIT)
+    x_ptr,  # [T, H], or [S, R, H] float32 partials (SLICES)
     residual_ptr,  # [T, H] (unused without HAS_RESIDUAL)
     weight_ptr,  # [H]
     normed_ptr,  # [T, H] out
     summed_ptr,  # [T, H] out
-    x_bias_ptr,  # [H] the split product's bias (SPLIT and X_BIAS)
+    x_bias_ptr,  # [H] the split product's bias (SLICES and X_BIAS)
     hidden,
     stride_x,
     stride_r,
-    slices,
     slice_stride,
     eps,
     HAS_RESIDUAL: tl.constexpr,
-    SPLIT: tl.constexpr,
+    SLICES: tl.constexpr,  # > 0: x is that many float32 partials of a split-K product
     X_BIAS: tl.constexpr,
     BLOCK_H: tl.constexpr,
 ):
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     inside = cols < hidden
-    x = load_total(x_ptr, t * stride_x + cols, inside, slices, slice_stride, x_bias_ptr, cols,
-                   SPLIT, X_BIAS, summed_ptr.dtype.element_ty)
+    x = load_total(x_ptr, t * stride_x + cols, inside, slice_stride, x_bias_ptr, cols,
+                   SLICES, X_BIAS, summed_ptr.dtype.element_ty)
     if HAS_RESIDUAL:
         r = tl.load(residual_ptr + t * stride_r + cols, mask=inside, other=0.0)
         s = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)  # rounded like the torch add
@@ -117,10 +116,10 @@ def add_rms_norm_triton(
     _add_rms_norm_kernel[(tokens,)](
         base, base if residual is None else residual, weight, normed, summed,
         weight if x_bias is None else x_bias,
-        hidden, stride_x, stride_x if residual is None else residual.stride(0), slices,
-        slice_stride, float(eps),
+        hidden, stride_x, stride_x if residual is None else residual.stride(0), slice_stride,
+        float(eps),
         HAS_RESIDUAL=residual is not None,
-        SPLIT=split,
+        SLICES=slices,
         X_BIAS=x_bias is not None,
         BLOCK_H=block,
         num_warps=8 if block >= 4096 else 4,

@@ -69,22 +69,23 @@ def materialize(x: torch.Tensor | SplitSum) -> torch.Tensor:
 
 def split_args(x: torch.Tensor | SplitSum) -> tuple[torch.Tensor, int, int, torch.Tensor | None]:
     """Kernel arguments for :func:`load_total`: (base tensor, slices, slice stride, bias or None);
-    a plain tensor is one slice (its row stride is the caller's)."""
+    a plain tensor is 0 slices (loaded as it is; its row stride is the caller's)."""
     if isinstance(x, SplitSum):
         p = x.partials
         return p, p.shape[0], p.shape[1] * p.shape[2], x.bias
-    return x, 1, 0, None
+    return x, 0, 0, None
 
 
 @jit
-def load_total(ptr, offs, mask, slices, slice_stride, bias_ptr, bias_offs,
-               SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_DTYPE: tl.constexpr):
-    """A tile of a product at ``offs``: loaded as it is (``SPLIT`` false), or summed over its
-    ``slices`` float32 partials in slice order, plus the bias, rounded to ``OUT_DTYPE`` as the
-    split-K product's last program rounds it."""
-    if SPLIT:
+def load_total(ptr, offs, mask, slice_stride, bias_ptr, bias_offs,
+               SLICES: tl.constexpr, HAS_BIAS: tl.constexpr, OUT_DTYPE: tl.constexpr):
+    """A tile of a product at ``offs``: loaded as it is (``SLICES`` 0), or summed over its
+    ``SLICES`` float32 partials in slice order, plus the bias, rounded to ``OUT_DTYPE`` as the
+    split-K product's last program rounds it. The slice loop is unrolled, so every slice's load
+    is in flight at once."""
+    if SLICES > 0:
         total = tl.zeros(offs.shape, dtype=tl.float32)
-        for s in range(slices):  # slice order, as the product's last program sums
+        for s in tl.static_range(SLICES):  # slice order, as the product's last program sums
             total += tl.load(ptr + s * slice_stride + offs, mask=mask, other=0.0)
         if HAS_BIAS:
             total += tl.load(bias_ptr + bias_offs, mask=mask, other=0.0).to(tl.float32)
