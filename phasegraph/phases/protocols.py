@@ -22,7 +22,8 @@ class TargetOutput:
 
 @attrs.frozen(eq=False)
 class DraftOutput:
-    logits: torch.Tensor  # [R, Vd] float32, rows chosen by ``logits_index``
+    logits: torch.Tensor  # [R, Vd] float32 or the draft's dtype (read in float32 by the top-k),
+    # rows chosen by ``logits_index``
     hidden: torch.Tensor  # [T, Hd] fed to the next draft step
 
 

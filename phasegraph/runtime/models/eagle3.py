@@ -206,7 +206,7 @@ class Eagle3Draft(FeatureDraft):
             )  # [1, T, Hd]
         h1 = h + attn_out[0]  # [T, Hd]
         out = h1 + mid.mlp(mid.post_attention_layernorm(h1))  # [T, Hd]
-        logits = head.lm_head(head.norm(self._rows(out, logits_index))).float()  # [R, Vd]
+        logits = head.lm_head(head.norm(self._rows(out, logits_index)))  # [R, Vd], head dtype
         return DraftOutput(logits=logits, hidden=out)
 
     def _forward_fused(self, input_ids, hidden, positions, attn, from_target, logits_index) -> DraftOutput:
@@ -239,6 +239,8 @@ class Eagle3Draft(FeatureDraft):
                 take_rows(out, logits_index), None, head.norm.weight, norm_eps,
                 head.lm_head.weight, head.lm_head.bias,
             )
-        return DraftOutput(logits=logits.float(), hidden=out)
+        # the head's dtype: the draft's top-k reads logits in float32 (an exact cast), so a
+        # bfloat16 head's logits need no cast kernel of their own
+        return DraftOutput(logits=logits, hidden=out)
 
     __call__ = forward
