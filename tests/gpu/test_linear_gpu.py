@@ -101,18 +101,24 @@ def test_split_k_sums_the_slices_in_order(device, gen, rows):
         x, w, b = _inputs(gen, device, torch.float32, rows, n, k, bias=True)
         want = lin.linear_reference(x.double(), w.double(), b.double())
         first = run_triton(device, lin.linear_triton, x, w, b, config=cfg)
-        again = lin.linear_triton(x, w, b, config=cfg)
-        tol = 1e-5 if cfg.precision == "tf32x3" else 1e-6
-        assert rel_err(first.double(), want) <= tol, (_ids(cfg), rel_err(first.double(), want))
-        assert_equal(first, again, f"second launch {_ids(cfg)}")
-        assert int(lin._ARRIVED[x.device].abs().sum()) == 0  # counters left at zero
-        if ON_GPU:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = lin.linear_triton(x, w, b, config=cfg)
-            for _ in range(3):
-                graph.replay()
-                assert_equal(first, captured, f"replay {_ids(cfg)}")
+        assert_equal(first, lin.linear_triton(x, w, b, config=cfg), f"second launch {_ids(cfg)}")
+        _check_split_product(first, want, cfg, lin.linear_triton, x, w, b)
+
+
+def _check_split_product(got, want, cfg, product, *args):
+    """A split-K product's result: within float32 error of the float64 ``want`` (tf32x3 1e-5,
+    IEEE 1e-6), the arrival counters left at zero, and on the GPU every replay of a graph that
+    captured ``product(*args, config=cfg)`` equal to ``got`` bit for bit."""
+    tol = 1e-5 if cfg.precision == "tf32x3" else 1e-6
+    assert rel_err(got.double(), want) <= tol, (_ids(cfg), rel_err(got.double(), want))
+    assert int(lin._ARRIVED[got.device].abs().sum()) == 0  # counters left at zero
+    if ON_GPU:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = product(*args, config=cfg)
+        for _ in range(3):
+            graph.replay()
+            assert_equal(got, captured, f"replay {_ids(cfg)}")
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16])
@@ -128,16 +134,7 @@ def test_split_k_takes_the_silu_prologue(device, gen, rows):
         _, w, b = _inputs(gen, device, torch.float32, rows, n, k, bias=True)
         want = lin.silu_mul_linear_reference(gate_up.double(), w.double(), b.double())
         got = run_triton(device, lin.silu_mul_linear_triton, gate_up, w, b, config=cfg)
-        tol = 1e-5 if cfg.precision == "tf32x3" else 1e-6
-        assert rel_err(got.double(), want) <= tol, (_ids(cfg), rel_err(got.double(), want))
-        assert int(lin._ARRIVED[gate_up.device].abs().sum()) == 0  # counters left at zero
-        if ON_GPU:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = lin.silu_mul_linear_triton(gate_up, w, b, config=cfg)
-            for _ in range(3):
-                graph.replay()
-                assert_equal(got, captured, f"replay {_ids(cfg)}")
+        _check_split_product(got, want, cfg, lin.silu_mul_linear_triton, gate_up, w, b)
 
 
 def test_split_k_refuses_the_norm_prologue(device, gen):
