@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import gc
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -253,31 +254,42 @@ def pad_schema(real: Schema, batch: int, bucket: int) -> Schema:
 
 _ALIGN_BYTES = 16  # every copied-out tensor starts on a 16-byte boundary (Triton's divisibility)
 _BUILD, _REAL, _TENSOR, _NONE, _VALUE = range(5)
+# copied-out memory an OutputCopier keeps for reuse; where every kept set is still referenced,
+# a call takes fresh memory as if there were none
+OUTPUT_SETS_KEPT = 4
 
 
 class OutputCopier:
     """Copies the first ``batch`` requests of a chain of static outputs (one phase's, or the four
     of an iteration, each the next one's input) out of a graph's buffers, with everything that
     depends only on the shapes worked out once per graph and batch size: which rows of which
-    static buffers to copy, and how to rebuild each output schema. A call allocates one buffer
-    per dtype, carves the outputs out of it (16-byte aligned), fills them with one
-    ``_foreach_copy_`` per dtype and builds the schemas: at batch 1, slicing and allocating
-    field by field was a large part of what an iteration cost the host.
+    static buffers to copy, and how to rebuild each output schema.
 
-    The outputs are fresh memory, never the static buffers (a later replay overwrites those); a
-    static tensor that sits in several outputs (passed on unchanged by a phase) is copied once and
-    shared by them, as in the eager phases. A nested schema that is the static input (or, in each
-    output after the first, the previous static output), or a schema nested in it, is the real
-    object instead.
+    The outputs are carved out of one byte buffer per device (each tensor 16-byte aligned) and
+    filled by a single ``_foreach_copy_`` of byte views, whatever their dtypes. At batch 1 the
+    host time of this copy is on the critical path of every iteration, so the buffer and its
+    typed views are kept and reused (:class:`_OutputSet`): a later call refills a kept set only
+    when nothing outside the copier still refers to it, neither one of its tensors (a schema
+    somebody holds) nor its memory (a view made from one of them); otherwise it takes another
+    set, or fresh memory. What was handed out is therefore never overwritten while anything can
+    still read it, as if every call allocated; the copies go in stream order after every earlier
+    read of the set.
+
+    The outputs are never the static buffers (a later replay overwrites those); a static tensor
+    that sits in several outputs (passed on unchanged by a phase) is copied once and shared by
+    them, as in the eager phases. A nested schema that is the static input (or, in each output
+    after the first, the previous static output), or a schema nested in it, is the real object
+    instead.
     """
 
     def __init__(self, statics: Sequence[Schema], static_input: Schema, batch: int, bucket: int):
         self.batch, self.bucket = batch, bucket
-        # per (dtype, device): sources, and per source (dst index, shape, stride, element offset)
-        self.groups: dict[tuple, tuple[list[torch.Tensor], list[tuple], list[int]]] = {}
+        # per device: the contiguous sources as bytes, and per source (index, shape, dtype, byte offset)
+        self.layouts: dict[torch.device, tuple[list[torch.Tensor], list[tuple], list[int]]] = {}
         self.strided: list[tuple[int, torch.Tensor]] = []  # non-contiguous sources: copy_ each
         self.count = 0
         self.registered: dict[tuple, int] = {}  # the static view each index copies
+        self.kept: list[_OutputSet] = []
         tokens = _nested_tokens(static_input, ("in", ()), {})
         self.recipes = []
         for k, static in enumerate(statics):
@@ -316,29 +328,64 @@ class OutputCopier:
         if not src.is_contiguous():
             self.strided.append((index, src))
             return index
-        srcs, places, end = self.groups.setdefault((src.dtype, src.device), ([], [], [0]))
-        shape = tuple(src.shape)
-        stride = _contiguous_strides(shape)
-        places.append((index, shape, stride, end[0]))
-        srcs.append(src)
-        per = max(1, _ALIGN_BYTES // src.element_size())
-        end[0] += -(-src.numel() // per) * per
+        src_bytes, places, end = self.layouts.setdefault(src.device, ([], [], [0]))
+        nbytes = src.numel() * src.element_size()
+        places.append((index, tuple(src.shape), src.dtype, end[0], nbytes))
+        src_bytes.append(src.reshape(-1).view(torch.uint8))  # a view: src is contiguous
+        end[0] += -(-nbytes // _ALIGN_BYTES) * _ALIGN_BYTES
         return index
 
     def __call__(self, real_input: Schema) -> list[Schema]:
-        dsts: list[torch.Tensor | None] = [None] * self.count
-        for (dtype, device), (srcs, places, end) in self.groups.items():
-            flat = torch.empty(end[0], dtype=dtype, device=device)
-            views = [flat.as_strided(shape, stride, offset) for _, shape, stride, offset in places]
-            torch._foreach_copy_(views, srcs)
-            for (index, *_), view in zip(places, views, strict=True):
-                dsts[index] = view
-        for index, src in self.strided:
-            dsts[index] = torch.empty_like(src, memory_format=torch.contiguous_format).copy_(src)
+        out_set = self._free_set()
+        for device, (src_bytes, _, _) in self.layouts.items():
+            torch._foreach_copy_(out_set.dst_bytes[device], src_bytes)
+        dsts = out_set.views
+        if self.strided:
+            dsts = list(dsts)
+            for index, src in self.strided:
+                dsts[index] = torch.empty_like(src, memory_format=torch.contiguous_format).copy_(src)
         outs: list[Schema] = []
         for recipe in self.recipes:
             outs.append(_build(recipe, real_input, outs, dsts))
         return outs
+
+    def _free_set(self) -> _OutputSet:
+        for kept in self.kept:
+            if kept.unreferenced():
+                return kept
+        fresh = _OutputSet(self.layouts, self.count)
+        if len(self.kept) < OUTPUT_SETS_KEPT:
+            self.kept.append(fresh)
+        return fresh
+
+
+class _OutputSet:
+    """One allocation of an :class:`OutputCopier`'s outputs: a byte buffer per device, the typed
+    views the outputs hand out and the byte views the copy fills. It may be refilled only while
+    no reference to it exists outside itself: each view's Python reference count and each
+    buffer's storage use count (tensors made from its memory) are what they were when it was
+    made (:meth:`unreferenced`)."""
+
+    def __init__(self, layouts: dict, count: int):
+        self.views: list[torch.Tensor | None] = [None] * count
+        self.dst_bytes: dict[torch.device, list[torch.Tensor]] = {}
+        self.buffers: list[torch.Tensor] = []
+        for device, (_, places, end) in layouts.items():
+            flat = torch.empty(end[0], dtype=torch.uint8, device=device)
+            self.buffers.append(flat)
+            dst = self.dst_bytes[device] = []
+            for index, shape, dtype, offset, nbytes in places:
+                raw = flat[offset : offset + nbytes]
+                dst.append(raw)
+                self.views[index] = raw.view(dtype).view(shape)
+        self.held = self._references()
+
+    def _references(self) -> tuple[list[int], list[int]]:
+        return ([sys.getrefcount(v) for v in self.views if v is not None],
+                [torch._C._storage_Use_Count(b.untyped_storage()._cdata) for b in self.buffers])
+
+    def unreferenced(self) -> bool:
+        return self._references() == self.held
 
 
 def copy_outputs_out(copiers: dict[int, OutputCopier], statics: Sequence[Schema], static_input: Schema,
@@ -380,14 +427,6 @@ def _build(recipe: tuple, real_input: Schema, outs: list[Schema], dsts: list) ->
         else:
             values[name] = what
     return cls(**values)
-
-
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    strides, step = [], 1
-    for size in reversed(shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
 
 
 class EmulatedGraph:

@@ -9,7 +9,7 @@ import torch
 from jaxtyping import Bool, Float32, Int64
 
 from phasegraph.phases.schemas import NODE, REQUEST
-from phasegraph.runtime.cuda_graphs import OutputCopier
+from phasegraph.runtime.cuda_graphs import OUTPUT_SETS_KEPT, OutputCopier
 from phasegraph.statemachine import Schema, schema, tensor, value
 
 Tensor = torch.Tensor
@@ -116,3 +116,43 @@ def test_a_tensor_passed_on_unchanged_is_copied_once_and_shared():
     assert other.count == 6
     got = other(real)[1]
     assert got.knobs.seed is not got.y and torch.equal(got.knobs.seed, got.y)
+
+
+def _first_ptr(out: Schema) -> int:
+    return out.nodes.untyped_storage().data_ptr()
+
+
+def test_memory_nobody_refers_to_any_more_is_refilled():
+    """At batch 1 an iteration's copy-out is host time on the critical path: the copier keeps
+    its memory and refills it once the outputs handed out from it are gone."""
+    start, middle, end = _statics()
+    copier = OutputCopier([middle, end], start, batch=2, bucket=4)
+    real = Start(x=torch.randn(2, 3), knobs=Knobs(seed=torch.tensor([5, 6])))
+    ptr = _first_ptr(copier(real)[0])  # the outputs die here
+    middle.nodes.add_(1.0)
+    again = copier(real)[0]
+    assert _first_ptr(again) == ptr and torch.equal(again.nodes, middle.nodes[:6])
+
+
+def test_what_is_still_held_is_never_overwritten():
+    """A held output schema, or a view made from one of its tensors (nothing refers to the
+    copier's own tensor objects then, only to their memory), keeps its values through later
+    calls, also past the number of sets the copier keeps."""
+    start, middle, end = _statics()
+    copier = OutputCopier([middle, end], start, batch=2, bucket=4)
+    real = Start(x=torch.randn(2, 3), knobs=Knobs(seed=torch.tensor([5, 6])))
+    held = copier(real)[1]  # the End; its Middle with it
+    derived = copier(real)[0].nodes[:2]  # a view of the second call's memory, the schema gone
+    values = (held.middle.nodes.clone(), held.y.clone(), derived.clone())
+    later = []
+    for _ in range(OUTPUT_SETS_KEPT + 3):
+        middle.nodes.add_(1.0)
+        end.y.add_(1)
+        later.append(copier(real))
+        assert torch.equal(later[-1][0].nodes, middle.nodes[:6])
+    assert torch.equal(held.middle.nodes, values[0]) and torch.equal(held.y, values[1])
+    assert torch.equal(derived, values[2])
+    ptrs = {_first_ptr(outs[0]) for outs in later} | {_first_ptr(held.middle), derived.untyped_storage().data_ptr()}
+    assert len(ptrs) == len(later) + 2  # every call while all are held: memory of its own
+    del later, held, derived
+    assert _first_ptr(copier(real)[0]) in ptrs  # and kept memory comes back once released
