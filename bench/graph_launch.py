@@ -1,0 +1,87 @@
+"""Host time of one CUDA-graph launch (``CUDAGraph.replay``) by what the stream is doing then.
+
+    python bench/graph_launch.py [--kernels 90 250] [--out DIR]
+
+A speculative iteration at batch 1 is one replay of a graph of ~250 kernels, issued while the
+previous iteration's replay of the *same* graph may still run on the GPU (overlap scheduling).
+This times the launch call alone (no synchronisation inside the timed span), median of many, for
+graphs of ``--kernels`` small kernels:
+
+- ``idle``: the stream has nothing queued;
+- ``busy (other work)``: a ~0.5 ms sleep kernel is queued ahead;
+- ``busy (same graph)``: the same graph's previous replay is queued ahead;
+- ``busy (twin graph)``: a second capture of the same work is queued ahead (two graph
+  executables used in turn).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+
+def _capture(kernels: int, x: torch.Tensor) -> torch.cuda.CUDAGraph:
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(kernels):
+            x.add_(1.0)
+    torch.cuda.current_stream().wait_stream(stream)
+    with torch.cuda.graph(graph):
+        for _ in range(kernels):
+            x.add_(1.0)
+    return graph
+
+
+def _median_us(setup, launch, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        torch.cuda.synchronize()
+        setup()
+        start = time.perf_counter()
+        launch()
+        times.append(time.perf_counter() - start)
+    torch.cuda.synchronize()
+    return 1e6 * statistics.median(times)
+
+
+def measure(kernels: int, repeats: int = 200) -> dict[str, float]:
+    x = torch.zeros(4096, device="cuda")
+    graph, twin = _capture(kernels, x), _capture(kernels, x)
+    for g in (graph, twin):
+        g.replay()
+    torch.cuda.synchronize()
+    sleep_cycles = int(0.5e-3 * torch.cuda.get_device_properties(0).clock_rate * 1e3)  # clock_rate in kHz
+    return {
+        "idle": _median_us(lambda: None, graph.replay, repeats),
+        "busy (other work)": _median_us(lambda: torch.cuda._sleep(sleep_cycles), graph.replay, repeats),
+        "busy (same graph)": _median_us(graph.replay, graph.replay, repeats),
+        "busy (twin graph)": _median_us(graph.replay, twin.replay, repeats),
+    }
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--kernels", type=int, nargs="+", default=[90, 250])
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": []}
+    for n in args.kernels:
+        row = {"kernels": n, **measure(n)}
+        result["rows"].append(row)
+        print(f"{n:4d} kernels: " + ", ".join(f"{k} {v:.1f} us" for k, v in row.items() if k != "kernels"), flush=True)
+    if args.out:
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        (Path(args.out) / "graph_launch.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
