@@ -249,50 +249,95 @@ def profile_call(engine, prompts, params, out: Path, tag: str) -> tuple[dict, fl
     return trace, wall, iterations
 
 
+def _random_engines(args, specs):
+    """Engines over a random pair with the bench pair's shapes, SIMULATED acceptance, and one
+    random prompt of ``--prompt-tokens``."""
+    from phasegraph.runtime.engine import Engine
+
+    target, head = build_pair(torch.float32, args.device, args.set, getattr(torch, args.draft_dtype))
+    base_target = type(target)(target.model, feature_mode="none")
+    taus = {"baseline": None, "chain": args.tau_chain, "tree": args.tau_tree}
+
+    def make(key):
+        tau = taus[key]
+        engine = Engine(target if tau else base_target, head if tau else None, spec=specs[key], max_batch_size=1,
+                        kv_pool_tokens=2048, max_context=1024, simulate_accept_length=tau,
+                        cuda_graphs=args.device == "cuda", prefill_graphs=args.device == "cuda", trace=True,
+                        tokenizer=_ModuloTokenizer())
+        return engine, tau
+
+    g = torch.Generator().manual_seed(8)
+    return make, torch.randint(0, target.vocab_size, (1, args.prompt_tokens), generator=g).tolist()
+
+
+def _pair_engines(pair: Path, args, specs):
+    """Engines over a trained pair as part 1 of ``phasegraph bench`` builds them (its pool size,
+    checks and graphs), and its first held-out prompt."""
+    from phasegraph import Engine
+    from phasegraph.runtime.engine import _load_tokenizer
+    from phasegraph.train.corpus import heldout_prompts
+
+    tok = _load_tokenizer(pair / "target")
+    text = heldout_prompts(max_lines=40, min_lines=8)[0].text
+    prompt = tok(text)["input_ids"][-args.prompt_tokens:]
+    kv_tokens = len(prompt) + args.new_tokens + 64 + 1024
+
+    def make(key):
+        spec = specs[key]
+        engine = Engine.from_pretrained(
+            pair / "target", pair / "eagle3" if spec.speculative else None, spec=spec, device=args.device,
+            dtype="float32", draft_dtype=args.draft_dtype, max_batch_size=1, kv_pool_tokens=kv_tokens,
+            cuda_graphs=args.device == "cuda", trace=True, prefill_graphs=args.device == "cuda")
+        return engine, None
+
+    return make, [prompt]
+
+
 def main(argv=None) -> int:
     from phasegraph import SamplingParams, SpecConfig
-    from phasegraph.runtime.engine import Engine
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="out")
     ap.add_argument("--configs", nargs="+", default=["baseline", "chain", "tree"], choices=["baseline", "chain", "tree"])
-    ap.add_argument("--prompt-tokens", type=int, default=217, help="the bench's mean prompt length")
+    ap.add_argument("--prompt-tokens", type=int, default=217,
+                    help="random prompt length (the bench's mean); with --pair the held-out prompt's last N tokens")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--tau-tree", type=int, default=4, help="SIMULATED accept length of the tree")
     ap.add_argument("--tau-chain", type=int, default=3, help="SIMULATED accept length of the chain")
     ap.add_argument("--draft-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--pair", default=None, metavar="DIR",
+                    help="a trained pair (phasegraph bench --pair): load it as part 1 of the bench does, with the "
+                         "bench's held-out prompts and real acceptance, instead of random weights")
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                     help="preset override, as python -m phasegraph.train --set takes (small shapes for a CPU check)")
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    target, head = build_pair(torch.float32, args.device, args.set, getattr(torch, args.draft_dtype))
-    base_target = type(target)(target.model, feature_mode="none")
-    configs = {
-        "baseline": (base_target, None, SpecConfig(method="none"), None),
-        "chain": (target, head, SpecConfig(method="eagle3", num_steps=3, topk=1), args.tau_chain),
-        "tree": (target, head, SpecConfig(method="eagle3", num_steps=4, topk=4, num_draft_tokens=16), args.tau_tree),
+    specs = {
+        "baseline": SpecConfig(method="none"),
+        "chain": SpecConfig(method="eagle3", num_steps=3, topk=1),
+        "tree": SpecConfig(method="eagle3", num_steps=4, topk=4, num_draft_tokens=16),
     }
-    g = torch.Generator().manual_seed(8)
-    prompts = torch.randint(0, target.vocab_size, (1, args.prompt_tokens), generator=g).tolist()
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    if args.pair:
+        make, prompts = _pair_engines(Path(args.pair), args, specs)
+    else:
+        make, prompts = _random_engines(args, specs)
     report = [f"device: {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, torch {torch.__version__}, "
-              f"{args.prompt_tokens}-token prompt, {args.new_tokens} new tokens, batch 1"]
+              f"{args.pair or 'random weights'}, {len(prompts[0])}-token prompt, {args.new_tokens} new tokens, batch 1"]
     if args.device == "cuda":
         from phasegraph.bench.common import host_launch_seconds
 
         report.append(f"host: {1e6 * host_launch_seconds('cuda'):.2f} us to issue one tiny op")
     for key in args.configs:
-        tgt, draft, spec, tau = configs[key]
-        engine = Engine(tgt, draft, spec=spec, max_batch_size=1, kv_pool_tokens=2048, max_context=1024,
-                        simulate_accept_length=tau, cuda_graphs=args.device == "cuda", prefill_graphs=args.device == "cuda",
-                        trace=True, tokenizer=_ModuloTokenizer())
+        engine, tau = make(key)
         trace, wall, iterations = profile_call(engine, prompts, params, out, key)
         (out / f"timeline-{key}.json").write_text(json.dumps(trace))
         title = f"===== {key} (SIMULATED tau={tau}) =====" if tau else f"===== {key} ====="
-        report += [title, f"unprofiled: {1e3 * wall:.2f} ms per call, {iterations} iterations, "
-                          f"{1e3 * wall / iterations:.3f} ms per iteration", analyse(trace)]
+        report += [title, f"unprofiled: {1e3 * wall:.2f} ms per call, {iterations} iterations "
+                          f"({args.new_tokens / iterations:.2f} tokens each), {1e3 * wall / iterations:.3f} ms per "
+                          "iteration", analyse(trace)]
         print("\n".join(report[-3:]), flush=True)
         del engine
         if args.device == "cuda":
