@@ -4,7 +4,8 @@
 
 ``profile_pair_host.py --generate`` adds up where the host's time goes; it cannot say whether
 the GPU waited for the host at a given moment or the other way round. This script profiles one
-whole ``generate`` call per configuration (random weights with the ``bench-pair`` preset's
+whole ``generate`` call per configuration (the slowest per iteration of ``--calls`` prompts
+timed as part 1 of the bench times them) (random weights with the ``bench-pair`` preset's
 shapes, SIMULATED acceptance, trace and default checks on, overlap scheduling as the engine has
 it) with the scheduler's and the iteration graph's pieces marked as profiler ranges, and writes:
 
@@ -249,6 +250,24 @@ def profile_call(engine, prompts, params, out: Path, tag: str) -> tuple[dict, fl
     return trace, wall, iterations
 
 
+def bench_like_calls(engine, calls: list[list], params) -> list[tuple[float, int, int]]:
+    """Part 1's batch-1 timing (``warm_then_time``): every call twice, then each timed alone
+    between synchronisations with the collector frozen. ``(seconds, iterations, prompt tokens)``
+    per timed call."""
+    from phasegraph.bench.common import timed_call
+
+    for prompts in calls:
+        engine.generate(prompts, params)
+        engine.generate(prompts, params)
+    rows = []
+    for prompts in calls:
+        wall, outs, _ = timed_call(engine.device, lambda p=prompts: engine.generate(p, params))
+        iterations = (max(len(o.stats.accept_lengths) for o in outs) if engine.scheduler.speculative
+                      else max(len(o.token_ids) for o in outs))
+        rows.append((wall, iterations, len(prompts[0])))
+    return rows
+
+
 def _random_engines(args, specs):
     """Engines over a random pair with the bench pair's shapes, SIMULATED acceptance, and one
     random prompt of ``--prompt-tokens``."""
@@ -267,7 +286,8 @@ def _random_engines(args, specs):
         return engine, tau
 
     g = torch.Generator().manual_seed(8)
-    return make, torch.randint(0, target.vocab_size, (1, args.prompt_tokens), generator=g).tolist()
+    lengths = [args.prompt_tokens, *(args.prompt_tokens - 13 * k for k in range(1, args.calls))]
+    return make, [torch.randint(0, target.vocab_size, (1, n), generator=g).tolist() for n in lengths]
 
 
 def _pair_engines(pair: Path, args, specs):
@@ -278,9 +298,9 @@ def _pair_engines(pair: Path, args, specs):
     from phasegraph.train.corpus import heldout_prompts
 
     tok = _load_tokenizer(pair / "target")
-    text = heldout_prompts(max_lines=40, min_lines=8)[0].text
-    prompt = tok(text)["input_ids"][-args.prompt_tokens:]
-    kv_tokens = len(prompt) + args.new_tokens + 64 + 1024
+    texts = [p.text for p in heldout_prompts(max_lines=40, min_lines=8)[: args.calls]]
+    prompts = [[tok(t)["input_ids"][-args.prompt_tokens:]] for t in texts]
+    kv_tokens = args.prompt_tokens + args.new_tokens + 64 + 1024  # as part 1 sizes its pool
 
     def make(key):
         spec = specs[key]
@@ -290,7 +310,7 @@ def _pair_engines(pair: Path, args, specs):
             cuda_graphs=args.device == "cuda", trace=True, prefill_graphs=args.device == "cuda")
         return engine, None
 
-    return make, [prompt]
+    return make, prompts
 
 
 def main(argv=None) -> int:
@@ -302,6 +322,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=217,
                     help="random prompt length (the bench's mean); with --pair the held-out prompt's last N tokens")
     ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--calls", type=int, default=3,
+                    help="prompts timed one call each, as part 1 of the bench times batch 1 (the first is profiled)")
     ap.add_argument("--tau-tree", type=int, default=4, help="SIMULATED accept length of the tree")
     ap.add_argument("--tau-chain", type=int, default=3, help="SIMULATED accept length of the chain")
     ap.add_argument("--draft-dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -325,14 +347,21 @@ def main(argv=None) -> int:
     else:
         make, prompts = _random_engines(args, specs)
     report = [f"device: {torch.cuda.get_device_name() if args.device == 'cuda' else 'cpu'}, torch {torch.__version__}, "
-              f"{args.pair or 'random weights'}, {len(prompts[0])}-token prompt, {args.new_tokens} new tokens, batch 1"]
+              f"{args.pair or 'random weights'}, {len(prompts[0][0])}-token prompt, {args.new_tokens} new tokens, batch 1"]
     if args.device == "cuda":
         from phasegraph.bench.common import host_launch_seconds
 
         report.append(f"host: {1e6 * host_launch_seconds('cuda'):.2f} us to issue one tiny op")
     for key in args.configs:
         engine, tau = make(key)
-        trace, wall, iterations = profile_call(engine, prompts, params, out, key)
+        calls = bench_like_calls(engine, prompts, params)
+        per_call = ", ".join(f"{1e3 * w:.1f} ms / {n} it ({1e3 * w / n:.3f} ms/it, {p}-token prompt)" for w, n, p in calls)
+        report.append(f"[{key}] bench-like timed calls: {per_call}; all: "
+                      f"{1e3 * sum(w for w, _, _ in calls) / sum(n for _, n, _ in calls):.3f} ms per iteration")
+        print(report[-1], flush=True)
+        slowest = max(range(len(calls)), key=lambda i: calls[i][0] / calls[i][1])
+        report.append(f"[{key}] profiled below: call {slowest + 1}, the slowest per iteration")
+        trace, wall, iterations = profile_call(engine, prompts[slowest], params, out, key)
         (out / f"timeline-{key}.json").write_text(json.dumps(trace))
         title = f"===== {key} (SIMULATED tau={tau}) =====" if tau else f"===== {key} ====="
         report += [title, f"unprofiled: {1e3 * wall:.2f} ms per call, {iterations} iterations "

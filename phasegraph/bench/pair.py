@@ -192,7 +192,7 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
         if note:
             row["note"] = note
         if b == 1 and run.cuda:
-            row["gpu_busy_s"], row["gpu_busy_iterations"] = _gpu_busy_seconds(engine, calls[0], params)
+            row["gpu_busy_s"], row["gpu_busy_iterations"] = _gpu_busy_seconds(engine, calls, params)
         outputs[(label, b)] = tokens
         rows.append(row)
         bar.update(1)
@@ -200,15 +200,16 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
                    f"τ {fmt(row['tau'])}  phases: {share_text(row['phase_share'])}")
 
 
-def _gpu_busy_seconds(engine, prompts: list, params) -> tuple[float, int]:
-    """GPU busy time (union of device activity, profiler) of one more run of the first timed
-    call, prefill included, and the iterations (decode steps or verify phases) it ran: with the
-    row's wall time they say how much of an iteration the GPU worked and how much it waited for
-    the host. One call, not all of the row's, keeps the profiler's cost to the run small."""
+def _gpu_busy_seconds(engine, calls: list[list], params) -> tuple[float, int]:
+    """GPU busy time (union of device activity, profiler) of one more run of the row's timed
+    calls, prefill included, and the iterations (decode steps or verify phases) they ran: with
+    the row's wall time they say how much of an iteration the GPU worked and how much it waited
+    for the host. Every call, not only the first: the GPU's work per iteration differs between
+    prompts (their lengths, and with a trained pair what the draft proposes)."""
     from phasegraph.bench.common import load_bench_scale
 
     before = _iterations(engine.trace)
-    busy, _ = load_bench_scale().gpu_busy_seconds(lambda: engine.generate(prompts, params), 1)
+    busy, _ = load_bench_scale().gpu_busy_seconds(lambda: [engine.generate(p, params) for p in calls], 1)
     return busy, _iterations(engine.trace) - before
 
 

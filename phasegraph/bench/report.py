@@ -292,12 +292,12 @@ def render_markdown(result: dict) -> str:
 
 def _gpu_work_table(rows: list[dict]) -> list[str]:
     """Batch 1, end to end against the GPU's own work (profiler over one more run of each row's
-    first call): what the host costs and what η the GPU work alone would allow."""
+    timed calls): what the host costs and what η the GPU work alone would allow."""
     gpu = [r for r in rows if r.get("gpu_iteration_s")]
     if not gpu:
         return []
     step, gpu_step = gpu[0]["baseline_step_s"], gpu[0]["baseline_gpu_step_s"]  # every row's baseline
-    lines = ["", "Batch 1 on the GPU (profiler over one more run of each row's first call, prefill included; η the GPU work "
+    lines = ["", "Batch 1 on the GPU (profiler over one more run of each row's timed calls, prefill included; η the GPU work "
              "allows = GPU time per baseline step / GPU time per iteration, what η would be if the host kept up; "
              "η the weight bytes allow = weight bytes per decode step / weight bytes per iteration (the target "
              "once, the draft's S forwards), what η would be if every kernel ran at the memory-bandwidth bound):", "",
