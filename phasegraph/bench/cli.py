@@ -30,9 +30,10 @@ from phasegraph.cli import CliError, register
 # projected H100 time, which gives the tiny target almost nothing.
 DEFAULT_TRAIN_BUDGET_S = 250.0
 
-FULL = {"batches": "1,8,32", "new_tokens": 256, "prompt_tokens": 256, "batch1_prompts": 3,
+FULL = {"batches": "1,8,32", "new_tokens": 256, "prompt_tokens": 256, "batch1_prompts": 3, "batch1_repeats": 3,
         "scale_batches": "1,8,32,64", "scale_new_tokens": 256, "scale_prompt_tokens": 128}
-QUICK = {"batches": "1,2", "new_tokens": 16, "prompt_tokens": 64, "batch1_prompts": 2, "scale_batches": "1,2",
+QUICK = {"batches": "1,2", "new_tokens": 16, "prompt_tokens": 64, "batch1_prompts": 2, "batch1_repeats": 1,
+         "scale_batches": "1,2",
          "scale_new_tokens": 16, "scale_prompt_tokens": 32}
 
 # Figures the time estimate uses. Measured (bench/RESULTS.md §2, H200, 8B shape, graphs on):
@@ -93,8 +94,10 @@ def estimate_seconds(run: BenchRun) -> dict[str, float]:
             nb = len(a.batch_list)
             b1 = a.batch1_prompts if 1 in a.batch_list else 1
             calls = sum(b1 if b == 1 else 1 for b in a.batch_list)  # batch 1: one call per prompt
-            pg = calls * 3 * steps * SMALL_STEP_S  # baseline, two warm-ups + timed
-            pg += calls * 3 * 3 * (steps / 2.5) * SMALL_ITER_S  # chain, tree, standalone at tau ~2.5
+            # each call: two warm-ups and one timed run (batch 1: --batch1-repeats timed runs)
+            runs = sum(b1 * (2 + a.batch1_repeats) if b == 1 else 3 for b in a.batch_list)
+            pg = runs * steps * SMALL_STEP_S  # baseline
+            pg += runs * 3 * (steps / 2.5) * SMALL_ITER_S  # chain, tree, standalone at tau ~2.5
             pg += nb * 3 * 3 * CAPTURE_S + 4 * CONFIG_SETUP_S
             hf = 0.0 if a.no_hf else 1.1 * steps * (HF_STEP_S * calls + HF_ASSISTED_STEP_S * b1)
             est["part 1: measure"] = pg + hf + 10.0  # + loading transformers' models
@@ -125,6 +128,8 @@ def _resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, val)
     args.batch_list = _ints(args.batches)
+    if args.batch1_repeats < 1:
+        raise CliError(f"--batch1-repeats must be at least 1, got {args.batch1_repeats}")
     if args.batch1_prompts < 1:
         raise CliError(f"--batch1-prompts must be at least 1, got {args.batch1_prompts}")
     args.scale_batch_list = _ints(args.scale_batches)
@@ -226,6 +231,8 @@ def add_bench_command(sub) -> None:
     p.add_argument("--new-tokens", type=int, metavar="N", help="part 1 new tokens (default 256; quick 16)")
     p.add_argument("--batch1-prompts", type=int, metavar="N",
                    help="part 1 batch-1 rows: this many prompts, one call each (default 3; quick 2)")
+    p.add_argument("--batch1-repeats", type=int, metavar="N",
+                   help="part 1 batch-1 phasegraph rows: time the calls N times and keep the median (default 3; quick 1)")
     p.add_argument("--prompt-tokens", type=int, metavar="N", help="keep each prompt's last N tokens (default 256; quick 64)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
     p.add_argument("--pair-dtype", choices=("float32", "bfloat16"), default="float32",

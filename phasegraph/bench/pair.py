@@ -172,7 +172,8 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
     for b in a.batch_list:
         bar.set_postfix_str(f"{label}, batch {b}")
         calls = request_calls(prompts, b, a.batch1_prompts)
-        warm, wall, outs, gc_pauses, captured = warm_then_time(run, engine, calls, params)
+        warm, wall, outs, gc_pauses, captured = warm_then_time(run, engine, calls, params,
+                                                               a.batch1_repeats if b == 1 else 1)
         tokens = [o.token_ids for o in outs]
         lens = [n for o in outs for n in o.stats.accept_lengths]
         row = {

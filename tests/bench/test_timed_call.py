@@ -59,3 +59,35 @@ def test_warm_then_time_times_calls_whose_prefill_graph_is_already_captured():
     assert [o.token_ids for o in warm] == [o.token_ids for o in outs]
     stats = engine.graph_runner.stats()["prefill-extend"]
     assert stats["graphs"] == 1 and stats["replays"] == 2  # captured in the 2nd call, replayed in the timed one
+
+
+def test_repeated_timing_keeps_the_median_run_and_its_trace(monkeypatch):
+    """warm_then_time with repeats: the row's wall time and its trace (iterations, prefill time,
+    phase shares) both come from the repetition of median wall time, not a mix of them."""
+    from types import SimpleNamespace
+
+    from phasegraph.bench import common
+    from phasegraph.statemachine.trace import Trace, Transition
+
+    walls = iter([0.3, 0.1, 0.2])  # the median is the third run
+
+    class FakeEngine:
+        graph_runner = None
+        trace = Trace()
+        runs = 0
+
+        def generate(self, batch, params):
+            return [f"out-{batch}"]
+
+    engine = FakeEngine()
+
+    def fake_timed_calls(run, calls, generate):
+        engine.runs += 1
+        for _ in range(engine.runs):  # run k leaves k transitions in the trace
+            engine.trace.record(Transition("m", None, "decode", 0, 1, 1, "S"))
+        return next(walls), [generate(c) for c in calls], {"pauses": 0, "seconds": 0.0, "frozen": True}
+
+    monkeypatch.setattr(common, "timed_calls", fake_timed_calls)
+    warm, wall, outs, _, captured = common.warm_then_time(SimpleNamespace(), engine, [["a"], ["b"]], None, repeats=3)
+    assert wall == 0.2 and len(engine.trace) == 3  # the third run's wall time and transitions
+    assert warm == ["out-['a']", "out-['b']"] and outs == [["out-['a']"], ["out-['b']"]] and captured == 0
