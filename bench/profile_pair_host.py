@@ -358,13 +358,40 @@ class _TimedEvent:
 
 
 @contextlib.contextmanager
+def wrapped_methods(methods: dict[str, tuple[type, str]], wrap, wrap_ready):
+    """Replace each ``(cls, name)`` of ``methods`` by ``wrap(label, original)`` and the ready event
+    of every issued iteration by ``wrap_ready(event)`` (whose ``synchronize`` is the host's one
+    wait per iteration); restores them on exit."""
+    from phasegraph.runtime.scheduler import Scheduler
+
+    def issue_wrapped(fn):
+        def issue(self, *args, **kwargs):
+            flight = fn(self, *args, **kwargs)
+            if flight.ready is not None:
+                flight.ready = wrap_ready(flight.ready)
+            return flight
+        return issue
+
+    saved = []
+    for label, (cls, name) in methods.items():
+        if cls is None or name not in cls.__dict__:  # another version of the package (ab_profile.sh)
+            continue
+        saved.append((cls, name, cls.__dict__[name]))
+        setattr(cls, name, wrap(label, cls.__dict__[name]))
+    issue = Scheduler.__dict__["_issue"]
+    Scheduler._issue = issue_wrapped(issue)
+    try:
+        yield
+    finally:
+        Scheduler._issue = issue
+        for cls, name, fn in saved:
+            setattr(cls, name, fn)
+
+
 def timed_methods(methods: dict[str, tuple[type, str]], seconds: dict[str, float], waits: list[float]):
     """Patch each ``(cls, name)`` of ``methods`` to add its wall time to ``seconds[label]``, and
     wrap the ready event of every issued iteration so that the host's one wait per iteration is
     timed apart (``waits``); restores the methods on exit."""
-    from phasegraph.runtime.scheduler import Scheduler
-
-    saved = []
 
     def wrap(label, fn):
         def timed(*args, **kwargs):
@@ -375,27 +402,7 @@ def timed_methods(methods: dict[str, tuple[type, str]], seconds: dict[str, float
                 seconds[label] = seconds.get(label, 0.0) + time.perf_counter() - start
         return timed
 
-    def issue_with_timed_event(fn):
-        def issue(self, *args, **kwargs):
-            flight = fn(self, *args, **kwargs)
-            if flight.ready is not None:
-                flight.ready = _TimedEvent(flight.ready, waits)
-            return flight
-        return issue
-
-    for label, (cls, name) in methods.items():
-        if cls is None or name not in cls.__dict__:  # another version of the package (ab_profile.sh)
-            continue
-        saved.append((cls, name, cls.__dict__[name]))
-        setattr(cls, name, wrap(label, cls.__dict__[name]))
-    issue = Scheduler.__dict__["_issue"]
-    Scheduler._issue = issue_with_timed_event(Scheduler._issue)
-    try:
-        yield
-    finally:
-        Scheduler._issue = issue
-        for cls, name, fn in saved:
-            setattr(cls, name, fn)
+    return wrapped_methods(methods, wrap, lambda event: _TimedEvent(event, waits))
 
 
 class _ModuloTokenizer:

@@ -23,7 +23,6 @@ printed beside the profiled one.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import statistics
 import sys
@@ -33,7 +32,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from profile_pair_host import _ModuloTokenizer, build_pair  # noqa: E402
+from profile_pair_host import _ModuloTokenizer, build_pair, wrapped_methods  # noqa: E402
 
 from phasegraph.bench.common import sync  # noqa: E402
 
@@ -67,14 +66,10 @@ def _marked_methods():
     }
 
 
-@contextlib.contextmanager
 def marked(methods: dict[str, tuple[type, str]]):
     """Wrap each method in a profiler range ``tl::<label>`` (``advance`` also names the phase),
     and the wait of ``Scheduler._collect`` in ``tl::wait``; restores them on exit."""
-    from phasegraph.runtime.scheduler import Scheduler
-
     record = torch.autograd.profiler.record_function
-    saved = []
 
     def wrap(label, fn):
         def marked_fn(*args, **kwargs):
@@ -93,25 +88,7 @@ def marked(methods: dict[str, tuple[type, str]]):
             with record(MARK + "wait"):
                 self.event.synchronize()
 
-    def issue_marked(fn):
-        def issue(self, *args, **kwargs):
-            flight = fn(self, *args, **kwargs)
-            if flight.ready is not None:
-                flight.ready = _Wait(flight.ready)
-            return flight
-        return issue
-
-    for label, (cls, attr) in methods.items():
-        saved.append((cls, attr, cls.__dict__[attr]))
-        setattr(cls, attr, wrap(label, cls.__dict__[attr]))
-    issue = Scheduler.__dict__["_issue"]
-    Scheduler._issue = issue_marked(Scheduler._issue)
-    try:
-        yield
-    finally:
-        Scheduler._issue = issue
-        for cls, attr, fn in saved:
-            setattr(cls, attr, fn)
+    return wrapped_methods(methods, wrap, _Wait)
 
 
 def compact_trace(path: Path) -> dict:
