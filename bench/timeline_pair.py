@@ -26,7 +26,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -201,30 +200,11 @@ def analyse(trace: dict, gap_us: float = 1.0) -> str:
     return "\n".join(lines) + "\n"
 
 
-def profile_call(engine, prompts, params, out: Path, tag: str) -> tuple[dict, float, int]:
-    """Warm up, time two unprofiled calls, then profile one; returns the compact trace, the
-    unprofiled wall time per call and the iterations per call."""
-    from torch.profiler import ProfilerActivity, profile
-
-    for _ in range(2):
-        engine.generate(prompts, params)
-    sync(engine.device)
-    start = time.perf_counter()
-    for _ in range(2):
-        outs = engine.generate(prompts, params)
-    sync(engine.device)
-    wall = (time.perf_counter() - start) / 2
-    iterations = (max(len(o.stats.accept_lengths) for o in outs) if engine.scheduler.speculative
-                  else max(len(o.token_ids) for o in outs))
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
-    with marked(_marked_methods()), profile(activities=activities) as prof:
-        engine.generate(prompts, params)
-        sync(engine.device)
-    raw = out / f"trace-{tag}.json"
-    prof.export_chrome_trace(str(raw))
-    trace = compact_trace(raw)
-    raw.unlink()
-    return trace, wall, iterations
+def _iterations(engine, outs) -> int:
+    """Iterations of one call: speculative iterations, or decode steps."""
+    if engine.scheduler.speculative:
+        return max(len(o.stats.accept_lengths) for o in outs)
+    return max(len(o.token_ids) for o in outs)
 
 
 def bench_like_calls(engine, calls: list[list], params) -> list[tuple[float, int, int]]:
@@ -239,15 +219,29 @@ def bench_like_calls(engine, calls: list[list], params) -> list[tuple[float, int
     rows = []
     for prompts in calls:
         wall, outs, _ = timed_call(engine.device, lambda p=prompts: engine.generate(p, params))
-        iterations = (max(len(o.stats.accept_lengths) for o in outs) if engine.scheduler.speculative
-                      else max(len(o.token_ids) for o in outs))
-        rows.append((wall, iterations, len(prompts[0])))
+        rows.append((wall, _iterations(engine, outs), len(prompts[0])))
     return rows
 
 
+def profile_call(engine, prompts, params, out: Path, tag: str) -> dict:
+    """The compact trace of one more call of ``prompts`` (warmed up by :func:`bench_like_calls`)
+    under the profiler, with this script's ranges."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if engine.device.type == "cuda" else [])
+    with marked(_marked_methods()), profile(activities=activities) as prof:
+        engine.generate(prompts, params)
+        sync(engine.device)
+    raw = out / f"trace-{tag}.json"
+    prof.export_chrome_trace(str(raw))
+    trace = compact_trace(raw)
+    raw.unlink()
+    return trace
+
+
 def _random_engines(args, specs):
-    """Engines over a random pair with the bench pair's shapes, SIMULATED acceptance, and one
-    random prompt of ``--prompt-tokens``."""
+    """Engines over a random pair with the bench pair's shapes, SIMULATED acceptance, and
+    ``--calls`` random prompts of ``--prompt-tokens`` tokens, then 13 fewer each."""
     from phasegraph.runtime.engine import Engine
 
     target, head = build_pair(torch.float32, args.device, args.set, getattr(torch, args.draft_dtype))
@@ -269,7 +263,7 @@ def _random_engines(args, specs):
 
 def _pair_engines(pair: Path, args, specs):
     """Engines over a trained pair as part 1 of ``phasegraph bench`` builds them (its pool size,
-    checks and graphs), and its first held-out prompt."""
+    checks and graphs), and its first ``--calls`` held-out prompts."""
     from phasegraph import Engine
     from phasegraph.runtime.engine import _load_tokenizer
     from phasegraph.train.corpus import heldout_prompts
@@ -300,7 +294,7 @@ def main(argv=None) -> int:
                     help="random prompt length (the bench's mean); with --pair the held-out prompt's last N tokens")
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--calls", type=int, default=3,
-                    help="prompts timed one call each, as part 1 of the bench times batch 1 (the first is profiled)")
+                    help="prompts timed one call each, as part 1 of the bench times batch 1 (the slowest is profiled)")
     ap.add_argument("--tau-tree", type=int, default=4, help="SIMULATED accept length of the tree")
     ap.add_argument("--tau-chain", type=int, default=3, help="SIMULATED accept length of the chain")
     ap.add_argument("--draft-dtype", default="bfloat16", choices=["float32", "bfloat16"])
@@ -338,7 +332,8 @@ def main(argv=None) -> int:
         print(report[-1], flush=True)
         slowest = max(range(len(calls)), key=lambda i: calls[i][0] / calls[i][1])
         report.append(f"[{key}] profiled below: call {slowest + 1}, the slowest per iteration")
-        trace, wall, iterations = profile_call(engine, prompts[slowest], params, out, key)
+        wall, iterations, _ = calls[slowest]
+        trace = profile_call(engine, prompts[slowest], params, out, key)
         (out / f"timeline-{key}.json").write_text(json.dumps(trace))
         title = f"===== {key} (SIMULATED tau={tau}) =====" if tau else f"===== {key} ====="
         report += [title, f"unprofiled: {1e3 * wall:.2f} ms per call, {iterations} iterations "
