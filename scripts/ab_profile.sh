@@ -4,6 +4,7 @@
 #   bash scripts/ab_profile.sh prepare <commit>   # here: that commit's code into .ab/ (ignored)
 #   bash scripts/ab_profile.sh run                # on the GPU machine, .ab/ carried along:
 #                                                 # writes $OUT/profile-{old,new}.txt
+#                                                 # (DRAFT_DTYPE=bfloat16: the head in bf16)
 #   bash scripts/ab_profile.sh run generate       # the same for whole generate calls (host
 #                                                 # and GPU time per iteration, batch 1): this
 #                                                 # checkout's probe on both sides' package;
@@ -73,6 +74,7 @@ case ${1:-} in
     for side in old new; do
       dir=$PWD; [ "$side" = old ] && dir=$PWD/.ab
       (cd "$dir" && PYTHONPATH=$dir timeout 120 python bench/profile_pair_host.py --dtype float32 \
+        ${DRAFT_DTYPE:+--draft-dtype $DRAFT_DTYPE} \
         --batches 1 --configs baseline chain tree --kernels --no-profile --checks default \
         --out "$OUT/$side" 2>&1 | grep -v Warning > "$OUT/profile-$side.txt")
       echo "== $side"; grep -E "overlap on|kernels per step" "$OUT/profile-$side.txt"
