@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 5 in one device call: Triton kernels vs references, graph capture and
 # replay, the GPU lossless matrix, then the 8B-shaped scale bench. Results under $OUT (or ./out).
-#   bash scripts/gpu_checks.sh [tests|scale|fp32-table|bf16-head|tail|all]   (default all;
-#   fp32-table, bf16-head and tail are not in all)
+#   bash scripts/gpu_checks.sh [tests|scale|fp32-table|bf16-head|all]   (default all; fp32-table
+#   and bf16-head are not in all)
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -41,17 +41,4 @@ if [[ $what == bf16-head ]]; then  # a bfloat16 EAGLE-3 head beside the float32 
       --batches 1 --configs baseline tree --kernels --no-profile --checks off 2>&1 \
       | grep -v Warning | tee "$OUT/head-$head.txt"
   done
-fi
-if [[ $what == tail ]]; then  # the one-launch decoder tail of a draft head: its tests, the EAGLE-3
-  # head on it, its time against the seven launches it replaces (and other tiles), and whole
-  # iterations with the bfloat16 head against the commit prepared in .ab/ (ab_profile.sh)
-  timeout 120 python -m pytest -q -p no:cacheprovider -n 4 tests/gpu/test_decoder_tail.py \
-    tests/gpu/test_eagle3_fused_gpu.py 2>&1 | tail -15 | tee "$OUT/tests.txt"
-  timeout 120 python -m pytest -q -p no:cacheprovider tests/engine/test_greedy_parity.py \
-    -k bfloat16_draft 2>&1 | tail -8 | tee -a "$OUT/tests.txt"
-  timeout 200 python bench/bench_kernels.py --only tail --out "$OUT/kernels" 2>&1 \
-    | grep -v Warning | tee "$OUT/bench-tail.txt"
-  if [ -d .ab ]; then
-    DRAFT_DTYPE=bfloat16 OUT=$OUT bash scripts/ab_profile.sh run 2>&1 | tee "$OUT/ab.txt"
-  fi
 fi
