@@ -183,6 +183,9 @@ def engine_for(bundle: ArchBundle, method: str, *, topk: int = 1, num_steps: int
         spec = SpecConfig(method=method, topk=topk, num_steps=num_steps, num_draft_tokens=num_draft_tokens)
     draft_dir = None if method == "none" else bundle.drafts[draft or method]
     kw.setdefault("kv_pool_tokens", 4096)
+    # the references are transformers' float32 greedy outputs; on a GPU machine the engine would
+    # otherwise default to bfloat16, whose rounding picks other tokens at near-ties
+    kw.setdefault("dtype", "float32")
     return Engine.from_pretrained(bundle.target, draft_dir, spec=spec, page_size=page_size, **kw)
 
 
