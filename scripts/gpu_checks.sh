@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 5 in one device call: Triton kernels vs references, graph capture and
 # replay, the GPU lossless matrix, then the 8B-shaped scale bench. Results under $OUT (or ./out).
-#   bash scripts/gpu_checks.sh [tests|scale|fp32-table|bf16-head|all]   (default all; fp32-table
-#   and bf16-head are not in all)
+#   bash scripts/gpu_checks.sh [tests|scale|fp32-table|bf16-head|parity|phase-8b|all]   (default
+#   all; fp32-table, bf16-head, parity and phase-8b are not in all)
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -41,4 +41,16 @@ if [[ $what == bf16-head ]]; then  # a bfloat16 EAGLE-3 head beside the float32 
       --batches 1 --configs baseline tree --kernels --no-profile --checks off 2>&1 \
       | grep -v Warning | tee "$OUT/head-$head.txt"
   done
+fi
+if [[ $what == parity ]]; then  # the CPU suite's greedy parity against transformers, with the
+  # engines on this GPU (float32, as the references are)
+  timeout 400 python -m pytest -q -n 8 -p no:cacheprovider tests/engine/test_greedy_parity.py \
+    2>&1 | tail -15 | tee "$OUT/parity.txt"
+fi
+if [[ $what == phase-8b ]]; then  # the 8B shape's decode step and chain iteration, GPU kernels by
+  # phase (SIMULATED tau = 4, batch 1)
+  timeout 300 python bench/profile_pair_host.py --shape 8b --dtype bfloat16 --configs baseline chain \
+    --batches 1 --kernels --no-profile --checks off --out "$OUT/8b" 2>&1 | grep -v Warning | tee "$OUT/8b-kernels.txt"
+  timeout 300 python bench/profile_pair_host.py --shape 8b --dtype bfloat16 --configs chain \
+    --batches 1 --phase-kernels --out "$OUT/8b-phases" 2>&1 | grep -v Warning | tee "$OUT/8b-phase-kernels.txt"
 fi

@@ -31,8 +31,10 @@ from phasegraph.cli import CliError, register
 DEFAULT_TRAIN_BUDGET_S = 250.0
 
 FULL = {"batches": "1,8,32", "new_tokens": 256, "prompt_tokens": 256, "batch1_prompts": 3, "batch1_repeats": 3,
+        "hf_batch1_prompts": 1,
         "scale_batches": "1,8,32,64", "scale_new_tokens": 256, "scale_prompt_tokens": 128}
 QUICK = {"batches": "1,2", "new_tokens": 16, "prompt_tokens": 64, "batch1_prompts": 2, "batch1_repeats": 1,
+         "hf_batch1_prompts": 1,
          "scale_batches": "1,2",
          "scale_new_tokens": 16, "scale_prompt_tokens": 32}
 
@@ -93,13 +95,14 @@ def estimate_seconds(run: BenchRun) -> dict[str, float]:
             steps = a.new_tokens
             nb = len(a.batch_list)
             b1 = a.batch1_prompts if 1 in a.batch_list else 1
-            calls = sum(b1 if b == 1 else 1 for b in a.batch_list)  # batch 1: one call per prompt
+            hf_b1 = a.hf_batch1_prompts if 1 in a.batch_list else 1
+            calls = sum(hf_b1 if b == 1 else 1 for b in a.batch_list)  # batch 1: one call per prompt
             # each call: two warm-ups and one timed run (batch 1: --batch1-repeats timed runs)
             runs = sum(b1 * (2 + a.batch1_repeats) if b == 1 else 3 for b in a.batch_list)
             pg = runs * steps * SMALL_STEP_S  # baseline
             pg += runs * 3 * (steps / 2.5) * SMALL_ITER_S  # chain, tree, standalone at tau ~2.5
             pg += nb * 3 * 3 * CAPTURE_S + 4 * CONFIG_SETUP_S
-            hf = 0.0 if a.no_hf else 1.1 * steps * (HF_STEP_S * calls + HF_ASSISTED_STEP_S * b1)
+            hf = 0.0 if a.no_hf else 1.1 * steps * (HF_STEP_S * calls + HF_ASSISTED_STEP_S * hf_b1)
             est["part 1: measure"] = pg + hf + 10.0  # + loading transformers' models
         else:
             est["part 1: measure"] = 30.0
@@ -132,6 +135,9 @@ def _resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         raise CliError(f"--batch1-repeats must be at least 1, got {args.batch1_repeats}")
     if args.batch1_prompts < 1:
         raise CliError(f"--batch1-prompts must be at least 1, got {args.batch1_prompts}")
+    if not 1 <= args.hf_batch1_prompts <= args.batch1_prompts:
+        raise CliError(f"--hf-batch1-prompts must be between 1 and --batch1-prompts ({args.batch1_prompts}), "
+                       f"got {args.hf_batch1_prompts}")
     args.scale_batch_list = _ints(args.scale_batches)
     args.scale_tau_list = _ints(args.scale_taus)
     args.parts_list = _ints(args.parts)
@@ -231,6 +237,10 @@ def add_bench_command(sub) -> None:
     p.add_argument("--new-tokens", type=int, metavar="N", help="part 1 new tokens (default 256; quick 16)")
     p.add_argument("--batch1-prompts", type=int, metavar="N",
                    help="part 1 batch-1 rows: this many prompts, one call each (default 3; quick 2)")
+    p.add_argument("--hf-batch1-prompts", type=int, metavar="N",
+                   help="part 1 transformers rows at batch 1 (plain and assisted): the first N of those "
+                        "prompts (default 1: its speed per step does not move with the prompt, and assisted "
+                        "generation at ~10 tok/s took 83 s for three)")
     p.add_argument("--batch1-repeats", type=int, metavar="N",
                    help="part 1 batch-1 phasegraph rows: time the calls N times and keep the median (default 3; quick 1)")
     p.add_argument("--prompt-tokens", type=int, metavar="N", help="keep each prompt's last N tokens (default 256; quick 64)")

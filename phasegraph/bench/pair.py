@@ -75,7 +75,7 @@ def measure_trained_pair(run: BenchRun) -> None:
         "new_tokens": a.new_tokens, "batches": a.batch_list, "dtype": str(run.pair_dtype).removeprefix("torch."),
         "draft_dtype": str(run.draft_dtype).removeprefix("torch."),
         "cuda_graphs": run.graphs, "greedy": True, "ignore_eos": True, "rows": [],
-        "batch1_prompts": a.batch1_prompts,
+        "batch1_prompts": a.batch1_prompts, "hf_batch1_prompts": a.hf_batch1_prompts,
         "wall_s_by_group": {},  # where part 1's time goes: engine, compiles, captures, warm-ups, rows
     }
     run.result["trained_pair"] = part
@@ -258,7 +258,7 @@ def _measure_hf_rows(run: BenchRun, pair, draft_dir, prompts, outputs, rows, bar
             continue
         bar.set_postfix_str(f"transformers, batch {b}{' assisted' if asst is not None else ''}")
         run.guard(f"{label}, batch {b}", _measure_hf_row, run, model, asst, label, b,
-                  request_calls(prompts, b, a.batch1_prompts), outputs, rows, draft_note)
+                  request_calls(prompts, b, a.hf_batch1_prompts), outputs, rows, draft_note)
         bar.update(1)
     del assistant
     return model
@@ -314,8 +314,10 @@ def _compare_with_baseline(run: BenchRun, rows, outputs, prompts, hf_model) -> N
             continue
         r["speedup"] = r["tokens_per_s"] / base["tokens_per_s"]
         r["eta"] = r["speedup"] / r["tau"] if r.get("tau") else None
-        ref = outputs[(BASELINE, r["batch"])]
         mine = outputs[(r["config"], r["batch"])]
+        ref = outputs[(BASELINE, r["batch"])]
+        if r["engine"] == "transformers":  # at batch 1 it runs the first --hf-batch1-prompts only
+            ref = ref[: len(mine)]
         same = [x == y for x, y in zip(mine, ref, strict=True)]
         r["identical"] = sum(same)
         r["identical_share"] = sum(same) / len(same)

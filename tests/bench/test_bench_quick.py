@@ -67,7 +67,9 @@ def test_json_holds_every_figure_and_the_environment(quick_run):
     assisted = [x for x in rows if x["config"].startswith("transformers generate + assistant_model")]
     assert [x["batch"] for x in assisted] == [1]  # assisted generation: batch 1 only
     for x in rows:
-        assert x["requests"] == (2 if x["batch"] == 1 else x["batch"]), x  # batch 1: --batch1-prompts (quick 2)
+        # batch 1: --batch1-prompts (quick 2) for phasegraph, --hf-batch1-prompts (1) for transformers
+        want = (2 if x["engine"] == "phasegraph" else 1) if x["batch"] == 1 else x["batch"]
+        assert x["requests"] == want, x
         assert x["new_tokens"] == 16 * x["requests"], x
         assert x["tokens_per_s"] > 0 and x["speedup"] > 0
         assert 0 <= x["identical_share"] <= 1
@@ -236,8 +238,23 @@ def test_the_estimate_counts_transformers_rows_only_when_they_run(tmp_path):
         return _part1_estimate(tmp_path, *extra)["part 1: measure"]
 
     with_hf, without = part1(), part1("--no-hf")
-    calls = 3 + 1 + 1  # batch 1: three prompts one call each; batches 8 and 32: one call
-    assert with_hf - without == pytest.approx(1.1 * 256 * (HF_STEP_S * calls + HF_ASSISTED_STEP_S * 3))
+    calls = 1 + 1 + 1  # batch 1: --hf-batch1-prompts (default 1); batches 8 and 32: one call
+    assert with_hf - without == pytest.approx(1.1 * 256 * (HF_STEP_S * calls + HF_ASSISTED_STEP_S))
+    three = part1("--hf-batch1-prompts", "3")  # each prompt one call, plain and assisted
+    assert three - without == pytest.approx(1.1 * 256 * (HF_STEP_S * 5 + HF_ASSISTED_STEP_S * 3))
+
+
+@pytest.mark.parametrize("argv", [["--hf-batch1-prompts", "0"], ["--hf-batch1-prompts", "4"],
+                                  ["--batch1-prompts", "2", "--hf-batch1-prompts", "3"]])
+def test_transformers_prompts_at_batch_one_are_a_subset_of_phasegraphs(tmp_path, capsys, argv):
+    """--hf-batch1-prompts takes 1..--batch1-prompts (its outputs are compared with the baseline's
+    for the same first prompts); anything else is a CLI error before anything runs."""
+    from phasegraph.cli import main
+
+    assert main(["bench", "--out", str(tmp_path / "out"), "--pair", str(tmp_path / "pair"), "--dry-run",
+                 *argv]) == 2
+    assert "--hf-batch1-prompts must be between 1 and --batch1-prompts" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_the_training_estimate_follows_the_budget_and_the_acceptance_check(tmp_path):
