@@ -317,7 +317,8 @@ def prefill_table(engine, batch: int, prompt_tokens: int = 128, calls: int = 3, 
     g = torch.Generator().manual_seed(6)
     prompts = torch.randint(0, engine.target.vocab_size, (batch, prompt_tokens), generator=g).tolist()
     params = SamplingParams(max_new_tokens=1, ignore_eos=True)
-    engine.generate(prompts, params)
+    for _ in range(2):  # the second call captures the prefill graph, where the engine has them
+        engine.generate(prompts, params)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(calls):
@@ -561,6 +562,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", action="store_true",
                     help="only (with --sites: and): time and profile prefill-only generate calls (128-token prompts) at batch 1, "
                          "and the host cost of single launches")
+    ap.add_argument("--prefill-graphs", action="store_true",
+                    help="with --prefill: the engines replay prefill from CUDA graphs (as the bench runs them)")
     ap.add_argument("--sites", action="store_true",
                     help="only: device launches per phasegraph source line of an eager (graphs off) step at "
                          "batch 1 (any --device)")
@@ -610,7 +613,8 @@ def main(argv=None) -> int:
                       max_context=1024, simulate_accept_length=tau, **kw)
 
     # the modes that print one table per configuration and nothing else
-    only = {"prefill": (prefill_table, "prefill: {}", dict(cuda_graphs=True, trace=True)),
+    only = {"prefill": (prefill_table, "prefill: {}",
+                        dict(cuda_graphs=True, trace=True, prefill_graphs=args.prefill_graphs)),
             "phase_kernels": (phase_kernel_table, "GPU kernels by phase: {}, batch 1", dict(cuda_graphs=True, graph_scope="phase", trace=False)),
             "sites": (functools.partial(launch_sites, expand=args.expand), "launch sites: {}, batch 1",
                       dict(cuda_graphs=False, trace=False))}

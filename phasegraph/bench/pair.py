@@ -74,7 +74,7 @@ def measure_trained_pair(run: BenchRun) -> None:
         "prompt_tokens_mean": round(sum(len(p) for p in prompts) / len(prompts), 1),
         "new_tokens": a.new_tokens, "batches": a.batch_list, "dtype": str(run.pair_dtype).removeprefix("torch."),
         "draft_dtype": str(run.draft_dtype).removeprefix("torch."),
-        "cuda_graphs": run.graphs, "greedy": True, "ignore_eos": True, "rows": [],
+        "cuda_graphs": run.graphs, "prefill_graphs": run.graphs and a.prefill_graphs, "greedy": True, "ignore_eos": True, "rows": [],
         "batch1_prompts": a.batch1_prompts, "hf_batch1_prompts": a.hf_batch1_prompts,
         "wall_s_by_group": {},  # where part 1's time goes: engine, compiles, captures, warm-ups, rows
     }

@@ -182,6 +182,15 @@ def evaluate_goals(result: dict, args: argparse.Namespace) -> list[dict]:
 
 
 
+def _graphs(part: dict) -> str:
+    """'on (prefill too)', 'on (not prefill)' or 'off', from a part's record."""
+    if not part.get("cuda_graphs"):
+        return "off"
+    if "prefill_graphs" not in part:  # a record from before run 22
+        return "on"
+    return "on (prefill too)" if part["prefill_graphs"] else "on (not prefill)"
+
+
 def _requests(row: dict) -> int:
     """Requests a row generated (a batch-1 row runs several prompts one after another)."""
     return row.get("requests", row["batch"])
@@ -214,7 +223,7 @@ def render_markdown(result: dict) -> str:
             "",
             f"Pair `{tp['pair']}`; held-out stdlib prompts (last ≤ {tp['prompt_tokens_max']} tokens, mean "
             f"{tp['prompt_tokens_mean']}), greedy, {tp['new_tokens']} new tokens per request (ignore_eos), "
-            f"{tp['dtype']}, CUDA graphs {'on' if tp['cuda_graphs'] else 'off'}; batch 1 runs "
+            f"{tp['dtype']}, CUDA graphs {_graphs(tp)}; batch 1 runs "
             f"{tp.get('batch1_prompts', 1)} prompt(s) one call after another (transformers: the first "
             f"{tp.get('hf_batch1_prompts', tp.get('batch1_prompts', 1))}), the other batches one call. "
             "Tokens/s = new tokens / wall "
@@ -245,7 +254,7 @@ def render_markdown(result: dict) -> str:
             "## 2. Scale — SIMULATED acceptance",
             "",
             f"{sc['model']}; EAGLE-3-shaped head; prompts of {sc['prompt_tokens']} random tokens, "
-            f"{sc['new_tokens']} new tokens; CUDA graphs {'on' if sc['cuda_graphs'] else 'off'}. "
+            f"{sc['new_tokens']} new tokens; CUDA graphs {_graphs(sc)}. "
             f"**{sc['label']}.** Copy bandwidth {sc['copy_bandwidth_Bps'] / 1e12:.3f} TB/s; weights a step reads "
             f"{sc['weight_bytes'] / 1e9:.3f} GB → bandwidth bound {1e3 * sc['bound_s']:.3f} ms/step.",
             "",

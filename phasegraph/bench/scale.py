@@ -59,7 +59,8 @@ def measure_scale(run: BenchRun) -> None:
                  "outputs are not the target's",
         "copy_bandwidth_Bps": bw, "weight_bytes": wbytes, "bound_s": bound,
         "prompt_tokens": p, "new_tokens": n, "batches": a.scale_batch_list, "taus": a.scale_tau_list,
-        "cuda_graphs": run.graphs, "baseline": [], "rows": [], "phase_gpu_s": [],
+        "cuda_graphs": run.graphs, "prefill_graphs": run.graphs and a.prefill_graphs,
+        "baseline": [], "rows": [], "phase_gpu_s": [],
     }
     run.result["scale"] = part
     n_rows = len(a.scale_batch_list) * (1 + len(a.scale_tau_list) * len(a.scale_config_list))

@@ -244,6 +244,22 @@ def test_the_estimate_counts_transformers_rows_only_when_they_run(tmp_path):
     assert three - without == pytest.approx(1.1 * 256 * (HF_STEP_S * 5 + HF_ASSISTED_STEP_S * 3))
 
 
+def test_prefill_graphs_are_on_by_default_and_recorded(tmp_path, quick_run):
+    """The recorded runs replay prefill from graphs; the option defaults to it (a rerun that forgot
+    the flag measured eager prefills) and each part records what it ran (the CPU has no graphs)."""
+    from phasegraph.cli import build_parser
+
+    def parsed(*extra):
+        return build_parser().parse_args(["bench", "--out", str(tmp_path), *extra]).prefill_graphs
+
+    assert parsed() is True and parsed("--prefill-graphs") is True
+    assert parsed("--no-prefill-graphs") is False
+    out, _, _ = quick_run
+    r = json.loads((out / "bench.json").read_text())
+    assert r["trained_pair"]["prefill_graphs"] is False and r["scale"]["prefill_graphs"] is False
+    assert "CUDA graphs off" in (out / "bench.md").read_text()
+
+
 @pytest.mark.parametrize("argv", [["--hf-batch1-prompts", "0"], ["--hf-batch1-prompts", "4"],
                                   ["--batch1-prompts", "2", "--hf-batch1-prompts", "3"]])
 def test_transformers_prompts_at_batch_one_are_a_subset_of_phasegraphs(tmp_path, capsys, argv):
