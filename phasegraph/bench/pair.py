@@ -33,6 +33,19 @@ from phasegraph.bench.report import write_outputs
 from phasegraph.cli import CliError
 
 
+def prompt_cap(args, context: int) -> int:
+    """Tokens kept of each held-out prompt: ``--prompt-tokens``, within the target's context."""
+    prompt_tokens = min(args.prompt_tokens, context - args.new_tokens - 32)
+    if prompt_tokens < 8:
+        raise CliError(f"the target's context ({context}) leaves no room for {args.new_tokens} new tokens")
+    return prompt_tokens
+
+
+def kv_pool_tokens(max_batch: int, prompt_tokens: int, new_tokens: int) -> int:
+    """The KV pool of part 1's engines: every request of the largest batch, with room."""
+    return max_batch * (prompt_tokens + new_tokens + 64) + 1024
+
+
 def measure_trained_pair(run: BenchRun) -> None:
     """Part 1: fills ``run.result["trained_pair"]``, writing the outputs after every row group."""
     from tqdm.auto import tqdm
@@ -59,15 +72,13 @@ def measure_trained_pair(run: BenchRun) -> None:
     tok = _load_tokenizer(pair / "target")
     cfg = json.loads((pair / "target" / "config.json").read_text())
     context = int(cfg.get("max_position_embeddings", 4096))
-    prompt_tokens = min(a.prompt_tokens, context - a.new_tokens - 32)
-    if prompt_tokens < 8:
-        raise CliError(f"the target's context ({context}) leaves no room for {a.new_tokens} new tokens")
+    prompt_tokens = prompt_cap(a, context)
     texts = [p.text for p in heldout_prompts(max_lines=40, min_lines=8)]
     ids = [tok(t)["input_ids"][-prompt_tokens:] for t in texts]
     max_b = max(a.batch_list)
     prompts = [ids[i % len(ids)] for i in range(max(max_b, a.batch1_prompts if 1 in a.batch_list else 1))]
     params = SamplingParams(max_new_tokens=a.new_tokens, temperature=0.0, ignore_eos=True)
-    kv_tokens = max_b * (prompt_tokens + a.new_tokens + 64) + 1024
+    kv_tokens = kv_pool_tokens(max_b, prompt_tokens, a.new_tokens)
     part: dict = {
         "pair": str(pair), "draft_note": draft_note, "prompts_available": len(ids),
         "prompt_tokens_max": prompt_tokens,
@@ -124,6 +135,9 @@ def _iterations(trace) -> int:
     return count_phase(trace, "verify") or count_phase(trace, "decode")
 
 
+WARM_WAIT_S = 300.0  # the longest part 1 waits for the kernel warm-up after training
+
+
 def _trained_pair_dir(run: BenchRun) -> Path:
     """The pair directory: reused when it holds a pair, else trained into (``phasegraph.train``)."""
     a = run.args
@@ -139,8 +153,21 @@ def _trained_pair_dir(run: BenchRun) -> Path:
     from phasegraph.train.recipe import run_recipe
 
     t0 = time.perf_counter()
-    report = run_recipe(preset, pair, seed=a.seed, device=run.device,
-                        time_budget_s=a.train_budget_s, progress=not a.no_progress)
+    warm = None
+    if run.cuda and a.warm_compile:  # part 1's kernels compile in a second process meanwhile
+        from phasegraph.bench import warm as warm_mod
+
+        warm = warm_mod.start(warm_mod.warm_spec(run, preset_name, overrides, preset),
+                              run.out / "compile_warmup.log")
+        print(f"part 1: compiling part 1's kernels in a second process meanwhile (pid {warm.pid}; log "
+              f"{run.out / 'compile_warmup.log'})", flush=True)
+    try:
+        report = run_recipe(preset, pair, seed=a.seed, device=run.device,
+                            time_budget_s=a.train_budget_s, progress=not a.no_progress)
+    finally:
+        if warm is not None:
+            run.result["compile_warmup"] = warm_mod.finish(warm, t0, WARM_WAIT_S)
+            print(f"part 1: kernel warm-up {run.result['compile_warmup']}", flush=True)
     run.result["training"] = {
         "preset": preset_name, "overrides": overrides, "budget_s": a.train_budget_s,
         "wall_s": round(time.perf_counter() - t0, 1), "stopped_early": report.get("stopped_early"),

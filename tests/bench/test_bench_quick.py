@@ -254,8 +254,11 @@ def test_prefill_graphs_are_on_by_default_and_recorded(tmp_path, quick_run):
 
     assert parsed() is True and parsed("--prefill-graphs") is True
     assert parsed("--no-prefill-graphs") is False
+    args = build_parser().parse_args(["bench", "--out", str(tmp_path)])
+    assert args.warm_compile is True  # the kernel warm-up during training: GPU only
     out, _, _ = quick_run
     r = json.loads((out / "bench.json").read_text())
+    assert "compile_warmup" not in r  # the CPU compiles no Triton kernels
     assert r["trained_pair"]["prefill_graphs"] is False and r["scale"]["prefill_graphs"] is False
     assert "CUDA graphs off" in (out / "bench.md").read_text()
 
@@ -325,3 +328,58 @@ def test_a_pair_directory_with_other_files_is_refused_before_anything_runs(tmp_p
     assert sorted(p.name for p in pair.rglob("*")) == ["config.json", "target"]
     assert (pair / "target" / "config.json").read_text() == "{}"
     assert not any((tmp_path / "out").glob("bench.*"))
+
+
+def _tensor_layout(directory):
+    from safetensors import safe_open
+
+    layout = {}
+    for file in sorted(directory.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for name in f.keys():
+                t = f.get_slice(name)
+                layout[name] = (tuple(t.get_shape()), t.get_dtype())
+    return layout
+
+
+def test_the_kernel_warm_up_pair_has_the_trained_pairs_layout(quick_run, tmp_path):
+    """The warm-up's random pair (phasegraph.bench.warm) has the trained pair's tensors (names,
+    shapes, dtypes) and shape fields, so the kernels it compiles are the ones part 1 launches;
+    its engines run every part-1 configuration at every batch size."""
+    from phasegraph.bench import warm
+    from phasegraph.train.presets import PRESETS, apply_overrides
+
+    out, _, _ = quick_run
+    trained = out / "pair"
+    preset = apply_overrides(PRESETS["tiny"], TRAIN_SET)
+    dirs = warm.write_random_pair(preset, tmp_path / "warm", seed=0)
+    shape_fields = ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+                    "num_key_value_heads", "head_dim", "vocab_size", "max_position_embeddings",
+                    "tie_word_embeddings", "rope_theta", "rms_norm_eps", "draft_vocab_size",
+                    "target_hidden_size", "eagle_aux_layers")
+    for key in ("target", "eagle3"):
+        assert _tensor_layout(dirs[key]) == _tensor_layout(trained / key), key
+        mine = json.loads((dirs[key] / "config.json").read_text())
+        theirs = json.loads((trained / key / "config.json").read_text())
+        assert {f: mine.get(f) for f in shape_fields} == {f: theirs.get(f) for f in shape_fields}, key
+    assert dirs["draft"] is None and preset.draft is None  # tiny trains no standalone draft
+
+    spec = {"seed": 0, "device": "cpu", "pair_dtype": "float32", "draft_dtype": "float32",
+            "batches": [1, 2], "prompt_tokens": 24, "kv_tokens": 1024, "validate": None,
+            "cuda_graphs": False, "prefill_graphs": False}
+    lines = []
+    assert warm.run_configs(spec, dirs, log=lambda *a, **k: lines.append(a[0])) == 3 * 2
+    assert [line.split(":")[1].strip() for line in lines] == [
+        "baseline (autoregressive)", "EAGLE-3 chain S=3", "EAGLE-3 tree K=4 S=4 N=16"]
+
+
+def test_the_kernel_warm_up_process_entry_point_runs_a_spec(capsys):
+    """``python -m phasegraph.bench.warm SPEC_JSON``: the random pair in a temporary directory,
+    every configuration, a closing line with the number of calls."""
+    from phasegraph.bench import warm
+
+    spec = {"preset": "tiny", "overrides": TRAIN_SET, "seed": 0, "device": "cpu", "pair_dtype": "float32",
+            "draft_dtype": "float32", "batches": [1], "prompt_tokens": 16, "kv_tokens": 512,
+            "validate": None, "cuda_graphs": False, "prefill_graphs": False}
+    assert warm.main([json.dumps(spec)]) == 0
+    assert "warm-up: 3 calls in" in capsys.readouterr().out
