@@ -85,9 +85,19 @@ def write_random_pair(preset, directory: Path, seed: int) -> dict[str, Path]:
     return dirs
 
 
+def accept_lengths(spec_kw: dict) -> list[int | None]:
+    """The acceptance lengths a configuration's warm-up runs: the random draft's own (None:
+    nearly always 1), then every longer one up to ``num_steps + 1`` by SIMULATED acceptance, so
+    that draft-extend and the KV compaction run (and compile) at every width a trained pair's
+    accepted paths give them."""
+    if spec_kw["method"] == "none":
+        return [None]
+    return [None, *range(2, spec_kw["num_steps"] + 2)]
+
+
 def run_configs(spec: dict, dirs: dict[str, Path], log=print) -> int:
-    """One engine per part-1 configuration, one short ``generate`` per batch size; the number
-    of calls made."""
+    """Engines of every part-1 configuration (and acceptance length, :func:`accept_lengths`), one
+    short ``generate`` per batch size; the number of calls made."""
     import torch
 
     from phasegraph import Engine, SamplingParams, SpecConfig
@@ -100,23 +110,24 @@ def run_configs(spec: dict, dirs: dict[str, Path], log=print) -> int:
         if draft_key is not None and dirs[draft_key] is None:
             continue
         t0 = time.perf_counter()
-        engine = Engine.from_pretrained(
-            dirs["target"], dirs[draft_key] if draft_key else None, spec=SpecConfig(**spec_kw),
-            device=spec["device"], dtype=spec["pair_dtype"], draft_dtype=spec["draft_dtype"],
-            max_batch_size=max(spec["batches"]), kv_pool_tokens=spec["kv_tokens"],
-            cuda_graphs=spec["cuda_graphs"], trace=True, validate=spec["validate"],
-            prefill_graphs=spec["prefill_graphs"],
-        )
-        for b in spec["batches"]:
-            # prompt lengths spread below the cap, as the held-out prompts' are (mean ~0.85 of it)
-            lengths = [max(8, spec["prompt_tokens"] - (37 * i) % (spec["prompt_tokens"] // 3 + 1))
-                       for i in range(b)]
-            prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-            engine.generate(prompts, params)
-            calls += 1
-        del engine
-        if torch.cuda.is_available():
-            torch.cuda.empty_cache()
+        for tau in accept_lengths(spec_kw):
+            engine = Engine.from_pretrained(
+                dirs["target"], dirs[draft_key] if draft_key else None, spec=SpecConfig(**spec_kw),
+                device=spec["device"], dtype=spec["pair_dtype"], draft_dtype=spec["draft_dtype"],
+                max_batch_size=max(spec["batches"]), kv_pool_tokens=spec["kv_tokens"],
+                cuda_graphs=spec["cuda_graphs"], trace=True, validate=spec["validate"],
+                prefill_graphs=spec["prefill_graphs"], simulate_accept_length=tau,
+            )
+            for b in spec["batches"]:
+                # prompt lengths spread below the cap, as the held-out prompts' are (mean ~0.85 of it)
+                lengths = [max(8, spec["prompt_tokens"] - (37 * i) % (spec["prompt_tokens"] // 3 + 1))
+                           for i in range(b)]
+                prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+                engine.generate(prompts, params)
+                calls += 1
+            del engine
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
         log(f"warm-up: {label}: {time.perf_counter() - t0:.1f} s", flush=True)
     return calls
 

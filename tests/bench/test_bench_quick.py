@@ -368,7 +368,8 @@ def test_the_kernel_warm_up_pair_has_the_trained_pairs_layout(quick_run, tmp_pat
             "batches": [1, 2], "prompt_tokens": 24, "kv_tokens": 1024, "validate": None,
             "cuda_graphs": False, "prefill_graphs": False}
     lines = []
-    assert warm.run_configs(spec, dirs, log=lambda *a, **k: lines.append(a[0])) == 3 * 2
+    # baseline once; chain S=3 at its own acceptance and SIMULATED 2, 3, 4; tree S=4 up to 5
+    assert warm.run_configs(spec, dirs, log=lambda *a, **k: lines.append(a[0])) == (1 + 4 + 5) * 2
     assert [line.split(":")[1].strip() for line in lines] == [
         "baseline (autoregressive)", "EAGLE-3 chain S=3", "EAGLE-3 tree K=4 S=4 N=16"]
 
@@ -382,4 +383,4 @@ def test_the_kernel_warm_up_process_entry_point_runs_a_spec(capsys):
             "draft_dtype": "float32", "batches": [1], "prompt_tokens": 16, "kv_tokens": 512,
             "validate": None, "cuda_graphs": False, "prefill_graphs": False}
     assert warm.main([json.dumps(spec)]) == 0
-    assert "warm-up: 3 calls in" in capsys.readouterr().out
+    assert "warm-up: 10 calls in" in capsys.readouterr().out
