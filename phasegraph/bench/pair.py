@@ -164,10 +164,14 @@ def _trained_pair_dir(run: BenchRun) -> Path:
     try:
         report = run_recipe(preset, pair, seed=a.seed, device=run.device,
                             time_budget_s=a.train_budget_s, progress=not a.no_progress)
-    finally:
+    except BaseException:  # training failed or was interrupted: the warm-up has no use left
         if warm is not None:
-            run.result["compile_warmup"] = warm_mod.finish(warm, t0, WARM_WAIT_S)
-            print(f"part 1: kernel warm-up {run.result['compile_warmup']}", flush=True)
+            warm.kill()
+            warm.wait()
+        raise
+    if warm is not None:
+        run.result["compile_warmup"] = warm_mod.finish(warm, t0, WARM_WAIT_S)
+        print(f"part 1: kernel warm-up {run.result['compile_warmup']}", flush=True)
     run.result["training"] = {
         "preset": preset_name, "overrides": overrides, "budget_s": a.train_budget_s,
         "wall_s": round(time.perf_counter() - t0, 1), "stopped_early": report.get("stopped_early"),
