@@ -67,6 +67,7 @@ class BenchRun:
         draft_dtype = getattr(args, "draft_dtype", None) or ("bfloat16" if self.cuda else args.pair_dtype)
         self.draft_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[draft_dtype]
         self.graphs = self.cuda
+        self.prefill_graphs = self.graphs and args.prefill_graphs  # replayed per request and token bucket
         self.result: dict = {
             "command": "phasegraph bench " + " ".join(args.argv),
             "quick": args.quick,

@@ -46,6 +46,17 @@ def kv_pool_tokens(max_batch: int, prompt_tokens: int, new_tokens: int) -> int:
     return max_batch * (prompt_tokens + new_tokens + 64) + 1024
 
 
+def engine_settings(run: BenchRun, kv_tokens: int) -> dict:
+    """``Engine.from_pretrained`` keywords of part 1's engines (besides the directories and the
+    spec), JSON-able: the kernel warm-up (:mod:`phasegraph.bench.warm`) builds its engines with
+    the same ones, so that it compiles the kernels part 1 launches."""
+    a = run.args
+    return {"device": str(run.device), "dtype": str(run.pair_dtype).removeprefix("torch."),
+            "draft_dtype": str(run.draft_dtype).removeprefix("torch."), "max_batch_size": max(a.batch_list),
+            "kv_pool_tokens": kv_tokens, "cuda_graphs": run.graphs, "trace": True, "validate": a.validate,
+            "prefill_graphs": run.prefill_graphs}
+
+
 def measure_trained_pair(run: BenchRun) -> None:
     """Part 1: fills ``run.result["trained_pair"]``, writing the outputs after every row group."""
     from tqdm.auto import tqdm
@@ -85,7 +96,7 @@ def measure_trained_pair(run: BenchRun) -> None:
         "prompt_tokens_mean": round(sum(len(p) for p in prompts) / len(prompts), 1),
         "new_tokens": a.new_tokens, "batches": a.batch_list, "dtype": str(run.pair_dtype).removeprefix("torch."),
         "draft_dtype": str(run.draft_dtype).removeprefix("torch."),
-        "cuda_graphs": run.graphs, "prefill_graphs": run.graphs and a.prefill_graphs, "greedy": True, "ignore_eos": True, "rows": [],
+        "cuda_graphs": run.graphs, "prefill_graphs": run.prefill_graphs, "greedy": True, "ignore_eos": True, "rows": [],
         "batch1_prompts": a.batch1_prompts, "hf_batch1_prompts": a.hf_batch1_prompts,
         "wall_s_by_group": {},  # where part 1's time goes: engine, compiles, captures, warm-ups, rows
     }
@@ -194,11 +205,8 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
     from phasegraph import Engine, SpecConfig
 
     a = run.args
-    engine = Engine.from_pretrained(
-        target_dir, draft_dir, spec=SpecConfig(**spec_kw), device=run.device, dtype=run.pair_dtype,
-        draft_dtype=run.draft_dtype, max_batch_size=max(a.batch_list), kv_pool_tokens=kv_tokens, cuda_graphs=run.graphs, trace=True,
-        validate=a.validate, prefill_graphs=run.graphs and a.prefill_graphs,
-    )
+    engine = Engine.from_pretrained(target_dir, draft_dir, spec=SpecConfig(**spec_kw),
+                                    **engine_settings(run, kv_tokens))
     weight_bytes = iteration_weight_bytes(engine)
     for b in a.batch_list:
         bar.set_postfix_str(f"{label}, batch {b}")

@@ -59,14 +59,14 @@ def measure_scale(run: BenchRun) -> None:
                  "outputs are not the target's",
         "copy_bandwidth_Bps": bw, "weight_bytes": wbytes, "bound_s": bound,
         "prompt_tokens": p, "new_tokens": n, "batches": a.scale_batch_list, "taus": a.scale_tau_list,
-        "cuda_graphs": run.graphs, "prefill_graphs": run.graphs and a.prefill_graphs,
+        "cuda_graphs": run.graphs, "prefill_graphs": run.prefill_graphs,
         "baseline": [], "rows": [], "phase_gpu_s": [],
     }
     run.result["scale"] = part
     n_rows = len(a.scale_batch_list) * (1 + len(a.scale_tau_list) * len(a.scale_config_list))
     bar = tqdm(total=n_rows, desc="part 2: scale (simulated)", unit="row", disable=a.no_progress, dynamic_ncols=True)
     engine_kw = {"max_batch_size": max_b, "kv_pool_tokens": kv_tokens, "max_context": 1024,
-                 "cuda_graphs": run.graphs, "validate": a.validate, "prefill_graphs": run.graphs and a.prefill_graphs}
+                 "cuda_graphs": run.graphs, "validate": a.validate, "prefill_graphs": run.prefill_graphs}
 
     base_tps: dict[int, float] = {}
     run.guard("scale baseline", _measure_baseline, run, bs, target, prompts, params, engine_kw, base_tps, bar)

@@ -27,28 +27,23 @@ WARM_NEW_TOKENS = 8  # enough for prefill, draft-extend and a few iterations of 
 
 
 def warm_spec(run, preset_name: str, overrides: list[str], preset) -> dict:
-    """What the second process needs to build the engines part 1 builds, with part 1's prompt
-    cap and KV pool size (:func:`phasegraph.bench.pair.prompt_cap`, ``kv_pool_tokens``)."""
-    from phasegraph.bench.pair import kv_pool_tokens, prompt_cap
+    """What the second process needs to build the engines part 1 builds: part 1's engine
+    keywords (:func:`phasegraph.bench.pair.engine_settings`), with its prompt cap and KV pool."""
+    from phasegraph.bench.pair import engine_settings, kv_pool_tokens, prompt_cap
 
     a = run.args
     prompt_tokens = prompt_cap(a, preset.target.context)
-    return {
-        "preset": preset_name, "overrides": overrides, "seed": a.seed, "device": str(run.device),
-        "pair_dtype": str(run.pair_dtype).removeprefix("torch."),
-        "draft_dtype": str(run.draft_dtype).removeprefix("torch."),
-        "batches": a.batch_list, "prompt_tokens": prompt_tokens,
-        "kv_tokens": kv_pool_tokens(max(a.batch_list), prompt_tokens, a.new_tokens), "validate": a.validate,
-        "cuda_graphs": run.graphs, "prefill_graphs": run.graphs and a.prefill_graphs,
-    }
+    kv_tokens = kv_pool_tokens(max(a.batch_list), prompt_tokens, a.new_tokens)
+    return {"preset": preset_name, "overrides": overrides, "seed": a.seed, "batches": a.batch_list,
+            "prompt_tokens": prompt_tokens, "engine": engine_settings(run, kv_tokens)}
 
 
 def start(spec: dict, log_path: Path) -> subprocess.Popen:
     """The warm-up process, its output in ``log_path``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
-    log = open(log_path, "w")  # noqa: SIM115 - the child owns it until it exits
-    return subprocess.Popen([sys.executable, "-m", "phasegraph.bench.warm", json.dumps(spec)],
-                            stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
+    with open(log_path, "w") as log:  # the child writes to its own copy of the descriptor
+        return subprocess.Popen([sys.executable, "-m", "phasegraph.bench.warm", json.dumps(spec)],
+                                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
 
 
 def finish(proc: subprocess.Popen, started: float, timeout_s: float) -> dict:
@@ -113,10 +108,7 @@ def run_configs(spec: dict, dirs: dict[str, Path], log=print) -> int:
         for tau in accept_lengths(spec_kw):
             engine = Engine.from_pretrained(
                 dirs["target"], dirs[draft_key] if draft_key else None, spec=SpecConfig(**spec_kw),
-                device=spec["device"], dtype=spec["pair_dtype"], draft_dtype=spec["draft_dtype"],
-                max_batch_size=max(spec["batches"]), kv_pool_tokens=spec["kv_tokens"],
-                cuda_graphs=spec["cuda_graphs"], trace=True, validate=spec["validate"],
-                prefill_graphs=spec["prefill_graphs"], simulate_accept_length=tau,
+                **spec["engine"], simulate_accept_length=tau,
             )
             for b in spec["batches"]:
                 # prompt lengths spread below the cap, as the held-out prompts' are (mean ~0.85 of it)

@@ -364,9 +364,10 @@ def test_the_kernel_warm_up_pair_has_the_trained_pairs_layout(quick_run, tmp_pat
         assert {f: mine.get(f) for f in shape_fields} == {f: theirs.get(f) for f in shape_fields}, key
     assert dirs["draft"] is None and preset.draft is None  # tiny trains no standalone draft
 
-    spec = {"seed": 0, "device": "cpu", "pair_dtype": "float32", "draft_dtype": "float32",
-            "batches": [1, 2], "prompt_tokens": 24, "kv_tokens": 1024, "validate": None,
-            "cuda_graphs": False, "prefill_graphs": False}
+    engine = {"device": "cpu", "dtype": "float32", "draft_dtype": "float32", "max_batch_size": 2,
+              "kv_pool_tokens": 1024, "cuda_graphs": False, "trace": True, "validate": None,
+              "prefill_graphs": False}
+    spec = {"seed": 0, "batches": [1, 2], "prompt_tokens": 24, "engine": engine}
     lines = []
     # baseline once; chain S=3 at its own acceptance and SIMULATED 2, 3, 4; tree S=4 up to 5
     assert warm.run_configs(spec, dirs, log=lambda *a, **k: lines.append(a[0])) == (1 + 4 + 5) * 2
@@ -379,8 +380,10 @@ def test_the_kernel_warm_up_process_entry_point_runs_a_spec(capsys):
     every configuration, a closing line with the number of calls."""
     from phasegraph.bench import warm
 
-    spec = {"preset": "tiny", "overrides": TRAIN_SET, "seed": 0, "device": "cpu", "pair_dtype": "float32",
-            "draft_dtype": "float32", "batches": [1], "prompt_tokens": 16, "kv_tokens": 512,
-            "validate": None, "cuda_graphs": False, "prefill_graphs": False}
+    engine = {"device": "cpu", "dtype": "float32", "draft_dtype": "float32", "max_batch_size": 1,
+              "kv_pool_tokens": 512, "cuda_graphs": False, "trace": True, "validate": None,
+              "prefill_graphs": False}
+    spec = {"preset": "tiny", "overrides": TRAIN_SET, "seed": 0, "batches": [1], "prompt_tokens": 16,
+            "engine": engine}
     assert warm.main([json.dumps(spec)]) == 0
     assert "warm-up: 10 calls in" in capsys.readouterr().out
