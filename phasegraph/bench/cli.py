@@ -50,13 +50,13 @@ TRITON_COMPILE_S = 40.0
 # Measured on the 96M pair (bench/RESULTS.md §5, H100): a baseline step at batch 1 takes 0.47 ms
 # and a speculative iteration 0.8-1.1 ms end to end. One configuration at batches 1, 8 and 32
 # (engine, first compiles, captures, two warm-ups, the timed calls and the GPU-work probe) took
-# 30-56 s on a fresh machine (run 22), 17-31 s where the Triton cache was warm (run 23) and 15-35 s
-# where the kernels had compiled while the pair trained (--warm-compile, fresh machine,
-# 2026-11-25): the estimate takes 28 s where a pair is reused or the kernels compile while it
-# trains, else 40 s. transformers' generate, host bound, ran at 20-37 ms per token
+# 30-56 s on a fresh machine (run 22), 17-31 s where the Triton cache was warm (run 23) and 14-21 s
+# where the kernels had compiled while the pair trained (--warm-compile, fresh machine, run 24):
+# the estimate takes 20 s where a pair is reused or the kernels compile while it trains, else
+# 40 s. transformers' generate, host bound, ran at 20-37 ms per token
 # plain and 60-217 ms assisted (runs 21-23; its default heuristic drafts up to 20 tokens a round).
 # The recipe's simulated-acceptance check took 28 s when asked for.
-SMALL_STEP_S, SMALL_ITER_S, CAPTURE_S, CONFIG_SETUP_S, CONFIG_SETUP_WARM_S = 0.5e-3, 1.2e-3, 0.3, 40.0, 28.0
+SMALL_STEP_S, SMALL_ITER_S, CAPTURE_S, CONFIG_SETUP_S, CONFIG_SETUP_WARM_S = 0.5e-3, 1.2e-3, 0.3, 40.0, 20.0
 HF_STEP_S, HF_ASSISTED_STEP_S, TRAIN_ACCEPTANCE_S = 37e-3, 0.2, 30.0
 TRAIN_STAGE_SHARE, TRAIN_EVAL_S = 0.9, 12.0
 
