@@ -89,14 +89,14 @@ def measure_trained_pair(run: BenchRun) -> None:
     max_b = max(a.batch_list)
     prompts = [ids[i % len(ids)] for i in range(max(max_b, a.batch1_prompts if 1 in a.batch_list else 1))]
     params = SamplingParams(max_new_tokens=a.new_tokens, temperature=0.0, ignore_eos=True)
-    kv_tokens = kv_pool_tokens(max_b, prompt_tokens, a.new_tokens)
+    engine_kw = engine_settings(run, kv_pool_tokens(max_b, prompt_tokens, a.new_tokens))
     part: dict = {
         "pair": str(pair), "draft_note": draft_note, "prompts_available": len(ids),
         "prompt_tokens_max": prompt_tokens,
         "prompt_tokens_mean": round(sum(len(p) for p in prompts) / len(prompts), 1),
-        "new_tokens": a.new_tokens, "batches": a.batch_list, "dtype": str(run.pair_dtype).removeprefix("torch."),
-        "draft_dtype": str(run.draft_dtype).removeprefix("torch."),
-        "cuda_graphs": run.graphs, "prefill_graphs": run.prefill_graphs, "greedy": True, "ignore_eos": True, "rows": [],
+        "new_tokens": a.new_tokens, "batches": a.batch_list,
+        **{key: engine_kw[key] for key in ("dtype", "draft_dtype", "cuda_graphs", "prefill_graphs")},
+        "greedy": True, "ignore_eos": True, "rows": [],
         "batch1_prompts": a.batch1_prompts, "hf_batch1_prompts": a.hf_batch1_prompts,
         "wall_s_by_group": {},  # where part 1's time goes: engine, compiles, captures, warm-ups, rows
     }
@@ -115,7 +115,7 @@ def measure_trained_pair(run: BenchRun) -> None:
             bar.update(len(a.batch_list))
             continue
         _timed_guard(run, label, _measure_pg_config, run, label, spec_kw, pair / "target",
-                     drafts[draft_key] if draft_key else None, prompts, params, kv_tokens, outputs, rows, bar,
+                     drafts[draft_key] if draft_key else None, prompts, params, engine_kw, outputs, rows, bar,
                      draft_note if draft_key == "draft" else None)
         free_memory()
         write_outputs(run)
@@ -197,16 +197,16 @@ def _trained_pair_dir(run: BenchRun) -> Path:
 # ------------------------------------------------------------------------------------------------
 
 
-def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, prompts, params, kv_tokens,
+def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, prompts, params, engine_kw,
                        outputs, rows, bar, note) -> None:
-    """One phasegraph configuration at every batch size (one engine, reused)."""
+    """One phasegraph configuration at every batch size (one engine, reused; ``engine_kw``:
+    :func:`engine_settings`)."""
     from tqdm.auto import tqdm
 
     from phasegraph import Engine, SpecConfig
 
     a = run.args
-    engine = Engine.from_pretrained(target_dir, draft_dir, spec=SpecConfig(**spec_kw),
-                                    **engine_settings(run, kv_tokens))
+    engine = Engine.from_pretrained(target_dir, draft_dir, spec=SpecConfig(**spec_kw), **engine_kw)
     weight_bytes = iteration_weight_bytes(engine)
     for b in a.batch_list:
         bar.set_postfix_str(f"{label}, batch {b}")

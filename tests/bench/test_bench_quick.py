@@ -342,6 +342,13 @@ def _tensor_layout(directory):
     return layout
 
 
+def _cpu_engine_settings(max_batch: int, kv_tokens: int) -> dict:
+    """The warm-up spec's engine keywords (``phasegraph.bench.pair.engine_settings``) on the CPU."""
+    return {"device": "cpu", "dtype": "float32", "draft_dtype": "float32", "max_batch_size": max_batch,
+            "kv_pool_tokens": kv_tokens, "cuda_graphs": False, "trace": True, "validate": None,
+            "prefill_graphs": False}
+
+
 def test_the_kernel_warm_up_pair_has_the_trained_pairs_layout(quick_run, tmp_path):
     """The warm-up's random pair (phasegraph.bench.warm) has the trained pair's tensors (names,
     shapes, dtypes) and shape fields, so the kernels it compiles are the ones part 1 launches;
@@ -364,10 +371,7 @@ def test_the_kernel_warm_up_pair_has_the_trained_pairs_layout(quick_run, tmp_pat
         assert {f: mine.get(f) for f in shape_fields} == {f: theirs.get(f) for f in shape_fields}, key
     assert dirs["draft"] is None and preset.draft is None  # tiny trains no standalone draft
 
-    engine = {"device": "cpu", "dtype": "float32", "draft_dtype": "float32", "max_batch_size": 2,
-              "kv_pool_tokens": 1024, "cuda_graphs": False, "trace": True, "validate": None,
-              "prefill_graphs": False}
-    spec = {"seed": 0, "batches": [1, 2], "prompt_tokens": 24, "engine": engine}
+    spec = {"seed": 0, "batches": [1, 2], "prompt_tokens": 24, "engine": _cpu_engine_settings(2, 1024)}
     lines = []
     # baseline once; chain S=3 at its own acceptance and SIMULATED 2, 3, 4; tree S=4 up to 5
     assert warm.run_configs(spec, dirs, log=lambda *a, **k: lines.append(a[0])) == (1 + 4 + 5) * 2
@@ -380,10 +384,7 @@ def test_the_kernel_warm_up_process_entry_point_runs_a_spec(capsys):
     every configuration, a closing line with the number of calls."""
     from phasegraph.bench import warm
 
-    engine = {"device": "cpu", "dtype": "float32", "draft_dtype": "float32", "max_batch_size": 1,
-              "kv_pool_tokens": 512, "cuda_graphs": False, "trace": True, "validate": None,
-              "prefill_graphs": False}
     spec = {"preset": "tiny", "overrides": TRAIN_SET, "seed": 0, "batches": [1], "prompt_tokens": 16,
-            "engine": engine}
+            "engine": _cpu_engine_settings(1, 512)}
     assert warm.main([json.dumps(spec)]) == 0
     assert "warm-up: 10 calls in" in capsys.readouterr().out
