@@ -1,6 +1,6 @@
 """Triton kernels against their torch references on the GPU, one row per kernel and shape.
 
-    python bench/bench_kernels.py [--only attention|tree,verify,slots|rope|tail] [--quick] [--out DIR]
+    python bench/bench_kernels.py [--only attention|tree,verify,slots|rope] [--quick] [--out DIR]
 
 ``--only attention`` takes ~6 min on an H100 (three extra tile variants per shape; ``--quick``
 times the default tiles only), the other parts together ~3 min (``--only draft``: the chain draft
@@ -381,75 +381,10 @@ def bench_rope(args):
                   [partial(rope.rope_paged_attention_triton, *s) for s in sets])
 
 
-def bench_tail(args):
-    """The second half of a draft head's forward (o -> norm -> gate/up SiLU -> down -> norm ->
-    lm_head) on the bench pair's EAGLE-3 head shapes (H 768, I 2560, V 8192): the skinny
-    products' seven launches (decoder_tail_unfused, "ref") against the one-launch dataflow kernel
-    ("triton"), with four weight sets rotated (106 MB in bf16: past the L2) and with one (warm)."""
-    tail = importlib.import_module("phasegraph.kernels.decoder_tail")
-    hidden, width, inner, vocab = 768, 768, 2560, 8192
-    for dtype in (torch.bfloat16, torch.float32):
-        for rows in (1, 4, 5, 16) if dtype == torch.bfloat16 else (4, 16):  # noqa
-            sets = []
-            for seed in range(4):
-                gen = torch.Generator().manual_seed(seed)
-
-                def w(n, k, gen=gen, dtype=dtype):
-                    return (torch.randn(n, k, generator=gen) / k**0.5).to(dtype).to(DEVICE)
-
-                sets.append(dict(
-                    attn=torch.randn(rows, width, generator=gen).to(dtype).to(DEVICE),
-                    h=torch.randn(rows, hidden, generator=gen).to(dtype).to(DEVICE),
-                    o_weight=w(hidden, width), post_norm=torch.ones(hidden, dtype=dtype, device=DEVICE),
-                    post_eps=1e-6, gate_up_weight=w(2 * inner, hidden), down_weight=w(hidden, inner),
-                    final_norm=torch.ones(hidden, dtype=dtype, device=DEVICE), final_eps=1e-6,
-                    lm_weight=w(vocab, hidden)))
-            tail.decoder_tail_triton(**sets[0])  # compiles, allocates the counters
-            nbytes = sum(sets[0][k].numel() for k in ("o_weight", "gate_up_weight", "down_weight",
-                                                      "lm_weight")) * sets[0]["h"].element_size()
-            floor = nbytes / BANDWIDTH * 2  # copy bandwidth counts read + write
-            for label, used in (("cold", sets), ("warm", sets[:1])):
-                bench("decoder_tail", f"pair head R{rows} {str(dtype)[6:]} {label}",
-                      [partial(tail.decoder_tail_unfused, **s) for s in used],
-                      [partial(tail.decoder_tail_triton, **s) for s in used], floor_ms=floor)
-                bench("decoder_tail no prefetch", f"pair head R{rows} {str(dtype)[6:]} {label}",
-                      None, [partial(tail.decoder_tail_triton, **s, prefetch=False) for s in used],
-                      floor_ms=floor)
-                for sleep in (128,):  # back-off between a wait's polls
-                    bench(f"decoder_tail sleep {sleep}", f"pair head R{rows} {str(dtype)[6:]} {label}",
-                          None, [partial(tail.decoder_tail_triton, **s, sleep_ns=sleep) for s in used],
-                          floor_ms=floor)
-                # the items alone, no dependency waits (garbage output): what the chain costs
-                # (own counters: late counts of this mode must not reach the real kernel's)
-                scratch = torch.zeros(5, dtype=torch.int32, device=DEVICE)
-                bench("decoder_tail NO WAIT", f"pair head R{rows} {str(dtype)[6:]} {label}",
-                      None, [partial(tail.decoder_tail_triton, **s, no_wait_diagnostic=True,
-                                     counters=scratch) for s in used], floor_ms=floor)
-            if rows in (4, 5) and dtype == torch.bfloat16:  # other tiles (more, narrower items)
-                config = importlib.import_module("phasegraph.kernels.linear").SkinnyConfig
-                narrow = {"gate_up": config(16, 128, 4, 4, dot=True),
-                          "lm_head": config(32, 128, 4, 4, dot=True, swap=True),
-                          "o": config(16, 256, 4, 3, dot=True)}
-                variants = [
-                    ("o 16x512", {"o": config(16, 512, 4, 3, dot=True)}),
-                    ("down 32x256", {"down": config(32, 256, 4, 3, dot=True)}),
-                    ("lm_head 128x128", {"lm_head": config(128, 128, 4, 3, dot=True, swap=True)}),
-                    ("gate_up 16x128", {"gate_up": narrow["gate_up"]}),
-                    ("gate_up 32x128", {"gate_up": config(32, 128, 4, 4, dot=True)}),
-                    ("lm_head 32x128", {"lm_head": narrow["lm_head"]}),
-                    ("narrow o, gate_up, lm_head", narrow),
-                ]
-                for tag, configs in variants:
-                    bench("decoder_tail tiles", f"R{rows} bf16 cold {tag}", None,
-                          [partial(tail.decoder_tail_triton, **s, configs=configs) for s in sets],
-                          floor_ms=floor)
-
-
 def main() -> int:
     global BANDWIDTH
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--only", default="",
-                        help="attention,tree,verify,slots,draft,rope,tail (default all but rope, tail)")
+    parser.add_argument("--only", default="", help="attention,tree,verify,slots,draft,rope (default all but rope)")
     parser.add_argument("--batches", default="1,8,64")
     parser.add_argument("--layouts", default="decode,draft,verify,extend")
     parser.add_argument("--topk", type=int, default=8)
@@ -482,8 +417,6 @@ def main() -> int:
         bench_draft_step(args)
     if "rope" in parts:
         bench_rope(args)
-    if "tail" in parts:
-        bench_tail(args)
     print(f"\n{len(ROWS)} rows in {time.time() - start:.0f} s; times in us, median; "
           "eager = do_bench (L2 flushed), graph = do_bench_cudagraph")
     header = (f"{'kernel':<26} {'shape':<40} {'ref eager':>10} {'ref graph':>10} "

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 5 in one device call: Triton kernels vs references, graph capture and
 # replay, the GPU lossless matrix, then the 8B-shaped scale bench. Results under $OUT (or ./out).
-#   bash scripts/gpu_checks.sh [tests|scale|fp32-table|bf16-head|parity|phase-8b|tail|all]
-#   (default all; fp32-table, bf16-head, parity, phase-8b and tail are not in all)
+#   bash scripts/gpu_checks.sh [tests|scale|fp32-table|bf16-head|parity|phase-8b|all]   (default
+#   all; fp32-table, bf16-head, parity and phase-8b are not in all)
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -53,17 +53,4 @@ if [[ $what == phase-8b ]]; then  # the 8B shape's decode step and chain iterati
     --batches 1 --kernels --no-profile --checks off --out "$OUT/8b" 2>&1 | grep -v Warning | tee "$OUT/8b-kernels.txt"
   timeout 300 python bench/profile_pair_host.py --shape 8b --dtype bfloat16 --configs chain \
     --batches 1 --phase-kernels --out "$OUT/8b-phases" 2>&1 | grep -v Warning | tee "$OUT/8b-phase-kernels.txt"
-fi
-if [[ $what == tail ]]; then  # the one-launch decoder tail of a draft head: its tests, the EAGLE-3
-  # head on it, its time against the seven launches it replaces (and other tiles), and whole
-  # iterations with the bfloat16 head against the commit prepared in .ab/ (ab_profile.sh)
-  timeout 120 python -m pytest -q -p no:cacheprovider -n 4 tests/gpu/test_decoder_tail.py \
-    tests/gpu/test_eagle3_fused_gpu.py 2>&1 | tail -15 | tee "$OUT/tests.txt"
-  timeout 120 python -m pytest -q -p no:cacheprovider tests/engine/test_greedy_parity.py \
-    -k bfloat16_draft 2>&1 | tail -8 | tee -a "$OUT/tests.txt"
-  timeout 200 python bench/bench_kernels.py --only tail --out "$OUT/kernels" 2>&1 \
-    | grep -v Warning | tee "$OUT/bench-tail.txt"
-  if [ -d .ab ]; then
-    DRAFT_DTYPE=bfloat16 OUT=$OUT bash scripts/ab_profile.sh run 2>&1 | tee "$OUT/ab.txt"
-  fi
 fi

@@ -492,22 +492,4 @@ def compile_cases():
                       lambda dtype=dtype: norms.rms_norm_concat_triton(
                           torch.randn(4, 4096).to(dtype), torch.ones(4096).to(dtype), 1e-5,
                           torch.randn(4, 4096).to(dtype), torch.ones(4096).to(dtype), 1e-5)))
-    tail = importlib.import_module("phasegraph.kernels.decoder_tail")
-
-    def decoder_tail(dtype, rows: int, index: bool):
-        def run():
-            hidden, inner, vocab = 768, 2560, 8192  # the bench pair's EAGLE-3 head
-            tail.decoder_tail_triton(
-                torch.randn(rows, hidden).to(dtype), torch.randn(rows, hidden).to(dtype),
-                torch.randn(hidden, hidden).to(dtype), torch.ones(hidden).to(dtype), 1e-6,
-                torch.randn(2 * inner, hidden).to(dtype), torch.randn(hidden, inner).to(dtype),
-                torch.ones(hidden).to(dtype), 1e-6, torch.randn(vocab, hidden).to(dtype),
-                torch.tensor([rows - 1]) if index else None, counters=torch.zeros(5, dtype=torch.int32))
-
-        cases.append((f"decoder_tail/{str(dtype)[6:]}/R{rows}{'/index' if index else ''}", run))
-
-    for dtype, rows, index in ((torch.bfloat16, 1, False), (torch.bfloat16, 4, False),
-                               (torch.bfloat16, 5, True), (torch.bfloat16, 16, False),
-                               (torch.float32, 4, False)):
-        decoder_tail(dtype, rows, index)
     return cases

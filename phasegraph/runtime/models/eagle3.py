@@ -33,8 +33,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
 
 from phasegraph.kernels.attention import AttentionMetadata
-from phasegraph.kernels.decoder_tail import decoder_tail
-from phasegraph.kernels.linear import linear
+from phasegraph.kernels.linear import add_rms_norm_linear, linear, silu_mul_linear
 from phasegraph.kernels.rms_norm import rms_norm_concat
 from phasegraph.phases.protocols import DraftOutput
 from phasegraph.runtime.errors import UnsupportedModel
@@ -48,6 +47,7 @@ from phasegraph.runtime.models.draft_base import (
 from phasegraph.runtime.models.fused_decoder import FusedLayer, fuse_layer, unfusable_config_reason
 from phasegraph.runtime.models.loading import Checkpoint, load_into_module
 from phasegraph.runtime.models.rotary_table import RotaryTable
+from phasegraph.runtime.models.take_rows import take_rows
 from phasegraph.runtime.models.target import HFTarget, head_dim_of, resolve_dtype
 
 
@@ -210,10 +210,8 @@ class Eagle3Draft(FeatureDraft):
         return DraftOutput(logits=logits, hidden=out)
 
     def _forward_fused(self, input_ids, hidden, positions, attn, from_target, logits_index) -> DraftOutput:
-        """The same math as the modules path, through the fused kernels: the input norms and the
-        qkv product, rotary + KV write + attention, then everything from the ``o`` product to
-        the logits (:func:`~phasegraph.kernels.decoder_tail.decoder_tail`: one launch for up
-        to 16 rows on a GPU, the skinny products in sequence otherwise)."""
+        """The same math as the modules path, through the fused kernels (one token: the norm
+        is the prologue of the next product, so ``norm -> lm_head`` is one kernel)."""
         head: Eagle3Head = self.head
         mid, layer = head.midlayer, self.fused_layer
         pool = self._attached_pool()
@@ -224,17 +222,25 @@ class Eagle3Draft(FeatureDraft):
             h, mid.hidden_norm.weight, float(mid.hidden_norm.variance_epsilon),
         )
         cos, sin, rope_rows = RotaryTable.of(self.rotary).lookup(x, positions, attn)
-        qkv = linear(x, layer.qkv_weight, layer.qkv_bias)  # [T, (Hq + 2Hkv) D]
-        attended = layer.attend(qkv, cos, sin, pool.k[0], pool.v[0], attn, rope_rows)  # [T, Hq D]
-        # h1 = h + o(attended); out = h1 + mlp(post_attention_layernorm(h1));
-        # logits = lm_head(norm(out)) of the rows in logits_index, in the head's dtype (the
-        # draft's top-k reads them in float32, an exact cast: no cast kernel of their own)
-        logits, out = decoder_tail(
-            attended, h, layer.o_weight, layer.post_norm, layer.eps, layer.gate_up_weight,
-            layer.down_weight, head.norm.weight, float(head.norm.variance_epsilon),
-            head.lm_head.weight, logits_index,
-            biases=(layer.o_bias, layer.gate_up_bias, layer.down_bias, head.lm_head.bias),
+        attn_out = layer.attention(x, cos, sin, pool.k[0], pool.v[0], attn, rope_rows)  # [T, Hd]
+        # h1 = h + attn_out; gate_up = post_attention_layernorm(h1) @ gate_up
+        gate_up, h1 = add_rms_norm_linear(
+            attn_out, h, layer.post_norm, layer.eps, layer.gate_up_weight, layer.gate_up_bias
         )
+        mlp_out = silu_mul_linear(gate_up, layer.down_weight, layer.down_bias)  # [T, Hd]
+        norm_eps = float(head.norm.variance_epsilon)
+        if logits_index is None:  # out = h1 + mlp_out; logits = lm_head(norm(out))
+            logits, out = add_rms_norm_linear(
+                mlp_out, h1, head.norm.weight, norm_eps, head.lm_head.weight, head.lm_head.bias
+            )
+        else:
+            out = h1 + mlp_out  # [T, Hd]
+            logits, _ = add_rms_norm_linear(
+                take_rows(out, logits_index), None, head.norm.weight, norm_eps,
+                head.lm_head.weight, head.lm_head.bias,
+            )
+        # the head's dtype: the draft's top-k reads logits in float32 (an exact cast), so a
+        # bfloat16 head's logits need no cast kernel of their own
         return DraftOutput(logits=logits, hidden=out)
 
     __call__ = forward

@@ -88,6 +88,19 @@ class FusedLayer:
     q_norm: torch.nn.Module | None = None  # Qwen3: RMSNorm over each head before rotary
     k_norm: torch.nn.Module | None = None
 
+    def attention(
+        self,
+        normed: torch.Tensor,  # [T, H]
+        cos: torch.Tensor,  # [T, D], or [P, D] tables with rope_rows
+        sin: torch.Tensor,  # [T, D], or [P, D] tables with rope_rows
+        k_cache: torch.Tensor,  # [slots, Hkv, D]
+        v_cache: torch.Tensor,  # [slots, Hkv, D]
+        meta: AttentionMetadata,
+        rope_rows: torch.Tensor | None = None,  # [T] i64: each token's row of the tables
+    ) -> torch.Tensor:  # [T, H], before the residual add
+        qkv = linear(normed, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2Hkv) D]
+        return self.attention_from_qkv(qkv, cos, sin, k_cache, v_cache, meta, rope_rows)
+
     def attention_from_qkv(
         self,
         qkv: torch.Tensor,  # [T, (Hq + 2Hkv) D], the qkv product of the normed input
@@ -101,32 +114,24 @@ class FusedLayer:
     ) -> torch.Tensor | SplitSum:  # [T, H], before the residual add
         """Rotary, KV write, attention and the ``o`` product; ``defer``: a split-K ``o`` product
         comes back unsummed (:class:`SplitSum`), for the norm that follows to sum."""
-        out = self.attend(qkv, cos, sin, k_cache, v_cache, meta, rope_rows)
-        return linear(out, self.o_weight, self.o_bias, defer=defer)
-
-    def attend(
-        self,
-        qkv: torch.Tensor,  # [T, (Hq + 2Hkv) D], the qkv product of the normed input
-        cos: torch.Tensor,  # [T, D], or [P, D] tables with rope_rows
-        sin: torch.Tensor,  # [T, D], or [P, D] tables with rope_rows
-        k_cache: torch.Tensor,  # [slots, Hkv, D]
-        v_cache: torch.Tensor,  # [slots, Hkv, D]
-        meta: AttentionMetadata,
-        rope_rows: torch.Tensor | None = None,  # [T] i64: each token's row of the tables
-    ) -> torch.Tensor:  # [T, Hq D], the heads' outputs before the o product
-        """Rotary, KV write and attention."""
         tokens = qkv.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.q_norm is None:  # one launch where every query has its own row (decode, draft)
             out = rope_paged_attention(qkv, hq, hkv, d, cos, sin, k_cache, v_cache, meta,
                                        self.scaling, rope_rows)  # [T, Hq, D]
-            return out.reshape(tokens, hq * d)
+            return linear(out.reshape(tokens, hq * d), self.o_weight, self.o_bias, defer=defer)
         q = qkv[:, : hq * d].view(tokens, hq, d)
         k = qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
         v = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
-        q, k = self.q_norm(q), self.k_norm(k)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
         q = rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.write_slots, rope_rows)  # [T, Hq, D]
-        return paged_attention(q, k_cache, v_cache, meta, self.scaling).reshape(tokens, hq * d)
+        out = paged_attention(q, k_cache, v_cache, meta, self.scaling)  # [T, Hq, D]
+        return linear(out.reshape(tokens, hq * d), self.o_weight, self.o_bias, defer=defer)
+
+    def mlp(self, normed: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        gate_up = linear(normed, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
+        return silu_mul_linear(gate_up, self.down_weight, self.down_bias)
 
     def norm_qkv(
         self, hidden: torch.Tensor | SplitSum, residual: torch.Tensor | None
