@@ -180,6 +180,7 @@ def _trained_pair_dir(run: BenchRun) -> Path:
             warm.kill()
             warm.wait()
         raise
+    free_memory()  # the training's cached blocks: a warm-up configuration may be waiting for them
     if warm is not None:
         run.result["compile_warmup"] = warm_mod.finish(warm, t0, WARM_WAIT_S)
         print(f"part 1: kernel warm-up {run.result['compile_warmup']}", flush=True)
@@ -188,7 +189,6 @@ def _trained_pair_dir(run: BenchRun) -> Path:
         "wall_s": round(time.perf_counter() - t0, 1), "stopped_early": report.get("stopped_early"),
         "report_wall_s": report.get("wall_s"), "acceptance": report.get("acceptance"),
     }
-    free_memory()
     return pair
 
 

@@ -24,6 +24,10 @@ from pathlib import Path
 from phasegraph.bench.common import PG_CONFIGS, REPO_ROOT
 
 WARM_NEW_TOKENS = 8  # enough for prefill, draft-extend and a few iterations of every phase
+RETRY_FREE_BYTES = 8 << 30  # free device memory a configuration that ran out waits for (part
+# 1's engines on the bench pair use ~2.4 GiB)
+RETRY_WAIT_S = 900.0  # the longest a configuration that ran out waits for that memory (part 1
+# stops the warm-up WARM_WAIT_S after the training ends in any case)
 
 
 def warm_spec(run, preset_name: str, overrides: list[str], preset) -> dict:
@@ -90,37 +94,123 @@ def accept_lengths(spec_kw: dict) -> list[int | None]:
     return [None, *range(2, spec_kw["num_steps"] + 2)]
 
 
-def run_configs(spec: dict, dirs: dict[str, Path], log=print) -> int:
-    """Engines of every part-1 configuration (and acceptance length, :func:`accept_lengths`), one
-    short ``generate`` per batch size; the number of calls made."""
+def _warm_config(spec: dict, dirs: dict[str, Path], spec_kw: dict, draft_key: str | None,
+                 params, vocab: int, g) -> int:
+    """One configuration's engines (every acceptance length) and a short ``generate`` per batch
+    size; the number of calls made."""
     import torch
 
-    from phasegraph import Engine, SamplingParams, SpecConfig
+    from phasegraph import Engine, SpecConfig
+
+    calls = 0
+    for tau in accept_lengths(spec_kw):
+        engine = Engine.from_pretrained(
+            dirs["target"], dirs[draft_key] if draft_key else None, spec=SpecConfig(**spec_kw),
+            **spec["engine"], simulate_accept_length=tau,
+        )
+        for b in spec["batches"]:
+            # prompt lengths spread below the cap, as the held-out prompts' are (mean ~0.85 of it)
+            lengths = [max(8, spec["prompt_tokens"] - (37 * i) % (spec["prompt_tokens"] // 3 + 1))
+                       for i in range(b)]
+            prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
+            engine.generate(prompts, params)
+            calls += 1
+        del engine
+        _release_memory()
+    return calls
+
+
+def _release_memory() -> None:
+    import gc
+
+    import torch
+
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _out_of_memory(exc: BaseException) -> bool:
+    """The allocator's ``torch.OutOfMemoryError``, or a CUDA call that ran out (a graph's
+    instantiation, say) and raised a plain ``RuntimeError``."""
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc)
+
+
+def device_free_bytes() -> int | None:
+    """Free memory of the current CUDA device, all processes counted (None without CUDA)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    free, _ = torch.cuda.mem_get_info()
+    return free
+
+
+def wait_for_memory(min_free: int, timeout_s: float, free_bytes=device_free_bytes,
+                    sleep=time.sleep, poll_s: float = 2.0) -> bool:
+    """Whether the device has ``min_free`` bytes free within ``timeout_s`` (polled): the training
+    beside the warm-up holds most of the GPU's memory in its allocator's cache until it ends,
+    and part 1 releases that cache before it waits for the warm-up."""
+    deadline = time.perf_counter() + timeout_s
+    while True:
+        free = free_bytes()
+        if free is None or free >= min_free:
+            return True
+        if time.perf_counter() >= deadline:
+            return False
+        sleep(poll_s)
+
+
+def run_configs(spec: dict, dirs: dict[str, Path], log=print, *,
+                free_bytes=device_free_bytes, sleep=time.sleep) -> int:
+    """Engines of every part-1 configuration (and acceptance length, :func:`accept_lengths`), one
+    short ``generate`` per batch size; the number of calls made. A configuration that runs out
+    of device memory (the training beside it can hold nearly all of it: run 26) is tried again
+    once :data:`RETRY_FREE_BYTES` are free, within :data:`RETRY_WAIT_S`; else it is skipped
+    with a message (part 1 then compiles its kernels itself)."""
+    import torch
+
+    from phasegraph import SamplingParams
 
     g = torch.Generator().manual_seed(spec["seed"])
     vocab = json.loads((dirs["target"] / "config.json").read_text())["vocab_size"]
     params = SamplingParams(max_new_tokens=WARM_NEW_TOKENS, temperature=0.0, ignore_eos=True)
     calls = 0
+    retry = []
     for label, spec_kw, draft_key in PG_CONFIGS:
         if draft_key is not None and dirs[draft_key] is None:
             continue
         t0 = time.perf_counter()
-        for tau in accept_lengths(spec_kw):
-            engine = Engine.from_pretrained(
-                dirs["target"], dirs[draft_key] if draft_key else None, spec=SpecConfig(**spec_kw),
-                **spec["engine"], simulate_accept_length=tau,
-            )
-            for b in spec["batches"]:
-                # prompt lengths spread below the cap, as the held-out prompts' are (mean ~0.85 of it)
-                lengths = [max(8, spec["prompt_tokens"] - (37 * i) % (spec["prompt_tokens"] // 3 + 1))
-                           for i in range(b)]
-                prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
-                engine.generate(prompts, params)
-                calls += 1
-            del engine
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+        try:
+            calls += _warm_config(spec, dirs, spec_kw, draft_key, params, vocab, g)
+        except RuntimeError as exc:  # torch.OutOfMemoryError, or a CUDA call's own
+            if not _out_of_memory(exc):
+                raise
+            _release_memory()
+            log(f"warm-up: {label}: out of device memory (the training beside it holds it); "
+                f"tried again when {RETRY_FREE_BYTES >> 30} GiB are free", flush=True)
+            retry.append((label, spec_kw, draft_key))
+            continue
         log(f"warm-up: {label}: {time.perf_counter() - t0:.1f} s", flush=True)
+    for label, spec_kw, draft_key in retry:
+        if not wait_for_memory(RETRY_FREE_BYTES, RETRY_WAIT_S, free_bytes, sleep):
+            log(f"warm-up: {label}: skipped, {RETRY_FREE_BYTES >> 30} GiB of device memory were "
+                f"not free within {RETRY_WAIT_S:.0f} s (part 1 compiles its kernels itself)",
+                flush=True)
+            continue
+        t0 = time.perf_counter()
+        try:
+            calls += _warm_config(spec, dirs, spec_kw, draft_key, params, vocab, g)
+        except RuntimeError as exc:
+            if not _out_of_memory(exc):
+                raise
+            _release_memory()
+            log(f"warm-up: {label}: skipped, out of device memory again (part 1 compiles its "
+                f"kernels itself)", flush=True)
+            continue
+        log(f"warm-up: {label}: {time.perf_counter() - t0:.1f} s (second try)", flush=True)
     return calls
 
 
