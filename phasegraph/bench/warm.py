@@ -189,8 +189,9 @@ def run_configs(spec: dict, dirs: dict[str, Path], log=print, *,
             if not _out_of_memory(exc):
                 raise
             _release_memory()
-            log(f"warm-up: {label}: out of device memory (the training beside it holds it); "
-                f"tried again when {RETRY_FREE_BYTES >> 30} GiB are free", flush=True)
+            log(f"warm-up: {label}: out of device memory (another process holds it: in the "
+                f"bench, the training); tried again when {RETRY_FREE_BYTES >> 30} GiB are free",
+                flush=True)
             retry.append((label, spec_kw, draft_key))
             continue
         log(f"warm-up: {label}: {time.perf_counter() - t0:.1f} s", flush=True)
