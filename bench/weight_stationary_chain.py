@@ -25,7 +25,8 @@ of the largest value, bfloat16 rounding), but 38.7 µs per chain with 4 warps an
 against 14.9 µs (11.4 warm) for the four launches. The compiled kernel does load every weight
 tile before its wait, and stages it through shared memory for ``mma``. ptxas, though, spills
 ~2.6 KB per thread (sm_90: 168 registers at 4 warps, 128 at 8), and the 256 programs' tiles and
-spin-waits share the SMs with the items they wait for. Not the way to build it in Triton.
+spin-waits share the SMs with the items they wait for. Not the way to build it with Triton's
+``tl`` language: it needs explicit shared memory and residency (Gluon, or CUDA C++).
 """
 
 from __future__ import annotations
