@@ -1,0 +1,356 @@
+"""Experiment: the chain of bench/weight_stationary_chain.py as a persistent Gluon kernel whose
+waiting items hold their weights in shared memory.
+
+``bench/weight_stationary_chain.py`` found that Triton's ``tl`` language cannot keep an item's
+weights on chip across its wait (ptxas spills, waiting programs crowd the SMs). Gluon
+(``triton.experimental.gluon``, Triton 3.6) allocates shared memory explicitly. Here one CTA of
+8 warps per item group runs for the whole chain (128 CTAs, one per SM of an H100, all resident),
+with a static assignment:
+
+- CTAs 0..47: cp.async their 16 ``o`` rows, x, and their 16 ``down`` rows (whole K = 2560,
+  80 KB) into shared memory. They compute ``o`` as soon as its rows are in, publish it, then
+  wait for gate/up (the down rows keep streaming meanwhile);
+- CTAs 48..127: cp.async their 32 gate and 32 up rows (K = 768, 96 KB), wait for ``o``, copy
+  y1 in and compute SwiGLU from shared memory.
+
+Two forms of the products: a broadcast multiply-sum in float32 over [4 rows, columns, K chunk]
+(``_gluon_chain_kernel``), and ``mma.sync`` on operands padded to 16 rows
+(``_gluon_chain_mma_kernel``). Waits: a done-counter per product (release / acquire).
+``%globaltimer`` probes give each CTA group's timeline.
+
+    python bench/gluon_chain.py [--out DIR]      # GPU only
+
+Measured (H100, 2026-11-25; bench/results/gluon-chain-h100-2026-11-25/): correct, and in µs per
+chain (cold / warm):
+- four launches: 14.9 / 11.3;
+- multiply-sum: 16.4 / 14.4;
+- mma: 19.5 / 18.1.
+
+The timeline (multiply-sum) shows where the time goes:
+- o's weights are in at 1.0 µs;
+- o is published at 2.6 µs;
+- gate/up sees it at 3.3 µs and has y1 at 4.2 µs;
+- gate/up is published at 8.3 µs;
+- down sees it at 8.7 µs and has its operand at 9.7 µs;
+- the last down is published at 13.2 µs.
+
+So a wait costs ~0.7 µs and a weight stream hides entirely. The products computed from shared
+memory take 1.5–4 µs each: that is what is left to make fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from weight_stationary_chain import INNER, H, chain_launches, chain_reference  # noqa: E402
+
+ROWS = 4
+N_O, N_G = 48, 80  # o / down items (16 columns each), gate/up items (32 + 32 columns)
+CTAS = N_O + N_G
+
+
+@gluon.jit
+def _wait(counter_ptr, target):
+    while gl.load(counter_ptr, volatile=True) < target:
+        pass
+    gl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+
+
+@gluon.jit
+def _publish(counter_ptr):
+    gl.thread_barrier()
+    return gl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+
+
+@gluon.jit
+def _stamp(times_ptr, c, slot, STAMP: gl.constexpr):
+    """With STAMP: the GPU's global nanosecond timer into times[c, slot] (a timeline probe)."""
+    if STAMP:
+        t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l,r", [c], dtype=gl.int64,
+                                      is_pure=False, pack=1)
+        gl.store(times_ptr + c * 8 + slot, t)
+
+
+@gluon.jit
+def _copy_rows(smem, ptr, row0, stride, NCHUNK: gl.constexpr, NC: gl.constexpr, KC: gl.constexpr,
+               layout: gl.constexpr):
+    """cp.async rows row0..row0+NC-1 (whole K = NCHUNK * KC) of a row-major matrix into
+    ``smem`` [NCHUNK, NC, KC], chunk i = columns i*KC.. ; returns at once (commit, then wait)."""
+    n = row0 + gl.arange(0, NC, layout=gl.SliceLayout(1, layout))
+    k = gl.arange(0, KC, layout=gl.SliceLayout(0, layout))
+    for i in gl.static_range(NCHUNK):
+        async_copy.async_copy_global_to_shared(
+            smem.index(i), ptr + n[:, None] * stride + (i * KC + k)[None, :])
+
+
+@gluon.jit
+def _copy_padded_rows(smem, ptr, stride, R: gl.constexpr, NCHUNK: gl.constexpr, KC: gl.constexpr,
+                      layout: gl.constexpr):
+    """cp.async rows 0..R-1 of a row-major matrix into ``smem`` [NCHUNK, 16, KC]; rows R..15
+    are masked off, which cp.async fills with zeros (the padding of an mma operand)."""
+    r = gl.arange(0, 16, layout=gl.SliceLayout(1, layout))
+    k = gl.arange(0, KC, layout=gl.SliceLayout(0, layout))
+    real = (r < R)[:, None] & (k < KC)[None, :]
+    rows = gl.where(r < R, r, 0)
+    for i in gl.static_range(NCHUNK):
+        async_copy.async_copy_global_to_shared(
+            smem.index(i), ptr + rows[:, None] * stride + (i * KC + k)[None, :], mask=real)
+
+
+@gluon.jit
+def _product(a_s, w_s, NCHUNK: gl.constexpr, R: gl.constexpr, NC: gl.constexpr,
+             KC: gl.constexpr, L3: gl.constexpr):
+    """[R, NC] float32: sum over the chunks of a_s [NCHUNK, R, KC] x w_s [NCHUNK, NC, KC]^T."""
+    acc = gl.zeros([R, NC, KC], gl.float32, L3)
+    for i0 in range(0, NCHUNK, 2):  # 2 chunks unrolled: their shared-memory loads overlap
+        for j in gl.static_range(2):
+            a = a_s.index(i0 + j).load(gl.SliceLayout(1, L3)).to(gl.float32)
+            w = w_s.index(i0 + j).load(gl.SliceLayout(0, L3)).to(gl.float32)
+            acc += gl.expand_dims(a, 1) * gl.expand_dims(w, 0)
+    return gl.sum(acc, axis=2)
+
+
+@gluon.jit
+def _product_mma(a_s, w_s, NCHUNK: gl.constexpr, NC: gl.constexpr, MMA: gl.constexpr):
+    """[16, NC] float32 on tensor cores (mma.sync m16n8k16): a_s [NCHUNK, 16, KC] (rows past the
+    real ones are zero) times w_s [NCHUNK, NC, KC]^T."""
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    acc = gl.zeros([16, NC], gl.float32, MMA)
+    for i in range(NCHUNK):
+        acc = mma_v2(a_s.index(i).load(A_L), w_s.index(i).permute([1, 0]).load(B_L), acc)
+    return acc
+
+
+@gluon.jit
+def _store_rows(ptr, stride, col0, y, R: gl.constexpr, NC: gl.constexpr, MMA: gl.constexpr):
+    """Rows 0..R-1 of y [16, NC] (MMA layout) into columns col0.. of a row-major matrix."""
+    r = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
+    n = col0 + gl.arange(0, NC, layout=gl.SliceLayout(0, MMA))
+    gl.store(ptr + r[:, None] * stride + n[None, :], y.to(ptr.dtype.element_ty),
+             mask=(r < R)[:, None])
+
+
+@gluon.jit
+def _store_cols(ptr, stride, col0, y, R: gl.constexpr, NC: gl.constexpr, L3: gl.constexpr):
+    """y [R, NC] (SliceLayout(2, L3)) into columns col0.. of a row-major matrix."""
+    YL: gl.constexpr = gl.SliceLayout(2, L3)
+    r = gl.arange(0, R, layout=gl.SliceLayout(1, YL))
+    n = col0 + gl.arange(0, NC, layout=gl.SliceLayout(0, YL))
+    gl.store(ptr + r[:, None] * stride + n[None, :], y.to(ptr.dtype.element_ty))
+
+
+@gluon.jit
+def _gluon_chain_kernel(sync_ptr, x_ptr, wo_ptr, wgu_ptr, wd_ptr, y1_ptr, act_ptr, y3_ptr,
+                        times_ptr, H: gl.constexpr, INNER: gl.constexpr, R: gl.constexpr,
+                        N_O: gl.constexpr, N_G: gl.constexpr, STAMP: gl.constexpr):
+    c = gl.program_id(0)
+    _stamp(times_ptr, c, 0, STAMP)
+    # [rows, columns, K chunk] over 8 warps (two along K): o and down items 16 columns x 128,
+    # gate/up items 32 x 64
+    L16: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [1, 4, 2], [2, 1, 0])
+    L32: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 8, 4], [1, 4, 2], [2, 1, 0])
+    # per [columns, K chunk] slice; weight rows swizzled in 16-byte vectors (no bank conflicts
+    # when 8 threads read 8 rows of one chunk), operand rows (read broadcast) plain
+    SMEM: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+    PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    if c < N_O:
+        col0 = c * 16
+        wo_s = gl.allocate_shared_memory(gl.bfloat16, [H // 128, 16, 128], SMEM)
+        x_s = gl.allocate_shared_memory(gl.bfloat16, [H // 128, R, 128], PLAIN)
+        wd_s = gl.allocate_shared_memory(gl.bfloat16, [INNER // 128, 16, 128], SMEM)
+        a_s = gl.allocate_shared_memory(gl.bfloat16, [INNER // 128, R, 128], PLAIN)
+        _copy_rows(wo_s, wo_ptr, col0, H, H // 128, 16, 128, gl.SliceLayout(0, L16))
+        _copy_rows(x_s, x_ptr, 0, H, H // 128, R, 128, gl.SliceLayout(1, L16))
+        async_copy.commit_group()
+        _copy_rows(wd_s, wd_ptr, col0, INNER, INNER // 128, 16, 128, gl.SliceLayout(0, L16))
+        async_copy.commit_group()
+        async_copy.wait_group(1)  # o's weights and x are in; down's keep streaming
+        gl.thread_barrier()
+        _stamp(times_ptr, c, 1, STAMP)
+        _store_cols(y1_ptr, H, col0, _product(x_s, wo_s, H // 128, R, 16, 128, L16), R, 16, L16)
+        _publish(sync_ptr + 1)
+        _stamp(times_ptr, c, 2, STAMP)
+        _wait(sync_ptr + 2, N_G)
+        _stamp(times_ptr, c, 3, STAMP)
+        _copy_rows(a_s, act_ptr, 0, INNER, INNER // 128, R, 128, gl.SliceLayout(1, L16))
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        _stamp(times_ptr, c, 4, STAMP)
+        _store_cols(y3_ptr, H, col0, _product(a_s, wd_s, INNER // 128, R, 16, 128, L16), R, 16, L16)
+        last = _publish(sync_ptr + 3) == N_O - 1
+        _stamp(times_ptr, c, 5, STAMP)
+        if last:  # the last: every CTA is past its waits
+            for j in gl.static_range(4):
+                gl.atomic_xchg(sync_ptr + j, 0, sem="relaxed", scope="gpu")
+    else:
+        col0 = (c - N_O) * 32
+        g_s = gl.allocate_shared_memory(gl.bfloat16, [H // 64, 32, 64], SMEM)
+        u_s = gl.allocate_shared_memory(gl.bfloat16, [H // 64, 32, 64], SMEM)
+        y_s = gl.allocate_shared_memory(gl.bfloat16, [H // 64, R, 64], PLAIN)
+        _copy_rows(g_s, wgu_ptr, col0, H, H // 64, 32, 64, gl.SliceLayout(0, L32))
+        _copy_rows(u_s, wgu_ptr, INNER + col0, H, H // 64, 32, 64, gl.SliceLayout(0, L32))
+        async_copy.commit_group()
+        _wait(sync_ptr + 1, N_O)
+        _stamp(times_ptr, c, 1, STAMP)
+        _copy_rows(y_s, y1_ptr, 0, H, H // 64, R, 64, gl.SliceLayout(1, L32))
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        _stamp(times_ptr, c, 2, STAMP)
+        gate = _product(y_s, g_s, H // 64, R, 32, 64, L32).to(gl.bfloat16).to(gl.float32)
+        up = _product(y_s, u_s, H // 64, R, 32, 64, L32).to(gl.bfloat16).to(gl.float32)
+        act = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
+        _store_cols(act_ptr, INNER, col0, act * up, R, 32, L32)
+        _publish(sync_ptr + 2)
+        _stamp(times_ptr, c, 3, STAMP)
+
+
+@gluon.jit
+def _gluon_chain_mma_kernel(sync_ptr, x_ptr, wo_ptr, wgu_ptr, wd_ptr, y1_ptr, act_ptr, y3_ptr,
+                        times_ptr, H: gl.constexpr, INNER: gl.constexpr, R: gl.constexpr,
+                        N_O: gl.constexpr, N_G: gl.constexpr, STAMP: gl.constexpr):
+    c = gl.program_id(0)
+    _stamp(times_ptr, c, 0, STAMP)
+    # [rows, columns, K chunk] over 8 warps (two along K): o and down items 16 columns x 128,
+    # gate/up items 32 x 64
+    L16: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [1, 4, 2], [2, 1, 0])
+    L32: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 8, 4], [1, 4, 2], [2, 1, 0])
+    # per [columns, K chunk] slice; weight rows swizzled in 16-byte vectors (no bank conflicts
+    # when 8 threads read 8 rows of one chunk), operand rows (read broadcast) plain
+    SMEM: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+    MMA16: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 8],
+                                                    instr_shape=[16, 8])
+    if c < N_O:
+        col0 = c * 16
+        wo_s = gl.allocate_shared_memory(gl.bfloat16, [H // 128, 16, 128], SMEM)
+        x_s = gl.allocate_shared_memory(gl.bfloat16, [H // 128, 16, 128], SMEM)
+        wd_s = gl.allocate_shared_memory(gl.bfloat16, [INNER // 128, 16, 128], SMEM)
+        a_s = gl.allocate_shared_memory(gl.bfloat16, [INNER // 128, 16, 128], SMEM)
+        _copy_rows(wo_s, wo_ptr, col0, H, H // 128, 16, 128, gl.SliceLayout(0, L16))
+        _copy_padded_rows(x_s, x_ptr, H, R, H // 128, 128, gl.SliceLayout(1, L16))
+        async_copy.commit_group()
+        _copy_rows(wd_s, wd_ptr, col0, INNER, INNER // 128, 16, 128, gl.SliceLayout(0, L16))
+        async_copy.commit_group()
+        async_copy.wait_group(1)  # o's weights and x are in; down's keep streaming
+        gl.thread_barrier()
+        _stamp(times_ptr, c, 1, STAMP)
+        _store_rows(y1_ptr, H, col0, _product_mma(x_s, wo_s, H // 128, 16, MMA16), R, 16, MMA16)
+        _publish(sync_ptr + 1)
+        _stamp(times_ptr, c, 2, STAMP)
+        _wait(sync_ptr + 2, N_G)
+        _stamp(times_ptr, c, 3, STAMP)
+        _copy_padded_rows(a_s, act_ptr, INNER, R, INNER // 128, 128, gl.SliceLayout(1, L16))
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        _stamp(times_ptr, c, 4, STAMP)
+        _store_rows(y3_ptr, H, col0, _product_mma(a_s, wd_s, INNER // 128, 16, MMA16), R, 16, MMA16)
+        last = _publish(sync_ptr + 3) == N_O - 1
+        _stamp(times_ptr, c, 5, STAMP)
+        if last:  # the last: every CTA is past its waits
+            for j in gl.static_range(4):
+                gl.atomic_xchg(sync_ptr + j, 0, sem="relaxed", scope="gpu")
+    else:
+        col0 = (c - N_O) * 32
+        g_s = gl.allocate_shared_memory(gl.bfloat16, [H // 64, 32, 64], SMEM)
+        u_s = gl.allocate_shared_memory(gl.bfloat16, [H // 64, 32, 64], SMEM)
+        y_s = gl.allocate_shared_memory(gl.bfloat16, [H // 64, 16, 64], SMEM)
+        _copy_rows(g_s, wgu_ptr, col0, H, H // 64, 32, 64, gl.SliceLayout(0, L32))
+        _copy_rows(u_s, wgu_ptr, INNER + col0, H, H // 64, 32, 64, gl.SliceLayout(0, L32))
+        async_copy.commit_group()
+        _wait(sync_ptr + 1, N_O)
+        _stamp(times_ptr, c, 1, STAMP)
+        _copy_padded_rows(y_s, y1_ptr, H, R, H // 64, 64, gl.SliceLayout(1, L32))
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        _stamp(times_ptr, c, 2, STAMP)
+        gate = _product_mma(y_s, g_s, H // 64, 32, MMA16).to(gl.bfloat16).to(gl.float32)
+        up = _product_mma(y_s, u_s, H // 64, 32, MMA16).to(gl.bfloat16).to(gl.float32)
+        act = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
+        _store_rows(act_ptr, INNER, col0, act * up, R, 32, MMA16)
+        _publish(sync_ptr + 2)
+        _stamp(times_ptr, c, 3, STAMP)
+
+
+def chain_gluon(x, wo, wgu, wd, sync, times=None, mma=False):
+    y1 = torch.empty((ROWS, H), dtype=x.dtype, device=x.device)
+    act = torch.empty((ROWS, INNER), dtype=x.dtype, device=x.device)
+    y3 = torch.empty((ROWS, H), dtype=x.dtype, device=x.device)
+    kernel = _gluon_chain_mma_kernel if mma else _gluon_chain_kernel
+    kernel[(CTAS,)](sync, x, wo, wgu, wd, y1, act, y3,
+                    sync if times is None else times, H=H, INNER=INNER, R=ROWS,
+                    N_O=N_O, N_G=N_G, STAMP=times is not None, num_warps=8)
+    return y3
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("gluon_chain: needs a CUDA GPU", file=sys.stderr)
+        return 2
+    from triton.testing import do_bench_cudagraph
+
+    dev, dtype = "cuda", torch.bfloat16
+    sets = []
+    for seed in range(4):  # four weight sets (52 MB): rotated, they do not stay in L2 ("cold")
+        g = torch.Generator().manual_seed(seed)
+        sets.append(tuple((torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(dtype).to(dev)
+                          for shape in ((ROWS, H), (H, H), (2 * INNER, H), (H, INNER))))
+    sync = torch.zeros(4, dtype=torch.int32, device=dev)
+    ref = chain_reference(*sets[0])
+    result = {"rows": ROWS, "dtype": "bfloat16", "ctas": CTAS}
+    for mma in (False, True):
+        out = chain_gluon(*sets[0], sync, mma=mma)
+        err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
+        result[f"max_rel_err{' mma' if mma else ''}"] = err
+        print(f"gluon chain{' (mma)' if mma else ''}: max error {err:.2e} of the reference's largest value")
+    chain_launches(*sets[0])
+    for name, fn in (("four launches", lambda s: chain_launches(*s)),
+                     ("gluon one launch", lambda s: chain_gluon(*s, sync)),
+                     ("gluon one launch mma", lambda s: chain_gluon(*s, sync, mma=True))):
+        for label, used in (("cold", sets), ("warm", sets[:1])):
+            def run(used=used, fn=fn):
+                for s in used:
+                    fn(s)
+            us = do_bench_cudagraph(run, rep=200) * 1e3 / len(used)
+            result[f"{name} {label}"] = us
+            print(f"{name:<18} {label}: {us:6.1f} us per chain")
+    # timeline of one warm call: per CTA group, the median time of each probe after the first start
+    for mma in (False, True):
+        times = torch.zeros((CTAS, 8), dtype=torch.int64, device=dev)
+        for _ in range(3):
+            chain_gluon(*sets[0], sync, times, mma=mma)
+        torch.cuda.synchronize()
+        t = (times - times[:, 0].min()).cpu().double() / 1e3  # us
+        o_probes = ["start", "o weights in", "o published", "gate/up done seen", "act in",
+                    "down published"]
+        g_probes = ["start", "o done seen", "y1 in", "gate/up published"]
+        timeline = {"o/down CTAs": {n: float(t[:N_O, i].median()) for i, n in enumerate(o_probes)},
+                    "gate/up CTAs": {n: float(t[N_O:, i].median()) for i, n in enumerate(g_probes)},
+                    "last down published": float(t[:N_O, 5].max())}
+        result[f"timeline_us{' mma' if mma else ''}"] = timeline
+        print(("mma " if mma else "") + json.dumps(timeline))
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gluon_chain.json").write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
