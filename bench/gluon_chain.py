@@ -23,19 +23,21 @@ Two forms of the products: a broadcast multiply-sum in float32 over [4 rows, col
 Measured (H100, 2026-11-25; bench/results/gluon-chain-h100-2026-11-25/): correct, and in µs per
 chain (cold / warm):
 - four launches: 14.9 / 11.3;
-- multiply-sum: 16.4 / 14.4;
-- mma: 19.5 / 18.1.
+- multiply-sum: 16.3 / 14.2;
+- mma: 19.9 / 18.2, its operands in ``NVMMASharedLayout`` and loaded by ``ldmatrix`` (19.5 / 18.1
+  with a swizzled layout and plain shared loads).
 
 The timeline (multiply-sum) shows where the time goes:
 - o's weights are in at 1.0 µs;
-- o is published at 2.6 µs;
-- gate/up sees it at 3.3 µs and has y1 at 4.2 µs;
-- gate/up is published at 8.3 µs;
-- down sees it at 8.7 µs and has its operand at 9.7 µs;
-- the last down is published at 13.2 µs.
+- o is published at 2.5 µs;
+- gate/up sees it at 3.5 µs and has y1 at 4.1 µs;
+- gate/up is published at 8.2 µs;
+- down sees it at 8.6 µs and has its operand at 9.6 µs;
+- the last down is published at 13.1 µs.
 
 So a wait costs ~0.7 µs and a weight stream hides entirely. The products computed from shared
-memory take 1.5–4 µs each: that is what is left to make fast.
+memory take 1.5–4 µs each (with mma.sync no less: o takes 2.1 µs for six
+chunks): that is what is left to make fast.
 """
 
 from __future__ import annotations
@@ -230,7 +232,7 @@ def _gluon_chain_mma_kernel(sync_ptr, x_ptr, wo_ptr, wgu_ptr, wd_ptr, y1_ptr, ac
     L32: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 8, 4], [1, 4, 2], [2, 1, 0])
     # per [columns, K chunk] slice; weight rows swizzled in 16-byte vectors (no bank conflicts
     # when 8 threads read 8 rows of one chunk), operand rows (read broadcast) plain
-    SMEM: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+    SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
     MMA16: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 8],
                                                     instr_shape=[16, 8])
     if c < N_O:
