@@ -14,8 +14,8 @@ with a static assignment:
   y1 in and compute SwiGLU from shared memory.
 
 Two forms of the products: a broadcast multiply-sum in float32 over [4 rows, columns, K chunk]
-(``_gluon_chain_kernel``), and ``mma.sync`` on operands padded to 16 rows
-(``_gluon_chain_mma_kernel``). Waits: a done-counter per product (release / acquire).
+and ``mma.sync`` on operands padded to 16 rows: one kernel, its ``MMA`` constant picks the
+form. Waits: a done-counter per product (release / acquire).
 ``%globaltimer`` probes give each CTA group's timeline.
 
     python bench/gluon_chain.py [--out DIR]      # GPU only
@@ -153,113 +153,93 @@ def _store_cols(ptr, stride, col0, y, R: gl.constexpr, NC: gl.constexpr, L3: gl.
     gl.store(ptr + r[:, None] * stride + n[None, :], y.to(ptr.dtype.element_ty))
 
 
+@gluon.constexpr_function
+def _operand_rows(rows, mma):
+    """Rows of an operand buffer: the real ones, or 16 (padded with zeros) for ``mma``."""
+    return 16 if mma else rows
+
+
+@gluon.jit
+def _copy_operand(smem, ptr, stride, R: gl.constexpr, NCHUNK: gl.constexpr, KC: gl.constexpr,
+                  layout: gl.constexpr, MMA: gl.constexpr):
+    """cp.async the R real rows of an operand into ``smem`` (zero-padded to 16 for ``mma``)."""
+    if MMA:
+        _copy_padded_rows(smem, ptr, stride, R, NCHUNK, KC, layout)
+    else:
+        _copy_rows(smem, ptr, 0, stride, NCHUNK, R, KC, layout)
+
+
+@gluon.jit
+def _product_of(a_s, w_s, NCHUNK: gl.constexpr, R: gl.constexpr, NC: gl.constexpr,
+                KC: gl.constexpr, L3: gl.constexpr, MMA_L: gl.constexpr, MMA: gl.constexpr):
+    """a_s times w_s^T: [16, NC] in ``MMA_L`` (``mma.sync``), or [R, NC] in SliceLayout(2, L3)."""
+    if MMA:
+        y = _product_mma(a_s, w_s, NCHUNK, NC, MMA_L)
+    else:
+        y = _product(a_s, w_s, NCHUNK, R, NC, KC, L3)
+    return y
+
+
+@gluon.jit
+def _store_product(ptr, stride, col0, y, R: gl.constexpr, NC: gl.constexpr, L3: gl.constexpr,
+                   MMA_L: gl.constexpr, MMA: gl.constexpr):
+    """The R real rows of a :func:`_product_of` result into columns col0.. of ``ptr``."""
+    if MMA:
+        _store_rows(ptr, stride, col0, y, R, NC, MMA_L)
+    else:
+        _store_cols(ptr, stride, col0, y, R, NC, L3)
+
+
 @gluon.jit
 def _gluon_chain_kernel(sync_ptr, x_ptr, wo_ptr, wgu_ptr, wd_ptr, y1_ptr, act_ptr, y3_ptr,
                         times_ptr, H: gl.constexpr, INNER: gl.constexpr, R: gl.constexpr,
-                        N_O: gl.constexpr, N_G: gl.constexpr, STAMP: gl.constexpr):
+                        N_O: gl.constexpr, N_G: gl.constexpr, STAMP: gl.constexpr,
+                        MMA: gl.constexpr):
     c = gl.program_id(0)
     _stamp(times_ptr, c, 0, STAMP)
     # [rows, columns, K chunk] over 8 warps (two along K): o and down items 16 columns x 128,
     # gate/up items 32 x 64
     L16: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [1, 4, 2], [2, 1, 0])
     L32: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 8, 4], [1, 4, 2], [2, 1, 0])
-    # per [columns, K chunk] slice; weight rows swizzled in 16-byte vectors (no bank conflicts
-    # when 8 threads read 8 rows of one chunk), operand rows (read broadcast) plain
-    SMEM: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
-    PLAIN: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
-    if c < N_O:
-        col0 = c * 16
-        wo_s = gl.allocate_shared_memory(gl.bfloat16, [H // 128, 16, 128], SMEM)
-        x_s = gl.allocate_shared_memory(gl.bfloat16, [H // 128, R, 128], PLAIN)
-        wd_s = gl.allocate_shared_memory(gl.bfloat16, [INNER // 128, 16, 128], SMEM)
-        a_s = gl.allocate_shared_memory(gl.bfloat16, [INNER // 128, R, 128], PLAIN)
-        _copy_rows(wo_s, wo_ptr, col0, H, H // 128, 16, 128, gl.SliceLayout(0, L16))
-        _copy_rows(x_s, x_ptr, 0, H, H // 128, R, 128, gl.SliceLayout(1, L16))
-        async_copy.commit_group()
-        _copy_rows(wd_s, wd_ptr, col0, INNER, INNER // 128, 16, 128, gl.SliceLayout(0, L16))
-        async_copy.commit_group()
-        async_copy.wait_group(1)  # o's weights and x are in; down's keep streaming
-        gl.thread_barrier()
-        _stamp(times_ptr, c, 1, STAMP)
-        _store_cols(y1_ptr, H, col0, _product(x_s, wo_s, H // 128, R, 16, 128, L16), R, 16, L16)
-        _publish(sync_ptr + 1)
-        _stamp(times_ptr, c, 2, STAMP)
-        _wait(sync_ptr + 2, N_G)
-        _stamp(times_ptr, c, 3, STAMP)
-        _copy_rows(a_s, act_ptr, 0, INNER, INNER // 128, R, 128, gl.SliceLayout(1, L16))
-        async_copy.commit_group()
-        async_copy.wait_group(0)
-        gl.thread_barrier()
-        _stamp(times_ptr, c, 4, STAMP)
-        _store_cols(y3_ptr, H, col0, _product(a_s, wd_s, INNER // 128, R, 16, 128, L16), R, 16, L16)
-        last = _publish(sync_ptr + 3) == N_O - 1
-        _stamp(times_ptr, c, 5, STAMP)
-        if last:  # the last: every CTA is past its waits
-            for j in gl.static_range(4):
-                gl.atomic_xchg(sync_ptr + j, 0, sem="relaxed", scope="gpu")
-    else:
-        col0 = (c - N_O) * 32
-        g_s = gl.allocate_shared_memory(gl.bfloat16, [H // 64, 32, 64], SMEM)
-        u_s = gl.allocate_shared_memory(gl.bfloat16, [H // 64, 32, 64], SMEM)
-        y_s = gl.allocate_shared_memory(gl.bfloat16, [H // 64, R, 64], PLAIN)
-        _copy_rows(g_s, wgu_ptr, col0, H, H // 64, 32, 64, gl.SliceLayout(0, L32))
-        _copy_rows(u_s, wgu_ptr, INNER + col0, H, H // 64, 32, 64, gl.SliceLayout(0, L32))
-        async_copy.commit_group()
-        _wait(sync_ptr + 1, N_O)
-        _stamp(times_ptr, c, 1, STAMP)
-        _copy_rows(y_s, y1_ptr, 0, H, H // 64, R, 64, gl.SliceLayout(1, L32))
-        async_copy.commit_group()
-        async_copy.wait_group(0)
-        gl.thread_barrier()
-        _stamp(times_ptr, c, 2, STAMP)
-        gate = _product(y_s, g_s, H // 64, R, 32, 64, L32).to(gl.bfloat16).to(gl.float32)
-        up = _product(y_s, u_s, H // 64, R, 32, 64, L32).to(gl.bfloat16).to(gl.float32)
-        act = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
-        _store_cols(act_ptr, INNER, col0, act * up, R, 32, L32)
-        _publish(sync_ptr + 2)
-        _stamp(times_ptr, c, 3, STAMP)
-
-
-@gluon.jit
-def _gluon_chain_mma_kernel(sync_ptr, x_ptr, wo_ptr, wgu_ptr, wd_ptr, y1_ptr, act_ptr, y3_ptr,
-                        times_ptr, H: gl.constexpr, INNER: gl.constexpr, R: gl.constexpr,
-                        N_O: gl.constexpr, N_G: gl.constexpr, STAMP: gl.constexpr):
-    c = gl.program_id(0)
-    _stamp(times_ptr, c, 0, STAMP)
-    # [rows, columns, K chunk] over 8 warps (two along K): o and down items 16 columns x 128,
-    # gate/up items 32 x 64
-    L16: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 4, 8], [1, 4, 2], [2, 1, 0])
-    L32: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 8, 4], [1, 4, 2], [2, 1, 0])
-    # per [columns, K chunk] slice; weight rows swizzled in 16-byte vectors (no bank conflicts
-    # when 8 threads read 8 rows of one chunk), operand rows (read broadcast) plain
-    SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16, rank=2)
-    MMA16: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 8],
+    MMA_L: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[1, 8],
                                                     instr_shape=[16, 8])
+    if MMA:  # every buffer ldmatrix-ready
+        SMEM: gl.constexpr = gl.NVMMASharedLayout(swizzle_byte_width=128, element_bitwidth=16,
+                                                  rank=2)
+        OPERAND: gl.constexpr = SMEM
+    else:
+        # per [columns, K chunk] slice; weight rows swizzled in 16-byte vectors (no bank
+        # conflicts when 8 threads read 8 rows of one chunk), operand rows (read broadcast) plain
+        SMEM: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 8, [1, 0])
+        OPERAND: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [1, 0])
+    RA: gl.constexpr = _operand_rows(R, MMA)
     if c < N_O:
         col0 = c * 16
         wo_s = gl.allocate_shared_memory(gl.bfloat16, [H // 128, 16, 128], SMEM)
-        x_s = gl.allocate_shared_memory(gl.bfloat16, [H // 128, 16, 128], SMEM)
+        x_s = gl.allocate_shared_memory(gl.bfloat16, [H // 128, RA, 128], OPERAND)
         wd_s = gl.allocate_shared_memory(gl.bfloat16, [INNER // 128, 16, 128], SMEM)
-        a_s = gl.allocate_shared_memory(gl.bfloat16, [INNER // 128, 16, 128], SMEM)
+        a_s = gl.allocate_shared_memory(gl.bfloat16, [INNER // 128, RA, 128], OPERAND)
         _copy_rows(wo_s, wo_ptr, col0, H, H // 128, 16, 128, gl.SliceLayout(0, L16))
-        _copy_padded_rows(x_s, x_ptr, H, R, H // 128, 128, gl.SliceLayout(1, L16))
+        _copy_operand(x_s, x_ptr, H, R, H // 128, 128, gl.SliceLayout(1, L16), MMA)
         async_copy.commit_group()
         _copy_rows(wd_s, wd_ptr, col0, INNER, INNER // 128, 16, 128, gl.SliceLayout(0, L16))
         async_copy.commit_group()
         async_copy.wait_group(1)  # o's weights and x are in; down's keep streaming
         gl.thread_barrier()
         _stamp(times_ptr, c, 1, STAMP)
-        _store_rows(y1_ptr, H, col0, _product_mma(x_s, wo_s, H // 128, 16, MMA16), R, 16, MMA16)
+        y1 = _product_of(x_s, wo_s, H // 128, R, 16, 128, L16, MMA_L, MMA)
+        _store_product(y1_ptr, H, col0, y1, R, 16, L16, MMA_L, MMA)
         _publish(sync_ptr + 1)
         _stamp(times_ptr, c, 2, STAMP)
         _wait(sync_ptr + 2, N_G)
         _stamp(times_ptr, c, 3, STAMP)
-        _copy_padded_rows(a_s, act_ptr, INNER, R, INNER // 128, 128, gl.SliceLayout(1, L16))
+        _copy_operand(a_s, act_ptr, INNER, R, INNER // 128, 128, gl.SliceLayout(1, L16), MMA)
         async_copy.commit_group()
         async_copy.wait_group(0)
         gl.thread_barrier()
         _stamp(times_ptr, c, 4, STAMP)
-        _store_rows(y3_ptr, H, col0, _product_mma(a_s, wd_s, INNER // 128, 16, MMA16), R, 16, MMA16)
+        y3 = _product_of(a_s, wd_s, INNER // 128, R, 16, 128, L16, MMA_L, MMA)
+        _store_product(y3_ptr, H, col0, y3, R, 16, L16, MMA_L, MMA)
         last = _publish(sync_ptr + 3) == N_O - 1
         _stamp(times_ptr, c, 5, STAMP)
         if last:  # the last: every CTA is past its waits
@@ -269,21 +249,21 @@ def _gluon_chain_mma_kernel(sync_ptr, x_ptr, wo_ptr, wgu_ptr, wd_ptr, y1_ptr, ac
         col0 = (c - N_O) * 32
         g_s = gl.allocate_shared_memory(gl.bfloat16, [H // 64, 32, 64], SMEM)
         u_s = gl.allocate_shared_memory(gl.bfloat16, [H // 64, 32, 64], SMEM)
-        y_s = gl.allocate_shared_memory(gl.bfloat16, [H // 64, 16, 64], SMEM)
+        y_s = gl.allocate_shared_memory(gl.bfloat16, [H // 64, RA, 64], OPERAND)
         _copy_rows(g_s, wgu_ptr, col0, H, H // 64, 32, 64, gl.SliceLayout(0, L32))
         _copy_rows(u_s, wgu_ptr, INNER + col0, H, H // 64, 32, 64, gl.SliceLayout(0, L32))
         async_copy.commit_group()
         _wait(sync_ptr + 1, N_O)
         _stamp(times_ptr, c, 1, STAMP)
-        _copy_padded_rows(y_s, y1_ptr, H, R, H // 64, 64, gl.SliceLayout(1, L32))
+        _copy_operand(y_s, y1_ptr, H, R, H // 64, 64, gl.SliceLayout(1, L32), MMA)
         async_copy.commit_group()
         async_copy.wait_group(0)
         gl.thread_barrier()
         _stamp(times_ptr, c, 2, STAMP)
-        gate = _product_mma(y_s, g_s, H // 64, 32, MMA16).to(gl.bfloat16).to(gl.float32)
-        up = _product_mma(y_s, u_s, H // 64, 32, MMA16).to(gl.bfloat16).to(gl.float32)
+        gate = _product_of(y_s, g_s, H // 64, R, 32, 64, L32, MMA_L, MMA).to(gl.bfloat16).to(gl.float32)
+        up = _product_of(y_s, u_s, H // 64, R, 32, 64, L32, MMA_L, MMA).to(gl.bfloat16).to(gl.float32)
         act = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
-        _store_rows(act_ptr, INNER, col0, act * up, R, 32, MMA16)
+        _store_product(act_ptr, INNER, col0, act * up, R, 32, L32, MMA_L, MMA)
         _publish(sync_ptr + 2)
         _stamp(times_ptr, c, 3, STAMP)
 
@@ -292,10 +272,9 @@ def chain_gluon(x, wo, wgu, wd, sync, times=None, mma=False):
     y1 = torch.empty((ROWS, H), dtype=x.dtype, device=x.device)
     act = torch.empty((ROWS, INNER), dtype=x.dtype, device=x.device)
     y3 = torch.empty((ROWS, H), dtype=x.dtype, device=x.device)
-    kernel = _gluon_chain_mma_kernel if mma else _gluon_chain_kernel
-    kernel[(CTAS,)](sync, x, wo, wgu, wd, y1, act, y3,
-                    sync if times is None else times, H=H, INNER=INNER, R=ROWS,
-                    N_O=N_O, N_G=N_G, STAMP=times is not None, num_warps=8)
+    _gluon_chain_kernel[(CTAS,)](sync, x, wo, wgu, wd, y1, act, y3,
+                                 sync if times is None else times, H=H, INNER=INNER, R=ROWS,
+                                 N_O=N_O, N_G=N_G, STAMP=times is not None, MMA=mma, num_warps=8)
     return y3
 
 
