@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from phasegraph.bench.common import PG_CONFIGS, REPO_ROOT
+from phasegraph.bench.common import PG_CONFIGS, REPO_ROOT, free_memory
 
 WARM_NEW_TOKENS = 8  # enough for prefill, draft-extend and a few iterations of every phase
 RETRY_FREE_BYTES = 8 << 30  # free device memory a configuration that ran out waits for (part
@@ -116,18 +116,19 @@ def _warm_config(spec: dict, dirs: dict[str, Path], spec_kw: dict, draft_key: st
             engine.generate(prompts, params)
             calls += 1
         del engine
-        _release_memory()
+        free_memory()
     return calls
 
 
-def _release_memory() -> None:
-    import gc
-
-    import torch
-
-    gc.collect()
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+def _try_config(*args) -> int | None:
+    """:func:`_warm_config`'s calls, or None where it ran out of device memory (released)."""
+    try:
+        return _warm_config(*args)
+    except RuntimeError as exc:  # torch.OutOfMemoryError, or a CUDA call's own
+        if not _out_of_memory(exc):
+            raise
+        free_memory()
+        return None
 
 
 def _out_of_memory(exc: BaseException) -> bool:
@@ -183,17 +184,14 @@ def run_configs(spec: dict, dirs: dict[str, Path], log=print, *,
         if draft_key is not None and dirs[draft_key] is None:
             continue
         t0 = time.perf_counter()
-        try:
-            calls += _warm_config(spec, dirs, spec_kw, draft_key, params, vocab, g)
-        except RuntimeError as exc:  # torch.OutOfMemoryError, or a CUDA call's own
-            if not _out_of_memory(exc):
-                raise
-            _release_memory()
+        made = _try_config(spec, dirs, spec_kw, draft_key, params, vocab, g)
+        if made is None:
             log(f"warm-up: {label}: out of device memory (another process holds it: in the "
                 f"bench, the training); tried again when {RETRY_FREE_BYTES >> 30} GiB are free",
                 flush=True)
             retry.append((label, spec_kw, draft_key))
             continue
+        calls += made
         log(f"warm-up: {label}: {time.perf_counter() - t0:.1f} s", flush=True)
     for label, spec_kw, draft_key in retry:
         if not wait_for_memory(RETRY_FREE_BYTES, RETRY_WAIT_S, free_bytes, sleep):
@@ -202,15 +200,12 @@ def run_configs(spec: dict, dirs: dict[str, Path], log=print, *,
                 flush=True)
             continue
         t0 = time.perf_counter()
-        try:
-            calls += _warm_config(spec, dirs, spec_kw, draft_key, params, vocab, g)
-        except RuntimeError as exc:
-            if not _out_of_memory(exc):
-                raise
-            _release_memory()
+        made = _try_config(spec, dirs, spec_kw, draft_key, params, vocab, g)
+        if made is None:
             log(f"warm-up: {label}: skipped, out of device memory again (part 1 compiles its "
                 f"kernels itself)", flush=True)
             continue
+        calls += made
         log(f"warm-up: {label}: {time.perf_counter() - t0:.1f} s (second try)", flush=True)
     return calls
 
