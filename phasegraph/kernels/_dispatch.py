@@ -15,6 +15,19 @@ CUDA-graph capture.
 
 Triton is optional: without it the kernel modules still import (``jit`` below then returns a
 stand-in that refuses to launch) and every public name runs its reference.
+
+Programmatic dependent launch (Hopper, ``PHASEGRAPH_PDL``): every Triton kernel starts with
+:func:`pdl_enter` and every launch passes :func:`pdl_options`. Launched that way, a kernel's
+programs may be placed on the SMs while the kernel before it on the stream still runs; each waits
+(``griddepcontrol.wait``) until that kernel has finished and its writes are visible, then lets
+the next kernel launch (``griddepcontrol.launch_dependents``). Since every kernel waits before it
+reads or writes anything, a chain of kernels keeps stream order; what is saved is the launch and
+placement of each kernel (CUDA graphs capture the programmatic edges). Torch's own kernels never
+signal early, so a kernel after one of them starts as it always did.
+
+- ``PHASEGRAPH_PDL=auto`` (default): on for CUDA devices of compute capability 9.0 or newer;
+- ``PHASEGRAPH_PDL=off``: plain launches (each kernel waits for the one before to end);
+- ``PHASEGRAPH_PDL=on``: on, and an error on a device that lacks it.
 """
 
 from __future__ import annotations
@@ -34,6 +47,8 @@ except ImportError:  # pragma: no cover - exercised only where Triton is missing
 HAS_TRITON = triton is not None
 ENV_VAR = "PHASEGRAPH_KERNELS"
 MODES = ("auto", "reference", "triton")
+PDL_ENV_VAR = "PHASEGRAPH_PDL"
+PDL_MODES = ("auto", "on", "off")
 
 
 def kernel_mode() -> str:
@@ -80,6 +95,42 @@ def jit(fn=None, **kwargs):
     return _NoTriton(fn)
 
 
+@functools.cache
+def _pdl_options(setting: str, interpret: str, device_index: int | None,
+                 trigger: str = "exit") -> dict:
+    mode = setting.strip().lower() or "auto"
+    if mode not in PDL_MODES:
+        raise ValueError(f"{PDL_ENV_VAR}={setting!r}: expected one of {', '.join(PDL_MODES)}")
+    if mode == "off":
+        return {"PDL": False}
+    if device_index is None or interpret.strip() not in ("", "0"):
+        if mode == "on":
+            raise RuntimeError(f"{PDL_ENV_VAR}=on, but no CUDA device runs the kernels")
+        return {"PDL": False}
+    major, minor = torch.cuda.get_device_capability(device_index)
+    if major < 9:
+        if mode == "on":
+            raise RuntimeError(f"{PDL_ENV_VAR}=on, but CUDA device {device_index} has compute "
+                               f"capability {major}.{minor} (programmatic dependent launch needs "
+                               "9.0)")
+        return {"PDL": False}
+    if trigger == "start":  # experiment: let the next kernel launch right after the wait
+        return {"PDL": 2, "launch_pdl": True}
+    return {"PDL": True, "launch_pdl": True}
+
+
+def pdl_options(kernel: str = "") -> dict:
+    """Keyword arguments for a Triton launch on the current device: the kernel's ``PDL``
+    constant and Triton's ``launch_pdl`` (see the module docstring). The setting is read on
+    every call; the answer is cached per setting and device (no synchronisation)."""
+    device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
+    if kernel and kernel in os.environ.get("PHASEGRAPH_PDL_PLAIN", "").split(","):
+        return {"PDL": False}  # experiment: this kernel launched plainly
+    return _pdl_options(os.environ.get(PDL_ENV_VAR, "auto"),
+                        os.environ.get("TRITON_INTERPRET", ""), device,
+                        os.environ.get("PHASEGRAPH_PDL_TRIGGER", "exit"))
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -114,3 +165,17 @@ def num_sms(device: torch.device) -> int:
 def as_bytes(mask: torch.Tensor) -> torch.Tensor:
     """A bool tensor viewed as uint8 (same storage), the form the kernels load and store."""
     return mask.view(torch.uint8) if mask.dtype == torch.bool else mask
+
+
+if triton is not None:
+    @triton.jit
+    def pdl_enter(PDL: tl.constexpr):
+        """A kernel's first statement: wait until the kernel before it on the stream has ended
+        (its writes visible), then let the next kernel launch; nothing unless ``PDL``."""
+        if PDL:
+            tl.extra.cuda.gdc_wait()
+        if PDL == 2:
+            tl.extra.cuda.gdc_launch_dependents()
+else:  # pragma: no cover - exercised only where Triton is missing
+    def pdl_enter(PDL):
+        return None

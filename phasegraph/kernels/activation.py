@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from phasegraph.kernels._checks import expect_float
-from phasegraph.kernels._dispatch import cdiv, jit, tl, use_triton
+from phasegraph.kernels._dispatch import cdiv, jit, pdl_enter, pdl_options, tl, use_triton
 from phasegraph.kernels.split_sum import SplitSum, load_total, materialize, split_args
 
 
@@ -44,7 +44,9 @@ def _silu_mul_kernel(
     SLICES: tl.constexpr,  # > 0: gate_up is that many float32 partials of a split-K product
     HAS_BIAS: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     inside = cols < inner
@@ -79,7 +81,8 @@ def silu_mul_triton(gate_up: torch.Tensor | SplitSum) -> torch.Tensor:  # [T, 2I
     block = 1024
     _silu_mul_kernel[(tokens, cdiv(inner, block))](
         base, out, out if bias is None else bias, inner, width if split else base.stride(0),
-        slice_stride, SLICES=slices, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4
+        slice_stride, SLICES=slices, HAS_BIAS=bias is not None, BLOCK=block, num_warps=4,
+        **pdl_options(),
     )
     return out
 

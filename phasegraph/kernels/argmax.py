@@ -16,7 +16,15 @@ from __future__ import annotations
 import torch
 
 from phasegraph.kernels._checks import expect_float
-from phasegraph.kernels._dispatch import cdiv, jit, next_pow2, tl, use_triton
+from phasegraph.kernels._dispatch import (
+    cdiv,
+    jit,
+    next_pow2,
+    pdl_enter,
+    pdl_options,
+    tl,
+    use_triton,
+)
 
 BLOCK_MAX = 8192  # logits per program
 
@@ -52,7 +60,9 @@ def _block_argmax_kernel(
     stride_r,
     NB: tl.constexpr,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     b = tl.program_id(1)
     idx = b * BLOCK + tl.arange(0, BLOCK).to(tl.int64)
@@ -70,7 +80,9 @@ def _merge_blocks_kernel(
     out_ptr,  # [R] i64
     NB: tl.constexpr,
     BLOCK_NB: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_NB)
     ok = offs < NB
@@ -100,9 +112,10 @@ def argmax_triton(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
         val = torch.empty((rows, blocks), dtype=torch.float32, device=logits.device)
         idx = torch.empty((rows, blocks), dtype=torch.int64, device=logits.device)
     _block_argmax_kernel[(rows, blocks)](logits, val, idx, vocab, logits.stride(0), NB=blocks,
-                                         BLOCK=block, num_warps=8)
+                                         BLOCK=block, num_warps=8, **pdl_options())
     if blocks > 1:
-        _merge_blocks_kernel[(rows,)](val, idx, out, NB=blocks, BLOCK_NB=next_pow2(blocks), num_warps=1)
+        _merge_blocks_kernel[(rows,)](val, idx, out, NB=blocks, BLOCK_NB=next_pow2(blocks),
+                                      num_warps=1, **pdl_options())
     return out
 
 

@@ -19,6 +19,8 @@ from phasegraph.kernels._dispatch import (
     jit,
     next_pow2,
     num_sms,
+    pdl_enter,
+    pdl_options,
     prev_pow2,
     tl,
     use_triton,
@@ -177,7 +179,9 @@ def _write_kv_kernel(
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     slot = tl.maximum(tl.load(slots_ptr + t), 0)
     offs_h = tl.arange(0, BLOCK_H)
@@ -225,7 +229,7 @@ def write_kv_triton(
         HEAD_DIM=head_dim,
         BLOCK_H=next_pow2(num_heads),
         BLOCK_D=next_pow2(head_dim),
-        num_warps=4,
+        num_warps=4, **pdl_options(),
     )
 
 
@@ -498,7 +502,9 @@ def _paged_attention_kernel(
     UPCAST: tl.constexpr,  # fp32 or mixed dtypes: fp32 tiles and full-precision products
     SPLIT_P: tl.constexpr,  # bf16: P.V as (P_hi + P_lo).V, two bf16 products
     CHUNK: tl.constexpr,  # > 0: fixed chunks of CHUNK positions merged in order (fp32)
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     BLOCK_M: tl.constexpr = BLOCK_T * GROUP_P
     t = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -552,7 +558,9 @@ def _combine_splits_kernel(
     NUM_SPLITS: tl.constexpr,
     CHUNK: tl.constexpr,  # > 0: split s is chunk s; merge in order as the kernel's own loop does
     NUM_EXTRA: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     num_heads = tl.num_programs(1)
@@ -723,7 +731,7 @@ def paged_attention_triton(
         SPLIT_P=split_p,
         CHUNK=chunk,
         num_warps=num_warps,
-        num_stages=num_stages,
+        num_stages=num_stages, **pdl_options("paged"),
     )
     combine_splits(out, part_acc, part_max, part_sum, kv_len, block_d, chunk, num_extra)
     return out
@@ -801,7 +809,7 @@ def combine_splits(out, part_acc, part_max, part_sum, kv_len, block_d: int, chun
         NUM_SPLITS=num_splits,
         CHUNK=chunk,
         NUM_EXTRA=num_extra,
-        num_warps=1 if chunk or block_d * num_splits <= 1024 else 4,
+        num_warps=1 if chunk or block_d * num_splits <= 1024 else 4, **pdl_options("combine"),
     )
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from phasegraph.kernels._checks import expect, expect_shape
-from phasegraph.kernels._dispatch import jit, next_pow2, tl, use_triton
+from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
 
 
 def gather_accepted_tokens_reference(
@@ -55,7 +55,9 @@ def _gather_accepted_kernel(
     tokens_ptr,  # [B, W] i64, out
     width,
     BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_W)
     ok = offs < width
@@ -71,7 +73,9 @@ def _fill_bonus_kernel(
     accept_lens_ptr,  # [B] i64 in [1, W]
     bonus_ptr,  # [B] i64, out
     width,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     col = tl.load(accept_lens_ptr + b) - 1
     index = tl.load(accept_index_ptr + b * width + col)  # row stride W (seed 000)
@@ -91,7 +95,7 @@ def gather_accepted_tokens_triton(
     if batch > 0 and width > 0:
         _gather_accepted_kernel[(batch,)](
             predict.contiguous(), accept_index.contiguous(), tokens, width,
-            BLOCK_W=next_pow2(width), num_warps=1,
+            BLOCK_W=next_pow2(width), num_warps=1, **pdl_options(),
         )
     return tokens
 
@@ -112,7 +116,7 @@ def fill_bonus_tokens_triton(
     if batch > 0:
         _fill_bonus_kernel[(batch,)](
             predict.contiguous(), accept_index.contiguous(), accept_lens.contiguous(), bonus,
-            width, num_warps=1,
+            width, num_warps=1, **pdl_options(),
         )
     return bonus
 

@@ -15,7 +15,15 @@ import attrs
 import torch
 
 from phasegraph.kernels._checks import expect, expect_shape
-from phasegraph.kernels._dispatch import as_bytes, jit, next_pow2, tl, use_triton
+from phasegraph.kernels._dispatch import (
+    as_bytes,
+    jit,
+    next_pow2,
+    pdl_enter,
+    pdl_options,
+    tl,
+    use_triton,
+)
 
 
 @attrs.frozen(eq=False)
@@ -176,7 +184,9 @@ def _select_tree_nodes_kernel(
     num_nodes,
     BLOCK_C: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_C)
     ok = offs < num_cand
@@ -227,7 +237,7 @@ def select_tree_nodes_triton(
             node_tokens, node_parents, num_cand, num_nodes,
             BLOCK_C=block_c,
             CHUNK=max(1, min(block_c, 8192 // block_c)),
-            num_warps=4,
+            num_warps=4, **pdl_options(),
         )
     return node_tokens, node_parents
 
@@ -247,7 +257,9 @@ def _build_tree_kernel(
     next_sibling_ptr,  # [B, N] i64, out
     num_nodes,
     BLOCK_NODES: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_NODES)
     ok = offs < num_nodes
@@ -326,7 +338,7 @@ def build_tree_triton(
             seq_lens.contiguous(), draft_tokens, positions, as_bytes(tree_mask), depth,
             retrieve_index, next_token, next_sibling, num_nodes,
             BLOCK_NODES=block,
-            num_warps=1 if block <= 32 else 4,
+            num_warps=1 if block <= 32 else 4, **pdl_options(),
         )
     return TreeTensors(
         draft_tokens=draft_tokens,

@@ -21,7 +21,7 @@ import attrs
 import torch
 
 from phasegraph.kernels._checks import expect, expect_shape
-from phasegraph.kernels._dispatch import jit, next_pow2, tl, use_triton
+from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
 
 
 @attrs.frozen(eq=False)
@@ -187,7 +187,9 @@ def _row_slots_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_X: tl.constexpr,
     SPAN: tl.constexpr,  # position x of request b is positions[b] + x
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     x = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
     ok = x < num_positions
@@ -227,6 +229,7 @@ def _launch_row_slots(page_table, rows, positions, num_positions: int, page_size
             page_table, rows.contiguous(), positions.contiguous(), slots, num_positions,
             page_table.stride(0),
             PAGE_SIZE=page_size, BLOCK_X=block, SPAN=span, num_warps=1 if block <= 128 else 4,
+            **pdl_options(),
         )
     return slots
 
@@ -270,7 +273,9 @@ def _draft_cache_locs_kernel(
     BLOCK_COLS: tl.constexpr,
     BLOCK_STEPS: tl.constexpr,
     BLOCK_TAIL: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     branch = tl.program_id(0).to(tl.int64)  # b*K + k
     b = branch // TOPK
     row = tl.load(rows_ptr + b)
@@ -359,7 +364,7 @@ def assign_draft_cache_locs_triton(
             BLOCK_COLS=min(1024, next_pow2(max_pages + region)),
             BLOCK_STEPS=next_pow2(writes),
             BLOCK_TAIL=next_pow2(page_size - 1),
-            num_warps=1,
+            num_warps=1, **pdl_options(),
         )
     return DraftCacheLayout(
         branch_page_table=branch_table,
@@ -382,7 +387,9 @@ def _branch_reorder_kernel(
     REGION: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two of R*P
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     branch = tl.program_id(0).to(tl.int64)  # b*K + k
     b = branch // TOPK
     offs = tl.arange(0, BLOCK)
@@ -414,7 +421,7 @@ def branch_reorder_moves_triton(
         _branch_reorder_kernel[(batch * topk,)](
             region_pages.contiguous(), beam_parent.contiguous(), src, dst,
             TOPK=topk, REGION=region, PAGE_SIZE=page_size,
-            BLOCK=next_pow2(region * page_size), num_warps=1,
+            BLOCK=next_pow2(region * page_size), num_warps=1, **pdl_options(),
         )
     return src, dst
 

@@ -18,7 +18,7 @@ from typing import NamedTuple
 import torch
 
 from phasegraph.kernels._checks import expect, expect_shape
-from phasegraph.kernels._dispatch import jit, next_pow2, tl, use_triton
+from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
 from phasegraph.kernels.bonus import fill_bonus_tokens_reference, gather_accepted_tokens_reference
 
 
@@ -102,7 +102,9 @@ def _commit_path_kernel(
     lead,
     BLOCK_W: tl.constexpr,
     BLOCK_Z: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     w = tl.arange(0, BLOCK_W)
     in_w = w < width
@@ -155,7 +157,7 @@ def commit_path_triton(
     _commit_path_kernel[(B,)](
         predict.contiguous(), accept_index.contiguous(), accept_lens.contiguous(), stop_ids.contiguous(),
         remaining.contiguous(), seq_lens.contiguous(), *out, W, Z, lead,
-        BLOCK_W=max(next_pow2(W), 2), BLOCK_Z=max(next_pow2(Z), 2), num_warps=1,
+        BLOCK_W=max(next_pow2(W), 2), BLOCK_Z=max(next_pow2(Z), 2), num_warps=1, **pdl_options(),
     )
     return out
 

@@ -16,7 +16,16 @@ from collections.abc import Sequence
 import torch
 
 from phasegraph.kernels._checks import expect, expect_shape
-from phasegraph.kernels._dispatch import as_bytes, cdiv, jit, next_pow2, tl, use_triton
+from phasegraph.kernels._dispatch import (
+    as_bytes,
+    cdiv,
+    jit,
+    next_pow2,
+    pdl_enter,
+    pdl_options,
+    tl,
+    use_triton,
+)
 
 
 def compact_to_front_reference(
@@ -94,7 +103,9 @@ def _compact_rows_kernel(
     width,
     features,
     BLOCK_F: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     i = tl.program_id(0).to(tl.int64)  # output row b*W + w
     f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     index = tl.load(accept_index_ptr + i)
@@ -127,7 +138,7 @@ def compact_to_front_triton(
         as_bytes(x.contiguous()), accept_index.contiguous(), as_bytes(out),
         num_nodes, width, features,
         BLOCK_F=block_f,
-        num_warps=4 if block_f >= 512 else 1,
+        num_warps=4 if block_f >= 512 else 1, **pdl_options(),
     )
     return out
 
@@ -142,7 +153,9 @@ def _accepted_kv_moves_kernel(
     dst_ptr,  # [B*W] i64, out
     width,
     BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_W)
     ok = cols < width
@@ -175,7 +188,7 @@ def accepted_kv_moves_triton(
         _accepted_kv_moves_kernel[(batch,)](
             accept_index.contiguous(), accept_lens.contiguous(), node_slots.contiguous(),
             front_slots.contiguous(), src, dst, width,
-            BLOCK_W=next_pow2(width), num_warps=1,
+            BLOCK_W=next_pow2(width), num_warps=1, **pdl_options(),
         )
     return src, dst
 
@@ -190,7 +203,9 @@ def _gather_rows_kernel(
     features,
     NUM: tl.constexpr,
     BLOCK_F: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     m = tl.program_id(0).to(tl.int64)
     f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     cache = tl.program_id(2)  # one cache per program: NUM moves in flight, not one after another
@@ -212,7 +227,9 @@ def _scatter_rows_kernel(
     features,
     NUM: tl.constexpr,
     BLOCK_F: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     m = tl.program_id(0).to(tl.int64)
     f = tl.program_id(1) * BLOCK_F + tl.arange(0, BLOCK_F)
     cache = tl.program_id(2)
@@ -271,7 +288,8 @@ def move_kv_triton(
             (len(group), num_moves, features), dtype=group[0].dtype, device=first.device
         )
         grid = (num_moves, cdiv(features, block_f), len(group))
-        kw = dict(NUM=len(group), BLOCK_F=block_f, num_warps=4 if block_f >= 512 else 1)
+        kw = dict(NUM=len(group), BLOCK_F=block_f, num_warps=4 if block_f >= 512 else 1,
+                  **pdl_options())
         _gather_rows_kernel[grid](group, src, dst, staged, num_moves, features, **kw)
         _scatter_rows_kernel[grid](group, src, dst, staged, num_moves, features, **kw)
 

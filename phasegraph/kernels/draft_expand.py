@@ -23,7 +23,7 @@ import attrs
 import torch
 
 from phasegraph.kernels._checks import expect, expect_shape
-from phasegraph.kernels._dispatch import jit, next_pow2, tl, use_triton
+from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
 from phasegraph.kernels.build_tree import _sorts_before
 
 
@@ -150,7 +150,9 @@ def _expand_step_kernel(
     first_id,
     TOPK: tl.constexpr,
     BLOCK: tl.constexpr,  # next power of two of K*K
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     WIDTH: tl.constexpr = TOPK * TOPK
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
@@ -213,7 +215,7 @@ def expand_step_triton(
             topk + (step - 1) * width,
             TOPK=topk,
             BLOCK=next_pow2(width),
-            num_warps=1 if width <= 16 else 4,
+            num_warps=1 if width <= 16 else 4, **pdl_options(),
         )
     return ExpandedCandidates(
         cand_tokens=step_topk_index.reshape(batch, width),

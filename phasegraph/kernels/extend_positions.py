@@ -9,7 +9,15 @@ from __future__ import annotations
 import torch
 
 from phasegraph.kernels._checks import expect, expect_shape
-from phasegraph.kernels._dispatch import cdiv, jit, next_pow2, tl, use_triton
+from phasegraph.kernels._dispatch import (
+    cdiv,
+    jit,
+    next_pow2,
+    pdl_enter,
+    pdl_options,
+    tl,
+    use_triton,
+)
 
 
 def extend_positions_reference(
@@ -63,7 +71,9 @@ def _extend_positions_kernel(
     positions_ptr,  # [B*W] i64, out
     width,
     BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_W)
     tl.store(positions_ptr + b * width + cols, tl.load(seq_lens_ptr + b) + cols,
@@ -80,7 +90,8 @@ def extend_positions_triton(
     positions = torch.empty(batch * width, dtype=torch.int64, device=seq_lens.device)
     if positions.numel() > 0:
         _extend_positions_kernel[(batch,)](
-            seq_lens.contiguous(), positions, width, BLOCK_W=next_pow2(width), num_warps=1
+            seq_lens.contiguous(), positions, width, BLOCK_W=next_pow2(width), num_warps=1,
+            **pdl_options(),
         )
     return positions
 
@@ -95,7 +106,9 @@ def _ragged_positions_kernel(
     total_tokens,
     BLOCK_T: tl.constexpr,
     BLOCK_B: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     tokens = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     # request[t] = #{b : ends[b] <= t} (searchsorted right); offset[t] = sum of those lens.
     request = tokens * 0
@@ -138,7 +151,7 @@ def ragged_extend_positions_triton(
             starts.contiguous(), lens.contiguous(), positions, request, batch, total_tokens,
             BLOCK_T=block_t,
             BLOCK_B=min(32, next_pow2(batch)),
-            num_warps=1 if block_t <= 16 else 4,
+            num_warps=1 if block_t <= 16 else 4, **pdl_options(),
         )
     return positions, request
 

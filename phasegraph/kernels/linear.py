@@ -46,7 +46,15 @@ import torch
 import torch.nn.functional as F
 
 from phasegraph.kernels._checks import expect_float, expect_shape
-from phasegraph.kernels._dispatch import cdiv, jit, next_pow2, tl, use_triton
+from phasegraph.kernels._dispatch import (
+    cdiv,
+    jit,
+    next_pow2,
+    pdl_enter,
+    pdl_options,
+    tl,
+    use_triton,
+)
 from phasegraph.kernels.activation import silu_mul, silu_mul_reference
 from phasegraph.kernels.rms_norm import add_rms_norm, add_rms_norm_reference
 from phasegraph.kernels.split_sum import SplitSum
@@ -148,8 +156,8 @@ class SkinnyConfig(NamedTuple):
     num_stages: int
     dot: bool  # tl.dot on a 16-row tile (else a broadcast multiply-sum over next_pow2(M) rows)
     swap: bool = False  # with dot: W is the left operand (acc [BLOCK_N, 16]); else x is
-    pdl: bool = False  # programmatic dependent launch (Hopper): start while the previous
-    # kernel drains; every load of x and every store waits for it (gdc_wait)
+    pdl: bool = False  # programmatic dependent launch even where PHASEGRAPH_PDL turns it off
+    # (bench_linear's PDL rows); otherwise the setting decides, as for every kernel (_dispatch)
     precision: str = "ieee"  # a float32 tl.dot: "ieee" (FMA units) or "tf32x3" (three TF32
     # tensor-core products per tile, hi*hi + hi*lo + lo*hi: float32-level error); half dtypes
     # ignore it
@@ -431,9 +439,7 @@ def _skinny_kernel(
     SPLIT_K: tl.constexpr,
     DEFER: tl.constexpr,  # split-K: store the partials only; the consumer sums them (SplitSum)
 ):
-    if PDL:  # launched early: let the next kernel launch, then wait for the previous one
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
+    pdl_enter(PDL)
     pid = tl.program_id(0)
     k_begin, k_end = 0, K
     if SPLIT_K > 1:  # this program's slice of K: whole BLOCK_K tiles
@@ -605,11 +611,10 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, STATS_K=stats_k,
         DOT=cfg.dot, SWAP=cfg.dot and cfg.swap, PRECISION=precision, EVEN_K=k % block_k == 0,
-        SINGLE_K=single, STAGES=cfg.num_stages, PDL=cfg.pdl, SPLIT_K=split, DEFER=defer,
+        SINGLE_K=single, STAGES=cfg.num_stages, SPLIT_K=split, DEFER=defer,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"PDL": True, "launch_pdl": True} if cfg.pdl else pdl_options()),
     )
-    if cfg.pdl:
-        meta["launch_pdl"] = True
     grid = (blocks, split)
     if warmup:
         _skinny_kernel.warmup(*args, grid=grid, **meta)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from phasegraph.kernels._dispatch import jit, next_pow2, tl, use_triton
+from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 _M1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
@@ -80,7 +80,9 @@ def _counter_uniform_kernel(
     stride_cr,
     stride_cc,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     ok = c < cols
@@ -111,7 +113,7 @@ def counter_uniform_triton(seeds: torch.Tensor, counters: torch.Tensor) -> torch
     block = min(1024, next_pow2(cols))
     _counter_uniform_kernel[(rows, -(-cols // block))](
         s2, c2, out, cols, *s2.stride(), *c2.stride(),
-        BLOCK=block, num_warps=1 if block <= 128 else 4,
+        BLOCK=block, num_warps=1 if block <= 128 else 4, **pdl_options(),
     )
     return out
 

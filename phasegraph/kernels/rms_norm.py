@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from phasegraph.kernels._checks import expect_float, expect_shape
-from phasegraph.kernels._dispatch import jit, next_pow2, tl, use_triton
+from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
 from phasegraph.kernels.split_sum import SplitSum, load_total, materialize, split_args
 
 
@@ -73,7 +73,9 @@ def _add_rms_norm_kernel(
     SLICES: tl.constexpr,  # > 0: x is that many float32 partials of a split-K product
     X_BIAS: tl.constexpr,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK_H)
     inside = cols < hidden
@@ -122,7 +124,7 @@ def add_rms_norm_triton(
         SLICES=slices,
         X_BIAS=x_bias is not None,
         BLOCK_H=block,
-        num_warps=8 if block >= 4096 else 4,
+        num_warps=8 if block >= 4096 else 4, **pdl_options(),
     )
     return normed, summed
 
@@ -186,7 +188,9 @@ def _rms_norm_concat_kernel(
     out_ptr,  # [T, Ha + Hb] out, contiguous
     a_hidden, b_hidden, stride_a, stride_b, a_eps, b_eps,
     BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     second = tl.program_id(1) == 1  # program (t, 0) normalises a's row, (t, 1) b's
     hidden = tl.where(second, b_hidden, a_hidden)
@@ -227,7 +231,7 @@ def rms_norm_concat_triton(
         a, b, a_weight, b_weight, out, a_hidden, b_hidden, a.stride(0), b.stride(0),
         float(a_eps), float(b_eps),
         BLOCK_H=block,
-        num_warps=8 if block >= 4096 else 4,
+        num_warps=8 if block >= 4096 else 4, **pdl_options(),
     )
     return out
 

@@ -33,7 +33,16 @@ import math
 
 import torch
 
-from phasegraph.kernels._dispatch import as_bytes, cdiv, jit, next_pow2, tl, use_triton
+from phasegraph.kernels._dispatch import (
+    as_bytes,
+    cdiv,
+    jit,
+    next_pow2,
+    pdl_enter,
+    pdl_options,
+    tl,
+    use_triton,
+)
 from phasegraph.kernels.attention import (
     AttentionMetadata,
     _attend_run,
@@ -159,7 +168,9 @@ def _rope_attention_kernel(
     SPLIT_P: tl.constexpr,
     CHUNK: tl.constexpr,  # > 0: fixed chunks of CHUNK positions merged in order (fp32)
     INDEXED: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     BLOCK_M: tl.constexpr = BLOCK_T * GROUP_P
     t = tl.program_id(0).to(tl.int64)
@@ -301,7 +312,9 @@ def _rope_tree_attention_kernel(
     SPLIT_P: tl.constexpr,
     CHUNK: tl.constexpr,
     INDEXED: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     BLOCK_M: tl.constexpr = BLOCK_T * GROUP_P
     t = tl.program_id(0)
@@ -449,7 +462,7 @@ def rope_tree_attention_triton(
         CHUNK=chunk,
         INDEXED=indexed,
         num_warps=4,
-        num_stages=num_stages,
+        num_stages=num_stages, **pdl_options("tree"),
     )
     combine_splits(out, part_acc, part_max, part_sum, kv_len, head_dim, chunk, num_extra)
     return out
@@ -522,7 +535,7 @@ def rope_paged_attention_triton(
         CHUNK=chunk,
         INDEXED=indexed,
         num_warps=4,
-        num_stages=1 if upcast else 2,
+        num_stages=1 if upcast else 2, **pdl_options("rope"),
     )
     combine_splits(out, part_acc, part_max, part_sum, meta.kv_len.contiguous(), head_dim, chunk, 0)
     return out

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from phasegraph.kernels._checks import expect, expect_float, expect_shape
-from phasegraph.kernels._dispatch import jit, next_pow2, tl, use_triton
+from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
 from phasegraph.kernels.attention import write_kv_reference
 
 
@@ -102,7 +102,9 @@ def _rotary_write_kv_kernel(
     HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     INDEXED: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     cols = tl.arange(0, BLOCK_HALF)
@@ -175,7 +177,7 @@ def rotary_write_kv_triton(
         HALF=half,
         BLOCK_HALF=next_pow2(half),
         INDEXED=indexed,
-        num_warps=1,
+        num_warps=1, **pdl_options(),
     )
     return q_out
 

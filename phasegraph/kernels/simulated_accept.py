@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from phasegraph.kernels._checks import expect, expect_shape
-from phasegraph.kernels._dispatch import jit, next_pow2, tl, use_triton
+from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
 from phasegraph.kernels.verify_greedy import (
     VerifyOutcome,
     _request_tree,
@@ -88,7 +88,9 @@ def _simulated_accept_kernel(
     stride_tr,
     BLOCK_NODES: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     b, offs, node_ok, base, tokens, predict, first_child = _request_tree(
         draft_tokens_ptr, next_token_ptr, target_ptr, num_nodes, stride_tr, BLOCK_NODES)
     offs_w, path, last, length, alive = _root_path(base, BLOCK_W)  # path: [W] node rows
@@ -123,6 +125,7 @@ def verify_tree_simulated_triton(
             out.accept_index, out.accept_lens, num_nodes, num_steps, min(accept_drafts, num_steps),
             next_token.stride(0),
             BLOCK_NODES=next_pow2(num_nodes), BLOCK_W=next_pow2(num_steps + 1), num_warps=1,
+            **pdl_options(),
         )
     return out
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from phasegraph.kernels._checks import expect_float
-from phasegraph.kernels._dispatch import jit, tl, use_triton
+from phasegraph.kernels._dispatch import jit, pdl_enter, pdl_options, tl, use_triton
 
 BLOCK_V = 4096  # logits per loop step of a program
 
@@ -47,7 +47,9 @@ def _softmax_top1_kernel(
     vocab,
     stride_row,
     BLOCK: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     best = tl.full((), float("-inf"), tl.float32)  # running maximum
@@ -83,7 +85,8 @@ def softmax_top1_triton(
     ids = torch.empty((rows, 1), dtype=torch.int64, device=logits.device)
     if rows == 0:
         return prob, ids
-    _softmax_top1_kernel[(rows,)](logits, prob, ids, vocab, logits.stride(0), BLOCK=BLOCK_V, num_warps=8)
+    _softmax_top1_kernel[(rows,)](logits, prob, ids, vocab, logits.stride(0), BLOCK=BLOCK_V,
+                                  num_warps=8, **pdl_options())
     return prob, ids
 
 

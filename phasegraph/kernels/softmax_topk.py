@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from phasegraph.kernels._checks import expect_float
-from phasegraph.kernels._dispatch import jit, tl, use_triton
+from phasegraph.kernels._dispatch import jit, pdl_enter, pdl_options, tl, use_triton
 
 MAX_TRITON_K = 32  # larger k run the reference (a tree's topk is 1-10 in practice)
 MIN_CHUNK = 2048  # logits per pass-1 program
@@ -69,7 +69,9 @@ def _chunk_topk_kernel(
     num_chunks,
     K: tl.constexpr,
     CHUNK: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     chunk = tl.program_id(1)
     offs = tl.arange(0, CHUNK)
@@ -103,7 +105,9 @@ def _merge_topk_kernel(
     K: tl.constexpr,
     C_PAD: tl.constexpr,
     KC_PAD: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     c = tl.arange(0, C_PAD)
     tops = tl.load(chunk_max_ptr + row * num_chunks + c, mask=c < num_chunks, other=float("-inf"))
@@ -160,11 +164,13 @@ def softmax_topk_triton(
     _chunk_topk_kernel[(rows, num_chunks)](
         logits, chunk_max, chunk_sum, cand_val, cand_id, vocab, logits.stride(0), num_chunks,
         K=k, CHUNK=chunk, num_warps=4,
+        **pdl_options(),
     )
     c_pad = max(2, 1 << (num_chunks - 1).bit_length())
     _merge_topk_kernel[(rows,)](
         chunk_max, chunk_sum, cand_val, cand_id, probs, ids, vocab, num_chunks,
         K=k, C_PAD=c_pad, KC_PAD=max(16, 1 << (num_chunks * k - 1).bit_length()), num_warps=4,
+        **pdl_options(),
     )
     return probs, ids
 

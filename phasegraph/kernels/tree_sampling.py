@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 
 from phasegraph.kernels._checks import expect, expect_float, expect_shape
-from phasegraph.kernels._dispatch import jit, next_pow2, tl, use_triton
+from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
 from phasegraph.kernels.verify_greedy import (
     VerifyOutcome,
     _check_tree_lists,
@@ -204,7 +204,9 @@ def _row_stats_kernel(
     vocab,
     stride_r,
     BLOCK_V: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     r = tl.program_id(0).to(tl.int64)
     row_ptr = probs_ptr + r * stride_r
     offs = tl.arange(0, BLOCK_V)
@@ -252,7 +254,9 @@ def _verify_sampling_kernel(
     BLOCK_NODES: tl.constexpr,
     BLOCK_W: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_NODES)
     node_ok = offs < num_nodes
@@ -385,7 +389,7 @@ def verify_tree_sampling_triton(
     _row_stats_kernel[(rows,)](
         probs, out.predict, row_sum, row_positive, vocab, probs.stride(0),
         BLOCK_V=min(4096, next_pow2(vocab)),
-        num_warps=8,
+        num_warps=8, **pdl_options(),
     )
     _verify_sampling_kernel[(batch,)](
         draft_tokens.contiguous(),
@@ -408,7 +412,7 @@ def verify_tree_sampling_triton(
         BLOCK_NODES=next_pow2(num_nodes),
         BLOCK_W=next_pow2(num_steps + 1),
         BLOCK_V=min(2048, next_pow2(vocab)),
-        num_warps=4,
+        num_warps=4, **pdl_options(),
     )
     return out
 

@@ -12,7 +12,7 @@ import attrs
 import torch
 
 from phasegraph.kernels._checks import expect, expect_shape
-from phasegraph.kernels._dispatch import jit, next_pow2, tl, use_triton
+from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
 
 
 @attrs.frozen(eq=False)
@@ -161,7 +161,9 @@ def _verify_greedy_kernel(
     stride_sr,  # row stride of next_sibling
     BLOCK_NODES: tl.constexpr,
     BLOCK_W: tl.constexpr,
+    PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
+    pdl_enter(PDL)
     b, offs, node_ok, base, tokens, target, first_child = _request_tree(
         draft_tokens_ptr, next_token_ptr, target_ptr, num_nodes, stride_tr, BLOCK_NODES)
     sibling = tl.load(next_sibling_ptr + b * stride_sr + offs, mask=node_ok, other=-1)
@@ -226,7 +228,7 @@ def verify_tree_greedy_triton(
             next_sibling.stride(0),
             BLOCK_NODES=next_pow2(num_nodes),
             BLOCK_W=next_pow2(num_steps + 1),
-            num_warps=1,
+            num_warps=1, **pdl_options(),
         )
     return out
 

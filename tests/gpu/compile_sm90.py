@@ -14,7 +14,8 @@ misses everything the compiler rejects. This script installs a stand-in Triton d
 reports an sm_90 target, turns every kernel launch into a compile-only ``warmup``, calls each
 ``*_triton`` wrapper on CPU tensors of realistic shapes (Llama-3-8B-like attention, V = 128256),
 and prints each compiled kernel's registers, spills (local memory), stack and shared memory from
-``cuobjdump --dump-resource-usage``. Nothing is launched; the outputs are garbage.
+``cuobjdump --dump-resource-usage``. Nothing is launched; the outputs are garbage. Kernels compile
+with programmatic dependent launch on, as ``PHASEGRAPH_PDL=auto`` launches them on sm_90.
 """
 
 from __future__ import annotations
@@ -35,6 +36,8 @@ from triton.runtime.jit import JITFunction  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import kernel_cases  # noqa: E402
+
+from phasegraph.kernels import _dispatch as dispatch  # noqa: E402
 
 _CUOBJDUMP = os.path.join(os.path.dirname(triton.__file__), "backends/nvidia/bin/cuobjdump")
 
@@ -90,9 +93,14 @@ def ptx_code(kernel) -> str:
     return "\n".join(line for line in ptx.splitlines() if line.strip()) + "\n"
 
 
+def _sm90_pdl_options(setting: str, interpret: str, device_index: int | None) -> dict:
+    return {"PDL": True, "launch_pdl": True}
+
+
 def main(argv: list[str]) -> int:
     driver.set_active(_Sm90Driver())
     JITFunction.run = _compile_only
+    dispatch._pdl_options = _sm90_pdl_options  # no CUDA device here; sm_90 launches with PDL
     ptx_dir = None
     if "--ptx" in argv:
         at = argv.index("--ptx")

@@ -160,6 +160,46 @@ def test_iteration_replay_is_bitwise_eager_on_the_same_padded_input():
                 assert torch.equal(a, b), f"{name}: field {fname} differs between replay and eager"
 
 
+def test_pdl_replay_is_bitwise_the_plain_eager_phases(monkeypatch):
+    """Programmatic dependent launch (PHASEGRAPH_PDL) changes when kernels are placed on the
+    SMs, never what they compute: the whole-iteration graph captured with it on gives, phase by
+    phase, bit for bit the outputs of the phases run eagerly with it off on the same padded
+    input (fp32), and generate emits the same tokens with it on and off."""
+    from phasegraph.kernels._dispatch import pdl_options
+    from phasegraph.runtime.iteration_graph import ITERATION
+
+    monkeypatch.setenv("PHASEGRAPH_PDL", "on")
+    target = _target()
+    assert pdl_options()["PDL"], "this GPU does not launch early: the test would compare nothing"
+    prompts = _prompts(5, seed=9)
+    ref = _reference(target, prompts)
+    spec = SpecConfig(method="standalone", num_steps=3, topk=4, num_draft_tokens=12)
+    eng = _spec_engine(target, prompts, ref, spec, 16, True, 5, scope="iteration")
+    for r, p in enumerate(prompts):
+        eng.add_request(f"r{r}", p, SamplingParams(max_new_tokens=64, ignore_eos=True))
+    for _ in range(4):
+        eng.step()
+    it = eng.graph_runner.iteration
+    assert it.graphs, "the iteration was never captured"
+    monkeypatch.setenv("PHASEGRAPH_PDL", "off")
+    for cap in it.graphs.values():
+        cap.graph.replay()
+        torch.cuda.synchronize()
+        replayed = [[x.clone() for _, x in out.tensors()] for out in cap.static_outs]
+        x = cap.static_in
+        for name, want in zip(ITERATION, replayed, strict=True):
+            x = it.specs[name].fn(x, eng.ctx)
+            for (fname, a), b in zip(x.tensors(), want, strict=True):
+                assert torch.equal(a, b), f"{name}: field {fname} differs, PDL on vs off"
+    tokens = {}
+    for setting in ("on", "off"):
+        monkeypatch.setenv("PHASEGRAPH_PDL", setting)
+        engine = _spec_engine(target, prompts, ref, spec, 16, True, 5, scope="iteration")
+        outs = engine.generate(prompts, SamplingParams(max_new_tokens=64, ignore_eos=True))
+        tokens[setting] = [tuple(o.token_ids) for o in outs]
+    assert tokens["on"] == tokens["off"] == ref
+
+
 def test_capture_leaves_state_and_committed_kv_unchanged():
     target = _target()
     prompts = _prompts(3, seed=11)

@@ -40,9 +40,14 @@ def bundle_and_baseline(tmp_path_factory):
     ("eagle3", {"topk": 1, "num_steps": 3}),
     ("standalone", {"topk": 1, "num_steps": 3}),
 ], ids=["eagle3-tree", "eagle3-chain", "standalone"])
-def test_speculation_on_triton_keeps_the_baseline_tokens(bundle_and_baseline, monkeypatch, method, kw):
+@pytest.mark.parametrize("pdl", ["auto", "off"])
+def test_speculation_on_triton_keeps_the_baseline_tokens(bundle_and_baseline, monkeypatch, method,
+                                                         kw, pdl):
+    """The baseline ran with the default launches (programmatic dependent launch on a Hopper
+    GPU); speculation keeps its tokens with PHASEGRAPH_PDL at its default and off."""
     bundle, prompts, baseline = bundle_and_baseline
     monkeypatch.setenv("PHASEGRAPH_KERNELS", "triton")
+    monkeypatch.setenv("PHASEGRAPH_PDL", pdl)
     engine = support.engine_for(bundle, method, dtype=torch.float32, **kw)
     outs = engine.generate(prompts, support.greedy(max_new_tokens=NEW_TOKENS))
     assert [list(o.token_ids) for o in outs] == baseline

@@ -1,0 +1,122 @@
+"""Programmatic dependent launch (phasegraph.kernels._dispatch, ``PHASEGRAPH_PDL``) on the CPU:
+the setting's values and errors, the device-capability rule, and the invariant that makes it safe
+(every Triton kernel waits for the kernel before it, first thing, when it is launched early).
+Whole engines with it on against it off are compared bit for bit in tests/gpu/test_cuda_graphs.py.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import pkgutil
+from pathlib import Path
+
+import pytest
+import torch
+
+import phasegraph.kernels
+from phasegraph.kernels import _dispatch
+
+ON = {"PDL": True, "launch_pdl": True}
+OFF = {"PDL": False}
+
+
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    _dispatch._pdl_options.cache_clear()
+    yield
+    _dispatch._pdl_options.cache_clear()
+
+
+def _capability(monkeypatch, major, minor=0):
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda index=None: (major, minor))
+
+
+@pytest.mark.parametrize("setting", ["", "auto", "AUTO ", "off"])
+def test_without_a_cuda_device_kernels_launch_plainly(monkeypatch, setting):
+    monkeypatch.setenv("PHASEGRAPH_PDL", setting)
+    assert _dispatch.pdl_options() == OFF
+
+
+def test_on_without_a_cuda_device_is_an_error(monkeypatch):
+    monkeypatch.setenv("PHASEGRAPH_PDL", "on")
+    with pytest.raises(RuntimeError, match="PHASEGRAPH_PDL=on, but no CUDA device"):
+        _dispatch.pdl_options()
+
+
+def test_an_unknown_setting_is_named(monkeypatch):
+    monkeypatch.setenv("PHASEGRAPH_PDL", "sometimes")
+    with pytest.raises(ValueError, match=r"PHASEGRAPH_PDL='sometimes': expected one of auto, "
+                                         r"on, off"):
+        _dispatch.pdl_options()
+
+
+@pytest.mark.parametrize(("major", "auto", "on"), [(8, OFF, None), (9, ON, ON), (10, ON, ON)])
+def test_the_device_capability_decides(monkeypatch, major, auto, on):
+    _capability(monkeypatch, major)
+    assert _dispatch._pdl_options("auto", "", 0) == auto
+    assert _dispatch._pdl_options("off", "", 0) == OFF
+    if on is None:
+        with pytest.raises(RuntimeError, match=r"compute capability 8\.0 \(programmatic "
+                                               r"dependent launch needs 9\.0\)"):
+            _dispatch._pdl_options("on", "", 0)
+    else:
+        assert _dispatch._pdl_options("on", "", 0) == on
+
+
+def test_the_interpreter_never_launches_early(monkeypatch):
+    _capability(monkeypatch, 9)
+    assert _dispatch._pdl_options("auto", "1", 0) == OFF
+    with pytest.raises(RuntimeError, match="no CUDA device runs the kernels"):
+        _dispatch._pdl_options("on", "1", 0)
+
+
+def _kernel_modules():
+    for info in pkgutil.iter_modules(phasegraph.kernels.__path__):
+        module = __import__(f"phasegraph.kernels.{info.name}", fromlist=["_"])
+        yield info.name, module
+
+
+def _kernels():
+    """(module name, kernel name, function definition) of every ``*_kernel`` in the package."""
+    found = []
+    for name, module in _kernel_modules():
+        tree = ast.parse(inspect.getsource(module))
+        for node in tree.body:
+            if isinstance(node, ast.FunctionDef) and node.name.endswith("_kernel"):
+                found.append((name, node.name, node))
+    return found
+
+
+KERNELS = _kernels()
+
+
+def test_the_package_has_its_kernels():
+    names = {kernel for _, kernel, _ in KERNELS}
+    assert len(names) >= 35 and {"_skinny_kernel", "_rope_tree_attention_kernel",
+                                 "_add_rms_norm_kernel", "_chunk_topk_kernel"} <= names
+
+
+@pytest.mark.parametrize(("module", "kernel", "node"), KERNELS,
+                         ids=[f"{module}.{kernel}" for module, kernel, _ in KERNELS])
+def test_every_kernel_waits_for_the_one_before_first(module, kernel, node):
+    """A kernel launched early must not read or write anything before ``griddepcontrol.wait``:
+    its first statement (after the docstring) is ``pdl_enter(PDL)``, PDL a constexpr."""
+    params = {a.arg: a for a in node.args.args}
+    assert "PDL" in params, f"{module}.{kernel} has no PDL parameter"
+    assert ast.unparse(params["PDL"].annotation) == "tl.constexpr"
+    body = node.body
+    if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    assert ast.unparse(body[0]) == "pdl_enter(PDL)", f"{module}.{kernel} starts with " \
+                                                     f"{ast.unparse(body[0])!r}"
+
+
+def test_launch_pdl_is_set_only_beside_a_waiting_kernel():
+    """``launch_pdl`` appears in the kernel package only where ``PDL`` is set with it: the
+    dispatcher's options and the skinny product's forced-PDL configs."""
+    root = Path(phasegraph.kernels.__file__).parent
+    sites = [(p.name, line) for p in sorted(root.glob("*.py"))
+             for line in p.read_text().splitlines() if '"launch_pdl"' in line]
+    assert sites and all('"PDL": True' in line for _, line in sites), sites
+    assert {name for name, _ in sites} == {"_dispatch.py", "linear.py"}
