@@ -30,7 +30,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import profile_pair_host  # noqa: E402
 
-SETTINGS = ("off", "auto")  # + "auto-start": the next kernel launched right after the wait
+SETTINGS = ("off", "auto")
 CHAIN = 100  # launches per graph
 
 
@@ -68,9 +68,8 @@ def chain_times(repeats: int = 50, group: int = 10) -> dict:
     rows = []
     for name, (step, m) in chains.items():
         x = torch.randn(m, 768, device="cuda", generator=g)
-        for setting in SETTINGS + ("auto-start",):
-            os.environ["PHASEGRAPH_PDL"] = setting.split("-")[0]
-            os.environ["PHASEGRAPH_PDL_TRIGGER"] = "start" if "start" in setting else "exit"
+        for setting in SETTINGS:
+            os.environ["PHASEGRAPH_PDL"] = setting
             graph = _chain_graph(step, x)
             gpu, host = [], []
             for _ in range(repeats // group):
@@ -107,7 +106,6 @@ def main() -> int:
     ap.add_argument("--configs", nargs="+", choices=["baseline", "chain", "tree"])
     ap.add_argument("--chains", action="store_true", help="first, graphs of one kernel's chain")
     ap.add_argument("--no-steps", action="store_true", help="only --chains")
-    ap.add_argument("--settings", nargs="+", default=list(SETTINGS))
     ap.add_argument("--rounds", type=int, default=1,
                     help="the settings in turn this many times (off, auto, off, auto, ...)")
     args = ap.parse_args()
@@ -130,11 +128,8 @@ def main() -> int:
         if args.chains:
             result["chains"] = chain_times()
         for round_ in range(0 if args.no_steps else args.rounds):
-            for setting in args.settings:
-                os.environ["PHASEGRAPH_PDL"] = setting.split("-")[0]
-                os.environ["PHASEGRAPH_PDL_TRIGGER"] = "start" if "start" in setting else "exit"
-                os.environ["PHASEGRAPH_PDL_PLAIN"] = setting.split("plain:")[-1] \
-                    if "plain:" in setting else ""
+            for setting in SETTINGS:
+                os.environ["PHASEGRAPH_PDL"] = setting
                 out = Path(args.out) / f"{setting}-{round_}"
                 print(f"===== PHASEGRAPH_PDL={setting}, round {round_} =====", flush=True)
                 profile_pair_host.main(probe + ["--batches", "1", "--out", str(out)])

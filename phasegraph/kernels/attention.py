@@ -731,7 +731,7 @@ def paged_attention_triton(
         SPLIT_P=split_p,
         CHUNK=chunk,
         num_warps=num_warps,
-        num_stages=num_stages, **pdl_options("paged"),
+        num_stages=num_stages, **pdl_options(),
     )
     combine_splits(out, part_acc, part_max, part_sum, kv_len, block_d, chunk, num_extra)
     return out
@@ -809,7 +809,7 @@ def combine_splits(out, part_acc, part_max, part_sum, kv_len, block_d: int, chun
         NUM_SPLITS=num_splits,
         CHUNK=chunk,
         NUM_EXTRA=num_extra,
-        num_warps=1 if chunk or block_d * num_splits <= 1024 else 4, **pdl_options("combine"),
+        num_warps=1 if chunk or block_d * num_splits <= 1024 else 4, **pdl_options(),
     )
 
 

@@ -462,7 +462,7 @@ def rope_tree_attention_triton(
         CHUNK=chunk,
         INDEXED=indexed,
         num_warps=4,
-        num_stages=num_stages, **pdl_options("tree"),
+        num_stages=num_stages, **pdl_options(),
     )
     combine_splits(out, part_acc, part_max, part_sum, kv_len, head_dim, chunk, num_extra)
     return out
@@ -496,7 +496,11 @@ def rope_paged_attention_triton(
     :func:`~phasegraph.kernels.attention.paged_attention_triton` (64 query rows in bf16/fp16,
     16 in fp32; fp32 in fixed chunks of positions), with one token per program; ``splits``
     brings ``T * Hkv * splits`` to about two programs per SM (bf16/fp16), or is the number of
-    float32 chunks while ``T * Hkv`` leaves most SMs idle."""
+    float32 chunks while ``T * Hkv`` leaves most SMs idle.
+
+    Launched plainly, never early (``pdl_options(early=False)``): placed early beside the qkv
+    product it follows, its programs crowded onto the SMs that had room, and the bench pair's
+    decode step took 0.483 instead of 0.415 ms of GPU time (``bench/pdl_ab.py``, H100)."""
     _check(qkv, num_heads, num_kv_heads, head_dim, k_cache)
     num_tokens = qkv.shape[0]
     group = num_heads // num_kv_heads
@@ -535,7 +539,8 @@ def rope_paged_attention_triton(
         CHUNK=chunk,
         INDEXED=indexed,
         num_warps=4,
-        num_stages=1 if upcast else 2, **pdl_options("rope"),
+        num_stages=1 if upcast else 2,
+        **pdl_options(early=False),  # one wave spread over the SMs (docstring)
     )
     combine_splits(out, part_acc, part_max, part_sum, meta.kv_len.contiguous(), head_dim, chunk, 0)
     return out

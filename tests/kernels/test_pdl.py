@@ -64,6 +64,11 @@ def test_the_device_capability_decides(monkeypatch, major, auto, on):
         assert _dispatch._pdl_options("on", "", 0) == on
 
 
+def test_a_launch_may_opt_out(monkeypatch):
+    monkeypatch.setenv("PHASEGRAPH_PDL", "on")  # never consulted
+    assert _dispatch.pdl_options(early=False) == OFF
+
+
 def test_the_interpreter_never_launches_early(monkeypatch):
     _capability(monkeypatch, 9)
     assert _dispatch._pdl_options("auto", "1", 0) == OFF
