@@ -51,6 +51,8 @@ ENV_VAR = "PHASEGRAPH_KERNELS"
 MODES = ("auto", "reference", "triton")
 PDL_ENV_VAR = "PHASEGRAPH_PDL"
 PDL_MODES = ("auto", "on", "off")
+# Triton reads TRITON_INTERPRET when a kernel is defined, so this module reads it once, on import
+_INTERPRETED = os.environ.get("TRITON_INTERPRET", "").strip() not in ("", "0")
 
 
 def kernel_mode() -> str:
@@ -98,13 +100,13 @@ def jit(fn=None, **kwargs):
 
 
 @functools.cache
-def _pdl_options(setting: str, interpret: str, device_index: int | None) -> dict:
+def _pdl_options(setting: str, interpreted: bool, device_index: int | None) -> dict:
     mode = setting.strip().lower() or "auto"
     if mode not in PDL_MODES:
         raise ValueError(f"{PDL_ENV_VAR}={setting!r}: expected one of {', '.join(PDL_MODES)}")
     if mode == "off":
         return {"PDL": False}
-    if device_index is None or interpret.strip() not in ("", "0"):
+    if device_index is None or interpreted:
         if mode == "on":
             raise RuntimeError(f"{PDL_ENV_VAR}=on, but no CUDA device runs the kernels")
         return {"PDL": False}
@@ -128,8 +130,7 @@ def pdl_options(early: bool = True) -> dict:
     if not early:
         return {"PDL": False}
     device = torch.cuda.current_device() if torch.cuda.is_initialized() else None
-    return _pdl_options(os.environ.get(PDL_ENV_VAR, "auto"),
-                        os.environ.get("TRITON_INTERPRET", ""), device)
+    return _pdl_options(os.environ.get(PDL_ENV_VAR, "auto"), _INTERPRETED, device)
 
 
 def cdiv(a: int, b: int) -> int:

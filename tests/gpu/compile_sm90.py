@@ -93,7 +93,7 @@ def ptx_code(kernel) -> str:
     return "\n".join(line for line in ptx.splitlines() if line.strip()) + "\n"
 
 
-def _sm90_pdl_options(setting: str, interpret: str, device_index: int | None) -> dict:
+def _sm90_pdl_options(setting: str, interpreted: bool, device_index: int | None) -> dict:
     return {"PDL": True, "launch_pdl": True}
 
 

@@ -54,14 +54,14 @@ def test_an_unknown_setting_is_named(monkeypatch):
 @pytest.mark.parametrize(("major", "auto", "on"), [(8, OFF, None), (9, ON, ON), (10, ON, ON)])
 def test_the_device_capability_decides(monkeypatch, major, auto, on):
     _capability(monkeypatch, major)
-    assert _dispatch._pdl_options("auto", "", 0) == auto
-    assert _dispatch._pdl_options("off", "", 0) == OFF
+    assert _dispatch._pdl_options("auto", False, 0) == auto
+    assert _dispatch._pdl_options("off", False, 0) == OFF
     if on is None:
         with pytest.raises(RuntimeError, match=r"compute capability 8\.0 \(programmatic "
                                                r"dependent launch needs 9\.0\)"):
-            _dispatch._pdl_options("on", "", 0)
+            _dispatch._pdl_options("on", False, 0)
     else:
-        assert _dispatch._pdl_options("on", "", 0) == on
+        assert _dispatch._pdl_options("on", False, 0) == on
 
 
 def test_a_launch_may_opt_out(monkeypatch):
@@ -71,9 +71,9 @@ def test_a_launch_may_opt_out(monkeypatch):
 
 def test_the_interpreter_never_launches_early(monkeypatch):
     _capability(monkeypatch, 9)
-    assert _dispatch._pdl_options("auto", "1", 0) == OFF
+    assert _dispatch._pdl_options("auto", True, 0) == OFF
     with pytest.raises(RuntimeError, match="no CUDA device runs the kernels"):
-        _dispatch._pdl_options("on", "1", 0)
+        _dispatch._pdl_options("on", True, 0)
 
 
 def _kernel_modules():
