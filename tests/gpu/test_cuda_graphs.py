@@ -133,15 +133,9 @@ def test_replay_is_bitwise_eager_on_the_same_padded_input():
                 assert torch.equal(a, b), f"{name}: field {fname} differs between replay and eager"
 
 
-def test_iteration_replay_is_bitwise_eager_on_the_same_padded_input():
-    """For every captured bucket: replaying the whole-iteration graph gives, for each of the four
-    phases, the outputs of running the phases eagerly on the same padded static input (fp32)."""
-    from phasegraph.runtime.iteration_graph import ITERATION
-
-    target = _target()
-    prompts = _prompts(5, seed=8)
-    ref = _reference(target, prompts)
-    spec = SpecConfig(method="standalone", num_steps=3, topk=4, num_draft_tokens=12)
+def _captured_iteration(target, prompts, ref, spec):
+    """An engine of whole-iteration graphs after four steps of ``prompts`` (its buckets
+    captured), and its iteration graph."""
     eng = _spec_engine(target, prompts, ref, spec, 16, True, 5, scope="iteration")
     for r, p in enumerate(prompts):
         eng.add_request(f"r{r}", p, SamplingParams(max_new_tokens=64, ignore_eos=True))
@@ -149,6 +143,14 @@ def test_iteration_replay_is_bitwise_eager_on_the_same_padded_input():
         eng.step()
     it = eng.graph_runner.iteration
     assert it.graphs, "the iteration was never captured"
+    return eng, it
+
+
+def _assert_replays_equal_eager_phases(eng, it, differs: str) -> None:
+    """For every captured bucket: a replay's outputs, phase by phase, equal the phases run
+    eagerly on the same padded static input, bit for bit."""
+    from phasegraph.runtime.iteration_graph import ITERATION
+
     for cap in it.graphs.values():
         cap.graph.replay()
         torch.cuda.synchronize()
@@ -157,7 +159,18 @@ def test_iteration_replay_is_bitwise_eager_on_the_same_padded_input():
         for name, want in zip(ITERATION, replayed, strict=True):
             x = it.specs[name].fn(x, eng.ctx)
             for (fname, a), b in zip(x.tensors(), want, strict=True):
-                assert torch.equal(a, b), f"{name}: field {fname} differs between replay and eager"
+                assert torch.equal(a, b), f"{name}: field {fname} differs {differs}"
+
+
+def test_iteration_replay_is_bitwise_eager_on_the_same_padded_input():
+    """For every captured bucket: replaying the whole-iteration graph gives, for each of the four
+    phases, the outputs of running the phases eagerly on the same padded static input (fp32)."""
+    target = _target()
+    prompts = _prompts(5, seed=8)
+    ref = _reference(target, prompts)
+    spec = SpecConfig(method="standalone", num_steps=3, topk=4, num_draft_tokens=12)
+    eng, it = _captured_iteration(target, prompts, ref, spec)
+    _assert_replays_equal_eager_phases(eng, it, "between replay and eager")
 
 
 def test_pdl_replay_is_bitwise_the_plain_eager_phases(monkeypatch):
@@ -166,7 +179,6 @@ def test_pdl_replay_is_bitwise_the_plain_eager_phases(monkeypatch):
     phase, bit for bit the outputs of the phases run eagerly with it off on the same padded
     input (fp32), and generate emits the same tokens with it on and off."""
     from phasegraph.kernels._dispatch import pdl_options
-    from phasegraph.runtime.iteration_graph import ITERATION
 
     monkeypatch.setenv("PHASEGRAPH_PDL", "on")
     target = _target()
@@ -174,23 +186,9 @@ def test_pdl_replay_is_bitwise_the_plain_eager_phases(monkeypatch):
     prompts = _prompts(5, seed=9)
     ref = _reference(target, prompts)
     spec = SpecConfig(method="standalone", num_steps=3, topk=4, num_draft_tokens=12)
-    eng = _spec_engine(target, prompts, ref, spec, 16, True, 5, scope="iteration")
-    for r, p in enumerate(prompts):
-        eng.add_request(f"r{r}", p, SamplingParams(max_new_tokens=64, ignore_eos=True))
-    for _ in range(4):
-        eng.step()
-    it = eng.graph_runner.iteration
-    assert it.graphs, "the iteration was never captured"
+    eng, it = _captured_iteration(target, prompts, ref, spec)
     monkeypatch.setenv("PHASEGRAPH_PDL", "off")
-    for cap in it.graphs.values():
-        cap.graph.replay()
-        torch.cuda.synchronize()
-        replayed = [[x.clone() for _, x in out.tensors()] for out in cap.static_outs]
-        x = cap.static_in
-        for name, want in zip(ITERATION, replayed, strict=True):
-            x = it.specs[name].fn(x, eng.ctx)
-            for (fname, a), b in zip(x.tensors(), want, strict=True):
-                assert torch.equal(a, b), f"{name}: field {fname} differs, PDL on vs off"
+    _assert_replays_equal_eager_phases(eng, it, "PDL on vs off")
     tokens = {}
     for setting in ("on", "off"):
         monkeypatch.setenv("PHASEGRAPH_PDL", setting)
