@@ -9,7 +9,7 @@ graphs captured anew under each setting:
 Each setting runs ``profile_pair_host.py`` (end-to-end step time with overlap on and off, GPU
 busy time = the union of kernel intervals per step, so kernels placed early and waiting count
 as busy; ``--kernels``: the kernel table of the traced run; ``--profile``: a cProfile of the
-host) into ``DIR/<setting>/`` and this prints and writes ``pdl_ab.json`` with the rows of both.
+host) into ``DIR/<setting>-<round>/`` and this prints and writes ``pdl_ab.json`` with the rows of both.
 
 ``--chains`` first times CUDA graphs of 100 launches of one kernel, each reading the output of
 the one before (a 1-row float32 product, a 16-row split-K TF32x3 product, the add + RMSNorm
@@ -110,16 +110,13 @@ def main() -> int:
                     help="the settings in turn this many times (off, auto, off, auto, ...)")
     args = ap.parse_args()
     if args.shape == "8b":
-        probe = ["--shape", "8b", "--dtype", "bfloat16", "--configs", "baseline", "chain",
-                 "--checks", "off"]
+        probe = ["--shape", "8b", "--dtype", "bfloat16", "--checks", "off",
+                 "--configs", *(args.configs or ["baseline", "chain"])]
     else:
         probe = ["--shape", "bench-pair", "--dtype", "float32", "--draft-dtype", "bfloat16",
-                 "--configs", "baseline", "chain", "tree", "--checks", "default"]
+                 "--checks", "default", "--configs", *(args.configs or ["baseline", "chain", "tree"])]
     if args.kernels:
         probe.append("--kernels")
-    if args.configs:
-        at = probe.index("--configs")
-        probe[at + 1:at + 1 + (2 if args.shape == "8b" else 3)] = args.configs
     if not args.profile:
         probe.append("--no-profile")
     result = {"gpu": torch.cuda.get_device_name(), "shape": args.shape, "settings": {}}

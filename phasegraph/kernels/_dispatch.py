@@ -53,6 +53,7 @@ PDL_ENV_VAR = "PHASEGRAPH_PDL"
 PDL_MODES = ("auto", "on", "off")
 # Triton reads TRITON_INTERPRET when a kernel is defined, so this module reads it once, on import
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "").strip() not in ("", "0")
+PDL_LAUNCH = {"PDL": True, "launch_pdl": True}  # a launch placed early, its kernel waiting first
 
 
 def kernel_mode() -> str:
@@ -117,7 +118,7 @@ def _pdl_options(setting: str, interpreted: bool, device_index: int | None) -> d
                                f"capability {major}.{minor} (programmatic dependent launch needs "
                                "9.0)")
         return {"PDL": False}
-    return {"PDL": True, "launch_pdl": True}
+    return PDL_LAUNCH
 
 
 def pdl_options(early: bool = True) -> dict:

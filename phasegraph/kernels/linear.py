@@ -47,6 +47,7 @@ import torch.nn.functional as F
 
 from phasegraph.kernels._checks import expect_float, expect_shape
 from phasegraph.kernels._dispatch import (
+    PDL_LAUNCH,
     cdiv,
     jit,
     next_pow2,
@@ -613,7 +614,7 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
         DOT=cfg.dot, SWAP=cfg.dot and cfg.swap, PRECISION=precision, EVEN_K=k % block_k == 0,
         SINGLE_K=single, STAGES=cfg.num_stages, SPLIT_K=split, DEFER=defer,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **({"PDL": True, "launch_pdl": True} if cfg.pdl else pdl_options()),
+        **(PDL_LAUNCH if cfg.pdl else pdl_options()),
     )
     grid = (blocks, split)
     if warmup:

@@ -94,7 +94,7 @@ def ptx_code(kernel) -> str:
 
 
 def _sm90_pdl_options(setting: str, interpreted: bool, device_index: int | None) -> dict:
-    return {"PDL": True, "launch_pdl": True}
+    return dispatch.PDL_LAUNCH
 
 
 def main(argv: list[str]) -> int:

@@ -119,9 +119,10 @@ def test_every_kernel_waits_for_the_one_before_first(module, kernel, node):
 
 def test_launch_pdl_is_set_only_beside_a_waiting_kernel():
     """``launch_pdl`` appears in the kernel package only where ``PDL`` is set with it: the
-    dispatcher's options and the skinny product's forced-PDL configs."""
+    dispatcher's one early-launch option set (which the skinny product's forced-PDL configs
+    take too)."""
     root = Path(phasegraph.kernels.__file__).parent
     sites = [(p.name, line) for p in sorted(root.glob("*.py"))
              for line in p.read_text().splitlines() if '"launch_pdl"' in line]
     assert sites and all('"PDL": True' in line for _, line in sites), sites
-    assert {name for name, _ in sites} == {"_dispatch.py", "linear.py"}
+    assert {name for name, _ in sites} == {"_dispatch.py"}
