@@ -40,7 +40,8 @@ def _capture(kernels: int, x: torch.Tensor) -> torch.cuda.CUDAGraph:
     return graph
 
 
-def _median_us(setup, launch, repeats: int) -> float:
+def median_us(setup, launch, repeats: int) -> float:
+    """Median host time (us) of ``launch()`` alone, after ``setup()`` on a synchronised device."""
     times = []
     for _ in range(repeats):
         torch.cuda.synchronize()
@@ -60,10 +61,10 @@ def measure(kernels: int, repeats: int = 200) -> dict[str, float]:
     torch.cuda.synchronize()
     sleep_cycles = int(0.5e-3 * torch.cuda.get_device_properties(0).clock_rate * 1e3)  # clock_rate in kHz
     return {
-        "idle": _median_us(lambda: None, graph.replay, repeats),
-        "busy (other work)": _median_us(lambda: torch.cuda._sleep(sleep_cycles), graph.replay, repeats),
-        "busy (same graph)": _median_us(graph.replay, graph.replay, repeats),
-        "busy (twin graph)": _median_us(graph.replay, twin.replay, repeats),
+        "idle": median_us(lambda: None, graph.replay, repeats),
+        "busy (other work)": median_us(lambda: torch.cuda._sleep(sleep_cycles), graph.replay, repeats),
+        "busy (same graph)": median_us(graph.replay, graph.replay, repeats),
+        "busy (twin graph)": median_us(graph.replay, twin.replay, repeats),
     }
 
 
