@@ -33,7 +33,11 @@ from pathlib import Path
 
 import torch
 
-from phasegraph.bench.common import fill_random_weights, forward_weight_bytes
+from phasegraph.bench.common import (
+    detach_cupti_after_profiling,
+    fill_random_weights,
+    forward_weight_bytes,
+)
 
 
 def copy_bandwidth(nbytes: int = 2 << 30) -> float:
@@ -176,6 +180,7 @@ def gpu_busy_seconds(run, iterations: int, gaps: list | None = None) -> tuple[fl
     :func:`idle_gaps`."""
     from torch.profiler import ProfilerActivity, profile
 
+    detach_cupti_after_profiling()  # else every launch after this session costs the host more
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(iterations):
             run()

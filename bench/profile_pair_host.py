@@ -41,7 +41,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_scale  # noqa: E402
 
-from phasegraph.bench.common import sync  # noqa: E402
+from phasegraph.bench.common import detach_cupti_after_profiling, sync  # noqa: E402
 
 
 def build_pair(dtype: torch.dtype, device: str = "cuda", overrides: list[str] | None = None,
@@ -579,6 +579,7 @@ def main(argv=None) -> int:
     ap.add_argument("--checks", nargs="+", default=["default", "off"], choices=["default", "off"],
                     help="trace and validation settings to time (default: trace + default checks, and none)")
     args = ap.parse_args(argv)
+    detach_cupti_after_profiling()  # the profiler's sessions leave no cost on later launches
     if args.device == "cpu" and not args.sites:
         ap.error("--device cpu runs --sites only (the other tables time the GPU)")
     from phasegraph import SpecConfig

@@ -33,7 +33,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from profile_pair_host import _ModuloTokenizer, build_pair, wrapped_methods  # noqa: E402
 
-from phasegraph.bench.common import sync  # noqa: E402
+from phasegraph.bench.common import detach_cupti_after_profiling, sync  # noqa: E402
 
 MARK = "tl::"  # prefix of this script's profiler ranges
 DEVICE_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
@@ -305,6 +305,7 @@ def main(argv=None) -> int:
     ap.add_argument("--set", action="append", default=[], metavar="SECTION.FIELD=VALUE",
                     help="preset override, as python -m phasegraph.train --set takes (small shapes for a CPU check)")
     args = ap.parse_args(argv)
+    detach_cupti_after_profiling()  # the profiler's sessions leave no cost on later launches
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     specs = {

@@ -407,6 +407,19 @@ def environment(device, validate: str | None) -> dict:
     return env
 
 
+CUPTI_TEARDOWN_VAR = "TEARDOWN_CUPTI"
+
+
+def detach_cupti_after_profiling() -> None:
+    """Have every ``torch.profiler`` session from now on detach CUPTI when it ends (Kineto's
+    ``TEARDOWN_CUPTI=1``), unless the environment already says otherwise. Left attached, CUPTI
+    makes every later launch dearer for the host: on an H100 a tree iteration's graph replay
+    went from 0.008 to 0.081 ms, and ``Machine.advance`` from 0.18 to 0.28 ms per iteration,
+    after one session (bench/RESULTS.md §5) - and the bench times rows after it has profiled
+    others."""
+    os.environ.setdefault(CUPTI_TEARDOWN_VAR, "1")
+
+
 def host_launch_seconds(device, calls: int = 2000) -> float:
     """Host time to issue one tiny op on ``device`` without waiting for it: how fast this
     machine's host is. Lent machines differ (~2x between two H100 hosts on 2026-11-23), and a
