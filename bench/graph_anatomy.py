@@ -98,6 +98,8 @@ def generate_wait(engine, calls: int = 3, prompt_tokens: int = 128, new_tokens: 
     iteration, the host's wait for the device inside it (the scheduler's one sync per
     iteration, ``Event.synchronize``; near zero: the host is the bound), and the host time of a
     few calls inside the loop (the graph replays among them), each per iteration."""
+    import profile_pair_host as pph
+
     from phasegraph import SamplingParams
     from phasegraph.runtime.iteration_graph import IterationGraph
     from phasegraph.runtime.scheduler import Scheduler
@@ -111,16 +113,15 @@ def generate_wait(engine, calls: int = 3, prompt_tokens: int = 128, new_tokens: 
              "IterationGraph._draft (copy in, replay, copy out)": (IterationGraph, "_draft")}
     seconds = dict.fromkeys(timed, 0.0)
     counts = dict.fromkeys(timed, 0)
-    originals = {label: getattr(cls, name) for label, (cls, name) in timed.items()}
 
     def wrap(label, fn):
         def run(*args, **kwargs):
+            counts[label] += 1
             t0 = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
                 seconds[label] += time.perf_counter() - t0
-                counts[label] += 1
         return run
 
     g = torch.Generator().manual_seed(8)
@@ -134,17 +135,12 @@ def generate_wait(engine, calls: int = 3, prompt_tokens: int = 128, new_tokens: 
         outs = engine.generate(prompts, params)
     torch.cuda.synchronize()
     bare_wall = time.perf_counter() - start
-    for label, (cls, name) in timed.items():
-        setattr(cls, name, wrap(label, originals[label]))
-    try:
+    with pph.wrapped_methods(timed, wrap, lambda ready: ready):
         start = time.perf_counter()
         for _ in range(calls):
             engine.generate(prompts, params)
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
-    finally:
-        for label, (cls, name) in timed.items():
-            setattr(cls, name, originals[label])
     iterations = calls * (len(outs[0].stats.accept_lengths) or len(outs[0].token_ids))
     return {"iteration_ms": 1e3 * bare_wall / iterations, "timed_iteration_ms": 1e3 * wall / iterations,
             "iterations": iterations,
