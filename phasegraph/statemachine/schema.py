@@ -129,6 +129,7 @@ class CompiledSchema:
     values: tuple[_ValueSpec, ...]
     invariants: tuple[tuple[str, Callable], ...]
     fast_check: Callable[[Any, Any], dict[str, int] | None] | None = None
+    batch_fields: tuple[str, ...] = ()  # tensor fields whose first dim is the batch dim, in order
 
     def field_names(self) -> tuple[str, ...]:
         return tuple(s.name for s in self.tensors) + tuple(s.name for s in self.values)
@@ -217,7 +218,9 @@ def _compile(cls: type) -> CompiledSchema:
             if label is not None and attr_name not in seen:
                 seen.add(attr_name)
                 invariants.append((label, fn))
-    spec = CompiledSchema(cls.__name__, tuple(tensors), tuple(values), tuple(invariants))
+    batch_fields = tuple(t.name for t in tensors if t.dims and t.dims[0].text == cls.__batch_dim__)
+    spec = CompiledSchema(cls.__name__, tuple(tensors), tuple(values), tuple(invariants),
+                          batch_fields=batch_fields)
     return attrs.evolve(spec, fast_check=_generate_fast_check(spec, cls.__batch_dim__))
 
 
@@ -264,7 +267,7 @@ def _generate_fast_check(
                 exprs.append((key, d))
                 lines.insert(1, f"    {key} = -1")
         if t.host:
-            body.append("if x.device.type != 'cpu': return None")
+            body.append("if not x.is_cpu: return None")
         else:
             body.append("if dev is None: dev = x.device")
             body.append("elif x.device != dev: return None")
@@ -302,9 +305,10 @@ def _generate_fast_check(
             batch = var.get(batch_dim)
             if batch is not None:
                 lines.append(f"        if inner is not None and {batch} >= 0 and inner != {batch}: return None")
-    pairs = ", ".join(f"{n!r}: {var[n]}" for n in names)
-    lines.append(f"    out = {{{pairs}}}")
-    lines.append("    return {k: v for k, v in out.items() if v >= 0}")
+    lines.append("    out = {}")
+    for n in names:
+        lines.append(f"    if {var[n]} >= 0: out[{n!r}] = {var[n]}")
+    lines.append("    return out")
     code = "\n".join(lines)
     exec(compile(code, f"<fast check {spec.name}>", "exec"), env)  # noqa: S102 - generated above
     return env["fast_check"]
@@ -342,12 +346,10 @@ class Schema:
     @property
     def batch_size(self) -> int | None:
         """Size of the batch dim, read from the first tensor field that leads with it."""
-        spec = type(self).__schema__
-        for t in spec.tensors:
-            if t.dims and t.dims[0].text == self.__batch_dim__:
-                x = getattr(self, t.name)
-                if x is not None:
-                    return int(x.shape[0])
+        for name in type(self).__schema__.batch_fields:
+            x = getattr(self, name)
+            if x is not None:
+                return int(x.shape[0])
         return None
 
     def tensors(self) -> Iterator[tuple[str, Any]]:

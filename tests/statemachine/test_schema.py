@@ -162,3 +162,29 @@ def test_summary_and_repr_never_read_values():
     assert t.summary() == "Toy(B=4, K=2, N=3)"
     assert "ids=int64[4]@cpu" in repr(t)
     assert t.batch_size == 4
+
+
+def test_the_generated_fast_check_accepts_what_the_reporting_path_accepts():
+    """check_fields tries the generated straight-line check first and falls back to the
+    reporting path only on a mismatch; a fast check that refused a valid instance would make
+    every boundary check slow without failing any other test."""
+    from phasegraph.statemachine.schema import _check_fields_reporting
+
+    spec = Toy.__schema__
+    valid = [toy(), toy(B=1, K=5, N=2), toy(opt=torch.rand(4, 7)),
+             toy(host_lens=torch.zeros(4, dtype=torch.int64))]
+    for obj in valid:
+        assert spec.fast_check(obj, None) == _check_fields_reporting(obj, spec, None)
+    assert spec.fast_check(toy(), "cpu") == {"B": 4, "K": 2, "N": 3}
+    invalid = [toy(ids=torch.arange(4, dtype=torch.int32)), toy(scores=torch.rand(5, 2)),
+               toy(per_node=torch.zeros(11, dtype=torch.int64)),
+               toy(host_lens=torch.zeros(4, dtype=torch.int64, device="meta"))]
+    for obj in invalid:
+        assert spec.fast_check(obj, None) is None
+        with pytest.raises(SchemaViolation):
+            _check_fields_reporting(obj, spec, None)
+
+
+def test_batch_size_reads_the_first_set_field_that_leads_with_the_batch_dim():
+    assert Toy.__schema__.batch_fields == ("ids", "scores", "table", "opt", "host_lens")
+    assert toy(B=6).batch_size == 6
