@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from phasegraph.kernels._checks import expect_float, expect_shape
+from phasegraph.kernels._checks import expect, expect_float, expect_shape
 from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
 from phasegraph.kernels.split_sum import SplitSum, load_total, materialize, split_args
 
@@ -155,27 +155,39 @@ def add_rms_norm(
 # Two rows normalised side by side (the EAGLE-3 head's input)
 
 
-def _check_concat(a, a_weight, b, b_weight) -> None:
+def _check_concat(a, a_weight, b, b_weight, a_rows=None) -> None:
     expect_float(a, "a", 2)
     expect_float(b, "b", 2)
-    if b.shape[0] != a.shape[0] or b.dtype != a.dtype:
-        raise ValueError(f"b: expected {a.shape[0]} rows of {a.dtype}, got {tuple(b.shape)} {b.dtype}")
+    if a_rows is None:
+        if b.shape[0] != a.shape[0] or b.dtype != a.dtype:
+            raise ValueError(f"b: expected {a.shape[0]} rows of {a.dtype}, got {tuple(b.shape)} {b.dtype}")
+    else:
+        expect(a_rows, "a_rows", 1, torch.int64)
+        expect_shape(a_rows, "a_rows", (b.shape[0],))
+        if a_rows.device != a.device:
+            raise ValueError(f"a_rows: expected a tensor on {a.device}, got one on {a_rows.device}")
     expect_shape(a_weight, "a_weight", (a.shape[1],))
     expect_shape(b_weight, "b_weight", (b.shape[1],))
 
 
 def rms_norm_concat_reference(
-    a: torch.Tensor,  # [T, Ha]
+    a: torch.Tensor,  # [T, Ha], or [V, Ha] rows to gather with a_rows
     a_weight: torch.Tensor,  # [Ha]
     a_eps: float,
     b: torch.Tensor,  # [T, Hb]
     b_weight: torch.Tensor,  # [Hb]
     b_eps: float,
-) -> torch.Tensor:  # [T, Ha + Hb]
+    a_rows: torch.Tensor | None = None,  # [T] int64
+) -> torch.Tensor:  # [T, Ha + Hb], dtype of b
     """``cat([rms_norm(a) * a_weight, rms_norm(b) * b_weight], -1)``: the EAGLE-3 head's input
     (Li et al., 2025, "EAGLE-3", arXiv 2503.01840: the token embedding and the fused feature,
-    each normed, side by side), each half rounded as ``add_rms_norm_reference``."""
-    _check_concat(a, a_weight, b, b_weight)
+    each normed, side by side), each half rounded as ``add_rms_norm_reference``. With
+    ``a_rows``, ``a`` is a table (the embedding) and row t's first half normalises
+    ``a[a_rows[t]]`` cast to b's dtype: the lookup and the cast are exact, so this equals
+    gathering and casting first."""
+    _check_concat(a, a_weight, b, b_weight, a_rows)
+    if a_rows is not None:
+        a = a.index_select(0, a_rows).to(b.dtype)  # [T, Ha]
     a_normed, _ = add_rms_norm_reference(a, None, a_weight, a_eps)
     b_normed, _ = add_rms_norm_reference(b, None, b_weight, b_eps)
     return torch.cat([a_normed, b_normed], dim=-1)
@@ -183,10 +195,12 @@ def rms_norm_concat_reference(
 
 @jit
 def _rms_norm_concat_kernel(
-    a_ptr, b_ptr,  # [T, Ha], [T, Hb] (unit stride along H)
+    a_ptr, b_ptr,  # [T, Ha] (or [V, Ha] with A_ROWS), [T, Hb] (unit stride along H)
+    a_rows_ptr,  # [T] int64: the row of a for each token (A_ROWS)
     a_weight_ptr, b_weight_ptr,  # [Ha], [Hb]
-    out_ptr,  # [T, Ha + Hb] out, contiguous
+    out_ptr,  # [T, Ha + Hb] out, contiguous, dtype of b
     a_hidden, b_hidden, stride_a, stride_b, a_eps, b_eps,
+    A_ROWS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
@@ -201,7 +215,10 @@ def _rms_norm_concat_kernel(
         x = tl.load(b_ptr + t * stride_b + cols, mask=inside, other=0.0)
         w = tl.load(b_weight_ptr + cols, mask=inside, other=0.0)
     else:
-        x = tl.load(a_ptr + t * stride_a + cols, mask=inside, other=0.0)
+        row = t
+        if A_ROWS:
+            row = tl.load(a_rows_ptr + t)
+        x = tl.load(a_ptr + row * stride_a + cols, mask=inside, other=0.0).to(out_ptr.dtype.element_ty)
         w = tl.load(a_weight_ptr + cols, mask=inside, other=0.0)
     offset = tl.where(second, a_hidden, 0)
     tl.store(out_ptr + t * (a_hidden + b_hidden) + offset + cols, _normalise(x, w, hidden, eps),
@@ -209,27 +226,30 @@ def _rms_norm_concat_kernel(
 
 
 def rms_norm_concat_triton(
-    a: torch.Tensor,  # [T, Ha], unit stride along Ha
+    a: torch.Tensor,  # [T, Ha] (or [V, Ha] with a_rows), unit stride along Ha
     a_weight: torch.Tensor,  # [Ha]
     a_eps: float,
     b: torch.Tensor,  # [T, Hb], unit stride along Hb
     b_weight: torch.Tensor,  # [Hb]
     b_eps: float,
-) -> torch.Tensor:  # [T, Ha + Hb]
+    a_rows: torch.Tensor | None = None,  # [T] int64
+) -> torch.Tensor:  # [T, Ha + Hb], dtype of b
     """Triton ``rms_norm_concat``: a (token, half) grid writing both halves of each output row,
-    in place of two norm kernels and a concatenation."""
-    _check_concat(a, a_weight, b, b_weight)
+    in place of two norm kernels and a concatenation (and, with ``a_rows``, of the embedding
+    lookup and its cast)."""
+    _check_concat(a, a_weight, b, b_weight, a_rows)
     if a.stride(1) != 1 or b.stride(1) != 1 or not (a_weight.is_contiguous() and b_weight.is_contiguous()):
-        return rms_norm_concat_reference(a, a_weight, a_eps, b, b_weight, b_eps)
-    tokens, a_hidden = a.shape
-    b_hidden = b.shape[1]
-    out = torch.empty((tokens, a_hidden + b_hidden), dtype=a.dtype, device=a.device)
+        return rms_norm_concat_reference(a, a_weight, a_eps, b, b_weight, b_eps, a_rows)
+    tokens, b_hidden = b.shape
+    a_hidden = a.shape[1]
+    out = torch.empty((tokens, a_hidden + b_hidden), dtype=b.dtype, device=b.device)
     if tokens == 0:
         return out
     block = next_pow2(max(a_hidden, b_hidden))
     _rms_norm_concat_kernel[(tokens, 2)](
-        a, b, a_weight, b_weight, out, a_hidden, b_hidden, a.stride(0), b.stride(0),
-        float(a_eps), float(b_eps),
+        a, b, out if a_rows is None else a_rows.contiguous(), a_weight, b_weight, out,
+        a_hidden, b_hidden, a.stride(0), b.stride(0), float(a_eps), float(b_eps),
+        A_ROWS=a_rows is not None,
         BLOCK_H=block,
         num_warps=8 if block >= 4096 else 4, **pdl_options(),
     )
@@ -237,14 +257,16 @@ def rms_norm_concat_triton(
 
 
 def rms_norm_concat(
-    a: torch.Tensor,  # [T, Ha]
+    a: torch.Tensor,  # [T, Ha], or [V, Ha] rows to gather with a_rows
     a_weight: torch.Tensor,  # [Ha]
     a_eps: float,
     b: torch.Tensor,  # [T, Hb]
     b_weight: torch.Tensor,  # [Hb]
     b_eps: float,
-) -> torch.Tensor:  # [T, Ha + Hb]
-    """``cat([rms_norm(a) * a_weight, rms_norm(b) * b_weight], -1)`` (one Triton launch on CUDA)."""
-    if use_triton(a):
-        return rms_norm_concat_triton(a, a_weight, a_eps, b, b_weight, b_eps)
-    return rms_norm_concat_reference(a, a_weight, a_eps, b, b_weight, b_eps)
+    a_rows: torch.Tensor | None = None,  # [T] int64
+) -> torch.Tensor:  # [T, Ha + Hb], dtype of b
+    """``cat([rms_norm(a) * a_weight, rms_norm(b) * b_weight], -1)`` (one Triton launch on CUDA);
+    with ``a_rows``, the first half normalises ``a[a_rows]`` cast to b's dtype."""
+    if use_triton(b):
+        return rms_norm_concat_triton(a, a_weight, a_eps, b, b_weight, b_eps, a_rows)
+    return rms_norm_concat_reference(a, a_weight, a_eps, b, b_weight, b_eps, a_rows)

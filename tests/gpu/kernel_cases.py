@@ -492,4 +492,9 @@ def compile_cases():
                       lambda dtype=dtype: norms.rms_norm_concat_triton(
                           torch.randn(4, 4096).to(dtype), torch.ones(4096).to(dtype), 1e-5,
                           torch.randn(4, 4096).to(dtype), torch.ones(4096).to(dtype), 1e-5)))
+        cases.append((f"rms_norm_concat/table-rows/{str(dtype)[6:]}",
+                      lambda dtype=dtype: norms.rms_norm_concat_triton(
+                          torch.randn(64, 4096), torch.ones(4096).to(dtype), 1e-5,
+                          torch.randn(4, 4096).to(dtype), torch.ones(4096).to(dtype), 1e-5,
+                          torch.tensor([3, 0, 63, 3]))))
     return cases

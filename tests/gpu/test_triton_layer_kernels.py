@@ -61,6 +61,23 @@ def test_rms_norm_concat(device, gen, dtype, tokens):
     assert_equal(torch.cat([first, second], dim=-1), got, "halves")  # the same kernel math
 
 
+@pytest.mark.parametrize("tokens", TOKENS)
+def test_rms_norm_concat_looks_up_table_rows(device, gen, tokens):
+    """With ``a_rows`` the kernel reads rows of a float32 table (the target's embedding) and casts
+    them to b's bfloat16 before the norm: bit for bit the kernel on the gathered, cast rows."""
+    hidden = 4096 if ON_GPU else 96
+    table = torch.randn(300, hidden, generator=gen).to(device)
+    rows = torch.randint(0, 300, (tokens,), generator=gen).to(device)
+    b = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16).to(device)
+    a_w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(torch.bfloat16).to(device)
+    b_w = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(torch.bfloat16).to(device)
+    got = run_triton(device, rms_norm.rms_norm_concat_triton, table, a_w, 1e-5, b, b_w, 1e-6, rows)
+    gathered = table[rows].to(torch.bfloat16)
+    want = run_triton(device, rms_norm.rms_norm_concat_triton, gathered, a_w, 1e-5, b, b_w, 1e-6)
+    assert_equal(want, got, "looked-up rows")
+    _close(got, rms_norm.rms_norm_concat_reference(table, a_w, 1e-5, b, b_w, 1e-6, rows), "reference")
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", TOKENS)
 def test_silu_mul(device, gen, dtype, tokens):

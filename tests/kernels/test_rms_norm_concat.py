@@ -30,3 +30,28 @@ def test_bad_shapes_fail_with_a_message():
         rms_norm.rms_norm_concat(a, torch.ones(16), 1e-5, b, torch.ones(16), 1e-5)
     with pytest.raises(ValueError, match="b: expected 3 rows of torch.float32"):
         rms_norm.rms_norm_concat(a, torch.ones(16), 1e-5, b.double(), torch.ones(8), 1e-5)
+
+
+def test_rows_of_a_table_are_looked_up_and_cast_first():
+    """With a_rows the first half normalises the gathered rows of a (the embedding table, in
+    the target's dtype) cast to b's dtype: the same bits as gathering and casting first."""
+    g = torch.Generator().manual_seed(1)
+    table = torch.randn(50, 16, generator=g)  # float32, like the bench pair's target
+    b = torch.randn(4, 8, generator=g).to(torch.bfloat16)
+    a_w, b_w = torch.rand(16, generator=g).to(torch.bfloat16), torch.rand(8, generator=g).to(torch.bfloat16)
+    ids = torch.tensor([7, 0, 49, 7])
+    out = rms_norm.rms_norm_concat(table, a_w, 1e-5, b, b_w, 1e-6, a_rows=ids)
+    want = rms_norm.rms_norm_concat(table[ids].to(torch.bfloat16), a_w, 1e-5, b, b_w, 1e-6)
+    assert out.dtype == torch.bfloat16 and out.shape == (4, 24)
+    assert torch.equal(out, want)
+    assert torch.equal(out[0, :16], out[3, :16])  # the same row looked up twice
+
+
+def test_bad_rows_fail_with_a_message():
+    table, b = torch.randn(50, 16), torch.randn(3, 8)
+    with pytest.raises(ValueError, match="a_rows: expected dtype torch.int64"):
+        rms_norm.rms_norm_concat(table, torch.ones(16), 1e-5, b, torch.ones(8), 1e-5,
+                                 a_rows=torch.tensor([1, 2, 3], dtype=torch.int32))
+    with pytest.raises(ValueError, match="a_rows"):
+        rms_norm.rms_norm_concat(table, torch.ones(16), 1e-5, b, torch.ones(8), 1e-5,
+                                 a_rows=torch.tensor([1, 2]))

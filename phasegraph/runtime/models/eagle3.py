@@ -47,7 +47,7 @@ from phasegraph.runtime.models.draft_base import (
 from phasegraph.runtime.models.fused_decoder import FusedLayer, fuse_layer, unfusable_config_reason
 from phasegraph.runtime.models.loading import Checkpoint, load_into_module
 from phasegraph.runtime.models.rotary_table import RotaryTable
-from phasegraph.runtime.models.take_rows import take_rows
+from phasegraph.runtime.models.take_rows import lookup_table, take_rows
 from phasegraph.runtime.models.target import HFTarget, head_dim_of, resolve_dtype
 
 
@@ -215,11 +215,15 @@ class Eagle3Draft(FeatureDraft):
         head: Eagle3Head = self.head
         mid, layer = head.midlayer, self.fused_layer
         pool = self._attached_pool()
-        embeds = self._embed(input_ids).to(self.dtype)  # [T, Hd]
         h = linear(hidden.to(self.dtype), head.fc.weight, head.fc.bias) if from_target else hidden  # [T, Hd]
+        table = lookup_table(self.target.embed_tokens)
+        if table is not None:  # the lookup and its cast to the head's dtype inside the norm kernel
+            embeds, rows = table, input_ids  # [V, Hd], [T]
+        else:
+            embeds, rows = self._embed(input_ids).to(self.dtype), None  # [T, Hd]
         x = rms_norm_concat(  # [T, 2Hd] = [input_layernorm(embeds) | hidden_norm(h)]
             embeds, layer.input_norm, layer.eps,
-            h, mid.hidden_norm.weight, float(mid.hidden_norm.variance_epsilon),
+            h, mid.hidden_norm.weight, float(mid.hidden_norm.variance_epsilon), a_rows=rows,
         )
         cos, sin, rope_rows = RotaryTable.of(self.rotary).lookup(x, positions, attn)
         attn_out = layer.attention(x, cos, sin, pool.k[0], pool.v[0], attn, rope_rows)  # [T, Hd]

@@ -29,9 +29,18 @@ def take_rows(
     return table.index_select(0, index)
 
 
+def lookup_table(module: torch.nn.Module) -> torch.Tensor | None:
+    """The weight of an embedding module whose lookup is a plain row gather (an
+    ``nn.Embedding`` without max_norm renormalisation), else None (call the module)."""
+    if type(module) is torch.nn.Embedding and module.max_norm is None:
+        return module.weight
+    return None
+
+
 def embed(module: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:  # [T] int64 -> [T, H]
     """``module(ids)`` for an embedding module; a plain ``nn.Embedding`` (no max_norm
     renormalisation) gathers its rows through :func:`take_rows`."""
-    if type(module) is torch.nn.Embedding and module.max_norm is None and ids.dim() == 1:
-        return take_rows(module.weight, ids)
+    table = lookup_table(module)
+    if table is not None and ids.dim() == 1:
+        return take_rows(table, ids)
     return module(ids)
