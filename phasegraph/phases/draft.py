@@ -34,7 +34,8 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
     seq_lens = state.seq_lens  # [B]
 
     lead = int(getattr(model, "kv_lead", 0))
-    base = seq_lens + lead  # [B] the draft's committed KV length; step i runs at base + i
+    # [B] the draft's committed KV length; step i runs at base + i (no add kernel for EAGLE's 0)
+    base = seq_lens + lead if lead else seq_lens
     beams = first_step_candidates(state.topk_p, state.topk_index)
     steps = []  # ExpandedCandidates of draft steps 1 .. S-1
     beam_scores, beam_cand, beam_tokens = beams.beam_scores, beams.beam_cand, beams.beam_tokens
