@@ -3,8 +3,9 @@ chain and tree EAGLE-3 and standalone drafting on a tiny Llama emit exactly the 
 greedy tokens (the same engine with ``method="none"`` and the same kernels).
 
 On the GPU (``-m gpu``) the kernels are compiled; on the CPU with
-``PHASEGRAPH_TRITON_INTERPRET=1`` they run in Triton's interpreter (~6 minutes), where the
-baseline must also equal transformers' own greedy continuation (checked when it is built). That checks the phases' kernels
+``PHASEGRAPH_TRITON_INTERPRET=1`` they run in Triton's interpreter (~21 minutes for the six on a
+2-core machine), where the baseline must also equal transformers' own greedy continuation
+(checked when it is built). That checks the phases' kernels
 together (commit_path, softmax_topk, the float32 skinny products, ...) before a GPU is at hand."""
 
 from __future__ import annotations
