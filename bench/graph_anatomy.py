@@ -67,18 +67,6 @@ class _DebugGraph(torch.cuda.CUDAGraph):
         super().__init__(True)
 
 
-def replay_host_us(graph: torch.cuda.CUDAGraph, repeats: int) -> dict[str, float]:
-    """Median host time of ``graph.replay()`` (the call alone), by what the stream holds then:
-    nothing, a ~0.5 ms sleep kernel, or the same graph's previous replay (as under overlap
-    scheduling, where iteration i+1 is issued while iteration i runs)."""
-    sleep_cycles = int(0.5e-3 * torch.cuda.get_device_properties(0).clock_rate * 1e3)  # kHz
-    return {
-        "idle": graph_launch.median_us(lambda: None, graph.replay, repeats),
-        "busy (other work)": graph_launch.median_us(lambda: torch.cuda._sleep(sleep_cycles), graph.replay, repeats),
-        "busy (same graph)": graph_launch.median_us(graph.replay, graph.replay, repeats),
-    }
-
-
 def replay_gpu_us(graph: torch.cuda.CUDAGraph, replays: int = 50) -> float:
     """GPU wall time of one replay (first kernel to last, the gaps inside the graph included):
     ``replays`` back-to-back replays between two events, divided."""
@@ -100,7 +88,6 @@ def generate_wait(engine, calls: int = 3, prompt_tokens: int = 128, new_tokens: 
     few calls inside the loop (the graph replays among them), each per iteration."""
     import profile_pair_host as pph
 
-    from phasegraph import SamplingParams
     from phasegraph.runtime.iteration_graph import IterationGraph
     from phasegraph.runtime.scheduler import Scheduler
     from phasegraph.statemachine.machine import Machine
@@ -124,21 +111,19 @@ def generate_wait(engine, calls: int = 3, prompt_tokens: int = 128, new_tokens: 
                 seconds[label] += time.perf_counter() - t0
         return run
 
-    g = torch.Generator().manual_seed(8)
-    prompts = torch.randint(0, engine.target.vocab_size, (1, prompt_tokens), generator=g).tolist()
-    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    one_call = pph.generate_call(engine, 1, prompt_tokens, new_tokens)
     for _ in range(2):
-        engine.generate(prompts, params)
+        one_call()
     torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(calls):
-        outs = engine.generate(prompts, params)
+        outs = one_call()
     torch.cuda.synchronize()
     bare_wall = time.perf_counter() - start
     with pph.wrapped_methods(timed, wrap, lambda ready: ready):
         start = time.perf_counter()
         for _ in range(calls):
-            engine.generate(prompts, params)
+            one_call()
         torch.cuda.synchronize()
         wall = time.perf_counter() - start
     iterations = calls * (len(outs[0].stats.accept_lengths) or len(outs[0].token_ids))
@@ -179,20 +164,14 @@ def node_kinds(graph: torch.cuda.CUDAGraph, dot_path: Path | None = None) -> col
 
 
 def _engine(config: str, **kw):
-    """The bench pair's shapes, random weights, the bfloat16 head; SIMULATED acceptance."""
+    """The bench pair's shapes, random weights, the bfloat16 head; SIMULATED acceptance
+    (``profile_pair_host.simulated_configs``)."""
     import profile_pair_host as pph
 
-    from phasegraph.runtime.config import SpecConfig
     from phasegraph.runtime.engine import Engine
 
     target, head = pph.build_pair(torch.float32, draft_dtype=torch.bfloat16)
-    spec, tau, draft = {
-        "baseline": (SpecConfig(method="none"), None, None),
-        "tree": (SpecConfig(method="eagle3", num_steps=4, topk=4, num_draft_tokens=16), 3, head),
-        "chain": (SpecConfig(method="eagle3", num_steps=3, topk=1), 4, head),
-    }[config]
-    if draft is None:
-        target = type(target)(target.model, feature_mode="none")
+    _, target, draft, spec, tau = pph.simulated_configs(target, head)[config]
     return Engine(target, draft, spec=spec, max_batch_size=1, kv_pool_tokens=4096, max_context=1024,
                   simulate_accept_length=tau, **kw)
 
@@ -210,7 +189,7 @@ def engine_graphs(config: str, repeats: int, out: Path) -> list[dict]:
             path = out / f"{config}-{i}-{re.sub(r'[^A-Za-z0-9]+', '-', site).strip('-')}.dot"
             kinds = node_kinds(graph, path)
             rows.append({"config": config, "site": site, "dot": path.name, "nodes": sum(kinds.values()),
-                         "kinds": dict(kinds.most_common()), "replay_host_us": replay_host_us(graph, repeats),
+                         "kinds": dict(kinds.most_common()), "replay_host_us": graph_launch.replay_costs(graph, repeats),
                          "replay_gpu_us": replay_gpu_us(graph)})
     del engine
     torch.cuda.empty_cache()
@@ -253,20 +232,6 @@ def generate_rows(config: str) -> list[dict]:
     return rows
 
 
-def _synthetic_graph(build) -> torch.cuda.CUDAGraph:
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        build()  # warm-up: compile, lazy init
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        build()
-    graph.replay()
-    torch.cuda.synchronize()
-    return graph
-
-
 def synthetic(repeats: int, base: int = 250, extras: tuple[int, ...] = (0, 16, 64)) -> list[dict]:
     """Host time of a replay of ``base`` tiny kernels plus ``m`` nodes of one kind."""
     from phasegraph.kernels._dispatch import pdl_options
@@ -289,7 +254,7 @@ def synthetic(repeats: int, base: int = 250, extras: tuple[int, ...] = (0, 16, 6
                 for _ in range(m):
                     op()
             rows.append({"kind": kind, "base_kernels": base, "extra_nodes": m,
-                         "replay_host_us": replay_host_us(_synthetic_graph(build), repeats)})
+                         "replay_host_us": graph_launch.replay_costs(graph_launch.capture(build), repeats)})
             print(f"  {base} kernels + {m:3d} x {kind}: {_costs(rows[-1]['replay_host_us'])}", flush=True)
     return rows
 

@@ -26,17 +26,19 @@ from pathlib import Path
 import torch
 
 
-def _capture(kernels: int, x: torch.Tensor) -> torch.cuda.CUDAGraph:
+def capture(build) -> torch.cuda.CUDAGraph:
+    """A graph of the work ``build()`` issues: run once on a side stream first (compiles, lazy
+    initialisation), captured, then replayed once and synchronised (instantiated and uploaded)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        build()
+    torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(kernels):
-            x.add_(1.0)
-    torch.cuda.current_stream().wait_stream(stream)
     with torch.cuda.graph(graph):
-        for _ in range(kernels):
-            x.add_(1.0)
+        build()
+    graph.replay()
+    torch.cuda.synchronize()
     return graph
 
 
@@ -53,19 +55,29 @@ def median_us(setup, launch, repeats: int) -> float:
     return 1e6 * statistics.median(times)
 
 
-def measure(kernels: int, repeats: int = 200) -> dict[str, float]:
-    x = torch.zeros(4096, device="cuda")
-    graph, twin = _capture(kernels, x), _capture(kernels, x)
-    for g in (graph, twin):
-        g.replay()
-    torch.cuda.synchronize()
+def replay_costs(graph: torch.cuda.CUDAGraph, repeats: int = 200,
+                 twin: torch.cuda.CUDAGraph | None = None) -> dict[str, float]:
+    """Median host time (us) of ``graph.replay()`` with the stream idle, behind a ~0.5 ms sleep
+    kernel, behind the same graph's previous replay, and (with ``twin``) behind a twin's."""
     sleep_cycles = int(0.5e-3 * torch.cuda.get_device_properties(0).clock_rate * 1e3)  # clock_rate in kHz
-    return {
+    costs = {
         "idle": median_us(lambda: None, graph.replay, repeats),
         "busy (other work)": median_us(lambda: torch.cuda._sleep(sleep_cycles), graph.replay, repeats),
         "busy (same graph)": median_us(graph.replay, graph.replay, repeats),
-        "busy (twin graph)": median_us(graph.replay, twin.replay, repeats),
     }
+    if twin is not None:
+        costs["busy (twin graph)"] = median_us(graph.replay, twin.replay, repeats)
+    return costs
+
+
+def measure(kernels: int, repeats: int = 200) -> dict[str, float]:
+    x = torch.zeros(4096, device="cuda")
+
+    def adds():
+        for _ in range(kernels):
+            x.add_(1.0)
+
+    return replay_costs(capture(adds), repeats, twin=capture(adds))
 
 
 def main(argv=None) -> int:

@@ -81,6 +81,31 @@ def build_pair(dtype: torch.dtype, device: str = "cuda", overrides: list[str] | 
     return target, Eagle3Draft(target, hcfg, head)
 
 
+def simulated_configs(target, head) -> dict[str, tuple]:
+    """The configurations this script (and ``graph_anatomy.py``) times, by key: ``(label, target,
+    draft, spec, SIMULATED tau)``; the baseline runs the target without EAGLE-3 features."""
+    from phasegraph import SpecConfig
+
+    return {
+        "baseline": ("baseline", type(target)(target.model, feature_mode="none"), None,
+                     SpecConfig(method="none"), None),
+        "chain": ("chain S=3 (SIMULATED tau=4)", target, head, SpecConfig(method="eagle3", num_steps=3, topk=1), 4),
+        "tree": ("tree K=4 S=4 N=16 (SIMULATED tau=3)", target, head,
+                 SpecConfig(method="eagle3", num_steps=4, topk=4, num_draft_tokens=16), 3),
+    }
+
+
+def generate_call(engine, batch: int = 1, prompt_tokens: int = 128, new_tokens: int = 256):
+    """One ``generate`` call of the breakdowns' workload: ``batch`` random prompts of
+    ``prompt_tokens`` tokens (seed 8), ``new_tokens`` greedy tokens each (ignore_eos)."""
+    from phasegraph import SamplingParams
+
+    g = torch.Generator().manual_seed(8)
+    prompts = torch.randint(0, engine.target.vocab_size, (batch, prompt_tokens), generator=g).tolist()
+    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+    return lambda: engine.generate(prompts, params)
+
+
 @contextlib.contextmanager
 def steady_batch(engine, batch: int, tag: str, seed: int, steps: int, context: int = 256):
     """``batch`` requests of ``context`` random tokens, prefilled and 4 steps in (warm-up and
@@ -429,7 +454,6 @@ def generate_breakdown(engine, batch: int = 1, calls: int = 3, prompt_tokens: in
     per iteration, the host's wait for the device (``Scheduler._collect``'s one sync), the
     scheduler's pieces, the phases (``Machine.advance``), text decoding, ``Engine.step``'s
     request loop; and the GPU busy time per iteration (profiler)."""
-    from phasegraph import SamplingParams
     from phasegraph.runtime import cuda_graphs, iteration_graph
     from phasegraph.runtime import scheduler as scheduler_module
     from phasegraph.runtime.engine import Engine
@@ -437,13 +461,7 @@ def generate_breakdown(engine, batch: int = 1, calls: int = 3, prompt_tokens: in
     from phasegraph.runtime.scheduler import Scheduler
     from phasegraph.statemachine.machine import Machine
 
-    g = torch.Generator().manual_seed(8)
-    prompts = torch.randint(0, engine.target.vocab_size, (batch, prompt_tokens), generator=g).tolist()
-    params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
-
-    def one_call():
-        return engine.generate(prompts, params)
-
+    one_call = generate_call(engine, batch, prompt_tokens, new_tokens)
     for _ in range(2):  # warm-up and graph capture, as the bench's warm_then_time
         one_call()
     sync(engine.device)
@@ -582,7 +600,6 @@ def main(argv=None) -> int:
     detach_cupti_after_profiling()  # the profiler's sessions leave no cost on later launches
     if args.device == "cpu" and not args.sites:
         ap.error("--device cpu runs --sites only (the other tables time the GPU)")
-    from phasegraph import SpecConfig
     from phasegraph.runtime.engine import Engine
 
     out = Path(args.out)
@@ -594,14 +611,7 @@ def main(argv=None) -> int:
     else:
         target, head = build_pair(dtype, args.device, args.set,
                                   getattr(torch, args.draft_dtype) if args.draft_dtype else None)
-    base_target = type(target)(target.model, feature_mode="none")
-    configs = [
-        ("baseline", base_target, None, SpecConfig(method="none"), None),
-        ("chain S=3 (SIMULATED tau=4)", target, head, SpecConfig(method="eagle3", num_steps=3, topk=1), 4),
-        ("tree K=4 S=4 N=16 (SIMULATED tau=3)", target, head,
-         SpecConfig(method="eagle3", num_steps=4, topk=4, num_draft_tokens=16), 3),
-    ]
-    configs = [c for c, key in zip(configs, ("baseline", "chain", "tree"), strict=True) if key in args.configs]
+    configs = [c for key, c in simulated_configs(target, head).items() if key in args.configs]
     result: dict = {"gpu": torch.cuda.get_device_name() if args.device == "cuda" else None, "torch": torch.__version__, "dtype": args.dtype, "draft_dtype": args.draft_dtype or args.dtype, "shape": args.shape,
                     "overrides": args.set, "params": {"target": sum(p.numel() for p in target.model.parameters()),
                                                       "head": sum(p.numel() for p in head.head.parameters())} if args.shape == "bench-pair" else None,
