@@ -34,6 +34,15 @@ def silu_mul_reference(gate_up: torch.Tensor) -> torch.Tensor:  # [T, 2I] -> [T,
 
 
 @jit
+def swiglu(gate, up):
+    """``silu(gate) * up`` of two tiles in the model dtype, each op rounded to it as
+    ``F.silu(gate) * up`` rounds (the math every SwiGLU kernel here shares)."""
+    g = gate.to(tl.float32)
+    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # silu, rounded like F.silu
+    return (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
+
+
+@jit
 def _silu_mul_kernel(
     gate_up_ptr,  # [T, 2I], or [S, R, 2I] float32 partials (SLICES)
     out_ptr,  # [T, I] out
@@ -55,10 +64,7 @@ def _silu_mul_kernel(
                       SLICES, HAS_BIAS, dtype)
     up = load_total(gate_up_ptr, t * stride_in + inner + cols, inside, slice_stride, bias_ptr,
                     inner + cols, SLICES, HAS_BIAS, dtype)
-    g = gate.to(tl.float32)
-    act = (g / (1.0 + tl.exp(-g))).to(gate.dtype)  # silu, rounded like F.silu
-    y = (act.to(tl.float32) * up.to(tl.float32)).to(gate.dtype)
-    tl.store(out_ptr + t * inner + cols, y, mask=inside)
+    tl.store(out_ptr + t * inner + cols, swiglu(gate, up), mask=inside)
 
 
 def silu_mul_triton(gate_up: torch.Tensor | SplitSum) -> torch.Tensor:  # [T, 2I] -> [T, I]
