@@ -99,13 +99,6 @@ def _check_norm_linear(x, residual, norm_weight, weight, bias) -> None:
     _check_product(x, weight, bias, x.shape[1], "x")
 
 
-def _check_linear_swiglu(x, weight, bias) -> None:
-    _check_linear(x, weight, bias)
-    if weight.shape[0] % 2:
-        raise ValueError(f"weight: a merged gate/up product needs an even number of rows, got "
-                         f"{tuple(weight.shape)}")
-
-
 def _check_silu_linear(gate_up, weight, bias) -> None:
     expect_float(gate_up, "gate_up", 2)
     if gate_up.shape[1] % 2:
@@ -139,16 +132,6 @@ def add_rms_norm_linear_reference(
     _check_norm_linear(x, residual, norm_weight, weight, bias)
     normed, summed = add_rms_norm_reference(x, residual, norm_weight, eps)
     return F.linear(normed, weight, bias), summed
-
-
-def linear_swiglu_reference(
-    x: torch.Tensor,  # [M, K]
-    weight: torch.Tensor,  # [2I, K] gate rows, then up rows
-    bias: torch.Tensor | None = None,  # [2I]
-) -> torch.Tensor:  # [M, I]
-    """``F.linear`` then ``silu_mul_reference`` of its two halves."""
-    _check_linear_swiglu(x, weight, bias)
-    return silu_mul_reference(F.linear(x, weight, bias))
 
 
 def silu_mul_linear_reference(
@@ -192,7 +175,6 @@ class _Rule(NamedTuple):
     config: SkinnyConfig
     plain: bool  # Triton for `linear` (else cuBLAS)
     fused: bool  # Triton for the fused prologue forms (else norm/silu kernel + cuBLAS)
-    glu: bool = False  # a merged gate/up product (plain) takes SwiGLU as its epilogue
 
 
 _ANY = (1, 1 << 40)
@@ -243,8 +225,7 @@ _BF16_PAIR_RULES: tuple[_Rule, ...] = (
     _Rule(5, *_shape(768, 2560), SkinnyConfig(16, 512, 4, 3, dot=True), True, False),
     _Rule(4, *_shape(1280, 1536), SkinnyConfig(4, 512, 4, 3, dot=False), True, False),  # qkv
     _Rule(5, *_shape(1280, 1536), SkinnyConfig(16, 512, 4, 3, dot=True), True, False),
-    _Rule(5, *_shape(5120, 768), SkinnyConfig(64, 128, 4, 4, dot=True, swap=True), True, False,
-          glu=True),
+    _Rule(5, *_shape(5120, 768), SkinnyConfig(64, 128, 4, 4, dot=True, swap=True), True, False),
     _Rule(5, *_shape(8192, 768), SkinnyConfig(64, 128, 4, 4, dot=True, swap=True), True, False),
 )
 CONFIGS: tuple[_Rule, ...] = (
@@ -305,7 +286,7 @@ _FP32_PAIR_RULES: tuple[_Rule, ...] = (
     _Rule(4, *_shape(1280, 1536), SkinnyConfig(4, 512, 4, 3, dot=False), True, False),  # head qkv
     _Rule(16, *_shape(1280, 1536), _FP32_TF32X3_SPLIT[8], True, False),
     _Rule(4, *_shape(5120, 768), SkinnyConfig(8, 256, 4, 3, dot=False), False, False),  # gate_up
-    _Rule(16, *_shape(5120, 768), _FP32_TF32X3_SPLIT[2], True, False, glu=True),
+    _Rule(16, *_shape(5120, 768), _FP32_TF32X3_SPLIT[2], True, False),
     _Rule(4, *_shape(8192, 768), _FP32_TF32X3_SPLIT[2], True, False),  # lm_head
     _Rule(16, *_shape(8192, 768), _FP32_TF32X3, True, False),
 )
@@ -426,11 +407,11 @@ def _skinny_kernel(
     x_ptr,  # [M, K] (PROLOGUE 2: [M, 2K] gate | up)
     res_ptr,  # [M, K] residual (PROLOGUE 1 with HAS_RESIDUAL)
     nw_ptr,  # [K] norm weight (PROLOGUE 1)
-    w_ptr,  # [N, K] ([2N, K] with GLU: gate rows, then up rows)
-    b_ptr,  # [N] (HAS_BIAS; [2N] with GLU)
+    w_ptr,  # [N, K]
+    b_ptr,  # [N] (HAS_BIAS)
     y_ptr,  # [M, N] out
     summed_ptr,  # [M, K] out (PROLOGUE 1), written by program 0
-    partial_ptr,  # [SPLIT_K, BLOCK_M, N] float32 scratch (SPLIT_K > 1; [.., .., 2N] with GLU)
+    partial_ptr,  # [SPLIT_K, BLOCK_M, N] float32 scratch (SPLIT_K > 1)
     arrived_ptr,  # [column blocks] int32, zero between launches (SPLIT_K > 1)
     M,
     N,
@@ -456,7 +437,6 @@ def _skinny_kernel(
     PDL: tl.constexpr,
     SPLIT_K: tl.constexpr,
     DEFER: tl.constexpr,  # split-K: store the partials only; the consumer sums them (SplitSum)
-    GLU: tl.constexpr,  # SwiGLU epilogue: y = silu(x W_gate^T) * (x W_up^T) (the K loop only)
 ):
     pdl_enter(PDL)
     pid = tl.program_id(0)
@@ -516,7 +496,6 @@ def _skinny_kernel(
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-        acc_up = acc  # GLU: the up rows' accumulator (otherwise unused)
         rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
         if PROLOGUE == 1:  # row statistics of s = x + residual (program 0 also stores s)
             sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
@@ -533,25 +512,18 @@ def _skinny_kernel(
         for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):  # W tiles, STAGES deep
             cols = k0 + ks
             if EVEN_K:
-                w_mask = n_in[:, None]
+                w = tl.load(w_rows + cols[None, :], mask=n_in[:, None], other=0.0)
             else:
-                w_mask = n_in[:, None] & (cols[None, :] < K)
-            w = tl.load(w_rows + cols[None, :], mask=w_mask, other=0.0)
+                w = tl.load(w_rows + cols[None, :], mask=n_in[:, None] & (cols[None, :] < K),
+                            other=0.0)
             a = _operand(x_ptr, res_ptr, nw_ptr, rows, cols, M, K, stride_x, stride_r, rstd,
                          PROLOGUE, HAS_RESIDUAL, EVEN_K)
             acc = _mac(acc, a, w, DOT, SWAP, BLOCK_M, PRECISION)
-            if GLU:  # the up rows of the same columns, N rows below the gate rows
-                w_up = tl.load(w_rows + N * stride_w + cols[None, :], mask=w_mask, other=0.0)
-                acc_up = _mac(acc_up, a, w_up, DOT, SWAP, BLOCK_M, PRECISION)
         out = _finish(acc, DOT, SWAP, BLOCK_M)
-        out_up = _finish(acc_up, DOT, SWAP, BLOCK_M)
 
     y_offs = rows[:, None] * stride_y + cols_n[None, :]
     y_mask = row_in[:, None] & n_in[None, :]
-    if GLU:
-        _glu_epilogue(out, out_up, b_ptr, y_ptr, partial_ptr, arrived_ptr, pid, rows, cols_n,
-                      y_offs, y_mask, n_in, N, HAS_BIAS, BLOCK_M, BLOCK_N, SPLIT_K)
-    elif SPLIT_K > 1:  # publish this slice's partial; the last slice to arrive writes y
+    if SPLIT_K > 1:  # publish this slice's partial; the last slice to arrive writes y
         part_offs = rows[:, None] * N + cols_n[None, :]  # [BLOCK_M, BLOCK_N] in one slice
         tl.store(partial_ptr + tl.program_id(1) * BLOCK_M * N + part_offs, out, mask=y_mask)
         if not DEFER:  # else the consumer sums the partials (SplitSum)
@@ -574,41 +546,6 @@ def _skinny_kernel(
         tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
-@jit
-def _glu_epilogue(gate, up, b_ptr, y_ptr, partial_ptr, arrived_ptr, pid, rows, cols_n, y_offs,
-                  y_mask, n_in, N, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr):
-    """Store ``swiglu`` of the gate and up tiles [BLOCK_M, BLOCK_N] (float32, this slice's).
-    Split K: each slice publishes both partials where the plain product over all 2N columns
-    would ([SPLIT_K, BLOCK_M, 2N]); the last slice of the column block sums them in slice order,
-    adds the bias and rounds exactly as ``silu_mul`` of the deferred product does."""
-    dtype = y_ptr.dtype.element_ty
-    if SPLIT_K > 1:
-        part_offs = rows[:, None] * (2 * N) + cols_n[None, :]  # gate columns; up N further
-        mine = partial_ptr + tl.program_id(1) * BLOCK_M * 2 * N + part_offs
-        tl.store(mine, gate, mask=y_mask)
-        tl.store(mine + N, up, mask=y_mask)
-        tl.debug_barrier()  # every thread's partials are stored before the release below
-        arrived = tl.atomic_add(arrived_ptr + pid, 1, sem="acq_rel", scope="gpu")
-        if arrived == SPLIT_K - 1:
-            gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for k_slice in range(SPLIT_K):  # slice order, whatever the arrival order
-                theirs = partial_ptr + k_slice * BLOCK_M * 2 * N + part_offs
-                gate += tl.load(theirs, mask=y_mask, other=0.0, cache_modifier=".cg")
-                up += tl.load(theirs + N, mask=y_mask, other=0.0, cache_modifier=".cg")
-            if HAS_BIAS:
-                gate += tl.load(b_ptr + cols_n, mask=n_in, other=0.0).to(tl.float32)[None, :]
-                up += tl.load(b_ptr + N + cols_n, mask=n_in, other=0.0).to(tl.float32)[None, :]
-            tl.store(y_ptr + y_offs, swiglu(gate.to(dtype), up.to(dtype)), mask=y_mask)
-            tl.atomic_xchg(arrived_ptr + pid, 0, sem="relaxed", scope="gpu")  # for the next launch
-    else:
-        if HAS_BIAS:
-            gate += tl.load(b_ptr + cols_n, mask=n_in, other=0.0).to(tl.float32)[None, :]
-            up += tl.load(b_ptr + N + cols_n, mask=n_in, other=0.0).to(tl.float32)[None, :]
-        tl.store(y_ptr + y_offs, swiglu(gate.to(dtype), up.to(dtype)), mask=y_mask)
-
-
 _ARRIVED: dict[torch.device, torch.Tensor] = {}  # per device: split-K arrival counters, all zero
 _ARRIVED_SLOTS = 8192  # column blocks one split-K launch may use
 
@@ -626,14 +563,11 @@ def _arrival_counters(device: torch.device) -> torch.Tensor | None:
 
 
 def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
-            config: SkinnyConfig | None, warmup: bool = False, defer: bool = False,
-            glu: bool = False):
-    """(y, summed); with ``defer`` and a split-K config, y is a :class:`SplitSum`; with ``glu``,
-    y is ``swiglu`` of the product's two halves ([M, N/2]), never deferred."""
+            config: SkinnyConfig | None, warmup: bool = False, defer: bool = False):
+    """(y, summed); with ``defer`` and a split-K config, y is a :class:`SplitSum`."""
     m = x.shape[0]
     n, k = weight.shape
-    n_out = n // 2 if glu else n  # the kernel's N: output columns (gate rows with GLU)
-    y = torch.empty((m, n_out), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     summed = torch.empty((m, k), dtype=x.dtype, device=x.device) if prologue == _RMS_NORM else None
     if m == 0 or n == 0:
         return y, summed
@@ -650,15 +584,13 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
     split = cfg.split_k
     if split < 1:
         raise ValueError(f"config: split_k must be >= 1, got {split}")
-    if glu and (prologue != _NONE or n % 2):
-        raise ValueError("glu: takes a plain product of an even number of weight rows")
     if split > 1 and prologue == _RMS_NORM:
         raise ValueError("config: split_k > 1 takes no norm prologue (every slice would need the "
                          "row statistics over the whole K)")
     tiles = cdiv(k, block_k)
     split = cdiv(tiles, cdiv(tiles, min(split, tiles)))  # whole tiles per slice, none empty
-    blocks = cdiv(n_out, cfg.block_n)
-    defer = defer and split > 1 and not glu
+    blocks = cdiv(n, cfg.block_n)
+    defer = defer and split > 1
     counters = None
     if split > 1 and not defer:
         counters = _arrival_counters(x.device) if blocks <= _ARRIVED_SLOTS else None
@@ -666,19 +598,19 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
             split = 1
     partials = torch.empty((split, block_m, n), dtype=torch.float32, device=x.device) \
         if split > 1 else y
-    single = single and split == 1 and not glu  # GLU lives in the K loop
+    single = single and split == 1
     args = (
         x, x if residual is None else residual, x if norm_weight is None else norm_weight,
         weight, weight if bias is None else bias, y, y if summed is None else summed,
         partials, y if counters is None else counters,
-        m, n_out, k, x.stride(0), x.stride(0) if residual is None else residual.stride(0),
+        m, n, k, x.stride(0), x.stride(0) if residual is None else residual.stride(0),
         weight.stride(0), y.stride(0), float(eps),
     )
     meta = dict(
         PROLOGUE=prologue, HAS_RESIDUAL=residual is not None, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, STATS_K=stats_k,
         DOT=cfg.dot, SWAP=cfg.dot and cfg.swap, PRECISION=precision, EVEN_K=k % block_k == 0,
-        SINGLE_K=single, STAGES=cfg.num_stages, SPLIT_K=split, DEFER=defer, GLU=glu,
+        SINGLE_K=single, STAGES=cfg.num_stages, SPLIT_K=split, DEFER=defer,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **(PDL_LAUNCH if cfg.pdl else pdl_options()),
     )
@@ -740,25 +672,6 @@ def add_rms_norm_linear_triton(
     return _launch(_RMS_NORM, x, residual, norm_weight, eps, weight, bias, config, warmup)
 
 
-def linear_swiglu_triton(
-    x: torch.Tensor,  # [M, K], M <= 16
-    weight: torch.Tensor,  # [2I, K] gate rows, then up rows
-    bias: torch.Tensor | None = None,  # [2I]
-    *,
-    config: SkinnyConfig | None = None,
-    warmup: bool = False,
-) -> torch.Tensor:  # [M, I]
-    """Triton ``linear_swiglu``: each program computes the gate and the up columns of one block
-    and stores ``silu(gate) * up`` (split K: the last slice to arrive does), so the [M, 2I]
-    product never reaches memory whole and no SwiGLU kernel runs. The bits are those of
-    ``silu_mul(linear_triton(x, weight, bias, config=config, defer=True))``."""
-    _check_linear_swiglu(x, weight, bias)
-    _require_rows(x, "x")
-    _require_rows(weight, "weight")
-    y, _ = _launch(_NONE, x, None, None, 0.0, weight, bias, config, warmup, glu=True)
-    return y
-
-
 def silu_mul_linear_triton(
     gate_up: torch.Tensor,  # [M, 2I], M <= 16
     weight: torch.Tensor,  # [N, I]
@@ -808,51 +721,6 @@ def linear(
     if _fits(x, weight, bias, False):
         return linear_triton(x, weight, bias, defer=defer)
     return F.linear(x, weight, bias)
-
-
-def linear_swiglu(
-    x: torch.Tensor,  # [M, K]
-    weight: torch.Tensor,  # [2I, K] gate rows, then up rows
-    bias: torch.Tensor | None = None,  # [2I]
-) -> torch.Tensor:  # [M, I]
-    """``silu_mul(linear(x, weight, bias))``: one Triton launch where the table gives the merged
-    gate/up product a SwiGLU epilogue, else the product (deferred where split) and ``silu_mul``."""
-    _check_linear_swiglu(x, weight, bias)
-    if _fits(x, weight, bias, False) and _swiglu_rule(x.shape[0], weight, x.dtype):
-        return linear_swiglu_triton(x, weight, bias)
-    return silu_mul(linear(x, weight, bias, defer=True))
-
-
-def _swiglu_rule(rows: int, weight: torch.Tensor, dtype: torch.dtype) -> bool:
-    """Whether the table gives a gate/up product of ``rows`` rows the SwiGLU epilogue."""
-    rule = _lookup(rows, weight.shape[0], weight.shape[1], dtype)
-    return rule is not None and rule.glu
-
-
-def add_rms_norm_mlp(
-    x: torch.Tensor | SplitSum,  # [M, H]
-    residual: torch.Tensor | None,  # [M, H] or None
-    norm_weight: torch.Tensor,  # [H]
-    eps: float,
-    gate_up_weight: torch.Tensor,  # [2I, H] gate rows, then up rows
-    gate_up_bias: torch.Tensor | None,  # [2I]
-    down_weight: torch.Tensor,  # [H_out, I]
-    down_bias: torch.Tensor | None,  # [H_out]
-    *,
-    defer: bool = False,
-) -> tuple[torch.Tensor | SplitSum, torch.Tensor]:  # (mlp output [M, H_out], summed [M, H])
-    """A Llama MLP behind its RMSNorm: ``down(silu(gate) * up)`` of ``rms_norm(x + residual)``,
-    and ``x + residual``. The table picks the kernels per row count: the norm and SwiGLU as
-    prologues of the products (one row), or the norm kernel, the gate/up product with its
-    SwiGLU epilogue and the down product (where the rule has ``glu``), or norm, product, SwiGLU,
-    product. ``defer`` as in :func:`linear` (for the products whose consumer can sum)."""
-    if _swiglu_rule(x.shape[0], gate_up_weight, x.dtype):
-        normed, summed = add_rms_norm(x, residual, norm_weight, eps)
-        act = linear_swiglu(normed, gate_up_weight, gate_up_bias)
-        return linear(act, down_weight, down_bias, defer=defer), summed
-    gate_up, summed = add_rms_norm_linear(x, residual, norm_weight, eps, gate_up_weight,
-                                          gate_up_bias, defer=defer)
-    return silu_mul_linear(gate_up, down_weight, down_bias, defer=defer), summed
 
 
 def add_rms_norm_linear(

@@ -456,14 +456,6 @@ def compile_cases():
         cases.append((f"linear/float32/M16/{name}",
                       lambda cfg=cfg: linear.linear_triton(torch.randn(16, 2560), torch.randn(768, 2560),
                                                            config=cfg)))
-    swiglu_rules = {  # the table's SwiGLU-epilogue rules: the fp32 verify's, the bf16 head's
-        "float32/M16": (torch.float32, 16, linear.pick_config(16, 5120, 768, torch.float32)),
-        "bfloat16/M4": (torch.bfloat16, 4, linear.pick_config(4, 5120, 768, torch.bfloat16)),
-    }
-    for name, (dtype, rows, cfg) in swiglu_rules.items():
-        cases.append((f"linear_swiglu/{name}",
-                      lambda dtype=dtype, rows=rows, cfg=cfg: linear.linear_swiglu_triton(
-                          torch.randn(rows, 768).to(dtype), torch.randn(5120, 768).to(dtype), config=cfg)))
     rope_attention = importlib.import_module("phasegraph.kernels.rope_attention")
     argmax = importlib.import_module("phasegraph.kernels.argmax")
 

@@ -59,44 +59,6 @@ def test_public_names_run_the_replaced_ops_on_cpu(monkeypatch, dtype, rows, mode
     assert torch.equal(lin.silu_mul_linear(gate_up, w, b), F.linear(silu_mul(gate_up), w, b))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("rows", [1, 5, 16])
-@pytest.mark.parametrize("bias", [False, True])
-def test_swiglu_forms_run_the_replaced_ops_on_cpu(dtype, rows, bias):
-    """``linear_swiglu`` is the merged gate/up product then ``silu_mul``, and ``add_rms_norm_mlp``
-    the norm, that product, SwiGLU and the down product: op for op on the CPU, whatever the
-    table says about epilogues (the shapes include the bench pair's, whose rules have one)."""
-    for hidden, inner in [(24, 10), (768, 2560)]:
-        g = torch.Generator().manual_seed(rows)
-        x, residual = (torch.randn(rows, hidden, generator=g).to(dtype) for _ in range(2))
-        norm_w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
-        w_gu = (torch.randn(2 * inner, hidden, generator=g) / hidden**0.5).to(dtype)
-        w_down = (torch.randn(hidden, inner, generator=g) / inner**0.5).to(dtype)
-        b_gu, b_down = (torch.randn(2 * inner, generator=g).to(dtype),
-                        torch.randn(hidden, generator=g).to(dtype)) if bias else (None, None)
-        want_act = silu_mul_reference(F.linear(x, w_gu, b_gu))
-        assert torch.equal(lin.linear_swiglu_reference(x, w_gu, b_gu), want_act)
-        assert torch.equal(lin.linear_swiglu(x, w_gu, b_gu), want_act)
-        out, summed = lin.add_rms_norm_mlp(x, residual, norm_w, 1e-5, w_gu, b_gu, w_down, b_down)
-        normed, want_summed = add_rms_norm_reference(x, residual, norm_w, 1e-5)
-        want = F.linear(silu_mul_reference(F.linear(normed, w_gu, b_gu)), w_down, b_down)
-        assert torch.equal(summed, want_summed) and torch.equal(out, want)
-
-
-def test_swiglu_epilogue_rules_are_plain_gate_up_products():
-    """The rules with a SwiGLU epilogue: the bench pair's merged gate/up product (5120 x 768),
-    float32 at 5..16 rows (the tree verify) and bfloat16 at 2..5 rows (the head's steps), on the
-    Triton product; one-row steps keep the norm and SwiGLU as prologues instead."""
-    for dtype, rows in [(torch.float32, range(5, 17)), (torch.bfloat16, range(2, 6))]:
-        for m in rows:
-            rule = lin._lookup(m, 5120, 768, dtype)
-            assert rule.glu and rule.plain and rule.config.dot, (dtype, m, rule)
-        assert not lin._lookup(1, 5120, 768, dtype).glu
-    assert not lin._lookup(4, 5120, 768, torch.float32).glu  # cuBLAS there
-    every = lin.CONFIGS + lin.FP32_CONFIGS
-    assert {rule.n_range for rule in every if rule.glu} == {(5120, 5120)}
-
-
 def test_empty_rows():
     x, residual, norm_w, w, b, gate_up = _case(torch.float32, m=0)
     assert lin.linear(x, w, b).shape == (0, 10)
@@ -129,10 +91,6 @@ def test_bad_shapes_fail_with_a_message():
         lin.add_rms_norm_linear(x, residual, norm_w[:5], 1e-5, w)
     with pytest.raises(ValueError, match=r"weight: expected shape \(N, 24\)"):
         lin.add_rms_norm_linear(x, residual, norm_w, 1e-5, w.t())
-    with pytest.raises(ValueError, match=r"weight: a merged gate/up product needs an even number of rows"):
-        lin.linear_swiglu(x, w[:9])
-    with pytest.raises(ValueError, match=r"weight: expected shape \(N, 24\)"):
-        lin.linear_swiglu(x, w[:, :20])
     with pytest.raises(ValueError, match=r"gate_up: expected an even last dimension"):
         lin.silu_mul_linear(gate_up[:, :5], w)
     with pytest.raises(ValueError, match=r"weight: expected shape \(N, 24\) for gate_up of shape \(5, 48\)"):

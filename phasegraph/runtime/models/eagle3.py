@@ -33,7 +33,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
 
 from phasegraph.kernels.attention import AttentionMetadata
-from phasegraph.kernels.linear import add_rms_norm_linear, add_rms_norm_mlp, linear
+from phasegraph.kernels.linear import add_rms_norm_linear, linear, silu_mul_linear
 from phasegraph.kernels.rms_norm import rms_norm_concat
 from phasegraph.phases.protocols import DraftOutput
 from phasegraph.runtime.errors import UnsupportedModel
@@ -228,10 +228,10 @@ class Eagle3Draft(FeatureDraft):
         cos, sin, rope_rows = RotaryTable.of(self.rotary).lookup(x, positions, attn)
         attn_out = layer.attention(x, cos, sin, pool.k[0], pool.v[0], attn, rope_rows)  # [T, Hd]
         # h1 = h + attn_out; gate_up = post_attention_layernorm(h1) @ gate_up
-        mlp_out, h1 = add_rms_norm_mlp(  # [T, Hd]
-            attn_out, h, layer.post_norm, layer.eps, layer.gate_up_weight, layer.gate_up_bias,
-            layer.down_weight, layer.down_bias,
+        gate_up, h1 = add_rms_norm_linear(
+            attn_out, h, layer.post_norm, layer.eps, layer.gate_up_weight, layer.gate_up_bias
         )
+        mlp_out = silu_mul_linear(gate_up, layer.down_weight, layer.down_bias)  # [T, Hd]
         norm_eps = float(head.norm.variance_epsilon)
         if logits_index is None:  # out = h1 + mlp_out; logits = lm_head(norm(out))
             logits, out = add_rms_norm_linear(

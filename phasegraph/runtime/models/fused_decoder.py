@@ -15,10 +15,8 @@ page-table row (decode, draft steps) rotary_write_kv and paged_attention are one
 (:mod:`phasegraph.kernels.rope_attention`), so 5 (plus the combine pass where attention splits): the skinny Triton product of
 :mod:`phasegraph.kernels.linear` streams each weight once and applies the norm or the
 activation to its operand as it loads it. With 2..16 tokens the products are still the skinny
-Triton kernel but the norms stay separate kernels (fusing them was slower there: bench/RESULTS.md
-§6); where the table says so (the bench pair's 16-row verify and its head's 4-5-row steps), SwiGLU
-is the gate/up product's epilogue (:func:`phasegraph.kernels.linear.linear_swiglu`), else a
-separate kernel too. Otherwise (more tokens, fp32, CPU) the same public functions run the
+Triton kernel but the norm and activation kernels stay separate (fusing them was slower there:
+bench/RESULTS.md §6). Otherwise (more tokens, fp32, CPU) the same public functions run the
 unfused sequence
 
     add_rms_norm -> qkv product -> rotary_write_kv -> paged_attention -> o product
@@ -39,7 +37,7 @@ import attrs
 import torch
 
 from phasegraph.kernels.attention import AttentionMetadata, paged_attention
-from phasegraph.kernels.linear import add_rms_norm_linear, add_rms_norm_mlp, linear
+from phasegraph.kernels.linear import add_rms_norm_linear, linear, silu_mul_linear
 from phasegraph.kernels.rms_norm import add_rms_norm
 from phasegraph.kernels.rope_attention import rope_paged_attention
 from phasegraph.kernels.rotary import rotary_write_kv
@@ -131,6 +129,10 @@ class FusedLayer:
         out = paged_attention(q, k_cache, v_cache, meta, self.scaling)  # [T, Hq, D]
         return linear(out.reshape(tokens, hq * d), self.o_weight, self.o_bias, defer=defer)
 
+    def mlp(self, normed: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
+        gate_up = linear(normed, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
+        return silu_mul_linear(gate_up, self.down_weight, self.down_bias)
+
     def norm_qkv(
         self, hidden: torch.Tensor | SplitSum, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (qkv [T, (Hq + 2Hkv) D], new residual [T, H])
@@ -142,13 +144,14 @@ class FusedLayer:
     def norm_mlp(
         self, hidden: torch.Tensor | SplitSum, residual: torch.Tensor, defer: bool = False
     ) -> tuple[torch.Tensor | SplitSum, torch.Tensor]:  # (mlp output [T, H], new residual [T, H])
-        """The post-attention norm, the gate/up product, SiLU x up and the down product
-        (:func:`add_rms_norm_mlp`); ``defer``: split-K products go on unsummed where their
-        consumer (the SwiGLU kernel, the next norm) sums them."""
-        return add_rms_norm_mlp(
+        """The post-attention norm, the gate/up product, SiLU x up and the down product;
+        ``defer``: split-K ``gate_up`` and ``down`` products go on unsummed (the SwiGLU kernel
+        and the next norm sum them)."""
+        gate_up, residual = add_rms_norm_linear(
             hidden, residual, self.post_norm, self.eps, self.gate_up_weight, self.gate_up_bias,
-            self.down_weight, self.down_bias, defer=defer,
+            defer=defer,
         )
+        return silu_mul_linear(gate_up, self.down_weight, self.down_bias, defer=defer), residual
 
 
 def fuse_layer(layer: torch.nn.Module, config) -> FusedLayer:
