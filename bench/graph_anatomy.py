@@ -100,17 +100,6 @@ def generate_wait(engine, calls: int = 3, prompt_tokens: int = 128, new_tokens: 
              "IterationGraph._draft (copy in, replay, copy out)": (IterationGraph, "_draft")}
     seconds = dict.fromkeys(timed, 0.0)
     counts = dict.fromkeys(timed, 0)
-
-    def wrap(label, fn):
-        def run(*args, **kwargs):
-            counts[label] += 1
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                seconds[label] += time.perf_counter() - t0
-        return run
-
     one_call = pph.generate_call(engine, 1, prompt_tokens, new_tokens)
     for _ in range(2):
         one_call()
@@ -120,7 +109,7 @@ def generate_wait(engine, calls: int = 3, prompt_tokens: int = 128, new_tokens: 
         outs = one_call()
     torch.cuda.synchronize()
     bare_wall = time.perf_counter() - start
-    with pph.wrapped_methods(timed, wrap, lambda ready: ready):
+    with pph.wrapped_methods(timed, pph.method_timer(seconds, counts), lambda ready: ready):
         start = time.perf_counter()
         for _ in range(calls):
             one_call()

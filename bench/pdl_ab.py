@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import graph_launch  # noqa: E402
 import profile_pair_host  # noqa: E402
 
 SETTINGS = ("off", "auto")
@@ -36,23 +37,17 @@ CHAIN = 100  # launches per graph
 
 def _chain_graph(step, x):
     """A CUDA graph of CHAIN calls of ``step``, each on the output of the one before."""
-    for _ in range(3):  # compile and warm up off the capture
+    def chain():
         y = x
         for _ in range(CHAIN):
             y = step(y)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y = x
-        for _ in range(CHAIN):
-            y = step(y)
-    return graph
+
+    return graph_launch.capture(chain)
 
 
 def chain_times(repeats: int = 50, group: int = 10) -> dict:
     """µs per launch on the GPU and µs per host ``replay()`` of each chain, under each setting."""
     import statistics
-    import time
 
     from phasegraph.kernels.linear import linear
     from phasegraph.kernels.rms_norm import add_rms_norm
@@ -71,7 +66,7 @@ def chain_times(repeats: int = 50, group: int = 10) -> dict:
         for setting in SETTINGS:
             os.environ["PHASEGRAPH_PDL"] = setting
             graph = _chain_graph(step, x)
-            gpu, host = [], []
+            gpu = []
             for _ in range(repeats // group):
                 a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 torch.cuda.synchronize()
@@ -82,14 +77,8 @@ def chain_times(repeats: int = 50, group: int = 10) -> dict:
                 b.record()
                 torch.cuda.synchronize()
                 gpu.append(a.elapsed_time(b) * 1e3 / group / CHAIN)
-            for _ in range(repeats):
-                torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                graph.replay()
-                host.append((time.perf_counter() - t0) * 1e6)
-            torch.cuda.synchronize()
             row = {"chain": name, "pdl": setting, "gpu_us_per_launch": statistics.median(gpu),
-                   "host_us_per_replay": statistics.median(host)}
+                   "host_us_per_replay": graph_launch.median_us(lambda: None, graph.replay, repeats)}
             rows.append(row)
             print(f"  {name:<42} PDL {setting:<4}: {row['gpu_us_per_launch']:6.2f} us per launch "
                   f"on the GPU, {row['host_us_per_replay']:7.1f} us to issue the graph", flush=True)

@@ -414,13 +414,14 @@ def wrapped_methods(methods: dict[str, tuple[type, str]], wrap, wrap_ready):
             setattr(cls, name, fn)
 
 
-def timed_methods(methods: dict[str, tuple[type, str]], seconds: dict[str, float], waits: list[float]):
-    """Patch each ``(cls, name)`` of ``methods`` to add its wall time to ``seconds[label]``, and
-    wrap the ready event of every issued iteration so that the host's one wait per iteration is
-    timed apart (``waits``); restores the methods on exit."""
+def method_timer(seconds: dict[str, float], counts: dict[str, int] | None = None):
+    """A ``wrap`` for :func:`wrapped_methods`: every call of a wrapped method adds its wall time
+    to ``seconds[label]`` (and 1 to ``counts[label]``, if given)."""
 
     def wrap(label, fn):
         def timed(*args, **kwargs):
+            if counts is not None:
+                counts[label] = counts.get(label, 0) + 1
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
@@ -428,7 +429,14 @@ def timed_methods(methods: dict[str, tuple[type, str]], seconds: dict[str, float
                 seconds[label] = seconds.get(label, 0.0) + time.perf_counter() - start
         return timed
 
-    return wrapped_methods(methods, wrap, lambda event: _TimedEvent(event, waits))
+    return wrap
+
+
+def timed_methods(methods: dict[str, tuple[type, str]], seconds: dict[str, float], waits: list[float]):
+    """Patch each ``(cls, name)`` of ``methods`` to add its wall time to ``seconds[label]``, and
+    wrap the ready event of every issued iteration so that the host's one wait per iteration is
+    timed apart (``waits``); restores the methods on exit."""
+    return wrapped_methods(methods, method_timer(seconds), lambda event: _TimedEvent(event, waits))
 
 
 class _ModuloTokenizer:
