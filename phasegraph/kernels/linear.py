@@ -57,7 +57,6 @@ from phasegraph.kernels._dispatch import (
     use_triton,
 )
 from phasegraph.kernels.activation import silu_mul, silu_mul_reference, swiglu
-from phasegraph.kernels.residual_sum import ResidualSum
 from phasegraph.kernels.rms_norm import add_rms_norm, add_rms_norm_reference
 from phasegraph.kernels.split_sum import SplitSum
 
@@ -98,15 +97,6 @@ def _check_norm_linear(x, residual, norm_weight, weight, bias) -> None:
             raise ValueError(f"residual: expected dtype {x.dtype}, got {residual.dtype}")
     expect_shape(norm_weight, "norm_weight", (x.shape[1],))
     _check_product(x, weight, bias, x.shape[1], "x")
-
-
-def _check_residual_out(residual, x, weight) -> None:
-    """``residual`` is added to the ``[M, N]`` product of ``x [M, *]`` and ``weight [N, *]``."""
-    expect_float(residual, "residual", 2)
-    want = (x.shape[0], weight.shape[0])
-    if tuple(residual.shape) != want or residual.dtype != x.dtype:
-        raise ValueError(f"residual: expected shape {want} and dtype {x.dtype}, got "
-                         f"{tuple(residual.shape)} {residual.dtype}")
 
 
 def _check_silu_linear(gate_up, weight, bias) -> None:
@@ -185,8 +175,6 @@ class _Rule(NamedTuple):
     config: SkinnyConfig
     plain: bool  # Triton for `linear` (else cuBLAS)
     fused: bool  # Triton for the fused prologue forms (else norm/silu kernel + cuBLAS)
-    stats: bool = False  # Triton for the residual-sum forms (ResidualSum): the product adds the
-    # residual and stores its row statistics (o, down), or normalises with them (qkv, gate_up)
 
 
 _ANY = (1, 1 << 40)
@@ -288,17 +276,17 @@ _FP32_TF32X3_SPLIT = {s: _FP32_TF32X3._replace(split_k=s) for s in (2, 4, 8)}
 
 _FP32_PAIR_RULES: tuple[_Rule, ...] = (
     _Rule(4, *_shape(768, 768), SkinnyConfig(2, 1024, 4, 3, dot=False), True, False),  # o
-    _Rule(16, *_shape(768, 768), _FP32_TF32X3_SPLIT[4], True, False, True),
+    _Rule(16, *_shape(768, 768), _FP32_TF32X3_SPLIT[4], True, False),
     _Rule(4, *_shape(768, 2304), SkinnyConfig(4, 512, 4, 3, dot=False), True, False),  # head fc
     _Rule(16, *_shape(768, 2304), _FP32_TF32X3_SPLIT[8], True, False),
     _Rule(4, *_shape(768, 2560), SkinnyConfig(4, 512, 4, 3, dot=False), True, True),  # down
-    _Rule(16, *_shape(768, 2560), _FP32_TF32X3_SPLIT[8], True, False, True),
+    _Rule(16, *_shape(768, 2560), _FP32_TF32X3_SPLIT[8], True, False),
     _Rule(4, *_shape(1280, 768), SkinnyConfig(8, 256, 4, 3, dot=False), True, True),  # qkv
-    _Rule(16, *_shape(1280, 768), _FP32_TF32X3_SPLIT[8], True, False, True),
+    _Rule(16, *_shape(1280, 768), _FP32_TF32X3_SPLIT[8], True, False),
     _Rule(4, *_shape(1280, 1536), SkinnyConfig(4, 512, 4, 3, dot=False), True, False),  # head qkv
     _Rule(16, *_shape(1280, 1536), _FP32_TF32X3_SPLIT[8], True, False),
     _Rule(4, *_shape(5120, 768), SkinnyConfig(8, 256, 4, 3, dot=False), False, False),  # gate_up
-    _Rule(16, *_shape(5120, 768), _FP32_TF32X3_SPLIT[2], True, False, True),
+    _Rule(16, *_shape(5120, 768), _FP32_TF32X3_SPLIT[2], True, False),
     _Rule(4, *_shape(8192, 768), _FP32_TF32X3_SPLIT[2], True, False),  # lm_head
     _Rule(16, *_shape(8192, 768), _FP32_TF32X3, True, False),
 )
@@ -414,32 +402,6 @@ def _finish(acc, DOT: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr):
     return out
 
 
-@jit
-def _rstd_from_squares(squares_ptr, rows, M, K, stats_blocks, eps, STATS_B: tl.constexpr):
-    """[BLOCK_M] ``1 / sqrt(mean(s^2) + eps)`` of rows whose sums of squares over column blocks
-    the producer of ``s`` stored (``squares [stats_blocks, M]``, :class:`ResidualSum`)."""
-    blocks = tl.arange(0, STATS_B)
-    mask = (blocks[:, None] < stats_blocks) & (rows[None, :] < M)
-    sq = tl.load(squares_ptr + blocks[:, None] * M + rows[None, :], mask=mask, other=0.0)
-    return 1.0 / tl.sqrt(tl.sum(sq, axis=0) / K + eps)
-
-
-@jit
-def _store_product(total, y_ptr, out_res_ptr, squares_ptr, rows, cols_n, block, M, N, stride_y,
-                   ADD_RESIDUAL: tl.constexpr):
-    """Store the [BLOCK_M, BLOCK_N] float32 product (bias added) in y's dtype; with
-    ``ADD_RESIDUAL`` store ``y + residual`` (rounded like the torch add) instead, and each row's
-    sum of its squares over this column block at ``squares [block, row]``."""
-    y_mask = (rows[:, None] < M) & (cols_n[None, :] < N)
-    v = total.to(y_ptr.dtype.element_ty)
-    if ADD_RESIDUAL:
-        r = tl.load(out_res_ptr + rows[:, None] * N + cols_n[None, :], mask=y_mask, other=0.0)
-        v = (v.to(tl.float32) + r.to(tl.float32)).to(v.dtype)
-        h = tl.where(y_mask, v.to(tl.float32), 0.0)
-        tl.store(squares_ptr + block * M + rows, tl.sum(h * h, axis=1), mask=rows < M)
-    tl.store(y_ptr + rows[:, None] * stride_y + cols_n[None, :], v, mask=y_mask)
-
-
 @jit(do_not_specialize=["M"])
 def _skinny_kernel(
     x_ptr,  # [M, K] (PROLOGUE 2: [M, 2K] gate | up)
@@ -451,9 +413,6 @@ def _skinny_kernel(
     summed_ptr,  # [M, K] out (PROLOGUE 1), written by program 0
     partial_ptr,  # [SPLIT_K, BLOCK_M, N] float32 scratch (SPLIT_K > 1)
     arrived_ptr,  # [column blocks] int32, zero between launches (SPLIT_K > 1)
-    out_res_ptr,  # [M, N] residual added to y (ADD_RESIDUAL)
-    squares_ptr,  # [blocks, M] float32 row sums of squares: written (ADD_RESIDUAL), read (STATS_IN)
-    stats_blocks,  # rows of squares (STATS_IN)
     M,
     N,
     K,
@@ -478,9 +437,6 @@ def _skinny_kernel(
     PDL: tl.constexpr,
     SPLIT_K: tl.constexpr,
     DEFER: tl.constexpr,  # split-K: store the partials only; the consumer sums them (SplitSum)
-    ADD_RESIDUAL: tl.constexpr,  # y = product + residual, with its row statistics (ResidualSum)
-    STATS_IN: tl.constexpr,  # PROLOGUE 1 on x = s whose producer stored its statistics
-    STATS_B: tl.constexpr,  # next_pow2(stats_blocks)
 ):
     pdl_enter(PDL)
     pid = tl.program_id(0)
@@ -495,19 +451,13 @@ def _skinny_kernel(
     n_in = cols_n < N
     ks = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + cols_n.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
-    rstd_in = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    if STATS_IN:
-        rstd_in = _rstd_from_squares(squares_ptr, rows, M, K, stats_blocks, eps, STATS_B)
 
     if SINGLE_K:  # the whole K in one tile: load the operand once, statistics included
         if EVEN_K:
             w = tl.load(w_rows + ks[None, :], mask=n_in[:, None], other=0.0)
         else:
             w = tl.load(w_rows + ks[None, :], mask=n_in[:, None] & (ks[None, :] < K), other=0.0)
-        if PROLOGUE == 1 and STATS_IN:
-            a = _operand(x_ptr, res_ptr, nw_ptr, rows, ks, M, K, stride_x, stride_r, rstd_in,
-                         PROLOGUE, False, EVEN_K)
-        elif PROLOGUE == 1:
+        if PROLOGUE == 1:
             if EVEN_K:
                 mask = row_in[:, None]
             else:
@@ -546,8 +496,8 @@ def _skinny_kernel(
             acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
         else:
             acc = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
-        rstd = rstd_in
-        if PROLOGUE == 1 and not STATS_IN:  # row statistics of s = x + residual (program 0 also stores s)
+        rstd = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if PROLOGUE == 1:  # row statistics of s = x + residual (program 0 also stores s)
             sq = tl.zeros((BLOCK_M,), dtype=tl.float32)
             for k0 in range(0, K, STATS_K):
                 cols = k0 + tl.arange(0, STATS_K)
@@ -571,6 +521,7 @@ def _skinny_kernel(
             acc = _mac(acc, a, w, DOT, SWAP, BLOCK_M, PRECISION)
         out = _finish(acc, DOT, SWAP, BLOCK_M)
 
+    y_offs = rows[:, None] * stride_y + cols_n[None, :]
     y_mask = row_in[:, None] & n_in[None, :]
     if SPLIT_K > 1:  # publish this slice's partial; the last slice to arrive writes y
         part_offs = rows[:, None] * N + cols_n[None, :]  # [BLOCK_M, BLOCK_N] in one slice
@@ -586,15 +537,13 @@ def _skinny_kernel(
                 if HAS_BIAS:
                     b = tl.load(b_ptr + cols_n, mask=n_in, other=0.0)
                     total += b.to(tl.float32)[None, :]
-                _store_product(total, y_ptr, out_res_ptr, squares_ptr, rows, cols_n, pid, M, N,
-                               stride_y, ADD_RESIDUAL)
+                tl.store(y_ptr + y_offs, total.to(y_ptr.dtype.element_ty), mask=y_mask)
                 tl.atomic_xchg(arrived_ptr + pid, 0, sem="relaxed", scope="gpu")  # for the next launch
     else:
         if HAS_BIAS:
             b = tl.load(b_ptr + cols_n, mask=n_in, other=0.0)
             out += b.to(tl.float32)[None, :]
-        _store_product(out, y_ptr, out_res_ptr, squares_ptr, rows, cols_n, pid, M, N, stride_y,
-                       ADD_RESIDUAL)
+        tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 _ARRIVED: dict[torch.device, torch.Tensor] = {}  # per device: split-K arrival counters, all zero
@@ -614,23 +563,13 @@ def _arrival_counters(device: torch.device) -> torch.Tensor | None:
 
 
 def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
-            config: SkinnyConfig | None, warmup: bool = False, defer: bool = False,
-            out_residual: torch.Tensor | None = None, squares_in: torch.Tensor | None = None):
-    """(y, summed); with ``defer`` and a split-K config, y is a :class:`SplitSum`; with
-    ``out_residual``, a summed :class:`ResidualSum` of y + out_residual; with ``squares_in``
-    (norm prologue), x is such a sum and ``squares_in`` its statistics (summed is then None)."""
+            config: SkinnyConfig | None, warmup: bool = False, defer: bool = False):
+    """(y, summed); with ``defer`` and a split-K config, y is a :class:`SplitSum`."""
     m = x.shape[0]
     n, k = weight.shape
     y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    stats_in = squares_in is not None
-    summed = torch.empty((m, k), dtype=x.dtype, device=x.device) \
-        if prologue == _RMS_NORM and not stats_in else None
-    if out_residual is not None:
-        defer = False
+    summed = torch.empty((m, k), dtype=x.dtype, device=x.device) if prologue == _RMS_NORM else None
     if m == 0 or n == 0:
-        if out_residual is not None:
-            squares = torch.zeros((0, m), dtype=torch.float32, device=x.device)
-            return ResidualSum(summed=y, squares=squares), summed
         return y, summed
     if m > MAX_M:
         raise ValueError(f"x: the skinny product takes at most {MAX_M} rows, got {m}")
@@ -645,9 +584,9 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
     split = cfg.split_k
     if split < 1:
         raise ValueError(f"config: split_k must be >= 1, got {split}")
-    if split > 1 and prologue == _RMS_NORM and not stats_in:
+    if split > 1 and prologue == _RMS_NORM:
         raise ValueError("config: split_k > 1 takes no norm prologue (every slice would need the "
-                         "row statistics over the whole K) unless its producer stored them")
+                         "row statistics over the whole K)")
     tiles = cdiv(k, block_k)
     split = cdiv(tiles, cdiv(tiles, min(split, tiles)))  # whole tiles per slice, none empty
     blocks = cdiv(n, cfg.block_n)
@@ -660,16 +599,11 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
     partials = torch.empty((split, block_m, n), dtype=torch.float32, device=x.device) \
         if split > 1 else y
     single = single and split == 1
-    squares = squares_in
-    if out_residual is not None:
-        squares = torch.empty((blocks, m), dtype=torch.float32, device=x.device)
-    stats_blocks = squares_in.shape[0] if stats_in else 0
     args = (
         x, x if residual is None else residual, x if norm_weight is None else norm_weight,
         weight, weight if bias is None else bias, y, y if summed is None else summed,
         partials, y if counters is None else counters,
-        y if out_residual is None else out_residual, y if squares is None else squares,
-        stats_blocks, m, n, k, x.stride(0), x.stride(0) if residual is None else residual.stride(0),
+        m, n, k, x.stride(0), x.stride(0) if residual is None else residual.stride(0),
         weight.stride(0), y.stride(0), float(eps),
     )
     meta = dict(
@@ -677,8 +611,6 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, STATS_K=stats_k,
         DOT=cfg.dot, SWAP=cfg.dot and cfg.swap, PRECISION=precision, EVEN_K=k % block_k == 0,
         SINGLE_K=single, STAGES=cfg.num_stages, SPLIT_K=split, DEFER=defer,
-        ADD_RESIDUAL=out_residual is not None, STATS_IN=stats_in,
-        STATS_B=next_pow2(max(stats_blocks, 1)),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         **(PDL_LAUNCH if cfg.pdl else pdl_options()),
     )
@@ -689,8 +621,6 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
         _skinny_kernel[grid](*args, **meta)
     if defer:
         return SplitSum(partials, m, bias, y.dtype), summed
-    if out_residual is not None:
-        return ResidualSum(summed=y, squares=squares), summed
     return y, summed
 
 
@@ -717,55 +647,6 @@ def linear_triton(
     _require_rows(weight, "weight")
     y, _ = _launch(_NONE, x, None, None, 0.0, weight, bias, config, warmup, defer)
     return y
-
-
-def linear_residual_triton(
-    x: torch.Tensor,  # [M, K], M <= 16
-    weight: torch.Tensor,  # [N, K]
-    bias: torch.Tensor | None,  # [N]
-    residual: torch.Tensor,  # [M, N], contiguous
-    *,
-    config: SkinnyConfig | None = None,
-    warmup: bool = False,
-) -> ResidualSum:  # summed [M, N] with its squares [column blocks, M]
-    """Triton ``linear(x, weight, bias, residual=residual)``: the program that finishes a column
-    block (its only one, or the last slice of a split K) adds the residual to it and stores each
-    row's sum of squares over its columns, for the norm prologue of the next product."""
-    _check_linear(x, weight, bias)
-    _check_residual_out(residual, x, weight)
-    _require_rows(x, "x")
-    _require_rows(weight, "weight")
-    if not residual.is_contiguous():
-        raise ValueError("residual: the Triton product needs a contiguous residual")
-    y, _ = _launch(_NONE, x, None, None, 0.0, weight, bias, config, warmup,
-                   out_residual=residual)
-    return y
-
-
-def rms_norm_linear_triton(
-    x: ResidualSum,  # summed [M, H], M <= 16, with its squares
-    norm_weight: torch.Tensor,  # [H]
-    eps: float,
-    weight: torch.Tensor,  # [N, H]
-    bias: torch.Tensor | None = None,  # [N]
-    *,
-    config: SkinnyConfig | None = None,
-    warmup: bool = False,
-    defer: bool = False,
-) -> tuple[torch.Tensor | SplitSum, torch.Tensor]:  # (y [M, N], summed [M, H])
-    """Triton ``add_rms_norm_linear`` of a summed :class:`ResidualSum`: every program takes the
-    row statistics its producer stored (a few numbers per row), so K may be split."""
-    if not isinstance(x, ResidualSum) or x.squares is None:
-        raise ValueError("x: expected a summed ResidualSum (with its squares)")
-    summed = x.summed
-    _check_norm_linear(summed, None, norm_weight, weight, bias)
-    if norm_weight.dtype != summed.dtype:
-        raise ValueError(f"norm_weight: expected dtype {summed.dtype}, got {norm_weight.dtype}")
-    _require_rows(summed, "x.summed")
-    _require_rows(weight, "weight")
-    y, _ = _launch(_RMS_NORM, summed, None, norm_weight, eps, weight, bias, config, warmup,
-                   defer, squares_in=x.squares)
-    return y, summed
 
 
 def add_rms_norm_linear_triton(
@@ -799,20 +680,12 @@ def silu_mul_linear_triton(
     config: SkinnyConfig | None = None,
     warmup: bool = False,
     defer: bool = False,
-    residual: torch.Tensor | None = None,  # [M, N], contiguous
-) -> torch.Tensor | SplitSum | ResidualSum:  # [M, N]
-    """Triton ``silu_mul_linear``: ``silu(gate) * up`` is the product's operand prologue; with
-    ``residual``, the summed :class:`ResidualSum` of the product and it (as
-    :func:`linear_residual_triton`)."""
+) -> torch.Tensor | SplitSum:  # [M, N]
+    """Triton ``silu_mul_linear``: ``silu(gate) * up`` is the product's operand prologue."""
     _check_silu_linear(gate_up, weight, bias)
     _require_rows(gate_up, "gate_up")
     _require_rows(weight, "weight")
-    if residual is not None:
-        _check_residual_out(residual, gate_up, weight)
-        if not residual.is_contiguous():
-            raise ValueError("residual: the Triton product needs a contiguous residual")
-    y, _ = _launch(_SILU_MUL, gate_up, None, None, 0.0, weight, bias, config, warmup, defer,
-                   out_residual=residual)
+    y, _ = _launch(_SILU_MUL, gate_up, None, None, 0.0, weight, bias, config, warmup, defer)
     return y
 
 
@@ -821,17 +694,14 @@ def silu_mul_linear_triton(
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fused: bool,
-          *others: torch.Tensor | None, stats: bool = False) -> bool:
-    """Whether the Triton product runs (else the ops it replaces); ``stats``: its residual-sum
-    form (only where the table says so)."""
+          *others: torch.Tensor | None) -> bool:
+    """Whether the Triton product runs (else the ops it replaces)."""
     if not use_triton(x) or x.dtype not in TRITON_DTYPES or not 1 <= x.shape[0] <= MAX_M:
         return False
     tensors = (x, weight, bias, *others)
     if any(t is not None and (t.dtype != x.dtype or not t.is_contiguous()) for t in tensors):
         return False
     rule = _lookup(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
-    if stats:
-        return rule is not None and rule.stats
     if rule is None:  # half precision: the default tiles; float32: only where measured
         return x.dtype in HALF_DTYPES
     return rule.fused if fused else rule.plain
@@ -843,19 +713,11 @@ def linear(
     bias: torch.Tensor | None = None,  # [N]
     *,
     defer: bool = False,
-    residual: torch.Tensor | None = None,  # [M, N]
-) -> torch.Tensor | SplitSum | ResidualSum:  # [M, N]
+) -> torch.Tensor | SplitSum:  # [M, N]
     """``F.linear`` (the Triton skinny product on CUDA for few rows). ``defer``: where the table
     splits K, return the unsummed :class:`SplitSum` for a consumer that takes one
-    (``add_rms_norm``, ``silu_mul`` and the fused forms below). ``residual``: return the
-    :class:`ResidualSum` of the product and it, for an RMSNorm to take next (summed by the
-    product, with its row statistics, where the table says so; else pending)."""
+    (``add_rms_norm``, ``silu_mul`` and the fused forms below)."""
     _check_linear(x, weight, bias)
-    if residual is not None:
-        _check_residual_out(residual, x, weight)
-        if _fits(x, weight, bias, False, residual, stats=True):
-            return linear_residual_triton(x, weight, bias, residual)
-        return ResidualSum(pending=(linear(x, weight, bias, defer=defer), residual))
     if _fits(x, weight, bias, False):
         return linear_triton(x, weight, bias, defer=defer)
     return F.linear(x, weight, bias)
@@ -873,15 +735,7 @@ def add_rms_norm_linear(
 ) -> tuple[torch.Tensor | SplitSum, torch.Tensor]:  # (y [M, N], summed [M, H])
     """``normed, summed = add_rms_norm(x, residual, norm_weight, eps)``; return
     ``(linear(normed, weight, bias), summed)`` (one Triton launch where the table fuses it).
-    ``x`` may be a :class:`SplitSum` (the norm kernel sums it) or a :class:`ResidualSum` (then
-    ``residual`` is None: the sum carries it; a summed one with its statistics is normalised by
-    the product's prologue where the table says so); ``defer`` as in :func:`linear`."""
-    if isinstance(x, ResidualSum):
-        if residual is not None:
-            raise ValueError("residual: a ResidualSum carries its residual; pass None")
-        if x.squares is not None and _fits(x.summed, weight, bias, True, norm_weight, stats=True):
-            return rms_norm_linear_triton(x, norm_weight, eps, weight, bias, defer=defer)
-        x, residual = x.parts()
+    ``x`` may be a :class:`SplitSum` (the norm kernel sums it); ``defer`` as in :func:`linear`."""
     if isinstance(x, SplitSum):  # a deferred product: the norm kernel sums its slices
         normed, summed = add_rms_norm(x, residual, norm_weight, eps)
         return linear(normed, weight, bias, defer=defer), summed
@@ -898,21 +752,14 @@ def silu_mul_linear(
     bias: torch.Tensor | None = None,  # [N]
     *,
     defer: bool = False,
-    residual: torch.Tensor | None = None,  # [M, N]
-) -> torch.Tensor | SplitSum | ResidualSum:  # [M, N]
+) -> torch.Tensor | SplitSum:  # [M, N]
     """``linear(silu_mul(gate_up), weight, bias)`` (one Triton launch where the table fuses it).
-    ``gate_up`` may be a :class:`SplitSum` (the SwiGLU kernel sums it); ``defer`` and
-    ``residual`` as in :func:`linear`."""
+    ``gate_up`` may be a :class:`SplitSum` (the SwiGLU kernel sums it); ``defer`` as in
+    :func:`linear`."""
     if isinstance(gate_up, SplitSum):
         act = silu_mul(gate_up)
-        return linear(act, weight, bias, defer=defer, residual=residual)
+        return linear(act, weight, bias, defer=defer)
     _check_silu_linear(gate_up, weight, bias)
-    if not _fits(gate_up, weight, bias, True):
-        return linear(silu_mul(gate_up), weight, bias, defer=defer, residual=residual)
-    if residual is None:
+    if _fits(gate_up, weight, bias, True):
         return silu_mul_linear_triton(gate_up, weight, bias, defer=defer)
-    _check_residual_out(residual, gate_up, weight)
-    if _fits(gate_up, weight, bias, True, residual, stats=True):
-        return silu_mul_linear_triton(gate_up, weight, bias, residual=residual)
-    return ResidualSum(pending=(silu_mul_linear_triton(gate_up, weight, bias, defer=defer),
-                                residual))
+    return linear(silu_mul(gate_up), weight, bias, defer=defer)

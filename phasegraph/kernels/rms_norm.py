@@ -15,7 +15,6 @@ import torch
 
 from phasegraph.kernels._checks import expect, expect_float, expect_shape
 from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
-from phasegraph.kernels.residual_sum import ResidualSum
 from phasegraph.kernels.split_sum import SplitSum, load_total, materialize, split_args
 
 
@@ -140,18 +139,13 @@ def _check_split(x: SplitSum, residual: torch.Tensor | None, weight: torch.Tenso
 
 
 def add_rms_norm(
-    x: torch.Tensor | SplitSum | ResidualSum,  # [T, H]
+    x: torch.Tensor | SplitSum,  # [T, H]
     residual: torch.Tensor | None,  # [T, H] or None
     weight: torch.Tensor,  # [H]
     eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (normed [T, H], new residual [T, H])
     """``(rms_norm(x + residual) * weight, x + residual)`` (Triton on CUDA). ``x`` may be a
-    deferred split-K product (:class:`SplitSum`), summed as the kernel reads it, or a
-    :class:`ResidualSum` that carries its residual (then ``residual`` is None)."""
-    if isinstance(x, ResidualSum):
-        if residual is not None:
-            raise ValueError("residual: a ResidualSum carries its residual; pass None")
-        x, residual = x.parts()
+    deferred split-K product (:class:`SplitSum`), summed as the kernel reads it."""
     if use_triton(x.partials if isinstance(x, SplitSum) else x):
         return add_rms_norm_triton(x, residual, weight, eps)
     return add_rms_norm_reference(materialize(x), residual, weight, eps)

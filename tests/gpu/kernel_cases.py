@@ -456,25 +456,6 @@ def compile_cases():
         cases.append((f"linear/float32/M16/{name}",
                       lambda cfg=cfg: linear.linear_triton(torch.randn(16, 2560), torch.randn(768, 2560),
                                                            config=cfg)))
-    residual_sum = importlib.import_module("phasegraph.kernels.residual_sum")
-
-    def pair_residual_sum(n: int, k: int, split: int):  # the verify's o / down, 16 rows
-        cfg = float32_tiles["tf32x3"]._replace(split_k=split)
-        linear.linear_residual_triton(torch.randn(16, k), torch.randn(n, k), None,
-                                      torch.randn(16, n), config=cfg)
-
-    def pair_normed_from_stats(n: int, split: int, defer: bool):  # the verify's qkv / gate_up
-        cfg = float32_tiles["tf32x3"]._replace(split_k=split)
-        summed = residual_sum.ResidualSum(summed=torch.randn(16, 768),
-                                          squares=torch.rand(24, 16))
-        linear.rms_norm_linear_triton(summed, torch.ones(768), 1e-5, torch.randn(n, 768),
-                                      config=cfg, defer=defer)
-
-    cases.append(("linear/float32/M16/residual-sum-o", lambda: pair_residual_sum(768, 768, 4)))
-    cases.append(("linear/float32/M16/residual-sum-down", lambda: pair_residual_sum(768, 2560, 8)))
-    cases.append(("linear/float32/M16/stats-norm-qkv", lambda: pair_normed_from_stats(1280, 8, False)))
-    cases.append(("linear/float32/M16/stats-norm-gate-up",
-                  lambda: pair_normed_from_stats(5120, 2, True)))
     rope_attention = importlib.import_module("phasegraph.kernels.rope_attention")
     argmax = importlib.import_module("phasegraph.kernels.argmax")
 

@@ -146,87 +146,6 @@ def test_split_k_refuses_the_norm_prologue(device, gen):
         lin.linear_triton(x, w, config=C(8, 32, 4, 1, False, split_k=0))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("rows", [1, 5, 16])
-def test_residual_sum_forms(device, gen, dtype, rows):
-    """The residual-sum forms (ResidualSum): a product that adds the residual stores exactly the
-    torch add of its own output and the residual, with each row's sum of squares over each
-    column block (float32 within 1e-6 of the reference); a product that normalises such a sum
-    from those statistics, with K split or not, deferred or not, is the norm then the product
-    (float32 within 1e-5, bf16 1e-2); the silu prologue takes the residual too; the arrival
-    counters end at zero, and on the GPU a graph replay equals the eager call bit for bit."""
-    from phasegraph.kernels.residual_sum import ResidualSum, residual_sum_reference
-    from phasegraph.kernels.split_sum import SplitSum
-
-    n, k, n_next = (768, 2560, 1280) if ON_GPU else (200, 96, 40)
-    precision = "tf32x3" if dtype == torch.float32 else "ieee"
-    configs = [C(32, 64, 4, 3, True, precision=precision, split_k=8),
-               C(32, 64, 4, 3, True, precision=precision), C(8, 64, 4, 3, False, split_k=3)]
-    tol = 1e-5 if dtype == torch.float32 else 1e-2
-    for cfg in configs:
-        x, w, b = _inputs(gen, device, dtype, rows, n, k, bias=True)
-        residual = torch.randn(rows, n, generator=gen).to(dtype).to(device)
-        y = lin.linear_triton(x, w, b, config=cfg)
-        got = run_triton(device, lin.linear_residual_triton, x, w, b, residual, config=cfg)
-        assert isinstance(got, ResidualSum) and got.pending is None
-        assert_equal(residual + y, got.summed, f"summed {_ids(cfg)}")
-        want = residual_sum_reference(y, residual, cfg.block_n)
-        assert got.squares.shape == want.squares.shape == (-(-n // cfg.block_n), rows)
-        assert rel_err(got.squares, want.squares) <= 1e-6, _ids(cfg)
-
-        norm_w = (1 + 0.1 * torch.randn(n, generator=gen)).to(dtype).to(device)
-        w_next = (torch.randn(n_next, n, generator=gen) / n**0.5).to(dtype).to(device)
-        normed, _ = lin.add_rms_norm_reference(got.summed, None, norm_w, 1e-5)
-        want_next = lin.linear_reference(normed.double(), w_next.double())
-        for cfg_next in (cfg, cfg._replace(split_k=1)):
-            out, summed = run_triton(device, lin.rms_norm_linear_triton, got, norm_w, 1e-5,
-                                     w_next, config=cfg_next)
-            assert summed is got.summed
-            assert rel_err(out.double(), want_next) <= tol, (_ids(cfg_next), rel_err(out.double(), want_next))
-            deferred, _ = lin.rms_norm_linear_triton(got, norm_w, 1e-5, w_next, config=cfg_next,
-                                                     defer=True)
-            if cfg_next.split_k > 1:
-                assert isinstance(deferred, SplitSum)
-                assert_equal(out, deferred.total(), f"deferred {_ids(cfg_next)}")
-
-        gate_up = torch.randn(rows, 2 * k, generator=gen).to(dtype).to(device)
-        act_y = lin.silu_mul_linear_triton(gate_up, w, b, config=cfg)
-        act_sum = run_triton(device, lin.silu_mul_linear_triton, gate_up, w, b, config=cfg,
-                             residual=residual)
-        assert_equal(residual + act_y, act_sum.summed, f"silu summed {_ids(cfg)}")
-        assert int(lin._ARRIVED[x.device].abs().sum()) == 0
-        if ON_GPU:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = lin.linear_residual_triton(x, w, b, residual, config=cfg)
-                captured_next, _ = lin.rms_norm_linear_triton(captured, norm_w, 1e-5, w_next,
-                                                              config=cfg)
-            eager_next, _ = lin.rms_norm_linear_triton(got, norm_w, 1e-5, w_next, config=cfg)
-            for _ in range(3):
-                graph.replay()
-                assert_equal(got.summed, captured.summed, f"replay summed {_ids(cfg)}")
-                assert_equal(got.squares, captured.squares, f"replay squares {_ids(cfg)}")
-                assert_equal(eager_next, captured_next, f"replay next {_ids(cfg)}")
-
-
-def test_residual_sum_refusals(device, gen):
-    """A norm prologue on a split K needs the producer's statistics; a ResidualSum carries its
-    residual, so a second one is refused; a pending sum has no statistics for the prologue."""
-    from phasegraph.kernels.residual_sum import ResidualSum
-
-    x, w, _ = _inputs(gen, device, torch.float32, 4, 40, 96, bias=False)
-    residual = torch.randn(4, 40, generator=gen).to(device)
-    with pytest.raises(ValueError, match="residual: expected shape"):
-        lin.linear_residual_triton(x, w, None, residual[:, :8])
-    summed = lin.linear_residual_triton(x, w, None, residual, config=C(8, 32, 4, 1, False))
-    w_next = torch.randn(24, 40, generator=gen).to(device)
-    with pytest.raises(ValueError, match="carries its residual"):
-        lin.add_rms_norm_linear(summed, residual, torch.ones(40, device=device), 1e-5, w_next)
-    with pytest.raises(ValueError, match="summed ResidualSum"):
-        lin.rms_norm_linear_triton(ResidualSum(pending=(x[:, :40], residual)),
-                                   torch.ones(40, device=device), 1e-5, w_next)
-
-
 @pytest.mark.parametrize("rows", ROWS)
 @pytest.mark.parametrize("with_residual", [True, False])
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
@@ -372,14 +291,12 @@ def test_deferred_split_k_gives_the_consumers_the_same_bits(device, gen, dtype, 
 
 
 @pytest.mark.gpu
-def test_pair_verify_layer_takes_the_residual_sum_forms():
-    """The float32 table splits K for the bench pair's 16-row verify products and marks them for
-    the residual-sum forms: through the public dispatchers, as run_fused_decoder runs them
-    (o + residual -> norm + gate_up -> SwiGLU -> down + residual -> final norm), the o and down
-    products add the residual themselves (summed, with statistics) and the chain equals the one
-    with a norm kernel between the products: every residual bit for bit, the normed outputs
-    within float32 error (the statistics are added up in another order)."""
+def test_deferred_products_of_a_pair_verify_layer_equal_the_summed_ones():
+    """The float32 table splits K for the bench pair's 16-row verify products; through the public
+    dispatchers (o -> norm -> gate_up -> SwiGLU -> down -> norm, as run_fused_decoder runs them)
+    the deferred chain equals the one whose products sum their own slices, bit for bit."""
     from phasegraph.kernels.rms_norm import add_rms_norm
+    from phasegraph.kernels.split_sum import SplitSum
 
     dev, g = torch.device("cuda"), torch.Generator().manual_seed(7)
 
@@ -390,21 +307,14 @@ def test_pair_verify_layer_takes_the_residual_sum_forms():
     w_o, w_gu, w_down = rand(768, 768, scale=0.03), rand(5120, 768, scale=0.03), rand(768, 2560, scale=0.02)
     norm1, norm2 = 1 + rand(768, scale=0.1), 1 + rand(768, scale=0.1)
 
-    def chain(fused: bool):
-        if fused:
-            o = lin.linear(attn, w_o, defer=True, residual=residual)
-            gate_up, res = lin.add_rms_norm_linear(o, None, norm1, 1e-5, w_gu, defer=True)
-            down = lin.silu_mul_linear(gate_up, w_down, defer=True, residual=res)
-            assert o.squares is not None and down.squares is not None  # summed by the products
-            normed, res2 = add_rms_norm(down, None, norm2, 1e-5)
-        else:
-            o = lin.linear(attn, w_o, defer=True)
-            gate_up, res = lin.add_rms_norm_linear(o, residual, norm1, 1e-5, w_gu, defer=True)
-            down = lin.silu_mul_linear(gate_up, w_down, defer=True)
-            normed, res2 = add_rms_norm(down, res, norm2, 1e-5)
-        return res, res2, normed
+    def chain(defer: bool):
+        o = lin.linear(attn, w_o, defer=defer)
+        gate_up, res = lin.add_rms_norm_linear(o, residual, norm1, 1e-5, w_gu, defer=defer)
+        down = lin.silu_mul_linear(gate_up, w_down, defer=defer)
+        return (o, gate_up, down), add_rms_norm(down, res, norm2, 1e-5)
 
-    fused, separate = chain(True), chain(False)
-    assert_equal(separate[0], fused[0], "residual after o")
-    assert rel_err(fused[1], separate[1]) <= 1e-5, rel_err(fused[1], separate[1])
-    assert rel_err(fused[2], separate[2]) <= 1e-5, rel_err(fused[2], separate[2])
+    (o, gate_up, down), deferred = chain(True)
+    assert all(isinstance(p, SplitSum) for p in (o, gate_up, down))  # the table splits all three
+    _, summed = chain(False)
+    for got, want, name in zip(deferred, summed, ("normed", "residual"), strict=True):
+        assert_equal(want, got, name)

@@ -38,7 +38,6 @@ import torch
 
 from phasegraph.kernels.attention import AttentionMetadata, paged_attention
 from phasegraph.kernels.linear import add_rms_norm_linear, linear, silu_mul_linear
-from phasegraph.kernels.residual_sum import ResidualSum
 from phasegraph.kernels.rms_norm import add_rms_norm
 from phasegraph.kernels.rope_attention import rope_paged_attention
 from phasegraph.kernels.rotary import rotary_write_kv
@@ -112,18 +111,15 @@ class FusedLayer:
         meta: AttentionMetadata,
         rope_rows: torch.Tensor | None = None,  # [T] i64: each token's row of the tables
         defer: bool = False,
-        residual: torch.Tensor | None = None,  # [T, H]
-    ) -> torch.Tensor | SplitSum | ResidualSum:  # [T, H], before the residual add
+    ) -> torch.Tensor | SplitSum:  # [T, H], before the residual add
         """Rotary, KV write, attention and the ``o`` product; ``defer``: a split-K ``o`` product
-        comes back unsummed (:class:`SplitSum`), for the norm that follows to sum;
-        ``residual``: the :class:`ResidualSum` of the ``o`` product and it."""
+        comes back unsummed (:class:`SplitSum`), for the norm that follows to sum."""
         tokens = qkv.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.q_norm is None:  # one launch where every query has its own row (decode, draft)
             out = rope_paged_attention(qkv, hq, hkv, d, cos, sin, k_cache, v_cache, meta,
                                        self.scaling, rope_rows)  # [T, Hq, D]
-            return linear(out.reshape(tokens, hq * d), self.o_weight, self.o_bias, defer=defer,
-                          residual=residual)
+            return linear(out.reshape(tokens, hq * d), self.o_weight, self.o_bias, defer=defer)
         q = qkv[:, : hq * d].view(tokens, hq, d)
         k = qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
         v = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
@@ -131,36 +127,31 @@ class FusedLayer:
             q, k = self.q_norm(q), self.k_norm(k)
         q = rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.write_slots, rope_rows)  # [T, Hq, D]
         out = paged_attention(q, k_cache, v_cache, meta, self.scaling)  # [T, Hq, D]
-        return linear(out.reshape(tokens, hq * d), self.o_weight, self.o_bias, defer=defer,
-                      residual=residual)
+        return linear(out.reshape(tokens, hq * d), self.o_weight, self.o_bias, defer=defer)
 
     def mlp(self, normed: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         gate_up = linear(normed, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
         return silu_mul_linear(gate_up, self.down_weight, self.down_bias)
 
     def norm_qkv(
-        self, hidden: torch.Tensor | SplitSum | ResidualSum, residual: torch.Tensor | None
+        self, hidden: torch.Tensor | SplitSum, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (qkv [T, (Hq + 2Hkv) D], new residual [T, H])
-        """The input norm of ``hidden + residual`` and the qkv product (one kernel at one row;
-        a :class:`ResidualSum` ``hidden`` carries its residual)."""
+        """The input norm of ``hidden + residual`` and the qkv product (one kernel at one row)."""
         return add_rms_norm_linear(
             hidden, residual, self.input_norm, self.eps, self.qkv_weight, self.qkv_bias
         )
 
     def norm_mlp(
-        self, hidden: torch.Tensor | SplitSum | ResidualSum, residual: torch.Tensor | None,
-        defer: bool = False,
-    ) -> ResidualSum:  # the layer's output plus its residual, for the next layer's input norm
-        """The post-attention norm, the gate/up product, SiLU x up and the down product plus the
-        residual, as a :class:`ResidualSum` (where the table says so the product adds it and
-        stores the row statistics the next norm needs); ``defer``: a split-K ``gate_up`` goes on
-        unsummed (the SwiGLU kernel sums it)."""
+        self, hidden: torch.Tensor | SplitSum, residual: torch.Tensor, defer: bool = False
+    ) -> tuple[torch.Tensor | SplitSum, torch.Tensor]:  # (mlp output [T, H], new residual [T, H])
+        """The post-attention norm, the gate/up product, SiLU x up and the down product;
+        ``defer``: split-K ``gate_up`` and ``down`` products go on unsummed (the SwiGLU kernel
+        and the next norm sum them)."""
         gate_up, residual = add_rms_norm_linear(
             hidden, residual, self.post_norm, self.eps, self.gate_up_weight, self.gate_up_bias,
             defer=defer,
         )
-        return silu_mul_linear(gate_up, self.down_weight, self.down_bias, defer=defer,
-                               residual=residual)
+        return silu_mul_linear(gate_up, self.down_weight, self.down_bias, defer=defer), residual
 
 
 def fuse_layer(layer: torch.nn.Module, config) -> FusedLayer:
@@ -252,22 +243,20 @@ def run_fused_decoder(
     capture_layers: tuple[int, ...] = (),
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # ([T, H] after the final norm, {layer: [T, H]})
     """Every decoder layer, then the final norm; also the residual input of ``capture_layers``.
-    Split-K products whose next kernel is SwiGLU hand on their slices unsummed
-    (:mod:`phasegraph.kernels.split_sum`: the same bits, one reduction pass less); the ``o`` and
-    ``down`` products hand on their sum with the residual (:mod:`phasegraph.kernels.residual_sum`:
-    where the table says so, the product adds it and stores the row statistics, and the next
-    product normalises its operand as it loads it, with no norm kernel between them)."""
+    Split-K products whose next kernel is a norm or SwiGLU hand on their slices unsummed
+    (:mod:`phasegraph.kernels.split_sum`: the same bits, one reduction pass less)."""
     inner = model.model
     hidden = embed(inner.embed_tokens, input_ids)  # [T, H]
     cos, sin, rope_rows = RotaryTable.of(inner.rotary_emb).lookup(hidden, positions, meta)
+    residual: torch.Tensor | None = None
     captured: dict[int, torch.Tensor] = {}
-    for idx, layer in enumerate(layers):  # hidden: the embedding, then a ResidualSum
-        qkv, residual = layer.norm_qkv(hidden, None)
+    for idx, layer in enumerate(layers):
+        qkv, residual = layer.norm_qkv(hidden, residual)
         if idx in capture_layers:
             captured[idx] = residual  # the hidden state entering layer idx
         hidden = layer.attention_from_qkv(qkv, cos, sin, k_caches[idx], v_caches[idx], meta, rope_rows,
-                                          defer=True, residual=residual)
-        hidden = layer.norm_mlp(hidden, None, defer=True)
+                                          defer=True)
+        hidden, residual = layer.norm_mlp(hidden, residual, defer=True)
     final = inner.norm
-    out, _ = add_rms_norm(hidden, None, final.weight, float(final.variance_epsilon))
+    out, _ = add_rms_norm(hidden, residual, final.weight, float(final.variance_epsilon))
     return out, captured
