@@ -6,7 +6,9 @@ root: the bonus token of the previous step, at position ``seq_len``. See ``docs/
 ("Draft candidates and the tree").
 
 ``select_tree_nodes`` and ``build_tree`` dispatch to Triton on CUDA tensors (one program per
-request each) and to the ``*_reference`` torch versions elsewhere.
+request each) and to the ``*_reference`` torch versions elsewhere. ``select_tree_nodes`` may take
+the step-0 candidates apart from the others (``first_tokens``, ``first_scores``), so that no
+concatenation runs before it.
 """
 
 from __future__ import annotations
@@ -44,14 +46,24 @@ def _check_candidates(
     cand_scores: torch.Tensor,  # [B, C] float32
     cand_parents: torch.Tensor,  # [B, C] int64
     num_nodes: int,
+    first_tokens: torch.Tensor | None = None,  # [B, K0] int64
+    first_scores: torch.Tensor | None = None,  # [B, K0] float32
 ) -> tuple[int, int]:
-    """Check the candidate lists shared by both implementations; returns ``(B, C)``."""
+    """Check the candidate lists shared by both implementations; returns ``(B, K0 + C)``."""
     expect(cand_tokens, "cand_tokens", 2, torch.int64)
     expect(cand_scores, "cand_scores", 2, torch.float32)
     expect(cand_parents, "cand_parents", 2, torch.int64)
     batch, num_cand = cand_scores.shape
     expect_shape(cand_tokens, "cand_tokens", (batch, num_cand))
     expect_shape(cand_parents, "cand_parents", (batch, num_cand))
+    if (first_tokens is None) != (first_scores is None):
+        raise ValueError("first_tokens and first_scores come together")
+    if first_scores is not None:
+        expect(first_tokens, "first_tokens", 2, torch.int64)
+        expect(first_scores, "first_scores", 2, torch.float32)
+        expect_shape(first_scores, "first_scores", (batch, first_scores.shape[1]))
+        expect_shape(first_tokens, "first_tokens", tuple(first_scores.shape))
+        num_cand += first_scores.shape[1]
     if not 1 <= num_nodes <= num_cand + 1:
         raise ValueError(f"num_nodes must be in [1, C+1] = [1, {num_cand + 1}], got {num_nodes}")
     return batch, num_cand
@@ -62,8 +74,14 @@ def select_tree_nodes_reference(
     cand_scores: torch.Tensor,  # [B, C] f32
     cand_parents: torch.Tensor,  # [B, C] i64, parent candidate id or -1 (root)
     num_nodes: int,
+    first_tokens: torch.Tensor | None = None,  # [B, K0] i64
+    first_scores: torch.Tensor | None = None,  # [B, K0] f32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keep the N-1 best candidates as tree nodes 1..N-1.
+
+    With ``first_tokens`` and ``first_scores``, those are candidates ``0 .. K0-1`` (parent -1,
+    the root's children) and ``cand_*`` hold candidates ``K0 ..``: the same as passing the
+    concatenated lists.
 
     A stable descending sort by score keeps N-1 candidates (ties go to the lower index), then the
     kept ids are sorted ascending, so node j >= 1 is the j-th kept candidate. A candidate's score
@@ -72,8 +90,14 @@ def select_tree_nodes_reference(
     ``node_parents[:, 0] = -1``; a node whose parent candidate is -1 hangs off node 0. (Should a
     parent be missing anyway, e.g. with NaN scores, the node is attached to the root.)
     """
-    batch, num_cand = _check_candidates(cand_tokens, cand_scores, cand_parents, num_nodes)
+    batch, num_cand = _check_candidates(
+        cand_tokens, cand_scores, cand_parents, num_nodes, first_tokens, first_scores
+    )
     device = cand_scores.device
+    if first_scores is not None:
+        cand_tokens = torch.cat([first_tokens, cand_tokens], dim=1)
+        cand_scores = torch.cat([first_scores, cand_scores], dim=1)
+        cand_parents = torch.cat([torch.full_like(first_tokens, -1), cand_parents], dim=1)
 
     best = torch.sort(cand_scores, dim=1, descending=True, stable=True).indices
     kept = torch.sort(best[:, : num_nodes - 1], dim=1).values  # [B, N-1] candidate ids
@@ -174,13 +198,26 @@ def _sorts_before(score_a, id_a, score_b, id_b):
 
 
 @jit
+def _load_candidates(first_ptr, cand_ptr, b, offs, ok, num_first, num_rest, other):
+    """Candidates ``offs`` of request b: ids below ``num_first`` from ``first`` [B, K0], the
+    rest from ``cand`` [B, C - K0]."""
+    is_first = offs < num_first
+    a = tl.load(first_ptr + b * num_first + offs, mask=ok & is_first, other=other)
+    c = tl.load(cand_ptr + b * num_rest + (offs - num_first), mask=ok & ~is_first, other=other)
+    return tl.where(is_first, a, c)
+
+
+@jit
 def _select_tree_nodes_kernel(
-    cand_tokens_ptr,  # [B, C] i64
-    cand_scores_ptr,  # [B, C] f32
-    cand_parents_ptr,  # [B, C] i64
+    first_tokens_ptr,  # [B, K0] i64, candidates 0 .. K0-1 (parent -1)
+    first_scores_ptr,  # [B, K0] f32
+    cand_tokens_ptr,  # [B, C - K0] i64, candidates K0 ..
+    cand_scores_ptr,  # [B, C - K0] f32
+    cand_parents_ptr,  # [B, C - K0] i64
     node_tokens_ptr,  # [B, N-1] i64, out
     node_parents_ptr,  # [B, N] i64, out
-    num_cand,
+    num_first,  # K0 (0: every candidate in cand_*)
+    num_cand,  # C
     num_nodes,
     BLOCK_C: tl.constexpr,
     CHUNK: tl.constexpr,
@@ -188,24 +225,27 @@ def _select_tree_nodes_kernel(
 ):
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
+    rest = num_cand - num_first
     offs = tl.arange(0, BLOCK_C)
     ok = offs < num_cand
-    score = tl.load(cand_scores_ptr + b * num_cand + offs, mask=ok, other=0.0)
+    score = _load_candidates(first_scores_ptr, cand_scores_ptr, b, offs, ok, num_first, rest, 0.0)
     # rank[c]: how many candidates the stable descending sort puts before c
     rank = tl.zeros([BLOCK_C], tl.int32)
     for start in range(0, BLOCK_C, CHUNK):
         other = start + tl.arange(0, CHUNK)
         other_ok = other < num_cand
-        other_score = tl.load(cand_scores_ptr + b * num_cand + other, mask=other_ok, other=0.0)
+        other_score = _load_candidates(first_scores_ptr, cand_scores_ptr, b, other, other_ok,
+                                       num_first, rest, 0.0)
         before = _sorts_before(other_score[None, :], other[None, :], score[:, None], offs[:, None])
         rank += tl.sum((before & other_ok[None, :]).to(tl.int32), axis=1)
     kept = ok & (rank < num_nodes - 1)
     node = tl.cumsum(kept.to(tl.int32), axis=0)  # node j >= 1 is the j-th kept id (ascending)
     node_of = tl.where(kept, node, 0)  # candidate -> node, 0 (root) when not kept
-    parent = tl.load(cand_parents_ptr + b * num_cand + offs, mask=ok, other=-1)
+    parent = tl.load(cand_parents_ptr + b * rest + (offs - num_first),
+                     mask=ok & (offs >= num_first), other=-1)
     parent_node = tl.gather(node_of, tl.minimum(tl.maximum(parent, 0), BLOCK_C - 1).to(tl.int32), 0)
     parent_node = tl.where(parent < 0, 0, parent_node)
-    token = tl.load(cand_tokens_ptr + b * num_cand + offs, mask=ok, other=0)
+    token = _load_candidates(first_tokens_ptr, cand_tokens_ptr, b, offs, ok, num_first, rest, 0)
     tl.store(node_tokens_ptr + b * (num_nodes - 1) + node - 1, token, mask=kept)
     tl.store(node_parents_ptr + b * num_nodes + node, parent_node.to(tl.int64), mask=kept)
     tl.store(node_parents_ptr + b * num_nodes, -1)
@@ -216,6 +256,8 @@ def select_tree_nodes_triton(
     cand_scores: torch.Tensor,  # [B, C] f32
     cand_parents: torch.Tensor,  # [B, C] i64, parent candidate id or -1 (root)
     num_nodes: int,
+    first_tokens: torch.Tensor | None = None,  # [B, K0] i64
+    first_scores: torch.Tensor | None = None,  # [B, K0] f32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton ``select_tree_nodes``: one program per request, no sort.
 
@@ -224,17 +266,27 @@ def select_tree_nodes_triton(
     1e5 for K = 8, S = 6), the kept ones are numbered by a prefix sum (ascending ids = node
     order) and each parent candidate is mapped to its node with a register gather. Same tie rule
     as the reference (equal scores: lower id first; NaN above everything). One launch instead of
-    two sorts and five gathers/scatters.
+    two sorts and five gathers/scatters; the step-0 candidates (``first_*``) are read where
+    they lie.
     """
-    batch, num_cand = _check_candidates(cand_tokens, cand_scores, cand_parents, num_nodes)
+    batch, num_cand = _check_candidates(
+        cand_tokens, cand_scores, cand_parents, num_nodes, first_tokens, first_scores
+    )
     device = cand_scores.device
     node_tokens = torch.empty((batch, num_nodes - 1), dtype=torch.int64, device=device)
     node_parents = torch.empty((batch, num_nodes), dtype=torch.int64, device=device)
     if batch > 0:
         block_c = next_pow2(num_cand)
+        cand_tokens, cand_scores = cand_tokens.contiguous(), cand_scores.contiguous()
+        if first_scores is None:  # unread: every candidate is in cand_*
+            first_tokens, first_scores = cand_tokens, cand_scores
+            num_first = 0
+        else:
+            first_tokens, first_scores = first_tokens.contiguous(), first_scores.contiguous()
+            num_first = first_scores.shape[1]
         _select_tree_nodes_kernel[(batch,)](
-            cand_tokens.contiguous(), cand_scores.contiguous(), cand_parents.contiguous(),
-            node_tokens, node_parents, num_cand, num_nodes,
+            first_tokens, first_scores, cand_tokens, cand_scores, cand_parents.contiguous(),
+            node_tokens, node_parents, num_first, num_cand, num_nodes,
             BLOCK_C=block_c,
             CHUNK=max(1, min(block_c, 8192 // block_c)),
             num_warps=4, **pdl_options(),
@@ -356,12 +408,13 @@ def select_tree_nodes(
     cand_scores: torch.Tensor,  # [B, C] f32
     cand_parents: torch.Tensor,  # [B, C] i64, parent candidate id or -1 (root)
     num_nodes: int,
+    first_tokens: torch.Tensor | None = None,  # [B, K0] i64, candidates 0 .. K0-1 (parent -1)
+    first_scores: torch.Tensor | None = None,  # [B, K0] f32
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Keep the N-1 best candidates as tree nodes 1..N-1 (see
     :func:`select_tree_nodes_reference`); Triton on CUDA tensors."""
-    if use_triton(cand_scores):
-        return select_tree_nodes_triton(cand_tokens, cand_scores, cand_parents, num_nodes)
-    return select_tree_nodes_reference(cand_tokens, cand_scores, cand_parents, num_nodes)
+    impl = select_tree_nodes_triton if use_triton(cand_scores) else select_tree_nodes_reference
+    return impl(cand_tokens, cand_scores, cand_parents, num_nodes, first_tokens, first_scores)
 
 
 def build_tree(

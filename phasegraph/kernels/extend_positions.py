@@ -2,6 +2,7 @@
 
 Torch references (``*_reference``) and Triton versions; the public names dispatch on device.
 Both are a handful of index ops; the Triton versions exist to make each one launch.
+``extend_rows`` is ``extend_positions`` plus each row's request, from the same launch.
 """
 
 from __future__ import annotations
@@ -28,6 +29,16 @@ def extend_positions_reference(
     expect(seq_lens, "seq_lens", 1, torch.int64)
     cols = torch.arange(width, dtype=torch.int64, device=seq_lens.device)
     return (seq_lens[:, None] + cols[None, :]).reshape(seq_lens.shape[0] * width)
+
+
+def extend_rows_reference(
+    seq_lens: torch.Tensor,  # [B] i64, first position of each request's block
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # positions [B*W], token_req [B*W]
+    """:func:`extend_positions_reference` and the request of each row (``b`` at ``b*W + j``)."""
+    positions = extend_positions_reference(seq_lens, width)
+    batch = seq_lens.shape[0]
+    return positions, torch.arange(batch, device=seq_lens.device).repeat_interleave(width)
 
 
 def ragged_extend_positions_reference(
@@ -69,8 +80,10 @@ def ragged_extend_positions_reference(
 def _extend_positions_kernel(
     seq_lens_ptr,  # [B] i64
     positions_ptr,  # [B*W] i64, out
+    token_req_ptr,  # [B*W] i64, out (WITH_REQ)
     width,
     BLOCK_W: tl.constexpr,
+    WITH_REQ: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
@@ -78,6 +91,22 @@ def _extend_positions_kernel(
     cols = tl.arange(0, BLOCK_W)
     tl.store(positions_ptr + b * width + cols, tl.load(seq_lens_ptr + b) + cols,
              mask=cols < width)
+    if WITH_REQ:
+        tl.store(token_req_ptr + b * width + cols, b + cols * 0, mask=cols < width)
+
+
+def _launch_extend_positions(seq_lens: torch.Tensor, width: int, with_req: bool):
+    expect(seq_lens, "seq_lens", 1, torch.int64)
+    batch = seq_lens.shape[0]
+    positions = torch.empty(batch * width, dtype=torch.int64, device=seq_lens.device)
+    token_req = torch.empty(batch * width if with_req else 0, dtype=torch.int64,
+                            device=seq_lens.device)
+    if positions.numel() > 0:
+        _extend_positions_kernel[(batch,)](
+            seq_lens.contiguous(), positions, token_req, width, BLOCK_W=next_pow2(width),
+            WITH_REQ=with_req, num_warps=1, **pdl_options(),
+        )
+    return positions, token_req
 
 
 def extend_positions_triton(
@@ -85,15 +114,16 @@ def extend_positions_triton(
     width: int,
 ) -> torch.Tensor:  # [B*W] i64
     """Triton ``extend_positions``: one program per request (simple; one launch instead of 3)."""
-    expect(seq_lens, "seq_lens", 1, torch.int64)
-    batch = seq_lens.shape[0]
-    positions = torch.empty(batch * width, dtype=torch.int64, device=seq_lens.device)
-    if positions.numel() > 0:
-        _extend_positions_kernel[(batch,)](
-            seq_lens.contiguous(), positions, width, BLOCK_W=next_pow2(width), num_warps=1,
-            **pdl_options(),
-        )
-    return positions
+    return _launch_extend_positions(seq_lens, width, with_req=False)[0]
+
+
+def extend_rows_triton(
+    seq_lens: torch.Tensor,  # [B] i64
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # positions [B*W], token_req [B*W]
+    """Triton ``extend_rows``: the extend_positions launch also stores each row's request (in
+    place of an arange and a repeat_interleave)."""
+    return _launch_extend_positions(seq_lens, width, with_req=True)
 
 
 @jit(do_not_specialize=["batch"])
@@ -164,6 +194,17 @@ def extend_positions(
     if use_triton(seq_lens):
         return extend_positions_triton(seq_lens, width)
     return extend_positions_reference(seq_lens, width)
+
+
+def extend_rows(
+    seq_lens: torch.Tensor,  # [B] i64, first position of each request's block
+    width: int,
+) -> tuple[torch.Tensor, torch.Tensor]:  # positions [B*W], token_req [B*W]
+    """Fixed-width blocks: row ``b*W + j`` is at position ``seq_lens[b] + j`` and belongs to
+    request ``b``."""
+    if use_triton(seq_lens):
+        return extend_rows_triton(seq_lens, width)
+    return extend_rows_reference(seq_lens, width)
 
 
 def ragged_extend_positions(

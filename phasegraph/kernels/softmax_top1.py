@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from phasegraph.kernels._checks import expect_float
+from phasegraph.kernels._checks import expect, expect_float, expect_shape
 from phasegraph.kernels._dispatch import jit, pdl_enter, pdl_options, tl, use_triton
 
 BLOCK_V = 4096  # logits per loop step of a program
@@ -31,12 +31,22 @@ def _check(logits: torch.Tensor) -> None:
         raise ValueError("logits: an empty vocabulary has no top token")
 
 
+def _check_offsets(id_offsets: torch.Tensor | None, logits: torch.Tensor) -> None:
+    if id_offsets is not None:
+        expect(id_offsets, "id_offsets", 1, torch.int64)
+        expect_shape(id_offsets, "id_offsets", (logits.shape[1],))
+
+
 def softmax_top1_reference(
     logits: torch.Tensor,  # [R, V]
+    id_offsets: torch.Tensor | None = None,  # [V] int64
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (probability [R, 1] float32, id [R, 1] int64)
-    """``softmax(logits.float()).max(-1, keepdim=True)``."""
+    """``softmax(logits.float()).max(-1, keepdim=True)``. ``id_offsets``: the id ``i`` comes
+    back as ``i + id_offsets[i]`` (an EAGLE-3 head's draft-to-target vocabulary map)."""
     _check(logits)
-    return torch.softmax(logits.float(), dim=-1).max(dim=-1, keepdim=True)
+    _check_offsets(id_offsets, logits)
+    prob, ids = torch.softmax(logits.float(), dim=-1).max(dim=-1, keepdim=True)
+    return prob, ids if id_offsets is None else ids + id_offsets[ids]
 
 
 @jit
@@ -44,9 +54,11 @@ def _softmax_top1_kernel(
     logits_ptr,  # [R, V]
     prob_ptr,  # [R] float32 out
     id_ptr,  # [R] int64 out
+    offsets_ptr,  # [V] int64: the id i is stored as i + offsets[i] (OFFSETS)
     vocab,
     stride_row,
     BLOCK: tl.constexpr,
+    OFFSETS: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
@@ -70,30 +82,39 @@ def _softmax_top1_kernel(
         best = new_best
     shift = tl.where(best == float("-inf"), 0.0, best)
     tl.store(prob_ptr + row, tl.exp(best - shift) / total)  # 1 / total; NaN for an all -inf row
+    if OFFSETS:
+        best_id += tl.load(offsets_ptr + best_id)
     tl.store(id_ptr + row, best_id)
 
 
 def softmax_top1_triton(
     logits: torch.Tensor,  # [R, V], unit stride along V
+    id_offsets: torch.Tensor | None = None,  # [V] int64
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (probability [R, 1] float32, id [R, 1] int64)
-    """Triton ``softmax_top1``: one program per row, one pass over it."""
+    """Triton ``softmax_top1``: one program per row, one pass over it; the id is mapped
+    through ``id_offsets`` as it is stored."""
     _check(logits)
+    _check_offsets(id_offsets, logits)
     if logits.stride(1) != 1:
-        return softmax_top1_reference(logits)
+        return softmax_top1_reference(logits, id_offsets)
     rows, vocab = logits.shape
     prob = torch.empty((rows, 1), dtype=torch.float32, device=logits.device)
     ids = torch.empty((rows, 1), dtype=torch.int64, device=logits.device)
     if rows == 0:
         return prob, ids
-    _softmax_top1_kernel[(rows,)](logits, prob, ids, vocab, logits.stride(0), BLOCK=BLOCK_V,
-                                  num_warps=8, **pdl_options())
+    _softmax_top1_kernel[(rows,)](
+        logits, prob, ids, ids if id_offsets is None else id_offsets.contiguous(), vocab,
+        logits.stride(0), BLOCK=BLOCK_V, OFFSETS=id_offsets is not None, num_warps=8,
+        **pdl_options(),
+    )
     return prob, ids
 
 
 def softmax_top1(
     logits: torch.Tensor,  # [R, V]
+    id_offsets: torch.Tensor | None = None,  # [V] int64, id i -> i + id_offsets[i]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (probability [R, 1] float32, id [R, 1] int64)
     """The top token of ``softmax(logits)`` per row and its probability (Triton on CUDA)."""
     if use_triton(logits):
-        return softmax_top1_triton(logits)
-    return softmax_top1_reference(logits)
+        return softmax_top1_triton(logits, id_offsets)
+    return softmax_top1_reference(logits, id_offsets)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from phasegraph.kernels._checks import expect_float
+from phasegraph.kernels._checks import expect, expect_float, expect_shape
 from phasegraph.kernels._dispatch import jit, pdl_enter, pdl_options, tl, use_triton
 
 MAX_TRITON_K = 32  # larger k run the reference (a tree's topk is 1-10 in practice)
@@ -41,13 +41,23 @@ def _check(logits: torch.Tensor, k: int) -> None:
         raise ValueError(f"k = {k}: expected 1 <= k <= vocabulary size {logits.shape[1]}")
 
 
+def _check_offsets(id_offsets: torch.Tensor | None, logits: torch.Tensor) -> None:
+    if id_offsets is not None:
+        expect(id_offsets, "id_offsets", 1, torch.int64)
+        expect_shape(id_offsets, "id_offsets", (logits.shape[1],))
+
+
 def softmax_topk_reference(
     logits: torch.Tensor,  # [R, V]
     k: int,
+    id_offsets: torch.Tensor | None = None,  # [V] int64
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (probabilities [R, k] float32, ids [R, k] int64)
-    """``softmax(logits.float()).topk(k)``: largest first."""
+    """``softmax(logits.float()).topk(k)``: largest first. ``id_offsets``: each id ``i`` comes
+    back as ``i + id_offsets[i]`` (an EAGLE-3 head's draft-to-target vocabulary map)."""
     _check(logits, k)
-    return torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    _check_offsets(id_offsets, logits)
+    probs, ids = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return probs, ids if id_offsets is None else ids + id_offsets[ids]
 
 
 @jit
@@ -100,11 +110,13 @@ def _merge_topk_kernel(
     cand_id_ptr,  # [R, C, K]
     prob_ptr,  # [R, K] float32 out
     id_ptr,  # [R, K] int64 out
+    offsets_ptr,  # [V] int64: an id i is stored as i + offsets[i] (OFFSETS)
     vocab,
     num_chunks,
     K: tl.constexpr,
     C_PAD: tl.constexpr,
     KC_PAD: tl.constexpr,
+    OFFSETS: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
@@ -130,7 +142,10 @@ def _merge_topk_kernel(
         pick = j == at
         value = tl.sum(tl.where(pick, vals, 0.0), axis=0)
         tl.store(prob_ptr + row * K + t, tl.exp(value - shift) / total)
-        tl.store(id_ptr + row * K + t, tl.sum(tl.where(pick, ids, 0), axis=0))
+        picked = tl.sum(tl.where(pick, ids, 0), axis=0)
+        if OFFSETS:
+            picked += tl.load(offsets_ptr + picked)
+        tl.store(id_ptr + row * K + t, picked)
         key = tl.where(pick, taken, key)
 
 
@@ -144,11 +159,14 @@ def _chunk_size(vocab: int) -> int:
 def softmax_topk_triton(
     logits: torch.Tensor,  # [R, V], unit stride along V
     k: int,
+    id_offsets: torch.Tensor | None = None,  # [V] int64
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (probabilities [R, k] float32, ids [R, k] int64)
-    """Triton ``softmax_topk``: a chunk pass and a merge pass, two launches."""
+    """Triton ``softmax_topk``: a chunk pass and a merge pass, two launches; the merge pass
+    maps the ids through ``id_offsets`` (no gather and add of their own)."""
     _check(logits, k)
+    _check_offsets(id_offsets, logits)
     if logits.stride(1) != 1 or k > MAX_TRITON_K:
-        return softmax_topk_reference(logits, k)
+        return softmax_topk_reference(logits, k, id_offsets)
     rows, vocab = logits.shape
     dev = logits.device
     probs = torch.empty((rows, k), dtype=torch.float32, device=dev)
@@ -168,9 +186,10 @@ def softmax_topk_triton(
     )
     c_pad = max(2, 1 << (num_chunks - 1).bit_length())
     _merge_topk_kernel[(rows,)](
-        chunk_max, chunk_sum, cand_val, cand_id, probs, ids, vocab, num_chunks,
-        K=k, C_PAD=c_pad, KC_PAD=max(16, 1 << (num_chunks * k - 1).bit_length()), num_warps=4,
-        **pdl_options(),
+        chunk_max, chunk_sum, cand_val, cand_id, probs, ids,
+        ids if id_offsets is None else id_offsets.contiguous(), vocab, num_chunks,
+        K=k, C_PAD=c_pad, KC_PAD=max(16, 1 << (num_chunks * k - 1).bit_length()),
+        OFFSETS=id_offsets is not None, num_warps=4, **pdl_options(),
     )
     return probs, ids
 
@@ -178,8 +197,9 @@ def softmax_topk_triton(
 def softmax_topk(
     logits: torch.Tensor,  # [R, V]
     k: int,
+    id_offsets: torch.Tensor | None = None,  # [V] int64, id i -> i + id_offsets[i]
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (probabilities [R, k] float32, ids [R, k] int64)
     """The ``k`` most probable tokens of ``softmax(logits)`` per row, largest first (Triton on CUDA)."""
     if use_triton(logits):
-        return softmax_topk_triton(logits, k)
-    return softmax_topk_reference(logits, k)
+        return softmax_topk_triton(logits, k, id_offsets)
+    return softmax_topk_reference(logits, k, id_offsets)

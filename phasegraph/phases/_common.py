@@ -5,31 +5,40 @@ from __future__ import annotations
 import torch
 
 from phasegraph.kernels.attention import AttentionMetadata
-from phasegraph.kernels.cache_slots import row_slots
+from phasegraph.kernels.cache_slots import extend_slots
 from phasegraph.kernels.softmax_top1 import softmax_top1
 from phasegraph.kernels.softmax_topk import softmax_topk
-from phasegraph.phases.protocols import KVMemory
+from phasegraph.phases.protocols import DraftModel, KVMemory
 
 
 def causal_extend_metadata(
-    memory: KVMemory, rows: torch.Tensor, positions: torch.Tensor, one_query_per_row: bool = False
+    memory: KVMemory,
+    req_rows: torch.Tensor,
+    token_req: torch.Tensor | None,
+    positions: torch.Tensor,
+    one_query_per_row: bool = False,
 ) -> AttentionMetadata:
-    """Tokens at ``positions`` [T] of request rows ``rows`` [T], each attending causally up to
-    itself. ``one_query_per_row``: the caller guarantees that ``rows`` has no repeats (decode)."""
-    slots = row_slots(memory.page_table, rows, positions[:, None], memory.page_size)[:, 0]  # [T]
+    """Tokens at ``positions`` [T] of requests ``token_req`` [T] (page-table rows ``req_rows``
+    [B]; ``token_req`` None: token t is request t), each attending causally up to itself.
+    ``one_query_per_row``: the caller guarantees that the tokens' rows have no repeats (decode).
+    One kernel writes the rows, slots and kv_len."""
+    ext = extend_slots(memory.page_table, req_rows, token_req, positions, memory.page_size)
     return AttentionMetadata(
-        write_slots=slots,
+        write_slots=ext.slots,  # [T]
         page_table=memory.page_table,
-        query_row=rows,
-        kv_len=positions + 1,
+        query_row=ext.rows,  # [T]
+        kv_len=ext.kv_len,  # [T] positions + 1
         extra_mask=None,
         page_size=memory.page_size,
         one_query_per_row=one_query_per_row,
     )
 
 
-def topk_of_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Top-k of softmax(logits) [R, V]: probabilities [R, k] float32 and ids [R, k].
+def topk_of_logits(
+    logits: torch.Tensor, k: int, id_offsets: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Top-k of softmax(logits) [R, V]: probabilities [R, k] float32 and ids [R, k]
+    (``id_offsets`` [V]: id i comes back as ``i + id_offsets[i]``).
 
     Always the full softmax's values, also for k == 1 (seed 002: a path-specific shortcut
     collapsed accuracy on one backend). The kernels keep softmax + ``max`` / ``topk`` as their
@@ -38,5 +47,14 @@ def topk_of_logits(logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
     place of a softmax kernel and CUDA's radix top-k (~25-30 us per call over a 32k vocabulary).
     """
     if k == 1:
-        return softmax_top1(logits)
-    return softmax_topk(logits, k)
+        return softmax_top1(logits, id_offsets)
+    return softmax_topk(logits, k, id_offsets)
+
+
+def draft_topk(model: DraftModel, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`topk_of_logits` of a draft's logits [R, Vd], ids in the target vocabulary: mapped
+    in the top-k kernel where the model has ``target_id_offsets`` (an EAGLE-3 head's ``d2t``),
+    else by its ``to_target_ids``."""
+    offsets = getattr(model, "target_id_offsets", None)  # [Vd] int64 or None
+    probs, ids = topk_of_logits(logits, k, offsets)
+    return probs, ids if offsets is not None else model.to_target_ids(ids)

@@ -16,8 +16,9 @@ from phasegraph.statemachine import phase
 def decode(state: DraftState, ctx: SpecContext) -> DraftState:
     """Commit each request's bonus token at position ``seq_len`` and sample the next one."""
     params = state.params
-    rows = params.req_pool_idx  # [B]
-    attn = causal_extend_metadata(ctx.memory, rows, state.seq_lens, one_query_per_row=True)  # rows of distinct requests
+    # token b is request b, at position seq_len (rows of distinct requests)
+    attn = causal_extend_metadata(ctx.memory, params.req_pool_idx, None, state.seq_lens,
+                                  one_query_per_row=True)
     out = ctx.target.forward(state.bonus_tokens, state.seq_lens, attn, logits_index=None)
     coins = counter_uniform(params.seed, position_counter(state.seq_lens + 1, PURPOSE_SAMPLE))  # [B]
     nxt = sample_tokens(out.logits, params.temperature, params.top_k, params.top_p, coins, ctx.greedy_only)

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import torch
-
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.build_tree import build_tree, select_tree_nodes
-from phasegraph.kernels.cache_slots import assign_draft_cache_locs, branch_reorder_moves
+from phasegraph.kernels.cache_slots import assign_draft_cache_locs, reorder_branches
 from phasegraph.kernels.compact import move_kv
-from phasegraph.kernels.draft_expand import concat_candidates, expand_step, first_step_candidates
-from phasegraph.phases._common import topk_of_logits
+from phasegraph.kernels.draft_expand import StepCandidates, expand_step
+from phasegraph.phases._common import draft_topk
 from phasegraph.phases.context import SpecContext
 from phasegraph.phases.schemas import DraftState, TreeProposal
 from phasegraph.statemachine import phase
@@ -25,6 +23,11 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
     prefix plus its own ancestors in its page-aligned branch region; the K best of the K² new
     candidates by cumulative probability become the next beams. Finally the N-1 best candidates
     become the tree verified behind the bonus token.
+
+    Every step writes its candidates into one table and the step-0 candidates are read from
+    the state where they lie; the branch layout kernel also gathers the requests' branch regions
+    and repeats their hidden rows over the beams, and the branch reorder moves the hidden rows
+    with the KV (no torch op of its own between the kernels).
     """
     tree, memory, model = ctx.tree, ctx.memory, ctx.draft
     K, S, N = tree.topk, tree.num_steps, tree.num_draft_tokens
@@ -36,22 +39,22 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
     lead = int(getattr(model, "kv_lead", 0))
     # [B] the draft's committed KV length; step i runs at base + i (no add kernel for EAGLE's 0)
     base = seq_lens + lead if lead else seq_lens
-    beams = first_step_candidates(state.topk_p, state.topk_index)
-    steps = []  # ExpandedCandidates of draft steps 1 .. S-1
-    beam_scores, beam_cand, beam_tokens = beams.beam_scores, beams.beam_cand, beams.beam_tokens
-    hidden = state.hidden.repeat_interleave(K, dim=0) if state.hidden is not None else None  # [B*K, Hd]
+    # step-0 beams: the state's top-k, candidates 0..K-1 (beam_cand None: ids 0..K-1)
+    beam_scores, beam_cand, beam_tokens = state.topk_p, None, state.topk_index  # [B, K] each
+    table = StepCandidates.empty(B, K, S, device)  # [B, (S-1)*K*K], candidates K..C-1
 
-    regions = memory.draft_regions[rows]  # [B] each request's branch region
-    layout = assign_draft_cache_locs(memory.page_table, rows, base, regions, memory.page_size, S)
+    # each request's branch regions, and its hidden row for every beam ([B*K, Hd] or None)
+    layout = assign_draft_cache_locs(memory.page_table, rows, base, memory.draft_regions,
+                                     memory.page_size, S, region_table=True, hidden=state.hidden)
+    hidden = layout.beam_hidden
     draft_caches = memory.draft_caches()
     move_kv(draft_caches, layout.tail_src, layout.tail_dst)  # prefix tail into every branch region
-    branch_rows = torch.arange(B * K, device=device)
     for i in range(S - 1):
         positions = layout.step_positions[i]  # [B*K]: every beam of request b at base[b] + i
         attn = AttentionMetadata(
             write_slots=layout.step_slots[i],
             page_table=layout.branch_page_table,
-            query_row=branch_rows,
+            query_row=layout.branch_rows,
             kv_len=layout.step_kv_len[i],
             extra_mask=None,
             page_size=memory.page_size,
@@ -60,22 +63,25 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
         out = model.forward(
             beam_tokens.reshape(-1), hidden, positions, attn, from_target=False, step=i
         )
-        step_p, step_ids = topk_of_logits(out.logits, K)  # [B*K, K]
-        step_ids = model.to_target_ids(step_ids)
+        step_p, step_ids = draft_topk(model, out.logits, K)  # [B*K, K], target vocabulary
         grown = expand_step(
-            beam_scores, beam_cand, step_p.view(B, K, K), step_ids.view(B, K, K), step=i + 1, topk=K
+            beam_scores, beam_cand, step_p.view(B, K, K), step_ids.view(B, K, K), step=i + 1,
+            topk=K, table=table,
         )
-        steps.append(grown)
         beam_scores, beam_cand, beam_tokens = grown.beam_scores, grown.beam_cand, grown.beam_tokens
         if i < S - 2:  # the next forward needs each new beam's ancestors and hidden state
-            src, dst = branch_reorder_moves(regions, grown.beam_parent, memory.page_size)
-            move_kv(draft_caches, src, dst)
-            if out.hidden is not None and hidden is not None:
-                hd = out.hidden.shape[1]  # new beam k of request b continues beam beam_parent[b, k]
-                parent = grown.beam_parent[:, :, None].expand(B, K, hd)  # [B, K, Hd]
-                hidden = out.hidden.view(B, K, hd).gather(1, parent).view(B * K, hd)
+            # new beam k of request b continues beam beam_parent[b, k]: its region and hidden row
+            carry = out.hidden if hidden is not None else None  # [B*K, Hd] or None
+            moved = reorder_branches(layout.region_pages, grown.beam_parent, memory.page_size,
+                                     hidden=carry)
+            move_kv(draft_caches, moved.src, moved.dst)
+            if carry is not None:
+                hidden = moved.hidden
 
-    node_tokens, node_parents = select_tree_nodes(*concat_candidates(beams, steps), N)
+    node_tokens, node_parents = select_tree_nodes(
+        table.tokens, table.scores, table.parents, N,
+        first_tokens=state.topk_index, first_scores=state.topk_p,
+    )
     built = build_tree(state.bonus_tokens, node_tokens, node_parents, seq_lens)
     return TreeProposal(
         draft=state,

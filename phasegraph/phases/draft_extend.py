@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from phasegraph.phases._common import causal_extend_metadata, topk_of_logits
+from phasegraph.phases._common import causal_extend_metadata, draft_topk
 from phasegraph.phases.context import SpecContext
 from phasegraph.phases.schemas import DraftExtendInput, DraftState
 from phasegraph.statemachine import phase
@@ -28,20 +28,21 @@ def draft_extend(state: DraftExtendInput, ctx: SpecContext) -> DraftState:
             params=params, seq_lens=state.seq_lens, bonus_tokens=state.bonus_tokens,
             remaining=state.remaining, topk_p=empty_p, topk_index=empty_i, hidden=None,
         )
-    rows = params.req_pool_idx[state.token_req]  # [T]
-    attn = causal_extend_metadata(ctx.memory, rows, state.positions)
+    attn = causal_extend_metadata(ctx.memory, params.req_pool_idx, state.token_req, state.positions)
     out = ctx.draft.forward(
         state.input_ids, state.features if ctx.draft.uses_features else None, state.positions, attn,
         from_target=True, step=0, logits_index=state.select_index,
     )
-    topk_p, topk_ids = topk_of_logits(out.logits, ctx.tree.topk)  # [B, K]
-    hidden = out.hidden[state.select_index] if ctx.draft.uses_features else None  # [B, Hd]
+    topk_p, topk_ids = draft_topk(ctx.draft, out.logits, ctx.tree.topk)  # [B, K], target vocabulary
+    hidden = None
+    if ctx.draft.uses_features:  # [B, Hd], the rows the model already gathered for its logits
+        hidden = out.hidden_rows if out.hidden_rows is not None else out.hidden[state.select_index]
     return DraftState(
         params=params,
         seq_lens=state.seq_lens,
         bonus_tokens=state.bonus_tokens,
         remaining=state.remaining,
         topk_p=topk_p,
-        topk_index=ctx.draft.to_target_ids(topk_ids),
+        topk_index=topk_ids,
         hidden=hidden,
     )

@@ -7,7 +7,7 @@ import torch
 from phasegraph.kernels.cache_slots import span_slots
 from phasegraph.kernels.commit_path import commit_path
 from phasegraph.kernels.compact import accepted_kv_moves, compact_to_front, move_kv
-from phasegraph.kernels.extend_positions import extend_positions
+from phasegraph.kernels.extend_positions import extend_rows
 from phasegraph.phases.context import SpecContext
 from phasegraph.phases.schemas import (
     FinalizedPath,
@@ -35,7 +35,6 @@ def finalize_tree_path(state: VerifyResult, ctx: SpecContext) -> FinalizedPath:
     params = draft_state.params
     B, N = proposal.depth.shape
     W = state.accept_index.shape[1]  # the stride of every per-node -> per-request gather
-    device = state.accept_index.device
     seq_lens = draft_state.seq_lens
 
     lead = proposal.draft_lead
@@ -67,13 +66,14 @@ def finalize_tree_path(state: VerifyResult, ctx: SpecContext) -> FinalizedPath:
         features = torch.cat(
             [accepted_features.new_zeros(B, 1, hf), accepted_features.view(B, W, hf)], dim=1
         ).reshape(B * width, hf)
+    positions, token_req = extend_rows(seq_lens, width)  # [B*width] seq_len + j, and b
     out_cls = finalized_schema_for(type(state))
     return out_cls(
         params=params,
         input_ids=ids,
-        positions=extend_positions(seq_lens, width),
+        positions=positions,
         features=features,
-        token_req=torch.arange(B, device=device).repeat_interleave(width),
+        token_req=token_req,
         select_index=path.select_index,
         lead=lead,
         seq_lens=path.seq_lens,

@@ -23,8 +23,7 @@ def prefill_extend(state: PrefillInput, ctx: SpecContext) -> PrefillResult:
     token is forced to the bonus token it had emitted before its retraction.
     """
     params = state.params
-    rows = params.req_pool_idx[state.token_req]  # [T]
-    attn = causal_extend_metadata(ctx.memory, rows, state.positions)
+    attn = causal_extend_metadata(ctx.memory, params.req_pool_idx, state.token_req, state.positions)
     out = ctx.target.forward(state.input_ids, state.positions, attn, logits_index=state.select_index)
     logits = out.logits  # [B, V]
     coins = counter_uniform(params.seed, position_counter(state.seq_lens, PURPOSE_SAMPLE))  # [B]

@@ -25,6 +25,9 @@ class DraftOutput:
     logits: torch.Tensor  # [R, Vd] float32 or the draft's dtype (read in float32 by the top-k),
     # rows chosen by ``logits_index``
     hidden: torch.Tensor  # [T, Hd] fed to the next draft step
+    # [R, Hd] the rows of ``hidden`` at ``logits_index``, where the model gathered them anyway
+    # (draft-extend then needs no gather of its own); None: not gathered
+    hidden_rows: torch.Tensor | None = None
 
 
 class TargetModel(Protocol):
@@ -61,6 +64,8 @@ class DraftModel(Protocol):
     ) -> DraftOutput: ...
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor: ...
+    # Optional: ``target_id_offsets`` [Vd] int64 or None, with to_target_ids(d) = d + offsets[d];
+    # where a model has it, the top-k kernel applies it (phases._common.draft_topk).
 
 
 class KVMemory(Protocol):

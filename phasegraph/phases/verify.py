@@ -7,7 +7,7 @@ import torch
 from phasegraph.kernels.argmax import argmax
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.bonus import fill_bonus_tokens
-from phasegraph.kernels.cache_slots import span_slots
+from phasegraph.kernels.cache_slots import span_slots_and_rows
 from phasegraph.kernels.random import (
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,
@@ -39,13 +39,13 @@ def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
     S = state.num_steps
     device = state.depth.device
     seq_lens = draft_state.seq_lens  # [B]
-    # node j at logical position seq_len + j
-    slots = span_slots(memory.page_table, params.req_pool_idx, seq_lens, N, memory.page_size)
+    # node j at logical position seq_len + j; its request's row and prefix length (one launch)
+    span = span_slots_and_rows(memory.page_table, params.req_pool_idx, seq_lens, N, memory.page_size)
     attn = AttentionMetadata(
-        write_slots=slots.reshape(-1),
+        write_slots=span.slots.reshape(-1),  # [B*N]
         page_table=memory.page_table,
-        query_row=params.req_pool_idx.repeat_interleave(N),
-        kv_len=seq_lens.repeat_interleave(N),
+        query_row=span.rows,  # [B*N] req_pool_idx[b] per node
+        kv_len=span.starts,  # [B*N] seq_lens[b] per node
         extra_mask=state.tree_mask.reshape(B * N, N),
         page_size=memory.page_size,
         tree_block_writes=True,  # node j of each row's N writes position seq_len + j

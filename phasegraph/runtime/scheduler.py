@@ -75,8 +75,8 @@ class InFlight:
     """An iteration issued to the device whose emitted tokens the host has not read yet."""
 
     batch: list[Request]  # the running batch it was issued for, in row order
-    # speculative: [B, W + 1] emitted tokens (-1 padded) then the accept length; decode: [B];
-    # in host memory
+    # speculative: [B, W] emitted tokens, -1 past each accept length (so the host counts the
+    # length: no kernel packs it in); decode: [B]; in host memory
     tokens: torch.Tensor
     logprobs: torch.Tensor | None  # [B, W] or [B]
     ready: torch.cuda.Event | None  # recorded after the copy to the host (None on the CPU)
@@ -346,7 +346,7 @@ class Scheduler:
             self._run(m, "verify", batch)
             path = self._run(m, "finalize-tree-path", batch)
             self._run(m, "draft-extend", batch)
-            tokens = torch.cat([path.emitted, path.accept_lens[:, None]], dim=1)  # [B, W + 1]
+            tokens = path.emitted  # [B, W], -1 past accept_lens (never a token id)
             lps = None if path.accepted_logprobs is None else path.accepted_logprobs.view(len(batch), -1)
         ready = None
         if tokens.device.type == "cuda":
@@ -371,7 +371,7 @@ class Scheduler:
             if req.status is not Status.RUNNING or req.finish_reason is not None:
                 continue
             if done.speculative:
-                n = packed[i][-1]
+                n = sum(1 for t in packed[i] if t >= 0)  # accept_lens[i]: -1 pads the rest
                 req.stats.accept_lengths.append(n)
                 req.append(packed[i][:n], None if lps is None else lps[i][:n])
             else:

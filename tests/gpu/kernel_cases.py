@@ -364,8 +364,12 @@ def compile_cases():
             p = torch.rand(batch, topk, topk)
             i = torch.randint(0, 300, (batch, topk, topk))
             expand.expand_step_triton(first.beam_scores, first.beam_cand, p, i, 1, topk)
+            table = expand.StepCandidates.empty(batch, topk, num_steps, torch.device("cpu"))
+            expand.expand_step_triton(first.beam_scores, None, p, i, 1, topk, table)  # as draft runs it
             num_nodes = tree_nodes(topk, num_steps)
             tokens, parents = tree.select_tree_nodes_triton(*cand, num_nodes)
+            tree.select_tree_nodes_triton(*[c[:, topk:] for c in cand], num_nodes,
+                                          first_tokens=cand[0][:, :topk], first_scores=cand[1][:, :topk])
             tree.build_tree_triton(roots, tokens, parents, torch.zeros(batch, dtype=torch.int64))
 
         cases.append((f"draft/B{batch}/K{topk}/S{num_steps}", run))
@@ -395,6 +399,17 @@ def compile_cases():
             )
             parent = torch.randint(0, topk, (batch, topk))
             slots.branch_reorder_moves_triton(region_pages, parent, page_size)
+            # as the draft phase runs them: the pool's region table, hidden rows of the 8B head
+            region_table = torch.randint(1, 100, (batch + 1, topk, region))
+            hidden = torch.randn(batch, 4096, dtype=torch.bfloat16)
+            slots.assign_draft_cache_locs_triton(table, rows, seq_lens, region_table, page_size,
+                                                 num_steps, region_table=True, hidden=hidden)
+            slots.reorder_branches_triton(region_pages, parent, page_size,
+                                          hidden=hidden.repeat_interleave(topk, dim=0))
+            slots.span_slots_and_rows_triton(table, rows, seq_lens, num_nodes, page_size)
+            token_req = torch.arange(batch).repeat_interleave(width)
+            slots.extend_slots_triton(table, rows, token_req, pos[:, :width].reshape(-1), page_size)
+            slots.extend_slots_triton(table, rows, None, seq_lens, page_size)
             accept_index = torch.full((batch, width), -1)
             accept_index[:, 0] = torch.arange(batch) * num_nodes
             lens = torch.ones(batch, dtype=torch.int64)
@@ -408,6 +423,7 @@ def compile_cases():
             compact.move_kv_triton(caches, src, dst)
             compact.move_kv_triton(caches[:2], layout.tail_src, layout.tail_dst)
             positions.extend_positions_triton(seq_lens, width)
+            positions.extend_rows_triton(seq_lens, width)
             positions.ragged_extend_positions_triton(seq_lens, lens, batch + 5)
             random.counter_uniform_triton(seq_lens, pos)
             random.counter_uniform_triton(seq_lens, seq_lens)
@@ -421,6 +437,9 @@ def compile_cases():
     for dtype, vocab in ((torch.bfloat16, 32000), (torch.float32, 128256)):
         cases.append((f"softmax_top1/{str(dtype)[6:]}/V{vocab}",
                       lambda dtype=dtype, vocab=vocab: top1.softmax_top1_triton(torch.randn(4, vocab).to(dtype))))
+        cases.append((f"softmax_top1/{str(dtype)[6:]}/V{vocab}/d2t",
+                      lambda dtype=dtype, vocab=vocab: top1.softmax_top1_triton(
+                          torch.randn(4, vocab).to(dtype), torch.zeros(vocab, dtype=torch.int64))))
     commit = importlib.import_module("phasegraph.kernels.commit_path")
     from tests.kernels.commit_path_cases import commit_path_case
 
@@ -432,6 +451,9 @@ def compile_cases():
     for dtype, vocab, k in ((torch.bfloat16, 32000, 4), (torch.float32, 128256, 8)):
         cases.append((f"softmax_topk/{str(dtype)[6:]}/V{vocab}/k{k}",
                       lambda dtype=dtype, vocab=vocab, k=k: topk.softmax_topk_triton(torch.randn(16, vocab).to(dtype), k)))
+        cases.append((f"softmax_topk/{str(dtype)[6:]}/V{vocab}/k{k}/d2t",
+                      lambda dtype=dtype, vocab=vocab, k=k: topk.softmax_topk_triton(
+                          torch.randn(16, vocab).to(dtype), k, torch.zeros(vocab, dtype=torch.int64))))
     rotary = importlib.import_module("phasegraph.kernels.rotary")
     norms = importlib.import_module("phasegraph.kernels.rms_norm")
 

@@ -79,7 +79,11 @@ def run_triton(device, fn, *args, **kwargs):
 
 
 def assert_equal(ref, out, name=""):
-    """Exact equality of tensors (bools compared as bytes, so poison 2 never passes)."""
+    """Exact equality of tensors (bools compared as bytes, so poison 2 never passes); None
+    equals only None."""
+    if ref is None or out is None:
+        assert ref is None and out is None, (name, type(ref), type(out))
+        return
     assert out.shape == ref.shape, (name, out.shape, ref.shape)
     assert out.dtype == ref.dtype, (name, out.dtype, ref.dtype)
     out, ref = out.cpu(), ref.cpu()
@@ -485,6 +489,22 @@ def test_expand_step(device, gen, batch, topk):
         ref = expand_mod.expand_step_reference(*args, step, topk)
         out = run_triton(device, expand_mod.expand_step_triton, *args, step, topk)
         assert_same_fields(ref, out)
+    # into a candidate table (3 steps), step 1 from the step-0 beams (beam_cand None)
+    tables = [expand_mod.StepCandidates.empty(batch, topk, 4, device) for _ in range(2)]
+    for t in tables:
+        for name in ("tokens", "scores", "parents"):
+            _poison(getattr(t, name))
+    for step in (1, 2, 3):
+        cand = None if step == 1 else args[1]
+        ref = expand_mod.expand_step_reference(args[0], cand, *args[2:], step, topk, tables[0])
+        out = run_triton(device, expand_mod.expand_step_triton, args[0], cand, *args[2:], step,
+                         topk, tables[1])
+        assert_same_fields(ref, out)
+    assert_same_fields(tables[0], tables[1])
+    plain = expand_mod.expand_step_reference(
+        args[0], torch.arange(topk, device=device).expand(batch, topk), *args[2:], 1, topk
+    )
+    assert_same_fields(plain, expand_mod.expand_step_reference(args[0], None, *args[2:], 1, topk))
 
 
 @pytest.mark.parametrize(("batch", "topk"), GRID)
@@ -495,10 +515,17 @@ def test_select_tree_nodes_and_build_tree(device, gen, batch, topk, num_steps):
     )
     cand = [c.to(device) for c in cand]
     num_cand = cand[0].shape[1]
+    # the same candidates with the step-0 ones (parent -1) passed apart
+    rest = [c[:, topk:] for c in cand]
+    first = {"first_tokens": cand[0][:, :topk], "first_scores": cand[1][:, :topk]}
     for num_nodes in sorted({1, 2, cases.tree_nodes(topk, num_steps), num_cand + 1}):
         ref = tree_mod.select_tree_nodes_reference(*cand, num_nodes)
         out = run_triton(device, tree_mod.select_tree_nodes_triton, *cand, num_nodes)
         assert_same_fields(ref, out)
+        assert_same_fields(ref, tree_mod.select_tree_nodes_reference(*rest, num_nodes, **first))
+        assert_same_fields(
+            ref, run_triton(device, tree_mod.select_tree_nodes_triton, *rest, num_nodes, **first)
+        )
         node_tokens, node_parents = ref
         seq_lens = torch.randint(0, 1000, (batch,), generator=gen).to(device)
         tree_args = (roots.to(device), node_tokens, node_parents, seq_lens)
@@ -594,6 +621,16 @@ def test_slots_and_moves(device, gen, batch, topk, page_size):
                        page_size)
     assert_equal(slots_mod.span_slots_reference(page_table, rows, seq_lens, num_nodes, page_size),
                  spans, "span_slots")
+    span_args = (page_table, rows, seq_lens, num_nodes, page_size)
+    assert_same_fields(slots_mod.span_slots_and_rows_reference(*span_args),
+                       run_triton(device, slots_mod.span_slots_and_rows_triton, *span_args))
+    # a causal extend: W tokens per request (token_req), and one token per request (None)
+    token_req = torch.arange(batch, device=device).repeat_interleave(width)
+    ext_pos = positions[:, :width].reshape(-1)
+    for ext_args in [(page_table, rows, token_req, ext_pos, page_size),
+                     (page_table, rows, None, seq_lens, page_size)]:
+        assert_same_fields(slots_mod.extend_slots_reference(*ext_args),
+                           run_triton(device, slots_mod.extend_slots_triton, *ext_args))
     node_slots = slots_mod.row_slots_reference(page_table, rows, positions, page_size)
     front_slots = node_slots[:, :width]
 
@@ -601,16 +638,31 @@ def test_slots_and_moves(device, gen, batch, topk, page_size):
         reg = slots_mod.draft_region_pages(page_size, steps)
         rp = region_pages[:, :, :reg].contiguous()
         args = (page_table, rows, seq_lens, rp, page_size, steps)
-        assert_same_fields(
-            slots_mod.assign_draft_cache_locs_reference(*args),
-            run_triton(device, slots_mod.assign_draft_cache_locs_triton, *args),
-        )
+        ref = slots_mod.assign_draft_cache_locs_reference(*args)
+        assert_same_fields(ref, run_triton(device, slots_mod.assign_draft_cache_locs_triton, *args))
+        # the regions of the pool's table at rows, and the hidden rows repeated over the beams
+        table = torch.zeros(page_table.shape[0], topk, reg, dtype=torch.int64, device=device)
+        table[rows] = rp
+        for hidden_size in (5, 1500):
+            hidden = torch.randn(batch, hidden_size, generator=gen).to(torch.bfloat16).to(device)
+            kw = {"region_table": True, "hidden": hidden}
+            ref = slots_mod.assign_draft_cache_locs_reference(page_table, rows, seq_lens, table,
+                                                              page_size, steps, **kw)
+            assert_same_fields(ref, run_triton(device, slots_mod.assign_draft_cache_locs_triton,
+                                               page_table, rows, seq_lens, table, page_size, steps,
+                                               **kw))
+            assert_equal(hidden.repeat_interleave(topk, dim=0), ref.beam_hidden, "beam_hidden")
     beam_parent = torch.randint(0, topk, (batch, topk), generator=gen).to(device)
     assert_same_fields(
         slots_mod.branch_reorder_moves_reference(region_pages, beam_parent, page_size),
         run_triton(device, slots_mod.branch_reorder_moves_triton, region_pages, beam_parent,
                    page_size),
     )
+    for hidden_size in (7, 1500):
+        hidden = torch.randn(batch * topk, hidden_size, generator=gen).to(device)
+        args = (region_pages, beam_parent, page_size, hidden)
+        assert_same_fields(slots_mod.reorder_branches_reference(*args),
+                           run_triton(device, slots_mod.reorder_branches_triton, *args))
 
     accept_index, accept_lens = to(*_accept_case(gen, batch, num_nodes, width))
     args = (accept_index, accept_lens, node_slots.reshape(-1), front_slots.reshape(-1))
@@ -673,6 +725,10 @@ def test_extend_positions(device, gen, batch):
         assert_equal(
             positions_mod.extend_positions_reference(seq_lens, width),
             run_triton(device, positions_mod.extend_positions_triton, seq_lens, width),
+        )
+        assert_same_fields(
+            positions_mod.extend_rows_reference(seq_lens, width),
+            run_triton(device, positions_mod.extend_rows_triton, seq_lens, width),
         )
     lens = torch.randint(0, 9, (batch,), generator=gen)
     lens[::3] = 0  # empty requests

@@ -157,6 +157,11 @@ def test_softmax_top1(device, gen, dtype, rows, vocab):
     assert_equal(want_id, got_id, "id")
     assert got_p.dtype == torch.float32 and got_p.shape == (rows, 1)
     assert rel_err(got_p, want_p) <= 1e-6, rel_err(got_p, want_p)
+    # ids mapped through a draft-to-target offset table (an EAGLE-3 head's d2t)
+    offsets = torch.randint(0, 1000, (vocab,), generator=gen).to(device)
+    _, mapped = run_triton(device, softmax_top1.softmax_top1_triton, logits, offsets)
+    assert_equal(want_id + offsets[want_id], mapped, "mapped id")
+    assert_equal(want_id + offsets[want_id], softmax_top1.softmax_top1_reference(logits, offsets)[1])
 
 
 def test_softmax_top1_takes_the_first_of_tied_logits(device):
@@ -193,6 +198,11 @@ def test_softmax_topk(device, gen, dtype, rows, vocab, k):
     assert_equal(want_id, got_id, "ids")
     assert got_p.dtype == torch.float32 and got_p.shape == (rows, k)
     assert rel_err(got_p, want_p) <= 1e-6, rel_err(got_p, want_p)
+    # ids mapped through a draft-to-target offset table (an EAGLE-3 head's d2t)
+    offsets = torch.randint(0, 1000, (vocab,), generator=gen).to(device)
+    _, mapped = run_triton(device, softmax_topk.softmax_topk_triton, logits, k, offsets)
+    assert_equal(want_id + offsets[want_id], mapped, "mapped ids")
+    assert_equal(want_id + offsets[want_id], softmax_topk.softmax_topk_reference(logits, k, offsets)[1])
 
 
 def test_softmax_topk_orders_ties_and_minus_infinity_like_topk(device):

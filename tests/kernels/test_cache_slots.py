@@ -9,9 +9,12 @@ from phasegraph.kernels import (
     assign_draft_cache_locs,
     branch_reorder_moves,
     draft_region_pages,
+    extend_slots,
     move_kv,
+    reorder_branches,
     row_slots,
     span_slots,
+    span_slots_and_rows,
 )
 
 
@@ -235,3 +238,50 @@ def test_branch_reorder_copies_whole_regions(data):
     touched = torch.zeros(pool.shape[0], dtype=torch.bool)
     touched[dst] = True
     assert torch.equal(pool[~touched], before[~touched])
+
+
+def test_extend_slots_are_the_rows_slots_and_lengths_of_each_token():
+    page_table = torch.tensor([[0, 0, 0], [7, 3, 9], [5, 6, 2]])
+    req_rows, token_req = torch.tensor([2, 1]), torch.tensor([0, 0, 1, 1, 1])
+    positions = torch.tensor([3, 4, 0, 5, 8])
+    ext = extend_slots(page_table, req_rows, token_req, positions, 4)
+    assert torch.equal(ext.rows, req_rows[token_req])
+    assert torch.equal(ext.slots, row_slots(page_table, ext.rows, positions[:, None], 4)[:, 0])
+    assert torch.equal(ext.kv_len, positions + 1)
+    one = extend_slots(page_table, req_rows, None, torch.tensor([6, 1]), 4)  # token b = request b
+    assert one.rows is req_rows and torch.equal(one.slots, torch.tensor([26, 29]))
+
+
+def test_span_slots_and_rows_repeat_each_request_per_position():
+    page_table = torch.tensor([[0, 0, 0], [7, 3, 9], [5, 6, 2]])
+    rows, starts = torch.tensor([1, 2]), torch.tensor([2, 7])
+    span = span_slots_and_rows(page_table, rows, starts, 3, 4)
+    assert torch.equal(span.slots, span_slots(page_table, rows, starts, 3, 4))
+    assert span.rows.tolist() == [1, 1, 1, 2, 2, 2] and span.starts.tolist() == [2, 2, 2, 7, 7, 7]
+
+
+def test_draft_layout_reads_the_region_table_and_repeats_hidden_rows():
+    page_table = torch.tensor([[0, 0, 0, 0], [5, 9, 0, 0], [4, 8, 0, 0]])
+    table = torch.zeros(3, 2, 2, dtype=torch.int64)
+    table[1], table[2] = torch.tensor([[11, 12], [13, 14]]), torch.tensor([[15, 16], [17, 18]])
+    rows, seq_lens = torch.tensor([2, 1]), torch.tensor([6, 5])
+    hidden = torch.randn(2, 5)
+    plain = assign_draft_cache_locs(page_table, rows, seq_lens, table[rows], 4, 3)
+    layout = assign_draft_cache_locs(page_table, rows, seq_lens, table, 4, 3, region_table=True,
+                                     hidden=hidden)
+    for name in ("branch_page_table", "step_slots", "tail_src", "tail_dst", "step_positions",
+                 "step_kv_len", "draft_positions", "region_pages", "branch_rows"):
+        assert torch.equal(getattr(layout, name), getattr(plain, name)), name
+    assert plain.beam_hidden is None and layout.branch_rows.tolist() == [0, 1, 2, 3]
+    assert torch.equal(layout.region_pages, table[rows])
+    assert torch.equal(layout.beam_hidden, hidden.repeat_interleave(2, dim=0))
+
+
+def test_reorder_branches_moves_hidden_rows_with_their_regions():
+    region_pages = torch.tensor([[[11], [12], [13]]])
+    beam_parent = torch.tensor([[2, 2, 0]])
+    hidden = torch.randn(3, 4)
+    out = reorder_branches(region_pages, beam_parent, 1, hidden=hidden)
+    assert (out.src.tolist(), out.dst.tolist()) == ([13, 13, 11], [11, 12, 13])
+    assert torch.equal(out.hidden, hidden[[2, 2, 0]])
+    assert reorder_branches(region_pages, beam_parent, 1).hidden is None

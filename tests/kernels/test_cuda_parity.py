@@ -71,9 +71,9 @@ def both(fn, *args, **kwargs):
     mode = os.environ[ENV_VAR]
     with kernel_mode("reference"):
         cpu = fn(*args, **kwargs)
-    gpu_args = cuda(args)
+    gpu_args, gpu_kwargs = cuda(args), {name: cuda(v) for name, v in kwargs.items()}
     with kernel_mode(mode), no_sync():
-        gpu = fn(*gpu_args, **kwargs)
+        gpu = fn(*gpu_args, **gpu_kwargs)
     return cpu, gpu
 
 
@@ -84,6 +84,9 @@ def assert_same(cpu, gpu, exact=True):
         names = [a.name for a in type(cpu).__attrs_attrs__]
         cpu, gpu = [getattr(cpu, n) for n in names], [getattr(gpu, n) for n in names]
     for a, b in zip(cpu, gpu, strict=True):
+        if a is None or b is None:  # an optional output (beam_hidden without hidden rows)
+            assert a is None and b is None
+            continue
         assert b.device.type == "cuda"
         if exact or not a.is_floating_point():
             assert torch.equal(a, b.cpu())
@@ -173,6 +176,19 @@ def test_kv_and_slot_kernels_on_cuda():
     beam_parent = torch.randint(0, topk, (batch, topk), generator=g)
     moves, gpu = both(K.branch_reorder_moves, region_pages, beam_parent, page_size)
     assert_same(moves, gpu)
+    # the draft phase's forms: regions read from the pool's table, hidden rows carried per beam
+    region_table = torch.zeros(batch + 1, topk, region, dtype=torch.int64)
+    region_table[rows] = region_pages
+    hidden = torch.randn(batch, 24, generator=g)
+    carried, gpu = both(K.assign_draft_cache_locs, page_table, rows, seq_lens, region_table,
+                        page_size, num_steps, region_table=True, hidden=hidden)
+    assert_same(carried, gpu)
+    assert torch.equal(carried.region_pages, region_pages)
+    reordered, gpu = both(K.reorder_branches, region_pages, beam_parent, page_size,
+                          hidden=carried.beam_hidden)
+    assert_same(reordered, gpu)
+    assert torch.equal(reordered.hidden.view(batch, topk, 24),
+                       hidden[:, None].expand(batch, topk, 24))  # every beam of b had b's row
 
     accept_lens = torch.randint(1, width + 1, (batch,), generator=g)
     accept_index = torch.full((batch, width), -1)

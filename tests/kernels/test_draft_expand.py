@@ -5,7 +5,13 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phasegraph.kernels import concat_candidates, expand_step, first_step_candidates
+from phasegraph.kernels import (
+    StepCandidates,
+    concat_candidates,
+    expand_step,
+    first_step_candidates,
+    select_tree_nodes,
+)
 
 
 def test_first_step_candidates_are_the_root_children():
@@ -83,11 +89,12 @@ def test_candidate_space_matches_a_loop_reference(batch, topk, num_steps, seed):
     # Coarse probabilities make ties frequent.
     p0 = torch.randint(0, 5, (batch, topk), generator=g).float() / 4
     first = first_step_candidates(p0, torch.randint(0, 50, (batch, topk), generator=g))
-    steps = []
+    steps, draws = [], []
     beam_scores, beam_cand = first.beam_scores, first.beam_cand
     for step in range(1, num_steps):
         sp = torch.randint(0, 5, (batch, topk, topk), generator=g).float() / 4
         si = torch.randint(0, 50, (batch, topk, topk), generator=g)
+        draws.append((sp, si))
         out = expand_step(beam_scores, beam_cand, sp, si, step, topk)
         for b in range(batch):
             flat = [
@@ -115,3 +122,21 @@ def test_candidate_space_matches_a_loop_reference(batch, topk, num_steps, seed):
     parent_score = scores.gather(1, parents.clamp(min=0))
     assert bool(((parent_score >= scores) | ~has).all())
     assert bool((has == (ids >= topk)).all())
+
+    # the draft phase's form: every step into one table, step 1 from the step-0 beams given as
+    # beam_cand None, the step-0 candidates handed to select_tree_nodes apart
+    table = StepCandidates.empty(batch, topk, num_steps, torch.device("cpu"))
+    beam_scores, beam_cand = first.beam_scores, None
+    for step, ((sp, si), want) in enumerate(zip(draws, steps, strict=True), start=1):
+        out = expand_step(beam_scores, beam_cand, sp, si, step, topk, table=table)
+        for field in ("cand_tokens", "cand_scores", "cand_parents", "beam_scores", "beam_tokens",
+                      "beam_parent", "beam_cand"):
+            assert torch.equal(getattr(out, field), getattr(want, field)), field
+        beam_scores, beam_cand = out.beam_scores, out.beam_cand
+    assert torch.equal(table.tokens, tokens[:, topk:]) and torch.equal(table.scores, scores[:, topk:])
+    assert torch.equal(table.parents, parents[:, topk:])
+    for num_nodes in {1, num_cand + 1, min(num_cand + 1, 1 + 2 * topk)}:
+        apart = select_tree_nodes(table.tokens, table.scores, table.parents, num_nodes,
+                                  first_tokens=first.cand_tokens, first_scores=first.cand_scores)
+        whole = select_tree_nodes(tokens, scores, parents, num_nodes)
+        assert all(torch.equal(a, w) for a, w in zip(apart, whole, strict=True))

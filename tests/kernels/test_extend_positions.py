@@ -4,12 +4,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from phasegraph.kernels import extend_positions, ragged_extend_positions
+from phasegraph.kernels import extend_positions, extend_rows, ragged_extend_positions
 
 
 def test_extend_positions_hand_case():
     out = extend_positions(torch.tensor([5, 0, 9]), 3)
     assert torch.equal(out, torch.tensor([5, 6, 7, 0, 1, 2, 9, 10, 11]))
+    positions, token_req = extend_rows(torch.tensor([5, 0, 9]), 3)
+    assert torch.equal(positions, out) and token_req.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
 
 
 def test_ragged_extend_positions_hand_case():

@@ -60,3 +60,17 @@ def test_the_triton_entry_takes_the_reference_where_its_kernels_do_not_apply():
     assert strided.stride(1) != 1
     assert all(torch.equal(a, b) for a, b in zip(softmax_topk_triton(strided, 4),
                                                     softmax_topk_reference(logits, 4), strict=True))
+
+
+def test_ids_map_through_offsets_as_an_eagle3_head_maps_them():
+    """``id_offsets`` (d2t) gives ``ids + d2t[ids]``, what ``to_target_ids`` computes after
+    the plain top-k, for k > 1 and k == 1 alike."""
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(4, 60, generator=gen)
+    d2t = torch.randint(0, 500, (60,), generator=gen)
+    for k in (1, 3):
+        probs, ids = topk_of_logits(logits, k)
+        mapped_p, mapped = topk_of_logits(logits, k, d2t)
+        assert torch.equal(mapped_p, probs) and torch.equal(mapped, ids + d2t[ids])
+    with pytest.raises(ValueError, match="id_offsets"):
+        softmax_topk(logits, 2, d2t[:5])

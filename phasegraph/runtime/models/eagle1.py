@@ -101,6 +101,6 @@ class Eagle1Draft(FeatureDraft):
             out = run_decoder_layer(head.layers[0], x, position_embeddings, positions)  # [T, H]
         rows = self._rows(out, logits_index)  # [R, H]
         logits = self.target.lm_head(rows.to(self.target.dtype)).float()  # [R, V]
-        return DraftOutput(logits=logits, hidden=out)
+        return DraftOutput(logits=logits, hidden=out, hidden_rows=None if logits_index is None else rows)
 
     __call__ = forward

@@ -180,6 +180,12 @@ class Eagle3Draft(FeatureDraft):
             return draft_ids
         return draft_ids + self.d2t[draft_ids]
 
+    @property
+    def target_id_offsets(self) -> torch.Tensor | None:
+        """``d2t`` [Vd] int64 (or None): the draft phases map the top-k ids in its kernel,
+        as :meth:`to_target_ids` does."""
+        return self.d2t
+
     @torch.no_grad()
     def forward(
         self,
@@ -206,8 +212,9 @@ class Eagle3Draft(FeatureDraft):
             )  # [1, T, Hd]
         h1 = h + attn_out[0]  # [T, Hd]
         out = h1 + mid.mlp(mid.post_attention_layernorm(h1))  # [T, Hd]
-        logits = head.lm_head(head.norm(self._rows(out, logits_index)))  # [R, Vd], head dtype
-        return DraftOutput(logits=logits, hidden=out)
+        rows = self._rows(out, logits_index)  # [R, Hd]
+        logits = head.lm_head(head.norm(rows))  # [R, Vd], head dtype
+        return DraftOutput(logits=logits, hidden=out, hidden_rows=None if logits_index is None else rows)
 
     def _forward_fused(self, input_ids, hidden, positions, attn, from_target, logits_index) -> DraftOutput:
         """The same math as the modules path, through the fused kernels (one token: the norm
@@ -233,18 +240,19 @@ class Eagle3Draft(FeatureDraft):
         )
         mlp_out = silu_mul_linear(gate_up, layer.down_weight, layer.down_bias)  # [T, Hd]
         norm_eps = float(head.norm.variance_epsilon)
+        rows = None  # [R, Hd] the rows of out at logits_index
         if logits_index is None:  # out = h1 + mlp_out; logits = lm_head(norm(out))
             logits, out = add_rms_norm_linear(
                 mlp_out, h1, head.norm.weight, norm_eps, head.lm_head.weight, head.lm_head.bias
             )
         else:
             out = h1 + mlp_out  # [T, Hd]
+            rows = take_rows(out, logits_index)
             logits, _ = add_rms_norm_linear(
-                take_rows(out, logits_index), None, head.norm.weight, norm_eps,
-                head.lm_head.weight, head.lm_head.bias,
+                rows, None, head.norm.weight, norm_eps, head.lm_head.weight, head.lm_head.bias,
             )
         # the head's dtype: the draft's top-k reads logits in float32 (an exact cast), so a
         # bfloat16 head's logits need no cast kernel of their own
-        return DraftOutput(logits=logits, hidden=out)
+        return DraftOutput(logits=logits, hidden=out, hidden_rows=rows)
 
     __call__ = forward

@@ -149,8 +149,10 @@ class MTPDraft(FeatureDraft):
             else:
                 index = self.layer_for_step(step)
                 out = self._layer(index, embeds, prev, position_embeddings, positions)
-        rows = self.head.norm(self._rows(out, logits_index))  # [R, H]
+        picked = self._rows(out, logits_index)  # [R, H]
+        rows = self.head.norm(picked)  # [R, H]
         logits = self.target.lm_head(rows.to(self.target.dtype)).float()  # [R, V]
-        return DraftOutput(logits=logits, hidden=out)
+        return DraftOutput(logits=logits, hidden=out,
+                           hidden_rows=None if logits_index is None else picked)
 
     __call__ = forward
