@@ -297,9 +297,9 @@ def bench_slots(args):
                   [partial(slots.assign_draft_cache_locs_reference, *aargs)],
                   [partial(slots.assign_draft_cache_locs_triton, *aargs)])
             parent = torch.randint(0, topk, (batch, topk), device=DEVICE)
-            bench("branch_reorder_moves", shape,
-                  [partial(slots.branch_reorder_moves_reference, region_pages, parent, page_size)],
-                  [partial(slots.branch_reorder_moves_triton, region_pages, parent, page_size)])
+            bench("reorder_branches", shape,
+                  [partial(slots.reorder_branches_reference, region_pages, parent, page_size)],
+                  [partial(slots.reorder_branches_triton, region_pages, parent, page_size)])
 
 
 BANDWIDTH = float("nan")

@@ -11,7 +11,7 @@ page-aligned region of R pages. The branch's virtual page-table row is the reque
 copied to a new beam that descends from it (SGLang ``assign_draft_cache_locs``, PR #7725).
 
 ``row_slots``, ``span_slots``, ``span_slots_and_rows``, ``extend_slots``,
-``assign_draft_cache_locs`` and ``reorder_branches`` (``branch_reorder_moves``) dispatch to
+``assign_draft_cache_locs`` and ``reorder_branches`` dispatch to
 Triton on CUDA tensors (index arithmetic, one small launch each instead of 4-20 torch ops) and
 to their ``*_reference`` torch versions elsewhere; ``draft_region_pages`` is host arithmetic.
 Beside the slots, they write the small per-row tensors the attention metadata and the draft
@@ -284,16 +284,6 @@ def reorder_branches_reference(
         parent = beam_parent[:, :, None].expand(batch, topk, hd)  # [B, K, Hd]
         new_hidden = hidden.view(batch, topk, hd).gather(1, parent).view(batch * topk, hd)
     return BranchReorder(src=src.reshape(-1), dst=dst.reshape(-1), hidden=new_hidden)
-
-
-def branch_reorder_moves_reference(
-    region_pages: torch.Tensor,  # [B, K, R] i64
-    beam_parent: torch.Tensor,  # [B, K] i64 in [0, K), old beam of each new beam
-    page_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # src [B*K*R*P], dst [B*K*R*P]
-    """The KV moves of :func:`reorder_branches_reference`."""
-    out = reorder_branches_reference(region_pages, beam_parent, page_size)
-    return out.src, out.dst
 
 
 # --------------------------------------------------------------------------------------------
@@ -720,15 +710,6 @@ def reorder_branches_triton(
     return BranchReorder(src=src, dst=dst, hidden=new_hidden)
 
 
-def branch_reorder_moves_triton(
-    region_pages: torch.Tensor,  # [B, K, R] i64
-    beam_parent: torch.Tensor,  # [B, K] i64 in [0, K)
-    page_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # src [B*K*R*P], dst [B*K*R*P]
-    """Triton ``branch_reorder_moves``: one program per branch writes its R*P moves."""
-    out = reorder_branches_triton(region_pages, beam_parent, page_size)
-    return out.src, out.dst
-
 
 def row_slots(
     page_table: torch.Tensor,  # [R, max_pages] i64
@@ -810,13 +791,3 @@ def reorder_branches(
     beams' hidden rows (see :func:`reorder_branches_reference`)."""
     impl = reorder_branches_triton if use_triton(region_pages) else reorder_branches_reference
     return impl(region_pages, beam_parent, page_size, hidden)
-
-
-def branch_reorder_moves(
-    region_pages: torch.Tensor,  # [B, K, R] i64
-    beam_parent: torch.Tensor,  # [B, K] i64 in [0, K), old beam of each new beam
-    page_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:  # src [B*K*R*P], dst [B*K*R*P]
-    """Moves copying region ``beam_parent[b, k]`` into region k, every slot of the region."""
-    out = reorder_branches(region_pages, beam_parent, page_size)
-    return out.src, out.dst

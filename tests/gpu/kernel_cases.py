@@ -398,7 +398,7 @@ def compile_cases():
                 table, rows, seq_lens, region_pages, page_size, num_steps
             )
             parent = torch.randint(0, topk, (batch, topk))
-            slots.branch_reorder_moves_triton(region_pages, parent, page_size)
+            slots.reorder_branches_triton(region_pages, parent, page_size)
             # as the draft phase runs them: the pool's region table, hidden rows of the 8B head
             region_table = torch.randint(1, 100, (batch + 1, topk, region))
             hidden = torch.randn(batch, 4096, dtype=torch.bfloat16)

@@ -654,8 +654,8 @@ def test_slots_and_moves(device, gen, batch, topk, page_size):
             assert_equal(hidden.repeat_interleave(topk, dim=0), ref.beam_hidden, "beam_hidden")
     beam_parent = torch.randint(0, topk, (batch, topk), generator=gen).to(device)
     assert_same_fields(
-        slots_mod.branch_reorder_moves_reference(region_pages, beam_parent, page_size),
-        run_triton(device, slots_mod.branch_reorder_moves_triton, region_pages, beam_parent,
+        slots_mod.reorder_branches_reference(region_pages, beam_parent, page_size),
+        run_triton(device, slots_mod.reorder_branches_triton, region_pages, beam_parent,
                    page_size),
     )
     for hidden_size in (7, 1500):
@@ -686,7 +686,8 @@ def test_slots_and_moves(device, gen, batch, topk, page_size):
     layout = slots_mod.assign_draft_cache_locs_reference(
         page_table, rows, seq_lens, region_pages, page_size, num_steps
     )
-    reorder = slots_mod.branch_reorder_moves_reference(region_pages, beam_parent, page_size)
+    reordered = slots_mod.reorder_branches_reference(region_pages, beam_parent, page_size)
+    reorder = (reordered.src, reordered.dst)
     for src, dst in [moves, reorder, (layout.tail_src, layout.tail_dst)]:
         pools = [torch.randn(num_slots, 2, 8, generator=gen).to(device) for _ in range(6)]
         expected = [p.clone() for p in pools]

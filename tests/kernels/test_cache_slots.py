@@ -7,7 +7,6 @@ from hypothesis import strategies as st
 
 from phasegraph.kernels import (
     assign_draft_cache_locs,
-    branch_reorder_moves,
     draft_region_pages,
     extend_slots,
     move_kv,
@@ -222,7 +221,9 @@ def test_branch_reorder_copies_whole_regions(data):
     )
     pool = torch.randn(num_pages * page_size, 3)
     before = pool.clone()
-    src, dst = branch_reorder_moves(region_pages, beam_parent, page_size)
+    moves = reorder_branches(region_pages, beam_parent, page_size)
+    src, dst = moves.src, moves.dst
+    assert moves.hidden is None
     assert src.shape == dst.shape == (batch * topk * region * page_size,)
     move_kv([pool], src, dst)
 

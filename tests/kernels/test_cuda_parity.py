@@ -174,8 +174,9 @@ def test_kv_and_slot_kernels_on_cuda():
     )
     assert_same(layout, gpu)
     beam_parent = torch.randint(0, topk, (batch, topk), generator=g)
-    moves, gpu = both(K.branch_reorder_moves, region_pages, beam_parent, page_size)
-    assert_same(moves, gpu)
+    reorder, gpu = both(K.reorder_branches, region_pages, beam_parent, page_size)
+    assert_same(reorder, gpu)
+    moves = (reorder.src, reorder.dst)
     # the draft phase's forms: regions read from the pool's table, hidden rows carried per beam
     region_table = torch.zeros(batch + 1, topk, region, dtype=torch.int64)
     region_table[rows] = region_pages
