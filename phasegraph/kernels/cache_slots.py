@@ -558,9 +558,17 @@ def _draft_cache_locs_kernel(
             tl.store(tail_dst_ptr + branch * (PAGE_SIZE - 1) + within, dst, mask=tail_ok)
 
 
-def _hidden_block(hidden_size: int) -> int:
-    """Columns of a hidden row one program copies (rows split over a second grid axis)."""
-    return min(1024, next_pow2(hidden_size))
+def _hidden_rows_copy(hidden: torch.Tensor | None, out_rows: int):
+    """What a kernel that copies rows of ``hidden`` [*, Hd] needs: the contiguous source, an
+    empty ``[out_rows, Hd]`` destination, Hd, the columns one program copies and how many such
+    blocks (the second grid axis); ``(None, None, 0, 16, 1)`` without ``hidden``."""
+    if hidden is None:
+        return None, None, 0, 16, 1
+    hidden = hidden.contiguous()
+    size = hidden.shape[1]
+    block = min(1024, next_pow2(size))
+    out = torch.empty((out_rows, size), dtype=hidden.dtype, device=hidden.device)
+    return hidden, out, size, block, max(1, -(-size // block))
 
 
 def assign_draft_cache_locs_triton(
@@ -595,14 +603,7 @@ def assign_draft_cache_locs_triton(
     region_out = torch.empty((batch, topk, region), dtype=torch.int64, device=device) \
         if region_table else region_pages
     branch_rows = torch.empty(branches, dtype=torch.int64, device=device)
-    beam_hidden = None
-    hidden_size, block_h, blocks_h = 0, 16, 1
-    if hidden is not None:
-        hidden = hidden.contiguous()
-        hidden_size = hidden.shape[1]
-        beam_hidden = torch.empty((branches, hidden_size), dtype=hidden.dtype, device=device)
-        block_h = _hidden_block(hidden_size)
-        blocks_h = max(1, -(-hidden_size // block_h))
+    hidden, beam_hidden, hidden_size, block_h, blocks_h = _hidden_rows_copy(hidden, branches)
     if branches > 0:
         page_table = page_table if page_table.stride(1) == 1 else page_table.contiguous()
         _draft_cache_locs_kernel[(branches, blocks_h)](
@@ -690,14 +691,7 @@ def reorder_branches_triton(
     total = batch * topk * region * page_size
     src = torch.empty(total, dtype=torch.int64, device=device)
     dst = torch.empty(total, dtype=torch.int64, device=device)
-    new_hidden = None
-    hidden_size, block_h, blocks_h = 0, 16, 1
-    if hidden is not None:
-        hidden = hidden.contiguous()
-        hidden_size = hidden.shape[1]
-        new_hidden = torch.empty_like(hidden)
-        block_h = _hidden_block(hidden_size)
-        blocks_h = max(1, -(-hidden_size // block_h))
+    hidden, new_hidden, hidden_size, block_h, blocks_h = _hidden_rows_copy(hidden, batch * topk)
     if total > 0:
         _branch_reorder_kernel[(batch * topk, blocks_h)](
             region_pages.contiguous(), beam_parent.contiguous(),
