@@ -28,3 +28,11 @@ def expect_shape(t: torch.Tensor, name: str, shape: tuple[int, ...]) -> None:
     """Raise ``ValueError`` unless ``t.shape == shape``."""
     if tuple(t.shape) != tuple(shape):
         raise ValueError(f"{name}: expected shape {tuple(shape)}, got {tuple(t.shape)}")
+
+
+def expect_id_offsets(id_offsets: torch.Tensor | None, logits: torch.Tensor) -> None:
+    """``id_offsets`` of the top-k kernels: None, or [V] int64 for ``logits`` [R, V] (id ``i``
+    comes back as ``i + id_offsets[i]``)."""
+    if id_offsets is not None:
+        expect(id_offsets, "id_offsets", 1, torch.int64)
+        expect_shape(id_offsets, "id_offsets", (logits.shape[1],))

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from phasegraph.kernels._checks import expect, expect_float, expect_shape
+from phasegraph.kernels._checks import expect_float, expect_id_offsets
 from phasegraph.kernels._dispatch import jit, pdl_enter, pdl_options, tl, use_triton
 
 BLOCK_V = 4096  # logits per loop step of a program
@@ -31,12 +31,6 @@ def _check(logits: torch.Tensor) -> None:
         raise ValueError("logits: an empty vocabulary has no top token")
 
 
-def _check_offsets(id_offsets: torch.Tensor | None, logits: torch.Tensor) -> None:
-    if id_offsets is not None:
-        expect(id_offsets, "id_offsets", 1, torch.int64)
-        expect_shape(id_offsets, "id_offsets", (logits.shape[1],))
-
-
 def softmax_top1_reference(
     logits: torch.Tensor,  # [R, V]
     id_offsets: torch.Tensor | None = None,  # [V] int64
@@ -44,7 +38,7 @@ def softmax_top1_reference(
     """``softmax(logits.float()).max(-1, keepdim=True)``. ``id_offsets``: the id ``i`` comes
     back as ``i + id_offsets[i]`` (an EAGLE-3 head's draft-to-target vocabulary map)."""
     _check(logits)
-    _check_offsets(id_offsets, logits)
+    expect_id_offsets(id_offsets, logits)
     prob, ids = torch.softmax(logits.float(), dim=-1).max(dim=-1, keepdim=True)
     return prob, ids if id_offsets is None else ids + id_offsets[ids]
 
@@ -94,7 +88,7 @@ def softmax_top1_triton(
     """Triton ``softmax_top1``: one program per row, one pass over it; the id is mapped
     through ``id_offsets`` as it is stored."""
     _check(logits)
-    _check_offsets(id_offsets, logits)
+    expect_id_offsets(id_offsets, logits)
     if logits.stride(1) != 1:
         return softmax_top1_reference(logits, id_offsets)
     rows, vocab = logits.shape

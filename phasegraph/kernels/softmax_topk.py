@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from phasegraph.kernels._checks import expect, expect_float, expect_shape
+from phasegraph.kernels._checks import expect_float, expect_id_offsets
 from phasegraph.kernels._dispatch import jit, pdl_enter, pdl_options, tl, use_triton
 
 MAX_TRITON_K = 32  # larger k run the reference (a tree's topk is 1-10 in practice)
@@ -41,12 +41,6 @@ def _check(logits: torch.Tensor, k: int) -> None:
         raise ValueError(f"k = {k}: expected 1 <= k <= vocabulary size {logits.shape[1]}")
 
 
-def _check_offsets(id_offsets: torch.Tensor | None, logits: torch.Tensor) -> None:
-    if id_offsets is not None:
-        expect(id_offsets, "id_offsets", 1, torch.int64)
-        expect_shape(id_offsets, "id_offsets", (logits.shape[1],))
-
-
 def softmax_topk_reference(
     logits: torch.Tensor,  # [R, V]
     k: int,
@@ -55,7 +49,7 @@ def softmax_topk_reference(
     """``softmax(logits.float()).topk(k)``: largest first. ``id_offsets``: each id ``i`` comes
     back as ``i + id_offsets[i]`` (an EAGLE-3 head's draft-to-target vocabulary map)."""
     _check(logits, k)
-    _check_offsets(id_offsets, logits)
+    expect_id_offsets(id_offsets, logits)
     probs, ids = torch.softmax(logits.float(), dim=-1).topk(k, dim=-1)
     return probs, ids if id_offsets is None else ids + id_offsets[ids]
 
@@ -164,7 +158,7 @@ def softmax_topk_triton(
     """Triton ``softmax_topk``: a chunk pass and a merge pass, two launches; the merge pass
     maps the ids through ``id_offsets`` (no gather and add of their own)."""
     _check(logits, k)
-    _check_offsets(id_offsets, logits)
+    expect_id_offsets(id_offsets, logits)
     if logits.stride(1) != 1 or k > MAX_TRITON_K:
         return softmax_topk_reference(logits, k, id_offsets)
     rows, vocab = logits.shape
