@@ -49,13 +49,15 @@ class BenchRun:
         self.args = args
         self.t0 = time.perf_counter()
         self.out = Path(args.out)
-        self.out.mkdir(parents=True, exist_ok=True)
         self.device = torch.device(args.device if args.device != "auto" else
                                    ("cuda" if torch.cuda.is_available() else "cpu"))
         if self.device.type == "cuda" and not torch.cuda.is_available() and not args.dry_run:
             raise CliError("--device cuda: no CUDA GPU is available")
         if self.device.type != "cuda" and not args.quick and not args.dry_run:
             raise CliError("the full bench (a ~96M pair, the 8B shape) needs a CUDA GPU: use --quick on the CPU")
+        if self.out.exists() and not self.out.is_dir():
+            raise CliError(f"--out {self.out}: exists and is not a directory")
+        self.out.mkdir(parents=True, exist_ok=True)
         self.cuda = self.device.type == "cuda"
         self.dtype = torch.bfloat16 if self.cuda else torch.float32  # part 2 (the 8B shape)
         # part 1: float32 by default, so that "identical to the baseline" is exact: in bf16 the

@@ -330,6 +330,29 @@ def test_a_pair_directory_with_other_files_is_refused_before_anything_runs(tmp_p
     assert not any((tmp_path / "out").glob("bench.*"))
 
 
+def test_an_out_path_that_is_a_file_is_refused(tmp_path, capsys):
+    """--out naming a file: a CLI error that says so (exit 2), and the file stays as it was."""
+    from phasegraph.cli import main
+
+    out = tmp_path / "results.txt"
+    out.write_text("keep me")
+    assert main(["bench", "--quick", "--out", str(out), "--dry-run"]) == 2
+    assert f"--out {out}: exists and is not a directory" in capsys.readouterr().err
+    assert out.read_text() == "keep me"
+
+
+def test_the_full_bench_without_a_gpu_writes_nothing(tmp_path, capsys, monkeypatch):
+    """Without a GPU the full bench stops at once with a CLI error, before --out is created."""
+    import torch
+
+    from phasegraph.cli import main
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["bench", "--out", str(tmp_path / "out")]) == 2
+    assert "needs a CUDA GPU: use --quick on the CPU" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def _tensor_layout(directory):
     from safetensors import safe_open
 
