@@ -51,7 +51,6 @@ DEVICE = torch.device("cuda")
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # read at import so that the spawned compile workers use it too (main() sets it from --dtype)
 DTYPE = DTYPES[os.environ.get("BENCH_LINEAR_DTYPE", "bfloat16")]
-TABLE_NAME = {torch.bfloat16: "CONFIGS", torch.float32: "FP32_CONFIGS"}  # linear.py's table per dtype
 SHAPE_SETS = {
     "8b": {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)},
     "8b-vocab": {"lm_head": (128256, 4096)},  # the 8B target's lm_head (cuBLAS in the table)
@@ -319,12 +318,13 @@ def tuned_table(result) -> tuple:
 
 
 def table_of_dtype() -> tuple:
-    """linear.py's table for this run's dtype (CONFIGS, or FP32_CONFIGS for float32)."""
-    return getattr(lin, TABLE_NAME[DTYPE])
+    """linear.py's table for this run's dtype and GPU (CONFIGS, H200_CONFIGS on an H200, or
+    FP32_CONFIGS for float32)."""
+    return getattr(lin, lin.gpu_table_name(DTYPE))
 
 
 def set_table(rules: tuple) -> None:
-    setattr(lin, TABLE_NAME[DTYPE], rules)
+    setattr(lin, lin.gpu_table_name(DTYPE), rules)
 
 
 def layer_step(cases, m, h, attn_out):

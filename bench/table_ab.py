@@ -1,7 +1,7 @@
 """A/B of the skinny-product table on whole engine steps at batch 1: the steady-state decode step
 and EAGLE-3 iterations (SIMULATED acceptance) with linear.py's table as shipped, then with the
 rules a ``bench_linear.py`` run tuned for the row counts it swept, placed before the shipped
-rules of as many rows or more. bf16 (``CONFIGS``): the 8B shape, decode and chain; float32
+rules of as many rows or more. bf16 (``CONFIGS``, ``H200_CONFIGS`` on an H200): the 8B shape, decode and chain; float32
 (``FP32_CONFIGS``): the bench pair's target, decode, chain and tree, with the GPU kernels:
 
     python bench/bench_linear.py --ms 4 --no-pdl --out DIR
@@ -66,7 +66,7 @@ def main() -> int:
         run = json.loads(Path(args.linear).read_text())
         swept = sorted({e["m"] for e in run["sweep"]})
         fp32 = run.get("dtype") == "float32"
-        table_name = "FP32_CONFIGS" if fp32 else "CONFIGS"
+        table_name = lin.gpu_table_name(torch.float32 if fp32 else torch.bfloat16)
         shipped = getattr(lin, table_name)
         tuned_name = "tuned M=" + ",".join(map(str, swept))
         tables = {"shipped": shipped, tuned_name: merged_table(shipped, run["tuned_table"], swept)}

@@ -27,7 +27,8 @@ gate_up and down products of a decoder layer disappear for small M:
 
 Dispatch (the kernel-module convention of ``_dispatch.py``): the Triton kernel runs on CUDA for
 M <= :data:`MAX_M` rows and contiguous inputs where its table (measured against cuBLAS by
-``bench/bench_linear.py``) says it wins. bf16/fp16 (:data:`CONFIGS`): every product up to 16
+``bench/bench_linear.py``) says it wins. bf16/fp16 (:data:`CONFIGS`; on an H200
+:data:`H200_CONFIGS`, two of the 8B shapes' tiles retuned for its faster memory): every product up to 16
 rows, the fused prologues at one row (at 2..16 rows the norm / silu kernel runs, then the Triton
 product). float32 (:data:`FP32_CONFIGS`): K <= 4096, IEEE multiply-sums, except the wide products
 at 2..16 rows (gate_up, lm_head), which run a three-pass TF32 ``tl.dot`` (float32-level error) or
@@ -303,21 +304,62 @@ FP32_CONFIGS: tuple[_Rule, ...] = (
 )
 
 
-def _table(dtype: torch.dtype) -> tuple[_Rule, ...]:
-    return FP32_CONFIGS if dtype == torch.float32 else CONFIGS
+# The same products on an H200 (HBM3e: ~4.2 TB/s of copy bandwidth against the H100's ~3.0, the
+# same SMs). Measured by `bench/bench_linear.py --ms 1` on an H200 (2026-11-25; bench/RESULTS.md
+# §2): the norm prologue at one row wants two weight rows per program there (qkv+norm 14.6 against
+# 16.5 us with one, gate_up+norm 55.2 against 64.6), where the H100 wants one (20.2 against 24.5,
+# 77.7 against 90.9); the row statistics are computed once per program, and on the faster memory
+# the per-row pass shows. The 8B decode step: 4.59 -> 4.06 ms of GPU work (bench/table_ab.py).
+_GEMV_WHOLE_K_2 = SkinnyConfig(2, 4096, 4, 1, dot=False)
+_H200_RULES: tuple[_Rule, ...] = (
+    _Rule(1, *_QKV_8B, _GEMV_WHOLE_K_2, True, True),
+    _Rule(1, *_GATE_UP_8B, _GEMV_WHOLE_K_2, True, True),
+)
+H200_CONFIGS: tuple[_Rule, ...] = (*_H200_RULES, *CONFIGS)
 
 
-def _lookup(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> _Rule | None:
-    for rule in _table(dtype):
+def gpu_table_name(dtype: torch.dtype, device: torch.device | None = None) -> str:
+    """The name of the rule table this module reads for ``dtype`` on ``device`` (``None``: the
+    current CUDA device, if any): ``FP32_CONFIGS``, ``H200_CONFIGS`` or ``CONFIGS``."""
+    if dtype == torch.float32:
+        return "FP32_CONFIGS"
+    return "H200_CONFIGS" if _is_h200(device) else "CONFIGS"
+
+
+_H200_BY_DEVICE: dict[int, bool] = {}
+
+
+def _is_h200(device: torch.device | None) -> bool:
+    if device is None:
+        if not torch.cuda.is_available():
+            return False
+        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _H200_BY_DEVICE:
+        _H200_BY_DEVICE[index] = "H200" in torch.cuda.get_device_name(index)
+    return _H200_BY_DEVICE[index]
+
+
+def _table(dtype: torch.dtype, device: torch.device | None = None) -> tuple[_Rule, ...]:
+    return globals()[gpu_table_name(dtype, device)]
+
+
+def _lookup(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
+            device: torch.device | None = None) -> _Rule | None:
+    for rule in _table(dtype, device):
         if m <= rule.m_max and rule.n_range[0] <= n <= rule.n_range[1] \
                 and rule.k_range[0] <= k <= rule.k_range[1]:
             return rule
     return None
 
 
-def pick_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16) -> SkinnyConfig:
-    """The table's launch shape for ``m`` rows of an ``[n, k]`` weight (a default if none)."""
-    rule = _lookup(m, n, k, dtype)
+def pick_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
+                device: torch.device | None = None) -> SkinnyConfig:
+    """The table's launch shape for ``m`` rows of an ``[n, k]`` weight (a default if none) on
+    ``device`` (``None``: the current CUDA device, if any)."""
+    rule = _lookup(m, n, k, dtype, device)
     if rule is not None:
         return rule.config
     if dtype == torch.float32:
@@ -573,7 +615,7 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
         return y, summed
     if m > MAX_M:
         raise ValueError(f"x: the skinny product takes at most {MAX_M} rows, got {m}")
-    cfg = config or pick_config(m, n, k, x.dtype)
+    cfg = config or pick_config(m, n, k, x.dtype, x.device)
     block_m = 16 if cfg.dot else next_pow2(m)  # multiply-sum: [BLOCK_M, BLOCK_N, BLOCK_K] sums
     block_k = min(cfg.block_k, max(next_pow2(k), 16))
     single = block_k >= k
@@ -701,7 +743,7 @@ def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, fuse
     tensors = (x, weight, bias, *others)
     if any(t is not None and (t.dtype != x.dtype or not t.is_contiguous()) for t in tensors):
         return False
-    rule = _lookup(x.shape[0], weight.shape[0], weight.shape[1], x.dtype)
+    rule = _lookup(x.shape[0], weight.shape[0], weight.shape[1], x.dtype, x.device)
     if rule is None:  # half precision: the default tiles; float32: only where measured
         return x.dtype in HALF_DTYPES
     return rule.fused if fused else rule.plain

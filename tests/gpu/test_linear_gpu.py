@@ -35,7 +35,8 @@ GEMV16_CONFIGS = [C(8, 64, 4, 1, False), C(4, 128, 4, 3, False)]  # M <= 16: [16
 def _configs(m: int):
     if m > 4:
         return CONFIGS + GEMV16_CONFIGS
-    whole_k = [C(4, 4096, 4, 1, False)] if m == 1 and ON_GPU else []  # K in one tile
+    # K in one tile; two weight rows per program: the H200's 8B qkv and gate_up (H200_CONFIGS)
+    whole_k = [C(4, 4096, 4, 1, False), C(2, 4096, 4, 1, False)] if m == 1 and ON_GPU else []
     return CONFIGS + GEMV_CONFIGS + whole_k
 
 

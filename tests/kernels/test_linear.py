@@ -111,6 +111,28 @@ def test_triton_wrappers_refuse_what_the_kernel_cannot_take():
         lin.add_rms_norm_linear_triton(x[:4], residual[:4], norm_w.float(), 1e-5, w)
 
 
+def test_an_h200_takes_its_own_tiles_for_the_8b_norm_prologues(monkeypatch):
+    """The GPU's name picks the table: on an H200 the one-row qkv and gate_up products of the 8B
+    shape (norm prologue fused) stream two weight rows per program; every other product, and
+    every product on other GPUs, keeps the shipped tiles; float32 has one table."""
+    names = {0: "NVIDIA H200", 1: "NVIDIA H100 80GB HBM3"}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: names[index])
+    monkeypatch.setattr(lin, "_H200_BY_DEVICE", {})
+    h200, h100, cpu = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
+    bf = torch.bfloat16
+    assert lin.gpu_table_name(bf, h200) == "H200_CONFIGS"
+    assert lin.gpu_table_name(bf, h100) == lin.gpu_table_name(bf, cpu) == "CONFIGS"
+    assert lin.gpu_table_name(torch.float32, h200) == "FP32_CONFIGS"
+    for n in (6144, 28672):
+        rule = lin._lookup(1, n, 4096, bf, h200)
+        assert rule.config == lin.SkinnyConfig(2, 4096, 4, 1, dot=False) and rule.fused and rule.plain
+        assert lin._lookup(1, n, 4096, bf, h100).config == lin._GEMV_WHOLE_K
+        assert lin._lookup(1, n, 4096, bf, cpu).config == lin._GEMV_WHOLE_K
+    for m, n, k in [(1, 4096, 4096), (1, 4096, 14336), (4, 6144, 4096), (16, 28672, 4096), (1, 40, 96)]:
+        assert lin._lookup(m, n, k, bf, h200) == lin._lookup(m, n, k, bf, h100), (m, n, k)
+    assert lin.H200_CONFIGS[len(lin._H200_RULES):] == lin.CONFIGS
+
+
 def test_config_table_covers_every_row_count():
     for m in range(1, lin.MAX_M + 1):
         for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (40, 96)]:
