@@ -347,9 +347,10 @@ def _launch_row_slots(page_table, rows, positions, num_positions: int, page_size
     batch = rows.shape[0]
     device = positions.device
     slots = torch.empty((batch, num_positions), dtype=torch.int64, device=device)
-    rows_out = torch.empty(batch * num_positions if repeat else 0, dtype=torch.int64, device=device)
-    starts_out = torch.empty(batch * num_positions if repeat else 0, dtype=torch.int64,
-                             device=device)
+    rows_out = starts_out = slots  # unwritten stand-ins without ``repeat`` (no allocation)
+    if repeat:
+        rows_out = torch.empty(batch * num_positions, dtype=torch.int64, device=device)
+        starts_out = torch.empty(batch * num_positions, dtype=torch.int64, device=device)
     if slots.numel() > 0:
         page_table = page_table if page_table.stride(1) == 1 else page_table.contiguous()
         block = min(1024, next_pow2(num_positions))
@@ -702,7 +703,6 @@ def reorder_branches_triton(
             num_warps=1, **pdl_options(),
         )
     return BranchReorder(src=src, dst=dst, hidden=new_hidden)
-
 
 
 def row_slots(
