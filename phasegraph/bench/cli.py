@@ -14,6 +14,7 @@ from phasegraph.bench.common import (
     environment,
     free_memory,
     has_pair,
+    pair_path,
     training_preset,
     untrainable_pair_dir,
 )
@@ -152,6 +153,11 @@ def _resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     unknown = [c for c in args.scale_config_list if c not in SCALE_CONFIGS]
     if unknown or not args.scale_config_list:
         raise CliError(f"--scale-configs takes {', '.join(SCALE_CONFIGS)}; got {args.scale_configs!r}")
+    if 2 in args.parts_list:  # a simulated τ no selected draft reaches would only be skipped row by row
+        longest = {SCALE_CONFIGS[c][0]: SCALE_CONFIGS[c][1]["num_steps"] + 1 for c in args.scale_config_list}
+        if unreachable := [t for t in args.scale_tau_list if t > max(longest.values())]:
+            raise CliError(f"--scale-taus {','.join(map(str, unreachable))}: "
+                           + ", ".join(f"{name} accepts at most {n}" for name, n in longest.items()))
     if args.time_limit_s is None:
         args.time_limit_s = None if args.quick else 560.0
     if args.train_budget_s is None and not args.quick:
@@ -170,17 +176,20 @@ def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     args = _resolve_args(args)
+    if 1 in args.parts_list:  # before anything runs or --out is made, --dry-run included
+        pair = pair_path(args)
+        if args.skip_train and not has_pair(pair):
+            raise CliError(f"--skip-train: {pair} holds no trained pair (target/ and eagle3/ with config.json)")
+        if problem := untrainable_pair_dir(pair):
+            raise CliError(problem)
     run = BenchRun(args)
     if not run.cuda:
         torch.set_num_threads(max(1, args.threads))
     a = args
     run.result["settings"] = {k: v for k, v in vars(a).items() if k not in ("func", "argv")}
-    if 1 in a.parts_list and not a.skip_train:
-        if problem := untrainable_pair_dir(run.pair_path()):
-            raise CliError(problem)  # before anything runs, --dry-run included
-        if not has_pair(run.pair_path()):
-            # the training recipe is deterministic only with this set before cuBLAS starts
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if 1 in a.parts_list and not has_pair(run.pair_path()):
+        # the training recipe is deterministic only with this set before cuBLAS starts
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     est = estimate_seconds(run)
     run.result["estimate_s"] = {k: round(v, 1) for k, v in est.items()}
     print(f"phasegraph bench{' --quick' if a.quick else ''}: device {run.device}, parts {a.parts_list}; "

@@ -109,7 +109,7 @@ class BenchRun:
 
     def pair_path(self) -> Path:
         """``--pair``, else ``OUT/pair``."""
-        return Path(self.args.pair) if self.args.pair else self.out / "pair"
+        return pair_path(self.args)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -266,6 +266,11 @@ def free_memory() -> None:
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
+
+
+def pair_path(args: argparse.Namespace) -> Path:
+    """``--pair``, else ``OUT/pair``."""
+    return Path(args.pair) if args.pair else Path(args.out) / "pair"
 
 
 def has_pair(d: Path) -> bool:

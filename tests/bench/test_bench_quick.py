@@ -330,6 +330,50 @@ def test_a_pair_directory_with_other_files_is_refused_before_anything_runs(tmp_p
     assert not any((tmp_path / "out").glob("bench.*"))
 
 
+@pytest.mark.parametrize("dry_run", [False, True])
+def test_skip_train_without_a_pair_is_refused_before_anything_runs(tmp_path, capsys, dry_run):
+    """--skip-train with no pair in --pair: a CLI error at the start (exit 2), before --out is made,
+    not an empty report written after part 2 has run."""
+    from phasegraph.cli import main
+
+    argv = ["bench", "--quick", "--out", str(tmp_path / "out"), "--pair", str(tmp_path / "none"), "--skip-train"]
+    assert main(argv + (["--dry-run"] if dry_run else [])) == 2
+    assert f"--skip-train: {tmp_path / 'none'} holds no trained pair" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists() and not (tmp_path / "none").exists()
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--scale-taus", "2,9"], "--scale-taus 9: chain S=3 accepts at most 4"),
+    (["--scale-taus", "5,6", "--scale-configs", "chain,tree"],
+     "--scale-taus 6: chain S=3 accepts at most 4, tree K=4 S=4 N=16 accepts at most 5"),
+])
+def test_a_simulated_tau_no_draft_reaches_is_refused(tmp_path, capsys, argv, message):
+    """A --scale-taus value beyond every selected draft's longest accept is a CLI error at the start
+    (exit 2, nothing made); part 1 alone does not read it."""
+    from phasegraph.cli import main
+
+    out = tmp_path / "out"
+    assert main(["bench", "--quick", "--out", str(out), "--parts", "2", "--dry-run", *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+    assert main(["bench", "--quick", "--out", str(out), "--parts", "1", "--dry-run", *argv]) == 0
+
+
+def test_a_simulated_tau_some_drafts_reach_is_kept(tmp_path):
+    """τ = 5: the tree (S=4) may reach it and the chain (S=3) cannot; the run keeps it, measures the
+    tree's row (which says whether τ was reached) and records why the chain's row is missing."""
+    from phasegraph.cli import main
+
+    assert main(["bench", "--quick", "--out", str(tmp_path), "--parts", "2", "--scale-batches", "1",
+                 "--scale-configs", "chain,tree", "--scale-taus", "5", "--no-progress"]) == 0
+    rows = json.loads((tmp_path / "bench.json").read_text())["scale"]["rows"]
+    chain = [r for r in rows if r["config"] == "chain S=3"]
+    tree = [r for r in rows if r["config"] == "tree K=4 S=4 N=16"]
+    assert chain == [{"config": "chain S=3", "tau_simulated": 5, "skipped": "chain S=3 accepts at most 4"}]
+    assert len(tree) == 1 and tree[0]["tau_simulated"] == 5 and tree[0]["batch"] == 1
+    assert 1.0 <= tree[0]["tau_measured"] <= 5.0 and tree[0]["reached"] == (tree[0]["tau_measured"] >= 4.75)
+
+
 def test_an_out_path_that_is_a_file_is_refused(tmp_path, capsys):
     """--out naming a file: a CLI error that says so (exit 2), and the file stays as it was."""
     from phasegraph.cli import main
