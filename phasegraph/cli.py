@@ -16,17 +16,37 @@ class CliError(Exception):
     """A user-facing error: printed as one line, exit status 2."""
 
 
+# ``graph --out FILE``: the format a file name's suffix asks for (any other suffix: text)
+FORMAT_OF_SUFFIX = {".png": "png", ".svg": "svg", ".dot": "dot", ".gv": "dot", ".mmd": "mermaid",
+                    ".mermaid": "mermaid"}
+
+
+def graph_format(fmt: str | None, out: str | None) -> str:
+    """``--format``, else the one ``--out``'s suffix names, else text; a format that contradicts
+    the suffix is a :class:`CliError` (text in a ``.png`` would be no picture)."""
+    implied = FORMAT_OF_SUFFIX.get(Path(out).suffix.lower()) if out else None
+    if fmt is None:
+        return implied or "text"
+    if implied is not None and implied != fmt:
+        raise CliError(f"--out {out} names a {implied} file but --format is {fmt}: drop --format or "
+                       "change the suffix")
+    return fmt
+
+
 def _cmd_graph(args: argparse.Namespace) -> int:
     from phasegraph.phases import EAGLE_GRAPH
     from phasegraph.statemachine import Trace
     from phasegraph.statemachine.render import BINARY_FORMATS, render_bytes
 
+    fmt = graph_format(args.format, args.out)
+    if args.out and not Path(args.out).resolve().parent.is_dir():
+        raise CliError(f"--out {args.out}: directory {Path(args.out).resolve().parent} does not exist")
     trace = Trace.load_chrome(args.trace) if args.trace else None
-    data = render_bytes(EAGLE_GRAPH, args.format, trace)
+    data = render_bytes(EAGLE_GRAPH, fmt, trace)
     if args.out:
         Path(args.out).write_bytes(data)
-        print(f"wrote {args.format} of phase graph {EAGLE_GRAPH.name!r} to {args.out}")
-    elif args.format in BINARY_FORMATS and args.format == "png" and sys.stdout.isatty():
+        print(f"wrote {fmt} of phase graph {EAGLE_GRAPH.name!r} to {args.out}")
+    elif fmt in BINARY_FORMATS and fmt == "png" and sys.stdout.isatty():
         raise CliError("--format png writes binary data: pass --out FILE")
     else:
         sys.stdout.buffer.write(data)
@@ -38,7 +58,9 @@ def _add_graph(sub) -> None:
     from phasegraph.statemachine.render import FORMATS
 
     p = sub.add_parser("graph", help="draw the EAGLE phase graph (optionally overlaid with a trace)")
-    p.add_argument("--format", choices=FORMATS, default="text", help="output format (default: text)")
+    p.add_argument("--format", choices=FORMATS,
+                   help="output format (default: the one --out's suffix names, .png .svg .dot .gv .mmd; "
+                        "else text)")
     p.add_argument("--out", metavar="FILE", help="write to FILE instead of stdout")
     p.add_argument(
         "--trace", metavar="TRACE.json",

@@ -95,6 +95,41 @@ def test_cli_errors_are_one_line(tmp_path, capsys):
     assert exit_info.value.code == 2
 
 
+@pytest.mark.parametrize(("name", "fmt"), [("g.dot", "dot"), ("g.GV", "dot"), ("g.mmd", "mermaid"),
+                                           ("g.txt", "text"), ("g", "text")])
+def test_cli_graph_takes_the_format_from_the_out_suffix(tmp_path, capsys, name, fmt):
+    out = tmp_path / name
+    assert main(["graph", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.startswith(f"wrote {fmt} of phase graph 'eagle'")
+    text = out.read_text()
+    first = {"dot": "digraph", "mermaid": "flowchart", "text": "phase graph 'eagle'"}[fmt]
+    assert text.lstrip().startswith(first), text[:80]
+
+
+@pytest.mark.parametrize("name", ["g.png", "g.svg"])
+def test_cli_graph_picture_suffix_renders_a_picture_or_says_why_not(tmp_path, capsys, name):
+    """A .png/.svg --out is drawn in that format (Graphviz), never filled with text."""
+    out = tmp_path / name
+    status = main(["graph", "--out", str(out)])
+    if graphviz_available():
+        assert status == 0
+        assert out.read_bytes().startswith(b"\x89PNG" if name.endswith("png") else b"<?xml")
+    else:
+        assert status == 2 and "apt install graphviz" in capsys.readouterr().err
+        assert not out.exists()
+
+
+def test_cli_graph_refuses_a_format_the_suffix_contradicts_and_a_missing_directory(tmp_path, capsys):
+    out = tmp_path / "g.png"
+    assert main(["graph", "--format", "text", "--out", str(out)]) == 2
+    assert f"--out {out} names a png file but --format is text" in capsys.readouterr().err
+    assert not out.exists()
+    missing = tmp_path / "no" / "such" / "g.dot"
+    assert main(["graph", "--out", str(missing)]) == 2
+    assert f"--out {missing}: directory {missing.parent} does not exist" in capsys.readouterr().err
+    assert main(["graph", "--format", "mermaid", "--out", str(tmp_path / "g.md")]) == 0  # no picture suffix
+
+
 def test_to_pydot_keeps_every_edge():
     from phasegraph.statemachine.render import to_pydot
 
