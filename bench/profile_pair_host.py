@@ -599,9 +599,12 @@ def main(argv=None) -> int:
     ap.add_argument("--expand", action="store_true",
                     help="with --sites: every torch op at its own source line, inside kernel modules too")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: --sites only")
-    ap.add_argument("--kernels", action="store_true", help="also a table of GPU kernels per step at batch 1")
+    ap.add_argument("--kernels", action="store_true",
+                    help="also a table of GPU kernels per step at --kernel-batch")
     ap.add_argument("--phase-kernels", action="store_true",
-                    help="only: GPU kernels of a speculative iteration at batch 1, split by phase (chain, tree)")
+                    help="only: GPU kernels of a speculative iteration at --kernel-batch, split by phase (chain, tree)")
+    ap.add_argument("--kernel-batch", type=int, default=1, metavar="B",
+                    help="the batch --kernels and --phase-kernels profile (default 1)")
     ap.add_argument("--checks", nargs="+", default=["default", "off"], choices=["default", "off"],
                     help="trace and validation settings to time (default: trace + default checks, and none)")
     args = ap.parse_args(argv)
@@ -634,7 +637,8 @@ def main(argv=None) -> int:
     # the modes that print one table per configuration and nothing else
     only = {"prefill": (prefill_table, "prefill: {}",
                         dict(cuda_graphs=True, trace=True, prefill_graphs=args.prefill_graphs)),
-            "phase_kernels": (phase_kernel_table, "GPU kernels by phase: {}, batch 1", dict(cuda_graphs=True, graph_scope="phase", trace=False)),
+            "phase_kernels": (phase_kernel_table, "GPU kernels by phase: {}, batch " + str(args.kernel_batch),
+                              dict(cuda_graphs=True, graph_scope="phase", trace=False)),
             "sites": (functools.partial(launch_sites, expand=args.expand), "launch sites: {}, batch 1",
                       dict(cuda_graphs=False, trace=False))}
     if args.prefill:
@@ -667,7 +671,7 @@ def main(argv=None) -> int:
         for name, tgt, draft, spec, tau in configs:
             if mode == "phase_kernels" and spec.method == "none":
                 continue
-            table = table_of(engine(tgt, draft, spec, tau, **kw), 1)
+            table = table_of(engine(tgt, draft, spec, tau, **kw), args.kernel_batch if mode == "phase_kernels" else 1)
             print(f"===== {title.format(name)} =====\n{table}", flush=True)
             profiles.write(f"===== {title.format(name)} =====\n{table}")
     if modes:
@@ -689,9 +693,9 @@ def main(argv=None) -> int:
                 profiles.write(f"===== {name}, batch 1, overlap on, trace on, validate default =====\n")
                 profiles.write(profile_steps(eng, 1))
             if trace and args.kernels:
-                table = kernel_table(eng, 1)
-                print(f"  kernels of {name}, batch 1:\n{table}", flush=True)
-                profiles.write(f"===== GPU kernels: {name}, batch 1 =====\n{table}")
+                table = kernel_table(eng, args.kernel_batch)
+                print(f"  kernels of {name}, batch {args.kernel_batch}:\n{table}", flush=True)
+                profiles.write(f"===== GPU kernels: {name}, batch {args.kernel_batch} =====\n{table}")
             print(f"  ({time.perf_counter() - t0:.1f} s)", flush=True)
             del eng
             torch.cuda.empty_cache()

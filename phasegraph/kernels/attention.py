@@ -456,6 +456,19 @@ def split_range(split, run_end, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr,
     return lo, hi
 
 
+@jit
+def chunk_unread(lo, kv_len_m, member_m, NUM_EXTRA: tl.constexpr, CHUNK: tl.constexpr,
+                 NUM_SPLITS: tl.constexpr):
+    """Whether this program's float32 chunk (from ``lo``) lies past every position the combine
+    kernel reads for the run's tokens (``[0, kv_len + E)``): its partial is never read and it
+    attends nothing, so it may return before loading anything. Chunks the combine reads, live or
+    not, still run, so the bits never change; grids are sized by the page table, and at short
+    contexts most of their chunk programs are such."""
+    if CHUNK > 0 and NUM_SPLITS > 1:
+        return lo >= tl.max(tl.where(member_m, kv_len_m, 0), axis=0) + NUM_EXTRA
+    return lo < 0  # never
+
+
 @jit(do_not_specialize=["num_tokens", "max_pages"])
 def _paged_attention_kernel(
     q_ptr,  # [T, H, D]
@@ -519,6 +532,8 @@ def _paged_attention_kernel(
         stride_ee, NUM_EXTRA, BLOCK_E, GROUP, GROUP_P, BLOCK_M, HAS_EXTRA,
     )
     lo, hi = split_range(split, run_end, NUM_SPLITS, BLOCK_N, CHUNK)
+    if chunk_unread(lo, kv_len_m, member_m, NUM_EXTRA, CHUNK, NUM_SPLITS):
+        return
 
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < HEAD_DIM

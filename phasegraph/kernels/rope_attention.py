@@ -49,6 +49,7 @@ from phasegraph.kernels.attention import (
     _fp32_chunk,
     _store_run,
     auto_splits,
+    chunk_unread,
     combine_splits,
     default_tiles,
     full_precision,
@@ -312,12 +313,15 @@ def _rope_tree_attention_kernel(
     SPLIT_P: tl.constexpr,
     CHUNK: tl.constexpr,
     INDEXED: tl.constexpr,
+    RUN_GRID: tl.constexpr,  # grid axis 0 over aligned blocks of BLOCK_T tokens (E % BLOCK_T == 0)
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
     HALF: tl.constexpr = HEAD_DIM // 2
     BLOCK_M: tl.constexpr = BLOCK_T * GROUP_P
     t = tl.program_id(0)
+    if RUN_GRID:  # one program per aligned block of BLOCK_T tokens: every one leads its run
+        t = t * BLOCK_T
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
@@ -329,6 +333,9 @@ def _rope_tree_attention_kernel(
         stride_ee, NUM_EXTRA, BLOCK_E, GROUP, GROUP_P, BLOCK_M, True,
     )
     lo, hi = split_range(split, run_end, NUM_SPLITS, BLOCK_N, CHUNK)
+    # the tree nodes lie in [kv_len, kv_len + E): a chunk past that writes and reads nothing
+    if chunk_unread(lo, kv_len_m, member_m, NUM_EXTRA, CHUNK, NUM_SPLITS):
+        return
 
     # The tree block of t's row: node e is token row_base + e at position kv_len + e. This program
     # writes the nodes of the positions it owns (every position it may read, and together with
@@ -407,7 +414,11 @@ def rope_tree_attention_triton(
     :func:`~phasegraph.kernels.attention.paged_attention_triton`, so the output is bitwise that
     of ``rotary_write_kv`` + ``paged_attention``; each program first rotates and writes the tree
     nodes whose positions it owns (each node's key and value once per run that shares its split,
-    all the same bits). ``num_splits`` overrides the split count as
+    all the same bits). Where the token tile divides E and there are several splits, axis 0
+    runs over the runs (``T / BLOCK_T``), not the tokens, and float32 chunk programs past
+    ``kv_len + E`` return at once (:func:`~phasegraph.kernels.attention.chunk_unread`): the
+    bench pair's verify at batch 8 spent most of its attention time in programs that returned
+    (bench/RESULTS.md §5, "Attention programs that return at once"). ``num_splits`` overrides the split count as
     :func:`~phasegraph.kernels.attention.paged_attention_triton`'s does (> 1 with float32
     chunks: one split per chunk), for tests that need several splits where the grid would not
     choose them."""
@@ -437,7 +448,11 @@ def rope_tree_attention_triton(
     slots = meta.write_slots.contiguous()
     kv_len = meta.kv_len.contiguous()
     extra_bytes = as_bytes(extra)
-    _rope_tree_attention_kernel[(num_tokens, num_kv_heads, num_splits)](
+    # rows are E tokens from a multiple of E, so with BLOCK_T dividing E no block spans two rows
+    # and each block is one run: one program per block and chunk, not per token and chunk (most
+    # would return at once). With one split (many runs) the token grid measured faster.
+    run_grid = num_extra % block_t == 0 and num_splits > 1
+    _rope_tree_attention_kernel[(num_tokens // block_t if run_grid else num_tokens, num_kv_heads, num_splits)](
         qkv, cos, sin, rope_rows.contiguous() if indexed else slots, slots, k_cache, v_cache,
         out, part_acc, part_max, part_sum, meta.page_table, meta.query_row.contiguous(), kv_len,
         extra_bytes, num_tokens, max_pages, float(scale) * math.log2(math.e),
@@ -461,6 +476,7 @@ def rope_tree_attention_triton(
         SPLIT_P=not upcast and qkv.dtype == torch.bfloat16,
         CHUNK=chunk,
         INDEXED=indexed,
+        RUN_GRID=run_grid,
         num_warps=4,
         num_stages=num_stages, **pdl_options(),
     )

@@ -51,10 +51,11 @@ def attention_case(
     pad_tokens: int = 3,
     sink_poison: float = float("nan"),
     pool_on_device: bool = False,
+    num_nodes: int | None = None,
 ):
     """``(q, k_cache, v_cache, meta)`` for one attention call of a speculative iteration.
 
-    Layouts (K = ``topk``, tree of N = 1 + 2K nodes, W = 4):
+    Layouts (K = ``topk``, tree of N = ``num_nodes`` nodes, default 1 + 2K, W = 4):
 
     - ``decode``: T = B, one token per request row;
     - ``draft``: T = B*K, every token on its own (branch) row, kv_len = seq_len + 1..4 (the K
@@ -68,7 +69,7 @@ def attention_case(
     the sink slots hold ``sink_poison`` (NaN) to show any read of them. ``pool_on_device`` draws
     the KV pool with the device's default generator (fast, for the benchmark).
     """
-    num_nodes = 1 + 2 * topk
+    num_nodes = 1 + 2 * topk if num_nodes is None else num_nodes
     if layout == "decode":
         per_req, rows_per_req = 1, 1
     elif layout == "draft":

@@ -450,23 +450,27 @@ def _tree_block_slots(meta, nodes: int) -> torch.Tensor:
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("batch", (1, 3, 33) if ON_GPU else (1, 3))
-@pytest.mark.parametrize("topk", [1, 4, 40])  # trees of 3, 9 and 81 nodes (> 64: the byte-gather path)
+@pytest.mark.parametrize(("topk", "nodes"), [(1, 3), (4, 9), (4, 16), (40, 81)],
+                         ids=["k1n3", "k4n9", "k4n16", "k40n81"])  # 81 > 64: the byte-gather path
 @pytest.mark.parametrize("tables", [True, False], ids=["tables", "rows"])
-def test_rope_tree_attention_equals_rotary_then_attention(device, gen, dtype, batch, topk, tables):
+def test_rope_tree_attention_equals_rotary_then_attention(device, gen, dtype, batch, topk, nodes, tables):
     """A verify in one launch (rotary + tree-block KV write + attention) against the two kernels
     it replaces, bit for bit: the pool's keys and values and the attention output, in both
     dtypes (the same tiles and splits), with a padded request as a CUDA-graph bucket adds, the
     first request's tree block straddling a float32 chunk (its nodes are read by two splits) and
-    NaN in the nodes' slots before the call (a node read before it is written would leak it)."""
+    NaN in the nodes' slots before the call (a node read before it is written would leak it).
+    16 nodes (the bench pair's tree) is a multiple of the token tile, so with several splits the
+    kernel runs one program per run rather than per token; the page table holds up to ~300
+    positions, so most requests' chunk programs past their tree block return at once."""
     from phasegraph.kernels import attention, rope_attention
     from tests.gpu import kernel_cases as cases
 
     kv_heads, group, head_dim = (8, 4, 128) if ON_GPU else (2, 3, 32)
-    page_size, nodes = 16, 1 + 2 * topk
+    page_size = 16
     q, k_cache, v_cache, meta = cases.attention_case(
         gen, device, layout="verify", batch=batch, topk=topk, page_size=page_size,
         kv_heads=kv_heads, group=group, head_dim=head_dim, max_kv=300 if ON_GPU else 40,
-        dtype=dtype, pad_tokens=nodes,
+        dtype=dtype, pad_tokens=nodes, num_nodes=nodes,
     )
     kv_len = meta.kv_len.clone()
     kv_len[:nodes] = 30  # nodes at positions 30.. cross the float32 chunk boundary at 32

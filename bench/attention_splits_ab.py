@@ -1,0 +1,89 @@
+"""A/B of the float32 attention split rule on whole steps of the bench pair (random weights,
+SIMULATED acceptance): the shipped rule (one program per chunk of positions while the runs alone
+leave SMs idle) against rules that keep one program per run once ``runs * chunks`` passes a
+multiple of the SM count. Every rule gives the same bits (``attention.auto_splits``: float32
+chunks fold in order whoever folds them), so only time moves.
+
+    python bench/attention_splits_ab.py [--out DIR] [--batches 1 8 32] [--limits 0 2 4 8]
+
+``--limits 0`` is the shipped rule; L > 0 splits only while ``runs * chunks <= L * SMs``. GPU only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import bench_scale  # noqa: E402
+from profile_pair_host import build_pair, simulated_configs  # noqa: E402
+
+from phasegraph.kernels import attention, rope_attention  # noqa: E402
+from phasegraph.kernels._dispatch import cdiv, num_sms  # noqa: E402
+
+SHIPPED = attention.auto_splits
+
+
+def capped_rule(limit: int):
+    """``auto_splits`` with float32 chunk splits only while ``runs * chunks <= limit * SMs``."""
+
+    def auto_splits(positions, block_n, chunk, runs, device):
+        if chunk:
+            chunks = cdiv(positions, chunk)
+            return chunks if runs < num_sms(device) and runs * chunks <= limit * num_sms(device) else 1
+        return SHIPPED(positions, block_n, chunk, runs, device)
+
+    return auto_splits
+
+
+def use_rule(limit: int) -> None:
+    rule = SHIPPED if limit == 0 else capped_rule(limit)
+    attention.auto_splits = rule
+    rope_attention.auto_splits = rule
+
+
+def main() -> int:
+    from phasegraph.runtime.engine import Engine
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--limits", type=int, nargs="+", default=[0, 2, 4, 8])
+    ap.add_argument("--configs", nargs="+", default=["baseline", "chain", "tree"])
+    ap.add_argument("--rounds", type=int, default=2, help="rounds, rules interleaved (default 2)")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    target, head = build_pair(torch.float32, "cuda", None, torch.bfloat16)
+    configs = [c for key, c in simulated_configs(target, head).items() if key in args.configs]
+    max_b = max(args.batches)
+    rows = []
+    for rnd in range(args.rounds):
+        for limit in args.limits:
+            use_rule(limit)
+            for name, tgt, draft, spec, tau in configs:
+                eng = Engine(tgt, draft, spec=spec, max_batch_size=max_b, kv_pool_tokens=max_b * 2048,
+                             max_context=1024, simulate_accept_length=tau, cuda_graphs=True, trace=False,
+                             validate="off")
+                for b in args.batches:
+                    r = bench_scale.scheduler_step_times(eng, b, True)
+                    r.update(config=name, limit=limit, round=rnd)
+                    rows.append(r)
+                    print(f"round {rnd} limit {limit} {name:<36} batch {b:>2}: {1e3 * r['step_s']:6.3f} ms/step, "
+                          f"GPU busy {1e3 * r['gpu_busy_s']:6.3f} ms", flush=True)
+                del eng
+                torch.cuda.empty_cache()
+    use_rule(0)
+    (out / "attention_splits_ab.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(),
+                                                                "rows": rows}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
