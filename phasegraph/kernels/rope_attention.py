@@ -418,10 +418,10 @@ def rope_tree_attention_triton(
     runs over the runs (``T / BLOCK_T``), not the tokens, and float32 chunk programs past
     ``kv_len + E`` return at once (:func:`~phasegraph.kernels.attention.chunk_unread`): the
     bench pair's verify at batch 8 spent most of its attention time in programs that returned
-    (bench/RESULTS.md §5, "Attention programs that return at once"). ``num_splits`` overrides the split count as
-    :func:`~phasegraph.kernels.attention.paged_attention_triton`'s does (> 1 with float32
-    chunks: one split per chunk), for tests that need several splits where the grid would not
-    choose them."""
+    (bench/RESULTS.md §5, "Attention programs that return at once"). ``num_splits`` overrides
+    the split count as :func:`~phasegraph.kernels.attention.paged_attention_triton`'s does (> 1
+    with float32 chunks: one split per chunk), for tests that need several splits where the grid
+    would not choose them."""
     _check(qkv, num_heads, num_kv_heads, head_dim, k_cache)
     num_tokens = qkv.shape[0]
     group = num_heads // num_kv_heads
@@ -452,7 +452,8 @@ def rope_tree_attention_triton(
     # and each block is one run: one program per block and chunk, not per token and chunk (most
     # would return at once). With one split (many runs) the token grid measured faster.
     run_grid = num_extra % block_t == 0 and num_splits > 1
-    _rope_tree_attention_kernel[(num_tokens // block_t if run_grid else num_tokens, num_kv_heads, num_splits)](
+    grid = (num_tokens // block_t if run_grid else num_tokens, num_kv_heads, num_splits)
+    _rope_tree_attention_kernel[grid](
         qkv, cos, sin, rope_rows.contiguous() if indexed else slots, slots, k_cache, v_cache,
         out, part_acc, part_max, part_sum, meta.page_table, meta.query_row.contiguous(), kv_len,
         extra_bytes, num_tokens, max_pages, float(scale) * math.log2(math.e),
