@@ -120,42 +120,28 @@ def check(device: str) -> list[str]:
     return lines
 
 
-def time_graph(fn, reps: int = 50) -> float:
-    """µs per call of ``fn`` replayed in a CUDA graph of ``reps`` calls (median of 5)."""
-    stream = torch.cuda.Stream()
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            fn()
-    times = []
-    for _ in range(5):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(1e3 * start.elapsed_time(end) / reps)
-    return sorted(times)[2]
-
-
 def sweep(ms: list[int], tiles: list[tuple]) -> list[dict]:
+    """Per shape and row count: cuBLAS and the best tile, timed as bench_linear.py times the
+    skinny products (CUDA-graph replays over enough weight copies that L2 never serves them, as
+    in a forward, where each product's weights come from memory)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from bench_linear import time_graph
+
     torch.backends.cuda.matmul.allow_tf32 = False  # the library's setting: cuBLAS in FFMA
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for name, n, k in SHAPES:
-        w = torch.randn(n, k, device="cuda", generator=gen)
+        copies = max(8, -(-64 * 2**20 // (n * k * 4)) + 1)  # > 64 MB of weights in the rotation
+        ws = [torch.randn(n, k, device="cuda", generator=gen) for _ in range(copies)]
+        w = ws[0]
         for m in ms:
             x = torch.randn(m, k, device="cuda", generator=gen)
             want = x.double() @ w.double().T
-            cublas_us = time_graph(lambda x=x, w=w: F.linear(x, w))
+            cublas_us = 1e6 * time_graph(lambda i, x=x, ws=ws: F.linear(x, ws[i]), copies)
             best = None
             for tile in tiles:
                 err = rel_err(tiled_product(x, w, tile), want)
-                us = time_graph(lambda x=x, w=w, tile=tile: tiled_product(x, w, tile))
+                us = 1e6 * time_graph(lambda i, x=x, ws=ws, tile=tile: tiled_product(x, ws[i], tile), copies)
                 if best is None or us < best["us"]:
                     best = {"tile": tile, "us": us, "rel_err": err}
             row = {"shape": name, "n": n, "k": k, "m": m, "cublas_us": cublas_us,
