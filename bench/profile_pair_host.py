@@ -628,7 +628,7 @@ def main(argv=None) -> int:
                                                       "head": sum(p.numel() for p in head.head.parameters())} if args.shape == "bench-pair" else None,
                     "rows": []}
     profiles = io.StringIO()
-    max_b = max(args.batches)
+    max_b = max(*args.batches, args.kernel_batch)  # the engines hold every batch profiled
 
     def engine(tgt, draft, spec, tau, **kw):
         return Engine(tgt, draft, spec=spec, max_batch_size=max_b, kv_pool_tokens=max_b * 2048,
