@@ -33,14 +33,26 @@ def graph_format(fmt: str | None, out: str | None) -> str:
     return fmt
 
 
+def writable_file(path: str, option: str) -> Path:
+    """``path`` as a file a command may write, checked before any work: a :class:`CliError` if it
+    names a directory or its directory is missing."""
+    file = Path(path)
+    if file.is_dir():
+        raise CliError(f"{option} {path}: is a directory, not a writable file path")
+    if not file.resolve().parent.is_dir():
+        raise CliError(f"{option} {path}: directory {file.resolve().parent} does not exist "
+                       "(not a writable file path)")
+    return file
+
+
 def _cmd_graph(args: argparse.Namespace) -> int:
     from phasegraph.phases import EAGLE_GRAPH
     from phasegraph.statemachine import Trace
     from phasegraph.statemachine.render import BINARY_FORMATS, render_bytes
 
     fmt = graph_format(args.format, args.out)
-    if args.out and not Path(args.out).resolve().parent.is_dir():
-        raise CliError(f"--out {args.out}: directory {Path(args.out).resolve().parent} does not exist")
+    if args.out:
+        writable_file(args.out, "--out")
     trace = Trace.load_chrome(args.trace) if args.trace else None
     data = render_bytes(EAGLE_GRAPH, fmt, trace)
     if args.out:

@@ -14,6 +14,7 @@ from phasegraph.bench.common import (
     environment,
     free_memory,
     has_pair,
+    no_pair_to_skip_to,
     pair_path,
     training_preset,
     untrainable_pair_dir,
@@ -179,7 +180,7 @@ def run_bench(args: argparse.Namespace) -> int:
     if 1 in args.parts_list:  # before anything runs or --out is made, --dry-run included
         pair = pair_path(args)
         if args.skip_train and not has_pair(pair):
-            raise CliError(f"--skip-train: {pair} holds no trained pair (target/ and eagle3/ with config.json)")
+            raise no_pair_to_skip_to(pair)
         if problem := untrainable_pair_dir(pair):
             raise CliError(problem)
     run = BenchRun(args)

@@ -277,6 +277,11 @@ def has_pair(d: Path) -> bool:
     return (d / "target" / "config.json").exists() and (d / "eagle3" / "config.json").exists()
 
 
+def no_pair_to_skip_to(d: Path) -> CliError:
+    """The error of ``--skip-train`` where ``d`` holds no pair."""
+    return CliError(f"--skip-train: {d} holds no trained pair (target/ and eagle3/ with config.json)")
+
+
 def untrainable_pair_dir(d: Path) -> str | None:
     """Why the bench may not train a pair into ``d``: it holds files but no pair to reuse, and
     training would overwrite them (None: ``d`` is missing, empty, or holds a pair)."""

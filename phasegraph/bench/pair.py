@@ -22,6 +22,7 @@ from phasegraph.bench.common import (
     free_memory,
     has_pair,
     iteration_weight_bytes,
+    no_pair_to_skip_to,
     phase_share,
     prefill_seconds,
     share_text,
@@ -156,8 +157,8 @@ def _trained_pair_dir(run: BenchRun) -> Path:
     if has_pair(pair):
         print(f"part 1: reusing the trained pair in {pair}", flush=True)
         return pair
-    if a.skip_train:
-        raise CliError(f"--skip-train: {pair} holds no trained pair (target/ and eagle3/)")
+    if a.skip_train:  # run_bench checked this at the start; the pair went away since
+        raise no_pair_to_skip_to(pair)
     preset_name, overrides, preset = training_preset(a)
     print(f"part 1: training the {preset_name} pair into {pair} (budget "
           f"{fmt(a.train_budget_s, '.0f')} s; overrides: {overrides or 'none'})", flush=True)

@@ -18,9 +18,8 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 
-from phasegraph.cli import CliError, register
+from phasegraph.cli import CliError, register, writable_file
 
 PROGRESS_MIN_TOKENS = 32  # show a progress bar from this many new tokens on
 
@@ -94,9 +93,7 @@ def run_generate(args: argparse.Namespace) -> int:
     )
     prompt = _prompt(args)
     if args.trace:  # fail before the run, not after it
-        trace = Path(args.trace)
-        if trace.is_dir() or not trace.parent.is_dir():
-            raise CliError(f"--trace {args.trace}: not a writable file path (a directory, or its directory is missing)")
+        writable_file(args.trace, "--trace")
     engine = Engine.from_pretrained(
         args.target, args.draft, spec=spec, device=args.device, dtype=args.dtype,
         draft_dtype=args.draft_dtype, page_size=args.page_size, kv_pool_tokens=args.kv_pool_tokens, trace=bool(args.trace),
