@@ -10,7 +10,8 @@ same order, adds the bias and rounds to the model dtype exactly as the product's
 would have, so either way the bits are the same.
 
 :class:`SplitSum` carries the partials; :meth:`SplitSum.total` is the torch reference of the
-sum, :func:`load_total` the Triton loader the consumer kernels share.
+sum, :func:`load_total` the Triton loader the consumer kernels share, and :func:`total_triton`
+the sum as a kernel of its own (for a product whose consumer takes only a tensor).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from phasegraph.kernels._dispatch import jit, tl
+from phasegraph.kernels._dispatch import cdiv, jit, pdl_enter, pdl_options, tl
 
 
 @attrs.frozen(eq=False)
@@ -93,3 +94,44 @@ def load_total(ptr, offs, mask, slice_stride, bias_ptr, bias_offs,
     else:
         v = tl.load(ptr + offs, mask=mask, other=0.0)
     return v
+
+
+_TOTAL_BLOCK = 1024  # elements per program of _total_kernel
+
+
+@jit
+def _total_kernel(
+    partials_ptr,  # [S, R, N] float32
+    bias_ptr,  # [N] (HAS_BIAS)
+    out_ptr,  # [rows, N] out
+    numel,  # rows * N
+    n,
+    slice_stride,  # R * N
+    SLICES: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr,
+):
+    pdl_enter(PDL)
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)  # [BLOCK] of rows * N
+    inside = offs < numel
+    total = load_total(partials_ptr, offs, inside, slice_stride, bias_ptr, offs % n,
+                       SLICES, HAS_BIAS, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs, total, mask=inside)
+
+
+def total_triton(x: SplitSum) -> torch.Tensor:  # [rows, N] in ``x.dtype``
+    """:meth:`SplitSum.total` in one launch: the slices summed in slice order in float32, plus
+    the bias, rounded (the same bits as the reference)."""
+    rows, n = x.shape
+    out = torch.empty((rows, n), dtype=x.dtype, device=x.device)
+    numel = rows * n
+    if numel == 0:
+        return out
+    p = x.partials
+    _total_kernel[(cdiv(numel, _TOTAL_BLOCK),)](
+        p, out if x.bias is None else x.bias, out, numel, n, p.shape[1] * n,
+        SLICES=x.slices, HAS_BIAS=x.bias is not None, BLOCK=_TOTAL_BLOCK, num_warps=4,
+        **pdl_options(),
+    )
+    return out
