@@ -21,8 +21,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-import bench_scale  # noqa: E402
-from profile_pair_host import build_pair, simulated_configs  # noqa: E402
+from step_ab import interleaved_step_times  # noqa: E402
 
 from phasegraph.kernels import attention, rope_attention  # noqa: E402
 from phasegraph.kernels._dispatch import cdiv, num_sms  # noqa: E402
@@ -49,8 +48,6 @@ def use_rule(limit: int) -> None:
 
 
 def main() -> int:
-    from phasegraph.runtime.engine import Engine
-
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="out")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
@@ -60,25 +57,8 @@ def main() -> int:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    target, head = build_pair(torch.float32, "cuda", None, torch.bfloat16)
-    configs = [c for key, c in simulated_configs(target, head).items() if key in args.configs]
-    max_b = max(args.batches)
-    rows = []
-    for rnd in range(args.rounds):
-        for limit in args.limits:
-            use_rule(limit)
-            for name, tgt, draft, spec, tau in configs:
-                eng = Engine(tgt, draft, spec=spec, max_batch_size=max_b, kv_pool_tokens=max_b * 2048,
-                             max_context=1024, simulate_accept_length=tau, cuda_graphs=True, trace=False,
-                             validate="off")
-                for b in args.batches:
-                    r = bench_scale.scheduler_step_times(eng, b, True)
-                    r.update(config=name, limit=limit, round=rnd)
-                    rows.append(r)
-                    print(f"round {rnd} limit {limit} {name:<36} batch {b:>2}: {1e3 * r['step_s']:6.3f} ms/step, "
-                          f"GPU busy {1e3 * r['gpu_busy_s']:6.3f} ms", flush=True)
-                del eng
-                torch.cuda.empty_cache()
+    variants = {f"limit {limit}": (lambda limit=limit: use_rule(limit)) for limit in args.limits}
+    rows = interleaved_step_times(variants, args.batches, args.configs, args.rounds)
     use_rule(0)
     (out / "attention_splits_ab.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(),
                                                                 "rows": rows}, indent=2))

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 5 in one device call: Triton kernels vs references, graph capture and
 # replay, the GPU lossless matrix, then the 8B-shaped scale bench. Results under $OUT (or ./out).
-#   bash scripts/gpu_checks.sh [tests|scale|fp32-table|bf16-head|parity|phase-8b|all]   (default
-#   all; fp32-table, bf16-head, parity and phase-8b are not in all)
+#   bash scripts/gpu_checks.sh [tests|scale|fp32-table|tiled|bf16-head|parity|phase-8b|all]
+#   (default all; fp32-table, tiled, bf16-head, parity and phase-8b are not in all)
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -24,6 +24,16 @@ if [[ $what == fp32-table ]]; then  # the bench pair's float32 products at 4 and
     --out "$OUT/linear" 2>&1 | grep -v Warning | tee "$OUT/linear.txt"
   timeout 240 python bench/table_ab.py --linear "$OUT/linear/bench_linear.json" --out "$OUT/ab" \
     2>&1 | grep -v Warning | tee "$OUT/table-ab.txt"
+fi
+if [[ $what == tiled ]]; then  # float32 products of 17..512 rows as three-pass TF32 tiles: their
+  # tests, the 16-row tiles against the skinny kernel's table, whole steps with the tiles against
+  # cuBLAS (bench pair, random weights, SIMULATED acceptance, batch 1, 8 and 32)
+  timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_tiled_linear_gpu.py \
+    tests/gpu/test_linear_gpu.py 2>&1 | tail -5 | tee "$OUT/tiled-tests.txt"
+  timeout 150 python bench/fp32_gemm.py --ms 16 --out "$OUT/m16" 2>&1 | grep -v Warning \
+    | grep -v "rel err" | tee "$OUT/fp32-gemm-m16.txt"
+  timeout 280 python bench/tiled_linear_ab.py --out "$OUT/ab" 2>&1 | grep -v Warning \
+    | tee "$OUT/tiled-ab.txt"
 fi
 if [[ $what == bf16-head ]]; then  # a bfloat16 EAGLE-3 head beside the float32 target: its
   # engine path on the GPU, the skinny products at the head's shapes in bfloat16 (1, 4 and 5 rows:
