@@ -32,9 +32,8 @@ M <= :data:`MAX_M` rows and contiguous inputs where its table (measured against 
 rows, the fused prologues at one row (at 2..16 rows the norm / silu kernel runs, then the Triton
 product). float32 (:data:`FP32_CONFIGS`): K <= 4096, IEEE multiply-sums, except the wide products
 at 2..16 rows (gate_up, lm_head), which run a three-pass TF32 ``tl.dot`` (float32-level error) or
-stay with cuBLAS; longer K stays with cuBLAS. float32 products of 17..512 rows (and of 16 where
-measured faster) run the three-pass TF32 tiles of :mod:`~phasegraph.kernels.tiled_linear` where
-its table has a rule.
+stay with cuBLAS; longer K stays with cuBLAS. float32 products of 17..512 rows run the
+three-pass TF32 tiles of :mod:`~phasegraph.kernels.tiled_linear` where its table has a rule.
 Otherwise the public names run exactly the ops they replace (``F.linear``; ``add_rms_norm`` then
 ``F.linear``; ``silu_mul`` then ``F.linear``), so CPU and large-M numbers are unchanged.
 The block shapes come from a fixed table, never from autotuning, so nothing is timed or compiled
@@ -759,16 +758,16 @@ def linear(
     *,
     defer: bool = False,
 ) -> torch.Tensor | SplitSum:  # [M, N]
-    """``F.linear`` (the Triton skinny product on CUDA for few rows; float32 at 16..512 rows, the
-    three-pass TF32 tiles of :mod:`~phasegraph.kernels.tiled_linear` where its table says so). ``defer``: where the table
+    """``F.linear`` (the Triton skinny product on CUDA for few rows; float32 at 17..512 rows, the
+    three-pass TF32 tiles of :mod:`~phasegraph.kernels.tiled_linear` where its table has a rule). ``defer``: where the table
     splits K, return the unsummed :class:`SplitSum` for a consumer that takes one
     (``add_rms_norm``, ``silu_mul`` and the fused forms below)."""
     _check_linear(x, weight, bias)
-    tile = tiled_config(x, weight, bias, defer)  # float32, 16..512 rows, where measured faster
-    if tile is not None:
-        return tiled_linear_triton(x, weight, bias, config=tile, defer=defer)
     if _fits(x, weight, bias, False):
         return linear_triton(x, weight, bias, defer=defer)
+    tile = tiled_config(x, weight, bias, defer)  # float32, 17..512 rows
+    if tile is not None:
+        return tiled_linear_triton(x, weight, bias, config=tile, defer=defer)
     return F.linear(x, weight, bias)
 
 

@@ -1,4 +1,4 @@
-"""Float32 products of 16-512 token rows as three-pass TF32 tiles.
+"""Float32 products of 17-512 token rows as three-pass TF32 tiles.
 
 Above 16 rows (the skinny kernel's largest tile, :mod:`phasegraph.kernels.linear`) a float32
 product ``y = x W^T + b`` used to go to cuBLAS, which with TF32 off (the library's exactness
@@ -18,10 +18,10 @@ With ``split_k`` > 1 every slice stores a float32 partial: a consumer that takes
 total_triton` sums them in slice order. Either way the result never depends on which program
 ran first, so a CUDA-graph replay equals the eager call bit for bit.
 
-Dispatch: :func:`tiled_config` names the tile where :data:`FP32_TILE_CONFIGS` (measured by
-``bench/fp32_gemm.py`` against cuBLAS, and at 16 rows against the skinny kernel's table) has a
-rule; :func:`phasegraph.kernels.linear.linear` runs it then, and otherwise the skinny kernel or
-``F.linear`` (the reference) as before. Tiles come from a fixed table, never
+Dispatch: :func:`tiled_config` names the tile where :data:`FP32_TILE_CONFIGS` (measured against
+cuBLAS by ``bench/fp32_gemm.py``, then on whole steps by ``bench/tiled_linear_ab.py``) has a
+rule; :func:`phasegraph.kernels.linear.linear` runs it then, and ``F.linear`` (the reference)
+everywhere else above 16 rows. Tiles come from a fixed table, never
 from autotuning, so nothing is timed or compiled differently during capture.
 """
 
@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from phasegraph.kernels._dispatch import cdiv, jit, pdl_enter, pdl_options, tl, use_triton
 from phasegraph.kernels.split_sum import SplitSum, total_triton
 
-MIN_M, MAX_M = 16, 512  # rows the table may cover (the skinny kernel's rows end at 16)
+MIN_M, MAX_M = 17, 512  # rows the table covers (the skinny kernel takes 1-16)
 
 
 class TileConfig(NamedTuple):
@@ -72,15 +72,15 @@ T = TileConfig
 # head: fc 768 x 2304, qkv 1280 x 1536), picked by `python bench/fp32_gemm.py` (H100,
 # 2026-11-25; bench/RESULTS.md §6): per row range, the tile with the least time over the row
 # counts timed in it, where it beats cuBLAS at each. Comments: row count, cuBLAS -> best tile,
-# us per product in a CUDA graph with weights from memory. First match wins; other shapes stay
-# with cuBLAS (not measured).
+# us per product in a CUDA graph with weights from memory (a deferred product's time leaves out
+# what its consumer spends reading the slices). First match wins; other shapes stay with cuBLAS
+# (not measured). On whole steps (bench/tiled_linear_ab.py, H100, GPU time per step against
+# cuBLAS): baseline at batch 32 -14.2 %, chain S=3 at batch 8 / 32 -17.4 / -16.3 %, tree K=4
+# S=4 N=16 -15.7 / -20.6 %, batch 1 unchanged. Not here: 16-row tiles for the tree's verify at
+# batch 1. Alone they beat the skinny kernel's deferred o (3.6 -> 3.2 us) and gate_up (10.0 ->
+# 7.9) with 8 K slices (`fp32_gemm.py --ms 16`), but the norm and SwiGLU then read 8 slices,
+# and the tree iteration lost 5.7 % (0.751 -> 0.793 ms).
 FP32_TILE_CONFIGS: tuple[_TileRule, ...] = (
-    # 16 rows (a tree verify at batch 1), 16-row tiles against the skinny kernel's table
-    # (`--ms 16`): they win only where the product is deferred (o 3.6 -> 3.2 us, gate_up 10.0 ->
-    # 7.9) or wide (gate_up summed 11.0 -> 9.7); qkv (5.4 vs 5.7), down (6.2 vs 6.2) and lm_head
-    # (12.4 vs 12.2) stay with the skinny kernel
-    _r(16, 16, 768, 768, None, T(16, 64, 32, 4, 3, 8)),
-    _r(16, 16, 5120, 768, T(16, 32, 64, 4, 3, 2), T(16, 64, 32, 4, 3, 8)),
     # target qkv
     _r(17, 32, 1280, 768, T(32, 64, 64, 4, 3, 8)),  # 32: 10.5 -> 6.9
     _r(33, 64, 1280, 768, T(64, 32, 64, 4, 3, 8)),  # 40: 12.3 -> 7.0; 64: 12.1 -> 7.2
@@ -141,7 +141,7 @@ def pick_tile(m: int, n: int, k: int, defer: bool = False) -> TileConfig | None:
 def tiled_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
                  defer: bool = False) -> TileConfig | None:
     """The tile :func:`phasegraph.kernels.linear.linear` runs for this product, or None where it
-    stays with the skinny kernel or ``F.linear`` (not float32, not 16..512 rows, a non-contiguous operand, no Triton
+    stays with ``F.linear`` (not float32, not 17..512 rows, a non-contiguous operand, no Triton
     for ``x``'s device, or no rule)."""
     if x.dtype != torch.float32 or not MIN_M <= x.shape[0] <= MAX_M or not use_triton(x):
         return None

@@ -93,7 +93,7 @@ def test_linear_dispatches_float32_rows_to_the_table(device, gen, monkeypatch):
     elsewhere; ``defer`` picks the rule's deferred tile."""
     n, k = SHAPES[0]
     summed, deferred = T(32, 64, 32, 4, 3, 1), T(64, 64, 32, 4, 3, 2)
-    rule = tiled._TileRule(tiled.MAX_M, (n, n), (k, k), summed, deferred)
+    rule = tiled._r(tiled.MIN_M, tiled.MAX_M, n, k, summed, deferred)
     monkeypatch.setattr(tiled, "FP32_TILE_CONFIGS", (rule,))
     monkeypatch.setenv("PHASEGRAPH_KERNELS", "triton")  # CPU tensors too, in the interpreter
     launched = []
