@@ -394,6 +394,9 @@ def _rope_tree_attention_kernel(
                NUM_SPLITS)
 
 
+TREE_NUM_WARPS = 4  # warps per program of the verify's kernel (bench/attention_chunk_ab.py varies it)
+
+
 def rope_tree_attention_triton(
     qkv: torch.Tensor,  # [T, (H + 2Hkv) D], unit stride along the row
     num_heads: int,
@@ -478,7 +481,7 @@ def rope_tree_attention_triton(
         CHUNK=chunk,
         INDEXED=indexed,
         RUN_GRID=run_grid,
-        num_warps=4,
+        num_warps=TREE_NUM_WARPS,
         num_stages=num_stages, **pdl_options(),
     )
     combine_splits(out, part_acc, part_max, part_sum, kv_len, head_dim, chunk, num_extra)
