@@ -5,9 +5,7 @@ bits change with it (the combine kernel folds chunks), so this measures time onl
 whether the programs' fixed cost (tree-node writes, query load and rotation, partial stores)
 or their number bounds the tree attention at batch 8 and 32. ``--warps`` adds variants with the
 shipped chunk and the verify's tree kernel at other warps per program
-(``rope_attention.TREE_NUM_WARPS``); ``--run-rows 64`` variants with one program per run and
-chunk (``rope_attention.TREE_RUN_ROWS``: the bench pair's 16 tokens x 4 rows in one tile), at
-each of ``--run-warps``.
+(``rope_attention.TREE_NUM_WARPS``).
 
     python bench/attention_chunk_ab.py [--out DIR] [--chunks 32 64 128] [--warps 2 8] [--batches 1 8 32]
 
@@ -32,13 +30,11 @@ from phasegraph.kernels import attention, rope_attention  # noqa: E402
 
 SHIPPED = attention._FP32_CHUNK
 SHIPPED_WARPS = rope_attention.TREE_NUM_WARPS
-SHIPPED_RUN_ROWS = rope_attention.TREE_RUN_ROWS
 
 
-def use(chunk: int, warps: int, run_rows: int = SHIPPED_RUN_ROWS) -> None:
+def use(chunk: int, warps: int) -> None:
     attention._FP32_CHUNK = chunk
     rope_attention.TREE_NUM_WARPS = warps
-    rope_attention.TREE_RUN_ROWS = run_rows
 
 
 def main() -> int:
@@ -47,10 +43,6 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, nargs="+", default=[SHIPPED, 64, 128])
     ap.add_argument("--warps", type=int, nargs="*", default=[2, 8],
                     help="also the shipped chunk with the verify kernel at these warps per program")
-    ap.add_argument("--run-rows", type=int, nargs="*", default=[],
-                    help="also the verify's tree kernel with one program per run of up to this many rows "
-                         "(rope_attention.TREE_RUN_ROWS), at each of --run-warps")
-    ap.add_argument("--run-warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     ap.add_argument("--configs", nargs="+", default=["baseline", "chain", "tree"])
     ap.add_argument("--rounds", type=int, default=1)
@@ -59,12 +51,10 @@ def main() -> int:
     out.mkdir(parents=True, exist_ok=True)
     variants = {f"chunk {c}": (lambda c=c: use(c, SHIPPED_WARPS)) for c in args.chunks}
     variants.update({f"warps {w}": (lambda w=w: use(SHIPPED, w)) for w in args.warps})
-    variants.update({f"run {r} w{w}": (lambda r=r, w=w: use(SHIPPED, w, r))
-                     for r in args.run_rows for w in args.run_warps})
     try:
         rows = interleaved_step_times(variants, args.batches, args.configs, args.rounds)
     finally:
-        use(SHIPPED, SHIPPED_WARPS, SHIPPED_RUN_ROWS)
+        use(SHIPPED, SHIPPED_WARPS)
     lines = summary(rows, f"chunk {args.chunks[0]}")
     print("\n".join(lines))
     (out / "attention_chunk_ab.json").write_text(json.dumps(

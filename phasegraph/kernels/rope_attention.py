@@ -395,20 +395,6 @@ def _rope_tree_attention_kernel(
 
 
 TREE_NUM_WARPS = 4  # warps per program of the verify's kernel (bench/attention_chunk_ab.py varies it)
-# float32, several splits: where a run's E tokens of GROUP_P rows make at most this many rows (a
-# power of two), one program per run and chunk reads each key tile once for all of them, instead
-# of one per BLOCK_T tokens (0: off)
-TREE_RUN_ROWS = 0
-
-
-def tree_block_tokens(block_t: int, group_p: int, num_extra: int, chunk: int) -> int:
-    """Tokens per program of the verify's tree kernel: ``block_t`` (the attention kernels' tile),
-    or with float32 chunks the run's E tokens where their ``E * group_p`` rows are a power of two
-    of at most :data:`TREE_RUN_ROWS`."""
-    run_rows = num_extra * group_p
-    if chunk and block_t < num_extra and run_rows <= TREE_RUN_ROWS and run_rows & (run_rows - 1) == 0:
-        return num_extra
-    return block_t
 
 
 def rope_tree_attention_triton(
@@ -458,7 +444,6 @@ def rope_tree_attention_triton(
     max_pages = meta.page_table.shape[1]
     positions = max_pages * page_size
     chunk = _fp32_chunk(positions, block_n) if upcast else 0
-    block_t = tree_block_tokens(block_t, group_p, num_extra, chunk)
     num_splits = launch_splits(positions, block_n, chunk, num_splits,
                                cdiv(num_tokens, block_t) * num_kv_heads, qkv.device)
     part_acc, part_max, part_sum = split_buffers(out, num_splits, head_dim)

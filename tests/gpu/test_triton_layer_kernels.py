@@ -506,19 +506,6 @@ def test_rope_tree_attention_equals_rotary_then_attention(device, gen, dtype, ba
     assert rel_err(got[real].double(), ref[real]) < (2e-6 if dtype == torch.float32 else 2.5e-3)
 
 
-@pytest.mark.parametrize("batch", (1, 3, 33) if ON_GPU else (1, 3))
-def test_rope_tree_attention_one_program_per_run(device, gen, monkeypatch, batch):
-    """float32 with ``TREE_RUN_ROWS`` = 64: the 16-node verify runs one program per run and chunk
-    (a 64-row tile of the run's 16 tokens), with the same bits as the two kernels it replaces."""
-    from phasegraph.kernels import rope_attention
-
-    monkeypatch.setattr(rope_attention, "TREE_RUN_ROWS", 64)
-    assert rope_attention.tree_block_tokens(4, 4, 16, 32) == 16
-    assert rope_attention.tree_block_tokens(4, 4, 16, 0) == 4  # half precision: no chunks
-    assert rope_attention.tree_block_tokens(4, 4, 9, 32) == 4  # 36 rows: not a power of two
-    test_rope_tree_attention_equals_rotary_then_attention(device, gen, torch.float32, batch, 4, 16, True)
-
-
 def test_rope_paged_attention_runs_the_tree_kernel_only_with_the_promise(device, gen, monkeypatch):
     """A tree block alone is not enough: only ``tree_block_writes`` (verify) takes the one-launch
     tree kernel; without it the public function runs rotary_write_kv and paged_attention."""
