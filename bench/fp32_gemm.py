@@ -162,7 +162,7 @@ def pick_rules(rows: list[dict]) -> list[str]:
                 picked["deferred"] = picked["summed"]
             if picked["summed"] is None and picked["deferred"] is None:
                 continue
-            tiles = ", ".join("None" if t is None else f"T{tuple(t)}" for t in (picked["summed"], picked["deferred"]))
+            tiles = ", ".join("None" if t is None else f"_T{tuple(t)}" for t in (picked["summed"], picked["deferred"]))
             gain = "; ".join(f"{r['m']}: cuBLAS {r['cublas_us']:.1f}" for r in timed)
             lines.append(f"    _r({m_lo}, {m_hi}, {n}, {k}, {tiles}),  # {name}; {gain}")
     return lines
