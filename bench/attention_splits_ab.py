@@ -12,16 +12,13 @@ chunks fold in order whoever folds them), so only time moves.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_ab import interleaved_step_times  # noqa: E402
+from step_ab import add_step_arguments, run_and_write  # noqa: E402
 
 from phasegraph.kernels import attention, rope_attention  # noqa: E402
 from phasegraph.kernels._dispatch import cdiv, num_sms  # noqa: E402
@@ -49,20 +46,12 @@ def use_rule(limit: int) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="out")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    add_step_arguments(ap)
     ap.add_argument("--limits", type=int, nargs="+", default=[0, 2, 4, 8])
-    ap.add_argument("--configs", nargs="+", default=["baseline", "chain", "tree"])
-    ap.add_argument("--rounds", type=int, default=2, help="rounds, rules interleaved (default 2)")
     args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     variants = {f"limit {limit}": (lambda limit=limit: use_rule(limit)) for limit in args.limits}
-    rows = interleaved_step_times(variants, args.batches, args.configs, args.rounds)
-    use_rule(0)
-    (out / "attention_splits_ab.json").write_text(json.dumps({"gpu": torch.cuda.get_device_name(),
-                                                                "rows": rows}, indent=2))
-    return 0
+    return run_and_write(variants, lambda: use_rule(0), args, f"limit {args.limits[0]}",
+                         "attention_splits_ab")
 
 
 if __name__ == "__main__":

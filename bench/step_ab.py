@@ -4,6 +4,8 @@ alike: the loop the A/B scripts share (``attention_splits_ab.py``, ``tiled_linea
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -60,3 +62,28 @@ def summary(rows: list[dict], baseline: str) -> list[str]:
         parts = [f"{v} {1e3 * means[v]:.3f} ms ({100 * (means[v] / base - 1):+.1f} %)" for v in variants if v != baseline]
         lines.append(f"{config:<36} batch {batch:>2}: {baseline} {1e3 * base:.3f} ms; " + "; ".join(parts))
     return lines
+
+
+def add_step_arguments(ap: argparse.ArgumentParser, rounds: int = 2) -> None:
+    """The options every A/B script takes: ``--out``, ``--batches``, ``--configs``, ``--rounds``."""
+    ap.add_argument("--out", default="out")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--configs", nargs="+", default=["baseline", "chain", "tree"])
+    ap.add_argument("--rounds", type=int, default=rounds, help=f"rounds, variants interleaved (default {rounds})")
+
+
+def run_and_write(variants: dict[str, Callable[[], None]], restore: Callable[[], None],
+                  args: argparse.Namespace, baseline: str, name: str) -> int:
+    """Time ``variants`` (:func:`interleaved_step_times`), call ``restore`` whatever happens,
+    print the :func:`summary` against ``baseline`` and write ``{args.out}/{name}.json``."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        rows = interleaved_step_times(variants, args.batches, args.configs, args.rounds)
+    finally:
+        restore()
+    lines = summary(rows, baseline)
+    print("\n".join(lines))
+    (out / f"{name}.json").write_text(json.dumps(
+        {"gpu": torch.cuda.get_device_name(), "rows": rows, "summary": lines}, indent=2))
+    return 0

@@ -12,16 +12,13 @@ GPU only. Prints and writes ``tiled_linear_ab.json``.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
-
-import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from step_ab import interleaved_step_times, summary  # noqa: E402
+from step_ab import add_step_arguments, run_and_write  # noqa: E402
 
 from phasegraph.kernels import tiled_linear  # noqa: E402
 
@@ -34,23 +31,10 @@ def use_tiles(table: tuple) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default="out")
-    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
-    ap.add_argument("--configs", nargs="+", default=["baseline", "chain", "tree"])
-    ap.add_argument("--rounds", type=int, default=2, help="rounds, variants interleaved (default 2)")
+    add_step_arguments(ap)
     args = ap.parse_args()
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     variants = {"cuBLAS": lambda: use_tiles(()), "tiles": lambda: use_tiles(SHIPPED)}
-    try:
-        rows = interleaved_step_times(variants, args.batches, args.configs, args.rounds)
-    finally:
-        use_tiles(SHIPPED)
-    lines = summary(rows, "cuBLAS")
-    print("\n".join(lines))
-    (out / "tiled_linear_ab.json").write_text(json.dumps(
-        {"gpu": torch.cuda.get_device_name(), "rows": rows, "summary": lines}, indent=2))
-    return 0
+    return run_and_write(variants, lambda: use_tiles(SHIPPED), args, "cuBLAS", "tiled_linear_ab")
 
 
 if __name__ == "__main__":
