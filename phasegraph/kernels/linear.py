@@ -759,9 +759,9 @@ def linear(
     defer: bool = False,
 ) -> torch.Tensor | SplitSum:  # [M, N]
     """``F.linear`` (the Triton skinny product on CUDA for few rows; float32 at 17..512 rows, the
-    three-pass TF32 tiles of :mod:`~phasegraph.kernels.tiled_linear` where its table has a rule). ``defer``: where the table
-    splits K, return the unsummed :class:`SplitSum` for a consumer that takes one
-    (``add_rms_norm``, ``silu_mul`` and the fused forms below)."""
+    three-pass TF32 tiles of :mod:`~phasegraph.kernels.tiled_linear` where its table has a rule).
+    ``defer``: where the table splits K, return the unsummed :class:`SplitSum` for a consumer
+    that takes one (``add_rms_norm``, ``silu_mul`` and the fused forms below)."""
     _check_linear(x, weight, bias)
     if _fits(x, weight, bias, False):
         return linear_triton(x, weight, bias, defer=defer)
