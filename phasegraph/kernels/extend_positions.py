@@ -96,11 +96,12 @@ def _extend_positions_kernel(
 
 
 def _launch_extend_positions(seq_lens: torch.Tensor, width: int, with_req: bool):
+    """``(positions, token_req)``; without ``with_req`` the second is ``positions`` itself."""
     expect(seq_lens, "seq_lens", 1, torch.int64)
     batch = seq_lens.shape[0]
     positions = torch.empty(batch * width, dtype=torch.int64, device=seq_lens.device)
-    token_req = torch.empty(batch * width if with_req else 0, dtype=torch.int64,
-                            device=seq_lens.device)
+    token_req = torch.empty(batch * width, dtype=torch.int64, device=seq_lens.device) \
+        if with_req else positions  # an unwritten stand-in without ``with_req`` (no allocation)
     if positions.numel() > 0:
         _extend_positions_kernel[(batch,)](
             seq_lens.contiguous(), positions, token_req, width, BLOCK_W=next_pow2(width),

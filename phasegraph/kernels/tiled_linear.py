@@ -218,13 +218,13 @@ def tiled_linear_triton(
         raise ValueError("the tiled product needs contiguous operands")
     if k == 0:
         raise ValueError("weight: K must be positive")
+    if m == 0 or n == 0:
+        return torch.empty((m, n), dtype=torch.float32, device=x.device)
     bm, bn, bk, warps, stages, split = config
     tiles = cdiv(k, bk)
     split = cdiv(tiles, cdiv(tiles, min(split, tiles)))  # whole tiles per slice, none empty
     out_shape = (split, m, n) if split > 1 else (m, n)
     out = torch.empty(out_shape, dtype=torch.float32, device=x.device)
-    if m == 0 or n == 0:
-        return out.sum(0) if split > 1 else out
     _tiled_kernel[(cdiv(m, bm), cdiv(n, bn), split)](
         x, weight, out if bias is None else bias, out, m, n, k,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, HAS_BIAS=bias is not None,
