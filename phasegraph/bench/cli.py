@@ -138,10 +138,13 @@ def _resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, val)
     args.batch_list = _ints(args.batches)
-    if args.batch1_repeats < 1:
-        raise CliError(f"--batch1-repeats must be at least 1, got {args.batch1_repeats}")
-    if args.batch1_prompts < 1:
-        raise CliError(f"--batch1-prompts must be at least 1, got {args.batch1_prompts}")
+    for key in ("batch1_repeats", "batch1_prompts", "new_tokens", "prompt_tokens", "scale_new_tokens",
+                "scale_prompt_tokens", "scale_layers", "threads"):
+        if getattr(args, key) < 1:
+            raise CliError(f"--{key.replace('_', '-')} must be at least 1, got {getattr(args, key)}")
+    for key in ("time_limit_s", "train_budget_s"):  # 0 turns the limit off; a negative one is a typo
+        if getattr(args, key) is not None and getattr(args, key) < 0:
+            raise CliError(f"--{key.replace('_', '-')} must be 0 (no limit) or more, got {getattr(args, key)}")
     if not 1 <= args.hf_batch1_prompts <= args.batch1_prompts:
         raise CliError(f"--hf-batch1-prompts must be between 1 and --batch1-prompts ({args.batch1_prompts}), "
                        f"got {args.hf_batch1_prompts}")
@@ -161,6 +164,8 @@ def _resolve_args(args: argparse.Namespace) -> argparse.Namespace:
                            + ", ".join(f"{name} accepts at most {n}" for name, n in longest.items()))
     if args.time_limit_s is None:
         args.time_limit_s = None if args.quick else 560.0
+    elif args.time_limit_s == 0:
+        args.time_limit_s = None
     if args.train_budget_s is None and not args.quick:
         args.train_budget_s = DEFAULT_TRAIN_BUDGET_S
     if args.train_budget_s is not None and args.train_budget_s <= 0:
@@ -278,7 +283,7 @@ def add_bench_command(sub) -> None:
                    help="phase validation mode of the engines (default: the library default, boundary)")
     p.add_argument("--time-limit-s", type=float, metavar="S",
                    help="skip the rows that would start after S seconds and write what was measured "
-                        "(default 560; none with --quick)")
+                        "(default 560; none with --quick; 0 = none)")
     p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay prefill from CUDA graphs per request and token bucket (Engine(prefill_graphs=True); "
                         "on by default since run 22: an eager 128-token prefill of the 8B shape takes 29-44 ms of "

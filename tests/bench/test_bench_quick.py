@@ -455,3 +455,34 @@ def test_the_kernel_warm_up_process_entry_point_runs_a_spec(capsys):
             "engine": _cpu_engine_settings(1, 512)}
     assert warm.main([json.dumps(spec)]) == 0
     assert "warm-up: 10 calls in" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--new-tokens", "-5"], "--new-tokens must be at least 1, got -5"),
+    (["--prompt-tokens", "0"], "--prompt-tokens must be at least 1, got 0"),
+    (["--scale-new-tokens", "0"], "--scale-new-tokens must be at least 1, got 0"),
+    (["--scale-prompt-tokens", "-1"], "--scale-prompt-tokens must be at least 1, got -1"),
+    (["--scale-layers", "0"], "--scale-layers must be at least 1, got 0"),
+    (["--threads", "0"], "--threads must be at least 1, got 0"),
+    (["--time-limit-s", "-1"], "--time-limit-s must be 0 (no limit) or more, got -1.0"),
+    (["--train-budget-s", "-30"], "--train-budget-s must be 0 (no limit) or more, got -30.0"),
+])
+def test_a_count_or_limit_out_of_range_is_refused_before_anything_runs(tmp_path, capsys, argv, message):
+    """Token counts, layers and threads below 1 and negative time limits are CLI errors at the
+    start (exit 2, nothing made), not a part-1 error after the pair has trained."""
+    from phasegraph.cli import main
+
+    out, pair = tmp_path / "out", tmp_path / "pair"
+    assert main(["bench", "--quick", "--out", str(out), "--pair", str(pair), *argv]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists() and not pair.exists()
+
+
+def test_a_zero_time_limit_means_none(tmp_path):
+    """--time-limit-s 0 turns the limit off, as --train-budget-s 0 does."""
+    from phasegraph.bench.cli import _resolve_args
+    from phasegraph.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "--out", str(tmp_path), "--time-limit-s", "0", "--train-budget-s", "0"])
+    args = _resolve_args(args)
+    assert args.time_limit_s is None and args.train_budget_s is None
