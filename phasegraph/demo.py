@@ -15,7 +15,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from phasegraph.cli import register
+from phasegraph.cli import CliError, graph_format, register, writable_file
 
 DEMO_CHAIN = {"method": "eagle3", "num_steps": 3, "topk": 1}
 DEMO_TREE = {"method": "eagle3", "num_steps": 4, "topk": 4, "num_draft_tokens": 16}
@@ -71,6 +71,10 @@ def run_demo(args: argparse.Namespace) -> int:
             f"the embedded model pair is missing from {demo_pair_dir()}; reinstall phasegraph "
             "or train one with `python -m phasegraph.train demo-pair --out DIR`"
         )
+    graph_file, graph_fmt = _graph_output(args.graph) if args.graph else (None, None)
+    for option, value, least in (("--prompts", args.prompts, 1), ("--show", args.show, 0), ("--threads", args.threads, 1)):
+        if value < least:
+            raise CliError(f"{option} must be at least {least}, got {value}")
     device = args.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -78,7 +82,8 @@ def run_demo(args: argparse.Namespace) -> int:
         torch.set_num_threads(max(1, args.threads))
     prompts = demo_prompts(args.prompts)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
-    print(f"phasegraph demo: embedded pair on {device}, {len(prompts)} held-out stdlib prompts, "
+    fewer = f" (asked for {args.prompts}; the held-out set has {len(prompts)})" if len(prompts) < args.prompts else ""
+    print(f"phasegraph demo: embedded pair on {device}, {len(prompts)} held-out stdlib prompts{fewer}, "
           f"{args.max_new_tokens} new tokens each, greedy")
     base = _run("baseline (target alone)", {"method": "none"}, prompts, params, device)
     chain = _run("EAGLE-3 chain (S=3)", DEMO_CHAIN, prompts, params, device)
@@ -109,15 +114,27 @@ def run_demo(args: argparse.Namespace) -> int:
         counts[t.target] = counts.get(t.target, 0) + 1
     for phase_name, secs in sorted(times.items(), key=lambda kv: -kv[1]):
         print(f"  {phase_name:<20} x{counts[phase_name]:<5} {100 * secs / total:5.1f}% of phase time")
-    if args.graph:
+    if graph_file is not None:
         from phasegraph.phases import EAGLE_GRAPH
         from phasegraph.statemachine.render import render_bytes
 
-        path = Path(args.graph)
-        fmt = {".svg": "svg", ".png": "png", ".dot": "dot", ".mmd": "mermaid", ".md": "mermaid"}.get(path.suffix, "text")
-        path.write_bytes(render_bytes(EAGLE_GRAPH, fmt, trace))
-        print(f"\nwrote the phase graph with this run's trace to {path} ({fmt})")
+        graph_file.write_bytes(render_bytes(EAGLE_GRAPH, graph_fmt, trace))
+        print(f"\nwrote the phase graph with this run's trace to {graph_file} ({graph_fmt})")
     return 0 if same else 1
+
+
+def _graph_output(path: str) -> tuple[Path, str]:
+    """``--graph FILE``: the file and the format its suffix names (any other suffix: text), checked
+    before the demo runs: a missing directory or an SVG/PNG without Graphviz is a :class:`CliError`
+    then, not after the three runs."""
+    from phasegraph.statemachine.render import BINARY_FORMATS, graphviz_available
+
+    fmt = graph_format(None, path)
+    file = writable_file(path, "--graph")
+    if fmt in BINARY_FORMATS and not graphviz_available():
+        raise CliError(f"--graph {path}: a .{fmt} file needs Graphviz's `dot` program, which is not "
+                       "installed; name a .dot, .mmd or .txt file instead, which need nothing")
+    return file, fmt
 
 
 @register
@@ -128,6 +145,7 @@ def add_demo_command(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--show", type=int, default=2, help="completions to print (default 2)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: the models are small)")
-    p.add_argument("--graph", metavar="FILE", help="also write the phase graph overlaid with the run's trace (.svg/.png/.dot/.mmd/.txt)")
+    p.add_argument("--graph", metavar="FILE", help="also write the phase graph overlaid with the run's trace; the suffix names the format "
+                        "(.svg/.png need Graphviz; .dot/.gv, .mmd, anything else text)")
     p.add_argument("--color", action="store_true", help="colour the completions")
     p.set_defaults(func=run_demo)

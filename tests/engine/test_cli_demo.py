@@ -1,0 +1,66 @@
+"""``phasegraph demo`` through the CLI's ``main([...])``: a short run, its graph file, and bad
+options refused before any engine is built."""
+
+from __future__ import annotations
+
+import pytest
+
+from phasegraph.cli import main
+
+
+def test_a_short_demo_prints_identical_outputs_and_writes_its_graph(tmp_path, capsys):
+    graph = tmp_path / "flow.mmd"
+    rc = main(["demo", "--device", "cpu", "--prompts", "1", "--max-new-tokens", "8", "--show", "1",
+               "--graph", str(graph)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "1 held-out stdlib prompts, 8 new tokens each" in out
+    assert "greedy outputs identical to the baseline: yes" in out
+    assert out.count("--- completion") == 1
+    text = graph.read_text()
+    assert text.startswith(("flowchart", "graph", "stateDiagram")) and "verify" in text
+    assert f"wrote the phase graph with this run's trace to {graph} (mermaid)" in out
+
+
+def test_more_prompts_than_the_held_out_set_says_so(monkeypatch, capsys):
+    import phasegraph.demo as demo
+
+    monkeypatch.setattr(demo, "_run", _stop_before_the_runs)
+    with pytest.raises(_Stopped):
+        main(["demo", "--device", "cpu", "--prompts", "100000"])
+    first = capsys.readouterr().out.splitlines()[0]
+    assert "(asked for 100000; the held-out set has " in first
+
+
+class _Stopped(Exception):
+    pass
+
+
+def _stop_before_the_runs(*args, **kwargs):
+    raise _Stopped
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--prompts", "0"], "--prompts must be at least 1, got 0"),
+    (["--show", "-1"], "--show must be at least 0, got -1"),
+    (["--threads", "0"], "--threads must be at least 1, got 0"),
+    (["--graph", "/nonexistent-dir/flow.txt"], "--graph /nonexistent-dir/flow.txt: directory"),
+])
+def test_bad_options_are_refused_before_any_run(monkeypatch, capsys, argv, message):
+    import phasegraph.demo as demo
+
+    monkeypatch.setattr(demo, "_run", _stop_before_the_runs)  # any run would raise _Stopped
+    assert main(["demo", "--device", "cpu", *argv]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_picture_without_graphviz_is_refused_before_any_run(monkeypatch, tmp_path, capsys):
+    import phasegraph.demo as demo
+    import phasegraph.statemachine.render as render
+
+    monkeypatch.setattr(demo, "_run", _stop_before_the_runs)
+    monkeypatch.setattr(render, "graphviz_available", lambda: False)
+    assert main(["demo", "--device", "cpu", "--graph", str(tmp_path / "flow.svg")]) == 2
+    err = capsys.readouterr().err
+    assert "a .svg file needs Graphviz's `dot` program" in err
+    assert not (tmp_path / "flow.svg").exists()
