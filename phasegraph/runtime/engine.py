@@ -56,9 +56,18 @@ def _draft_class(method: str):
 def resolve_device(device: str | torch.device | None) -> torch.device:
     if device is None or device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise InvalidConfig(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto'; got {device!r}") from exc
+    if dev.type not in ("cpu", "cuda"):
+        raise InvalidConfig(f"device must be 'cpu', 'cuda', 'cuda:N' or 'auto'; got {device!r} (phasegraph runs "
+                            "on CPUs and NVIDIA GPUs)")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidConfig("device='cuda' was asked for but no CUDA GPU is available")
+        raise InvalidConfig(f"device={str(device)!r} was asked for but no CUDA GPU is available")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise InvalidConfig(f"device={str(device)!r} was asked for but this machine has "
+                            f"{torch.cuda.device_count()} CUDA GPU(s)")
     return dev
 
 

@@ -175,6 +175,9 @@ def test_bad_engine_settings(busy, clean_output, engine_root):
         (dict(spec=42), ["SpecConfig"]),
         (dict(max_batch_size=0), ["max_batch_size"]),
         (dict(kv_pool_tokens=0), ["kv_pool_tokens"]),
+        (dict(device="tpu"), ["device", "'tpu'", "'cuda:N'"]),
+        (dict(device="mps"), ["device", "'mps'", "CPUs and NVIDIA GPUs"]),
+        (dict(device=3.5), ["device", "3.5"]),
     ]:
         draft = kw.pop("draft", bundle.drafts["eagle3"])
         with pytest.raises(InvalidConfig) as info:
