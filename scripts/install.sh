@@ -2,8 +2,9 @@
 # Install phasegraph into ./.venv (created if missing).
 #   scripts/install.sh        the package (runs `phasegraph demo`, `phasegraph graph`, ...)
 #   scripts/install.sh test   the package plus the test tools
-# torch: where no NVIDIA GPU answers, pin the CPU build (torch 2.13.0 lies on disk on our
-# machines, so the install takes seconds); with a GPU, take the default CUDA build.
+# torch: where no NVIDIA GPU answers, the CPU build of torch 2.13.0: a wheel already on disk where
+# pip's find-links hold one (our machines: seconds), else from PyTorch's CPU index (PyPI's Linux
+# wheel is the multi-GB CUDA build); with a GPU, the default CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extra="${1:-}"
@@ -15,6 +16,8 @@ if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
     torch_spec="torch>=2.4"
 else
     torch_spec="torch==2.13.0"
+    python -m pip install -q --no-index --no-deps "$torch_spec" 2>/dev/null \
+        || python -m pip install -q --no-deps "$torch_spec" --index-url https://download.pytorch.org/whl/cpu
 fi
 target="."
 [ "$extra" = "test" ] && target=".[test]"

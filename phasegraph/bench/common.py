@@ -57,7 +57,8 @@ class BenchRun:
             raise CliError("the full bench (a ~96M pair, the 8B shape) needs a CUDA GPU: use --quick on the CPU")
         if self.out.exists() and not self.out.is_dir():
             raise CliError(f"--out {self.out}: exists and is not a directory")
-        self.out.mkdir(parents=True, exist_ok=True)
+        if not args.dry_run:  # a dry run prints the plan and makes nothing
+            self.out.mkdir(parents=True, exist_ok=True)
         self.cuda = self.device.type == "cuda"
         self.dtype = torch.bfloat16 if self.cuda else torch.float32  # part 2 (the 8B shape)
         # part 1: float32 by default, so that "identical to the baseline" is exact: in bf16 the

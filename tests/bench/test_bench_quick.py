@@ -486,3 +486,13 @@ def test_a_zero_time_limit_means_none(tmp_path):
     args = build_parser().parse_args(["bench", "--out", str(tmp_path), "--time-limit-s", "0", "--train-budget-s", "0"])
     args = _resolve_args(args)
     assert args.time_limit_s is None and args.train_budget_s is None
+
+
+def test_a_dry_run_prints_the_plan_and_makes_nothing(tmp_path, capsys):
+    """--dry-run prints the plan and the estimate; it creates neither --out nor --pair."""
+    from phasegraph.cli import main
+
+    out, pair = tmp_path / "deep" / "out", tmp_path / "pair"
+    assert main(["bench", "--quick", "--out", str(out), "--pair", str(pair), "--dry-run"]) == 0
+    assert "estimated time:" in capsys.readouterr().out
+    assert list(tmp_path.iterdir()) == []
