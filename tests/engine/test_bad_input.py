@@ -44,26 +44,44 @@ def clean_output(engine_root):
     return eng.generate([GOOD_PROMPT], greedy(16))[0].token_ids
 
 
+# the tokens request "good" emitted in the busy fixture's two steps, by engine
+_EMITTED_BEFORE: dict[int, list[int]] = {}
+
+
 @pytest.fixture
 def busy(engine_root):
-    """An engine with request "good" admitted and running."""
+    """An engine with request "good" admitted and running (two steps taken, tokens emitted)."""
     bundle = arch_bundle(engine_root, "llama")
     eng = engine_for(bundle, "eagle3", topk=2, num_steps=2, check_every_step=True)
     eng.add_request("good", GOOD_PROMPT, greedy(16))
-    eng.step()
-    eng.step()
-    return eng
+    emitted = [t for _ in range(2) for d in eng.step() for t in d.new_token_ids]
+    assert emitted and eng.has_unfinished()
+    _EMITTED_BEFORE[id(eng)] = emitted
+    yield eng
+    del _EMITTED_BEFORE[id(eng)]
+
+
+def _step(eng):
+    """One engine step between bad calls, its tokens of the good request kept for the final check."""
+    for d in eng.step():
+        assert d.request_id == "good", "a bad request was queued"
+        _EMITTED_BEFORE[id(eng)] += d.new_token_ids
 
 
 def _finish_good(eng, clean_output):
-    tokens = []
+    """Runs the good request to its end: it must still be running, finish by its length budget,
+    and its whole output (the fixture's steps and these) must equal the clean run's."""
+    tokens, reasons = [], []
+    assert eng.has_unfinished(), "the good request is no longer running"
     while eng.has_unfinished():
         for d in eng.step():
             assert d.request_id == "good", "a bad request was queued"
             tokens += d.new_token_ids
+            reasons.append(d.finish_reason)
     assert_all_free(eng)
-    out_so_far = clean_output[: len(clean_output) - len(tokens)]
-    assert out_so_far + tokens == clean_output
+    assert tokens, "the good request emitted nothing after the bad call"
+    assert reasons[-1] == "length"
+    assert _EMITTED_BEFORE[id(eng)] + tokens == clean_output
 
 
 def _queued(eng):
@@ -233,7 +251,7 @@ def test_drafts_that_do_not_fit_the_target(busy, clean_output, engine_root, tmp_
             Engine.from_pretrained(bundle.target, draft, spec=SpecConfig(method=method))
         for w in words:
             assert w in str(info.value), (method, draft.name, str(info.value))
-        busy.step()
+        _step(busy)
     _finish_good(busy, clean_output)
 
 
@@ -280,7 +298,7 @@ def test_missing_and_truncated_checkpoint_files(busy, clean_output, engine_root,
             Engine.from_pretrained(tdir, ddir, spec=SpecConfig(method="eagle3"))
         for w in words:
             assert w in str(info.value), (tdir.name, ddir.name, str(info.value))
-        busy.step()
+        _step(busy)
     _finish_good(busy, clean_output)
 
 
