@@ -76,6 +76,7 @@ def test_json_holds_every_figure_and_the_environment(quick_run):
         assert x["gc"]["frozen"] is True and 0 <= x["gc"]["seconds"] <= x["seconds"]  # heap frozen while timed
         if x["engine"] == "phasegraph":
             assert x["captured_while_timed"] == 0, x  # CPU: no graphs; a GPU run records its captures
+            assert x["identical"] == x["requests"] and x["identical_share"] == 1.0, x  # lossless
         if x["engine"] == "phasegraph" and x["config"] != "baseline (autoregressive)":
             assert 1 <= x["tau"] <= 5 and x["eta"] == pytest.approx(x["speedup"] / x["tau"])
             assert x["phase_share"]["verify"] > 0 and x["iterations"] > 0
@@ -98,6 +99,8 @@ def test_json_holds_every_figure_and_the_environment(quick_run):
 
     assert len(r["goals"]) == 6
     assert all(g["met"] in (True, False) for g in r["goals"]), r["goals"]  # every goal measured
+    (identical_goal,) = [g for g in r["goals"] if "identical" in g["goal"]]
+    assert identical_goal["met"] is True, identical_goal
 
 
 def test_markdown_table(quick_run):

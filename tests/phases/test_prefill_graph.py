@@ -110,20 +110,39 @@ def test_padded_tokens_belong_to_the_sink_row():
 
 
 def test_outputs_are_copies_of_the_real_rows():
-    """A replay overwrites the static outputs: the sliced result must not share their storage."""
-    ps = prompts(2)
+    """A replay overwrites the static outputs: the sliced result holds exactly the static output's
+    real rows (the first B request rows, the first T token rows, lead 0), copied into storage of
+    its own; params are the real input's."""
+    ps = [list(range(1, 8)), list(range(20, 26))]  # 13 tokens: request bucket 3, token bucket 16
     engine = Engine(tiny_target(), spec=SpecConfig(method="none"), max_batch_size=2, kv_pool_tokens=4096,
                     cuda_graphs="emulate", prefill_graphs=True)
     params = SamplingParams(max_new_tokens=2, ignore_eos=True)
     for _ in range(2):
         engine.generate(ps, params)
     cap = next(iter(engine.graph_runner.prefill.graphs.values()))
-    result = slice_prefill_result(cap.static_out, cap.static_in)
+    batch, tokens = len(ps), sum(map(len, ps))
+    padded = cap.static_in
+    assert (padded.seq_lens.shape[0], padded.input_ids.shape[0]) == (3, 16)
+    # the real input of the last replay: the first rows of the padded one
+    rows = {"T": tokens, "B": batch}
+    real = PrefillInput(
+        params=type(padded.params)(**{name: x[:batch] for name, x in padded.params.tensors()}),
+        **{t.name: getattr(padded, t.name)[: rows[t.role.dim]] for t in type(padded).__schema__.tensors},
+    )
+    assert real.input_ids.tolist() == [i for p in ps for i in p]
+    out = cap.static_out
+    assert out.lead == 0
+    result = slice_prefill_result(out, real)
+    assert result.params is real.params and result.lead == 0
+    names = [name for name, _ in out.tensors()]
+    assert [name for name, _ in result.tensors()] == names
     for name, x in result.tensors():
-        if name in ("req_pool_idx", "temperature", "top_p", "top_k", "stop_ids", "seed"):
-            continue  # params are the real input's, by design
+        static = getattr(out, name)
+        n = tokens if name in ("input_ids", "positions", "features", "token_req") else batch
+        assert static.shape[0] > n, name  # the static output has padded rows past the real ones
+        assert torch.equal(x, static[:n]), name
         if x.numel():  # (an empty feature tensor has no storage to share)
-            assert x.untyped_storage().data_ptr() != getattr(cap.static_out, name).untyped_storage().data_ptr(), name
+            assert x.untyped_storage().data_ptr() != static.untyped_storage().data_ptr(), name
 
 
 def test_what_does_not_fit_runs_eagerly():
