@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phasegraph.phases.schemas import PrefillInput
+from phasegraph.phases.schemas import TOKEN, PrefillInput
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
 from phasegraph.runtime.errors import InvalidConfig
@@ -124,21 +124,23 @@ def test_outputs_are_copies_of_the_real_rows():
     padded = cap.static_in
     assert (padded.seq_lens.shape[0], padded.input_ids.shape[0]) == (3, 16)
     # the real input of the last replay: the first rows of the padded one
-    rows = {"T": tokens, "B": batch}
     real = PrefillInput(
         params=type(padded.params)(**{name: x[:batch] for name, x in padded.params.tensors()}),
-        **{t.name: getattr(padded, t.name)[: rows[t.role.dim]] for t in type(padded).__schema__.tensors},
+        **{t.name: getattr(padded, t.name)[: tokens if t.role == TOKEN else batch]
+           for t in type(padded).__schema__.tensors},
     )
     assert real.input_ids.tolist() == [i for p in ps for i in p]
     out = cap.static_out
     assert out.lead == 0
     result = slice_prefill_result(out, real)
     assert result.params is real.params and result.lead == 0
-    names = [name for name, _ in out.tensors()]
-    assert [name for name, _ in result.tensors()] == names
-    for name, x in result.tensors():
-        static = getattr(out, name)
-        n = tokens if name in ("input_ids", "positions", "features", "token_req") else batch
+    assert [name for name, _ in result.tensors()] == [name for name, _ in out.tensors()]
+    for t in type(out).__schema__.tensors:
+        name, x, static = t.name, getattr(result, t.name), getattr(out, t.name)
+        if static is None:
+            assert x is None, name
+            continue
+        n = tokens if t.role == TOKEN else batch
         assert static.shape[0] > n, name  # the static output has padded rows past the real ones
         assert torch.equal(x, static[:n]), name
         if x.numel():  # (an empty feature tensor has no storage to share)

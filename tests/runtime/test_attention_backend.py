@@ -72,6 +72,8 @@ def test_full_model_call_under_a_context_matches_the_adapter(target):
 
 
 def test_layer_map_out_of_range_is_an_error(target):
+    """The context's own range check names the layer, the pool layer and the pool's depth (not
+    a bare IndexError from indexing the pool's per-layer list)."""
     m = KVCacheManager(
         num_pages=4, page_size=4, max_reqs=2, max_pages_per_req=2, target=target.kv_spec
     )
@@ -79,5 +81,8 @@ def test_layer_map_out_of_range_is_an_error(target):
     q = torch.randn(1, 4, 1, 16)
     k = torch.randn(1, 2, 1, 16)
     module = target.model.model.layers[1].self_attn
-    with forward_context(meta, m.target_pool, layer_map=[0, 5]), pytest.raises(IndexError):
+    assert m.target_pool.num_layers == 2
+    with forward_context(meta, m.target_pool, layer_map=[0, 5]), pytest.raises(
+        IndexError, match=r"^attention layer 1 maps to pool layer 5, but the pool has 2 layers$"
+    ):
         phasegraph_attention(module, q, k, k, None)

@@ -59,12 +59,26 @@ def test_grows_with_the_page_table_and_the_dtype(on_cpu):
     assert table.builds == 3 and table.cos.dtype == torch.bfloat16
 
 
-def test_off_cuda_and_for_dynamic_rope_the_module_runs():
+def test_off_cuda_and_for_dynamic_rope_the_module_runs(monkeypatch):
+    """Off the table's devices, and for a dynamic rope type even where the table is used, the
+    rows are exactly the module's own for those positions (no table built)."""
     table = RotaryTable(_rotary())  # default devices: CUDA only
-    cos, _ = table(torch.zeros(1), torch.tensor([3, 4]), _meta(pages=4, page_size=16))
+    like, positions = torch.zeros(1), torch.tensor([3, 4])
+    cos, sin = table(like, positions, _meta(pages=4, page_size=16))
+    want_cos, want_sin = table.module(like, positions)
     assert table.cos is None and cos.shape == (2, 16)
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
+    monkeypatch.setattr(RotaryTable, "devices", ("cuda", "cpu"))  # only the rope type sends it to the module
     dynamic = RotaryTable(_rotary(rope_type="dynamic", factor=2.0))
     assert not dynamic.static
+    # 600 > max_position_embeddings (512): the dynamic module rescales its frequencies for the
+    # longest position it has seen, so rows of a table built over 0..1023 would differ (the
+    # module's rows are taken first: a table build would leave the module rescaled for 1024)
+    positions = torch.tensor([600, 3, 4])
+    want_cos, want_sin = dynamic.module(like, positions)
+    cos, sin = dynamic(like, positions, _meta(pages=64, page_size=16))
+    assert dynamic.cos is None and cos.shape == (3, 16)
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)
 
 
 def test_lookup_hands_the_tables_and_positions_to_the_kernel(on_cpu):
@@ -79,5 +93,8 @@ def test_lookup_hands_the_tables_and_positions_to_the_kernel(on_cpu):
     gathered_cos, _ = table(torch.zeros(1), positions, _meta(pages=4, page_size=16))
     assert torch.equal(gathered_cos, cos[positions])
     dynamic = RotaryTable(_rotary(rope_type="dynamic", factor=2.0))
-    cos, _, rows = dynamic.lookup(torch.zeros(1), positions, _meta(pages=4, page_size=16))
-    assert rows is None and cos.shape == (3, 16)
+    positions = torch.tensor([4, 600, 9])
+    want_cos, want_sin = dynamic.module(torch.zeros(1), positions)  # first, as above
+    cos, sin, rows = dynamic.lookup(torch.zeros(1), positions, _meta(pages=64, page_size=16))
+    assert rows is None and cos.shape == (3, 16) and dynamic.cos is None
+    assert torch.equal(cos, want_cos) and torch.equal(sin, want_sin)

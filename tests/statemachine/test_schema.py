@@ -158,9 +158,14 @@ def test_schemas_are_frozen_and_replace_copies():
 
 
 def test_summary_and_repr_never_read_values():
-    t = toy()
+    """On meta tensors (shapes and dtypes, no values: any read raises) summary, repr and
+    batch_size still work."""
+    meta = dict(device="meta")
+    t = toy(ids=torch.empty(4, dtype=torch.int64, **meta), scores=torch.empty(4, 2, **meta),
+            per_node=torch.empty(12, dtype=torch.int64, **meta), table=torch.empty(4, 3, dtype=torch.int64, **meta))
+    assert all(x.is_meta for _, x in t.tensors())
     assert t.summary() == "Toy(B=4, K=2, N=3)"
-    assert "ids=int64[4]@cpu" in repr(t)
+    assert "ids=int64[4]@meta" in repr(t)
     assert t.batch_size == 4
 
 
