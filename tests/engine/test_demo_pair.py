@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import io
 import json
+import tokenize
 
 import pytest
 import torch
@@ -55,6 +57,22 @@ def test_acceptance_is_real(outputs):
     assert tau("tree") >= 2.6
 
 
+def _tokenizes_as_python(source: str) -> bool:
+    """Python's tokenizer reads ``source`` with no error token; a text cut inside a string or a
+    bracket (the 64-token budget ends anywhere) counts as Python."""
+    try:
+        tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    except tokenize.TokenError as exc:
+        return str(exc.args[0]).startswith("EOF in multi-line")
+    except (IndentationError, SyntaxError):
+        return False
+    return not any(t.type == tokenize.ERRORTOKEN and t.string.strip() for t in tokens)
+
+
 def test_completions_are_python(outputs):
+    prompts = demo_prompts(PROMPTS)
+    for prompt, out in zip(prompts, outputs["none"], strict=True):
+        assert _tokenizes_as_python(prompt + out.text), out.text
     text = "".join(o.text for o in outputs["none"])
-    assert any(k in text for k in ("def ", "return", "self", "import ", "    "))
+    keywords = {k for k in ("def ", "class ", "return", "self", "import ", "if ", "for ") if k in text}
+    assert len(keywords) >= 2, text
