@@ -53,6 +53,14 @@ class AttentionMetadata:
     # keys it reads (kernels/rope_attention.py); tests/engine/test_one_query_per_row.py checks it.
     tree_block_writes: bool = False
 
+    def __attrs_post_init__(self) -> None:
+        # The one-launch kernel reads no tree block and takes each token's own key at kv_len - 1:
+        # a promise beside a tree block would drop keys silently, so it is refused (shapes only).
+        if self.one_query_per_row and self.extra_mask is not None and self.extra_mask.shape[1] > 0:
+            raise ValueError("AttentionMetadata: one_query_per_row promises that each token reads its row's "
+                             f"prefix only, but extra_mask holds a tree block of {self.extra_mask.shape[1]} "
+                             "nodes; drop the promise or the block")
+
 
 # Upper bound on gathered key elements per chunk of queries (keeps the reference's memory bounded
 # while every shape stays a function of tensor shapes only).

@@ -119,39 +119,57 @@ def test_target_and_eagle3_capture_replay_equals_eager(tmp_path, page_size):
             eager = target.forward(ids, p, meta).logits
         torch.testing.assert_close(replayed, eager, atol=1e-5, rtol=0)
 
-    # -- tree verify (extra_mask) captured
+    # -- tree verify (extra_mask) captured once, replayed for two trees refilled in place
     n = 4
-    mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
-    depth = torch.tensor([0, 1, 1, 2])
-    seq = torch.tensor([n_ + 3 for n_ in lens])
+    branching = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool)
+    chain = torch.tril(torch.ones(n, n, dtype=torch.bool))
     vrows = [r for r in rows for _ in range(n)]
-    wpos = torch.cat([s + torch.arange(n) for s in seq])
-    vmeta = to(
-        make_meta(rt, page_size, vrows, wpos, seq.repeat_interleave(n), mask.repeat(2, 1)), dev
-    )
-    vids = torch.randint(0, 128, (2 * n,), generator=gen).to(dev)
-    vpos = (seq.repeat_interleave(n) + depth.repeat(2)).to(dev)
-    s_vmeta = static_copy(vmeta)
-    graph, g_out = capture(lambda: target.forward(vids, vpos, s_vmeta))
-    graph.replay()
-    with no_sync():
-        eager = target.forward(vids, vpos, vmeta).logits
-    torch.testing.assert_close(g_out.logits, eager, atol=1e-5, rtol=0)
 
-    # -- EAGLE-3 draft step captured
-    hidden = torch.randn(2, 64, generator=gen).to(dev)
-    dpos = seq.to(dev)
-    dmeta = to(causal_meta(rt, page_size, rows, seq), dev)
-    dids = torch.randint(0, 128, (2,), generator=gen).to(dev)
-    s_dmeta = static_copy(dmeta)
+    def verify_inputs(offset, mask):
+        seq = torch.tensor([n_ + 3 + offset for n_ in lens])
+        depth = mask.sum(1) - 1  # a node's ancestors, itself excluded
+        wpos = torch.cat([s + torch.arange(n) for s in seq])
+        vmeta = to(make_meta(rt, page_size, vrows, wpos, seq.repeat_interleave(n), mask.repeat(2, 1)), dev)
+        vids = torch.randint(0, 128, (2 * n,), generator=gen).to(dev)
+        return vids, (seq.repeat_interleave(n) + depth.repeat(2)).to(dev), vmeta
+
+    vids, vpos, vmeta = verify_inputs(0, branching)
+    s_vids, s_vpos, s_vmeta = vids.clone(), vpos.clone(), static_copy(vmeta)
+    graph, g_out = capture(lambda: target.forward(s_vids, s_vpos, s_vmeta))
+    for offset, mask in ((0, branching), (2, chain)):
+        vids, vpos, vmeta = verify_inputs(offset, mask)
+        s_vids.copy_(vids)
+        s_vpos.copy_(vpos)
+        refill(s_vmeta, vmeta)
+        graph.replay()
+        replayed = g_out.logits.clone()
+        with no_sync():
+            eager = target.forward(vids, vpos, vmeta).logits
+        torch.testing.assert_close(replayed, eager, atol=1e-5, rtol=0)
+
+    # -- EAGLE-3 draft step captured once, replayed for two steps refilled in place
+    def draft_inputs(offset):
+        seq = torch.tensor([n_ + 3 + offset for n_ in lens])
+        hidden = torch.randn(2, 64, generator=gen).to(dev)
+        dids = torch.randint(0, 128, (2,), generator=gen).to(dev)
+        return dids, hidden, seq.to(dev), to(causal_meta(rt, page_size, rows, seq), dev)
+
+    dids, hidden, dpos, dmeta = draft_inputs(0)
+    s_dids, s_hidden, s_dpos, s_dmeta = dids.clone(), hidden.clone(), dpos.clone(), static_copy(dmeta)
     graph, g_out = capture(
-        lambda: draft.forward(dids, hidden, dpos, s_dmeta, from_target=False, step=0)
+        lambda: draft.forward(s_dids, s_hidden, s_dpos, s_dmeta, from_target=False, step=0)
     )
-    graph.replay()
-    with no_sync():
-        eager = draft.forward(dids, hidden, dpos, dmeta, from_target=False, step=0)
-    torch.testing.assert_close(g_out.logits, eager.logits, atol=1e-5, rtol=0)
-    torch.testing.assert_close(g_out.hidden, eager.hidden, atol=1e-5, rtol=0)
+    for offset in (0, 1):
+        dids, hidden, dpos, dmeta = draft_inputs(offset)
+        for static, value in ((s_dids, dids), (s_hidden, hidden), (s_dpos, dpos)):
+            static.copy_(value)
+        refill(s_dmeta, dmeta)
+        graph.replay()
+        replayed_logits, replayed_hidden = g_out.logits.clone(), g_out.hidden.clone()
+        with no_sync():
+            eager = draft.forward(dids, hidden, dpos, dmeta, from_target=False, step=0)
+        torch.testing.assert_close(replayed_logits, eager.logits, atol=1e-5, rtol=0)
+        torch.testing.assert_close(replayed_hidden, eager.hidden, atol=1e-5, rtol=0)
 
 
 def to(meta: AttentionMetadata, device) -> AttentionMetadata:

@@ -259,3 +259,19 @@ def test_write_then_attend_is_causal_self_attention():
         is_causal=True,
     ).transpose(0, 1)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+def test_one_query_per_row_beside_a_tree_block_is_refused():
+    """The one-launch kernel reads no tree block, so metadata that promises one query per row and
+    also holds one is a ValueError when it is made (shapes only: meta tensors suffice), not keys
+    dropped in the kernel; an empty block keeps the promise."""
+    meta = dict(write_slots=torch.zeros(2, dtype=torch.int64, device="meta"),
+                page_table=torch.zeros(2, 4, dtype=torch.int64, device="meta"),
+                query_row=torch.zeros(2, dtype=torch.int64, device="meta"),
+                kv_len=torch.zeros(2, dtype=torch.int64, device="meta"), page_size=4)
+    with pytest.raises(ValueError, match="one_query_per_row promises .* a tree block of 3 nodes"):
+        AttentionMetadata(**meta, extra_mask=torch.zeros(2, 3, dtype=torch.bool, device="meta"),
+                          one_query_per_row=True)
+    for extra in (None, torch.zeros(2, 0, dtype=torch.bool, device="meta")):
+        assert AttentionMetadata(**meta, extra_mask=extra, one_query_per_row=True).one_query_per_row
+    assert AttentionMetadata(**meta, extra_mask=torch.zeros(2, 3, dtype=torch.bool, device="meta")).extra_mask.shape == (2, 3)
