@@ -105,19 +105,7 @@ def test_target_and_eagle3_capture_replay_equals_eager(tmp_path, page_size):
         ids = torch.randint(0, 128, (2,), generator=gen)
         return ids.to(dev), p.to(dev), to(causal_meta(rt, page_size, rows, p), dev)
 
-    ids0, pos0, meta0 = decode_inputs(0)
-    s_ids, s_pos, s_meta = ids0.clone(), pos0.clone(), static_copy(meta0)
-    graph, g_out = capture(lambda: target.forward(s_ids, s_pos, s_meta))
-    for step in range(3):
-        ids, p, meta = decode_inputs(step)
-        s_ids.copy_(ids)
-        s_pos.copy_(p)
-        refill(s_meta, meta)
-        graph.replay()
-        replayed = g_out.logits.clone()
-        with no_sync():
-            eager = target.forward(ids, p, meta).logits
-        torch.testing.assert_close(replayed, eager, atol=1e-5, rtol=0)
+    replays_equal_eager(target.forward, [decode_inputs(step) for step in range(3)], ["logits"])
 
     # -- tree verify (extra_mask) captured once, replayed for two trees refilled in place
     n = 4
@@ -133,19 +121,7 @@ def test_target_and_eagle3_capture_replay_equals_eager(tmp_path, page_size):
         vids = torch.randint(0, 128, (2 * n,), generator=gen).to(dev)
         return vids, (seq.repeat_interleave(n) + depth.repeat(2)).to(dev), vmeta
 
-    vids, vpos, vmeta = verify_inputs(0, branching)
-    s_vids, s_vpos, s_vmeta = vids.clone(), vpos.clone(), static_copy(vmeta)
-    graph, g_out = capture(lambda: target.forward(s_vids, s_vpos, s_vmeta))
-    for offset, mask in ((0, branching), (2, chain)):
-        vids, vpos, vmeta = verify_inputs(offset, mask)
-        s_vids.copy_(vids)
-        s_vpos.copy_(vpos)
-        refill(s_vmeta, vmeta)
-        graph.replay()
-        replayed = g_out.logits.clone()
-        with no_sync():
-            eager = target.forward(vids, vpos, vmeta).logits
-        torch.testing.assert_close(replayed, eager, atol=1e-5, rtol=0)
+    replays_equal_eager(target.forward, [verify_inputs(0, branching), verify_inputs(2, chain)], ["logits"])
 
     # -- EAGLE-3 draft step captured once, replayed for two steps refilled in place
     def draft_inputs(offset):
@@ -154,22 +130,25 @@ def test_target_and_eagle3_capture_replay_equals_eager(tmp_path, page_size):
         dids = torch.randint(0, 128, (2,), generator=gen).to(dev)
         return dids, hidden, seq.to(dev), to(causal_meta(rt, page_size, rows, seq), dev)
 
-    dids, hidden, dpos, dmeta = draft_inputs(0)
-    s_dids, s_hidden, s_dpos, s_dmeta = dids.clone(), hidden.clone(), dpos.clone(), static_copy(dmeta)
-    graph, g_out = capture(
-        lambda: draft.forward(s_dids, s_hidden, s_dpos, s_dmeta, from_target=False, step=0)
-    )
-    for offset in (0, 1):
-        dids, hidden, dpos, dmeta = draft_inputs(offset)
-        for static, value in ((s_dids, dids), (s_hidden, hidden), (s_dpos, dpos)):
-            static.copy_(value)
-        refill(s_dmeta, dmeta)
+    draft_step = lambda ids, hidden, pos, meta: draft.forward(ids, hidden, pos, meta, from_target=False, step=0)  # noqa: E731
+    replays_equal_eager(draft_step, [draft_inputs(0), draft_inputs(1)], ["logits", "hidden"])
+
+
+def replays_equal_eager(forward, cases, fields) -> None:
+    """Captures ``forward`` on static copies of the first case's arguments; then for every case in
+    order refills them in place (tensors copied, metadata buffers refilled), replays, and checks
+    each output field against an eager call on the case's own arguments."""
+    static = [static_copy(x) if isinstance(x, AttentionMetadata) else x.clone() for x in cases[0]]
+    graph, g_out = capture(lambda: forward(*static))
+    for case in cases:
+        for dst, src in zip(static, case, strict=True):
+            refill(dst, src) if isinstance(dst, AttentionMetadata) else dst.copy_(src)
         graph.replay()
-        replayed_logits, replayed_hidden = g_out.logits.clone(), g_out.hidden.clone()
+        replayed = {name: getattr(g_out, name).clone() for name in fields}
         with no_sync():
-            eager = draft.forward(dids, hidden, dpos, dmeta, from_target=False, step=0)
-        torch.testing.assert_close(replayed_logits, eager.logits, atol=1e-5, rtol=0)
-        torch.testing.assert_close(replayed_hidden, eager.hidden, atol=1e-5, rtol=0)
+            eager = forward(*case)
+        for name in fields:
+            torch.testing.assert_close(replayed[name], getattr(eager, name), atol=1e-5, rtol=0)
 
 
 def to(meta: AttentionMetadata, device) -> AttentionMetadata:
