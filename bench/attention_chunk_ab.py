@@ -5,9 +5,10 @@ bits change with it (the combine kernel folds chunks), so this measures time onl
 whether the programs' fixed cost (tree-node writes, query load and rotation, partial stores)
 or their number bounds the tree attention at batch 8 and 32. ``--warps`` adds variants with the
 shipped chunk and the verify's tree kernel at other warps per program
-(``rope_attention.TREE_NUM_WARPS``).
+(``rope_attention.TREE_NUM_WARPS``); ``--maxnreg`` variants with its registers per thread capped
+(``rope_attention.TREE_MAXNREG``: 224 uncapped, so two programs per multiprocessor).
 
-    python bench/attention_chunk_ab.py [--out DIR] [--chunks 32 64 128] [--warps 2 8] [--batches 1 8 32]
+    python bench/attention_chunk_ab.py [--out DIR] [--chunks 32 64 128] [--warps 2 8] [--maxnreg 128 96] [--batches 1 8 32]
 
 GPU only. Prints and writes ``attention_chunk_ab.json``.
 """
@@ -27,11 +28,13 @@ from phasegraph.kernels import attention, rope_attention  # noqa: E402
 
 SHIPPED = attention._FP32_CHUNK
 SHIPPED_WARPS = rope_attention.TREE_NUM_WARPS
+SHIPPED_MAXNREG = rope_attention.TREE_MAXNREG
 
 
-def use(chunk: int, warps: int) -> None:
+def use(chunk: int, warps: int, maxnreg: int | None = SHIPPED_MAXNREG) -> None:
     attention._FP32_CHUNK = chunk
     rope_attention.TREE_NUM_WARPS = warps
+    rope_attention.TREE_MAXNREG = maxnreg
 
 
 def main() -> int:
@@ -40,9 +43,13 @@ def main() -> int:
     ap.add_argument("--chunks", type=int, nargs="+", default=[SHIPPED, 64, 128])
     ap.add_argument("--warps", type=int, nargs="*", default=[2, 8],
                     help="also the shipped chunk with the verify kernel at these warps per program")
+    ap.add_argument("--maxnreg", type=int, nargs="*", default=[],
+                    help="also the shipped chunk and warps with the verify kernel's registers per thread "
+                         "capped at these (rope_attention.TREE_MAXNREG; the bits stay)")
     args = ap.parse_args()
     variants = {f"chunk {c}": (lambda c=c: use(c, SHIPPED_WARPS)) for c in args.chunks}
     variants.update({f"warps {w}": (lambda w=w: use(SHIPPED, w)) for w in args.warps})
+    variants.update({f"maxnreg {r}": (lambda r=r: use(SHIPPED, SHIPPED_WARPS, r)) for r in args.maxnreg})
     return run_and_write(variants, lambda: use(SHIPPED, SHIPPED_WARPS), args, f"chunk {args.chunks[0]}",
                          "attention_chunk_ab")
 

@@ -395,6 +395,9 @@ def _rope_tree_attention_kernel(
 
 
 TREE_NUM_WARPS = 4  # warps per program of the verify's kernel (bench/attention_chunk_ab.py varies it)
+# registers per thread the verify's kernel may use (None: the compiler's choice; ptxas .maxnreg).
+# A cap changes register allocation only, never the arithmetic, so the bits stay.
+TREE_MAXNREG: int | None = None
 
 
 def rope_tree_attention_triton(
@@ -482,7 +485,7 @@ def rope_tree_attention_triton(
         INDEXED=indexed,
         RUN_GRID=run_grid,
         num_warps=TREE_NUM_WARPS,
-        num_stages=num_stages, **pdl_options(),
+        num_stages=num_stages, **pdl_options(), **({"maxnreg": TREE_MAXNREG} if TREE_MAXNREG else {}),
     )
     combine_splits(out, part_acc, part_max, part_sum, kv_len, head_dim, chunk, num_extra)
     return out
