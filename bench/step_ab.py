@@ -18,6 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_scale  # noqa: E402
 from profile_pair_host import build_pair, simulated_configs  # noqa: E402
 
+# Engine keywords of every variant's engines; a variant's setup may change them (and its restore
+# put them back), as attention_chunk_ab.py's --max-contexts does.
+ENGINE_KW = {"max_context": 1024}
+
 
 def interleaved_step_times(variants: dict[str, Callable[[], None]], batches: list[int],
                            configs: list[str], rounds: int) -> list[dict]:
@@ -34,8 +38,8 @@ def interleaved_step_times(variants: dict[str, Callable[[], None]], batches: lis
             setup()
             for name, tgt, draft, spec, tau in chosen:
                 eng = Engine(tgt, draft, spec=spec, max_batch_size=max_b, kv_pool_tokens=max_b * 2048,
-                             max_context=1024, simulate_accept_length=tau, cuda_graphs=True, trace=False,
-                             validate="off")
+                             simulate_accept_length=tau, cuda_graphs=True, trace=False, validate="off",
+                             **ENGINE_KW)
                 for b in batches:
                     r = bench_scale.scheduler_step_times(eng, b, True)
                     r.update(config=name, variant=variant, round=rnd)
