@@ -22,22 +22,26 @@ def test_a_short_demo_prints_identical_outputs_and_writes_its_graph(tmp_path, ca
     assert f"wrote the phase graph with this run's trace to {graph} (mermaid)" in out
 
 
-def test_more_prompts_than_the_held_out_set_says_so(monkeypatch, capsys):
+class _Stopped(Exception):
+    """Raised in place of the demo's first run."""
+
+
+@pytest.fixture
+def no_runs(monkeypatch):
+    """The demo stops with :class:`_Stopped` where its first run would start."""
     import phasegraph.demo as demo
 
-    monkeypatch.setattr(demo, "_run", _stop_before_the_runs)
+    def stop(*args, **kwargs):
+        raise _Stopped
+
+    monkeypatch.setattr(demo, "_run", stop)
+
+
+def test_more_prompts_than_the_held_out_set_says_so(no_runs, capsys):
     with pytest.raises(_Stopped):
         main(["demo", "--device", "cpu", "--prompts", "100000"])
     first = capsys.readouterr().out.splitlines()[0]
     assert "(asked for 100000; the held-out set has " in first
-
-
-class _Stopped(Exception):
-    pass
-
-
-def _stop_before_the_runs(*args, **kwargs):
-    raise _Stopped
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -46,19 +50,14 @@ def _stop_before_the_runs(*args, **kwargs):
     (["--threads", "0"], "--threads must be at least 1, got 0"),
     (["--graph", "/nonexistent-dir/flow.txt"], "--graph /nonexistent-dir/flow.txt: directory"),
 ])
-def test_bad_options_are_refused_before_any_run(monkeypatch, capsys, argv, message):
-    import phasegraph.demo as demo
-
-    monkeypatch.setattr(demo, "_run", _stop_before_the_runs)  # any run would raise _Stopped
+def test_bad_options_are_refused_before_any_run(no_runs, capsys, argv, message):
     assert main(["demo", "--device", "cpu", *argv]) == 2
     assert message in capsys.readouterr().err
 
 
-def test_a_picture_without_graphviz_is_refused_before_any_run(monkeypatch, tmp_path, capsys):
-    import phasegraph.demo as demo
+def test_a_picture_without_graphviz_is_refused_before_any_run(no_runs, monkeypatch, tmp_path, capsys):
     import phasegraph.statemachine.render as render
 
-    monkeypatch.setattr(demo, "_run", _stop_before_the_runs)
     monkeypatch.setattr(render, "graphviz_available", lambda: False)
     assert main(["demo", "--device", "cpu", "--graph", str(tmp_path / "flow.svg")]) == 2
     err = capsys.readouterr().err
