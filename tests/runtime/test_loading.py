@@ -234,3 +234,64 @@ def test_load_in_bfloat16(tmp_path, target_dir):
     )
     assert d.dtype == torch.bfloat16 and d.d2t.dtype == torch.int64
     assert d.rotary.inv_freq.dtype == torch.float32
+
+
+def _edit_config(directory, **changes):
+    config = json.loads((directory / "config.json").read_text())
+    config.update(changes)
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+def test_a_path_that_is_no_checkpoint_directory_says_what_it_is(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    for path, why in [(afile, "it is a file, not a checkpoint directory"),
+                      (tmp_path / "nowhere", "the directory does not exist"),
+                      (tmp_path, "the directory holds no config.json")]:
+        with pytest.raises(CheckpointFileError, match=f"config.json not found \\({path}: {why}\\)"):
+            HFTarget.from_pretrained(path)
+
+
+def test_config_json_that_is_no_object(tmp_path, target_dir):
+    import shutil
+
+    d = shutil.copytree(target_dir, tmp_path / "t")
+    (d / "config.json").write_text("[1, 2]")
+    with pytest.raises(CheckpointFileError, match="config.json must hold a JSON object; got a list"):
+        HFTarget.from_pretrained(d)
+
+
+# sizes transformers would build a model from (or fail on deep inside torch: a ZeroDivisionError,
+# a negative tensor dimension) and configs transformers itself rejects (a KeyError, its own
+# validator exceptions): each is a CheckpointFileError naming config.json
+BAD_CONFIGS = {
+    "heads-zero": (dict(num_attention_heads=0), "num_attention_heads must be an integer >= 1; got 0"),
+    "vocab-negative": (dict(vocab_size=-1), "vocab_size must be an integer >= 1; got -1"),
+    "hidden-string": (dict(hidden_size="abc"), "hidden_size must be an integer >= 1; got 'abc'"),
+    "context-zero": (dict(max_position_embeddings=0), "max_position_embeddings must be an integer >= 1"),
+    "heads-do-not-divide": (dict(num_attention_heads=3, head_dim=None),
+                            "transformers cannot build a model from this config"),
+    "unknown-rope": (dict(rope_scaling={"rope_type": "bogus", "factor": 2.0}, rope_parameters=None),
+                     "transformers cannot build a model from this config \\(KeyError: 'bogus'\\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_CONFIGS))
+def test_bad_config_values_name_the_file(tmp_path, target_dir, eagle3_target, case):
+    import shutil
+
+    changes, message = BAD_CONFIGS[case]
+    t = _edit_config(shutil.copytree(target_dir, tmp_path / "t"), **changes)
+    with pytest.raises(CheckpointFileError, match=f"{t / 'config.json'}: {message}"):
+        HFTarget.from_pretrained(t)
+    d = _edit_config(write_eagle3_draft(tmp_path / "e3", target_dir), **changes)
+    with pytest.raises(CheckpointFileError, match=f"{d / 'config.json'}: {message}"):
+        Eagle3Draft.from_pretrained(d, eagle3_target)
+
+
+def test_an_mtp_draft_without_layers_is_a_config_error(tmp_path, target_dir):
+    target = HFTarget.from_pretrained(target_dir, feature_mode="last")
+    d = _edit_config(write_mtp_draft(tmp_path / "mtp", target_dir), num_hidden_layers=0)
+    with pytest.raises(CheckpointFileError, match="num_hidden_layers must be an integer >= 1; got 0"):
+        MTPDraft.from_pretrained(d, target)

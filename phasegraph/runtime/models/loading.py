@@ -10,14 +10,19 @@ the failure this module exists to make loud (:class:`CheckpointMismatch`). Unrea
 
 from __future__ import annotations
 
+import contextlib
 import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
 import torch
 from safetensors import safe_open
 
-from phasegraph.runtime.errors import CheckpointFileError, CheckpointMismatch
+from phasegraph.runtime.errors import (
+    CheckpointFileError,
+    CheckpointMismatch,
+    PhasegraphRuntimeError,
+)
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -27,15 +32,73 @@ TORCH_BIN_FILE = "pytorch_model.bin"
 IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
+# config.json fields read as sizes: each present one must be an integer >= 1 (transformers
+# builds a model from a zero or negative size, or fails deep inside torch)
+SIZE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "max_position_embeddings",
+    "draft_vocab_size",
+    "target_hidden_size",
+)
+
+
 def read_config(directory: str | Path) -> dict:
-    """``config.json`` of a checkpoint directory as a dict."""
-    path = Path(directory) / "config.json"
+    """``config.json`` of a checkpoint directory as a dict, its size fields checked."""
+    directory = Path(directory)
+    path = directory / "config.json"
     if not path.is_file():
-        raise CheckpointFileError(f"{path}: config.json not found")
+        why = (
+            "the directory does not exist" if not directory.exists()
+            else "it is a file, not a checkpoint directory" if not directory.is_dir()
+            else "the directory holds no config.json"
+        )
+        raise CheckpointFileError(f"{path}: config.json not found ({directory}: {why})")
     try:
-        return json.loads(path.read_text())
+        raw = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
         raise CheckpointFileError(f"{path}: cannot parse config.json ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointFileError(
+            f"{path}: config.json must hold a JSON object; got a {type(raw).__name__}"
+        )
+    for name in SIZE_FIELDS:
+        value = raw.get(name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise CheckpointFileError(f"{path}: {name} must be an integer >= 1; got {value!r}")
+    return raw
+
+
+@contextlib.contextmanager
+def config_errors(directory: str | Path | None) -> Iterator[None]:
+    """Turn transformers' rejection of a config (its own validators, a RoPE type it does not
+    know, sizes that do not divide) into :class:`CheckpointFileError` naming the file."""
+    try:
+        yield
+    except PhasegraphRuntimeError:
+        raise
+    except Exception as exc:  # noqa: BLE001 - transformers/huggingface_hub raise their own types
+        where = Path(directory) / "config.json" if directory is not None else "config"
+        message = " ".join(str(exc).split())
+        raise CheckpointFileError(
+            f"{where}: transformers cannot build a model from this config "
+            f"({type(exc).__name__}: {message[:300]})"
+        ) from exc
+
+
+def check_rope(config, directory: str | Path | None) -> None:
+    """Build the config's rotary embedding on the meta device (no memory, no compute): a RoPE
+    type or parameters transformers rejects fail here, as :class:`CheckpointFileError`, rather
+    than as a ``KeyError`` from deep inside the model's construction."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    with config_errors(directory), torch.device("meta"):
+        LlamaRotaryEmbedding(config=config)
 
 
 class Checkpoint:

@@ -25,7 +25,13 @@ from phasegraph.runtime.errors import UnsupportedModel
 from phasegraph.runtime.kv_pool import KVPool, KVSpec, check_pool_fits
 from phasegraph.runtime.models.attention_backend import ATTN_IMPLEMENTATION, forward_context
 from phasegraph.runtime.models.fused_decoder import fuse_decoder, run_fused_decoder
-from phasegraph.runtime.models.loading import Checkpoint, load_into_module, read_config
+from phasegraph.runtime.models.loading import (
+    Checkpoint,
+    check_rope,
+    config_errors,
+    load_into_module,
+    read_config,
+)
 from phasegraph.runtime.models.take_rows import take_rows
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
@@ -98,7 +104,9 @@ def load_causal_lm(
     raw = read_config(directory)
     check_model_type(raw.get("model_type"), str(directory))
     checkpoint = Checkpoint(directory, allow_bin=allow_bin)  # file errors before building
-    config = AutoConfig.from_pretrained(str(directory))
+    with config_errors(directory):
+        config = AutoConfig.from_pretrained(str(directory))
+    check_rope(config, directory)
     model = build_causal_lm(config, resolve_dtype(dtype), device, init=False)
     load_into_module(model, checkpoint)
     return model
