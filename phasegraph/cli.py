@@ -35,13 +35,23 @@ def graph_format(fmt: str | None, out: str | None) -> str:
 
 def writable_file(path: str, option: str) -> Path:
     """``path`` as a file a command may write, checked before any work: a :class:`CliError` if it
-    names a directory or its directory is missing."""
+    names a directory, its directory is missing, or the file cannot be opened for writing (a
+    read-only place; the check opens it for appending and removes it again if it was new)."""
     file = Path(path)
     if file.is_dir():
         raise CliError(f"{option} {path}: is a directory, not a writable file path")
-    if not file.resolve().parent.is_dir():
-        raise CliError(f"{option} {path}: directory {file.resolve().parent} does not exist "
-                       "(not a writable file path)")
+    parent = file.resolve().parent
+    if not parent.is_dir():
+        where = f"{parent} is a file, not a directory" if parent.exists() else f"directory {parent} does not exist"
+        raise CliError(f"{option} {path}: {where} (not a writable file path)")
+    existed = file.exists()
+    try:
+        with open(file, "ab"):
+            pass
+    except OSError as exc:
+        raise CliError(f"{option} {path}: cannot be written ({exc.strerror or exc})") from None
+    if not existed:
+        file.unlink(missing_ok=True)
     return file
 
 

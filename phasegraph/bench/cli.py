@@ -143,8 +143,9 @@ def _resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, key) < 1:
             raise CliError(f"--{key.replace('_', '-')} must be at least 1, got {getattr(args, key)}")
     for key in ("time_limit_s", "train_budget_s"):  # 0 turns the limit off; a negative one is a typo
-        if getattr(args, key) is not None and getattr(args, key) < 0:
-            raise CliError(f"--{key.replace('_', '-')} must be 0 (no limit) or more, got {getattr(args, key)}")
+        value = getattr(args, key)  # (NaN compares False with everything: it would mean no limit)
+        if value is not None and (math.isnan(value) or value < 0):
+            raise CliError(f"--{key.replace('_', '-')} must be 0 (no limit) or more, got {value}")
     if not 1 <= args.hf_batch1_prompts <= args.batch1_prompts:
         raise CliError(f"--hf-batch1-prompts must be between 1 and --batch1-prompts ({args.batch1_prompts}), "
                        f"got {args.hf_batch1_prompts}")

@@ -58,7 +58,10 @@ class BenchRun:
         if self.out.exists() and not self.out.is_dir():
             raise CliError(f"--out {self.out}: exists and is not a directory")
         if not args.dry_run:  # a dry run prints the plan and makes nothing
-            self.out.mkdir(parents=True, exist_ok=True)
+            try:
+                self.out.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise CliError(f"--out {self.out}: cannot create the directory ({exc.strerror or exc})") from None
         self.cuda = self.device.type == "cuda"
         self.dtype = torch.bfloat16 if self.cuda else torch.float32  # part 2 (the 8B shape)
         # part 1: float32 by default, so that "identical to the baseline" is exact: in bf16 the

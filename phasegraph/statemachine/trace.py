@@ -174,9 +174,14 @@ class Trace:
             ]
         except FileNotFoundError:
             raise PhaseGraphError(f"trace file {str(path)!r} does not exist") from None
-        except (ValueError, KeyError, TypeError) as exc:
+        except IsADirectoryError:
+            raise PhaseGraphError(f"trace file {str(path)!r} is a directory, not a file") from None
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            why = f"missing key {exc}" if isinstance(exc, KeyError) else " ".join(str(exc).split())
+            if len(why) > 200:  # a message may quote a whole field of the file
+                why = why[:200] + "..."
             raise PhaseGraphError(
-                f"{str(path)!r} is not a phasegraph Chrome-trace JSON file ({exc})"
+                f"{str(path)!r} is not a phasegraph Chrome-trace JSON file ({why})"
             ) from None
         trace = cls(transitions)
         trace._t0 = 0

@@ -388,6 +388,19 @@ def test_an_out_path_that_is_a_file_is_refused(tmp_path, capsys):
     assert out.read_text() == "keep me"
 
 
+def test_an_out_directory_that_cannot_be_made_is_one_cli_line(tmp_path, capsys):
+    """--out below a file: one CLI line naming --out (was: a bare errno message)."""
+    from phasegraph.cli import main
+
+    afile = tmp_path / "afile"
+    afile.write_text("keep me")
+    out = afile / "out"
+    assert main(["bench", "--quick", "--parts", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert err == f"phasegraph: error: --out {out}: cannot create the directory (Not a directory)\n"
+    assert afile.read_text() == "keep me"
+
+
 def test_the_full_bench_without_a_gpu_writes_nothing(tmp_path, capsys, monkeypatch):
     """Without a GPU the full bench stops at once with a CLI error, before --out is created."""
     import torch
@@ -469,6 +482,9 @@ def test_the_kernel_warm_up_process_entry_point_runs_a_spec(capsys):
     (["--threads", "0"], "--threads must be at least 1, got 0"),
     (["--time-limit-s", "-1"], "--time-limit-s must be 0 (no limit) or more, got -1.0"),
     (["--train-budget-s", "-30"], "--train-budget-s must be 0 (no limit) or more, got -30.0"),
+    # NaN compares False with every elapsed time: it would have meant no limit, silently
+    (["--time-limit-s", "nan"], "--time-limit-s must be 0 (no limit) or more, got nan"),
+    (["--train-budget-s", "nan"], "--train-budget-s must be 0 (no limit) or more, got nan"),
 ])
 def test_a_count_or_limit_out_of_range_is_refused_before_anything_runs(tmp_path, capsys, argv, message):
     """Token counts, layers and threads below 1 and negative time limits are CLI errors at the

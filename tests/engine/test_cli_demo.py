@@ -49,6 +49,8 @@ def test_more_prompts_than_the_held_out_set_says_so(no_runs, capsys):
     (["--show", "-1"], "--show must be at least 0, got -1"),
     (["--threads", "0"], "--threads must be at least 1, got 0"),
     (["--graph", "/nonexistent-dir/flow.txt"], "--graph /nonexistent-dir/flow.txt: directory"),
+    # a directory that takes no file (Linux /proc): refused before the runs, not after them
+    (["--graph", "/proc/phasegraph-flow.txt"], "--graph /proc/phasegraph-flow.txt: cannot be written"),
 ])
 def test_bad_options_are_refused_before_any_run(no_runs, capsys, argv, message):
     assert main(["demo", "--device", "cpu", *argv]) == 2

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -120,3 +121,65 @@ def test_usage_errors_are_one_line(capsys):
     with pytest.raises(SystemExit):
         main(["generate", "--target", "x"])  # no prompt
     assert capsys.readouterr().err.count("\n") == 1
+
+
+def _not_a_model(tmp_path, kind: str, target):
+    """A --target/--draft path that holds no usable checkpoint."""
+    import shutil
+
+    if kind == "file":
+        path = tmp_path / "weights.safetensors"
+        path.write_text("x")
+        return path
+    path = shutil.copytree(target, tmp_path / kind)
+    config = path / "config.json"
+    if kind == "config-list":
+        config.write_text("[1, 2]")
+    elif kind == "config-heads":
+        config.write_text(json.dumps(json.loads(config.read_text()) | {"num_attention_heads": 0}))
+    elif kind == "config-rope":
+        config.write_text(json.dumps(json.loads(config.read_text())
+                                     | {"rope_scaling": {"rope_type": "bogus", "factor": 2.0}, "rope_parameters": None}))
+    return path
+
+
+@pytest.mark.parametrize("role", ["--target", "--draft"])
+@pytest.mark.parametrize(
+    ("kind", "words"),
+    [
+        ("file", ["config.json not found", "it is a file, not a checkpoint directory"]),
+        ("config-list", ["config.json must hold a JSON object; got a list"]),  # was: AttributeError
+        ("config-heads", ["num_attention_heads must be an integer >= 1; got 0"]),  # was: ZeroDivisionError
+        ("config-rope", ["transformers cannot build a model from this config", "'bogus'"]),  # was: KeyError
+    ],
+)
+def test_generate_a_directory_that_is_no_model_is_one_line_exit_2(engine_root, tmp_path, capsys, role, kind, words):
+    bundle = arch_bundle(engine_root, "llama")
+    source = bundle.target if role == "--target" else bundle.drafts["eagle3"]
+    dirs = {"--target": str(bundle.target), "--draft": str(bundle.drafts["eagle3"])}
+    dirs[role] = str(_not_a_model(tmp_path, kind, source))
+    capsys.readouterr()
+    rc = main(["generate", "--target", dirs["--target"], "--draft", dirs["--draft"], "--method", "eagle3",
+               "--prompt-ids", "1,2,3", "--max-new-tokens", "2", "--no-progress"])
+    err = capsys.readouterr().err
+    assert rc == 2, err
+    assert err.startswith("phasegraph: error: ") and err.count("\n") == 1, err
+    for w in words:
+        assert w in err, err
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_generate_an_unwritable_trace_is_refused_before_the_run(engine_root, capsys, monkeypatch):
+    """--trace in a directory that takes no file: refused before the engine is built (was: a raw
+    errno line after the whole run)."""
+    import phasegraph.runtime.engine as engine
+
+    target, _, _ = text_bundle(engine_root)
+
+    def no_run(*args, **kwargs):
+        raise AssertionError("the engine was built")
+
+    monkeypatch.setattr(engine.Engine, "from_pretrained", no_run)
+    assert main(["generate", "--target", str(target), "--prompt", PROMPT, "--trace", "/proc/pg-trace.json"]) == 2
+    err = capsys.readouterr().err
+    assert err == "phasegraph: error: --trace /proc/pg-trace.json: cannot be written (No such file or directory)\n"

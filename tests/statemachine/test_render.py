@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from phasegraph.cli import main
@@ -136,3 +139,36 @@ def test_to_pydot_keeps_every_edge():
     dot = to_pydot(EAGLE_GRAPH)
     edges = {(e.get_source().strip('"'), e.get_destination().strip('"')) for e in dot.get_edges()}
     assert edges == set(EAGLE_GRAPH.edges)
+
+
+UNWRITABLE = "/proc/phasegraph-graph.txt"  # /proc takes no new files, even from root
+
+
+@pytest.mark.skipif(not Path("/proc/self").is_dir(), reason="needs Linux /proc")
+def test_cli_graph_refuses_an_out_file_that_cannot_be_opened(capsys):
+    """A directory that exists but takes no file: refused as --out (was: a raw errno line)."""
+    assert main(["graph", "--out", UNWRITABLE]) == 2
+    err = capsys.readouterr().err
+    assert err == f"phasegraph: error: --out {UNWRITABLE}: cannot be written (No such file or directory)\n"
+
+
+def test_cli_graph_out_under_a_file_and_a_new_out_file_left_alone(tmp_path, capsys):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    assert main(["graph", "--out", str(afile / "g.txt")]) == 2
+    assert f"--out {afile / 'g.txt'}: {afile} is a file, not a directory" in capsys.readouterr().err
+    out = tmp_path / "g.txt"  # the writability probe leaves a good path as it was, then it is written
+    assert main(["graph", "--out", str(out)]) == 0 and out.read_text().startswith("phase graph")
+
+
+def test_cli_graph_trace_that_is_a_directory_or_malformed(tmp_path, capsys):
+    assert main(["graph", "--trace", str(tmp_path)]) == 2
+    assert f"trace file {str(tmp_path)!r} is a directory, not a file" in capsys.readouterr().err
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"traceEvents": [{"ph": "X", "name": "draft", "ts": "a" * 5000, "dur": 1}]}))
+    assert main(["graph", "--trace", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a phasegraph Chrome-trace JSON file" in err and len(err) < 400, err
+    bad.write_text(json.dumps({"events": []}))
+    assert main(["graph", "--trace", str(bad)]) == 2
+    assert "(missing key 'traceEvents')" in capsys.readouterr().err
