@@ -7,7 +7,7 @@ with a message that names the argument, so bad input never reaches a phase.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
@@ -68,6 +68,20 @@ class SpecConfig:
         return TreeShape(self.topk, self.num_steps, self.num_draft_tokens)
 
 
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# temperatures in (0, GREEDY_BELOW) are greedy (temperature 0)
+GREEDY_BELOW = 1e-5
+
+
+def _as_tuple(name: str, v: object, what: str) -> tuple:
+    """``v`` (None or any iterable but a mapping) as a tuple."""
+    if v is None:
+        return ()
+    if isinstance(v, (str, bytes, Mapping)) or not isinstance(v, Iterable):
+        raise InvalidRequest(f"{name} must be {what}; got {v!r}")
+    return tuple(v)
+
+
 def _finite_number(name: str, v: object) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise InvalidRequest(f"{name} must be a number; got {v!r}")
@@ -81,7 +95,7 @@ def _finite_number(name: str, v: object) -> float:
 class SamplingParams:
     """Per-request generation settings.
 
-    ``temperature`` 0 is greedy. ``top_p`` in (0, 1], ``top_k`` 0 = off. Generation stops at
+    ``temperature`` 0 is greedy (so is any below 1e-5). ``top_p`` in (0, 1], ``top_k`` 0 = off. Generation stops at
     ``max_new_tokens``, at an EOS token (unless ``ignore_eos``), at any of ``stop_token_ids``, or
     when the text contains one of ``stop`` (the text is cut before it). ``logprobs`` asks for the
     log-probability of every emitted token under the target. ``seed`` makes sampling
@@ -109,20 +123,28 @@ class SamplingParams:
         if not 0 < p <= 1:
             raise InvalidRequest(f"top_p must be in (0, 1]; got {self.top_p!r}")
         k = self.top_k
-        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
-            raise InvalidRequest(f"top_k must be an integer >= 0 (0 = off); got {k!r}")
+        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= INT64_MAX:
+            raise InvalidRequest(f"top_k must be an integer in [0, 2**63) (0 = off); got {k!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
-        stops = tuple(self.stop)
+        stops = _as_tuple("stop", self.stop, "a string or a list of strings")
         if any(not isinstance(s, str) or s == "" for s in stops):
             raise InvalidRequest(f"stop must be non-empty strings; got {stops!r}")
         object.__setattr__(self, "stop", stops)
-        ids = tuple(self.stop_token_ids)
+        ids = _as_tuple("stop_token_ids", self.stop_token_ids, "a list of token ids")
         if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
             raise InvalidRequest(f"stop_token_ids must be non-negative integers; got {ids!r}")
         object.__setattr__(self, "stop_token_ids", ids)
-        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)):
-            raise InvalidRequest(f"seed must be an integer or None; got {self.seed!r}")
+        seed = self.seed  # the per-request seed travels to the device as an int64
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not INT64_MIN <= seed <= INT64_MAX):
+            raise InvalidRequest(f"seed must be a 64-bit integer (in [-2**63, 2**63)) or None; got {seed!r}")
+        for name in ("ignore_eos", "logprobs"):  # a truthy string such as "no" would flip them
+            if not isinstance(getattr(self, name), bool):
+                raise InvalidRequest(f"{name} must be True or False; got {getattr(self, name)!r}")
+        if 0 < t < GREEDY_BELOW:
+            # logits / t overflows float32 for a tiny t (NaN probabilities, garbage tokens);
+            # sampling that cold is greedy decoding in all but ties (as in vLLM)
+            t = 0.0
         object.__setattr__(self, "temperature", t)
         object.__setattr__(self, "top_p", p)
 

@@ -13,7 +13,7 @@ import itertools
 import math
 import operator
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 import torch
@@ -21,7 +21,12 @@ import torch
 from phasegraph.phases import EAGLE_GRAPH, SpecContext
 from phasegraph.runtime.config import RequestDelta, RequestOutput, SamplingParams, SpecConfig
 from phasegraph.runtime.cuda_graphs import DEFAULT_BUCKETS, GRAPH_SCOPES, GraphRunner
-from phasegraph.runtime.errors import InvalidConfig, InvalidRequest, SchedulerInvariantError
+from phasegraph.runtime.errors import (
+    DraftMismatch,
+    InvalidConfig,
+    InvalidRequest,
+    SchedulerInvariantError,
+)
 from phasegraph.runtime.kv_pool import KVCacheManager
 from phasegraph.runtime.memory import PhaseMemory
 from phasegraph.runtime.models.target import HFTarget
@@ -75,6 +80,9 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, name: s
     if dtype is None:
         return torch.bfloat16 if device.type == "cuda" else torch.float32
     if isinstance(dtype, torch.dtype):
+        if dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            raise InvalidConfig(f"{name} must be a floating-point torch dtype (float32, bfloat16, float16, float64); "
+                                f"got {dtype}")
         return dtype
     names = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
              "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
@@ -138,11 +146,26 @@ class Engine:
         overlap: bool | None = None,
     ):
         spec = _as_spec(spec)
+        for name, model in (("target", target), ("draft", draft)):
+            if isinstance(model, (str, os.PathLike)):
+                raise InvalidConfig(
+                    f"Engine({name}=...) takes a loaded model, not the path {str(model)!r}: load "
+                    "checkpoint directories with Engine.from_pretrained(target_dir, draft_dir, spec=...)"
+                )
         if graph_scope not in GRAPH_SCOPES:
             raise InvalidConfig(f"graph_scope must be one of {', '.join(GRAPH_SCOPES)}; got {graph_scope!r}")
         self._graph_scope = graph_scope
         if spec.speculative and draft is None:
             raise InvalidConfig(f"SpecConfig(method={spec.method!r}) needs a draft model")
+        if draft is not None and not spec.speculative:
+            raise InvalidConfig(
+                "a draft was given but spec is method 'none' (the target alone), which would ignore "
+                "it: pass spec=SpecConfig(method=...) to speculate with it, or no draft"
+            )
+        eos_token_ids = _check_settings(
+            target, max_context=max_context, validate=validate, seed=seed, eos_token_ids=eos_token_ids,
+            graph_buckets=graph_buckets, simulate_accept_length=simulate_accept_length,
+        )
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise InvalidConfig(f"page_size must be an integer >= 1; got {page_size!r}")
         if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
@@ -159,6 +182,12 @@ class Engine:
         self.eos_token_ids = tuple(eos_token_ids)
         self.max_context = int(max_context or getattr(target.config, "max_position_embeddings", 4096))
         tree = spec.tree()
+        draft_vocab = getattr(self.draft, "vocab_size", None)
+        if tree is not None and isinstance(draft_vocab, int) and tree.topk > draft_vocab:
+            raise InvalidConfig(
+                f"SpecConfig.topk={tree.topk} exceeds the draft's vocabulary of {draft_vocab} tokens "
+                "(each draft step keeps the top-k of it)"
+            )
         self.tokens_per_iteration = (
             max(tree.num_draft_tokens, tree.accept_width + int(getattr(self.draft, "kv_lead", 0))) if tree else 1
         )
@@ -170,17 +199,33 @@ class Engine:
         kv_tokens = kv_pool_tokens or self._default_pool_tokens()
         num_pages = math.ceil(kv_tokens / page_size) + 1  # + the reserved page 0
         max_pages = math.ceil((self.max_context + self.kv_lookahead) / page_size) + 1
-        self.kv = KVCacheManager(
-            num_pages=num_pages,
-            page_size=page_size,
-            max_reqs=max_batch_size + 1,
-            max_pages_per_req=max_pages,
-            target=target.kv_spec,
-            draft=self.draft.kv_spec if self.draft is not None else None,
-            topk=tree.topk if tree else 1,
-            num_steps=tree.num_steps if tree else 1,
-            device=self.device,
-        )
+        try:
+            self.kv = KVCacheManager(
+                num_pages=num_pages,
+                page_size=page_size,
+                max_reqs=max_batch_size + 1,
+                max_pages_per_req=max_pages,
+                target=target.kv_spec,
+                draft=self.draft.kv_spec if self.draft is not None else None,
+                topk=tree.topk if tree else 1,
+                num_steps=tree.num_steps if tree else 1,
+                device=self.device,
+            )
+        except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
+            if not isinstance(exc, (MemoryError, torch.OutOfMemoryError)) and "alloc" not in str(exc):
+                raise
+            raise InvalidConfig(
+                f"the KV cache (kv_pool_tokens={kv_tokens}, max_context={self.max_context}, "
+                f"max_batch_size={max_batch_size}) does not fit in {self.device.type} memory: lower "
+                f"them ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
+            ) from None
+        least = 2 + self.kv_lookahead  # one prompt token and one new token, plus the lookahead
+        if self._kv_capacity() < least:
+            raise InvalidConfig(
+                f"kv_pool_tokens={kv_tokens} with page_size={page_size} leaves room for "
+                f"{max(self._kv_capacity(), 0)} tokens of one request, fewer than the {least} the "
+                "smallest request needs: raise kv_pool_tokens or lower page_size"
+            )
         self._attach_pools()
         self.ctx = SpecContext(target=target, memory=PhaseMemory(self.kv), tree=tree, draft=self.draft)
         if simulate_accept_length is not None:
@@ -258,6 +303,16 @@ class Engine:
         precision moves the acceptance length, never the output (which is always the target's).
         """
         spec = _as_spec(spec)
+        for name, path in (("target_dir", target_dir), ("draft_dir", draft_dir)):
+            if path is not None and not isinstance(path, (str, os.PathLike)):
+                raise InvalidConfig(f"{name} must be a directory path; got {type(path).__name__} {path!r}")
+        if target_dir is None:
+            raise InvalidConfig("target_dir must be a directory path; got None")
+        if draft_dir is not None and not spec.speculative:
+            raise InvalidConfig(
+                f"draft_dir {str(draft_dir)!r} was given but spec is method 'none' (the target alone), "
+                "which would ignore it: pass spec=SpecConfig(method=...) to speculate with it"
+            )
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         draft_dt = dt if draft_dtype is None else resolve_dtype(draft_dtype, dev, "draft_dtype")
@@ -269,9 +324,15 @@ class Engine:
                 raise InvalidConfig(f"SpecConfig(method={spec.method!r}) needs draft_dir")
             draft = _draft_class(spec.method).from_pretrained(Path(draft_dir), target, dtype=draft_dt, device=dev)
         tokenizer = _load_tokenizer(target_path)
+        if spec.method == "standalone":
+            _check_draft_tokenizer(Path(draft_dir), tokenizer)
         kwargs.setdefault("eos_token_ids", _eos_ids(target, target_path, tokenizer))
         return cls(target, draft, spec=spec, tokenizer=tokenizer, page_size=page_size,
                    kv_pool_tokens=kv_pool_tokens, **kwargs)
+
+    def _kv_capacity(self) -> int:
+        """KV tokens one request may hold: the pool less the tree-branch pages it also takes."""
+        return (self.kv.num_pages - 1 - self.kv.pages_per_admission) * self.page_size
 
     def _default_pool_tokens(self) -> int:
         if self.device.type != "cuda":
@@ -294,6 +355,7 @@ class Engine:
     def _make_request(self, request_id: str, prompt, params: SamplingParams) -> Request:
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be a SamplingParams; got {type(params).__name__}")
+        _check_request_id(request_id)
         if request_id in self._requests:
             raise InvalidRequest(f"request id {request_id!r} is already in use")
         ids = self._encode(prompt)
@@ -304,7 +366,7 @@ class Engine:
             )
         budget = min(params.max_new_tokens, self.max_context - len(ids))
         need = len(ids) + budget + self.kv_lookahead
-        capacity = (self.kv.num_pages - 1) * self.page_size - self.kv.pages_per_admission * self.page_size
+        capacity = self._kv_capacity()
         if need > capacity:
             raise InvalidRequest(
                 f"request {request_id!r} may need {need} tokens of KV cache, but the pool holds "
@@ -336,7 +398,12 @@ class Engine:
                 raise InvalidRequest("this target has no tokenizer: pass prompts as lists of token ids")
             ids = list(self.tokenizer(prompt)["input_ids"])
         elif isinstance(prompt, torch.Tensor):
-            ids = prompt.reshape(-1).tolist()
+            if prompt.dim() != 1:
+                raise InvalidRequest(
+                    f"a prompt tensor must be 1-D (one prompt's token ids); got shape {list(prompt.shape)} "
+                    "(pass a batch as a list of 1-D tensors)"
+                )
+            ids = prompt.tolist()
         elif isinstance(prompt, Sequence):
             ids = list(prompt)
         else:
@@ -356,6 +423,7 @@ class Engine:
 
     def abort(self, request_id: str) -> bool:
         """Stop a request; its KV is freed at once. Returns False for an unknown or finished id."""
+        _check_request_id(request_id)
         req = self._requests.get(request_id)
         if req is None or req.status is Status.FINISHED:
             return False
@@ -385,6 +453,7 @@ class Engine:
     def retract(self, request_id: str) -> bool:
         """Force a running request out of the batch (it is requeued and resumes with the same
         output). Returns False when the request is not running."""
+        _check_request_id(request_id)
         self.scheduler.drain()  # it may have finished in the iteration in flight
         for req in self.scheduler.running:
             if req.request_id == request_id:
@@ -405,8 +474,15 @@ class Engine:
         Every prompt and parameter set is checked before any work starts, so one bad prompt
         raises :class:`InvalidRequest` without running (or harming) the others.
         """
-        if isinstance(prompts, (str, torch.Tensor)) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, (str, torch.Tensor)) or (
+            isinstance(prompts, Sequence) and prompts and _as_token_id(prompts[0]) is not None
+        ):
             prompts = [prompts]  # one prompt
+        if not isinstance(prompts, Sequence):
+            raise InvalidRequest(
+                "prompts must be a list of prompts (strings or lists of token ids) or one prompt; "
+                f"got {type(prompts).__name__}"
+            )
         n = len(prompts)
         plist = [params or SamplingParams()] * n if not isinstance(params, (list, tuple)) else list(params)
         if len(plist) != n:
@@ -484,3 +560,65 @@ def _as_token_id(t) -> int | None:
 
 def _kv_bytes_per_token(spec) -> int:
     return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * torch.tensor([], dtype=spec.dtype).element_size()
+
+
+def _check_request_id(request_id) -> None:
+    if not isinstance(request_id, str):
+        raise InvalidRequest(f"a request id is a string; got {type(request_id).__name__} {request_id!r}")
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_settings(target, *, max_context, validate, seed, eos_token_ids, graph_buckets,
+                    simulate_accept_length) -> tuple[int, ...]:
+    """The Engine settings not checked where they are used: :class:`InvalidConfig` naming one.
+    Returns ``eos_token_ids`` as a tuple."""
+    if max_context is not None and (not _is_int(max_context) or max_context < 1):
+        raise InvalidConfig(f"max_context must be an integer >= 1 (or None: the model's "
+                            f"max_position_embeddings); got {max_context!r}")
+    if validate is not None:
+        from phasegraph.statemachine.modes import ValidationMode
+
+        try:
+            ValidationMode.parse(validate)
+        except ValueError as exc:
+            raise InvalidConfig(f"validate: {exc}") from None
+    if not _is_int(seed):
+        raise InvalidConfig(f"seed must be an integer; got {seed!r}")
+    eos = tuple(eos_token_ids) if isinstance(eos_token_ids, Iterable) and not isinstance(eos_token_ids, (str, bytes)) else None
+    if eos is None or any(not _is_int(t) or not 0 <= t < target.vocab_size for t in eos):
+        raise InvalidConfig(f"eos_token_ids must be a list of token ids in [0, {target.vocab_size}); "
+                            f"got {eos_token_ids!r}")
+    if graph_buckets is not None and (
+        isinstance(graph_buckets, (str, bytes)) or not isinstance(graph_buckets, Sequence)
+        or not graph_buckets or any(not _is_int(b) or b < 1 for b in graph_buckets)
+    ):
+        raise InvalidConfig(f"graph_buckets must be a list of batch sizes >= 1 (or None); got {graph_buckets!r}")
+    if simulate_accept_length is not None and not _is_int(simulate_accept_length):
+        raise InvalidConfig(f"simulate_accept_length must be an integer; got {simulate_accept_length!r}")
+    return eos
+
+
+def _check_draft_tokenizer(draft_dir: Path, tokenizer) -> None:
+    """A standalone draft that ships a tokenizer must map token ids to the same tokens as the
+    target's: with the same vocabulary size but another tokenizer, every draft would be
+    rejected (the output stays the target's, the speed-up silently vanishes)."""
+    if tokenizer is None:
+        return
+    draft_tokenizer = _load_tokenizer(draft_dir)
+    if draft_tokenizer is None:
+        return
+    target_tokens = {i: t for t, i in tokenizer.get_vocab().items()}
+    differ = sorted(
+        i for t, i in draft_tokenizer.get_vocab().items() if i in target_tokens and target_tokens[i] != t
+    )
+    if differ:
+        i = differ[0]
+        draft_token = {i: t for t, i in draft_tokenizer.get_vocab().items()}[i]
+        raise DraftMismatch(
+            f"{draft_dir}: the standalone draft's tokenizer differs from the target's: "
+            f"{len(differ)} token id(s) name other tokens (id {i} is {draft_token!r} for the draft, "
+            f"{target_tokens[i]!r} for the target); a standalone draft must share the target's tokenizer"
+        )

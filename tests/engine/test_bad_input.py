@@ -12,7 +12,9 @@ from __future__ import annotations
 import math
 import shutil
 
+import numpy as np
 import pytest
+import torch
 
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
@@ -32,7 +34,15 @@ from phasegraph.runtime.models.testing_checkpoints import (
     write_standalone_draft,
 )
 
-from .support import VOCAB, arch_bundle, assert_all_free, engine_for, greedy, make_prompts
+from .support import (
+    VOCAB,
+    arch_bundle,
+    assert_all_free,
+    engine_for,
+    greedy,
+    make_prompts,
+    text_bundle,
+)
 
 GOOD_PROMPT = [7, 3, 19, 88, 41, 2, 60]
 
@@ -103,6 +113,8 @@ BAD_REQUESTS = {
     "not-a-prompt": (42, lambda: greedy(4), InvalidRequest, ["int"]),
     "stop-id-outside-vocab": ([1, 2], lambda: greedy(4, stop_token_ids=[VOCAB + 3]), InvalidRequest, ["stop_token_ids", str(VOCAB + 3)]),
     "params-not-sampling-params": ([1, 2], lambda: {"max_new_tokens": 4}, InvalidRequest, ["SamplingParams"]),
+    # a 2-D tensor is a batch, not one prompt (it was flattened into one prompt, silently)
+    "2d-tensor-prompt": (torch.tensor([[1, 2], [3, 4]]), lambda: greedy(4), InvalidRequest, ["1-D", "[2, 2]"]),
 }
 
 
@@ -135,6 +147,14 @@ BAD_PARAMS = {
     "stop-empty-string": (dict(stop=[""]), ["stop"]),
     "stop-id-negative": (dict(stop_token_ids=[-2]), ["stop_token_ids"]),
     "seed-not-int": (dict(seed="7"), ["seed"]),
+    # beyond int64 these were accepted, then failed inside a scheduler step, leaking a row
+    "seed-beyond-int64": (dict(seed=2**70), ["seed", "64-bit"]),
+    "top-k-beyond-int64": (dict(top_k=2**70), ["top_k", "2**63"]),
+    "stop-not-a-list": (dict(stop=5), ["stop", "got 5"]),
+    "stop-ids-not-a-list": (dict(stop_token_ids=5), ["stop_token_ids", "got 5"]),
+    # any non-empty string is truthy: ignore_eos="no" ignored EOS
+    "ignore-eos-string": (dict(ignore_eos="no"), ["ignore_eos", "True or False"]),
+    "logprobs-string": (dict(logprobs="yes"), ["logprobs", "True or False"]),
 }
 
 
@@ -147,6 +167,39 @@ def test_bad_sampling_params_are_refused(busy, clean_output, case):
         assert w in str(info.value), f"message {str(info.value)!r} lacks {w!r}"
     assert isinstance(info.value, ValueError) and isinstance(info.value, PhasegraphRuntimeError)
     busy.check()
+    _finish_good(busy, clean_output)
+
+
+def test_sampling_params_none_lists_and_a_tiny_temperature(busy, clean_output):
+    """``stop=None`` / ``stop_token_ids=None`` mean none (was: TypeError); a temperature below
+    1e-5 is greedy (was: logits / t overflowing float32 into NaN, then token 0 forever)."""
+    params = SamplingParams(stop=None, stop_token_ids=None, temperature=1e-40)
+    assert params.stop == () and params.stop_token_ids == () and params.greedy
+    want = busy.generate([[3, 9, 27]], greedy(8))[0].token_ids
+    got = busy.generate([[3, 9, 27]], greedy(8, temperature=1e-40))[0].token_ids
+    assert got == want
+    _finish_good(busy, clean_output)
+
+
+def test_request_ids_are_strings(busy, clean_output):
+    """Non-string ids are refused by add_request, abort and retract (abort(["x"]) was a
+    TypeError from a dict lookup)."""
+    for call in (lambda: busy.add_request(5, [1, 2], greedy(4)),
+                 lambda: busy.add_request(None, [1, 2], greedy(4)),
+                 lambda: busy.abort(["good"]),
+                 lambda: busy.retract(7)):
+        with pytest.raises(InvalidRequest, match="a request id is a string"):
+            call()
+    assert _queued(busy) == ["good"]
+    _finish_good(busy, clean_output)
+
+
+@pytest.mark.parametrize("prompts", [None, (p for p in [[1, 2]]), {(1, 2)}, np.array([1, 2, 3])],
+                         ids=["none", "generator", "set", "ndarray"])
+def test_generate_takes_a_list_of_prompts(busy, clean_output, prompts):
+    with pytest.raises(InvalidRequest, match="prompts must be a list of prompts"):
+        busy.generate(prompts, greedy(4))
+    assert _queued(busy) == ["good"]
     _finish_good(busy, clean_output)
 
 
@@ -187,6 +240,7 @@ def test_bad_spec_config(busy, clean_output, case):
 
 def test_bad_engine_settings(busy, clean_output, engine_root):
     bundle = arch_bundle(engine_root, "llama")
+    e3 = dict(spec=SpecConfig(method="eagle3", num_steps=2, topk=2))
     for kw, words in [
         (dict(page_size=0), ["page_size"]),
         (dict(dtype="float8"), ["dtype"]),
@@ -198,12 +252,50 @@ def test_bad_engine_settings(busy, clean_output, engine_root):
         (dict(device="tpu"), ["device", "'tpu'", "'cuda:N'"]),
         (dict(device="mps"), ["device", "'mps'", "CPUs and NVIDIA GPUs"]),
         (dict(device=3.5), ["device", "3.5"]),
+        (dict(max_context=0), ["max_context", ">= 1", "got 0"]),  # was: silently the default
+        (dict(max_context=-5), ["max_context", "got -5"]),
+        (dict(validate="bogus"), ["validate", "'bogus'", "strict"]),  # was: a plain ValueError
+        (dict(seed="x"), ["seed", "'x'"]),
+        (dict(eos_token_ids=5), ["eos_token_ids", "got 5"]),  # was: TypeError
+        (dict(eos_token_ids=[VOCAB]), ["eos_token_ids", f"[0, {VOCAB})"]),
+        (dict(cuda_graphs="emulate", graph_buckets=[0, 2]), ["graph_buckets", ">= 1"]),
+        (dict(cuda_graphs="emulate", graph_buckets="abc"), ["graph_buckets"]),  # was: TypeError
+        (dict(simulate_accept_length=2.5), ["simulate_accept_length", "integer"]),  # was: TypeError
+        (dict(dtype=torch.int32), ["dtype", "floating-point", "torch.int32"]),  # was: transformers' ValueError
+        (dict(draft_dtype=torch.int64), ["draft_dtype", "torch.int64"]),  # was: nn.Module.to's TypeError
+        (dict(dtype=torch.float8_e4m3fn), ["dtype", "float8"]),  # was: TypeError from torch
+        # a page larger than the pool: "the pool holds -1000000" at the first request
+        (dict(page_size=10**6), ["kv_pool_tokens=4096", "page_size=1000000", "raise kv_pool_tokens"]),
+        (dict(kv_pool_tokens=10**12), ["KV cache", "does not fit", "cpu memory"]),  # was: MemoryError
+        # top-k of a 96-token vocabulary: a ValueError from the draft kernel at the first step
+        (dict(spec=SpecConfig(method="eagle3", num_steps=2, topk=97)), ["topk=97", "vocabulary of 96"]),
+        (dict(spec=SpecConfig(method="standalone", topk=97)), ["topk=97"]),
+        # a draft directory and no speculative method: the draft was silently ignored
+        (dict(spec=None), ["draft_dir", "method 'none'", "SpecConfig(method=...)"]),
+        (dict(target=None), ["target_dir", "None"]),  # was: TypeError from pathlib
+        (dict(target=5), ["target_dir", "int"]),
     ]:
-        draft = kw.pop("draft", bundle.drafts["eagle3"])
+        kw = {**e3, **kw}
+        method = getattr(kw["spec"], "method", "eagle3")
+        draft = kw.pop("draft", bundle.drafts.get(method, bundle.drafts["eagle3"]))
+        target = kw.pop("target", bundle.target)
+        kw.setdefault("kv_pool_tokens", 4096)
         with pytest.raises(InvalidConfig) as info:
-            Engine.from_pretrained(bundle.target, draft, **kw)
+            Engine.from_pretrained(target, draft, **kw)
         for w in words:
             assert w in str(info.value), (kw, str(info.value))
+    _finish_good(busy, clean_output)
+
+
+def test_engine_takes_loaded_models_and_no_ignored_draft(busy, clean_output):
+    """``Engine(...)`` given paths (meant for from_pretrained) or a draft beside method 'none'."""
+    bundle_target, draft = busy.target, busy.draft
+    with pytest.raises(InvalidConfig, match=r"takes a loaded model, not the path .*Engine.from_pretrained"):
+        Engine("some/target/dir")  # was: AttributeError: 'str' object has no attribute 'device'
+    with pytest.raises(InvalidConfig, match="Engine.from_pretrained"):
+        Engine(bundle_target, "some/draft/dir", spec=SpecConfig(method="eagle3"))
+    with pytest.raises(InvalidConfig, match="a draft was given but spec is method 'none'"):
+        Engine(bundle_target, draft)  # was: the draft silently ignored
     _finish_good(busy, clean_output)
 
 
@@ -319,6 +411,28 @@ def test_draft_with_missing_or_misshaped_keys(busy, clean_output, engine_root, t
     msg = str(info.value)
     for w in ["midlayer.mlp.up_proj.weight", "extra.weight", "fc.weight", "[32, 95]", "[32, 96]"]:
         assert w in msg, msg
+    _finish_good(busy, clean_output)
+
+
+def test_standalone_draft_with_another_tokenizer(busy, clean_output, engine_root, tmp_path):
+    """Same vocabulary size, other token ids: every draft would be rejected, silently (the output
+    is still the target's); the loader names a token id the two tokenizers disagree on."""
+    import json
+
+    target, drafts, _ = text_bundle(engine_root)
+    Engine.from_pretrained(target, drafts["self"], spec=SpecConfig(method="standalone"))  # same: fine
+    d = _copy(drafts["self"], tmp_path / "other-tokenizer")
+    tok = json.loads((d / "tokenizer.json").read_text())
+    vocab = tok["model"]["vocab"]
+    a, b = sorted(vocab, key=vocab.get)[300:302]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    (d / "tokenizer.json").write_text(json.dumps(tok))
+    with pytest.raises(DraftMismatch) as info:
+        Engine.from_pretrained(target, d, spec=SpecConfig(method="standalone"))
+    msg = str(info.value)
+    assert "tokenizer differs from the target's: 2 token id(s) name other tokens" in msg, msg
+    assert f"id {vocab[b]} is {b!r} for the draft, {a!r} for the target" in msg, msg
+    _step(busy)
     _finish_good(busy, clean_output)
 
 
