@@ -64,6 +64,7 @@ def run_demo(args: argparse.Namespace) -> int:
     import torch
 
     from phasegraph import SamplingParams
+    from phasegraph.runtime.engine import resolve_device
     from phasegraph.statemachine import PhaseGraphError
 
     if not (demo_pair_dir() / "target" / "config.json").exists():
@@ -75,9 +76,7 @@ def run_demo(args: argparse.Namespace) -> int:
     for option, value, least in (("--prompts", args.prompts, 1), ("--show", args.show, 0), ("--threads", args.threads, 1)):
         if value < least:
             raise CliError(f"{option} must be at least {least}, got {value}")
-    device = args.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = resolve_device(args.device).type  # a GPU asked for and missing: refused before the header
     if device == "cpu":
         torch.set_num_threads(max(1, args.threads))
     prompts = demo_prompts(args.prompts)

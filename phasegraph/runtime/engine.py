@@ -165,6 +165,8 @@ class Engine:
         eos_token_ids = _check_settings(
             target, max_context=max_context, validate=validate, seed=seed, eos_token_ids=eos_token_ids,
             graph_buckets=graph_buckets, simulate_accept_length=simulate_accept_length,
+            switches=dict(trace=trace, check_every_step=check_every_step, prefill_graphs=prefill_graphs,
+                          overlap=overlap, cuda_graphs=cuda_graphs),
         )
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise InvalidConfig(f"page_size must be an integer >= 1; got {page_size!r}")
@@ -571,10 +573,21 @@ def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+# Engine switches: what each may be besides True / False (a truthy string such as "no" would
+# silently turn a switch on)
+SWITCH_EXTRAS = {"trace": (), "check_every_step": (), "prefill_graphs": (), "overlap": (None,),
+                 "cuda_graphs": (None, "emulate")}
+
+
 def _check_settings(target, *, max_context, validate, seed, eos_token_ids, graph_buckets,
-                    simulate_accept_length) -> tuple[int, ...]:
+                    simulate_accept_length, switches) -> tuple[int, ...]:
     """The Engine settings not checked where they are used: :class:`InvalidConfig` naming one.
     Returns ``eos_token_ids`` as a tuple."""
+    for name, value in switches.items():
+        extras = SWITCH_EXTRAS[name]
+        if not isinstance(value, bool) and not any(value is e or (isinstance(e, str) and value == e) for e in extras):
+            allowed = ", ".join(["True", "False", *map(repr, extras)])
+            raise InvalidConfig(f"{name} must be one of {allowed}; got {value!r}")
     if max_context is not None and (not _is_int(max_context) or max_context < 1):
         raise InvalidConfig(f"max_context must be an integer >= 1 (or None: the model's "
                             f"max_position_embeddings); got {max_context!r}")

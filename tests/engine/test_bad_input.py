@@ -253,6 +253,12 @@ def test_bad_engine_settings(busy, clean_output, engine_root):
         (dict(device="mps"), ["device", "'mps'", "CPUs and NVIDIA GPUs"]),
         (dict(device=3.5), ["device", "3.5"]),
         (dict(max_context=0), ["max_context", ">= 1", "got 0"]),  # was: silently the default
+        # a truthy string turned a switch on ("no" traced, "yes" graphed as if True)
+        (dict(trace="no"), ["trace must be one of True, False", "got 'no'"]),
+        (dict(overlap="yes"), ["overlap must be one of True, False, None", "got 'yes'"]),
+        (dict(cuda_graphs="yes"), ["cuda_graphs must be one of True, False, None, 'emulate'", "got 'yes'"]),
+        (dict(check_every_step=1), ["check_every_step", "got 1"]),
+        (dict(prefill_graphs="off"), ["prefill_graphs", "got 'off'"]),
         (dict(max_context=-5), ["max_context", "got -5"]),
         (dict(validate="bogus"), ["validate", "'bogus'", "strict"]),  # was: a plain ValueError
         (dict(seed="x"), ["seed", "'x'"]),

@@ -65,3 +65,14 @@ def test_a_picture_without_graphviz_is_refused_before_any_run(no_runs, monkeypat
     err = capsys.readouterr().err
     assert "a .svg file needs Graphviz's `dot` program" in err
     assert not (tmp_path / "flow.svg").exists()
+
+
+def test_a_missing_gpu_is_refused_before_the_header(no_runs, monkeypatch, capsys):
+    """``--device cuda`` where no GPU answers: one error line, and no header promising a run."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["demo", "--device", "cuda"]) == 2
+    captured = capsys.readouterr()
+    assert "device='cuda' was asked for but no CUDA GPU is available" in captured.err
+    assert captured.out == ""
