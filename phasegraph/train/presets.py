@@ -247,14 +247,33 @@ def _parse_scalar(text: str, like: object) -> object:
     return text
 
 
+# fields a run cannot have at zero (sizes, lengths, rates); every other number must be >= 0
+POSITIVE_FIELDS = frozenset({
+    "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
+    "head_dim", "context", "rope_theta", "rms_norm_eps", "batch_size", "seq_len", "lr",
+    "unroll", "eval_every", "eval_windows", "draft_vocab_size", "selfgen_prompt_len",
+    "selfgen_batch", "gen_tokens", "chain_steps", "tree_topk", "tree_steps", "tree_nodes",
+})
+
+
 def _parsed(item: str, text: str, like: object) -> object:
-    """``text`` as the type of the field it replaces; a ValueError names the override."""
+    """``text`` as the type of the field it replaces, in the field's range; a ValueError names
+    the override."""
     try:
-        return _parse_scalar(text.strip(), like)
+        value = _parse_scalar(text.strip(), like)
     except ValueError as exc:
         kinds = {bool: "a boolean", int: "an integer", float: "a number"}
         kind = kinds.get(type(like), "a number or text")
         raise ValueError(f"override {item!r}: expected {kind}, got {text!r}") from exc
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        name = item.partition("=")[0].strip().rpartition(".")[2]
+        if not math.isfinite(value):
+            raise ValueError(f"override {item!r}: expected a finite number, got {text!r}")
+        if name in POSITIVE_FIELDS and value <= 0:
+            raise ValueError(f"override {item!r}: {name} must be greater than 0")
+        if value < 0:
+            raise ValueError(f"override {item!r}: {name} must be 0 or more")
+    return value
 
 
 def apply_overrides(preset: Preset, overrides: list[str]) -> Preset:

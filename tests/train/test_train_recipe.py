@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import pytest
@@ -190,6 +191,17 @@ def test_cli_plan_and_overrides(capsys):
         apply_overrides(TINY, ["eval.max_prompts=abc"])
     with pytest.raises(ValueError, match=r"override 'target_train.lr=fast': expected a number"):
         apply_overrides(TINY, ["target_train.lr=fast"])
+    # values out of a field's range: refused where they are given, not deep inside training
+    for item, message in [
+        ("target_train.steps=-5", "steps must be 0 or more"),
+        ("target.hidden_size=0", "hidden_size must be greater than 0"),
+        ("head_train.lr=-1e-3", "lr must be greater than 0"),
+        ("target_train.lr=nan", "expected a finite number, got 'nan'"),
+        ("eval.max_prompts=-1", "max_prompts must be 0 or more"),
+    ]:
+        with pytest.raises(ValueError, match=re.escape(f"override {item!r}: {message}")):
+            apply_overrides(TINY, [item])
+    assert apply_overrides(TINY, ["target_train.steps=0"]).target_train.steps == 0
     with pytest.raises(SystemExit):
         main(["tiny"])  # --out missing
 
