@@ -60,6 +60,9 @@ def _cmd_graph(args: argparse.Namespace) -> int:
     from phasegraph.statemachine import Trace
     from phasegraph.statemachine.render import BINARY_FORMATS, render_bytes
 
+    for option, path in (("--out", args.out), ("--trace", args.trace)):
+        if path is not None and not path.strip():  # "" would mean stdout / no overlay, unasked
+            raise CliError(f"{option} needs a file name, got an empty one")
     fmt = graph_format(args.format, args.out)
     if args.out:
         writable_file(args.out, "--out")

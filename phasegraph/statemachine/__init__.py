@@ -5,8 +5,10 @@ Nothing here knows about speculative decoding, and nothing here imports torch at
 
 from phasegraph.statemachine.errors import (
     IllegalTransition,
+    InvalidPhase,
     InvalidPhaseGraph,
     InvalidSchema,
+    InvalidValidationMode,
     InvariantViolation,
     PhaseContractViolation,
     PhaseGraphError,
@@ -37,8 +39,10 @@ from phasegraph.statemachine.trace import Trace, Transition, add_listener, remov
 __all__ = [
     "RULES",
     "IllegalTransition",
+    "InvalidPhase",
     "InvalidPhaseGraph",
     "InvalidSchema",
+    "InvalidValidationMode",
     "InvariantViolation",
     "Machine",
     "PhaseContractViolation",

@@ -1,8 +1,9 @@
 """The exceptions of the phase-graph core, one tree under :class:`PhaseGraphError`.
 
-Definition errors (:class:`InvalidPhaseGraph`, :class:`InvalidSchema`) are raised when a graph or
-schema is declared; the others when a machine runs. Each carries its data as attributes and a
-message a user can act on.
+Definition errors (:class:`InvalidPhaseGraph`, :class:`InvalidPhase`, :class:`InvalidSchema`) are
+raised when a graph, phase or schema is declared; :class:`InvalidValidationMode` for a mode that
+is none; the others when a machine runs. Each carries its data as attributes and a message a user
+can act on.
 """
 
 from __future__ import annotations
@@ -24,6 +25,17 @@ class InvalidSchema(PhaseGraphError):
         super().__init__(f"schema {schema} is declared wrongly:\n{lines}")
 
 
+class InvalidPhase(PhaseGraphError):
+    """A phase is declared wrongly (its name, function or extra inputs); raised by :func:`phase`
+    and when a :class:`PhaseSpec` is made."""
+
+    def __init__(self, phase: object, problems: Sequence[str]):
+        self.phase = phase
+        self.problems = tuple(problems)
+        lines = "\n".join(f"  - {p}" for p in self.problems)
+        super().__init__(f"phase {phase!r} is declared wrongly:\n{lines}")
+
+
 class InvalidPhaseGraph(PhaseGraphError):
     """A phase graph broke one or more build-time rules; ``problems`` maps rule -> findings."""
 
@@ -35,6 +47,11 @@ class InvalidPhaseGraph(PhaseGraphError):
             parts.append(f"  rule {rule!r}:")
             parts.extend(f"    - {f}" for f in found)
         super().__init__(f"phase graph {graph!r} is invalid:\n" + "\n".join(parts))
+
+
+class InvalidValidationMode(PhaseGraphError, ValueError):
+    """A validation mode that is not ``strict``, ``boundary`` or ``off`` (given as an argument,
+    or in the ``PHASEGRAPH_VALIDATE`` environment variable)."""
 
 
 class IllegalTransition(PhaseGraphError):

@@ -9,6 +9,11 @@ offending phase or field):
 - ``reachable``: every phase is reachable from the entry;
 - ``no_dead_ends``: every phase has an outgoing edge unless declared terminal (terminals have none);
 - ``schema_compatible``: on every edge, the source's output schema satisfies the target's input.
+
+Before the rules, the arguments themselves are checked: phases must be :class:`PhaseSpec` (made
+with :func:`phase`), edges ``(source, target)`` pairs of phase names, the entry a phase name;
+anything else raises :class:`InvalidPhaseGraph` with its findings under ``"declaration"`` (no
+rule skips that). ``terminals`` and ``skip_rules`` take one name or a collection of names.
 """
 
 from __future__ import annotations
@@ -34,6 +39,11 @@ def _rule_known_phases(g: PhaseGraph) -> list[str]:
         for end in (a, b):
             if end not in known:
                 problems.append(f"edge {a!r} -> {b!r} names undeclared phase {end!r}")
+    seen: set[tuple[str, str]] = set()
+    for edge in g._edge_list:
+        if edge in seen:
+            problems.append(f"edge {edge[0]!r} -> {edge[1]!r} is declared more than once")
+        seen.add(edge)
     if g.entry not in known:
         problems.append(f"entry {g.entry!r} is not a declared phase")
     problems += [f"terminal {t!r} is not a declared phase" for t in g.terminals if t not in known]
@@ -87,6 +97,43 @@ RULES: dict[str, Rule] = {
 }
 
 
+def _names(value: str | Iterable[str]) -> tuple[str, ...]:
+    """One name, or a collection of them (a lone string is one name, not its characters)."""
+    return (value,) if isinstance(value, str) else tuple(value)
+
+
+def _declared(
+    name: str, phases: Sequence[PhaseSpec], edges: Iterable[tuple[str, str]], entry: str
+) -> tuple[tuple[PhaseSpec, ...], tuple[tuple[str, str], ...]]:
+    """The phases and edges as tuples, or :class:`InvalidPhaseGraph` (``"declaration"``) naming
+    every argument that is not of the declared form."""
+    problems = []
+    phase_list: tuple = ()
+    edge_list: list[tuple[str, str]] = []
+    if isinstance(phases, (str, bytes)) or not isinstance(phases, Iterable):
+        problems.append(f"phases must be a sequence of PhaseSpec, got {type(phases).__name__}")
+    else:
+        phase_list = tuple(phases)
+        for i, p in enumerate(phase_list):
+            if not isinstance(p, PhaseSpec):
+                hint = " (decorate it with @phase)" if callable(p) else ""
+                problems.append(f"phases[{i}] is a {type(p).__name__}, not a PhaseSpec{hint}")
+    if isinstance(edges, (str, bytes)) or not isinstance(edges, Iterable):
+        problems.append(f"edges must be a collection of (source, target) pairs, got {type(edges).__name__}")
+    else:
+        for edge in edges:
+            pair = tuple(edge) if isinstance(edge, (tuple, list)) else None
+            if pair is None or len(pair) != 2 or not all(isinstance(e, str) for e in pair):
+                problems.append(f"edge {edge!r} is not a (source, target) pair of phase names")
+            else:
+                edge_list.append(pair)
+    if not isinstance(entry, str):
+        problems.append(f"entry must be a phase name, got {entry!r}")
+    if problems:
+        raise InvalidPhaseGraph(name, {"declaration": problems})
+    return phase_list, tuple(edge_list)
+
+
 class PhaseGraph:
     """An immutable, checked graph of phases (nodes) and legal transitions (edges)."""
 
@@ -102,10 +149,10 @@ class PhaseGraph:
     ):
         self.name = name
         self.entry = entry
-        self.terminals = frozenset(terminals)
-        self._phase_list = tuple(phases)
-        self._edge_list = tuple((str(a), str(b)) for a, b in edges)
+        self.terminals = frozenset(_names(terminals))
+        self._phase_list, self._edge_list = _declared(name, phases, edges, entry)
         self.phases: dict[str, PhaseSpec] = {p.name: p for p in self._phase_list}
+        skip_rules = _names(skip_rules)
         unknown_rules = set(skip_rules) - set(RULES)
         if unknown_rules:
             raise ValueError(f"unknown rules {sorted(unknown_rules)}; rules are {sorted(RULES)}")

@@ -22,7 +22,14 @@ from phasegraph.statemachine.errors import (
 )
 from phasegraph.statemachine.graph import PhaseGraph
 from phasegraph.statemachine.modes import ValidationMode, get_validation_mode
-from phasegraph.statemachine.schema import Schema, check_fields, check_invariants, nested_schemas
+from phasegraph.statemachine.schema import (
+    Schema,
+    as_device,
+    check_fields,
+    check_invariants,
+    check_nested_fields,
+    nested_schemas,
+)
 
 _ids = itertools.count(1)
 _STRICT = ValidationMode.STRICT
@@ -41,9 +48,14 @@ class Machine:
         device: Any = None,
         trace: _trace.Trace | None = None,
     ):
+        if not isinstance(graph, PhaseGraph):
+            raise PhaseGraphError(f"a Machine runs a PhaseGraph, got {type(graph).__name__}")
+        if trace is not None and not callable(getattr(trace, "record", None)):
+            raise PhaseGraphError(f"trace must be a phasegraph Trace or None, got {type(trace).__name__}")
         self.graph = graph
         self.name = name or f"{graph.name}-{next(_ids)}"
         self._mode = None if validate is None else ValidationMode.parse(validate)
+        as_device(device)  # a device torch does not take fails here, not at the first phase
         self.device = device
         self.trace = trace
         self._phase: str | None = None
@@ -124,7 +136,7 @@ class Machine:
             )
         if versions is not None and _tensor_versions(inp) != versions:
             after = _tensor_versions(inp)
-            names = [name for name, _ in inp.tensors()]
+            names = [name for name, _ in _tensors_deep(inp)]
             changed = [n for n, a, b in zip(names, versions, after, strict=True) if a != b]
             if changed:
                 raise PhaseContractViolation(
@@ -132,8 +144,9 @@ class Machine:
                 )
         if mode is not _OFF:
             # nested schemas the input carried were checked with it; new ones are checked here
+            # (boundary mode checks only the output's own fields; strict also the new nested ones)
             known = frozenset(map(id, (inp, *nested_schemas(inp)))) if mode is _STRICT else frozenset()
-            self._validate(out, mode, name, "output", known)
+            self._validate(out, mode, name, "output", known, nested=mode is _STRICT)
         self._phase = name
         self._state = out
         if self.trace is not None or _trace.has_listeners():
@@ -164,10 +177,14 @@ class Machine:
 
     # -- helpers
     def _validate(self, obj: Schema, mode: ValidationMode, phase: str, side: str,
-                  known: frozenset[int] = frozenset()) -> None:
+                  known: frozenset[int] = frozenset(), nested: bool = True) -> None:
+        """Check ``obj`` per ``mode``; with ``nested`` also the fields of the schemas nested in it
+        that are not in ``known`` (a state from outside the machine: all of them)."""
         spec = type(obj).__schema__
         try:
             check_fields(obj, spec, self.device)
+            if nested:
+                check_nested_fields(obj, self.device, known)
             if mode is _STRICT:
                 check_invariants(obj, spec, nested=True, known=known)
         except SchemaViolation as err:
@@ -197,6 +214,22 @@ class Machine:
         return f"Machine({self.name!r}, phase={self._phase!r}, state={state})"
 
 
+def _tensors_deep(obj: Schema, prefix: str = ""):
+    """(name, tensor) for every tensor field of ``obj`` and of the schemas nested in it
+    (``params.seed``)."""
+    for name, x in obj.tensors():
+        yield prefix + name, x
+    for vs in type(obj).__schema__.values:
+        if vs.nested:
+            inner = getattr(obj, vs.name)
+            if inner is not None:
+                yield from _tensors_deep(inner, f"{prefix}{vs.name}.")
+
+
 def _tensor_versions(obj: Schema) -> tuple[int, ...]:
-    """In-place modification counters of every tensor field (they rise on any in-place op)."""
-    return tuple(x._version for _, x in obj.tensors())
+    """In-place modification counters of every tensor field, nested schemas' included, in the
+    order of :func:`_tensors_deep` (they rise on any in-place op)."""
+    versions = [x._version for _, x in obj.tensors()]
+    for inner in nested_schemas(obj):
+        versions += [x._version for _, x in inner.tensors()]
+    return tuple(versions)

@@ -6,6 +6,11 @@
 - ``boundary``: schema metadata checks only (dtype, shape, dims, device): no value reads, so no
   host synchronisation.
 - ``off``: only the transition-legality check (a table lookup). The production hot path.
+
+The process-wide default is ``PHASEGRAPH_VALIDATE`` (``boundary`` when it is unset or empty) until
+:func:`set_validation_mode` changes it. A value there that names no mode makes the first
+:func:`get_validation_mode` (e.g. a machine's first phase) raise :class:`InvalidValidationMode`;
+importing phasegraph, or :func:`set_validation_mode` (the pytest plugin's option), still works.
 """
 
 from __future__ import annotations
@@ -14,6 +19,8 @@ import contextlib
 import enum
 import os
 from collections.abc import Iterator
+
+from phasegraph.statemachine.errors import InvalidValidationMode
 
 
 class ValidationMode(enum.Enum):
@@ -29,20 +36,38 @@ class ValidationMode(enum.Enum):
             return cls(str(value).lower())
         except ValueError:
             choices = ", ".join(m.value for m in cls)
-            raise ValueError(f"unknown validation mode {value!r}; choose one of {choices}") from None
+            raise InvalidValidationMode(
+                f"unknown validation mode {value!r}; choose one of {choices}"
+            ) from None
 
 
 _ENV = "PHASEGRAPH_VALIDATE"
-_global_mode = ValidationMode.parse(os.environ.get(_ENV, "boundary"))
+
+
+def _mode_from_env() -> tuple[ValidationMode | None, str]:
+    """The mode ``PHASEGRAPH_VALIDATE`` names (unset or empty: boundary), or None and why not."""
+    raw = os.environ.get(_ENV, "")
+    try:
+        return ValidationMode.parse(raw.strip() or "boundary"), ""
+    except InvalidValidationMode as exc:
+        return None, f"environment variable {_ENV}={raw!r}: {exc}"
+
+
+# None while PHASEGRAPH_VALIDATE names no mode and nothing has set one: reading it then raises
+_global_mode, _env_problem = _mode_from_env()
 
 
 def get_validation_mode() -> ValidationMode:
     """The process-wide default mode (machines without their own setting use it)."""
-    return _global_mode
+    mode = _global_mode
+    if mode is None:
+        raise InvalidValidationMode(_env_problem)
+    return mode
 
 
-def set_validation_mode(mode: ValidationMode | str) -> ValidationMode:
-    """Set the process-wide default; returns the previous one."""
+def set_validation_mode(mode: ValidationMode | str) -> ValidationMode | None:
+    """Set the process-wide default; returns the previous one (None when the previous one came
+    from a ``PHASEGRAPH_VALIDATE`` that named no mode)."""
     global _global_mode
     previous = _global_mode
     _global_mode = ValidationMode.parse(mode)
@@ -52,8 +77,9 @@ def set_validation_mode(mode: ValidationMode | str) -> ValidationMode:
 @contextlib.contextmanager
 def validation_mode(mode: ValidationMode | str) -> Iterator[ValidationMode]:
     """Temporarily switch the process-wide default."""
+    global _global_mode
     previous = set_validation_mode(mode)
     try:
         yield get_validation_mode()
     finally:
-        set_validation_mode(previous)
+        _global_mode = previous

@@ -8,8 +8,30 @@ from typing import Any
 
 import attrs
 
-from phasegraph.statemachine.errors import InvalidSchema
+from phasegraph.statemachine.errors import InvalidPhase, InvalidSchema
 from phasegraph.statemachine.schema import Schema
+
+
+def _schema_problem(cls: Any) -> str | None:
+    """Why ``cls`` cannot be a phase's input or output schema (None: it can)."""
+    if not (isinstance(cls, type) and issubclass(cls, Schema)):
+        return "must be a Schema subclass"
+    if "__schema__" not in vars(cls):
+        return f"{cls.__name__} must be decorated with @schema"
+    return None
+
+
+def _check_schemas(name: Any, input: Any, output: Any, extra_inputs: Any) -> None:  # noqa: A002
+    if not isinstance(extra_inputs, Mapping):
+        raise InvalidPhase(name, [
+            f"extra_inputs must map argument names to Schema subclasses, got {type(extra_inputs).__name__}"
+        ])
+    extra = ((f"extra input {key!r}", cls) for key, cls in extra_inputs.items())
+    for label, cls in (("input", input), ("output", output), *extra):
+        problem = _schema_problem(cls)
+        if problem is not None:
+            shown = cls.__name__ if isinstance(cls, type) else str(cls)
+            raise InvalidSchema(shown, [f"phase {name!r}: {label} {problem}"])
 
 
 @attrs.frozen(eq=False)
@@ -27,6 +49,25 @@ class PhaseSpec:
     fn: Callable[..., Any]
     doc: str = ""
     extra_inputs: Mapping[str, type[Schema]] = attrs.field(factory=dict)
+
+    def __attrs_post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise InvalidPhase(self.name, ["a phase's name must be a non-empty string"])
+        _check_schemas(self.name, self.input, self.output, self.extra_inputs)
+        if not callable(self.fn):
+            raise InvalidPhase(self.name, [f"its function must be callable, got {type(self.fn).__name__}"])
+        try:
+            signature = inspect.signature(self.fn)
+        except (TypeError, ValueError):  # a callable without a signature (some builtins)
+            return
+        try:
+            signature.bind(None, None, **dict.fromkeys(self.extra_inputs))
+        except TypeError as exc:
+            extra = "".join(f", {k}=..." for k in self.extra_inputs)
+            raise InvalidPhase(self.name, [
+                f"its function {getattr(self.fn, '__qualname__', repr(self.fn))}{signature} cannot be "
+                f"called as fn(state, ctx{extra}): {exc}"
+            ]) from None
 
     def __call__(self, state: Any, ctx: Any = None, **extra: Any) -> Any:
         return self.fn(state, ctx, **extra)
@@ -50,9 +91,10 @@ def phase(
         def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
             '''Run the target over the tree and accept the longest matching path.'''
     """
-    for label, cls in (("input", input), ("output", output), *((extra_inputs or {}).items())):
-        if not (isinstance(cls, type) and issubclass(cls, Schema)):
-            raise InvalidSchema(str(cls), [f"phase {name!r}: {label} must be a Schema subclass"])
+    if not isinstance(name, str) or not name:
+        raise InvalidPhase(name, ["a phase's name must be a non-empty string"])
+    extra_inputs = {} if extra_inputs is None else extra_inputs
+    _check_schemas(name, input, output, extra_inputs)
 
     def wrap(fn: Callable[..., Any]) -> PhaseSpec:
         return PhaseSpec(
@@ -60,8 +102,8 @@ def phase(
             input=input,
             output=output,
             fn=fn,
-            doc=inspect.getdoc(fn) or "",
-            extra_inputs=dict(extra_inputs or {}),
+            doc=(inspect.getdoc(fn) or "") if callable(fn) else "",
+            extra_inputs=dict(extra_inputs),
         )
 
     return wrap

@@ -53,10 +53,16 @@ class GraphView:
 def describe(graph: PhaseGraph, trace: Trace | None = None) -> GraphView:
     """The intermediate representation every renderer consumes."""
     stats = trace.edge_stats() if trace is not None else {}
-    unknown = sorted({t for (_, t) in stats if t not in graph.phases})
+    unknown = sorted({n for edge in stats for n in edge if n is not None and n not in graph.phases})
     if unknown:
         raise PhaseGraphError(
             f"the trace names phases {unknown} that graph {graph.name!r} does not declare"
+        )
+    declared = set(graph.edges) | {(None, graph.entry)}
+    undeclared = sorted(f"{a or '(start)'} -> {b}" for a, b in stats if (a, b) not in declared)
+    if undeclared:
+        raise PhaseGraphError(
+            f"the trace took transitions {undeclared} that graph {graph.name!r} does not declare"
         )
     visits: dict[str, list[EdgeStats]] = {}
     for (_, target), s in stats.items():

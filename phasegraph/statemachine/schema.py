@@ -13,6 +13,7 @@ that the pytest plugin can load the package without it.
 
 from __future__ import annotations
 
+import ast
 import re
 import typing
 from collections.abc import Callable, Iterator
@@ -20,7 +21,12 @@ from typing import Any, ClassVar
 
 import attrs
 
-from phasegraph.statemachine.errors import InvalidSchema, InvariantViolation, SchemaViolation
+from phasegraph.statemachine.errors import (
+    InvalidSchema,
+    InvariantViolation,
+    PhaseGraphError,
+    SchemaViolation,
+)
 from phasegraph.statemachine.modes import ValidationMode
 
 _META_KEY = "phasegraph"
@@ -86,13 +92,40 @@ class _Dim:
     factors: tuple[str, ...] | None = None  # set when the expr is a pure product of names/ints
 
 
+_DIM_OPS = (ast.Add, ast.Sub, ast.Mult, ast.FloorDiv)
+
+
+def _is_dim_expr(node: ast.AST) -> bool:
+    """Whether ``node`` is integer arithmetic (+, -, *, //) over dim names and integers."""
+    if isinstance(node, ast.BinOp):
+        return isinstance(node.op, _DIM_OPS) and _is_dim_expr(node.left) and _is_dim_expr(node.right)
+    if isinstance(node, ast.UnaryOp):
+        return isinstance(node.op, ast.USub) and _is_dim_expr(node.operand)
+    if isinstance(node, ast.Constant):
+        return type(node.value) is int
+    return isinstance(node, ast.Name)
+
+
 def _parse_dim(token: str) -> _Dim:
+    """One dim of a shape string; ``ValueError`` (the reason) for what schemas do not support."""
     if token == "_":
         return _Dim(token, "any")
     if _INT.match(token):
         return _Dim(token, "int", size=int(token))
     if _NAME.match(token):
         return _Dim(token, "name")
+    if token.startswith(("*", "...")):
+        raise ValueError(f"{token!r}: variadic dims are not supported (a schema fixes every rank)")
+    if token.startswith("#"):
+        raise ValueError(f"{token!r}: broadcastable dims are not supported")
+    try:
+        tree = ast.parse(token, mode="eval")
+    except SyntaxError:
+        raise ValueError(f"{token!r} is not a dim") from None
+    if not _is_dim_expr(tree.body):
+        raise ValueError(
+            f"{token!r}: a dim is _, an integer, a name, or +, -, *, // over names and integers"
+        )
     code = compile(token, f"<dim {token}>", "eval")
     factors = tuple(f.strip() for f in token.split("*"))
     pure_product = all(_NAME.match(f) or _INT.match(f) for f in factors)
@@ -171,30 +204,53 @@ def _split_optional(tp: Any) -> tuple[Any, bool]:
 
 
 def _compile(cls: type) -> CompiledSchema:
-    hints = typing.get_type_hints(cls, include_extras=True)
+    import torch
+
+    try:
+        hints = typing.get_type_hints(cls, include_extras=True)
+    except Exception as exc:  # an annotation that names what the module does not define
+        raise InvalidSchema(cls.__name__, [
+            f"its annotations cannot be resolved ({type(exc).__name__}: {exc}); a name used in "
+            "an annotation must be importable from the schema's module"
+        ]) from None
     problems: list[str] = []
     tensors: list[_TensorSpec] = []
     values: list[_ValueSpec] = []
     for f in attrs.fields(cls):
         meta: _FieldMeta = f.metadata.get(_META_KEY) or _FieldMeta(None, False, "")
         tp, optional = _split_optional(hints.get(f.name, Any))
+        if any(_is_array_annotation(a) for a in typing.get_args(tp)):
+            problems.append(
+                f"field {f.name!r}: a union of array types is not supported; declare one "
+                "jaxtyping annotation (optionally | None)"
+            )
+            continue
         if _is_array_annotation(tp):
             dim_text = tp.dim_str
             tokens = dim_text.split()
             try:
                 dims = tuple(_parse_dim(t) for t in tokens)
-            except SyntaxError:
-                problems.append(f"field {f.name!r}: cannot parse shape {dim_text!r}")
+            except ValueError as why:
+                problems.append(f"field {f.name!r}: cannot parse shape {dim_text!r}: {why}")
+                continue
+            array_type = getattr(tp, "array_type", torch.Tensor)
+            if array_type is not torch.Tensor:
+                problems.append(
+                    f"field {f.name!r} is annotated with {getattr(array_type, '__name__', array_type)}; "
+                    "schema tensors are torch.Tensor"
+                )
                 continue
             if meta.role is not None and (not tokens or tokens[0] != meta.role.leading):
                 problems.append(
                     f"field {f.name!r} has role {meta.role.name!r}, so its first dim must be "
                     f"{meta.role.leading!r}, but its shape is {dim_text!r}"
                 )
-            dtypes = _torch_dtypes(tuple(tp.dtypes))
+            # jaxtyping's Shaped (any dtype) carries no list of dtype names
+            names = tuple(tp.dtypes) if isinstance(tp.dtypes, (tuple, list)) else ("any",)
+            dtypes = _torch_dtypes(names)
             tensors.append(
                 _TensorSpec(
-                    f.name, dtypes, "|".join(tp.dtypes), dims, dim_text, optional,
+                    f.name, dtypes, "|".join(names), dims, dim_text, optional,
                     meta.role, meta.host, meta.doc,
                 )
             )
@@ -329,12 +385,15 @@ class Schema:
         """Check this instance against its declaration; returns the bound symbolic dims.
 
         ``device``, when given, is the device every compute tensor must be on.
+        Schemas nested in it (e.g. a state's BatchParams) are checked too.
         Raises :class:`SchemaViolation` (or :class:`InvariantViolation`) on the first problem.
         """
         mode = ValidationMode.parse(mode)
         if mode is ValidationMode.OFF:
             return {}
+        device = as_device(device)
         dims = check_fields(self, type(self).__schema__, device)
+        check_nested_fields(self, device)
         if mode is ValidationMode.STRICT:
             check_invariants(self, type(self).__schema__, nested=True)
         return dims
@@ -382,8 +441,9 @@ class Schema:
 
 def schema(cls: type) -> type:
     """Class decorator: make ``cls`` a frozen attrs schema and compile its field checks."""
-    if not issubclass(cls, Schema):
-        raise InvalidSchema(cls.__name__, ["a schema must subclass phasegraph.statemachine.Schema"])
+    if not (isinstance(cls, type) and issubclass(cls, Schema)):
+        shown = cls.__name__ if isinstance(cls, type) else repr(cls)
+        raise InvalidSchema(shown, ["a schema must subclass phasegraph.statemachine.Schema"])
     new = attrs.frozen(eq=False, kw_only=True, repr=False)(cls)
     new.__schema__ = _compile(new)
     return new
@@ -400,13 +460,38 @@ def _shape_text(shape) -> str:
     return "[" + ", ".join(str(s) for s in shape) + "]"
 
 
+def as_device(device: Any) -> Any:
+    """``device`` as a ``torch.device`` (None stays None), or a :class:`PhaseGraphError` saying
+    why torch takes no such device."""
+    if device is None:
+        return None
+    import torch
+
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as exc:
+        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PhaseGraphError(f"device {device!r} is not a usable torch device ({why})") from None
+
+
 def check_fields(obj: Any, spec: CompiledSchema, device: Any) -> dict[str, int]:
     """Metadata checks of every field (no tensor values are read)."""
     if spec.fast_check is not None:
-        found = spec.fast_check(obj, device)
+        try:
+            found = spec.fast_check(obj, device)
+        except ZeroDivisionError:  # a // dim over a zero size: the reporting path says so
+            found = None
         if found is not None:
             return found
     return _check_fields_reporting(obj, spec, device)
+
+
+def check_nested_fields(obj: Any, device: Any, known: frozenset[int] = frozenset()) -> None:
+    """:func:`check_fields` of every schema nested in ``obj`` (depth first) except the instances
+    whose ``id`` is in ``known`` (already checked)."""
+    for inner in nested_schemas(obj):
+        if id(inner) not in known:
+            check_fields(inner, type(inner).__schema__, device)
 
 
 def _check_fields_reporting(obj: Any, spec: CompiledSchema, device: Any) -> dict[str, int]:
@@ -496,7 +581,13 @@ def _check_fields_reporting(obj: Any, spec: CompiledSchema, device: Any) -> dict
 def _check_expr(name, ts, axis, d: _Dim, size: int, bindings, bound_by) -> None:
     unknown = [n for n in d.names if n not in bindings]
     if not unknown:
-        want = eval(d.code, {"__builtins__": {}}, bindings)  # noqa: S307 - compiled dim expr
+        try:
+            want = eval(d.code, {"__builtins__": {}}, bindings)  # noqa: S307 - compiled dim expr
+        except ZeroDivisionError:
+            env = ", ".join(f"{n}={bindings[n]}" for n in d.names)
+            raise SchemaViolation(
+                name, ts.name, f"{d.text} on axis {axis} to be defined", f"a division by zero ({env})"
+            ) from None
         if want != size:
             env = ", ".join(f"{n}={bindings[n]}" for n in d.names)
             raise SchemaViolation(
@@ -541,7 +632,17 @@ def check_invariants(
     (e.g. a state's BatchParams) except the instances whose ``id`` is in ``known`` (already
     checked: a phase's output carrying its input's params unchanged pays nothing for them)."""
     for label, fn in spec.invariants:
-        problem = fn(obj)
+        try:
+            problem = fn(obj)
+        except PhaseGraphError:
+            raise
+        except Exception as exc:  # e.g. values torch cannot read (meta or sparse tensors)
+            why = " ".join(str(exc).split()) or type(exc).__name__
+            if len(why) > 200:
+                why = why[:200] + "..."
+            raise InvariantViolation(
+                spec.name, label, f"could not be checked ({type(exc).__name__}: {why})"
+            ) from exc
         if problem:
             raise InvariantViolation(spec.name, label, problem)
     if nested:

@@ -8,6 +8,7 @@ append of a small tuple; summaries are computed only when asked.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from collections import defaultdict
@@ -159,23 +160,22 @@ class Trace:
 
         try:
             data = json.loads(Path(path).read_text())
-            events = [e for e in data["traceEvents"] if e.get("ph") == "X"]
+            if not isinstance(data, dict) or not isinstance(data.get("traceEvents", []), list):
+                raise ValueError("expected an object whose 'traceEvents' is a list")
+            events = data["traceEvents"]
             transitions = [
-                Transition(
-                    machine=str(e["args"].get("machine", e.get("tid"))),
-                    source=e["args"].get("from"),
-                    target=e["name"],
-                    start_ns=int(e["ts"] * 1000),
-                    end_ns=int((e["ts"] + e["dur"]) * 1000),
-                    batch_size=e["args"].get("batch_size"),
-                    schema=e["args"].get("schema", ""),
-                )
-                for e in events
+                _transition_of_event(i, e)
+                for i, e in enumerate(events)
+                if not isinstance(e, dict) or e.get("ph") == "X"
             ]
         except FileNotFoundError:
             raise PhaseGraphError(f"trace file {str(path)!r} does not exist") from None
         except IsADirectoryError:
             raise PhaseGraphError(f"trace file {str(path)!r} is a directory, not a file") from None
+        except RecursionError:
+            raise PhaseGraphError(
+                f"{str(path)!r} is not a phasegraph Chrome-trace JSON file (nested too deeply)"
+            ) from None
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             why = f"missing key {exc}" if isinstance(exc, KeyError) else " ".join(str(exc).split())
             if len(why) > 200:  # a message may quote a whole field of the file
@@ -186,3 +186,43 @@ class Trace:
         trace = cls(transitions)
         trace._t0 = 0
         return trace
+
+
+def _number(e: dict, key: str, i: int) -> float:
+    x = e[key]
+    if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
+        raise ValueError(f"event {i}: {key!r} must be a finite number, got {x!r}")
+    return x
+
+
+def _transition_of_event(i: int, e: object) -> Transition:
+    """The transition a complete ("X") event written by :meth:`Trace.save_chrome` records;
+    ``ValueError`` / ``KeyError`` naming what does not fit."""
+    if not isinstance(e, dict):
+        raise ValueError(f"event {i} is a {type(e).__name__}, not an object")
+    args = e["args"]
+    if not isinstance(args, dict):
+        raise ValueError(f"event {i}: 'args' must be an object, got {type(args).__name__}")
+    ts, dur = _number(e, "ts", i), _number(e, "dur", i)
+    if dur < 0:
+        raise ValueError(f"event {i}: 'dur' must be >= 0, got {dur!r}")
+    checks = (
+        ("name", e["name"], (str,), False),
+        ("args.from", args.get("from"), (str,), True),
+        ("args.batch_size", args.get("batch_size"), (int,), True),
+        ("args.schema", args.get("schema", ""), (str,), False),
+    )
+    for label, x, types, optional in checks:
+        if not (x is None and optional) and (isinstance(x, bool) or not isinstance(x, types)):
+            kind = "a string" if types == (str,) else "an integer"
+            raise ValueError(f"event {i}: {label!r} must be {kind}{' or null' if optional else ''}, "
+                             f"got {x!r}")
+    return Transition(
+        machine=str(args.get("machine", e.get("tid"))),
+        source=args.get("from"),
+        target=e["name"],
+        start_ns=int(ts * 1000),
+        end_ns=int((ts + dur) * 1000),
+        batch_size=args.get("batch_size"),
+        schema=args["schema"] if "schema" in args else "",
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import attrs
 import pytest
 import torch
 from jaxtyping import Float32, Int64
@@ -9,7 +10,9 @@ from jaxtyping import Float32, Int64
 from phasegraph.statemachine import (
     RULES,
     IllegalTransition,
+    InvalidPhase,
     InvalidPhaseGraph,
+    InvalidSchema,
     PhaseGraph,
     Schema,
     phase,
@@ -109,3 +112,71 @@ def test_rules_can_be_skipped_by_name():
 def test_illegal_transition_message():
     err = IllegalTransition("draft-extend", "verify", ["draft", "merge"])
     assert str(err) == "Can't run 'verify' when in 'draft-extend'; allowed: 'draft', 'merge'"
+
+
+def test_malformed_declarations_are_named_not_raw_errors():
+    """Edges that are no pairs of names, phases that are no PhaseSpecs and an entry that is no
+    name were a raw ValueError / AttributeError (or, for a string edge, read as its letters)."""
+    with pytest.raises(InvalidPhaseGraph) as err:
+        PhaseGraph("g", [_mk("a", A, A), "b", lambda s, c: s],
+                   [("a", "a", "x"), "ab", ("a", 1)], entry=None)
+    found = err.value.problems["declaration"]
+    assert found == (
+        "phases[1] is a str, not a PhaseSpec",
+        "phases[2] is a function, not a PhaseSpec (decorate it with @phase)",
+        "edge ('a', 'a', 'x') is not a (source, target) pair of phase names",
+        "edge 'ab' is not a (source, target) pair of phase names",
+        "edge ('a', 1) is not a (source, target) pair of phase names",
+        "entry must be a phase name, got None",
+    )
+    with pytest.raises(InvalidPhaseGraph, match="edges must be a collection of .source, target. pairs, got str"):
+        PhaseGraph("g", [_mk("a", A, A)], "aa", entry="a")
+
+
+def test_duplicate_edges_are_refused():
+    phases = [_mk("a", A, A), _mk("b", A, A)]
+    with pytest.raises(InvalidPhaseGraph) as err:
+        PhaseGraph("g", phases, [("a", "b"), ("b", "a"), ("a", "b")], entry="a")
+    assert err.value.problems == {"known_phases": ("edge 'a' -> 'b' is declared more than once",)}
+
+
+def test_one_terminal_or_skipped_rule_may_be_given_as_a_string():
+    """A lone string was taken letter by letter ("terminal 'e' is not a declared phase")."""
+    g = PhaseGraph("g", [_mk("a", A, A), _mk("end", A, A)], [("a", "end")], entry="a", terminals="end")
+    assert g.terminals == {"end"}
+    g = PhaseGraph("g", [_mk("a", A, A), _mk("b", B, A)], [("a", "b"), ("b", "a")], entry="a",
+                   skip_rules="schema_compatible")
+    assert g.skipped_rules == {"schema_compatible"}
+
+
+def test_phase_declaration_errors_are_named():
+    """A name that is no string, a function that is not callable or takes no (state, ctx),
+    extra inputs that are no mapping, and a schema class never compiled by @schema were accepted
+    (failing later as raw TypeError / AttributeError) or a raw AttributeError."""
+    with pytest.raises(InvalidPhase, match="phase 3 is declared wrongly:\n  - a phase's name must be a non-empty string"):
+        phase(3, input=A, output=A)
+    with pytest.raises(InvalidPhase, match="phase '' is declared wrongly"):
+        phase("", input=A, output=A)
+    with pytest.raises(InvalidPhase, match="its function must be callable, got int"):
+        phase("p", input=A, output=A)(3)
+    with pytest.raises(InvalidPhase, match="extra_inputs must map argument names to Schema subclasses, got list"):
+        phase("p", input=A, output=A, extra_inputs=[A])
+    with pytest.raises(InvalidSchema, match="phase 'p': extra input 'o' must be a Schema subclass"):
+        phase("p", input=A, output=A, extra_inputs={"o": int})
+
+    class Raw(Schema):  # never decorated with @schema
+        pass
+
+    with pytest.raises(InvalidSchema, match="phase 'p': output Raw must be decorated with @schema"):
+        phase("p", input=A, output=Raw)
+
+    def one_arg(state):
+        return state
+
+    with pytest.raises(InvalidPhase, match=r"its function .*one_arg\(state\) cannot be called as fn\(state, ctx\)"):
+        phase("p", input=A, output=A)(one_arg)
+    with pytest.raises(InvalidPhase, match=r"cannot be called as fn\(state, ctx, other=\.\.\.\)"):
+        phase("p", input=A, output=A, extra_inputs={"other": A})(lambda s, c: s)
+    good = _mk("p", A, A)
+    with pytest.raises(InvalidPhase, match="cannot be called as fn"):  # a PhaseSpec made otherwise
+        attrs.evolve(good, fn=one_arg)

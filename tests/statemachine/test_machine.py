@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
@@ -140,3 +141,125 @@ def test_reset_places_a_validated_state(graph):
         m.reset("merge", syn.tree_proposal(syn.draft_state(2)))
     m.reset()
     assert m.phase is None
+
+
+def test_a_bad_phasegraph_validate_variable_leaves_the_package_importable():
+    """PHASEGRAPH_VALIDATE=bogus made `import phasegraph` (and so every pytest run, through the
+    plugin) fail with a traceback; now the mode is refused where it is first needed."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import phasegraph.statemachine as s\n"
+        "try:\n"
+        "    s.get_validation_mode()\n"
+        "except s.InvalidValidationMode as e:\n"
+        "    print(e)\n"
+        "s.set_validation_mode('off')\n"
+        "print(s.get_validation_mode().value)\n"
+    )
+    env = {**os.environ, "PHASEGRAPH_VALIDATE": "bogus"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=False)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [
+        "environment variable PHASEGRAPH_VALIDATE='bogus': unknown validation mode 'bogus'; "
+        "choose one of strict, boundary, off",
+        "off",
+    ]
+    env["PHASEGRAPH_VALIDATE"] = ""  # set but empty: the default, as if unset
+    out = subprocess.run([sys.executable, "-c", "import phasegraph.statemachine as s; print(s.get_validation_mode().value)"],
+                         capture_output=True, text=True, env=env, check=False)
+    assert out.stdout.strip() == "boundary", out.stderr
+
+
+def test_a_bad_mode_is_an_invalid_validation_mode(graph):
+    from phasegraph.statemachine import InvalidValidationMode
+
+    with pytest.raises(InvalidValidationMode, match="unknown validation mode 3"):
+        Machine(graph, validate=3)
+    m = Machine(graph)
+    with pytest.raises(InvalidValidationMode, match="unknown validation mode 'nah'"):
+        m.validation = "nah"
+    assert issubclass(InvalidValidationMode, ValueError)  # what Engine and older callers catch
+
+
+def test_machine_arguments_are_checked_when_it_is_made(graph):
+    """A graph or trace of the wrong type, or a device torch does not take, was a raw
+    AttributeError / RuntimeError at the first phase (the trace's after the state changed)."""
+    with pytest.raises(PhaseGraphError, match="a Machine runs a PhaseGraph, got str"):
+        Machine("eagle")
+    with pytest.raises(PhaseGraphError, match="trace must be a phasegraph Trace or None, got list"):
+        Machine(graph, trace=[])
+    with pytest.raises(PhaseGraphError, match="device 'cuda:x' is not a usable torch device"):
+        Machine(graph, device="cuda:x")
+
+
+@pytest.mark.parametrize("mode", ["boundary", "strict"])
+def test_nested_schemas_from_outside_are_checked(graph, mode):
+    """A BatchParams of the wrong dtype inside an entry state, a reset state or an extra input
+    passed every mode (a nested schema's fields were never checked)."""
+    bad_params = syn.batch_params(2).replace(seed=torch.zeros(2))
+    entry = syn.prefill_input([2, 3]).replace(params=bad_params)
+    m = Machine(graph, validate=mode)
+    with pytest.raises(SchemaViolation) as err:
+        m.advance("prefill-extend", None, state=entry)
+    assert str(err.value) == ("BatchParams.seed (input of phase 'prefill-extend'): "
+                              "expected dtype int64, got dtype float32")
+    assert m.phase is None
+    with pytest.raises(SchemaViolation, match="BatchParams.seed \\(output of phase 'merge'\\)"):
+        m.reset("merge", syn.draft_state(2).replace(params=bad_params))
+    m.reset("merge", syn.draft_state(2))
+    other = syn.draft_state(2, start_row=3).replace(params=syn.batch_params(2, start_row=3).replace(seed=torch.zeros(2)))
+    with pytest.raises(SchemaViolation, match="BatchParams.seed \\(extra input 'other' of phase 'merge'\\)"):
+        m.advance("merge", syn.SyntheticContext(), other=other)
+
+
+def test_strict_mode_sees_a_nested_input_mutated_in_place(graph):
+    """A phase that changed its input's BatchParams in place was not caught."""
+    import attrs
+
+    from phasegraph.phases.eagle import EDGES
+    from phasegraph.statemachine import PhaseContractViolation, PhaseGraph
+
+    def sloppy_decode(state, ctx):
+        state.params.temperature.add_(1.0)
+        return state.replace(seq_lens=state.seq_lens + 1)
+
+    phases = [attrs.evolve(p, fn=sloppy_decode) if p.name == "decode" else p for p in graph]
+    m = Machine(PhaseGraph("g", phases, EDGES, entry="prefill-extend"), validate="strict")
+    m.reset("merge", syn.draft_state(2))
+    with pytest.raises(PhaseContractViolation, match="mutated its input DraftState in place \\(fields \\['params.temperature'\\]\\)"):
+        m.advance("decode")
+
+
+def _chrome(tmp_path, event):
+    p = tmp_path / "t.json"
+    p.write_text(json.dumps({"traceEvents": [event]}).replace('"INF"', "Infinity"))
+    return p
+
+
+@pytest.mark.parametrize(("change", "why"), [
+    ({"ts": "INF"}, "event 0: 'ts' must be a finite number, got inf"),  # was a raw OverflowError
+    ({"ts": True}, "event 0: 'ts' must be a finite number, got True"),
+    ({"dur": -5}, "event 0: 'dur' must be >= 0, got -5"),  # was a transition that ended first
+    ({"name": 5}, "event 0: 'name' must be a string, got 5"),
+    ({"args": {"from": 3}}, "event 0: 'args.from' must be a string or null, got 3"),
+    ({"args": {"batch_size": "x"}}, "event 0: 'args.batch_size' must be an integer or null, got 'x'"),
+    ({"args": []}, "event 0: 'args' must be an object, got list"),
+])
+def test_load_chrome_checks_every_field_it_reads(tmp_path, change, why):
+    event = {"ph": "X", "name": "draft", "ts": 0, "dur": 1, "args": {"from": "draft-extend"}, **change}
+    with pytest.raises(PhaseGraphError, match=f"is not a phasegraph Chrome-trace JSON file \\({re.escape(why)}\\)"):
+        Trace.load_chrome(_chrome(tmp_path, event))
+
+
+def test_load_chrome_refuses_other_shapes_and_deep_nesting(tmp_path):
+    p = tmp_path / "x.json"
+    for text, why in [("[1, 2]", "expected an object whose 'traceEvents' is a list"),
+                      ('{"traceEvents": {"a": 1}}', "expected an object whose 'traceEvents' is a list"),
+                      ('{"traceEvents": ["x"]}', "event 0 is a str, not an object"),
+                      ("[" * 100000 + "]" * 100000, "nested too deeply")]:  # was a raw RecursionError
+        p.write_text(text)
+        with pytest.raises(PhaseGraphError, match=re.escape(why)):
+            Trace.load_chrome(p)

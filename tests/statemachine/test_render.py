@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
 
 from phasegraph.cli import main
 from phasegraph.phases import EAGLE_GRAPH
-from phasegraph.statemachine import Machine, RendererUnavailable, Trace
+from phasegraph.statemachine import Machine, PhaseGraphError, RendererUnavailable, Trace
 from phasegraph.statemachine.render import graphviz_available, render, render_bytes
 from phasegraph.testing import synthetic as syn
 
@@ -172,3 +173,47 @@ def test_cli_graph_trace_that_is_a_directory_or_malformed(tmp_path, capsys):
     bad.write_text(json.dumps({"events": []}))
     assert main(["graph", "--trace", str(bad)]) == 2
     assert "(missing key 'traceEvents')" in capsys.readouterr().err
+
+
+def _trace_file(tmp_path, *edges):
+    events = [{"ph": "X", "name": b, "ts": i, "dur": 1, "args": {"from": a, "machine": "m"}}
+              for i, (a, b) in enumerate(edges)]
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    return path
+
+
+def test_overlay_refuses_a_trace_with_transitions_the_graph_does_not_declare(tmp_path, capsys):
+    """A source phase the graph lacks, or an edge it does not declare, was dropped from the
+    drawing while its visits still counted."""
+    ghost = Trace.load_chrome(_trace_file(tmp_path, (None, "prefill-extend"), ("ghost", "draft")))
+    with pytest.raises(PhaseGraphError, match=re.escape("the trace names phases ['ghost'] that graph 'eagle' does not declare")):
+        render(EAGLE_GRAPH, "text", ghost)
+    skip = _trace_file(tmp_path, (None, "prefill-extend"), ("prefill-extend", "verify"), (None, "draft"))
+    assert main(["graph", "--trace", str(skip)]) == 2
+    assert capsys.readouterr().err == (
+        "phasegraph: error: the trace took transitions ['(start) -> draft', 'prefill-extend -> verify'] "
+        "that graph 'eagle' does not declare\n"
+    )
+    fine = Trace.load_chrome(_trace_file(tmp_path, (None, "prefill-extend"), ("prefill-extend", "draft-extend")))
+    assert "visits=1" in render(EAGLE_GRAPH, "text", fine)
+
+
+def test_cli_graph_infinite_time_in_a_trace_is_one_line(tmp_path, capsys):
+    """Was a traceback (OverflowError from int(inf))."""
+    bad = tmp_path / "bad.json"
+    bad.write_text('{"traceEvents": [{"ph": "X", "name": "draft", "ts": Infinity, "dur": 1, "args": {}}]}')
+    assert main(["graph", "--trace", str(bad)]) == 2
+    assert capsys.readouterr().err == (
+        f"phasegraph: error: {str(bad)!r} is not a phasegraph Chrome-trace JSON file "
+        "(event 0: 'ts' must be a finite number, got inf)\n"
+    )
+
+
+@pytest.mark.parametrize("option", ["--out", "--trace"])
+def test_cli_graph_refuses_an_empty_file_name(option, capsys):
+    """`--out ''` printed to stdout and `--trace ''` drew no overlay, as if neither were given."""
+    assert main(["graph", option, ""]) == 2
+    captured = capsys.readouterr()
+    assert captured.err == f"phasegraph: error: {option} needs a file name, got an empty one\n"
+    assert captured.out == ""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from jaxtyping import Float32, Int64
@@ -193,3 +194,83 @@ def test_the_generated_fast_check_accepts_what_the_reporting_path_accepts():
 def test_batch_size_reads_the_first_set_field_that_leads_with_the_batch_dim():
     assert Toy.__schema__.batch_fields == ("ids", "scores", "table", "opt", "host_lens")
     assert toy(B=6).batch_size == 6
+
+
+def _declare(annotation, **field):
+    return schema(type("S", (Schema,), {"__annotations__": {"x": annotation}, "x": tensor(**field)}))
+
+
+def test_shapes_schemas_cannot_check_are_refused_at_declaration():
+    """'...' was read as the expression Ellipsis (every tensor then failed with "...=Ellipsis"),
+    'B[0]' and 'foo()' failed at check time with a raw TypeError."""
+    for shape, why in [("B ...", "'...': variadic dims are not supported"),
+                       ("*B", "'\\*B': variadic dims are not supported"),
+                       ("#B", "'#B': broadcastable dims are not supported"),
+                       ("B B[0]", "'B\\[0\\]': a dim is _, an integer, a name, or \\+, -, \\*, // over"),
+                       ("foo()", "'foo\\(\\)': a dim is _"),
+                       ("B=3", "'B=3' is not a dim")]:
+        with pytest.raises(InvalidSchema, match=f"field 'x': cannot parse shape .*: {why}"):
+            _declare(Float32[torch.Tensor, shape])
+
+
+def test_a_division_by_zero_in_a_dim_is_a_schema_violation():
+    """Was a raw ZeroDivisionError from the generated check."""
+    S = _declare(Float32[torch.Tensor, "B N B//N"])
+    assert S(x=torch.zeros(4, 2, 2)).validate() == {"B": 4, "N": 2}
+    with pytest.raises(SchemaViolation, match="S.x: expected B//N on axis 2 to be defined, got a division by zero"):
+        S(x=torch.zeros(4, 0, 2)).validate()
+
+
+def test_declarations_that_failed_deep_in_typing_or_jaxtyping_are_invalid_schemas():
+    from jaxtyping import Shaped
+
+    S = _declare(Shaped[torch.Tensor, "B"])  # any dtype (was a raw TypeError from jaxtyping's _AnyDtype)
+    S(x=torch.zeros(2, dtype=torch.bool)).validate()
+    with pytest.raises(InvalidSchema, match="field 'x': a union of array types is not supported"):
+        _declare(Float32[torch.Tensor, "B"] | Int64[torch.Tensor, "B"])  # was: an unchecked value
+    with pytest.raises(InvalidSchema, match="field 'x' is annotated with ndarray; schema tensors are torch.Tensor"):
+        _declare(Float32[np.ndarray, "B"])
+    with pytest.raises(InvalidSchema, match="its annotations cannot be resolved \\(NameError: name 'Nope'"):
+        schema(type("S", (Schema,), {"__annotations__": {"x": "Nope"}, "x": value()}))
+    with pytest.raises(InvalidSchema, match="schema 3 is declared wrongly:\n  - a schema must subclass"):
+        schema(3)  # was: TypeError: issubclass() arg 1 must be a class
+
+
+def test_validate_checks_the_fields_of_nested_schemas():
+    """A nested schema of the wrong dtype passed validate() (only its batch size was compared)."""
+    from phasegraph.testing import synthetic as syn
+
+    state = syn.draft_state(2)
+    state.validate()
+    bad = state.replace(params=state.params.replace(seed=torch.zeros(2)))
+    with pytest.raises(SchemaViolation, match="BatchParams.seed: expected dtype int64, got dtype float32"):
+        bad.validate("boundary")
+
+
+def test_an_invariant_that_cannot_read_its_values_is_an_invariant_violation():
+    """On sparse or meta tensors torch's own error escaped from the invariant."""
+    @schema
+    class Sparse(Schema):
+        ids: Int64[torch.Tensor, "B"] = tensor()
+
+        @invariant("ids are sorted")
+        def _sorted(self):
+            return None if bool((self.ids[1:] >= self.ids[:-1]).all()) else "unsorted"
+
+    with pytest.raises(InvariantViolation, match="expected invariant 'ids are sorted', got could not be checked \\(NotImplementedError"):
+        Sparse(ids=torch.arange(4).to_sparse()).validate("strict")
+    meta = Sparse(ids=torch.empty(4, dtype=torch.int64, device="meta"))
+    meta.validate("boundary")
+    with pytest.raises(InvariantViolation, match="could not be checked"):
+        toy(ids=torch.empty(4, dtype=torch.int64, device="meta"), scores=torch.empty(4, 2, device="meta"),
+            per_node=torch.empty(12, dtype=torch.int64, device="meta"),
+            table=torch.empty(4, 3, dtype=torch.int64, device="meta")).validate("strict")
+
+
+def test_validate_refuses_a_device_or_mode_it_does_not_know():
+    from phasegraph.statemachine import InvalidValidationMode, PhaseGraphError
+
+    with pytest.raises(PhaseGraphError, match="device 'cuda:x' is not a usable torch device \\(Invalid device string"):
+        toy().validate(device="cuda:x")  # was: a raw RuntimeError from torch.device
+    with pytest.raises(InvalidValidationMode, match="unknown validation mode 'sometimes'"):
+        toy().validate("sometimes")
