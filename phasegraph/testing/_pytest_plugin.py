@@ -1,7 +1,8 @@
 """pytest plugin ``phasegraph`` (entry point ``pytest11``). Loads without importing torch.
 
 - ``--phasegraph-validate=strict|boundary|off`` sets the validation mode of every machine that
-  has no mode of its own (default ``strict``: full schema checks and invariants in tests);
+  has no mode of its own (default ``strict``: full schema checks and invariants in tests), in
+  place of the ``PHASEGRAPH_VALIDATE`` environment variable;
 - fixture ``phase_graph``: the declared EAGLE phase graph;
 - fixture ``phase_trace``: a :class:`~phasegraph.testing.PhaseTraceRecorder` of every transition
   the test causes, with assertions such as ``assert_followed_by("verify", "finalize-tree-path")``;

@@ -23,6 +23,7 @@ import torch
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.random import counter_uniform
 from phasegraph.phases.protocols import DraftOutput
+from phasegraph.runtime.errors import InvalidConfig
 from phasegraph.runtime.kv_pool import KVSpec
 
 
@@ -32,6 +33,12 @@ class _ScriptedDraft(abc.ABC):
     kv_lead = 0
 
     def __init__(self, continuations: Mapping[tuple[int, ...], Sequence[int]], vocab_size: int):
+        name = type(self).__name__
+        if not isinstance(continuations, Mapping):
+            raise InvalidConfig(f"{name}: continuations must map each prompt (a sequence of token "
+                                f"ids) to its greedy continuation, got {type(continuations).__name__}")
+        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
+            raise InvalidConfig(f"{name}: vocab_size must be an integer >= 2, got {vocab_size!r}")
         self.engine = None  # set once the engine that runs this draft exists
         self.continuations = {tuple(k): list(v) for k, v in continuations.items()}
         self.vocab_size = vocab_size
@@ -61,7 +68,13 @@ class _ScriptedDraft(abc.ABC):
     def _true_next(self, req, draft_position: int) -> int:
         """The token the target's greedy decoding puts at ``draft_position + 2``: a draft row at
         position p carries token p+1 and predicts token p+2."""
-        seq = req.prompt + self.continuations[tuple(req.prompt)]
+        continuation = self.continuations.get(tuple(req.prompt))
+        if continuation is None:
+            raise InvalidConfig(
+                f"{type(self).__name__} has no continuation for the prompt of request "
+                f"{req.request_id!r} ({len(req.prompt)} tokens): give it every prompt the engine runs"
+            )
+        seq = req.prompt + continuation
         i = draft_position + 2
         return seq[i] if i < len(seq) else 0
 
@@ -76,6 +89,9 @@ class _ScriptedDraft(abc.ABC):
         step: int,
         logits_index: torch.Tensor | None = None,
     ) -> DraftOutput:
+        if self.engine is None:
+            raise InvalidConfig(f"{type(self).__name__}.engine is not set: assign draft.engine = "
+                                "engine once the engine that runs it is built")
         self.calls += 1
         rows = list(range(input_ids.shape[0])) if logits_index is None else logits_index.tolist()
         pos = positions.tolist()
@@ -153,6 +169,9 @@ class NoisyOracleDraft(_ScriptedDraft):
 
     def __init__(self, *args, accept_rate: float = 0.6, **kw):
         super().__init__(*args, **kw)
+        ok = isinstance(accept_rate, (int, float)) and not isinstance(accept_rate, bool)
+        if not (ok and 0.0 <= accept_rate <= 1.0):  # NaN fails the comparison too
+            raise InvalidConfig(f"NoisyOracleDraft: accept_rate must be a number in [0, 1], got {accept_rate!r}")
         self.accept_rate = accept_rate
 
     def score(self, keys, positions, true_tokens):

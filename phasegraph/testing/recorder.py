@@ -8,9 +8,15 @@ from phasegraph.statemachine.trace import Trace, Transition, add_listener, remov
 class PhaseTraceRecorder(Trace):
     """Records the transitions a test causes (all machines) while it is started.
 
+    >>> from phasegraph.statemachine import Machine
+    >>> from phasegraph.testing import synthetic as syn
     >>> rec = PhaseTraceRecorder().start()
-    >>> ...                                  # run phases
+    >>> m = Machine(syn.synthetic_eagle_graph())
+    >>> _ = m.advance("prefill-extend", state=syn.prefill_input([3]))
+    >>> for name in ("draft-extend", "draft", "verify", "finalize-tree-path"):
+    ...     _ = m.advance(name)
     >>> rec.assert_followed_by("verify", "finalize-tree-path")
+    >>> rec.stop()
     """
 
     def start(self) -> PhaseTraceRecorder:

@@ -69,3 +69,29 @@ def test_validate_option_and_trace_fixture(pytester):
     result = pytester.runpytest_subprocess("--phasegraph-validate=bogus")
     assert result.ret != 0
     result.stderr.fnmatch_lines(["*invalid choice: 'bogus'*"])
+
+
+def test_a_bad_phasegraph_validate_variable_does_not_break_pytest(pytester, monkeypatch):
+    """With PHASEGRAPH_VALIDATE=bogus every pytest run in the environment failed while loading
+    this plugin (a ValueError traceback from importing phasegraph); the option replaces it."""
+    monkeypatch.setenv("PHASEGRAPH_VALIDATE", "bogus")
+    pytester.makepyfile(
+        """
+        from phasegraph.statemachine import get_validation_mode
+
+        def test_mode():
+            assert get_validation_mode().value == "strict"
+        """
+    )
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+
+
+def test_the_recorder_docstring_example_runs():
+    """Its example was a placeholder (`>>> ...`) that failed as written."""
+    import doctest
+
+    from phasegraph.testing import recorder
+
+    results = doctest.testmod(recorder)
+    assert results.failed == 0 and results.attempted >= 8
