@@ -155,7 +155,9 @@ class PhaseGraph:
         skip_rules = _names(skip_rules)
         unknown_rules = set(skip_rules) - set(RULES)
         if unknown_rules:
-            raise ValueError(f"unknown rules {sorted(unknown_rules)}; rules are {sorted(RULES)}")
+            raise InvalidPhaseGraph(name, {"declaration": [
+                f"skip_rules names unknown rules {sorted(unknown_rules)}; rules are {sorted(RULES)}"
+            ]})
         self.skipped_rules = frozenset(skip_rules)
 
         g = nx.DiGraph(name=name)

@@ -94,7 +94,11 @@ class Machine:
         """
         graph = self.graph
         current = self._phase
-        if not graph.is_allowed(current, name):
+        try:
+            allowed = graph.is_allowed(current, name)
+        except TypeError:  # an unhashable name (a list, a dict): no phase has it
+            raise UnknownPhase(current, name, graph.allowed(current)) from None
+        if not allowed:
             if name not in graph.phases:
                 raise UnknownPhase(current, name, graph.allowed(current))
             raise IllegalTransition(current, name, graph.allowed(current))

@@ -40,6 +40,8 @@ def test_unknown_phase(graph):
     m = Machine(graph)
     with pytest.raises(UnknownPhase, match="'teleport'"):
         m.advance("teleport")
+    with pytest.raises(UnknownPhase, match=r"\['draft'\]"):  # an unhashable name: was a TypeError
+        m.advance(["draft"])
 
 
 def test_state_argument_only_for_the_first_phase(graph):
