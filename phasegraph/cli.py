@@ -33,6 +33,12 @@ def graph_format(fmt: str | None, out: str | None) -> str:
     return fmt
 
 
+def require_at_least(option: str, value: int, least: int) -> None:
+    """A :class:`CliError` unless the number given to ``option`` is at least ``least``."""
+    if value < least:
+        raise CliError(f"{option} must be at least {least}, got {value}")
+
+
 def writable_file(path: str, option: str) -> Path:
     """``path`` as a file a command may write, checked before any work: a :class:`CliError` if it
     names a directory, its directory is missing, or the file cannot be opened for writing (a
@@ -46,8 +52,7 @@ def writable_file(path: str, option: str) -> Path:
         raise CliError(f"{option} {path}: {where} (not a writable file path)")
     existed = file.exists()
     try:
-        with open(file, "ab"):
-            pass
+        open(file, "ab").close()  # opened only to learn that it can be
     except OSError as exc:
         raise CliError(f"{option} {path}: cannot be written ({exc.strerror or exc})") from None
     if not existed:

@@ -15,7 +15,7 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from phasegraph.cli import CliError, graph_format, register, writable_file
+from phasegraph.cli import CliError, graph_format, register, require_at_least, writable_file
 
 DEMO_CHAIN = {"method": "eagle3", "num_steps": 3, "topk": 1}
 DEMO_TREE = {"method": "eagle3", "num_steps": 4, "topk": 4, "num_draft_tokens": 16}
@@ -74,8 +74,7 @@ def run_demo(args: argparse.Namespace) -> int:
         )
     graph_file, graph_fmt = _graph_output(args.graph) if args.graph else (None, None)
     for option, value, least in (("--prompts", args.prompts, 1), ("--show", args.show, 0), ("--threads", args.threads, 1)):
-        if value < least:
-            raise CliError(f"{option} must be at least {least}, got {value}")
+        require_at_least(option, value, least)
     device = resolve_device(args.device).type  # a GPU asked for and missing: refused before the header
     if device == "cpu":
         torch.set_num_threads(max(1, args.threads))

@@ -22,7 +22,7 @@ from phasegraph.bench.common import (
 from phasegraph.bench.pair import measure_trained_pair
 from phasegraph.bench.report import write_outputs
 from phasegraph.bench.scale import measure_scale
-from phasegraph.cli import CliError, register
+from phasegraph.cli import CliError, register, require_at_least
 
 # Training budget of the full run. Run 13 (bench/RESULTS.md §5, H100) measured 182 s of part 1
 # measurement, 108 s of part 2 and ~15 s of start-up; the recipe spends 90 % of its budget on the
@@ -140,8 +140,7 @@ def _resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     args.batch_list = _ints(args.batches)
     for key in ("batch1_repeats", "batch1_prompts", "new_tokens", "prompt_tokens", "scale_new_tokens",
                 "scale_prompt_tokens", "scale_layers", "threads"):
-        if getattr(args, key) < 1:
-            raise CliError(f"--{key.replace('_', '-')} must be at least 1, got {getattr(args, key)}")
+        require_at_least(f"--{key.replace('_', '-')}", getattr(args, key), 1)
     for key in ("time_limit_s", "train_budget_s"):  # 0 turns the limit off; a negative one is a typo
         value = getattr(args, key)  # (NaN compares False with everything: it would mean no limit)
         if value is not None and (math.isnan(value) or value < 0):

@@ -82,6 +82,11 @@ def _as_tuple(name: str, v: object, what: str) -> tuple:
     return tuple(v)
 
 
+def is_int(v: object) -> bool:
+    """``v`` is a Python int and not a bool (``True`` is an int to Python, never a count here)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
 def _finite_number(name: str, v: object) -> float:
     if isinstance(v, bool) or not isinstance(v, (int, float)):
         raise InvalidRequest(f"{name} must be a number; got {v!r}")
@@ -114,7 +119,7 @@ class SamplingParams:
 
     def __attrs_post_init__(self) -> None:
         m = self.max_new_tokens
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        if not is_int(m) or m < 1:
             raise InvalidRequest(f"max_new_tokens must be an integer >= 1; got {m!r}")
         t = _finite_number("temperature", self.temperature)
         if t < 0:
@@ -123,7 +128,7 @@ class SamplingParams:
         if not 0 < p <= 1:
             raise InvalidRequest(f"top_p must be in (0, 1]; got {self.top_p!r}")
         k = self.top_k
-        if isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= INT64_MAX:
+        if not is_int(k) or not 0 <= k <= INT64_MAX:
             raise InvalidRequest(f"top_k must be an integer in [0, 2**63) (0 = off); got {k!r}")
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
@@ -132,11 +137,11 @@ class SamplingParams:
             raise InvalidRequest(f"stop must be non-empty strings; got {stops!r}")
         object.__setattr__(self, "stop", stops)
         ids = _as_tuple("stop_token_ids", self.stop_token_ids, "a list of token ids")
-        if any(isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in ids):
+        if any(not is_int(i) or i < 0 for i in ids):
             raise InvalidRequest(f"stop_token_ids must be non-negative integers; got {ids!r}")
         object.__setattr__(self, "stop_token_ids", ids)
         seed = self.seed  # the per-request seed travels to the device as an int64
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not INT64_MIN <= seed <= INT64_MAX):
+        if seed is not None and (not is_int(seed) or not INT64_MIN <= seed <= INT64_MAX):
             raise InvalidRequest(f"seed must be a 64-bit integer (in [-2**63, 2**63)) or None; got {seed!r}")
         for name in ("ignore_eos", "logprobs"):  # a truthy string such as "no" would flip them
             if not isinstance(getattr(self, name), bool):

@@ -19,7 +19,13 @@ from pathlib import Path
 import torch
 
 from phasegraph.phases import EAGLE_GRAPH, SpecContext
-from phasegraph.runtime.config import RequestDelta, RequestOutput, SamplingParams, SpecConfig
+from phasegraph.runtime.config import (
+    RequestDelta,
+    RequestOutput,
+    SamplingParams,
+    SpecConfig,
+    is_int,
+)
 from phasegraph.runtime.cuda_graphs import DEFAULT_BUCKETS, GRAPH_SCOPES, GraphRunner
 from phasegraph.runtime.errors import (
     DraftMismatch,
@@ -34,6 +40,7 @@ from phasegraph.runtime.prefill_graph import token_buckets_for
 from phasegraph.runtime.requests import Request, Status
 from phasegraph.runtime.scheduler import Scheduler
 from phasegraph.statemachine import Trace
+from phasegraph.statemachine.errors import one_line
 
 FEATURE_MODE = {"none": "none", "eagle": "last", "eagle3": "eagle3", "mtp": "last", "standalone": "none"}
 
@@ -168,13 +175,11 @@ class Engine:
             switches=dict(trace=trace, check_every_step=check_every_step, prefill_graphs=prefill_graphs,
                           overlap=overlap, cuda_graphs=cuda_graphs),
         )
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+        if not is_int(page_size) or page_size < 1:
             raise InvalidConfig(f"page_size must be an integer >= 1; got {page_size!r}")
-        if isinstance(max_batch_size, bool) or not isinstance(max_batch_size, int) or max_batch_size < 1:
+        if not is_int(max_batch_size) or max_batch_size < 1:
             raise InvalidConfig(f"max_batch_size must be an integer >= 1; got {max_batch_size!r}")
-        if kv_pool_tokens is not None and (
-            isinstance(kv_pool_tokens, bool) or not isinstance(kv_pool_tokens, int) or kv_pool_tokens < 1
-        ):
+        if kv_pool_tokens is not None and (not is_int(kv_pool_tokens) or kv_pool_tokens < 1):
             raise InvalidConfig(f"kv_pool_tokens must be an integer >= 1 (or None: sized from free memory); got {kv_pool_tokens!r}")
         self.target = target
         self.draft = draft if spec.speculative else None
@@ -219,7 +224,7 @@ class Engine:
             raise InvalidConfig(
                 f"the KV cache (kv_pool_tokens={kv_tokens}, max_context={self.max_context}, "
                 f"max_batch_size={max_batch_size}) does not fit in {self.device.type} memory: lower "
-                f"them ({type(exc).__name__}: {' '.join(str(exc).split())[:200]})"
+                f"them ({type(exc).__name__}: {one_line(str(exc))})"
             ) from None
         least = 2 + self.kv_lookahead  # one prompt token and one new token, plus the lookahead
         if self._kv_capacity() < least:
@@ -569,10 +574,6 @@ def _check_request_id(request_id) -> None:
         raise InvalidRequest(f"a request id is a string; got {type(request_id).__name__} {request_id!r}")
 
 
-def _is_int(v) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool)
-
-
 # Engine switches: what each may be besides True / False (a truthy string such as "no" would
 # silently turn a switch on)
 SWITCH_EXTRAS = {"trace": (), "check_every_step": (), "prefill_graphs": (), "overlap": (None,),
@@ -588,7 +589,7 @@ def _check_settings(target, *, max_context, validate, seed, eos_token_ids, graph
         if not isinstance(value, bool) and not any(value is e or (isinstance(e, str) and value == e) for e in extras):
             allowed = ", ".join(["True", "False", *map(repr, extras)])
             raise InvalidConfig(f"{name} must be one of {allowed}; got {value!r}")
-    if max_context is not None and (not _is_int(max_context) or max_context < 1):
+    if max_context is not None and (not is_int(max_context) or max_context < 1):
         raise InvalidConfig(f"max_context must be an integer >= 1 (or None: the model's "
                             f"max_position_embeddings); got {max_context!r}")
     if validate is not None:
@@ -598,18 +599,18 @@ def _check_settings(target, *, max_context, validate, seed, eos_token_ids, graph
             ValidationMode.parse(validate)
         except ValueError as exc:
             raise InvalidConfig(f"validate: {exc}") from None
-    if not _is_int(seed):
+    if not is_int(seed):
         raise InvalidConfig(f"seed must be an integer; got {seed!r}")
     eos = tuple(eos_token_ids) if isinstance(eos_token_ids, Iterable) and not isinstance(eos_token_ids, (str, bytes)) else None
-    if eos is None or any(not _is_int(t) or not 0 <= t < target.vocab_size for t in eos):
+    if eos is None or any(not is_int(t) or not 0 <= t < target.vocab_size for t in eos):
         raise InvalidConfig(f"eos_token_ids must be a list of token ids in [0, {target.vocab_size}); "
                             f"got {eos_token_ids!r}")
     if graph_buckets is not None and (
         isinstance(graph_buckets, (str, bytes)) or not isinstance(graph_buckets, Sequence)
-        or not graph_buckets or any(not _is_int(b) or b < 1 for b in graph_buckets)
+        or not graph_buckets or any(not is_int(b) or b < 1 for b in graph_buckets)
     ):
         raise InvalidConfig(f"graph_buckets must be a list of batch sizes >= 1 (or None); got {graph_buckets!r}")
-    if simulate_accept_length is not None and not _is_int(simulate_accept_length):
+    if simulate_accept_length is not None and not is_int(simulate_accept_length):
         raise InvalidConfig(f"simulate_accept_length must be an integer; got {simulate_accept_length!r}")
     return eos
 

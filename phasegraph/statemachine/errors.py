@@ -15,6 +15,13 @@ class PhaseGraphError(Exception):
     """Root of every error phasegraph's state machine raises."""
 
 
+def one_line(text: str, limit: int = 200) -> str:
+    """``text`` on one line (whitespace runs collapsed), cut at ``limit`` characters with "...":
+    for messages that quote another library's error, which may hold a whole input."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 class InvalidSchema(PhaseGraphError):
     """A schema class is declared wrongly (bad annotation, role and shape disagree, ...)."""
 

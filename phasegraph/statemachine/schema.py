@@ -26,6 +26,7 @@ from phasegraph.statemachine.errors import (
     InvariantViolation,
     PhaseGraphError,
     SchemaViolation,
+    one_line,
 )
 from phasegraph.statemachine.modes import ValidationMode
 
@@ -204,8 +205,6 @@ def _split_optional(tp: Any) -> tuple[Any, bool]:
 
 
 def _compile(cls: type) -> CompiledSchema:
-    import torch
-
     try:
         hints = typing.get_type_hints(cls, include_extras=True)
     except Exception as exc:  # an annotation that names what the module does not define
@@ -233,6 +232,8 @@ def _compile(cls: type) -> CompiledSchema:
             except ValueError as why:
                 problems.append(f"field {f.name!r}: cannot parse shape {dim_text!r}: {why}")
                 continue
+            import torch  # only schemas with tensor fields need it
+
             array_type = getattr(tp, "array_type", torch.Tensor)
             if array_type is not torch.Tensor:
                 problems.append(
@@ -637,9 +638,7 @@ def check_invariants(
         except PhaseGraphError:
             raise
         except Exception as exc:  # e.g. values torch cannot read (meta or sparse tensors)
-            why = " ".join(str(exc).split()) or type(exc).__name__
-            if len(why) > 200:
-                why = why[:200] + "..."
+            why = one_line(str(exc)) or type(exc).__name__
             raise InvariantViolation(
                 spec.name, label, f"could not be checked ({type(exc).__name__}: {why})"
             ) from exc

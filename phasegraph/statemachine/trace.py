@@ -156,7 +156,7 @@ class Trace:
     @classmethod
     def load_chrome(cls, path: str | os.PathLike) -> Trace:
         """Read a trace written by :meth:`save_chrome` (for overlays on the drawn graph)."""
-        from phasegraph.statemachine.errors import PhaseGraphError
+        from phasegraph.statemachine.errors import PhaseGraphError, one_line
 
         try:
             data = json.loads(Path(path).read_text())
@@ -177,9 +177,7 @@ class Trace:
                 f"{str(path)!r} is not a phasegraph Chrome-trace JSON file (nested too deeply)"
             ) from None
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            why = f"missing key {exc}" if isinstance(exc, KeyError) else " ".join(str(exc).split())
-            if len(why) > 200:  # a message may quote a whole field of the file
-                why = why[:200] + "..."
+            why = one_line(f"missing key {exc}" if isinstance(exc, KeyError) else str(exc))
             raise PhaseGraphError(
                 f"{str(path)!r} is not a phasegraph Chrome-trace JSON file ({why})"
             ) from None
@@ -224,5 +222,5 @@ def _transition_of_event(i: int, e: object) -> Transition:
         start_ns=int(ts * 1000),
         end_ns=int((ts + dur) * 1000),
         batch_size=args.get("batch_size"),
-        schema=args["schema"] if "schema" in args else "",
+        schema=args.get("schema", ""),
     )

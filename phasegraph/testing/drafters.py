@@ -23,6 +23,7 @@ import torch
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.random import counter_uniform
 from phasegraph.phases.protocols import DraftOutput
+from phasegraph.runtime.config import is_int
 from phasegraph.runtime.errors import InvalidConfig
 from phasegraph.runtime.kv_pool import KVSpec
 
@@ -37,7 +38,7 @@ class _ScriptedDraft(abc.ABC):
         if not isinstance(continuations, Mapping):
             raise InvalidConfig(f"{name}: continuations must map each prompt (a sequence of token "
                                 f"ids) to its greedy continuation, got {type(continuations).__name__}")
-        if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 2:
+        if not is_int(vocab_size) or vocab_size < 2:
             raise InvalidConfig(f"{name}: vocab_size must be an integer >= 2, got {vocab_size!r}")
         self.engine = None  # set once the engine that runs this draft exists
         self.continuations = {tuple(k): list(v) for k, v in continuations.items()}

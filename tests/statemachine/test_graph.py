@@ -164,8 +164,8 @@ def test_phase_declaration_errors_are_named():
     with pytest.raises(InvalidSchema, match="phase 'p': extra input 'o' must be a Schema subclass"):
         phase("p", input=A, output=A, extra_inputs={"o": int})
 
-    class Raw(Schema):  # never decorated with @schema
-        pass
+    class Raw(Schema):
+        """Never decorated with @schema."""
 
     with pytest.raises(InvalidSchema, match="phase 'p': output Raw must be decorated with @schema"):
         phase("p", input=A, output=Raw)

@@ -23,6 +23,7 @@ from phasegraph.runtime.errors import (
     CheckpointMismatch,
     PhasegraphRuntimeError,
 )
+from phasegraph.statemachine.errors import one_line
 
 SAFETENSORS_FILE = "model.safetensors"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -84,10 +85,9 @@ def config_errors(directory: str | Path | None) -> Iterator[None]:
         raise
     except Exception as exc:  # noqa: BLE001 - transformers/huggingface_hub raise their own types
         where = Path(directory) / "config.json" if directory is not None else "config"
-        message = " ".join(str(exc).split())
         raise CheckpointFileError(
             f"{where}: transformers cannot build a model from this config "
-            f"({type(exc).__name__}: {message[:300]})"
+            f"({type(exc).__name__}: {one_line(str(exc), 300)})"
         ) from exc
 
 
