@@ -1,0 +1,248 @@
+"""What a grid-wide handoff costs on this GPU, and the batch-1 tree η it leaves the bench pair
+under any execution model (bench/RESULTS.md §5, "What limits the goals that are not met").
+
+A product ``y = W x`` spread over every SM for bandwidth needs all of ``x`` in each SM, so each
+dependent step of a forward is a handoff from every producer to every consumer: a kernel
+boundary today, a release / acquire on a counter in a persistent kernel (the route §5 names).
+This measures both, side by side, in CUDA graphs:
+
+- ``handoff``: one persistent launch of ``P`` programs (at most one wave) passing ``S`` stages.
+  In each stage every program writes a value, arrives on a counter (release), spins until all
+  ``P`` have arrived, acquires, and reads a neighbour's value, which is checked afterwards.
+  Cost per handoff = the slope over ``S``;
+- ``boundary``: ``S`` launches of a trivial kernel of ``P`` programs, each reading what the one
+  before wrote, with programmatic dependent launch on (as phasegraph ships) and off.
+
+It then bounds η = (decode step) / (tree iteration) from below-the-floor assumptions that favour
+η: every weight byte at the copy bandwidth the bench measured, no arithmetic, attention free, and
+only the handoffs the dataflow cannot avoid, each at the measured cost ``c``:
+
+    decode step     = B_step / BW + H_step · c
+    tree iteration  = B_iter / BW + H_iter · c
+
+with B (weight bytes) and BW from a ``phasegraph bench`` JSON and H counted from the shapes (see
+``handoffs``). EAGLE-3 (Li et al., 2025, arXiv:2503.01840) drafts the tree with S sequential head
+forwards; each is a decoder layer, so it carries the same per-layer handoffs as the target's.
+
+    python bench/handoff_bound.py --out DIR --bench-json bench/results/<run>/bench.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from phasegraph.kernels._dispatch import pdl_enter, pdl_options  # noqa: E402
+from phasegraph.train.presets import PRESETS  # noqa: E402
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the bound's arithmetic still runs, and is tested, on the CPU
+    triton = None
+
+STAGE_COUNTS = (16, 64, 256)
+REPLAYS = 200
+
+
+if triton is not None:
+    @triton.jit
+    def _handoff_kernel(counter_ptr, mail_ptr, checksum_ptr, STAGES, P: tl.constexpr):
+        """``STAGES`` grid-wide handoffs among ``P`` resident programs; the checksum is the sum of
+        what each program read from its neighbour, stage by stage."""
+        pid = tl.program_id(0)
+        neighbour = (pid + 1) % P
+        checksum = 0
+        for stage in range(STAGES):
+            slot = (stage % 2) * P  # two mailboxes: a stage's writes never meet the last one's reads
+            tl.store(mail_ptr + slot + pid, stage * P + pid)
+            tl.debug_barrier()
+            tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
+            while tl.load(counter_ptr, volatile=True) < (stage + 1) * P:
+                pass
+            tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+            checksum += tl.load(mail_ptr + slot + neighbour, cache_modifier=".cg")
+        tl.store(checksum_ptr + pid, checksum)
+
+
+    @triton.jit
+    def _boundary_kernel(src_ptr, dst_ptr, PDL: tl.constexpr):
+        """One step of a launch chain: each program copies its neighbour's value, plus one."""
+        pdl_enter(PDL)
+        pid = tl.program_id(0)
+        neighbour = (pid + 1) % tl.num_programs(0)
+        tl.store(dst_ptr + pid, tl.load(src_ptr + neighbour) + 1)
+
+
+def expected_checksum(stages: int, programs: int) -> torch.Tensor:
+    """What each program of ``_handoff_kernel`` must have summed: Σ_s (s·P + neighbour)."""
+    neighbour = (torch.arange(programs) + 1) % programs
+    return stages * (stages - 1) // 2 * programs + stages * neighbour
+
+
+def graph_time_us(work, replays: int = REPLAYS) -> float:
+    """Mean GPU time of one replay of a CUDA graph of ``work()``, by events around ``replays``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        work()  # compile and warm up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        work()
+    for _ in range(10):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / replays
+
+
+def slope_us(times: dict[int, float]) -> float:
+    """Least-squares slope of time over stage count: the cost of one more stage."""
+    return statistics.linear_regression(list(times), list(times.values())).slope
+
+
+def measure_handoff(programs: int) -> dict:
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    mail = torch.zeros(2 * programs, dtype=torch.int32, device="cuda")
+    checksum = torch.zeros(programs, dtype=torch.int32, device="cuda")
+    times = {}
+    for stages in STAGE_COUNTS:
+        def work(stages=stages):
+            counter.zero_()
+            _handoff_kernel[(programs,)](counter, mail, checksum, stages, P=programs)
+        times[stages] = graph_time_us(work)
+        if not torch.equal(checksum.cpu(), expected_checksum(stages, programs).to(torch.int32)):
+            raise AssertionError(f"handoff chain of {programs} programs, {stages} stages: "
+                                 "a program read a value from the wrong stage")
+    return {"programs": programs, "us_by_stages": times, "us_per_handoff": slope_us(times)}
+
+
+def measure_boundary(programs: int, pdl: bool) -> dict:
+    buffers = [torch.zeros(programs, dtype=torch.int32, device="cuda") for _ in range(2)]
+    options = pdl_options() if pdl else {"PDL": False}
+    times = {}
+    for stages in STAGE_COUNTS:
+        def work(stages=stages):
+            buffers[0].zero_()
+            for step in range(stages):
+                _boundary_kernel[(programs,)](buffers[step % 2], buffers[(step + 1) % 2],
+                                              **options)
+        times[stages] = graph_time_us(work)
+        if not bool((buffers[stages % 2] == stages).all()):
+            raise AssertionError(f"launch chain of {stages}: a kernel ran before its input")
+    return {"programs": programs, "pdl": pdl and options.get("PDL", False),
+            "us_by_stages": times, "us_per_handoff": slope_us(times)}
+
+
+def handoffs(layers: int, draft_forwards: int) -> dict[str, int]:
+    """The all-to-all handoffs a batch-1 step cannot avoid, counted so as to favour η.
+
+    A decoder layer has four: attention output -> o, o's residual -> gate/up (the norm needs the
+    whole row), gate/up -> down, down's residual -> the next product (norm, qkv and attention
+    share a handoff: a KV head's columns can stay on one group of SMs). Then lm_head -> the
+    argmax. The tree iteration's verify has the target's, then acceptance -> the draft's input;
+    each EAGLE-3 head forward has its layer's four plus lm_head -> top-k; and the last top-k ->
+    the tree the verify reads."""
+    decode = 4 * layers + 1
+    iteration = (4 * layers + 1) + 1 + draft_forwards * (4 + 1) + 1
+    return {"decode step": decode, "tree iteration": iteration}
+
+
+def eta_bound(step_bytes: int, iteration_bytes: int, bandwidth: float, handoff_us: float,
+              counts: dict[str, int]) -> dict:
+    step_us = step_bytes / bandwidth * 1e6 + counts["decode step"] * handoff_us
+    iteration_us = iteration_bytes / bandwidth * 1e6 + counts["tree iteration"] * handoff_us
+    return {"handoff_us": handoff_us, "decode_step_us": step_us, "tree_iteration_us": iteration_us,
+            "eta_bound": step_us / iteration_us}
+
+
+def break_even_handoff_us(step_bytes: int, iteration_bytes: int, bandwidth: float,
+                          counts: dict[str, int], goal: float = 0.75) -> float:
+    """The handoff cost at which the bound falls to ``goal`` (solve eta_bound(c) = goal)."""
+    surplus_us = (goal * iteration_bytes - step_bytes) / bandwidth * 1e6
+    return surplus_us / (counts["decode step"] - goal * counts["tree iteration"])
+
+
+def bound_from_bench(bench: dict, handoff_us: float) -> dict:
+    """The bound for the bench JSON's batch-1 tree row and its measured copy bandwidth."""
+    tree = next(row for row in bench["trained_pair"]["rows"]
+                if row["batch"] == 1 and row["config"].startswith("EAGLE-3 tree"))
+    weight_bytes = tree["weight_bytes"]
+    layers = PRESETS["bench-pair"].target.num_layers
+    counts = handoffs(layers, weight_bytes["draft_passes"])
+    bandwidth = bench["scale"]["copy_bandwidth_Bps"]
+    costs = {"cheapest measured": handoff_us, "zero": 0.0}
+    return {"bench_commit": bench["env"].get("git_commit"),
+            "step_bytes": weight_bytes["step"], "iteration_bytes": weight_bytes["iteration"],
+            "copy_bandwidth_Bps": bandwidth, "handoffs": counts,
+            "measured_eta": tree["eta"],
+            "break_even_handoff_us": break_even_handoff_us(
+                weight_bytes["step"], weight_bytes["iteration"], bandwidth, counts),
+            "bounds": {name: eta_bound(weight_bytes["step"], weight_bytes["iteration"],
+                                       bandwidth, cost, counts) for name, cost in costs.items()}}
+
+
+def report(result: dict) -> str:
+    lines = [f"Device: {result['device']}; torch {result['torch']}, triton {result['triton']}", "",
+             "| chain | programs | µs by stage count | µs per handoff |", "|---|---|---|---|"]
+    for row in result["handoff"] + result["boundary"]:
+        name = ("persistent handoff" if "pdl" not in row
+                else f"kernel boundary, PDL {'on' if row['pdl'] else 'off'}")
+        stages = ", ".join(f"{s}: {t:.1f}" for s, t in row["us_by_stages"].items())
+        lines.append(f"| {name} | {row['programs']} | {stages} | {row['us_per_handoff']:.3f} |")
+    if "bound" in result:
+        bound = result["bound"]
+        lines += ["", f"Bench run {bound['bench_commit']}: {bound['step_bytes'] / 1e6:.1f} MB per "
+                  f"decode step, {bound['iteration_bytes'] / 1e6:.1f} MB per tree iteration, "
+                  f"{bound['copy_bandwidth_Bps'] / 1e12:.3f} TB/s; handoffs "
+                  f"{bound['handoffs']['decode step']} per step, "
+                  f"{bound['handoffs']['tree iteration']} per iteration; measured η "
+                  f"{bound['measured_eta']:.2f}. The bound reaches 0.75 only with handoffs of at "
+                  f"most {bound['break_even_handoff_us']:.3f} µs.", "",
+                  "| handoff cost | decode step | tree iteration | η bound |", "|---|---|---|---|"]
+        for name, row in bound["bounds"].items():
+            lines.append(f"| {name}: {row['handoff_us']:.3f} µs | {row['decode_step_us']:.1f} µs "
+                         f"| {row['tree_iteration_us']:.1f} µs | {row['eta_bound']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--bench-json", type=Path, help="a phasegraph bench JSON to bound")
+    args = parser.parse_args(argv)
+    if triton is None or not torch.cuda.is_available():
+        print("handoff_bound.py: needs Triton and a CUDA GPU", file=sys.stderr)
+        return 2
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "triton": triton.__version__, "sms": sms,
+              "handoff": [measure_handoff(p) for p in (1, 32, sms)],
+              "boundary": [measure_boundary(sms, pdl) for pdl in (True, False)]}
+    if args.bench_json:
+        fastest = min(row["us_per_handoff"] for row in result["handoff"] + result["boundary"]
+                      if row["programs"] == sms)
+        result["bound"] = bound_from_bench(json.loads(args.bench_json.read_text()), fastest)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "handoff_bound.json").write_text(json.dumps(result, indent=2))
+    text = report(result)
+    (args.out / "handoff_bound.md").write_text(text)
+    print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
