@@ -6,6 +6,8 @@ dependent step of a forward is a handoff from every producer to every consumer: 
 boundary today, a release / acquire on a counter in a persistent kernel (the route §5 names).
 This measures both, side by side, in CUDA graphs:
 
+- ``point to point``: two programs hand a flag back and forth (release, then the other's
+  acquire): the floor of any handoff between SMs;
 - ``handoff``: one persistent launch of ``P`` programs (at most one wave) passing ``S`` stages.
   In each stage every program writes a value, arrives on a counter (release), spins until all
   ``P`` have arrived, acquires, and reads a neighbour's value, which is checked afterwards.
@@ -73,6 +75,18 @@ if triton is not None:
 
 
     @triton.jit
+    def _pingpong_kernel(flag_ptr, STAGES):
+        """Two programs hand one flag back and forth: ``2 · STAGES`` one-way handoffs, each a
+        release by one program and an acquire by the other; the floor of any handoff."""
+        pid = tl.program_id(0)
+        for stage in range(STAGES):
+            turn = 2 * stage + pid  # program 0 moves on even turns, program 1 on odd ones
+            while tl.load(flag_ptr, volatile=True) < turn:
+                pass
+            tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+            tl.atomic_xchg(flag_ptr, turn + 1, sem="release", scope="gpu")
+
+    @triton.jit
     def _boundary_kernel(src_ptr, dst_ptr, PDL: tl.constexpr):
         """One step of a launch chain: each program copies its neighbour's value, plus one."""
         pdl_enter(PDL)
@@ -128,6 +142,20 @@ def measure_handoff(programs: int) -> dict:
             raise AssertionError(f"handoff chain of {programs} programs, {stages} stages: "
                                  "a program read a value from the wrong stage")
     return {"programs": programs, "us_by_stages": times, "us_per_handoff": slope_us(times)}
+
+
+def measure_pingpong() -> dict:
+    flag = torch.zeros(1, dtype=torch.int32, device="cuda")
+    times = {}
+    for stages in STAGE_COUNTS:
+        def work(stages=stages):
+            flag.zero_()
+            _pingpong_kernel[(2,)](flag, stages)
+        times[stages] = graph_time_us(work)
+        if flag.item() != 2 * stages:
+            raise AssertionError(f"ping-pong of {stages} rounds ended at turn {flag.item()}")
+    # two one-way handoffs per stage
+    return {"programs": 2, "us_by_stages": times, "us_per_handoff": slope_us(times) / 2}
 
 
 def measure_boundary(programs: int, pdl: bool) -> dict:
@@ -198,9 +226,13 @@ def bound_from_bench(bench: dict, handoff_us: float) -> dict:
 def report(result: dict) -> str:
     lines = [f"Device: {result['device']}; torch {result['torch']}, triton {result['triton']}", "",
              "| chain | programs | µs by stage count | µs per handoff |", "|---|---|---|---|"]
-    for row in result["handoff"] + result["boundary"]:
-        name = ("persistent handoff" if "pdl" not in row
-                else f"kernel boundary, PDL {'on' if row['pdl'] else 'off'}")
+    for row in [result["pingpong"]] + result["handoff"] + result["boundary"]:
+        if row["programs"] == 2:
+            name = "point to point (one program to one other; µs per stage = 2 handoffs)"
+        elif "pdl" in row:
+            name = f"kernel boundary, PDL {'on' if row['pdl'] else 'off'}"
+        else:
+            name = "persistent handoff, every program to every other"
         stages = ", ".join(f"{s}: {t:.1f}" for s, t in row["us_by_stages"].items())
         lines.append(f"| {name} | {row['programs']} | {stages} | {row['us_per_handoff']:.3f} |")
     if "bound" in result:
@@ -230,6 +262,7 @@ def main(argv: list[str] | None = None) -> int:
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "triton": triton.__version__, "sms": sms,
+              "pingpong": measure_pingpong(),
               "handoff": [measure_handoff(p) for p in (1, 32, sms)],
               "boundary": [measure_boundary(sms, pdl) for pdl in (True, False)]}
     if args.bench_json:
