@@ -3,7 +3,7 @@
 # bench pair's decode step and iterations, random weights, batch 1) with VAR=A, then VAR=B,
 # alternating for ROUNDS rounds so that drift of the machine falls on both sides.
 #   OUT=DIR bash bench/env_ab.sh VAR A B [ROUNDS=2] [CONFIGS="baseline chain tree"]
-# e.g. OUT=DIR bash bench/env_ab.sh PHASEGRAPH_WEIGHT_PREFETCH off on
+# e.g. OUT=DIR bash bench/env_ab.sh PHASEGRAPH_PDL off auto
 # Results under $OUT/env-ab/<value>-<round>/ and a summary in $OUT/env-ab/summary.txt.
 set -u
 var=$1 a=$2 b=$3 rounds=${4:-2} configs=${5:-baseline chain tree}

@@ -30,10 +30,6 @@ launch may opt out (``pdl_options(early=False)``, the decode attention): it then
 - ``PHASEGRAPH_PDL=auto`` (default): on for CUDA devices of compute capability 9.0 or newer;
 - ``PHASEGRAPH_PDL=off``: plain launches (each kernel waits for the one before to end);
 - ``PHASEGRAPH_PDL=on``: on, and an error on a device that lacks it.
-
-Weight prefetch (``PHASEGRAPH_WEIGHT_PREFETCH``, ``on`` or ``off``): a product launched with
-PDL may ask L2 for its weight tile (:func:`prefetch_l2`) *before* its wait, so that the weights
-stream while the kernel before it still runs and the product then reads them from L2.
 """
 
 from __future__ import annotations
@@ -58,9 +54,6 @@ PDL_MODES = ("auto", "on", "off")
 # Triton reads TRITON_INTERPRET when a kernel is defined, so this module reads it once, on import
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "").strip() not in ("", "0")
 PDL_LAUNCH = {"PDL": True, "launch_pdl": True}  # a launch placed early, its kernel waiting first
-PREFETCH_ENV_VAR = "PHASEGRAPH_WEIGHT_PREFETCH"
-PREFETCH_MODES = ("on", "off")
-PREFETCH_DEFAULT = "off"
 
 
 def kernel_mode() -> str:
@@ -145,16 +138,6 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def weight_prefetch(pdl: bool) -> bool:
-    """Whether a product launched with PDL (``pdl``) prefetches its weights before its wait."""
-    setting = os.environ.get(PREFETCH_ENV_VAR, PREFETCH_DEFAULT)
-    mode = setting.strip().lower() or PREFETCH_DEFAULT
-    if mode not in PREFETCH_MODES:
-        raise ValueError(f"{PREFETCH_ENV_VAR}={setting!r}: expected one of "
-                         f"{', '.join(PREFETCH_MODES)}")
-    return bool(pdl) and mode == "on"
-
-
 def next_pow2(n: int) -> int:
     """The smallest power of two >= max(n, 1)."""
     return 1 << max(int(n) - 1, 0).bit_length()
@@ -195,18 +178,6 @@ if triton is not None:
         if PDL:
             tl.extra.cuda.gdc_wait()
             tl.extra.cuda.gdc_launch_dependents()
-
-    @triton.jit
-    def prefetch_l2(ptrs):
-        """Ask L2 for the 128-byte lines holding ``ptrs``, without waiting for them
-        (``prefetch.global.L2``). Every SM's reads and writes meet in L2, so this is safe before
-        :func:`pdl_enter`'s wait, even for data the kernel before may still write. Compiled
-        kernels only (inline PTX): launches under the interpreter never set PDL."""
-        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [ptrs],
-                                  dtype=tl.int32, is_pure=False, pack=1)
 else:  # pragma: no cover - exercised only where Triton is missing
     def pdl_enter(PDL):
-        return None
-
-    def prefetch_l2(ptrs):
         return None

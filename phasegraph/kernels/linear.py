@@ -55,10 +55,8 @@ from phasegraph.kernels._dispatch import (
     next_pow2,
     pdl_enter,
     pdl_options,
-    prefetch_l2,
     tl,
     use_triton,
-    weight_prefetch,
 )
 from phasegraph.kernels.activation import silu_mul, silu_mul_reference, swiglu
 from phasegraph.kernels.rms_norm import add_rms_norm, add_rms_norm_reference
@@ -448,31 +446,6 @@ def _finish(acc, DOT: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr):
     return out
 
 
-@jit
-def _k_slice(K, SPLIT_K: tl.constexpr, BLOCK_K: tl.constexpr):
-    """This program's slice ``[k_begin, k_end)`` of K: whole BLOCK_K tiles (all of K unsplit)."""
-    k_begin, k_end = 0, K
-    if SPLIT_K > 1:
-        per_slice = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
-        k_begin = tl.program_id(1) * per_slice
-        k_end = tl.minimum(k_begin + per_slice, K)
-    return k_begin, k_end
-
-
-@jit
-def _prefetch_weight_tile(w_ptr, N, K, stride_w, SPLIT_K: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr, LINES: tl.constexpr):
-    """Ask L2 for this program's weight tile (its BLOCK_N rows of W over its slice of K), LINES
-    128-byte lines per row at a time."""
-    k_begin, k_end = _k_slice(K, SPLIT_K, BLOCK_K)
-    cols_n = tl.minimum(tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N), N - 1)
-    w_rows = w_ptr + cols_n.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
-    PER_LINE: tl.constexpr = 128 // (w_ptr.dtype.element_ty.primitive_bitwidth // 8)
-    for k0 in range(k_begin, k_end, LINES * PER_LINE):
-        ks = tl.minimum(k0 + tl.arange(0, LINES) * PER_LINE, k_end - 1)  # [LINES]
-        prefetch_l2(w_rows + ks[None, :])
-
-
 @jit(do_not_specialize=["M"])
 def _skinny_kernel(
     x_ptr,  # [M, K] (PROLOGUE 2: [M, 2K] gate | up)
@@ -508,13 +481,14 @@ def _skinny_kernel(
     PDL: tl.constexpr,
     SPLIT_K: tl.constexpr,
     DEFER: tl.constexpr,  # split-K: store the partials only; the consumer sums them (SplitSum)
-    PREFETCH_W: tl.constexpr,  # ask L2 for the weight tile before the PDL wait
 ):
-    if PREFETCH_W:  # the weights never depend on the kernel before: stream them while it runs
-        _prefetch_weight_tile(w_ptr, N, K, stride_w, SPLIT_K, BLOCK_N, BLOCK_K, 16)
     pdl_enter(PDL)
     pid = tl.program_id(0)
-    k_begin, k_end = _k_slice(K, SPLIT_K, BLOCK_K)
+    k_begin, k_end = 0, K
+    if SPLIT_K > 1:  # this program's slice of K: whole BLOCK_K tiles
+        per_slice = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
+        k_begin = tl.program_id(1) * per_slice
+        k_end = tl.minimum(k_begin + per_slice, K)
     rows = tl.arange(0, BLOCK_M)
     row_in = rows < M
     cols_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -669,7 +643,6 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
     partials = torch.empty((split, block_m, n), dtype=torch.float32, device=x.device) \
         if split > 1 else y
     single = single and split == 1
-    launch = PDL_LAUNCH if cfg.pdl else pdl_options()
     args = (
         x, x if residual is None else residual, x if norm_weight is None else norm_weight,
         weight, weight if bias is None else bias, y, y if summed is None else summed,
@@ -682,8 +655,8 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, STATS_K=stats_k,
         DOT=cfg.dot, SWAP=cfg.dot and cfg.swap, PRECISION=precision, EVEN_K=k % block_k == 0,
         SINGLE_K=single, STAGES=cfg.num_stages, SPLIT_K=split, DEFER=defer,
-        PREFETCH_W=weight_prefetch(launch["PDL"]),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **(PDL_LAUNCH if cfg.pdl else pdl_options()),
     )
     grid = (blocks, split)
     if warmup:

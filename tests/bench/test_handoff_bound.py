@@ -1,5 +1,6 @@
-"""bench/handoff_bound.py on the CPU: the η bound's arithmetic against the recorded bench run it
-is quoted for (bench/RESULTS.md §5), and the checksum its GPU handoff chain is checked with."""
+"""bench/handoff_bound.py on the CPU: the ideal-execution arithmetic against the recorded bench run
+it is quoted for (bench/RESULTS.md §5), the recomputation from a recorded measurement, and the
+checksum its GPU handoff chain is checked with."""
 
 import importlib.util
 import json
@@ -9,6 +10,8 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN39 = ROOT / "bench" / "results" / "bench-h100-2026-11-26-run39" / "bench.json"
+MEASURED = ROOT / "bench" / "results" / "handoff-bound-h100-2026-11-26" / "round1" / "handoff_bound.json"
+DRAM = "every weight from DRAM"
 
 
 @pytest.fixture(scope="module")
@@ -25,35 +28,59 @@ def run39():
 
 
 def test_free_handoffs_leave_the_bench_weight_bytes_bound(script, run39):
-    """With handoffs free the bound is the bytes ratio the bench itself reports (0.76)."""
+    """With handoffs free the ideal η is the bytes ratio the bench itself reports (0.76)."""
     tree = next(r for r in run39["trained_pair"]["rows"]
                 if r["batch"] == 1 and r["config"].startswith("EAGLE-3 tree"))
-    bound = script.bound_from_bench(run39, handoff_us=0.85)
-    assert bound["bounds"]["zero"]["eta_bound"] == pytest.approx(tree["weight_bytes"]["eta_bound"])
-    assert bound["bounds"]["zero"]["decode_step_us"] == pytest.approx(
-        383855616 / run39["scale"]["copy_bandwidth_Bps"] * 1e6)
+    models = script.bound_from_bench(run39, handoff_us=0.85)["models"]
+    free = models[f"{DRAM}, handoffs free"]
+    assert free["eta_bound"] == pytest.approx(tree["weight_bytes"]["eta_bound"])
+    assert free["decode_step_us"] == pytest.approx(
+        tree["weight_bytes"]["step"] / run39["scale"]["copy_bandwidth_Bps"] * 1e6)
 
 
-def test_bound_falls_with_the_handoff_cost_and_crosses_the_goal_at_break_even(script, run39):
+def test_eta_falls_with_the_handoff_cost_and_crosses_the_goal_at_break_even(script, run39):
     bound = script.bound_from_bench(run39, handoff_us=0.85)
     counts = bound["handoffs"]
     assert counts["tree iteration"] > counts["decode step"]  # the draft's forwards add handoffs
     args = (bound["step_bytes"], bound["iteration_bytes"], bound["copy_bandwidth_Bps"])
-    etas = [script.eta_bound(*args, c, counts)["eta_bound"] for c in (0.0, 0.2, 0.85, 2.5)]
+    etas = [script.ideal_times_us(*args, c, counts)["eta_bound"] for c in (0.0, 0.2, 0.85, 2.5)]
     assert etas == sorted(etas, reverse=True)
     break_even = bound["break_even_handoff_us"]
     assert 0.0 < break_even < 0.85
-    assert script.eta_bound(*args, break_even, counts)["eta_bound"] == pytest.approx(0.75)
-    assert bound["bounds"]["cheapest measured"]["eta_bound"] < 0.75
+    assert script.ideal_times_us(*args, break_even, counts)["eta_bound"] == pytest.approx(0.75)
+    assert bound["models"][DRAM]["eta_bound"] < 0.75
 
 
-def test_handoffs_grow_by_a_layer_per_target_layer_and_a_forward_per_draft_pass(script):
+def test_a_head_held_in_l2_reads_only_its_first_forward_from_dram(script, run39):
+    models = script.bound_from_bench(run39, handoff_us=0.85)["models"]
+    held = models["the head's weights held in L2 after its first forward"]
+    saved_us = held["tree_iteration_us"] - models[DRAM]["tree_iteration_us"]
+    tree = next(r for r in run39["trained_pair"]["rows"]
+                if r["batch"] == 1 and r["config"].startswith("EAGLE-3 tree"))
+    three_forwards = 3 * tree["weight_bytes"]["draft_pass"]
+    assert -saved_us == pytest.approx(three_forwards / run39["scale"]["copy_bandwidth_Bps"] * 1e6)
+    assert held["decode_step_us"] == models[DRAM]["decode_step_us"]
+
+
+def test_handoffs_grow_by_four_per_target_layer_and_five_per_draft_forward(script):
     base = script.handoffs(12, 4)
     deeper, longer = script.handoffs(13, 4), script.handoffs(12, 5)
     assert deeper["decode step"] - base["decode step"] == 4
     assert deeper["tree iteration"] - base["tree iteration"] == 4
     assert longer["decode step"] == base["decode step"]
     assert longer["tree iteration"] - base["tree iteration"] == 5
+
+
+def test_the_bound_is_recomputed_from_a_recorded_measurement(script, tmp_path):
+    """``--measured`` runs without a GPU and takes the cheapest all-SM handoff it recorded."""
+    assert script.main(["--out", str(tmp_path), "--bench-json", str(RUN39),
+                        "--measured", str(MEASURED)]) == 0
+    result = json.loads((tmp_path / "handoff_bound.json").read_text())
+    recorded = json.loads(MEASURED.read_text())
+    cheapest = min(row["us_per_handoff"] for row in recorded["handoff"] + recorded["boundary"]
+                   if row["programs"] == recorded["sms"])
+    assert result["bound"]["models"][DRAM]["handoff_us"] == cheapest
+    assert "| every weight from DRAM |" in (tmp_path / "handoff_bound.md").read_text()
 
 
 @pytest.mark.parametrize(("stages", "programs"), [(1, 1), (4, 3), (16, 132)])

@@ -113,68 +113,8 @@ def test_every_kernel_waits_for_the_one_before_first(module, kernel, node):
     body = node.body
     if isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
         body = body[1:]
-    enter = [ast.unparse(stmt) for stmt in body].index("pdl_enter(PDL)") \
-        if "pdl_enter(PDL)" in [ast.unparse(stmt) for stmt in body] else None
-    assert enter is not None, f"{module}.{kernel} never calls pdl_enter(PDL)"
-    for stmt in body[:enter]:  # only L2 prefetches of data no kernel writes may come first
-        assert _only_prefetches(stmt, _FUNCTIONS[module]), \
-            f"{module}.{kernel} starts with {ast.unparse(stmt)!r}"
-
-
-def _called(node) -> set[str]:
-    return {ast.unparse(call.func) for call in ast.walk(node) if isinstance(call, ast.Call)}
-
-
-def _only_prefetches(stmt, functions, seen=()) -> bool:
-    """Whether ``stmt`` reaches no load, store, atomic or inline assembly but through
-    ``prefetch_l2``, following the module's own functions it calls (which must be prefetch
-    helpers or the K-slice arithmetic)."""
-    for name in _called(stmt):
-        if name == "prefetch_l2" or name in seen:
-            continue
-        last = name.rsplit(".", 1)[-1]
-        if last in ("load", "store") or "atomic" in last or "inline_asm" in last:
-            return False
-        if name in functions:
-            if not (name.startswith("_prefetch") or name == "_k_slice"):
-                return False
-            if not _only_prefetches(functions[name], functions, (*seen, name)):
-                return False
-    return True
-
-
-_FUNCTIONS = {name: {node.name: node for node in ast.parse(inspect.getsource(module)).body
-                     if isinstance(node, ast.FunctionDef)}
-              for name, module in _kernel_modules()}
-
-
-def test_the_prefetch_check_refuses_a_load_before_the_wait():
-    early_load = ast.parse("if PREFETCH_W:\n    x = tl.load(ptr)").body[0]
-    helper = ast.parse("def _prefetch_x(p):\n    tl.store(p, 0)").body[0]
-    early_helper = ast.parse("if PREFETCH_W:\n    _prefetch_x(ptr)").body[0]
-    fine = ast.parse("if PREFETCH_W:\n    _prefetch_weight_tile(w, 1, 2, 3, 1, 32, 64, 16)").body[0]
-    functions = _FUNCTIONS["linear"]
-    assert not _only_prefetches(early_load, functions)
-    assert not _only_prefetches(early_helper, {"_prefetch_x": helper})
-    assert _only_prefetches(fine, functions)
-
-
-@pytest.mark.parametrize(("setting", "pdl", "expected"), [
-    (None, True, False), ("off", True, False), ("on", True, True), (" ON ", True, True),
-    ("on", False, False), ("", True, False)])
-def test_weight_prefetch_needs_the_setting_and_an_early_launch(monkeypatch, setting, pdl, expected):
-    if setting is None:
-        monkeypatch.delenv("PHASEGRAPH_WEIGHT_PREFETCH", raising=False)
-    else:
-        monkeypatch.setenv("PHASEGRAPH_WEIGHT_PREFETCH", setting)
-    assert _dispatch.weight_prefetch(pdl) is expected
-
-
-def test_an_unknown_weight_prefetch_setting_is_named(monkeypatch):
-    monkeypatch.setenv("PHASEGRAPH_WEIGHT_PREFETCH", "always")
-    with pytest.raises(ValueError, match=r"PHASEGRAPH_WEIGHT_PREFETCH='always': expected one of "
-                                         r"on, off"):
-        _dispatch.weight_prefetch(True)
+    assert ast.unparse(body[0]) == "pdl_enter(PDL)", f"{module}.{kernel} starts with " \
+                                                     f"{ast.unparse(body[0])!r}"
 
 
 def test_launch_pdl_is_set_only_beside_a_waiting_kernel():
