@@ -280,6 +280,9 @@ def main(argv: list[str] | None = None) -> int:
                         help="a handoff_bound.json recorded on a GPU: recompute its bound here "
                              "(on any machine) instead of measuring")
     args = parser.parse_args(argv)
+    for given in (args.bench_json, args.measured):
+        if given is not None and not given.is_file():
+            parser.error(f"{given}: no such file")
     if args.measured:
         result = json.loads(args.measured.read_text())
     elif triton is None or not torch.cuda.is_available():

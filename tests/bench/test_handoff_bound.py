@@ -89,3 +89,10 @@ def test_expected_checksum_is_what_each_program_reads(script, stages, programs):
     for pid, got in enumerate(script.expected_checksum(stages, programs).tolist()):
         neighbour = (pid + 1) % programs
         assert got == sum(stage * programs + neighbour for stage in range(stages))
+
+
+def test_a_missing_input_file_is_named(script, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        script.main(["--out", str(tmp_path), "--measured", str(tmp_path / "none.json")])
+    assert exit_info.value.code == 2
+    assert "none.json: no such file" in capsys.readouterr().err
