@@ -54,6 +54,12 @@ PDL_MODES = ("auto", "on", "off")
 # Triton reads TRITON_INTERPRET when a kernel is defined, so this module reads it once, on import
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "").strip() not in ("", "0")
 PDL_LAUNCH = {"PDL": True, "launch_pdl": True}  # a launch placed early, its kernel waiting first
+EARLY_WEIGHTS_ENV_VAR = "PHASEGRAPH_EARLY_WEIGHTS"  # experiment: on / off
+
+
+def early_weights(pdl: bool) -> bool:
+    """Experiment: whether a one-tile product launched with PDL loads its weights before its wait."""
+    return bool(pdl) and os.environ.get(EARLY_WEIGHTS_ENV_VAR, "off").strip().lower() == "on"
 
 
 def kernel_mode() -> str:

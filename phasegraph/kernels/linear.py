@@ -51,6 +51,7 @@ from phasegraph.kernels._checks import expect_float, expect_shape
 from phasegraph.kernels._dispatch import (
     PDL_LAUNCH,
     cdiv,
+    early_weights,
     jit,
     next_pow2,
     pdl_enter,
@@ -481,7 +482,17 @@ def _skinny_kernel(
     PDL: tl.constexpr,
     SPLIT_K: tl.constexpr,
     DEFER: tl.constexpr,  # split-K: store the partials only; the consumer sums them (SplitSum)
+    EARLY_W: tl.constexpr,  # SINGLE_K: load the weight tile before the PDL wait
 ):
+    if EARLY_W:
+        e_cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+        e_ks = tl.arange(0, BLOCK_K)
+        e_rows = w_ptr + e_cols.to(tl.int64)[:, None] * stride_w
+        if EVEN_K:
+            w_early = tl.load(e_rows + e_ks[None, :], mask=(e_cols < N)[:, None], other=0.0)
+        else:
+            w_early = tl.load(e_rows + e_ks[None, :],
+                              mask=(e_cols < N)[:, None] & (e_ks[None, :] < K), other=0.0)
     pdl_enter(PDL)
     pid = tl.program_id(0)
     k_begin, k_end = 0, K
@@ -497,7 +508,9 @@ def _skinny_kernel(
     w_rows = w_ptr + cols_n.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
 
     if SINGLE_K:  # the whole K in one tile: load the operand once, statistics included
-        if EVEN_K:
+        if EARLY_W:
+            w = w_early
+        elif EVEN_K:
             w = tl.load(w_rows + ks[None, :], mask=n_in[:, None], other=0.0)
         else:
             w = tl.load(w_rows + ks[None, :], mask=n_in[:, None] & (ks[None, :] < K), other=0.0)
@@ -643,6 +656,7 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
     partials = torch.empty((split, block_m, n), dtype=torch.float32, device=x.device) \
         if split > 1 else y
     single = single and split == 1
+    launch = PDL_LAUNCH if cfg.pdl else pdl_options()
     args = (
         x, x if residual is None else residual, x if norm_weight is None else norm_weight,
         weight, weight if bias is None else bias, y, y if summed is None else summed,
@@ -655,8 +669,8 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, STATS_K=stats_k,
         DOT=cfg.dot, SWAP=cfg.dot and cfg.swap, PRECISION=precision, EVEN_K=k % block_k == 0,
         SINGLE_K=single, STAGES=cfg.num_stages, SPLIT_K=split, DEFER=defer,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-        **(PDL_LAUNCH if cfg.pdl else pdl_options()),
+        EARLY_W=single and early_weights(launch["PDL"]),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     grid = (blocks, split)
     if warmup:

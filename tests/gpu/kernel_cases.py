@@ -479,6 +479,13 @@ def compile_cases():
         cases.append((f"linear/float32/M16/{name}",
                       lambda cfg=cfg: linear.linear_triton(torch.randn(16, 2560), torch.randn(768, 2560),
                                                            config=cfg)))
+    # the batch-1 decode step's float32 products: the table's one-tile multiply-sum at one row
+    cases.append(("linear/float32/M1/table",
+                  lambda: linear.linear_triton(torch.randn(1, 768), torch.randn(1280, 768))))
+    cases.append(("linear/float32/M1/table-norm",
+                  lambda: linear.add_rms_norm_linear_triton(
+                      torch.randn(1, 768), torch.randn(1, 768), torch.randn(768), 1e-6,
+                      torch.randn(5120, 768))))
     rope_attention = importlib.import_module("phasegraph.kernels.rope_attention")
     argmax = importlib.import_module("phasegraph.kernels.argmax")
 
