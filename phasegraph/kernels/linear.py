@@ -447,6 +447,14 @@ def _finish(acc, DOT: tl.constexpr, SWAP: tl.constexpr, BLOCK_M: tl.constexpr):
     return out
 
 
+@jit
+def _w_tile(w_rows, n_in, cols, K, EVEN_K: tl.constexpr):
+    """W's rows ``w_rows`` [BLOCK_N, 1] at columns ``cols`` [BLOCK_K]: [BLOCK_N, BLOCK_K]."""
+    if EVEN_K:
+        return tl.load(w_rows + cols[None, :], mask=n_in[:, None], other=0.0)
+    return tl.load(w_rows + cols[None, :], mask=n_in[:, None] & (cols[None, :] < K), other=0.0)
+
+
 @jit(do_not_specialize=["M"])
 def _skinny_kernel(
     x_ptr,  # [M, K] (PROLOGUE 2: [M, 2K] gate | up)
@@ -482,38 +490,29 @@ def _skinny_kernel(
     PDL: tl.constexpr,
     SPLIT_K: tl.constexpr,
     DEFER: tl.constexpr,  # split-K: store the partials only; the consumer sums them (SplitSum)
-    EARLY_W: tl.constexpr,  # SINGLE_K: load the weight tile before the PDL wait
+    EARLY_W: tl.constexpr,  # load the first weight tile before the PDL wait
 ):
-    if EARLY_W:
-        e_cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-        e_ks = tl.arange(0, BLOCK_K)
-        e_rows = w_ptr + e_cols.to(tl.int64)[:, None] * stride_w
-        if EVEN_K:
-            w_early = tl.load(e_rows + e_ks[None, :], mask=(e_cols < N)[:, None], other=0.0)
-        else:
-            w_early = tl.load(e_rows + e_ks[None, :],
-                              mask=(e_cols < N)[:, None] & (e_ks[None, :] < K), other=0.0)
-    pdl_enter(PDL)
     pid = tl.program_id(0)
     k_begin, k_end = 0, K
     if SPLIT_K > 1:  # this program's slice of K: whole BLOCK_K tiles
         per_slice = tl.cdiv(tl.cdiv(K, SPLIT_K), BLOCK_K) * BLOCK_K
         k_begin = tl.program_id(1) * per_slice
         k_end = tl.minimum(k_begin + per_slice, K)
-    rows = tl.arange(0, BLOCK_M)
-    row_in = rows < M
     cols_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = cols_n < N
     ks = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + cols_n.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
+    if EARLY_W:  # weights no kernel writes: this program's first W tile, while the one before runs
+        w_first = _w_tile(w_rows, n_in, k_begin + ks, K, EVEN_K)  # [BLOCK_N, BLOCK_K]
+    pdl_enter(PDL)
+    rows = tl.arange(0, BLOCK_M)
+    row_in = rows < M
 
     if SINGLE_K:  # the whole K in one tile: load the operand once, statistics included
         if EARLY_W:
-            w = w_early
-        elif EVEN_K:
-            w = tl.load(w_rows + ks[None, :], mask=n_in[:, None], other=0.0)
+            w = w_first
         else:
-            w = tl.load(w_rows + ks[None, :], mask=n_in[:, None] & (ks[None, :] < K), other=0.0)
+            w = _w_tile(w_rows, n_in, ks, K, EVEN_K)
         if PROLOGUE == 1:
             if EVEN_K:
                 mask = row_in[:, None]
@@ -566,13 +565,15 @@ def _skinny_kernel(
                 h = s.to(tl.float32)
                 sq += tl.sum(h * h, axis=1)
             rstd = 1.0 / tl.sqrt(sq / K + eps)
-        for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):  # W tiles, STAGES deep
+        loop_begin = k_begin
+        if EARLY_W:  # the first tile, loaded before the wait (the same order of sums)
+            a = _operand(x_ptr, res_ptr, nw_ptr, rows, k_begin + ks, M, K, stride_x, stride_r,
+                         rstd, PROLOGUE, HAS_RESIDUAL, EVEN_K)
+            acc = _mac(acc, a, w_first, DOT, SWAP, BLOCK_M, PRECISION)
+            loop_begin = k_begin + BLOCK_K
+        for k0 in tl.range(loop_begin, k_end, BLOCK_K, num_stages=STAGES):  # W tiles, STAGES deep
             cols = k0 + ks
-            if EVEN_K:
-                w = tl.load(w_rows + cols[None, :], mask=n_in[:, None], other=0.0)
-            else:
-                w = tl.load(w_rows + cols[None, :], mask=n_in[:, None] & (cols[None, :] < K),
-                            other=0.0)
+            w = _w_tile(w_rows, n_in, cols, K, EVEN_K)
             a = _operand(x_ptr, res_ptr, nw_ptr, rows, cols, M, K, stride_x, stride_r, rstd,
                          PROLOGUE, HAS_RESIDUAL, EVEN_K)
             acc = _mac(acc, a, w, DOT, SWAP, BLOCK_M, PRECISION)
@@ -669,7 +670,7 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, STATS_K=stats_k,
         DOT=cfg.dot, SWAP=cfg.dot and cfg.swap, PRECISION=precision, EVEN_K=k % block_k == 0,
         SINGLE_K=single, STAGES=cfg.num_stages, SPLIT_K=split, DEFER=defer,
-        EARLY_W=single and early_weights(launch["PDL"]),
+        EARLY_W=early_weights(launch["PDL"]),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     grid = (blocks, split)
