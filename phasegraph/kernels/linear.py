@@ -490,7 +490,7 @@ def _skinny_kernel(
     PDL: tl.constexpr,
     SPLIT_K: tl.constexpr,
     DEFER: tl.constexpr,  # split-K: store the partials only; the consumer sums them (SplitSum)
-    EARLY_W: tl.constexpr,  # load the first weight tile before the PDL wait
+    EARLY_W: tl.constexpr,  # SINGLE_K: load the weight tile before the PDL wait
 ):
     pid = tl.program_id(0)
     k_begin, k_end = 0, K
@@ -502,8 +502,8 @@ def _skinny_kernel(
     n_in = cols_n < N
     ks = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + cols_n.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
-    if EARLY_W:  # weights no kernel writes: this program's first W tile, while the one before runs
-        w_first = _w_tile(w_rows, n_in, k_begin + ks, K, EVEN_K)  # [BLOCK_N, BLOCK_K]
+    if EARLY_W:  # SINGLE_K, weights no kernel writes: the whole W tile, while the one before runs
+        w_first = _w_tile(w_rows, n_in, ks, K, EVEN_K)  # [BLOCK_N, BLOCK_K]
     pdl_enter(PDL)
     rows = tl.arange(0, BLOCK_M)
     row_in = rows < M
@@ -565,13 +565,7 @@ def _skinny_kernel(
                 h = s.to(tl.float32)
                 sq += tl.sum(h * h, axis=1)
             rstd = 1.0 / tl.sqrt(sq / K + eps)
-        loop_begin = k_begin
-        if EARLY_W:  # the first tile, loaded before the wait (the same order of sums)
-            a = _operand(x_ptr, res_ptr, nw_ptr, rows, k_begin + ks, M, K, stride_x, stride_r,
-                         rstd, PROLOGUE, HAS_RESIDUAL, EVEN_K)
-            acc = _mac(acc, a, w_first, DOT, SWAP, BLOCK_M, PRECISION)
-            loop_begin = k_begin + BLOCK_K
-        for k0 in tl.range(loop_begin, k_end, BLOCK_K, num_stages=STAGES):  # W tiles, STAGES deep
+        for k0 in tl.range(k_begin, k_end, BLOCK_K, num_stages=STAGES):  # W tiles, STAGES deep
             cols = k0 + ks
             w = _w_tile(w_rows, n_in, cols, K, EVEN_K)
             a = _operand(x_ptr, res_ptr, nw_ptr, rows, cols, M, K, stride_x, stride_r, rstd,
@@ -670,7 +664,7 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, STATS_K=stats_k,
         DOT=cfg.dot, SWAP=cfg.dot and cfg.swap, PRECISION=precision, EVEN_K=k % block_k == 0,
         SINGLE_K=single, STAGES=cfg.num_stages, SPLIT_K=split, DEFER=defer,
-        EARLY_W=early_weights(launch["PDL"]),
+        EARLY_W=single and early_weights(launch["PDL"]),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     grid = (blocks, split)
