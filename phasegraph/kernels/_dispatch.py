@@ -30,6 +30,9 @@ launch may opt out (``pdl_options(early=False)``, the decode attention): it then
 - ``PHASEGRAPH_PDL=auto`` (default): on for CUDA devices of compute capability 9.0 or newer;
 - ``PHASEGRAPH_PDL=off``: plain launches (each kernel waits for the one before to end);
 - ``PHASEGRAPH_PDL=on``: on, and an error on a device that lacks it.
+
+A skinny product launched early may load its weights *before* its wait where no kernel writes
+them (``PHASEGRAPH_EARLY_WEIGHTS``, :func:`phasegraph.kernels.linear.early_weight_load`).
 """
 
 from __future__ import annotations
@@ -54,12 +57,8 @@ PDL_MODES = ("auto", "on", "off")
 # Triton reads TRITON_INTERPRET when a kernel is defined, so this module reads it once, on import
 _INTERPRETED = os.environ.get("TRITON_INTERPRET", "").strip() not in ("", "0")
 PDL_LAUNCH = {"PDL": True, "launch_pdl": True}  # a launch placed early, its kernel waiting first
-EARLY_WEIGHTS_ENV_VAR = "PHASEGRAPH_EARLY_WEIGHTS"  # experiment: on / off
-
-
-def early_weights(pdl: bool) -> bool:
-    """Experiment: whether a one-tile product launched with PDL loads its weights before its wait."""
-    return bool(pdl) and os.environ.get(EARLY_WEIGHTS_ENV_VAR, "off").strip().lower() == "on"
+EARLY_WEIGHTS_ENV_VAR = "PHASEGRAPH_EARLY_WEIGHTS"
+EARLY_WEIGHTS_MODES = ("auto", "on", "off")
 
 
 def kernel_mode() -> str:
@@ -142,6 +141,17 @@ def pdl_options(early: bool = True) -> dict:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def early_weights_mode() -> str:
+    """The value of ``PHASEGRAPH_EARLY_WEIGHTS`` (``auto`` when unset; see
+    :func:`phasegraph.kernels.linear.early_weight_load`)."""
+    setting = os.environ.get(EARLY_WEIGHTS_ENV_VAR, "auto")
+    mode = setting.strip().lower() or "auto"
+    if mode not in EARLY_WEIGHTS_MODES:
+        raise ValueError(f"{EARLY_WEIGHTS_ENV_VAR}={setting!r}: expected one of "
+                         f"{', '.join(EARLY_WEIGHTS_MODES)}")
+    return mode
 
 
 def next_pow2(n: int) -> int:

@@ -51,7 +51,7 @@ from phasegraph.kernels._checks import expect_float, expect_shape
 from phasegraph.kernels._dispatch import (
     PDL_LAUNCH,
     cdiv,
-    early_weights,
+    early_weights_mode,
     jit,
     next_pow2,
     pdl_enter,
@@ -598,6 +598,27 @@ def _skinny_kernel(
         tl.store(y_ptr + y_offs, out.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
+EARLY_WEIGHT_MAX_BYTES = 32 << 20  # measured: the bench pair's products gain, the 8B shape's lose
+
+
+def early_weight_load(one_tile: bool, static_weight: bool, weight_bytes: int, pdl: bool) -> bool:
+    """Whether a product loads its weight tile before its PDL wait (``pdl_enter``).
+
+    A kernel launched early is placed while the kernel before it still runs; loading its weights
+    then overlaps the two, which is safe only for weights no kernel writes (``static_weight``:
+    a model's parameters). Only one-tile products (the whole K in one tile: the table's one-row
+    forms) do it, and only up to ``EARLY_WEIGHT_MAX_BYTES`` of weights: on an H100 it took the
+    bench pair's decode step from 400 to 360 µs, while the 8B shape's step (33–260 MB products,
+    many waves of programs) went from 5.47 to 5.56 ms, and for products that loop over K the
+    first tile loaded early cost the tree verify 3.4 % (bench/RESULTS.md §5).
+    ``PHASEGRAPH_EARLY_WEIGHTS``: ``auto`` (default) this rule; ``on`` any size; ``off`` never.
+    """
+    mode = early_weights_mode()
+    if not (pdl and one_tile and static_weight) or mode == "off":
+        return False
+    return mode == "on" or weight_bytes <= EARLY_WEIGHT_MAX_BYTES
+
+
 _ARRIVED: dict[torch.device, torch.Tensor] = {}  # per device: split-K arrival counters, all zero
 _ARRIVED_SLOTS = 8192  # column blocks one split-K launch may use
 
@@ -615,7 +636,8 @@ def _arrival_counters(device: torch.device) -> torch.Tensor | None:
 
 
 def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
-            config: SkinnyConfig | None, warmup: bool = False, defer: bool = False):
+            config: SkinnyConfig | None, warmup: bool = False, defer: bool = False,
+            static_weight: bool = False):
     """(y, summed); with ``defer`` and a split-K config, y is a :class:`SplitSum`."""
     m = x.shape[0]
     n, k = weight.shape
@@ -664,7 +686,8 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=block_k, STATS_K=stats_k,
         DOT=cfg.dot, SWAP=cfg.dot and cfg.swap, PRECISION=precision, EVEN_K=k % block_k == 0,
         SINGLE_K=single, STAGES=cfg.num_stages, SPLIT_K=split, DEFER=defer,
-        EARLY_W=single and early_weights(launch["PDL"]),
+        EARLY_W=early_weight_load(single, static_weight, weight.numel() * weight.element_size(),
+                                  launch["PDL"]),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
     )
     grid = (blocks, split)
@@ -691,14 +714,16 @@ def linear_triton(
     config: SkinnyConfig | None = None,
     warmup: bool = False,
     defer: bool = False,
+    static_weight: bool = False,
 ) -> torch.Tensor | SplitSum:  # [M, N]
     """Triton ``linear``: one program per ``block_n`` output columns, weight streamed once.
     ``warmup`` compiles without launching (the output is then not written); ``defer`` hands a
-    split-K product on as a :class:`SplitSum` (its slices summed by the consumer)."""
+    split-K product on as a :class:`SplitSum` (its slices summed by the consumer);
+    ``static_weight`` promises that no kernel writes ``weight`` (see :func:`early_weight_load`)."""
     _check_linear(x, weight, bias)
     _require_rows(x, "x")
     _require_rows(weight, "weight")
-    y, _ = _launch(_NONE, x, None, None, 0.0, weight, bias, config, warmup, defer)
+    y, _ = _launch(_NONE, x, None, None, 0.0, weight, bias, config, warmup, defer, static_weight)
     return y
 
 
@@ -712,6 +737,7 @@ def add_rms_norm_linear_triton(
     *,
     config: SkinnyConfig | None = None,
     warmup: bool = False,
+    static_weight: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # (y [M, N], summed [M, H])
     """Triton ``add_rms_norm_linear``: the norm is the product's operand prologue (no split-K,
     so never deferred)."""
@@ -722,7 +748,8 @@ def add_rms_norm_linear_triton(
     _require_rows(weight, "weight")
     if residual is not None:
         _require_rows(residual, "residual")
-    return _launch(_RMS_NORM, x, residual, norm_weight, eps, weight, bias, config, warmup)
+    return _launch(_RMS_NORM, x, residual, norm_weight, eps, weight, bias, config, warmup,
+                   static_weight=static_weight)
 
 
 def silu_mul_linear_triton(
@@ -733,12 +760,14 @@ def silu_mul_linear_triton(
     config: SkinnyConfig | None = None,
     warmup: bool = False,
     defer: bool = False,
+    static_weight: bool = False,
 ) -> torch.Tensor | SplitSum:  # [M, N]
     """Triton ``silu_mul_linear``: ``silu(gate) * up`` is the product's operand prologue."""
     _check_silu_linear(gate_up, weight, bias)
     _require_rows(gate_up, "gate_up")
     _require_rows(weight, "weight")
-    y, _ = _launch(_SILU_MUL, gate_up, None, None, 0.0, weight, bias, config, warmup, defer)
+    y, _ = _launch(_SILU_MUL, gate_up, None, None, 0.0, weight, bias, config, warmup, defer,
+                   static_weight)
     return y
 
 
@@ -766,14 +795,17 @@ def linear(
     bias: torch.Tensor | None = None,  # [N]
     *,
     defer: bool = False,
+    static_weight: bool = False,
 ) -> torch.Tensor | SplitSum:  # [M, N]
     """``F.linear`` (the Triton skinny product on CUDA for few rows; float32 at 17..512 rows, the
     three-pass TF32 tiles of :mod:`~phasegraph.kernels.tiled_linear` where its table has a rule).
     ``defer``: where the table splits K, return the unsummed :class:`SplitSum` for a consumer
-    that takes one (``add_rms_norm``, ``silu_mul`` and the fused forms below)."""
+    that takes one (``add_rms_norm``, ``silu_mul`` and the fused forms below).
+    ``static_weight``: no kernel ever writes ``weight`` (a model's parameter), so a one-tile
+    product may load it before the kernel before it ends (:func:`early_weight_load`)."""
     _check_linear(x, weight, bias)
     if _fits(x, weight, bias, False):
-        return linear_triton(x, weight, bias, defer=defer)
+        return linear_triton(x, weight, bias, defer=defer, static_weight=static_weight)
     tile = tiled_config(x, weight, bias, defer)  # float32, 17..512 rows
     if tile is not None:
         return tiled_linear_triton(x, weight, bias, config=tile, defer=defer)
@@ -789,18 +821,21 @@ def add_rms_norm_linear(
     bias: torch.Tensor | None = None,  # [N]
     *,
     defer: bool = False,
+    static_weight: bool = False,
 ) -> tuple[torch.Tensor | SplitSum, torch.Tensor]:  # (y [M, N], summed [M, H])
     """``normed, summed = add_rms_norm(x, residual, norm_weight, eps)``; return
     ``(linear(normed, weight, bias), summed)`` (one Triton launch where the table fuses it).
-    ``x`` may be a :class:`SplitSum` (the norm kernel sums it); ``defer`` as in :func:`linear`."""
+    ``x`` may be a :class:`SplitSum` (the norm kernel sums it); ``defer`` and ``static_weight``
+    as in :func:`linear`."""
     if isinstance(x, SplitSum):  # a deferred product: the norm kernel sums its slices
         normed, summed = add_rms_norm(x, residual, norm_weight, eps)
-        return linear(normed, weight, bias, defer=defer), summed
+        return linear(normed, weight, bias, defer=defer, static_weight=static_weight), summed
     _check_norm_linear(x, residual, norm_weight, weight, bias)
     if _fits(x, weight, bias, True, residual, norm_weight):
-        return add_rms_norm_linear_triton(x, residual, norm_weight, eps, weight, bias)
+        return add_rms_norm_linear_triton(x, residual, norm_weight, eps, weight, bias,
+                                          static_weight=static_weight)
     normed, summed = add_rms_norm(x, residual, norm_weight, eps)
-    return linear(normed, weight, bias, defer=defer), summed
+    return linear(normed, weight, bias, defer=defer, static_weight=static_weight), summed
 
 
 def silu_mul_linear(
@@ -809,14 +844,16 @@ def silu_mul_linear(
     bias: torch.Tensor | None = None,  # [N]
     *,
     defer: bool = False,
+    static_weight: bool = False,
 ) -> torch.Tensor | SplitSum:  # [M, N]
     """``linear(silu_mul(gate_up), weight, bias)`` (one Triton launch where the table fuses it).
-    ``gate_up`` may be a :class:`SplitSum` (the SwiGLU kernel sums it); ``defer`` as in
-    :func:`linear`."""
+    ``gate_up`` may be a :class:`SplitSum` (the SwiGLU kernel sums it); ``defer`` and
+    ``static_weight`` as in :func:`linear`."""
     if isinstance(gate_up, SplitSum):
         act = silu_mul(gate_up)
-        return linear(act, weight, bias, defer=defer)
+        return linear(act, weight, bias, defer=defer, static_weight=static_weight)
     _check_silu_linear(gate_up, weight, bias)
     if _fits(gate_up, weight, bias, True):
-        return silu_mul_linear_triton(gate_up, weight, bias, defer=defer)
-    return linear(silu_mul(gate_up), weight, bias, defer=defer)
+        return silu_mul_linear_triton(gate_up, weight, bias, defer=defer,
+                                      static_weight=static_weight)
+    return linear(silu_mul(gate_up), weight, bias, defer=defer, static_weight=static_weight)

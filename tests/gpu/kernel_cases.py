@@ -482,6 +482,9 @@ def compile_cases():
     # the batch-1 decode step's float32 products: the table's one-tile multiply-sum at one row
     cases.append(("linear/float32/M1/table",
                   lambda: linear.linear_triton(torch.randn(1, 768), torch.randn(1280, 768))))
+    cases.append(("linear/float32/M1/table-early",  # static weights: loaded before the wait
+                  lambda: linear.linear_triton(torch.randn(1, 768), torch.randn(1280, 768),
+                                               static_weight=True)))
     cases.append(("linear/float32/M1/table-norm",
                   lambda: linear.add_rms_norm_linear_triton(
                       torch.randn(1, 768), torch.randn(1, 768), torch.randn(768), 1e-6,

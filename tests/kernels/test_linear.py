@@ -167,3 +167,53 @@ def test_config_table_covers_every_row_count():
         assert rule.config.precision in ("ieee", "tf32x3")
     for rule in lin.CONFIGS + lin.FP32_CONFIGS:  # split-K takes plain products only
         assert rule.config.split_k >= 1 and not (rule.config.split_k > 1 and rule.fused), rule
+
+
+# ------------------------------------------------------------------------------------------
+# Early weights: which launches load their weight tile before the PDL wait
+
+MIB = 1 << 20
+
+
+@pytest.mark.parametrize(("one_tile", "static", "nbytes", "pdl", "mode", "expected"), [
+    (True, True, 25 * MIB, True, None, True),  # the bench pair's lm_head, the default
+    (True, True, 32 * MIB, True, "auto", True),
+    (True, True, 33 * MIB, True, "auto", False),  # the 8B shape's smallest product
+    (True, True, 33 * MIB, True, "on", True),
+    (True, True, 1 * MIB, True, "off", False),
+    (True, False, 1 * MIB, True, "on", False),  # a weight some kernel may write: never
+    (False, True, 1 * MIB, True, "on", False),  # a K loop: the first tile early lost
+    (True, True, 1 * MIB, False, "on", False),  # a plain launch has nothing to overlap
+])
+def test_early_weight_load_rule(monkeypatch, one_tile, static, nbytes, pdl, mode, expected):
+    if mode is None:
+        monkeypatch.delenv("PHASEGRAPH_EARLY_WEIGHTS", raising=False)
+    else:
+        monkeypatch.setenv("PHASEGRAPH_EARLY_WEIGHTS", mode)
+    assert lin.early_weight_load(one_tile, static, nbytes, pdl) is expected
+
+
+def test_an_unknown_early_weights_setting_is_named(monkeypatch):
+    monkeypatch.setenv("PHASEGRAPH_EARLY_WEIGHTS", "always")
+    with pytest.raises(ValueError, match=r"PHASEGRAPH_EARLY_WEIGHTS='always': expected one of "
+                                         r"auto, on, off"):
+        lin.early_weight_load(True, True, MIB, True)
+
+
+def test_the_models_promise_static_weights():
+    """Every skinny product a model runs passes ``static_weight=True``: its weights are
+    parameters no kernel writes, so its one-tile products may load them early."""
+    import ast
+    import inspect
+
+    from phasegraph.runtime.models import eagle3, fused_decoder, target
+
+    products = ("linear", "add_rms_norm_linear", "silu_mul_linear")
+    for module in (eagle3, fused_decoder, target):
+        calls = [node for node in ast.walk(ast.parse(inspect.getsource(module)))
+                 if isinstance(node, ast.Call) and ast.unparse(node.func) in products]
+        assert calls, module.__name__
+        for call in calls:
+            keywords = {k.arg: ast.unparse(k.value) for k in call.keywords}
+            assert keywords.get("static_weight") == "True", \
+                f"{module.__name__}: {ast.unparse(call)}"

@@ -222,7 +222,8 @@ class Eagle3Draft(FeatureDraft):
         head: Eagle3Head = self.head
         mid, layer = head.midlayer, self.fused_layer
         pool = self._attached_pool()
-        h = linear(hidden.to(self.dtype), head.fc.weight, head.fc.bias) if from_target else hidden  # [T, Hd]
+        h = (linear(hidden.to(self.dtype), head.fc.weight, head.fc.bias, static_weight=True)
+             if from_target else hidden)  # [T, Hd]
         table = lookup_table(self.target.embed_tokens)
         if table is not None:  # the lookup and its cast to the head's dtype inside the norm kernel
             embeds, rows = table, input_ids  # [V, Hd], [T]
@@ -236,20 +237,24 @@ class Eagle3Draft(FeatureDraft):
         attn_out = layer.attention(x, cos, sin, pool.k[0], pool.v[0], attn, rope_rows)  # [T, Hd]
         # h1 = h + attn_out; gate_up = post_attention_layernorm(h1) @ gate_up
         gate_up, h1 = add_rms_norm_linear(
-            attn_out, h, layer.post_norm, layer.eps, layer.gate_up_weight, layer.gate_up_bias
+            attn_out, h, layer.post_norm, layer.eps, layer.gate_up_weight, layer.gate_up_bias,
+            static_weight=True,
         )
-        mlp_out = silu_mul_linear(gate_up, layer.down_weight, layer.down_bias)  # [T, Hd]
+        mlp_out = silu_mul_linear(gate_up, layer.down_weight, layer.down_bias,
+                                  static_weight=True)  # [T, Hd]
         norm_eps = float(head.norm.variance_epsilon)
         rows = None  # [R, Hd] the rows of out at logits_index
         if logits_index is None:  # out = h1 + mlp_out; logits = lm_head(norm(out))
             logits, out = add_rms_norm_linear(
-                mlp_out, h1, head.norm.weight, norm_eps, head.lm_head.weight, head.lm_head.bias
+                mlp_out, h1, head.norm.weight, norm_eps, head.lm_head.weight, head.lm_head.bias,
+                static_weight=True,
             )
         else:
             out = h1 + mlp_out  # [T, Hd]
             rows = take_rows(out, logits_index)
             logits, _ = add_rms_norm_linear(
                 rows, None, head.norm.weight, norm_eps, head.lm_head.weight, head.lm_head.bias,
+                static_weight=True,
             )
         # the head's dtype: the draft's top-k reads logits in float32 (an exact cast), so a
         # bfloat16 head's logits need no cast kernel of their own

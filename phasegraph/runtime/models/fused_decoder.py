@@ -98,7 +98,7 @@ class FusedLayer:
         meta: AttentionMetadata,
         rope_rows: torch.Tensor | None = None,  # [T] i64: each token's row of the tables
     ) -> torch.Tensor:  # [T, H], before the residual add
-        qkv = linear(normed, self.qkv_weight, self.qkv_bias)  # [T, (Hq + 2Hkv) D]
+        qkv = linear(normed, self.qkv_weight, self.qkv_bias, static_weight=True)  # [T, (Hq + 2Hkv) D]
         return self.attention_from_qkv(qkv, cos, sin, k_cache, v_cache, meta, rope_rows)
 
     def attention_from_qkv(
@@ -119,7 +119,8 @@ class FusedLayer:
         if self.q_norm is None:  # one launch where every query has its own row (decode, draft)
             out = rope_paged_attention(qkv, hq, hkv, d, cos, sin, k_cache, v_cache, meta,
                                        self.scaling, rope_rows)  # [T, Hq, D]
-            return linear(out.reshape(tokens, hq * d), self.o_weight, self.o_bias, defer=defer)
+            return linear(out.reshape(tokens, hq * d), self.o_weight, self.o_bias, defer=defer,
+                          static_weight=True)
         q = qkv[:, : hq * d].view(tokens, hq, d)
         k = qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
         v = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
@@ -127,18 +128,20 @@ class FusedLayer:
             q, k = self.q_norm(q), self.k_norm(k)
         q = rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.write_slots, rope_rows)  # [T, Hq, D]
         out = paged_attention(q, k_cache, v_cache, meta, self.scaling)  # [T, Hq, D]
-        return linear(out.reshape(tokens, hq * d), self.o_weight, self.o_bias, defer=defer)
+        return linear(out.reshape(tokens, hq * d), self.o_weight, self.o_bias, defer=defer,
+                      static_weight=True)
 
     def mlp(self, normed: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
-        gate_up = linear(normed, self.gate_up_weight, self.gate_up_bias)  # [T, 2I]
-        return silu_mul_linear(gate_up, self.down_weight, self.down_bias)
+        gate_up = linear(normed, self.gate_up_weight, self.gate_up_bias, static_weight=True)  # [T, 2I]
+        return silu_mul_linear(gate_up, self.down_weight, self.down_bias, static_weight=True)
 
     def norm_qkv(
         self, hidden: torch.Tensor | SplitSum, residual: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:  # (qkv [T, (Hq + 2Hkv) D], new residual [T, H])
         """The input norm of ``hidden + residual`` and the qkv product (one kernel at one row)."""
         return add_rms_norm_linear(
-            hidden, residual, self.input_norm, self.eps, self.qkv_weight, self.qkv_bias
+            hidden, residual, self.input_norm, self.eps, self.qkv_weight, self.qkv_bias,
+            static_weight=True,
         )
 
     def norm_mlp(
@@ -149,9 +152,11 @@ class FusedLayer:
         and the next norm sum them)."""
         gate_up, residual = add_rms_norm_linear(
             hidden, residual, self.post_norm, self.eps, self.gate_up_weight, self.gate_up_bias,
-            defer=defer,
+            defer=defer, static_weight=True,
         )
-        return silu_mul_linear(gate_up, self.down_weight, self.down_bias, defer=defer), residual
+        down = silu_mul_linear(gate_up, self.down_weight, self.down_bias, defer=defer,
+                               static_weight=True)
+        return down, residual
 
 
 def fuse_layer(layer: torch.nn.Module, config) -> FusedLayer:

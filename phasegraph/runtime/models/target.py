@@ -258,7 +258,7 @@ class HFTarget:
         rows = hidden if logits_index is None else take_rows(hidden, logits_index)
         head = self.model.lm_head
         if type(head) is torch.nn.Linear:  # the skinny product where its table says it wins
-            return linear(rows, head.weight, head.bias).float()
+            return linear(rows, head.weight, head.bias, static_weight=True).float()
         return head(rows).float()
 
     def forward(
