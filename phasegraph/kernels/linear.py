@@ -503,14 +503,14 @@ def _skinny_kernel(
     ks = tl.arange(0, BLOCK_K)
     w_rows = w_ptr + cols_n.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
     if EARLY_W:  # SINGLE_K, weights no kernel writes: the whole W tile, while the one before runs
-        w_first = _w_tile(w_rows, n_in, ks, K, EVEN_K)  # [BLOCK_N, BLOCK_K]
+        w_early = _w_tile(w_rows, n_in, ks, K, EVEN_K)  # [BLOCK_N, BLOCK_K]
     pdl_enter(PDL)
     rows = tl.arange(0, BLOCK_M)
     row_in = rows < M
 
     if SINGLE_K:  # the whole K in one tile: load the operand once, statistics included
         if EARLY_W:
-            w = w_first
+            w = w_early
         else:
             w = _w_tile(w_rows, n_in, ks, K, EVEN_K)
         if PROLOGUE == 1:
@@ -608,8 +608,8 @@ def early_weight_load(one_tile: bool, static_weight: bool, weight_bytes: int, pd
     then overlaps the two, which is safe only for weights no kernel writes (``static_weight``:
     a model's parameters). Only one-tile products (the whole K in one tile: the table's one-row
     forms) do it, and only up to ``EARLY_WEIGHT_MAX_BYTES`` of weights: on an H100 it took the
-    bench pair's decode step from 400 to 360 µs, while the 8B shape's step (33–260 MB products,
-    many waves of programs) went from 5.47 to 5.56 ms, and for products that loop over K the
+    bench pair's decode step from 400 to 360 µs, while the 8B shape's step (products of 33.5 MB
+    and more, many waves of programs) went from 5.47 to 5.56 ms, and for products that loop over K the
     first tile loaded early cost the tree verify 3.4 % (bench/RESULTS.md §5).
     ``PHASEGRAPH_EARLY_WEIGHTS``: ``auto`` (default) this rule; ``on`` any size; ``off`` never.
     """
