@@ -53,6 +53,9 @@ try:
     import triton.language as tl
 except ImportError:  # the bound's arithmetic still runs, and is tested, on the CPU
     triton = None
+else:  # the done-counter's release and spin-then-acquire of the one-launch chain experiment
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from weight_stationary_chain import _publish, _wait  # noqa: E402
 
 STAGE_COUNTS = (16, 64, 256)
 REPLAYS = 200
@@ -69,14 +72,10 @@ if triton is not None:
         for stage in range(STAGES):
             slot = (stage % 2) * P  # two mailboxes: a stage's writes never meet the last one's reads
             tl.store(mail_ptr + slot + pid, stage * P + pid)
-            tl.debug_barrier()
-            tl.atomic_add(counter_ptr, 1, sem="release", scope="gpu")
-            while tl.load(counter_ptr, volatile=True) < (stage + 1) * P:
-                pass
-            tl.atomic_add(counter_ptr, 0, sem="acquire", scope="gpu")
+            _publish(counter_ptr)
+            _wait(counter_ptr, (stage + 1) * P)
             checksum += tl.load(mail_ptr + slot + neighbour, cache_modifier=".cg")
         tl.store(checksum_ptr + pid, checksum)
-
 
     @triton.jit
     def _pingpong_kernel(flag_ptr, STAGES):
@@ -85,9 +84,7 @@ if triton is not None:
         pid = tl.program_id(0)
         for stage in range(STAGES):
             turn = 2 * stage + pid  # program 0 moves on even turns, program 1 on odd ones
-            while tl.load(flag_ptr, volatile=True) < turn:
-                pass
-            tl.atomic_add(flag_ptr, 0, sem="acquire", scope="gpu")
+            _wait(flag_ptr, turn)
             tl.atomic_xchg(flag_ptr, turn + 1, sem="release", scope="gpu")
 
     @triton.jit

@@ -140,7 +140,7 @@ class Machine:
             )
         if versions is not None and _tensor_versions(inp) != versions:
             after = _tensor_versions(inp)
-            names = [name for name, _ in _tensors_deep(inp)]
+            names = _tensor_names(inp)
             changed = [n for n, a, b in zip(names, versions, after, strict=True) if a != b]
             if changed:
                 raise PhaseContractViolation(
@@ -218,22 +218,23 @@ class Machine:
         return f"Machine({self.name!r}, phase={self._phase!r}, state={state})"
 
 
-def _tensors_deep(obj: Schema, prefix: str = ""):
-    """(name, tensor) for every tensor field of ``obj`` and of the schemas nested in it
-    (``params.seed``)."""
-    for name, x in obj.tensors():
-        yield prefix + name, x
+def _schemas_deep(obj: Schema, prefix: str = ""):
+    """(path, schema) for ``obj`` and every schema nested in it, depth first (``params.``)."""
+    yield prefix, obj
     for vs in type(obj).__schema__.values:
         if vs.nested:
             inner = getattr(obj, vs.name)
             if inner is not None:
-                yield from _tensors_deep(inner, f"{prefix}{vs.name}.")
+                yield from _schemas_deep(inner, f"{prefix}{vs.name}.")
+
+
+def _tensor_names(obj: Schema) -> list[str]:
+    """Every tensor field of ``obj`` and its nested schemas (``params.seed``), in the order of
+    :func:`_tensor_versions`."""
+    return [path + name for path, inner in _schemas_deep(obj) for name, _ in inner.tensors()]
 
 
 def _tensor_versions(obj: Schema) -> tuple[int, ...]:
-    """In-place modification counters of every tensor field, nested schemas' included, in the
-    order of :func:`_tensors_deep` (they rise on any in-place op)."""
-    versions = [x._version for _, x in obj.tensors()]
-    for inner in nested_schemas(obj):
-        versions += [x._version for _, x in inner.tensors()]
-    return tuple(versions)
+    """In-place modification counters of every tensor field, nested schemas' included (they rise
+    on any in-place op)."""
+    return tuple(x._version for _, inner in _schemas_deep(obj) for _, x in inner.tensors())
