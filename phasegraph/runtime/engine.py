@@ -625,14 +625,12 @@ def _check_draft_tokenizer(draft_dir: Path, tokenizer) -> None:
     if draft_tokenizer is None:
         return
     target_tokens = {i: t for t, i in tokenizer.get_vocab().items()}
-    differ = sorted(
-        i for t, i in draft_tokenizer.get_vocab().items() if i in target_tokens and target_tokens[i] != t
-    )
+    draft_tokens = {i: t for t, i in draft_tokenizer.get_vocab().items()}
+    differ = sorted(i for i, t in draft_tokens.items() if i in target_tokens and target_tokens[i] != t)
     if differ:
         i = differ[0]
-        draft_token = {i: t for t, i in draft_tokenizer.get_vocab().items()}[i]
         raise DraftMismatch(
             f"{draft_dir}: the standalone draft's tokenizer differs from the target's: "
-            f"{len(differ)} token id(s) name other tokens (id {i} is {draft_token!r} for the draft, "
+            f"{len(differ)} token id(s) name other tokens (id {i} is {draft_tokens[i]!r} for the draft, "
             f"{target_tokens[i]!r} for the target); a standalone draft must share the target's tokenizer"
         )

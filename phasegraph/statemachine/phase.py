@@ -21,7 +21,10 @@ def _schema_problem(cls: Any) -> str | None:
     return None
 
 
-def _check_schemas(name: Any, input: Any, output: Any, extra_inputs: Any) -> None:  # noqa: A002
+def _check_declaration(name: Any, input: Any, output: Any, extra_inputs: Any) -> None:  # noqa: A002
+    """A phase's name and schemas, as :func:`phase` and :class:`PhaseSpec` both check them."""
+    if not isinstance(name, str) or not name:
+        raise InvalidPhase(name, ["a phase's name must be a non-empty string"])
     if not isinstance(extra_inputs, Mapping):
         raise InvalidPhase(name, [
             f"extra_inputs must map argument names to Schema subclasses, got {type(extra_inputs).__name__}"
@@ -51,9 +54,7 @@ class PhaseSpec:
     extra_inputs: Mapping[str, type[Schema]] = attrs.field(factory=dict)
 
     def __attrs_post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise InvalidPhase(self.name, ["a phase's name must be a non-empty string"])
-        _check_schemas(self.name, self.input, self.output, self.extra_inputs)
+        _check_declaration(self.name, self.input, self.output, self.extra_inputs)
         if not callable(self.fn):
             raise InvalidPhase(self.name, [f"its function must be callable, got {type(self.fn).__name__}"])
         try:
@@ -91,10 +92,8 @@ def phase(
         def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
             '''Run the target over the tree and accept the longest matching path.'''
     """
-    if not isinstance(name, str) or not name:
-        raise InvalidPhase(name, ["a phase's name must be a non-empty string"])
     extra_inputs = {} if extra_inputs is None else extra_inputs
-    _check_schemas(name, input, output, extra_inputs)
+    _check_declaration(name, input, output, extra_inputs)
 
     def wrap(fn: Callable[..., Any]) -> PhaseSpec:
         return PhaseSpec(

@@ -471,7 +471,7 @@ def as_device(device: Any) -> Any:
     try:
         return torch.device(device)
     except (RuntimeError, TypeError, ValueError) as exc:
-        why = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        why = one_line(str(exc)) or type(exc).__name__
         raise PhaseGraphError(f"device {device!r} is not a usable torch device ({why})") from None
 
 
