@@ -9,6 +9,7 @@ rules of as many rows or more. bf16 (``CONFIGS``, ``H200_CONFIGS`` on an H200): 
     python bench/bench_linear.py --dtype float32 --shape-set pair --ms 4,16 --no-pdl --out DIR
     python bench/table_ab.py --linear DIR/bench_linear.json --out DIR
     python bench/table_ab.py --fp32-previous --out DIR   # shipped vs PREVIOUS_FP32_CONFIGS
+    python bench/table_ab.py --fp32-one-tile-slices --out DIR  # shipped vs one_tile_slices(...)
 
 Prints and writes ``table_ab.json``: step times per table (bench_scale's probe, overlap on).
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -26,6 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import profile_pair_host  # noqa: E402
 
 from phasegraph.kernels import linear as lin  # noqa: E402
+from phasegraph.kernels._dispatch import EARLY_WEIGHTS_ENV_VAR  # noqa: E402
 
 C = lin.SkinnyConfig
 # linear.FP32_CONFIGS of 19f556f (float32: IEEE multiply-sums at 1 and 5..16 rows, cuBLAS at
@@ -35,6 +38,17 @@ PREVIOUS_FP32_CONFIGS = (
     lin._Rule(4, lin._ANY, lin._ANY, C(2, 4096, 4, 1, dot=False), False, False),
     lin._Rule(16, lin._ANY, lin._K_WHOLE, C(8, 64, 4, 3, dot=False), True, False),
 )
+
+
+def one_tile_slices(shipped: tuple, block_k: int) -> tuple:
+    """``shipped`` with its 5..16-row rules for the bench pair's shapes (the tree verify's and
+    draft-extend's products) turned into three-pass TF32 tiles of ``block_k`` with one K tile per
+    slice (split_k above any tile count; the launch clamps it), the form that loads its static
+    weights before the PDL wait."""
+    sliced = lin._FP32_TF32X3._replace(block_k=block_k, num_stages=1, split_k=1 << 10)
+    pair = {(r.n_range, r.k_range) for r in lin._FP32_PAIR_RULES}
+    return tuple(r._replace(config=sliced)
+                 if r.m_max == 16 and (r.n_range, r.k_range) in pair else r for r in shipped)
 
 
 def merged_table(shipped: tuple, tuned_rows: list[dict], swept: list[int]) -> tuple:
@@ -55,12 +69,26 @@ def main() -> int:
     what.add_argument("--linear", help="bench_linear.json of a sweep: shipped vs tuned")
     what.add_argument("--fp32-previous", action="store_true",
                       help="float32: PREVIOUS_FP32_CONFIGS vs the shipped FP32_CONFIGS")
+    what.add_argument("--fp32-one-tile-slices", action="store_true",
+                      help="float32: the shipped FP32_CONFIGS vs one_tile_slices() of K 128 and "
+                           "256 (early weights on and off), the shipped table again last")
     ap.add_argument("--out", default="out")
     args = ap.parse_args()
+    early = {}  # table name -> PHASEGRAPH_EARLY_WEIGHTS while it runs (else as set)
     if args.fp32_previous:
         fp32, table_name = True, "FP32_CONFIGS"
         shipped = lin.FP32_CONFIGS
         tables = {"previous": PREVIOUS_FP32_CONFIGS, "shipped": shipped}
+        run = {"dtype": "float32"}
+    elif args.fp32_one_tile_slices:
+        fp32, table_name = True, "FP32_CONFIGS"
+        shipped = lin.FP32_CONFIGS
+        tables = {"shipped": shipped,
+                  "slices K128": one_tile_slices(shipped, 128),
+                  "slices K128 early off": one_tile_slices(shipped, 128),
+                  "slices K256": one_tile_slices(shipped, 256),
+                  "shipped again": shipped}
+        early = {"slices K128 early off": "off"}
         run = {"dtype": "float32"}
     else:
         run = json.loads(Path(args.linear).read_text())
@@ -77,9 +105,16 @@ def main() -> int:
         probe = ["--shape", "8b", "--dtype", "bfloat16", "--configs", "baseline", "chain",
                  "--checks", "off"]
     result = {"gpu": torch.cuda.get_device_name(), "dtype": run.get("dtype"), "tables": {}}
+    early_setting = os.environ.get(EARLY_WEIGHTS_ENV_VAR)
     try:
         for name, table in tables.items():
             setattr(lin, table_name, table)
+            if name in early:
+                os.environ[EARLY_WEIGHTS_ENV_VAR] = early[name]
+            elif early_setting is None:
+                os.environ.pop(EARLY_WEIGHTS_ENV_VAR, None)
+            else:
+                os.environ[EARLY_WEIGHTS_ENV_VAR] = early_setting
             out = Path(args.out) / name.replace(" ", "_").replace("=", "").replace(",", "-")
             print(f"===== table: {name} =====", flush=True)
             for rule in table:
@@ -88,6 +123,10 @@ def main() -> int:
             result["tables"][name] = json.loads((out / "pair_host.json").read_text())["rows"]
     finally:
         setattr(lin, table_name, shipped)
+        if early_setting is None:
+            os.environ.pop(EARLY_WEIGHTS_ENV_VAR, None)
+        else:
+            os.environ[EARLY_WEIGHTS_ENV_VAR] = early_setting
     Path(args.out, "table_ab.json").write_text(json.dumps(result, indent=1))
     return 0
 

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU checks of issue 5 in one device call: Triton kernels vs references, graph capture and
 # replay, the GPU lossless matrix, then the 8B-shaped scale bench. Results under $OUT (or ./out).
-#   bash scripts/gpu_checks.sh [tests|scale|fp32-table|tiled|bf16-head|parity|phase-8b|all]
-#   (default all; fp32-table, tiled, bf16-head, parity and phase-8b are not in all)
+#   bash scripts/gpu_checks.sh [tests|scale|fp32-table|one-tile-slices|tiled|bf16-head|parity|phase-8b|all]
+#   (default all; fp32-table, one-tile-slices, tiled, bf16-head, parity and phase-8b are not in all)
 set -u
 OUT=${OUT:-out}
 mkdir -p "$OUT"
@@ -24,6 +24,14 @@ if [[ $what == fp32-table ]]; then  # the bench pair's float32 products at 4 and
     --out "$OUT/linear" 2>&1 | grep -v Warning | tee "$OUT/linear.txt"
   timeout 240 python bench/table_ab.py --linear "$OUT/linear/bench_linear.json" --out "$OUT/ab" \
     2>&1 | grep -v Warning | tee "$OUT/table-ab.txt"
+fi
+if [[ $what == one-tile-slices ]]; then  # the skinny product's split-K tests (slices of one K
+  # tile load their weights before the PDL wait), then whole steps of the bench pair with the
+  # shipped float32 table against 16-row rules of one tile per slice (K 128 / 256, early on / off)
+  timeout 150 python -m pytest -q -m gpu -p no:cacheprovider tests/gpu/test_linear_gpu.py \
+    tests/kernels/test_pdl.py 2>&1 | tail -5 | tee "$OUT/linear-tests.txt"
+  timeout 420 python bench/table_ab.py --fp32-one-tile-slices --out "$OUT/ab" 2>&1 \
+    | grep -v Warning | tee "$OUT/table-ab.txt"
 fi
 if [[ $what == tiled ]]; then  # float32 products of 17..512 rows as three-pass TF32 tiles: their
   # tests, the 16-row tiles against the skinny kernel's table, whole steps with the tiles against

@@ -485,13 +485,15 @@ def _skinny_kernel(
     SWAP: tl.constexpr,
     PRECISION: tl.constexpr,  # "default" (half dtypes), or a float32 dot's input_precision
     EVEN_K: tl.constexpr,
-    SINGLE_K: tl.constexpr,
+    SINGLE_K: tl.constexpr,  # each program's K range is one tile: the whole K, or its K slice
     STAGES: tl.constexpr,
     PDL: tl.constexpr,
     SPLIT_K: tl.constexpr,
     DEFER: tl.constexpr,  # split-K: store the partials only; the consumer sums them (SplitSum)
     EARLY_W: tl.constexpr,  # SINGLE_K: load the weight tile before the PDL wait
 ):
+    """``y = x W^T (+ b)`` for up to BLOCK_M rows: one program per BLOCK_N output columns (and
+    per K slice with SPLIT_K), W streamed once (module docstring)."""
     pid = tl.program_id(0)
     k_begin, k_end = 0, K
     if SPLIT_K > 1:  # this program's slice of K: whole BLOCK_K tiles
@@ -501,18 +503,19 @@ def _skinny_kernel(
     cols_n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_in = cols_n < N
     ks = tl.arange(0, BLOCK_K)
+    tile_cols = k_begin + ks  # SINGLE_K: the program's one K tile (its slice's, with SPLIT_K)
     w_rows = w_ptr + cols_n.to(tl.int64)[:, None] * stride_w  # [BLOCK_N, 1]
     if EARLY_W:  # SINGLE_K, weights no kernel writes: the whole W tile, while the one before runs
-        w_early = _w_tile(w_rows, n_in, ks, K, EVEN_K)  # [BLOCK_N, BLOCK_K]
+        w_early = _w_tile(w_rows, n_in, tile_cols, K, EVEN_K)  # [BLOCK_N, BLOCK_K]
     pdl_enter(PDL)
     rows = tl.arange(0, BLOCK_M)
     row_in = rows < M
 
-    if SINGLE_K:  # the whole K in one tile: load the operand once, statistics included
+    if SINGLE_K:  # one K tile: load the operand once (the norm's statistics: SPLIT_K is 1)
         if EARLY_W:
             w = w_early
         else:
-            w = _w_tile(w_rows, n_in, ks, K, EVEN_K)
+            w = _w_tile(w_rows, n_in, tile_cols, K, EVEN_K)
         if PROLOGUE == 1:
             if EVEN_K:
                 mask = row_in[:, None]
@@ -530,7 +533,7 @@ def _skinny_kernel(
             n = (h * rstd[:, None]).to(s.dtype)
             a = (nw.to(tl.float32)[None, :] * n.to(tl.float32)).to(s.dtype)
         else:
-            a = _operand(x_ptr, res_ptr, nw_ptr, rows, ks, M, K, stride_x, stride_r, 0.0,
+            a = _operand(x_ptr, res_ptr, nw_ptr, rows, tile_cols, M, K, stride_x, stride_r, 0.0,
                          PROLOGUE, HAS_RESIDUAL, EVEN_K)
         if DOT:
             if SWAP:
@@ -650,7 +653,6 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
     cfg = config or pick_config(m, n, k, x.dtype, x.device)
     block_m = 16 if cfg.dot else next_pow2(m)  # multiply-sum: [BLOCK_M, BLOCK_N, BLOCK_K] sums
     block_k = min(cfg.block_k, max(next_pow2(k), 16))
-    single = block_k >= k
     stats_k = min(max(next_pow2(k), 16), max(16, 8192 // block_m))
     precision = cfg.precision if x.dtype == torch.float32 else "default"
     if k == 0:
@@ -672,7 +674,7 @@ def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
             split = 1
     partials = torch.empty((split, block_m, n), dtype=torch.float32, device=x.device) \
         if split > 1 else y
-    single = single and split == 1
+    single = split == tiles  # one K tile per program: the whole K, or one tile per K slice
     launch = PDL_LAUNCH if cfg.pdl else pdl_options()
     args = (
         x, x if residual is None else residual, x if norm_weight is None else norm_weight,

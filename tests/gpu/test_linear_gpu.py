@@ -88,20 +88,35 @@ def test_linear_float32_on_both_forms(device, gen, rows):
         assert rel_err(got.double(), want) <= tol, (_ids(cfg), rel_err(got.double(), want))
 
 
+# split-K configs whose slices are one K tile each (every K of these tests): the one-tile form
+ONE_TILE_SLICES = [C(32, 128, 4, 1, True, precision="tf32x3", split_k=64),
+                   C(8, 64, 4, 1, False, split_k=64)]
+
+
+def _record_one_tile(monkeypatch) -> list[bool]:
+    """The ``one_tile`` argument of every launch's early-weight decision, in launch order."""
+    seen, rule = [], lin.early_weight_load
+    monkeypatch.setattr(lin, "early_weight_load", lambda *a: seen.append(a[0]) or rule(*a))
+    return seen
+
+
 @pytest.mark.parametrize("rows", [1, 4, 7, 16])
-def test_split_k_sums_the_slices_in_order(device, gen, rows):
+def test_split_k_sums_the_slices_in_order(device, gen, monkeypatch, rows):
     """split_k > 1: every slice of K publishes its partial and the last to arrive sums them in
     slice order, so the result is the same function (float32: within 1e-6 of float64; tf32x3
     1e-5), a second launch finds the arrival counters zero again, and on the GPU a graph replay
-    equals the eager call bit for bit whatever order the slices arrive in."""
-    n, k = (1280, 2560) if ON_GPU else (40, 200)
+    equals the eager call bit for bit whatever order the slices arrive in. Slices of one K tile
+    each run the one-tile form (no K loop), and slices of several tiles the loop."""
+    n, k = (1280, 2560) if ON_GPU else (40, 520)  # 9 tiles of 64: slices of 2-3 tiles
     configs = [C(32, 64, 4, 3, True, precision="tf32x3", split_k=4),
                C(64, 64, 4, 3, True, True, precision="tf32x3", split_k=2),
-               C(8, 64, 4, 3, False, split_k=3), C(4, 64, 4, 2, False, split_k=16)]
+               C(8, 64, 4, 3, False, split_k=3), *ONE_TILE_SLICES]
+    one_tile = _record_one_tile(monkeypatch)
     for cfg in configs:
         x, w, b = _inputs(gen, device, torch.float32, rows, n, k, bias=True)
         want = lin.linear_reference(x.double(), w.double(), b.double())
         first = run_triton(device, lin.linear_triton, x, w, b, config=cfg)
+        assert one_tile[-1] == (cfg in ONE_TILE_SLICES), _ids(cfg)
         assert_equal(first, lin.linear_triton(x, w, b, config=cfg), f"second launch {_ids(cfg)}")
         _check_split_product(first, want, cfg, lin.linear_triton, x, w, b)
 
@@ -129,7 +144,7 @@ def test_split_k_takes_the_silu_prologue(device, gen, rows):
     within 1e-6 of float64, tf32x3 1e-5), and a graph replay equals the eager call bit for bit."""
     n, k = (768, 2560) if ON_GPU else (40, 200)
     configs = [C(32, 64, 4, 3, True, precision="tf32x3", split_k=8),
-               C(8, 64, 4, 3, False, split_k=3), C(4, 64, 4, 2, False, split_k=16)]
+               C(8, 64, 4, 3, False, split_k=3), *ONE_TILE_SLICES]
     for cfg in configs:
         gate_up = 2 * torch.randn(rows, 2 * k, generator=gen).to(device)
         _, w, b = _inputs(gen, device, torch.float32, rows, n, k, bias=True)
@@ -325,6 +340,8 @@ EARLY_CASES = [  # (rows, dtype, config): one-tile products, the forms that load
     (1, torch.float32, C(2, 4096, 4, 1, False)),
     (1, torch.bfloat16, C(1, 4096, 4, 1, False)),
     (4, torch.bfloat16, C(4, 4096, 4, 1, False)),
+    (16, torch.float32, ONE_TILE_SLICES[0]),  # split-K, one tile per slice (no norm prologue)
+    (5, torch.float32, ONE_TILE_SLICES[1]),
 ]
 
 
@@ -348,10 +365,11 @@ def test_early_weights_give_the_same_bits(device, gen, monkeypatch, rows, dtype,
 
     def products():
         kw = dict(config=cfg, static_weight=True)
+        normed = () if cfg.split_k > 1 else (  # split-K takes no norm prologue
+            lin.add_rms_norm_linear_triton(x, residual, norm_w, 1e-5, w, **kw)[0],)
         return (lin.linear_triton(x, w, **kw),
                 lin.linear_triton(lin.linear_triton(x, w_in, **kw), w, **kw),
-                lin.silu_mul_linear_triton(gate_up, w, **kw),
-                lin.add_rms_norm_linear_triton(x, residual, norm_w, 1e-5, w, **kw)[0])
+                lin.silu_mul_linear_triton(gate_up, w, **kw), *normed)
 
     monkeypatch.setenv(_dispatch.EARLY_WEIGHTS_ENV_VAR, "off")
     plain = products()
@@ -360,6 +378,6 @@ def test_early_weights_give_the_same_bits(device, gen, monkeypatch, rows, dtype,
     early = products()
     torch.cuda.synchronize()
     assert any(early_launches), "no launch loaded its weights early"
-    for name, a, b in zip(("linear", "chained", "silu_mul", "add_rms_norm"), plain, early,
-                          strict=True):
+    for name, a, b in zip(("linear", "chained", "silu_mul", "add_rms_norm")[:len(plain)], plain,
+                          early, strict=True):
         assert torch.equal(a, b), f"{name}: early weights changed the bits"
