@@ -479,6 +479,11 @@ def compile_cases():
         cases.append((f"linear/float32/M16/{name}",
                       lambda cfg=cfg: linear.linear_triton(torch.randn(16, 2560), torch.randn(768, 2560),
                                                            config=cfg)))
+    for block_k in (128, 256):  # split-K slices of one K tile each, static weights loaded early
+        cfg = linear.SkinnyConfig(32, block_k, 4, 1, True, precision="tf32x3", split_k=1024)
+        cases.append((f"linear/float32/M16/tf32x3-slices{block_k}-early",
+                      lambda cfg=cfg: linear.linear_triton(torch.randn(16, 2560), torch.randn(768, 2560),
+                                                           config=cfg, static_weight=True)))
     # the batch-1 decode step's float32 products: the table's one-tile multiply-sum at one row
     cases.append(("linear/float32/M1/table",
                   lambda: linear.linear_triton(torch.randn(1, 768), torch.randn(1280, 768))))
