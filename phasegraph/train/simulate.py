@@ -20,6 +20,7 @@ Verify steps whose ``S`` look-ahead tokens would run past the generated text are
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,12 @@ __all__ = [
     "simulate_eagle3",
     "simulate_standalone_chain",
 ]
+
+
+# The KV cache's keyword argument and output field: transformers 5.24 renamed `past_key_values`
+# to `cache` (the old name is deprecated, to go in 5.40); the GPU machine's 5.17 has the old one.
+_CACHE = "cache" if "cache" in inspect.signature(LlamaForCausalLM.forward).parameters \
+    else "past_key_values"
 
 
 @dataclass
@@ -69,7 +76,7 @@ def greedy_generate(
             input_ids=input_ids, attention_mask=attention_mask, position_ids=positions,
             use_cache=True, logits_to_keep=1,
         )
-    cache = out.past_key_values
+    cache = getattr(out, _CACHE)
     token = out.logits[:, -1].argmax(-1)
     generated = [token]
     last = positions[:, -1]
@@ -80,9 +87,9 @@ def greedy_generate(
         with autocast(device):
             out = model(
                 input_ids=token[:, None], attention_mask=mask, position_ids=last[:, None],
-                past_key_values=cache, use_cache=True, logits_to_keep=1,
+                use_cache=True, logits_to_keep=1, **{_CACHE: cache},
             )
-        cache = out.past_key_values
+        cache = getattr(out, _CACHE)
         token = out.logits[:, -1].argmax(-1)
         generated.append(token)
     return torch.stack(generated, dim=1)
