@@ -109,8 +109,7 @@ def main() -> int:
     if not args.profile:
         probe.append("--no-profile")
     result = {"gpu": torch.cuda.get_device_name(), "shape": args.shape, "settings": {}}
-    before = os.environ.get("PHASEGRAPH_PDL")
-    try:
+    with profile_pair_host.restored_env("PHASEGRAPH_PDL"):
         if args.chains:
             result["chains"] = chain_times()
         for round_ in range(0 if args.no_steps else args.rounds):
@@ -121,11 +120,6 @@ def main() -> int:
                 profile_pair_host.main(probe + ["--batches", "1", "--out", str(out)])
                 rows = json.loads((out / "pair_host.json").read_text())["rows"]
                 result["settings"].setdefault(setting, []).extend(rows)
-    finally:
-        if before is None:
-            os.environ.pop("PHASEGRAPH_PDL", None)
-        else:
-            os.environ["PHASEGRAPH_PDL"] = before
     Path(args.out).mkdir(parents=True, exist_ok=True)
     Path(args.out, "pdl_ab.json").write_text(json.dumps(result, indent=1))
     return 0

@@ -31,6 +31,7 @@ import cProfile
 import functools
 import io
 import json
+import os
 import pstats
 import sys
 import time
@@ -104,6 +105,25 @@ def generate_call(engine, batch: int = 1, prompt_tokens: int = 128, new_tokens: 
     prompts = torch.randint(0, engine.target.vocab_size, (batch, prompt_tokens), generator=g).tolist()
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     return lambda: engine.generate(prompts, params)
+
+
+def set_env(name: str, value: str | None) -> None:
+    """Set environment variable ``name`` to ``value`` in this process (None: unset it)."""
+    if value is None:
+        os.environ.pop(name, None)
+    else:
+        os.environ[name] = value
+
+
+@contextlib.contextmanager
+def restored_env(name: str):
+    """Yields ``name``'s value now and puts it back on exit, whatever the body set (the A/B
+    scripts switch kernel settings between probes in one process)."""
+    before = os.environ.get(name)
+    try:
+        yield before
+    finally:
+        set_env(name, before)
 
 
 @contextlib.contextmanager

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -105,28 +104,19 @@ def main() -> int:
         probe = ["--shape", "8b", "--dtype", "bfloat16", "--configs", "baseline", "chain",
                  "--checks", "off"]
     result = {"gpu": torch.cuda.get_device_name(), "dtype": run.get("dtype"), "tables": {}}
-    early_setting = os.environ.get(EARLY_WEIGHTS_ENV_VAR)
-    try:
-        for name, table in tables.items():
-            setattr(lin, table_name, table)
-            if name in early:
-                os.environ[EARLY_WEIGHTS_ENV_VAR] = early[name]
-            elif early_setting is None:
-                os.environ.pop(EARLY_WEIGHTS_ENV_VAR, None)
-            else:
-                os.environ[EARLY_WEIGHTS_ENV_VAR] = early_setting
-            out = Path(args.out) / name.replace(" ", "_").replace("=", "").replace(",", "-")
-            print(f"===== table: {name} =====", flush=True)
-            for rule in table:
-                print(f"  {rule}", flush=True)
-            profile_pair_host.main(probe + ["--batches", "1", "--no-profile", "--out", str(out)])
-            result["tables"][name] = json.loads((out / "pair_host.json").read_text())["rows"]
-    finally:
-        setattr(lin, table_name, shipped)
-        if early_setting is None:
-            os.environ.pop(EARLY_WEIGHTS_ENV_VAR, None)
-        else:
-            os.environ[EARLY_WEIGHTS_ENV_VAR] = early_setting
+    with profile_pair_host.restored_env(EARLY_WEIGHTS_ENV_VAR) as early_setting:
+        try:
+            for name, table in tables.items():
+                setattr(lin, table_name, table)
+                profile_pair_host.set_env(EARLY_WEIGHTS_ENV_VAR, early.get(name, early_setting))
+                out = Path(args.out) / name.replace(" ", "_").replace("=", "").replace(",", "-")
+                print(f"===== table: {name} =====", flush=True)
+                for rule in table:
+                    print(f"  {rule}", flush=True)
+                profile_pair_host.main(probe + ["--batches", "1", "--no-profile", "--out", str(out)])
+                result["tables"][name] = json.loads((out / "pair_host.json").read_text())["rows"]
+        finally:
+            setattr(lin, table_name, shipped)
     Path(args.out, "table_ab.json").write_text(json.dumps(result, indent=1))
     return 0
 
