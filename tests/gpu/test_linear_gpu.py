@@ -93,10 +93,16 @@ ONE_TILE_SLICES = [C(32, 128, 4, 1, True, precision="tf32x3", split_k=64),
                    C(8, 64, 4, 1, False, split_k=64)]
 
 
-def _record_one_tile(monkeypatch) -> list[bool]:
-    """The ``one_tile`` argument of every launch's early-weight decision, in launch order."""
+def _record_early_decisions(monkeypatch) -> list[tuple[bool, bool]]:
+    """Every launch's early-weight decision, in launch order: (its ``one_tile`` argument, whether
+    it loads its weights early)."""
     seen, rule = [], lin.early_weight_load
-    monkeypatch.setattr(lin, "early_weight_load", lambda *a: seen.append(a[0]) or rule(*a))
+
+    def recorded(*args):
+        seen.append((args[0], rule(*args)))
+        return seen[-1][1]
+
+    monkeypatch.setattr(lin, "early_weight_load", recorded)
     return seen
 
 
@@ -111,12 +117,12 @@ def test_split_k_sums_the_slices_in_order(device, gen, monkeypatch, rows):
     configs = [C(32, 64, 4, 3, True, precision="tf32x3", split_k=4),
                C(64, 64, 4, 3, True, True, precision="tf32x3", split_k=2),
                C(8, 64, 4, 3, False, split_k=3), *ONE_TILE_SLICES]
-    one_tile = _record_one_tile(monkeypatch)
+    decisions = _record_early_decisions(monkeypatch)
     for cfg in configs:
         x, w, b = _inputs(gen, device, torch.float32, rows, n, k, bias=True)
         want = lin.linear_reference(x.double(), w.double(), b.double())
         first = run_triton(device, lin.linear_triton, x, w, b, config=cfg)
-        assert one_tile[-1] == (cfg in ONE_TILE_SLICES), _ids(cfg)
+        assert decisions[-1][0] == (cfg in ONE_TILE_SLICES), _ids(cfg)
         assert_equal(first, lin.linear_triton(x, w, b, config=cfg), f"second launch {_ids(cfg)}")
         _check_split_product(first, want, cfg, lin.linear_triton, x, w, b)
 
@@ -358,10 +364,7 @@ def test_early_weights_give_the_same_bits(device, gen, monkeypatch, rows, dtype,
     norm_w = (1 + 0.1 * torch.randn(k, generator=gen)).to(dtype).to(device)
     gate_up = torch.randn(rows, 2 * k, generator=gen).to(dtype).to(device)
     w_in = (torch.randn(k, k, generator=gen) / k**0.5).to(dtype).to(device)
-    early_launches = []
-    rule = lin.early_weight_load
-    monkeypatch.setattr(lin, "early_weight_load",
-                        lambda *a: early_launches.append(rule(*a)) or early_launches[-1])
+    decisions = _record_early_decisions(monkeypatch)
 
     def products():
         kw = dict(config=cfg, static_weight=True)
@@ -373,11 +376,11 @@ def test_early_weights_give_the_same_bits(device, gen, monkeypatch, rows, dtype,
 
     monkeypatch.setenv(_dispatch.EARLY_WEIGHTS_ENV_VAR, "off")
     plain = products()
-    assert not any(early_launches)
+    assert not any(early for _, early in decisions)
     monkeypatch.setenv(_dispatch.EARLY_WEIGHTS_ENV_VAR, "auto")
     early = products()
     torch.cuda.synchronize()
-    assert any(early_launches), "no launch loaded its weights early"
+    assert any(early for _, early in decisions), "no launch loaded its weights early"
     for name, a, b in zip(("linear", "chained", "silu_mul", "add_rms_norm")[:len(plain)], plain,
                           early, strict=True):
         assert torch.equal(a, b), f"{name}: early weights changed the bits"
