@@ -45,6 +45,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from phasegraph.bench.common import TREE  # noqa: E402
 from phasegraph.kernels._dispatch import pdl_enter, pdl_options  # noqa: E402
 from phasegraph.train.presets import PRESETS  # noqa: E402
 
@@ -208,11 +209,16 @@ def break_even_handoff_us(step_bytes: int, iteration_bytes: int, bandwidth: floa
     return surplus_us / (counts["decode step"] - goal * counts["tree iteration"])
 
 
+def batch1_tree_row(bench: dict) -> dict:
+    """The bench JSON's trained-pair row of phasegraph's EAGLE-3 tree at batch 1."""
+    return next(row for row in bench["trained_pair"]["rows"]
+                if row["config"] == TREE and row["batch"] == 1 and row["engine"] == "phasegraph")
+
+
 def bound_from_bench(bench: dict, handoff_us: float) -> dict:
     """Ideal times for the bench JSON's batch-1 tree row at its measured copy bandwidth, under
     three readings of where the bytes come from and what a handoff costs."""
-    tree = next(row for row in bench["trained_pair"]["rows"]
-                if row["batch"] == 1 and row["config"].startswith("EAGLE-3 tree"))
+    tree = batch1_tree_row(bench)
     weight_bytes = tree["weight_bytes"]
     layers = PRESETS["bench-pair"].target.num_layers
     counts = handoffs(layers, weight_bytes["draft_passes"])

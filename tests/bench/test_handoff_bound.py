@@ -29,8 +29,8 @@ def run39():
 
 def test_free_handoffs_leave_the_bench_weight_bytes_bound(script, run39):
     """With handoffs free the ideal η is the bytes ratio the bench itself reports (0.76)."""
-    tree = next(r for r in run39["trained_pair"]["rows"]
-                if r["batch"] == 1 and r["config"].startswith("EAGLE-3 tree"))
+    tree = script.batch1_tree_row(run39)
+    assert tree["config"].startswith("EAGLE-3 tree") and tree["batch"] == 1
     models = script.bound_from_bench(run39, handoff_us=0.85)["models"]
     free = models[f"{DRAM}, handoffs free"]
     assert free["eta_bound"] == pytest.approx(tree["weight_bytes"]["eta_bound"])
@@ -55,8 +55,7 @@ def test_a_head_held_in_l2_reads_only_its_first_forward_from_dram(script, run39)
     models = script.bound_from_bench(run39, handoff_us=0.85)["models"]
     held = models["the head's weights held in L2 after its first forward"]
     saved_us = held["tree_iteration_us"] - models[DRAM]["tree_iteration_us"]
-    tree = next(r for r in run39["trained_pair"]["rows"]
-                if r["batch"] == 1 and r["config"].startswith("EAGLE-3 tree"))
+    tree = script.batch1_tree_row(run39)
     three_forwards = 3 * tree["weight_bytes"]["draft_pass"]
     assert -saved_us == pytest.approx(three_forwards / run39["scale"]["copy_bandwidth_Bps"] * 1e6)
     assert held["decode_step_us"] == models[DRAM]["decode_step_us"]
