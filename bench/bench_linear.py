@@ -125,6 +125,15 @@ SPLIT_K_CONFIGS = [  # float32, M = 2..16: K in slices, one program each, for th
     C(4, 512, 4, 3, False, split_k=2), C(2, 1024, 4, 3, False, split_k=2),
 ]
 
+BF16_SPLIT_K_CONFIGS = [  # bfloat16, M = 2..4: K in slices (float32 partials), so that the 4-row
+    # tiles of the 8B products keep 2-4x as many programs in flight as their column blocks give
+    *(C(bn, bk, 4, st, True, split_k=sk)
+      for bn, bk, st in ((32, 256, 4), (32, 128, 4), (16, 256, 4)) for sk in (2, 4)),
+    *(C(64, bk, 4, st, True, True, split_k=2) for bk, st in ((128, 4), (256, 3))),
+    *(C(8, 256, 4, 3, False, split_k=sk) for sk in (2, 4)),
+    C(4, 512, 4, 3, False, split_k=2), C(2, 1024, 4, 3, False, split_k=2),
+]
+
 
 def candidates(m: int, k: int) -> list[lin.SkinnyConfig]:
     if DTYPE == torch.float32:  # an IEEE tl.dot runs on FMA units: 2x slower than cuBLAS
@@ -137,6 +146,7 @@ def candidates(m: int, k: int) -> list[lin.SkinnyConfig]:
                 or (c.block_k > 4096 and 4096 < k <= c.block_k)]
     elif m <= 4:
         out += GEMV4_CONFIGS + [c for c in GEMV4_LONG_K if c.block_k < 4096 or k <= 4096]
+        out += BF16_SPLIT_K_CONFIGS if DTYPE == torch.bfloat16 else []
     else:
         out += GEMV16_CONFIGS
     return out

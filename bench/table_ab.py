@@ -96,7 +96,8 @@ def main() -> int:
         table_name = lin.gpu_table_name(torch.float32 if fp32 else torch.bfloat16)
         shipped = getattr(lin, table_name)
         tuned_name = "tuned M=" + ",".join(map(str, swept))
-        tables = {"shipped": shipped, tuned_name: merged_table(shipped, run["tuned_table"], swept)}
+        tables = {"shipped": shipped, tuned_name: merged_table(shipped, run["tuned_table"], swept),
+                  "shipped again": shipped}  # last too: what moves with the order, not the table
     if fp32:
         probe = ["--shape", "bench-pair", "--dtype", "float32", "--configs", "baseline", "chain",
                  "tree", "--kernels", "--checks", "default"]  # kernels: on the traced run
