@@ -11,7 +11,9 @@ rules of as many rows or more. bf16 (``CONFIGS``, ``H200_CONFIGS`` on an H200): 
     python bench/table_ab.py --fp32-previous --out DIR   # shipped vs PREVIOUS_FP32_CONFIGS
     python bench/table_ab.py --fp32-one-tile-slices --out DIR  # shipped vs one_tile_slices(...)
 
-Prints and writes ``table_ab.json``: step times per table (bench_scale's probe, overlap on).
+Prints and writes ``table_ab.json``: step times per table (bench_scale's probe, overlap on). With
+``--linear`` the shipped table runs again last, since a table run later in the process can time
+slower for that reason alone (the 8B decode step on an H200: ~1 %).
 """
 
 from __future__ import annotations

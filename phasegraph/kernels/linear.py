@@ -11,7 +11,7 @@ programs of a column block take slices of K: each stores its partial, and the la
 (an atomic counter) sums the partials in slice order, so the result never depends on arrival
 order and a CUDA-graph replay equals the eager call bit for bit either way. The counters are one
 buffer per device, so split-K products must not run on two streams of a device at once (the
-engine issues every product on one stream); the float32 rules of the bench pair's shapes use it. Two forms: a broadcast multiply-sum over up to 16 rows (at one row, with K <= 4096, one weight row
+engine issues every product on one stream); the float32 rules of the bench pair's shapes and the H200's 4-row 8B down product use it. Two forms: a broadcast multiply-sum over up to 16 rows (at one row, with K <= 4096, one weight row
 per program and the whole K in one load is fastest) and a ``tl.dot`` on a 16-row tile (padded
 rows masked; cp.async-pipelined weight tiles, wgmma when W is the left operand).
 
@@ -28,7 +28,8 @@ gate_up and down products of a decoder layer disappear for small M:
 Dispatch (the kernel-module convention of ``_dispatch.py``): the Triton kernel runs on CUDA for
 M <= :data:`MAX_M` rows and contiguous inputs where its table (measured against cuBLAS by
 ``bench/bench_linear.py``) says it wins. bf16/fp16 (:data:`CONFIGS`; on an H200
-:data:`H200_CONFIGS`, two of the 8B shapes' tiles retuned for its faster memory): every product up to 16
+:data:`H200_CONFIGS`, the 8B shapes' tiles at one row and at 2..4 rows retuned for its faster
+memory): every product up to 16
 rows, the fused prologues at one row (at 2..16 rows the norm / silu kernel runs, then the Triton
 product). float32 (:data:`FP32_CONFIGS`): K <= 4096, IEEE multiply-sums, except the wide products
 at 2..16 rows (gate_up, lm_head), which run a three-pass TF32 ``tl.dot`` (float32-level error) or
@@ -318,7 +319,24 @@ _H200_RULES: tuple[_Rule, ...] = (
     _Rule(1, *_QKV_8B, _GEMV_WHOLE_K_2, True, True),
     _Rule(1, *_GATE_UP_8B, _GEMV_WHOLE_K_2, True, True),
 )
-H200_CONFIGS: tuple[_Rule, ...] = (*_H200_RULES, *CONFIGS)
+# At two to four rows (an 8B chain's verify and draft-extend) the H200 wants other tiles too.
+# Measured by `bench/bench_linear.py --ms 4` on an H200 (2026-11-26; bench/RESULTS.md §5), time per
+# op in a CUDA graph: qkv 14.7 us on the 16-row dot tile against 16.2 on the wide wgmma one;
+# gate_up 55.0 on cuBLAS against 56.0 on the best Triton tile; down 29.9 with K in two slices
+# (float32 partials, summed in slice order) against 31.0. The 8B chain iteration (SIMULATED
+# tau = 4): 5.55 -> 5.44 ms of GPU work, decode unchanged (bench/table_ab.py, two rounds with the
+# shipped table before and after). They go after every one-row rule, since a rule covers every M
+# up to its m_max.
+_H200_FOUR_ROW_RULES: tuple[_Rule, ...] = (
+    _Rule(4, *_QKV_8B, _DOT, True, False),
+    _Rule(4, *_GATE_UP_8B, _DOT_WIDE_K128, False, False),
+    _Rule(4, (4096, 4096), (14336, 14336), _DOT_WIDE._replace(split_k=2), True, False),  # down
+)
+_AFTER_ONE_ROW_RULES = 1 + max(i for i, rule in enumerate(CONFIGS) if rule.m_max == 1)
+H200_CONFIGS: tuple[_Rule, ...] = (
+    *_H200_RULES, *CONFIGS[:_AFTER_ONE_ROW_RULES], *_H200_FOUR_ROW_RULES,
+    *CONFIGS[_AFTER_ONE_ROW_RULES:],
+)
 
 
 def gpu_table_name(dtype: torch.dtype, device: torch.device | None = None) -> str:

@@ -143,6 +143,47 @@ def _check_split_product(got, want, cfg, product, *args):
             assert_equal(got, captured, f"replay {_ids(cfg)}")
 
 
+H200_DOWN_4ROWS = next(r.config for r in lin._H200_FOUR_ROW_RULES if r.config.split_k > 1)
+
+
+@pytest.mark.parametrize("rows", [2, 4])
+def test_split_k_in_bfloat16_the_h200_four_row_down_rule(device, gen, rows):
+    """The H200 table's 8B down product at 2..4 rows: wgmma tiles with W on the left and K in two
+    slices of several tiles, float32 partials. Summed by the last slice, it is the product within
+    bfloat16's tolerance; the counters go back to zero; on the GPU a graph replay equals the eager
+    call bit for bit; deferred, the norm and SwiGLU kernels get the same bits."""
+    from phasegraph.kernels.activation import silu_mul_triton
+    from phasegraph.kernels.rms_norm import add_rms_norm_triton
+
+    n, k = (768, 2560) if ON_GPU else (64, 520)  # 10 tiles of 256 (3 in the interpreter): 2 slices
+    cfg = H200_DOWN_4ROWS
+    for bias in (False, True):
+        x, w, b = _inputs(gen, device, torch.bfloat16, rows, n, k, bias)
+        got = run_triton(device, lin.linear_triton, x, w, b, config=cfg)
+        _close(got, lin.linear_reference(x, w, b), f"down rule bias={bias}")
+        assert int(lin._ARRIVED[got.device].abs().sum()) == 0
+        assert_equal(got, lin.linear_triton(x, w, b, config=cfg), "second launch")
+        deferred = lin.linear_triton(x, w, b, config=cfg, defer=True)
+        assert deferred.slices == 2
+        assert_equal(deferred.total(), got, "deferred total")
+        norm_w = (1 + 0.1 * torch.randn(n, generator=gen)).to(torch.bfloat16).to(device)
+        want, summed = add_rms_norm_triton(got, x[:, :n].contiguous(), norm_w, 1e-5)
+        normed = add_rms_norm_triton(deferred, x[:, :n].contiguous(), norm_w, 1e-5)
+        assert_equal(normed[0], want, "normed")
+        assert_equal(normed[1], summed, "summed")
+        w2, b2 = torch.cat([w, w.flip(0)]), None if b is None else torch.cat([b, -b])  # [2n, k]
+        gate_up = lin.linear_triton(x, w2, b2, config=cfg)
+        gate_up_deferred = lin.linear_triton(x, w2, b2, config=cfg, defer=True)
+        assert_equal(silu_mul_triton(gate_up_deferred), silu_mul_triton(gate_up), "silu")
+        if ON_GPU:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                captured = lin.linear_triton(x, w, b, config=cfg)
+            for _ in range(3):
+                graph.replay()
+                assert_equal(got, captured, "replay")
+
+
 @pytest.mark.parametrize("rows", [1, 5, 16])
 def test_split_k_takes_the_silu_prologue(device, gen, rows):
     """silu(gate) * up is elementwise, so each slice of K applies it to its own columns: the

@@ -111,10 +111,11 @@ def test_triton_wrappers_refuse_what_the_kernel_cannot_take():
         lin.add_rms_norm_linear_triton(x[:4], residual[:4], norm_w.float(), 1e-5, w)
 
 
-def test_an_h200_takes_its_own_tiles_for_the_8b_norm_prologues(monkeypatch):
+def test_an_h200_takes_its_own_tiles_for_the_8b_shapes(monkeypatch):
     """The GPU's name picks the table: on an H200 the one-row qkv and gate_up products of the 8B
-    shape (norm prologue fused) stream two weight rows per program; every other product, and
-    every product on other GPUs, keeps the shipped tiles; float32 has one table."""
+    shape (norm prologue fused) stream two weight rows per program, and at 2..4 rows qkv takes
+    the 16-row dot tile, gate_up cuBLAS and down two K slices; every other product, and every
+    product on other GPUs, keeps the shipped tiles; float32 has one table."""
     names = {0: "NVIDIA H200", 1: "NVIDIA H100 80GB HBM3"}
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: names[index])
     monkeypatch.setattr(lin, "_H200_BY_DEVICE", {})
@@ -128,9 +129,20 @@ def test_an_h200_takes_its_own_tiles_for_the_8b_norm_prologues(monkeypatch):
         assert rule.config == lin.SkinnyConfig(2, 4096, 4, 1, dot=False) and rule.fused and rule.plain
         assert lin._lookup(1, n, 4096, bf, h100).config == lin._GEMV_WHOLE_K
         assert lin._lookup(1, n, 4096, bf, cpu).config == lin._GEMV_WHOLE_K
-    for m, n, k in [(1, 4096, 4096), (1, 4096, 14336), (4, 6144, 4096), (16, 28672, 4096), (1, 40, 96)]:
+    for m in (2, 3, 4):
+        qkv, gate_up, down = (lin._lookup(m, n, k, bf, h200)
+                              for n, k in [(6144, 4096), (28672, 4096), (4096, 14336)])
+        assert qkv.config == lin._DOT and qkv.plain and not qkv.fused
+        assert not gate_up.plain and not gate_up.fused  # cuBLAS after the norm kernel
+        assert down.config == lin._DOT_WIDE._replace(split_k=2) and down.plain and not down.fused
+        assert lin._lookup(m, 6144, 4096, bf, h100).config == lin._DOT_WIDE
+        assert lin._lookup(m, 4096, 14336, bf, h100).config.split_k == 1
+    for m, n, k in [(1, 4096, 4096), (1, 4096, 14336), (4, 4096, 4096), (5, 6144, 4096),
+                    (16, 28672, 4096), (5, 4096, 14336), (1, 128256, 8192), (4, 128256, 4096),
+                    (1, 40, 96), (4, 40, 96)]:
         assert lin._lookup(m, n, k, bf, h200) == lin._lookup(m, n, k, bf, h100), (m, n, k)
-    assert lin.H200_CONFIGS[len(lin._H200_RULES):] == lin.CONFIGS
+    h200_only = lin._H200_RULES + lin._H200_FOUR_ROW_RULES
+    assert tuple(r for r in lin.H200_CONFIGS if r not in h200_only) == lin.CONFIGS  # same order
 
 
 def test_config_table_covers_every_row_count():
