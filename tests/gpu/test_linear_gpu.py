@@ -129,9 +129,10 @@ def test_split_k_sums_the_slices_in_order(device, gen, monkeypatch, rows):
 
 def _check_split_product(got, want, cfg, product, *args):
     """A split-K product's result: within float32 error of the float64 ``want`` (tf32x3 1e-5,
-    IEEE 1e-6), the arrival counters left at zero, and on the GPU every replay of a graph that
-    captured ``product(*args, config=cfg)`` equal to ``got`` bit for bit."""
-    tol = 1e-5 if cfg.precision == "tf32x3" else 1e-6
+    IEEE 1e-6; half dtypes within ``TOL``), the arrival counters left at zero, and on the GPU
+    every replay of a graph that captured ``product(*args, config=cfg)`` equal to ``got`` bit for
+    bit."""
+    tol = TOL.get(got.dtype) or (1e-5 if cfg.precision == "tf32x3" else 1e-6)
     assert rel_err(got.double(), want) <= tol, (_ids(cfg), rel_err(got.double(), want))
     assert int(lin._ARRIVED[got.device].abs().sum()) == 0  # counters left at zero
     if ON_GPU:
@@ -152,36 +153,15 @@ def test_split_k_in_bfloat16_the_h200_four_row_down_rule(device, gen, rows):
     slices of several tiles, float32 partials. Summed by the last slice, it is the product within
     bfloat16's tolerance; the counters go back to zero; on the GPU a graph replay equals the eager
     call bit for bit; deferred, the norm and SwiGLU kernels get the same bits."""
-    from phasegraph.kernels.activation import silu_mul_triton
-    from phasegraph.kernels.rms_norm import add_rms_norm_triton
-
     n, k = (768, 2560) if ON_GPU else (64, 520)  # 10 tiles of 256 (3 in the interpreter): 2 slices
     cfg = H200_DOWN_4ROWS
     for bias in (False, True):
         x, w, b = _inputs(gen, device, torch.bfloat16, rows, n, k, bias)
         got = run_triton(device, lin.linear_triton, x, w, b, config=cfg)
-        _close(got, lin.linear_reference(x, w, b), f"down rule bias={bias}")
-        assert int(lin._ARRIVED[got.device].abs().sum()) == 0
+        want = lin.linear_reference(x.double(), w.double(), None if b is None else b.double())
+        _check_split_product(got, want, cfg, lin.linear_triton, x, w, b)
         assert_equal(got, lin.linear_triton(x, w, b, config=cfg), "second launch")
-        deferred = lin.linear_triton(x, w, b, config=cfg, defer=True)
-        assert deferred.slices == 2
-        assert_equal(deferred.total(), got, "deferred total")
-        norm_w = (1 + 0.1 * torch.randn(n, generator=gen)).to(torch.bfloat16).to(device)
-        want, summed = add_rms_norm_triton(got, x[:, :n].contiguous(), norm_w, 1e-5)
-        normed = add_rms_norm_triton(deferred, x[:, :n].contiguous(), norm_w, 1e-5)
-        assert_equal(normed[0], want, "normed")
-        assert_equal(normed[1], summed, "summed")
-        w2, b2 = torch.cat([w, w.flip(0)]), None if b is None else torch.cat([b, -b])  # [2n, k]
-        gate_up = lin.linear_triton(x, w2, b2, config=cfg)
-        gate_up_deferred = lin.linear_triton(x, w2, b2, config=cfg, defer=True)
-        assert_equal(silu_mul_triton(gate_up_deferred), silu_mul_triton(gate_up), "silu")
-        if ON_GPU:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                captured = lin.linear_triton(x, w, b, config=cfg)
-            for _ in range(3):
-                graph.replay()
-                assert_equal(got, captured, "replay")
+        assert _check_deferred_consumers(device, gen, x, w, b, cfg, got).slices == 2
 
 
 @pytest.mark.parametrize("rows", [1, 5, 16])
@@ -320,10 +300,6 @@ def test_deferred_split_k_gives_the_consumers_the_same_bits(device, gen, dtype, 
     """``defer=True``: a split-K product hands its slices on unsummed (SplitSum), and the norm and
     SwiGLU kernels that sum them as they load produce exactly the bits of the product summed by
     its own last program (same slice order, bias, rounding); SplitSum.total() equals it too."""
-    from phasegraph.kernels.activation import silu_mul_triton
-    from phasegraph.kernels.rms_norm import add_rms_norm_triton
-    from phasegraph.kernels.split_sum import SplitSum
-
     n, k = (768, 2560) if ON_GPU else (48, 200)
     precision = "tf32x3" if dtype == torch.float32 else "ieee"
     configs = [C(32, 64, 4, 3, True, precision=precision, split_k=8),
@@ -332,25 +308,37 @@ def test_deferred_split_k_gives_the_consumers_the_same_bits(device, gen, dtype, 
         for bias in (False, True):
             x, w, b = _inputs(gen, device, dtype, rows, n, k, bias)
             summed_here = run_triton(device, lin.linear_triton, x, w, b, config=cfg)
-            deferred = lin.linear_triton(x, w, b, config=cfg, defer=True)
-            assert isinstance(deferred, SplitSum) and deferred.slices > 1
-            assert tuple(deferred.shape) == (rows, n) and deferred.dtype == dtype
-            assert_equal(deferred.total(), summed_here, f"total {_ids(cfg)} bias={bias}")
-            residual = torch.randn(rows, n, generator=gen).to(dtype).to(device)
-            norm_w = (1 + 0.1 * torch.randn(n, generator=gen)).to(dtype).to(device)
-            for res in (residual, None):
-                want = add_rms_norm_triton(summed_here, res, norm_w, 1e-5)
-                got = add_rms_norm_triton(deferred, res, norm_w, 1e-5)
-                assert_equal(got[0], want[0], f"normed {_ids(cfg)} bias={bias}")
-                assert_equal(got[1], want[1], f"summed {_ids(cfg)} bias={bias}")
-            # SwiGLU of a [rows, 2I] split product
-            w2 = torch.cat([w, w.flip(0)])  # [2n, k]
-            b2 = None if b is None else torch.cat([b, -b])
-            gate_up = run_triton(device, lin.linear_triton, x, w2, b2, config=cfg)
-            gate_up_deferred = lin.linear_triton(x, w2, b2, config=cfg, defer=True)
-            assert_equal(silu_mul_triton(gate_up_deferred), silu_mul_triton(gate_up),
-                         f"silu {_ids(cfg)} bias={bias}")
+            _check_deferred_consumers(device, gen, x, w, b, cfg, summed_here)
     assert int(lin._ARRIVED[x.device].abs().sum()) == 0
+
+
+def _check_deferred_consumers(device, gen, x, w, b, cfg, summed_here):
+    """``linear_triton(x, w, b, config=cfg, defer=True)`` is a SplitSum of several slices whose
+    total, norm (with and without a residual) and SwiGLU (of a [rows, 2n] product) equal those of
+    ``summed_here``, the product its last program summed, bit for bit. Returns the SplitSum."""
+    from phasegraph.kernels.activation import silu_mul_triton
+    from phasegraph.kernels.rms_norm import add_rms_norm_triton
+    from phasegraph.kernels.split_sum import SplitSum
+
+    (rows, n), dtype, where = summed_here.shape, summed_here.dtype, f"{_ids(cfg)} bias={b is not None}"
+    deferred = lin.linear_triton(x, w, b, config=cfg, defer=True)
+    assert isinstance(deferred, SplitSum) and deferred.slices > 1
+    assert tuple(deferred.shape) == (rows, n) and deferred.dtype == dtype
+    assert_equal(deferred.total(), summed_here, f"total {where}")
+    residual = torch.randn(rows, n, generator=gen).to(dtype).to(device)
+    norm_w = (1 + 0.1 * torch.randn(n, generator=gen)).to(dtype).to(device)
+    for res in (residual, None):
+        want = add_rms_norm_triton(summed_here, res, norm_w, 1e-5)
+        got = add_rms_norm_triton(deferred, res, norm_w, 1e-5)
+        assert_equal(got[0], want[0], f"normed {where}")
+        assert_equal(got[1], want[1], f"summed {where}")
+    # SwiGLU of a [rows, 2I] split product
+    w2 = torch.cat([w, w.flip(0)])  # [2n, k]
+    b2 = None if b is None else torch.cat([b, -b])
+    gate_up = run_triton(device, lin.linear_triton, x, w2, b2, config=cfg)
+    gate_up_deferred = lin.linear_triton(x, w2, b2, config=cfg, defer=True)
+    assert_equal(silu_mul_triton(gate_up_deferred), silu_mul_triton(gate_up), f"silu {where}")
+    return deferred
 
 
 @pytest.mark.gpu
