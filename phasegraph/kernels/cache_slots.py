@@ -38,10 +38,17 @@ class DraftCacheLayout:
     tail_dst: torch.Tensor  # [B*K*(P-1)] i64, the matching slots of each branch region
     step_positions: torch.Tensor  # [max(S-1, 0), B*K] i64, logical position seq_len + i of step i
     step_kv_len: torch.Tensor  # [max(S-1, 0), B*K] i64, seq_len + i + 1: KV a step-i query sees
-    draft_positions: torch.Tensor  # [B, max(S-1, 0)] i64, seq_len + i per request
     region_pages: torch.Tensor  # [B, K, R] i64, the pages of each branch region
     branch_rows: torch.Tensor  # [B*K] i64, b*K + k: the branch row of every beam
     beam_hidden: torch.Tensor | None  # [B*K, Hd], hidden[b] for every beam of request b
+
+    @property
+    def draft_positions(self) -> torch.Tensor:
+        """[B, max(S-1, 0), K] i64: ``step_positions`` by request, a view and not a copy, so
+        that the positions the phase records (and strict mode checks, seed 001) are the ones
+        the draft forwards were given."""
+        batch, topk = self.region_pages.shape[:2]
+        return self.step_positions.view(self.step_positions.shape[0], batch, topk).permute(1, 0, 2)
 
 
 @attrs.frozen(eq=False)
@@ -235,8 +242,7 @@ def assign_draft_cache_locs_reference(
     dst = region_pages[:, :, :1] * page_size + within[None, None, :]  # [B, K, P-1]
     src = torch.where(within[None, None, :] < tail[:, None, None], src, dst)
 
-    draft_positions = seq_lens[:, None] + steps[None, :]  # [B, S-1]
-    step_positions = draft_positions.t().repeat_interleave(topk, dim=1)  # [S-1, B*K]
+    step_positions = (seq_lens[None, :] + steps[:, None]).repeat_interleave(topk, dim=1)  # [S-1, B*K]
     return DraftCacheLayout(
         branch_page_table=branch_page_table.reshape(batch * topk, max_pages + region),
         step_slots=step_slots.reshape(steps.shape[0], batch * topk),
@@ -244,7 +250,6 @@ def assign_draft_cache_locs_reference(
         tail_dst=dst.reshape(-1),
         step_positions=step_positions,
         step_kv_len=step_positions + 1,
-        draft_positions=draft_positions,
         region_pages=region_pages,
         branch_rows=torch.arange(batch * topk, device=device),
         beam_hidden=None if hidden is None else hidden.repeat_interleave(topk, dim=0),
@@ -482,7 +487,6 @@ def _draft_cache_locs_kernel(
     tail_dst_ptr,  # [B*K*(P-1)] i64, out
     step_positions_ptr,  # [S-1, B*K] i64, out
     step_kv_len_ptr,  # [S-1, B*K] i64, out
-    draft_positions_ptr,  # [B, S-1] i64, out (written by each request's branch 0)
     region_out_ptr,  # [B, K, R] i64, out (REGION_TABLE)
     branch_rows_ptr,  # [B*K] i64, out
     beam_hidden_ptr,  # [B*K, Hd], out (HIDDEN)
@@ -545,8 +549,6 @@ def _draft_cache_locs_kernel(
         tl.store(step_positions_ptr + steps * num_branches + branch, seq_len + steps, mask=steps_ok)
         tl.store(step_kv_len_ptr + steps * num_branches + branch, seq_len + steps + 1,
                  mask=steps_ok)
-        tl.store(draft_positions_ptr + b * NUM_WRITES + steps, seq_len + steps,
-                 mask=steps_ok & (branch % TOPK == 0))
 
         # Prefix tail (logical [full*P, seq_len)) -> first `tail` slots of the region.
         if PAGE_SIZE > 1:
@@ -600,7 +602,6 @@ def assign_draft_cache_locs_triton(
     tail_dst = torch.empty(branches * (page_size - 1), dtype=torch.int64, device=device)
     step_positions = torch.empty((writes, branches), dtype=torch.int64, device=device)
     step_kv_len = torch.empty((writes, branches), dtype=torch.int64, device=device)
-    draft_positions = torch.empty((batch, writes), dtype=torch.int64, device=device)
     region_out = torch.empty((batch, topk, region), dtype=torch.int64, device=device) \
         if region_table else region_pages
     branch_rows = torch.empty(branches, dtype=torch.int64, device=device)
@@ -611,7 +612,7 @@ def assign_draft_cache_locs_triton(
             page_table, rows.contiguous(), seq_lens.contiguous(), region_pages.contiguous(),
             branch_table if hidden is None else hidden,
             branch_table, step_slots, tail_src, tail_dst, step_positions, step_kv_len,
-            draft_positions, region_out, branch_rows,
+            region_out, branch_rows,
             branch_table if beam_hidden is None else beam_hidden,
             max_pages, branches,
             page_table.stride(0), hidden_size,
@@ -635,7 +636,6 @@ def assign_draft_cache_locs_triton(
         tail_dst=tail_dst,
         step_positions=step_positions,
         step_kv_len=step_kv_len,
-        draft_positions=draft_positions,
         region_pages=region_out,
         branch_rows=branch_rows,
         beam_hidden=beam_hidden,

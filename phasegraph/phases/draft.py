@@ -95,5 +95,5 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
         retrieve_index=built.retrieve_index,
         retrieve_next_token=built.retrieve_next_token,
         retrieve_next_sibling=built.retrieve_next_sibling,
-        draft_positions=layout.draft_positions,  # [B, S-1] step i at base + i
+        draft_positions=layout.draft_positions,  # [B, S-1, K] a view of the positions given
     )

@@ -22,7 +22,7 @@ import types
 import torch
 from jaxtyping import Bool, Float, Float32, Int64
 
-from phasegraph.statemachine import Role, Schema, invariant, schema, tensor, value
+from phasegraph.statemachine import InvalidSchema, Role, Schema, invariant, schema, tensor, value
 
 REQUEST = Role("request", "B")
 NODE = Role("node", "B*N")
@@ -204,7 +204,9 @@ class TreeProposal(Schema):
     retrieve_index: Int64[Tensor, "B N"] = tensor(role=REQUEST, doc="b*N + j")
     retrieve_next_token: Int64[Tensor, "B N"] = tensor(role=REQUEST, doc="first child, -1")
     retrieve_next_sibling: Int64[Tensor, "B N"] = tensor(role=REQUEST, doc="next sibling, -1")
-    draft_positions: Int64[Tensor, "B D"] = tensor(role=REQUEST, doc="position each draft forward ran at")
+    draft_positions: Int64[Tensor, "B D K"] = tensor(
+        role=REQUEST, doc="the position every beam of draft forward i ran at: the tensor the forwards were given"
+    )
 
     @invariant("positions == seq_lens + depth (seed 001)")
     def _positions_follow_depth(self) -> str | None:
@@ -215,13 +217,16 @@ class TreeProposal(Schema):
 
     @invariant("draft step i runs at seq_len + lead + i (seed 001)")
     def _draft_step_positions(self) -> str | None:
-        B, D = self.draft_positions.shape
+        B, D, K = self.draft_positions.shape
         if D != max(self.num_steps - 1, 0):
             return f"{D} draft forwards recorded for num_steps={self.num_steps} (want {max(self.num_steps - 1, 0)})"
-        base = self.draft.seq_lens[:, None] + self.draft_lead
-        want = base + torch.arange(D, device=self.draft_positions.device)
-        row = _first_bad_row((self.draft_positions == want).all(dim=1)) if B else None
-        return None if row is None else f"request {row}: draft steps ran at {self.draft_positions[row].tolist()}, want {want[row].tolist()}"
+        base = self.draft.seq_lens[:, None, None] + self.draft_lead
+        want = base + torch.arange(D, device=self.draft_positions.device)[None, :, None]  # [B, D, 1]
+        row = _first_bad_row((self.draft_positions == want).flatten(1).all(dim=1)) if B else None
+        return None if row is None else (
+            f"request {row}: draft steps ran at {self.draft_positions[row].tolist()} (step by beam), "
+            f"want {want[row, :, 0].tolist()}"
+        )
 
     @invariant("node 0 is the root: the bonus token, parent -1, depth 0; parents precede children")
     def _tree_shape(self) -> str | None:
@@ -294,8 +299,33 @@ class VerifyResult(Schema):
         return None if row is None else f"request {row}: bonus {int(self.bonus_tokens[row])} is not the last accepted prediction"
 
 
+_ROLES = (REQUEST, NODE, ACCEPTED, TOKEN)
+
+
+def check_roles(cls: type[Schema]) -> None:
+    """Raise :class:`InvalidSchema` where a tensor field of ``cls`` leads with a role's dim
+    (``B``, ``B*N``, ``B*W``, ``T``) but declares no role: finalize compacts, the graph runner
+    pads and filter keeps a field by its role, so a role-less ``B*N`` side output would stay in
+    node order unseen (seed 000: per-node outputs left out of the accepted-path compaction)."""
+    problems = []
+    for spec in cls.__schema__.tensors:
+        lead = spec.dim_text.split()[0] if spec.dim_text.split() else None
+        role = next((r for r in _ROLES if r.leading == lead), None)
+        if spec.role is None and role is not None:
+            problems.append(
+                f"field {spec.name!r} has shape {spec.dim_text!r}, whose first dim {lead!r} is the "
+                f"{role.name} role's: declare tensor(role={role.name.upper()}) so that the phases "
+                f"move its rows with the batch"
+            )
+    if problems:
+        raise InvalidSchema(cls.__name__, problems)
+
+
+@functools.cache
 def node_fields(verify_cls: type[VerifyResult]) -> tuple[str, ...]:
-    """Names of every per-node field ``verify_cls`` declares (what finalize must compact)."""
+    """Names of every per-node field ``verify_cls`` declares (what finalize must compact); a
+    field shaped per node without the node role is refused (:func:`check_roles`)."""
+    check_roles(verify_cls)
     return tuple(t.name for t in verify_cls.__schema__.tensors if t.role == NODE)
 
 
@@ -351,6 +381,7 @@ def finalized_schema_for(verify_cls: type[VerifyResult]) -> type[FinalizedPath]:
     finalize-tree-path compacts it without code changes.
     """
     have = {t.name for t in FinalizedPath.__schema__.tensors}
+    check_roles(verify_cls)
     hints = {}
     import typing
 

@@ -123,7 +123,8 @@ def tree_proposal(draft: DraftState, *, N: int = 5, S: int = 3, vocab: int = 32)
         retrieve_index=torch.arange(B * N, device=device).view(B, N),
         retrieve_next_token=torch.tensor(first_child, device=device).expand(B, N).clone(),
         retrieve_next_sibling=torch.tensor(next_sibling, device=device).expand(B, N).clone(),
-        draft_positions=draft.seq_lens[:, None] + torch.arange(D, device=device),
+        draft_positions=(draft.seq_lens[:, None] + torch.arange(D, device=device))[:, :, None]
+        .expand(B, D, K),
     )
 
 

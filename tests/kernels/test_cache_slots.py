@@ -71,7 +71,7 @@ def test_assign_draft_cache_locs_hand_case():
     # step i of both branches runs at logical position 6 + i and sees 6 + i + 1 KV entries
     assert torch.equal(layout.step_positions, torch.tensor([[6, 6], [7, 7]]))
     assert torch.equal(layout.step_kv_len, torch.tensor([[7, 7], [8, 8]]))
-    assert torch.equal(layout.draft_positions, torch.tensor([[6, 7]]))
+    assert torch.equal(layout.draft_positions, torch.tensor([[[6, 6], [7, 7]]]))  # [B, S-1, K]
 
 
 def test_assign_draft_cache_locs_page_size_one():
@@ -82,7 +82,7 @@ def test_assign_draft_cache_locs_page_size_one():
         page_table, torch.tensor([1, 2]), torch.tensor([3, 2]), region_pages, 1, 3
     )
     assert torch.equal(layout.step_positions, torch.tensor([[3, 3, 2, 2], [4, 4, 3, 3]]))
-    assert torch.equal(layout.draft_positions, torch.tensor([[3, 4], [2, 3]]))
+    assert torch.equal(layout.draft_positions, torch.tensor([[[3, 3], [4, 4]], [[2, 2], [3, 3]]]))
     assert torch.equal(
         layout.branch_page_table,
         torch.tensor(

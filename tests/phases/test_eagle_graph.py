@@ -142,8 +142,19 @@ def test_phase_that_mutates_its_input_is_caught_in_strict_mode():
     assert m.phase == "draft-extend" and m.state is before
 
 
-def test_seed_001_draft_positions_off_by_one_are_rejected():
-    """A draft that runs step i at seq_len + i + 1 (SGLang PR #25015) fails strict validation."""
+def _one_beam_late(positions):
+    late = positions.clone()
+    late[1, -1, -1] += 1  # request 1, last step, last beam
+    return late
+
+
+@pytest.mark.parametrize(("corrupt", "shown"), [
+    (lambda p: p + 1, "request 0: draft steps ran at [[5, 5], [6, 6]] (step by beam), want [4, 5]"),
+    (_one_beam_late, "request 1: draft steps ran at [[6, 6], [7, 8]] (step by beam), want [6, 7]"),
+], ids=["every-step", "one-beam"])
+def test_seed_001_draft_positions_off_by_one_are_rejected(corrupt, shown):
+    """A draft that runs step i at seq_len + i + 1 (SGLang PR #25015), on every beam or on one,
+    fails strict validation."""
     import attrs
 
     from phasegraph.phases.eagle import EDGES
@@ -153,7 +164,7 @@ def test_seed_001_draft_positions_off_by_one_are_rejected():
 
     def off_by_one_draft(state: DraftState, ctx):
         good = syn.tree_proposal(state, N=5, S=3)
-        return good.replace(draft_positions=good.draft_positions + 1)
+        return good.replace(draft_positions=corrupt(good.draft_positions))
 
     phases = [attrs.evolve(p, fn=off_by_one_draft) if p.name == "draft" else p for p in base]
     m = Machine(PhaseGraph("buggy", phases, EDGES, entry="prefill-extend"), validate="strict")
@@ -163,7 +174,7 @@ def test_seed_001_draft_positions_off_by_one_are_rejected():
     with pytest.raises(InvariantViolation) as err:
         m.advance("draft", ctx)
     assert err.value.invariant == "draft step i runs at seq_len + lead + i (seed 001)"
-    assert "ran at [5, 6], want [4, 5]" in str(err.value)
+    assert shown in str(err.value)
     assert m.phase == "draft-extend"
     # boundary mode reads no values, so it lets the bug through: strict is what catches it
     m.validation = "boundary"

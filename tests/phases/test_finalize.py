@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from jaxtyping import Int64
 
@@ -9,7 +10,7 @@ from phasegraph.phases import NODE, FinalizedPath, SpecContext, TreeShape, Verif
 from phasegraph.phases.finalize_tree_path import finalize_tree_path
 from phasegraph.runtime.kv_pool import KVCacheManager, KVSpec
 from phasegraph.runtime.memory import PhaseMemory
-from phasegraph.statemachine import schema, tensor
+from phasegraph.statemachine import InvalidSchema, schema, tensor
 from phasegraph.testing import synthetic as syn
 
 
@@ -18,6 +19,13 @@ class VerifyWithExperts(VerifyResult):
     """A verify result with a side output finalize has never heard of (seed 000's routed experts)."""
 
     routed_experts: Int64[torch.Tensor, "B*N E"] = tensor(role=NODE)
+
+
+@schema
+class VerifyWithRolelessExperts(VerifyResult):
+    """The same side output declared without its role: seed 000's forgotten field."""
+
+    routed_experts: Int64[torch.Tensor, "B*N E"] = tensor()
 
 
 def _setup(B=3, N=5, S=3, P=4, seq_len=6, accept=2):
@@ -60,6 +68,22 @@ def test_a_new_per_node_side_output_is_compacted_without_code_changes():
         want = [int(result.predict[int(result.accept_index[b, i])]) for i in range(n)]
         assert out.emitted[b, :n].tolist() == want
         assert (out.emitted[b, n:] == -1).all()
+
+
+def test_a_per_node_side_output_without_the_node_role_is_refused_by_name():
+    """A ``B*N`` field without ``role=NODE`` would stay in node order, uncompacted and unseen
+    (seed 000); finalize refuses the schema instead, naming the field and the role to declare."""
+    kv, base, ctx = _setup()
+    B, N = base.proposal.depth.shape
+    result = VerifyWithRolelessExperts(
+        **{f: getattr(base, f) for f in ("proposal", "predict", "features", "logprobs",
+                                         "accept_index", "accept_lens", "bonus_tokens")},
+        routed_experts=torch.zeros(B * N, 2, dtype=torch.int64))
+    with pytest.raises(InvalidSchema, match=r"field 'routed_experts' has shape 'B\*N E', whose "
+                                            r"first dim 'B\*N' is the node role's: declare "
+                                            r"tensor\(role=NODE\)") as err:
+        finalize_tree_path(result, ctx)
+    assert err.value.schema == "VerifyWithRolelessExperts" and len(err.value.problems) == 1
 
 
 def test_accepted_kv_moves_behind_the_prefix_every_layer():
