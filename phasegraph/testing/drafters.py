@@ -6,7 +6,8 @@ after building the engine), and look up each request's continuation by its promp
 exercise the real phases, kernels and scheduler:
 
 - :class:`OracleDraft` proposes the target's own greedy continuation: every draft is accepted
-  where the tree allows it (acceptance S+1 with a chain);
+  where the tree allows it (acceptance S+1 with a chain); :class:`HiddenChainOracleDraft` does
+  so only where each draft step received the hidden state the row before it produced;
 - :class:`AdversaryDraft` never proposes the right token (acceptance 1: the bonus only);
 - :class:`RandomDraft` proposes pseudo-random tokens;
 - :class:`NoisyOracleDraft` ranks the right token anywhere among its top-k or outside it, by a
@@ -112,8 +113,23 @@ class _ScriptedDraft(abc.ABC):
         )
         keys = torch.tensor([0 if q is None else hash(q.request_id) & 0x7FFFFFFF for q in reqs], dtype=torch.int64)
         logits = self.score(keys, p, true)  # [R, V]
-        hidden_out = torch.zeros(input_ids.shape[0], 0, device=input_ids.device)
-        return DraftOutput(logits=logits.to(input_ids.device), hidden=hidden_out)
+        if not from_target:
+            logits = self._draft_step_logits(logits, input_ids, hidden, rows, reqs, keys, p, true)
+        return DraftOutput(logits=logits.to(input_ids.device), hidden=self._hidden_out(input_ids, positions))
+
+    def _draft_step_logits(self, logits, input_ids, hidden, rows, reqs, keys, positions, true_tokens):
+        """The logits of draft-step rows (``from_target=False``), given their input tokens and
+        the hidden rows they got."""
+        return logits
+
+    def _hidden_out(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(input_ids.shape[0], 0, device=input_ids.device)
+
+    def _missing(self, keys, positions, true_tokens) -> torch.Tensor:
+        """Logits [R, V] that rank K other tokens first and give the right one probability 0."""
+        k = max(self.engine.spec.topk, 1)
+        logits = self._ranked(self._others(keys, positions, true_tokens, k))
+        return logits.scatter(1, true_tokens[:, None], float("-inf"))
 
     __call__ = forward
 
@@ -146,13 +162,63 @@ class OracleDraft(_ScriptedDraft):
         return self._ranked(torch.cat([true_tokens[:, None], others], dim=1))
 
 
+class HiddenChainOracleDraft(OracleDraft):
+    """An :class:`OracleDraft` whose draft steps need the hidden state of the row before them.
+
+    Every row outputs the hidden state ``[position + 1, its input token]``. A draft-step row at
+    position p proposes the right token only if it carries the right token and the hidden state
+    it received is ``[p, the token at p in the true sequence]``: what the previous row of the
+    right path, in draft-extend or in the step before, produced. Any other row gives the right
+    token probability 0 and spreads the rest evenly, so wrong paths fade and the right path
+    keeps a beam. With ``second_rate`` > 0 a
+    fitting row ranks the right token second (10 against 9.9) at that rate, so that the right
+    path changes beam slots and its hidden state must move with it. A phase that feeds a step a
+    stale hidden state (seed 003: chained MTP steps reusing step 0's) or moves it with the wrong
+    beam loses the right token there, and acceptance drops below the oracle's.
+    """
+
+    uses_features = True  # draft-extend keeps the hidden state of every request's last row
+    hidden_size = 2
+
+    def __init__(self, *args, second_rate: float = 0.0, **kw):
+        super().__init__(*args, **kw)
+        ok = isinstance(second_rate, (int, float)) and not isinstance(second_rate, bool)
+        if not (ok and 0.0 <= second_rate <= 1.0):  # NaN fails the comparison too
+            raise InvalidConfig(f"HiddenChainOracleDraft: second_rate must be a number in [0, 1], "
+                                f"got {second_rate!r}")
+        self.second_rate = second_rate
+
+    def _hidden_out(self, input_ids, positions):
+        return torch.stack([positions + 1, input_ids], dim=1).to(torch.float32)  # [T, 2]
+
+    def _draft_step_logits(self, logits, input_ids, hidden, rows, reqs, keys, positions, true_tokens):
+        owned = torch.tensor([q is not None for q in reqs])
+        want = torch.tensor([[int(p), 0 if q is None else self._token_at(q, int(p))]
+                             for q, p in zip(reqs, positions, strict=True)], dtype=torch.int64)
+        got = hidden[rows].to(torch.int64).cpu() if hidden is not None else torch.full_like(want, -1)
+        carried = torch.tensor([0 if q is None else self._token_at(q, int(p) + 1)
+                                for q, p in zip(reqs, positions, strict=True)])
+        on_path = input_ids[rows].cpu() == carried  # [R]
+        fits = ((got == want).all(dim=1) & on_path) | ~owned  # [R]
+        other = self._others(keys, positions, true_tokens, 1)  # [R, 1]
+        second = torch.full((len(rows), self.vocab_size), -30.0).scatter(1, other, 10.0)
+        second = second.scatter(1, true_tokens[:, None], 9.9)
+        swap = counter_uniform(keys, positions * 4 + 5) < self.second_rate
+        logits = torch.where((fits & swap)[:, None], second, logits)
+        faded = torch.zeros(len(rows), self.vocab_size).scatter(1, true_tokens[:, None], float("-inf"))
+        return torch.where(fits[:, None], logits, faded)
+
+    def _token_at(self, req, position: int) -> int:
+        """The token a row at ``position - 1`` carries: ``seq[position]`` (see ``_true_next``)."""
+        seq = req.prompt + self.continuations[tuple(req.prompt)]
+        return seq[position] if position < len(seq) else 0
+
+
 class AdversaryDraft(_ScriptedDraft):
     """Ranks K tokens first, none of them the right one; the right token gets probability 0."""
 
     def score(self, keys, positions, true_tokens):
-        k = max(self.engine.spec.topk, 1)
-        logits = self._ranked(self._others(keys, positions, true_tokens, k))
-        return logits.scatter(1, true_tokens[:, None], float("-inf"))
+        return self._missing(keys, positions, true_tokens)
 
 
 class RandomDraft(_ScriptedDraft):

@@ -13,7 +13,13 @@ import pytest
 
 from phasegraph.phases.context import check_tree_shape
 from phasegraph.runtime.config import SpecConfig
-from phasegraph.testing.drafters import AdversaryDraft, NoisyOracleDraft, OracleDraft, RandomDraft
+from phasegraph.testing.drafters import (
+    AdversaryDraft,
+    HiddenChainOracleDraft,
+    NoisyOracleDraft,
+    OracleDraft,
+    RandomDraft,
+)
 
 from .lossless_support import NEW_TOKENS, run_spec
 
@@ -60,17 +66,35 @@ def test_matrix_covers_the_issue_grid():
     assert {k for k, _, _ in TREES} == {1, 2, 4, 8} and {s for _, s, _ in TREES} == {1, 2, 3, 5}
 
 
+@pytest.mark.parametrize("drafter", [OracleDraft, HiddenChainOracleDraft], ids=["oracle", "hidden-chain"])
 @pytest.mark.parametrize(("topk", "steps", "nodes"), [(1, 3, 4), (1, 5, 6), (4, 3, 12), (8, 5, 40), (2, 5, 4)])
 @pytest.mark.parametrize("page_size", [1, 16])
-def test_oracle_accepts_every_draft_the_tree_holds(topk, steps, nodes, page_size):
+def test_oracle_accepts_every_draft_the_tree_holds(topk, steps, nodes, page_size, drafter):
+    """Full acceptance, and with ``HiddenChainOracleDraft`` only if every draft step got the
+    hidden state its parent row produced (seed 003: a stale hidden state between steps)."""
     spec = SpecConfig(method="eagle", num_steps=steps, topk=topk, num_draft_tokens=nodes)
-    outs, ref, engine, results = run_spec(OracleDraft, spec, page_size, 3)
+    outs, ref, engine, results = run_spec(drafter, spec, page_size, 3)
     assert outs == list(ref)
     most = min(steps, nodes - 1) + 1  # the whole chain fits when N - 1 >= S
     for r in results:
         lens = r.stats.accept_lengths
         assert lens[:-1] == [most] * (len(lens) - 1), lens  # the last step may be cut by the budget
         assert 1 <= lens[-1] <= most
+    _assert_all_free(engine)
+
+
+@pytest.mark.parametrize(("topk", "steps", "nodes"), [(2, 4, 15), (2, 5, 19), (3, 3, 22)])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_hidden_states_move_with_their_beams(topk, steps, nodes, page_size):
+    """The right path changes beam slots (its token ranked second at half the steps) and still
+    gets full acceptance only if the hidden state of every beam moved with it (seed 003). N - 1
+    = K + (S-1) K^2 keeps every candidate in the tree, so only a lost right token cuts a path."""
+    spec = SpecConfig(method="eagle", num_steps=steps, topk=topk, num_draft_tokens=nodes)
+    outs, ref, engine, results = run_spec(HiddenChainOracleDraft, spec, page_size, 3, second_rate=0.5)
+    assert outs == list(ref)
+    for r in results:
+        lens = r.stats.accept_lengths
+        assert lens[:-1] == [steps + 1] * (len(lens) - 1), lens
     _assert_all_free(engine)
 
 
