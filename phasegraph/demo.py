@@ -64,6 +64,7 @@ def run_demo(args: argparse.Namespace) -> int:
     import torch
 
     from phasegraph import SamplingParams
+    from phasegraph.kernels._dispatch import check_kernel_settings
     from phasegraph.runtime.engine import resolve_device
     from phasegraph.statemachine import PhaseGraphError
 
@@ -72,10 +73,15 @@ def run_demo(args: argparse.Namespace) -> int:
             f"the embedded model pair is missing from {demo_pair_dir()}; reinstall phasegraph "
             "or train one with `python -m phasegraph.train demo-pair --out DIR`"
         )
+    if args.graph is not None and not args.graph.strip():  # "" would silently write no graph
+        raise CliError("--graph needs a file name, got an empty one")
     graph_file, graph_fmt = _graph_output(args.graph) if args.graph else (None, None)
     for option, value, least in (("--prompts", args.prompts, 1), ("--show", args.show, 0), ("--threads", args.threads, 1)):
         require_at_least(option, value, least)
-    device = resolve_device(args.device).type  # a GPU asked for and missing: refused before the header
+    # a GPU asked for and missing, or a kernel setting it cannot honour: refused before the header
+    device = resolve_device(args.device)
+    check_kernel_settings(device)
+    device = device.type
     if device == "cpu":
         torch.set_num_threads(max(1, args.threads))
     prompts = demo_prompts(args.prompts)

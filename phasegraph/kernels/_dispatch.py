@@ -61,11 +61,20 @@ EARLY_WEIGHTS_ENV_VAR = "PHASEGRAPH_EARLY_WEIGHTS"
 EARLY_WEIGHTS_MODES = ("auto", "on", "off")
 
 
+_NO_TRITON = (f"{ENV_VAR}=triton, but triton cannot be imported (unset it, or set it to auto or "
+              "reference, to run the torch references)")
+
+
+class KernelSettingError(ValueError):
+    """A kernel setting (``PHASEGRAPH_KERNELS``, ``PHASEGRAPH_PDL``,
+    ``PHASEGRAPH_EARLY_WEIGHTS``) with an unknown value, or one this machine cannot honour."""
+
+
 def kernel_mode() -> str:
     """The value of ``PHASEGRAPH_KERNELS`` (``auto`` when unset)."""
     mode = os.environ.get(ENV_VAR, "auto").strip().lower() or "auto"
     if mode not in MODES:
-        raise ValueError(f"{ENV_VAR}={mode!r}: expected one of {', '.join(MODES)}")
+        raise KernelSettingError(f"{ENV_VAR}={mode!r}: expected one of {', '.join(MODES)}")
     return mode
 
 
@@ -76,7 +85,7 @@ def use_triton(x: torch.Tensor) -> bool:
         return False
     if mode == "triton":
         if not HAS_TRITON:
-            raise RuntimeError(f"{ENV_VAR}=triton, but triton cannot be imported")
+            raise KernelSettingError(_NO_TRITON)
         return True
     return HAS_TRITON and x.device.type == "cuda"
 
@@ -109,19 +118,19 @@ def jit(fn=None, **kwargs):
 def _pdl_options(setting: str, interpreted: bool, device_index: int | None) -> dict:
     mode = setting.strip().lower() or "auto"
     if mode not in PDL_MODES:
-        raise ValueError(f"{PDL_ENV_VAR}={setting!r}: expected one of {', '.join(PDL_MODES)}")
+        raise KernelSettingError(f"{PDL_ENV_VAR}={setting!r}: expected one of {', '.join(PDL_MODES)}")
     if mode == "off":
         return {"PDL": False}
     if device_index is None or interpreted:
         if mode == "on":
-            raise RuntimeError(f"{PDL_ENV_VAR}=on, but no CUDA device runs the kernels")
+            raise KernelSettingError(f"{PDL_ENV_VAR}=on, but no CUDA device runs the kernels")
         return {"PDL": False}
     major, minor = torch.cuda.get_device_capability(device_index)
     if major < 9:
         if mode == "on":
-            raise RuntimeError(f"{PDL_ENV_VAR}=on, but CUDA device {device_index} has compute "
-                               f"capability {major}.{minor} (programmatic dependent launch needs "
-                               "9.0)")
+            raise KernelSettingError(f"{PDL_ENV_VAR}=on, but CUDA device {device_index} has "
+                                     f"compute capability {major}.{minor} (programmatic dependent "
+                                     "launch needs 9.0)")
         return {"PDL": False}
     return PDL_LAUNCH
 
@@ -149,9 +158,25 @@ def early_weights_mode() -> str:
     setting = os.environ.get(EARLY_WEIGHTS_ENV_VAR, "auto")
     mode = setting.strip().lower() or "auto"
     if mode not in EARLY_WEIGHTS_MODES:
-        raise ValueError(f"{EARLY_WEIGHTS_ENV_VAR}={setting!r}: expected one of "
-                         f"{', '.join(EARLY_WEIGHTS_MODES)}")
+        raise KernelSettingError(f"{EARLY_WEIGHTS_ENV_VAR}={setting!r}: expected one of "
+                                 f"{', '.join(EARLY_WEIGHTS_MODES)}")
     return mode
+
+
+def check_kernel_settings(device: torch.device) -> None:
+    """Raise :class:`KernelSettingError` now for a kernel setting that the kernels on
+    ``device`` would refuse at their first launch, so that an Engine refuses it before it
+    serves any request."""
+    mode = kernel_mode()
+    early_weights_mode()
+    if mode == "reference":
+        return
+    if mode == "triton" and not HAS_TRITON:
+        raise KernelSettingError(_NO_TRITON)
+    if mode == "triton" or (HAS_TRITON and device.type == "cuda"):
+        index = (device.index if device.index is not None else torch.cuda.current_device()) \
+            if device.type == "cuda" else None
+        _pdl_options(os.environ.get(PDL_ENV_VAR, "auto"), _INTERPRETED, index)
 
 
 def next_pow2(n: int) -> int:

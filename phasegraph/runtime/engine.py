@@ -18,6 +18,7 @@ from pathlib import Path
 
 import torch
 
+from phasegraph.kernels._dispatch import KernelSettingError, check_kernel_settings
 from phasegraph.phases import EAGLE_GRAPH, SpecContext
 from phasegraph.runtime.config import (
     RequestDelta,
@@ -175,6 +176,10 @@ class Engine:
             switches=dict(trace=trace, check_every_step=check_every_step, prefill_graphs=prefill_graphs,
                           overlap=overlap, cuda_graphs=cuda_graphs),
         )
+        try:  # a kernel setting the first launch would refuse, refused before any request
+            check_kernel_settings(getattr(target, "device", torch.device("cpu")))
+        except KernelSettingError as exc:
+            raise InvalidConfig(str(exc)) from None
         if not is_int(page_size) or page_size < 1:
             raise InvalidConfig(f"page_size must be an integer >= 1; got {page_size!r}")
         if not is_int(max_batch_size) or max_batch_size < 1:

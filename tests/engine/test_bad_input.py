@@ -293,6 +293,27 @@ def test_bad_engine_settings(busy, clean_output, engine_root):
     _finish_good(busy, clean_output)
 
 
+@pytest.mark.parametrize(("env", "value", "words"), [
+    # was: a RuntimeError from inside the first kernel launch, with requests admitted
+    ("PHASEGRAPH_KERNELS", "triton", ["PHASEGRAPH_KERNELS=triton, but triton cannot be imported"]),
+    ("PHASEGRAPH_KERNELS", "fast", ["PHASEGRAPH_KERNELS='fast'", "auto, reference, triton"]),
+    ("PHASEGRAPH_EARLY_WEIGHTS", "maybe", ["PHASEGRAPH_EARLY_WEIGHTS='maybe'", "auto, on, off"]),
+])
+def test_kernel_settings_are_refused_when_the_engine_is_built(busy, clean_output, engine_root, monkeypatch,
+                                                             env, value, words):
+    import phasegraph.kernels._dispatch as dispatch
+
+    bundle = arch_bundle(engine_root, "llama")
+    monkeypatch.setattr(dispatch, "HAS_TRITON", False)
+    monkeypatch.setenv(env, value)
+    with pytest.raises(InvalidConfig) as info:
+        Engine.from_pretrained(bundle.target, None, kv_pool_tokens=4096)
+    for w in words:
+        assert w in str(info.value), str(info.value)
+    monkeypatch.delenv(env)
+    _finish_good(busy, clean_output)
+
+
 def test_engine_takes_loaded_models_and_no_ignored_draft(busy, clean_output):
     """``Engine(...)`` given paths (meant for from_pretrained) or a draft beside method 'none'."""
     bundle_target, draft = busy.target, busy.draft

@@ -51,6 +51,7 @@ def test_more_prompts_than_the_held_out_set_says_so(no_runs, capsys):
     (["--graph", "/nonexistent-dir/flow.txt"], "--graph /nonexistent-dir/flow.txt: directory"),
     # a directory that takes no file (Linux /proc): refused before the runs, not after them
     (["--graph", "/proc/phasegraph-flow.txt"], "--graph /proc/phasegraph-flow.txt: cannot be written"),
+    (["--graph", ""], "--graph needs a file name, got an empty one"),
 ])
 def test_bad_options_are_refused_before_any_run(no_runs, capsys, argv, message):
     assert main(["demo", "--device", "cpu", *argv]) == 2
@@ -76,3 +77,17 @@ def test_a_missing_gpu_is_refused_before_the_header(no_runs, monkeypatch, capsys
     captured = capsys.readouterr()
     assert "device='cuda' was asked for but no CUDA GPU is available" in captured.err
     assert captured.out == ""
+
+
+def test_a_kernel_setting_this_machine_cannot_honour_is_refused_before_the_header(no_runs, monkeypatch, capsys):
+    """``PHASEGRAPH_KERNELS=triton`` without Triton: one error line naming the setting and what to
+    do, not a traceback from inside the first kernel launch."""
+    import phasegraph.kernels._dispatch as dispatch
+
+    monkeypatch.setattr(dispatch, "HAS_TRITON", False)
+    monkeypatch.setenv("PHASEGRAPH_KERNELS", "triton")
+    assert main(["demo", "--device", "cpu"]) == 2
+    captured = capsys.readouterr()
+    assert ("PHASEGRAPH_KERNELS=triton, but triton cannot be imported (unset it, or set it to auto "
+            "or reference, to run the torch references)") in captured.err
+    assert "Traceback" not in captured.err and captured.out == ""

@@ -40,7 +40,7 @@ def test_without_a_cuda_device_kernels_launch_plainly(monkeypatch, setting):
 
 def test_on_without_a_cuda_device_is_an_error(monkeypatch):
     monkeypatch.setenv("PHASEGRAPH_PDL", "on")
-    with pytest.raises(RuntimeError, match="PHASEGRAPH_PDL=on, but no CUDA device"):
+    with pytest.raises(_dispatch.KernelSettingError, match="PHASEGRAPH_PDL=on, but no CUDA device"):
         _dispatch.pdl_options()
 
 
@@ -57,7 +57,7 @@ def test_the_device_capability_decides(monkeypatch, major, auto, on):
     assert _dispatch._pdl_options("auto", False, 0) == auto
     assert _dispatch._pdl_options("off", False, 0) == OFF
     if on is None:
-        with pytest.raises(RuntimeError, match=r"compute capability 8\.0 \(programmatic "
+        with pytest.raises(_dispatch.KernelSettingError, match=r"compute capability 8\.0 \(programmatic "
                                                r"dependent launch needs 9\.0\)"):
             _dispatch._pdl_options("on", False, 0)
     else:
@@ -72,7 +72,7 @@ def test_a_launch_may_opt_out(monkeypatch):
 def test_the_interpreter_never_launches_early(monkeypatch):
     _capability(monkeypatch, 9)
     assert _dispatch._pdl_options("auto", True, 0) == OFF
-    with pytest.raises(RuntimeError, match="no CUDA device runs the kernels"):
+    with pytest.raises(_dispatch.KernelSettingError, match="no CUDA device runs the kernels"):
         _dispatch._pdl_options("on", True, 0)
 
 
