@@ -242,7 +242,8 @@ def add_bench_command(sub) -> None:
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--pair", metavar="DIR",
-                   help="trained pair (target/, eagle3/, draft/): reused if present, else trained into it "
+                   help="trained pair (target/, eagle3/ and, for the standalone and assisted rows, "
+                        "draft/): reused if present, else trained into it when missing or empty "
                         "(default: OUT/pair)")
     p.add_argument("--skip-train", action="store_true", help="never train: --pair must hold a pair")
     p.add_argument("--train-budget-s", type=float, metavar="S",

@@ -98,6 +98,9 @@ def run_generate(args: argparse.Namespace) -> int:
         args.target, args.draft, spec=spec, device=args.device, dtype=args.dtype,
         draft_dtype=args.draft_dtype, page_size=args.page_size, kv_pool_tokens=args.kv_pool_tokens, trace=bool(args.trace),
     )
+    if isinstance(prompt, str) and engine.tokenizer is None:
+        raise CliError(f"--target {args.target} has no tokenizer, so --prompt TEXT cannot be encoded: "
+                       "pass the prompt's token ids with --prompt-ids (e.g. --prompt-ids 1,2,3)")
     progress = not args.no_progress and args.max_new_tokens >= PROGRESS_MIN_TOKENS
     start = time.perf_counter()
     out = engine.generate([prompt], params, progress=progress)[0]

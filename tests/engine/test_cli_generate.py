@@ -77,6 +77,17 @@ def test_generate_token_ids_without_tokenizer(engine_root, capsys):
     assert out.split() == [str(t) for t in bundle.reference[1]]
 
 
+def test_generate_text_without_tokenizer_names_the_flag_that_works(engine_root, capsys):
+    bundle = arch_bundle(engine_root, "qwen3")
+    assert main(["generate", "--target", str(bundle.target), "--prompt", "def f():",
+                 "--max-new-tokens", "4", "--no-progress"]) == 2
+    out, err = capsys.readouterr()  # err: transformers' weight-loading bar, then the error line
+    assert err.splitlines()[-1] == (
+        f"phasegraph: error: --target {bundle.target} has no tokenizer, so --prompt TEXT cannot be "
+        "encoded: pass the prompt's token ids with --prompt-ids (e.g. --prompt-ids 1,2,3)")
+    assert out == "" and "Traceback" not in err
+
+
 @pytest.mark.parametrize(
     ("args", "words"),
     [
