@@ -50,7 +50,7 @@ def test_page_table_is_written_once_a_chunk(engine_root, monkeypatch, method):
     ("none", {}, 16, 192),
     ("eagle3", dict(topk=4, num_steps=3, num_draft_tokens=8), 1, 160),
 ])
-def test_spare_pages_go_back_under_pressure(engine_root, method, spec, page_size, pool):
+def test_retraction_under_spare_pages_keeps_every_token(engine_root, method, spec, page_size, pool):
     """The tight pool of test_retraction with exact growth and with spare pages: both retract,
     and every output is the same token for token."""
     bundle = arch_bundle(engine_root, "llama")
@@ -64,3 +64,57 @@ def test_spare_pages_go_back_under_pressure(engine_root, method, spec, page_size
         assert engine.num_retractions >= 5
         assert_all_free(engine)
     assert got[64] == got[0]
+
+
+def _admit_late(bundle, monkeypatch, spare: int, method: str, spec: dict, pool: int, warmup: int):
+    """Two requests run alone (so they grow with ``spare`` spare tokens), then a long one
+    arrives that fits the pool only without their spare pages. Returns (the step at which it
+    got its first token, pages trim gave back, free pages when it arrived, pages it needs, each
+    request's tokens)."""
+    engine = engine_for(bundle, method, page_size=16, max_batch_size=4, kv_pool_tokens=pool,
+                        check_every_step=True, **spec)
+    engine.scheduler.spare_tokens = spare
+    freed = [0]
+    trim = engine.kv.trim
+
+    def counted_trim(row, num_tokens):
+        pages = trim(row, num_tokens)
+        freed[0] += pages
+        return pages
+
+    monkeypatch.setattr(engine.kv, "trim", counted_trim)
+    early, late = make_prompts([10, 10], seed=5), make_prompts([70], seed=6)[0]
+    for i, prompt in enumerate(early):
+        engine.add_request(f"early{i}", prompt, greedy(40))
+    tokens: dict[str, list[int]] = {}
+    for _ in range(warmup):  # until they grow past the pages admission gave them (by 64 spare tokens)
+        for d in engine.step():
+            tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
+    free, need = engine.kv.num_free_pages, engine.kv.pages_needed(len(late) + 1)
+    engine.add_request("late", late, greedy(8))
+    first_token_step, step = None, 0
+    while engine.has_unfinished():
+        step += 1
+        for d in engine.step():
+            tokens.setdefault(d.request_id, []).extend(d.new_token_ids)
+            if d.request_id == "late" and first_token_step is None and d.new_token_ids:
+                first_token_step = step
+    assert_all_free(engine)
+    return first_token_step, freed[0], free, need, tokens
+
+
+@pytest.mark.parametrize(("method", "spec", "pool", "warmup"), [
+    ("none", {}, 256, 8),
+    ("eagle3", dict(topk=2, num_steps=3), 416, 18),  # each request holds 4 pages of branch regions too
+])
+def test_spare_pages_go_back_before_an_admission_is_refused(engine_root, monkeypatch, method, spec, pool,
+                                                             warmup):
+    bundle = arch_bundle(engine_root, "llama")
+    exact = _admit_late(bundle, monkeypatch, 0, method, spec, pool, warmup)
+    spared = _admit_late(bundle, monkeypatch, 64, method, spec, pool, warmup)
+    # the pressure is real: with spare pages the late request does not fit as the pool stands,
+    # without them it does
+    assert spared[2] < spared[3] <= exact[2]
+    assert spared[1] > 0 and exact[1] == 0  # trim gave pages back only where there were spares
+    assert spared[0] == exact[0] == 1  # admitted at its first step either way, not once one finishes
+    assert spared[4] == exact[4] and len(spared[4]["late"]) == 8

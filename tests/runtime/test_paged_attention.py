@@ -179,9 +179,11 @@ def test_bf16_inputs_accumulate_in_fp32():
     )
     q, k_cache, v_cache = q.bfloat16(), k_cache.bfloat16(), v_cache.bfloat16()
     out = paged_attention(q, k_cache, v_cache, meta, 0.25)
-    ref = naive_paged_attention(q, k_cache, v_cache, meta, 0.25)
+    ref = naive_paged_attention(q, k_cache, v_cache, meta, 0.25)  # float64
     assert out.dtype == torch.bfloat16
-    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    # float32 sums leave the float64 result's one rounding to bfloat16 (bit for bit at this seed);
+    # scores, softmax or sums in bfloat16 are 1-2 bfloat16 ulps off it
+    torch.testing.assert_close(out, ref.bfloat16(), atol=0, rtol=0)
 
 
 def test_runs_on_meta_tensors_so_it_never_reads_values_on_the_host():
