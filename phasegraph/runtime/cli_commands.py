@@ -116,9 +116,14 @@ def run_generate(args: argparse.Namespace) -> int:
         if tau is not None else f"mean acceptance length: n/a (method {method})"
     )
     rate = len(out.token_ids) / seconds if seconds > 0 else float("inf")
+    capped = ""
+    if out.finish_reason == "length" and len(out.token_ids) < args.max_new_tokens:
+        capped = (f" (the model's context of {engine.max_context} tokens holds the "
+                  f"{len(out.prompt_token_ids)}-token prompt and {len(out.token_ids)} new ones, "
+                  f"not the {args.max_new_tokens} asked for)")
     print(
         f"[{method}] {accept}; {len(out.token_ids)} tokens in {seconds:.2f} s ({rate:.1f} tok/s), "
-        f"finish reason: {out.finish_reason}",
+        f"finish reason: {out.finish_reason}{capped}",
         file=sys.stderr,
     )
     if args.trace:

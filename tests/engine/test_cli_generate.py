@@ -77,6 +77,20 @@ def test_generate_token_ids_without_tokenizer(engine_root, capsys):
     assert out.split() == [str(t) for t in bundle.reference[1]]
 
 
+def test_generate_says_when_the_context_cut_the_tokens_asked_for(engine_root, capsys):
+    bundle = arch_bundle(engine_root, "qwen3")  # max_position_embeddings 256
+    prompt = list(bundle.prompts[1])
+    assert main(["generate", "--target", str(bundle.target), "--prompt-ids", ",".join(map(str, prompt)),
+                 "--max-new-tokens", "1000", "--ignore-eos", "--no-progress"]) == 0
+    out, err = capsys.readouterr()
+    assert len(out.split()) == 256 - len(prompt)
+    assert (f"finish reason: length (the model's context of 256 tokens holds the {len(prompt)}-token "
+            f"prompt and {256 - len(prompt)} new ones, not the 1000 asked for)") in err
+    assert main(["generate", "--target", str(bundle.target), "--prompt-ids", ",".join(map(str, prompt)),
+                 "--max-new-tokens", "5", "--ignore-eos", "--no-progress"]) == 0
+    assert capsys.readouterr().err.rstrip().endswith("finish reason: length")
+
+
 def test_generate_text_without_tokenizer_names_the_flag_that_works(engine_root, capsys):
     bundle = arch_bundle(engine_root, "qwen3")
     assert main(["generate", "--target", str(bundle.target), "--prompt", "def f():",
