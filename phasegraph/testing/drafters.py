@@ -67,9 +67,8 @@ class _ScriptedDraft(abc.ABC):
     def _batch_row(running, index: int):
         return running[index] if index < len(running) else None
 
-    def _true_next(self, req, draft_position: int) -> int:
-        """The token the target's greedy decoding puts at ``draft_position + 2``: a draft row at
-        position p carries token p+1 and predicts token p+2."""
+    def _token_at(self, req, i: int) -> int:
+        """Token ``i`` of the request's prompt plus the target's greedy continuation (0 past it)."""
         continuation = self.continuations.get(tuple(req.prompt))
         if continuation is None:
             raise InvalidConfig(
@@ -77,8 +76,12 @@ class _ScriptedDraft(abc.ABC):
                 f"{req.request_id!r} ({len(req.prompt)} tokens): give it every prompt the engine runs"
             )
         seq = req.prompt + continuation
-        i = draft_position + 2
         return seq[i] if i < len(seq) else 0
+
+    def _true_next(self, req, draft_position: int) -> int:
+        """The token the target's greedy decoding puts at ``draft_position + 2``: a draft row at
+        position p carries token p+1 and predicts token p+2."""
+        return self._token_at(req, draft_position + 2)
 
     def forward(
         self,
@@ -124,12 +127,6 @@ class _ScriptedDraft(abc.ABC):
 
     def _hidden_out(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return torch.zeros(input_ids.shape[0], 0, device=input_ids.device)
-
-    def _missing(self, keys, positions, true_tokens) -> torch.Tensor:
-        """Logits [R, V] that rank K other tokens first and give the right one probability 0."""
-        k = max(self.engine.spec.topk, 1)
-        logits = self._ranked(self._others(keys, positions, true_tokens, k))
-        return logits.scatter(1, true_tokens[:, None], float("-inf"))
 
     __call__ = forward
 
@@ -193,13 +190,13 @@ class HiddenChainOracleDraft(OracleDraft):
 
     def _draft_step_logits(self, logits, input_ids, hidden, rows, reqs, keys, positions, true_tokens):
         owned = torch.tensor([q is not None for q in reqs])
-        want = torch.tensor([[int(p), 0 if q is None else self._token_at(q, int(p))]
-                             for q, p in zip(reqs, positions, strict=True)], dtype=torch.int64)
-        got = hidden[rows].to(torch.int64).cpu() if hidden is not None else torch.full_like(want, -1)
-        carried = torch.tensor([0 if q is None else self._token_at(q, int(p) + 1)
-                                for q, p in zip(reqs, positions, strict=True)])
-        on_path = input_ids[rows].cpu() == carried  # [R]
-        fits = ((got == want).all(dim=1) & on_path) | ~owned  # [R]
+        # per row at position p: the hidden state it needs, [p, token p], and the token it must
+        # carry, p + 1 (padding rows: anything)
+        want = torch.tensor([[p, 0, 0] if q is None else [p, self._token_at(q, p), self._token_at(q, p + 1)]
+                             for q, p in zip(reqs, positions.tolist(), strict=True)])  # [R, 3]
+        got = hidden[rows].to(torch.int64).cpu() if hidden is not None else torch.full_like(want[:, :2], -1)
+        on_path = input_ids[rows].cpu() == want[:, 2]  # [R]
+        fits = ((got == want[:, :2]).all(dim=1) & on_path) | ~owned  # [R]
         other = self._others(keys, positions, true_tokens, 1)  # [R, 1]
         second = torch.full((len(rows), self.vocab_size), -30.0).scatter(1, other, 10.0)
         second = second.scatter(1, true_tokens[:, None], 9.9)
@@ -208,17 +205,14 @@ class HiddenChainOracleDraft(OracleDraft):
         faded = torch.zeros(len(rows), self.vocab_size).scatter(1, true_tokens[:, None], float("-inf"))
         return torch.where(fits[:, None], logits, faded)
 
-    def _token_at(self, req, position: int) -> int:
-        """The token a row at ``position - 1`` carries: ``seq[position]`` (see ``_true_next``)."""
-        seq = req.prompt + self.continuations[tuple(req.prompt)]
-        return seq[position] if position < len(seq) else 0
-
 
 class AdversaryDraft(_ScriptedDraft):
     """Ranks K tokens first, none of them the right one; the right token gets probability 0."""
 
     def score(self, keys, positions, true_tokens):
-        return self._missing(keys, positions, true_tokens)
+        k = max(self.engine.spec.topk, 1)
+        logits = self._ranked(self._others(keys, positions, true_tokens, k))
+        return logits.scatter(1, true_tokens[:, None], float("-inf"))
 
 
 class RandomDraft(_ScriptedDraft):
