@@ -79,9 +79,9 @@ def run_demo(args: argparse.Namespace) -> int:
     for option, value, least in (("--prompts", args.prompts, 1), ("--show", args.show, 0), ("--threads", args.threads, 1)):
         require_at_least(option, value, least)
     # a GPU asked for and missing, or a kernel setting it cannot honour: refused before the header
-    device = resolve_device(args.device)
-    check_kernel_settings(device)
-    device = device.type
+    torch_device = resolve_device(args.device)
+    check_kernel_settings(torch_device)
+    device = torch_device.type
     if device == "cpu":
         torch.set_num_threads(max(1, args.threads))
     prompts = demo_prompts(args.prompts)

@@ -173,9 +173,10 @@ def check_kernel_settings(device: torch.device) -> None:
         return
     if mode == "triton" and not HAS_TRITON:
         raise KernelSettingError(_NO_TRITON)
-    if mode == "triton" or (HAS_TRITON and device.type == "cuda"):
-        index = (device.index if device.index is not None else torch.cuda.current_device()) \
-            if device.type == "cuda" else None
+    if mode == "triton" or (HAS_TRITON and device.type == "cuda"):  # Triton kernels will launch
+        index = None
+        if device.type == "cuda":
+            index = device.index if device.index is not None else torch.cuda.current_device()
         _pdl_options(os.environ.get(PDL_ENV_VAR, "auto"), _INTERPRETED, index)
 
 

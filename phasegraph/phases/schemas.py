@@ -309,7 +309,7 @@ def check_roles(cls: type[Schema]) -> None:
     node order unseen (seed 000: per-node outputs left out of the accepted-path compaction)."""
     problems = []
     for spec in cls.__schema__.tensors:
-        lead = spec.dim_text.split()[0] if spec.dim_text.split() else None
+        lead = next(iter(spec.dim_text.split()), None)
         role = next((r for r in _ROLES if r.leading == lead), None)
         if spec.role is None and role is not None:
             problems.append(
@@ -381,13 +381,13 @@ def finalized_schema_for(verify_cls: type[VerifyResult]) -> type[FinalizedPath]:
     finalize-tree-path compacts it without code changes.
     """
     have = {t.name for t in FinalizedPath.__schema__.tensors}
-    check_roles(verify_cls)
+    nodes = set(node_fields(verify_cls))  # refuses a per-node field without the node role
     hints = {}
     import typing
 
     annotations = typing.get_type_hints(verify_cls, include_extras=True)
     for spec in verify_cls.__schema__.tensors:
-        if spec.role != NODE or accepted_name(spec.name) in have:
+        if spec.name not in nodes or accepted_name(spec.name) in have:
             continue
         ann = annotations[spec.name]
         args = typing.get_args(ann)
