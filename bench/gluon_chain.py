@@ -13,12 +13,19 @@ with a static assignment:
 - CTAs 48..127: cp.async their 32 gate and 32 up rows (K = 768, 96 KB), wait for ``o``, copy
   y1 in and compute SwiGLU from shared memory.
 
-Two forms of the products: a broadcast multiply-sum in float32 over [4 rows, columns, K chunk]
-and ``mma.sync`` on operands padded to 16 rows: one kernel, its ``MMA`` constant picks the
-form. Waits: a done-counter per product (release / acquire).
-``%globaltimer`` probes give each CTA group's timeline.
+Three forms of the products (:data:`FORMS`):
+- a broadcast multiply-sum in float32 over [4 rows, columns, K chunk];
+- ``mma.sync`` on operands padded to 16 rows, the columns over the warps (``MMA``);
+- ``mma.sync`` with K split over the 8 warps (``_gluon_chain_ksplit_kernel``): warp b owns a
+  contiguous slice of K, a batched [8, 16, columns] accumulator, and the slices are added across
+  warps at the end. Its options: the cross-warp sum by ``gl.sum`` or through a padded
+  shared buffer ("own sum"), rows swizzled for ``ldmatrix`` ("swizzle"), two accumulators, and
+  two timing probes (down's rows copied after o is published; the gate product repeated 11 times).
+Waits: a done-counter per product (release / acquire). ``%globaltimer`` probes give each CTA
+group's timeline.
 
-    python bench/gluon_chain.py [--out DIR]      # GPU only
+    python bench/gluon_chain.py [--out DIR]      # GPU only; every form, timed
+    OUT=DIR bash bench/ncu_gluon_chain.sh "FORM"  # Nsight Compute on one form
 
 Measured (H100, 2026-11-25; bench/results/gluon-chain-h100-2026-11-25/): correct, and in µs per
 chain (cold / warm):
@@ -38,6 +45,19 @@ The timeline (multiply-sum) shows where the time goes:
 So a wait costs ~0.7 µs and a weight stream hides entirely. The products computed from shared
 memory take 1.5–4 µs each (with mma.sync no less: o takes 2.1 µs for six
 chunks): that is what is left to make fast.
+
+Measured again with K split over the warps (H100, 2026-11-26;
+bench/results/gluon-chain-ksplit-h100-2026-11-26/), µs per chain, cold / warm:
+- four launches 13.3 / 11.2; multiply-sum 16.5 / 14.4; mma 19.4 / 18.0 (this machine);
+- K split, ``gl.sum`` across the warps: 17.8 / 16.2, one gate product 2.7 µs. ncu: the sum's
+  scratch stores conflict 16-way (75 % of the kernel's shared wavefronts are excess);
+- K split, own padded sum: 13.3 / 10.7, one gate product 0.81 µs;
+- and rows swizzled for ``ldmatrix`` (a 2-way conflict before): **12.0 / 9.4, 10 % / 16 % under
+  the four launches**, one gate product 0.52 µs; a second accumulator changes nothing.
+Every K-split form equals the reference exactly. Its timeline (warm): o's weights in 1.09 µs,
+o done 1.63, published 2.37; gate/up sees it 3.17, y1 in 3.65, published 5.34; down sees it
+5.73, act in 6.46, last down published 8.29. What is left is the handoffs (publish ~0.5–0.7 µs,
+the wait's acquire ~0.4–0.8, the operand's copy from L2 ~0.5–0.7), not the products.
 """
 
 from __future__ import annotations
@@ -268,19 +288,205 @@ def _gluon_chain_kernel(sync_ptr, x_ptr, wo_ptr, wgu_ptr, wd_ptr, y1_ptr, act_pt
         _stamp(times_ptr, c, 3, STAMP)
 
 
-def chain_gluon(x, wo, wgu, wd, sync, times=None, mma=False):
+# --- the products with K split over the warps (a batched mma.sync: warp b owns K slice b) ----
+
+KSPLIT = gl.constexpr(8)  # warps, each a contiguous slice of K
+KC = gl.constexpr(32)  # K per step of a warp's slice (two m16n8k16 per column tile)
+
+
+@gluon.jit
+def _copy_ksplit(smem, ptr, row0, stride, rows_real, NSTEP: gl.constexpr, NROW: gl.constexpr,
+                 layout: gl.constexpr):
+    """cp.async rows row0..row0+NROW-1 of a row-major [*, KSPLIT * NSTEP * KC] matrix into
+    ``smem`` [NSTEP, KSPLIT, NROW, KC]: element (s, b, r, kk) is column (b * NSTEP + s) * KC + kk.
+    Rows at or past ``rows_real`` are zero-filled (an operand padded to the 16 rows of an mma)."""
+    b = gl.arange(0, KSPLIT, layout=gl.SliceLayout(1, gl.SliceLayout(2, layout)))
+    r = gl.arange(0, NROW, layout=gl.SliceLayout(0, gl.SliceLayout(2, layout)))
+    kk = gl.arange(0, KC, layout=gl.SliceLayout(0, gl.SliceLayout(1, layout)))
+    real = gl.expand_dims(gl.expand_dims(r < rows_real, 0), 2) & gl.expand_dims(gl.expand_dims(kk < KC, 0), 1)
+    rows = gl.where(r < rows_real, row0 + r, row0)
+    base = (gl.expand_dims(gl.expand_dims(rows, 0), 2) * stride
+            + gl.expand_dims(gl.expand_dims(b * (NSTEP * KC), 1), 2)
+            + gl.expand_dims(gl.expand_dims(kk, 0), 1))
+    for s in gl.static_range(NSTEP):
+        async_copy.async_copy_global_to_shared(smem.index(s), ptr + base + s * KC, mask=real)
+
+
+@gluon.jit
+def _product_ksplit(a_s, w_s, sum_s, NSTEP: gl.constexpr, NC: gl.constexpr, MMA3: gl.constexpr,
+                    RED: gl.constexpr, OWN_SUM: gl.constexpr, TWO_ACC: gl.constexpr = False):
+    """[16, NC] float32 = a [16, K] x w [NC, K]^T, K split over the warps: a_s [NSTEP, KSPLIT,
+    16, KC], w_s [NSTEP, KSPLIT, NC, KC]; each warp sums its slice on tensor cores, then the
+    slices are added across warps: by ``gl.sum`` (whose scratch stores conflict 16-way, ncu), or
+    with OWN_SUM through ``sum_s`` [KSPLIT, 16, NC] (rows padded against bank conflicts), each
+    thread adding the KSPLIT parts of its elements. Returns the layout of :func:`_sum_layout`."""
+    A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA3, k_width=2)
+    B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA3, k_width=2)
+    acc = gl.zeros([KSPLIT, 16, NC], gl.float32, MMA3)
+    if TWO_ACC and NSTEP > 1:  # even and odd steps into two accumulators: half the chain
+        acc1 = gl.zeros([KSPLIT, 16, NC], gl.float32, MMA3)
+        for s in gl.static_range(0, NSTEP - 1, 2):
+            acc = mma_v2(a_s.index(s).load(A_L), w_s.index(s).permute([0, 2, 1]).load(B_L), acc)
+            acc1 = mma_v2(a_s.index(s + 1).load(A_L),
+                          w_s.index(s + 1).permute([0, 2, 1]).load(B_L), acc1)
+        if NSTEP % 2 == 1:
+            acc = mma_v2(a_s.index(NSTEP - 1).load(A_L),
+                         w_s.index(NSTEP - 1).permute([0, 2, 1]).load(B_L), acc)
+        acc = acc + acc1
+    else:
+        for s in gl.static_range(NSTEP):
+            acc = mma_v2(a_s.index(s).load(A_L), w_s.index(s).permute([0, 2, 1]).load(B_L), acc)
+    if OWN_SUM:
+        sum_s.store(acc)
+        gl.thread_barrier()
+        y = gl.sum(sum_s.load(RED), axis=0)
+        gl.thread_barrier()  # sum_s is free again
+    else:
+        y = gl.sum(acc, axis=0)
+    return y
+
+
+@gluon.constexpr_function
+def _sum_layout(own_sum, red, mma3):
+    """The layout of :func:`_product_ksplit`'s result."""
+    return gl.SliceLayout(0, red if own_sum else mma3)
+
+
+@gluon.jit
+def _store_ksplit(ptr, stride, col0, y, R: gl.constexpr, NC: gl.constexpr, YL: gl.constexpr):
+    """Rows 0..R-1 of y [16, NC] (layout YL) into columns col0.. of ``ptr``."""
+    r = gl.arange(0, 16, layout=gl.SliceLayout(1, YL))
+    n = col0 + gl.arange(0, NC, layout=gl.SliceLayout(0, YL))
+    gl.store(ptr + r[:, None] * stride + n[None, :], y.to(ptr.dtype.element_ty),
+             mask=(r < R)[:, None])
+
+
+@gluon.jit
+def _gluon_chain_ksplit_kernel(sync_ptr, x_ptr, wo_ptr, wgu_ptr, wd_ptr, y1_ptr, act_ptr, y3_ptr,
+                               times_ptr, H: gl.constexpr, INNER: gl.constexpr, R: gl.constexpr,
+                               N_O: gl.constexpr, N_G: gl.constexpr, STAMP: gl.constexpr,
+                               EARLY_DOWN: gl.constexpr, GATE_REPEAT: gl.constexpr,
+                               OWN_SUM: gl.constexpr, TWO_ACC: gl.constexpr, SWIZZLE_ROWS: gl.constexpr):
+    c = gl.program_id(0)
+    _stamp(times_ptr, c, 0, STAMP)
+    MMA3: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[KSPLIT, 1, 1],
+                                                   instr_shape=[1, 16, 8])
+    CP: gl.constexpr = gl.BlockedLayout([1, 1, 8], [1, 8, 4], [KSPLIT, 1, 1], [2, 1, 0])
+    # 64-byte rows of KC bfloat16; with SWIZZLE_ROWS the phase moves every second row, so the 8
+    # rows an ldmatrix reads fall in 8 different 16-byte bank groups (else two share, ncu)
+    SMEM: gl.constexpr = gl.SwizzledSharedLayout(8, 2 if SWIZZLE_ROWS else 1, 4, [2, 1, 0])
+    # the cross-warp sums: each thread holds the KSPLIT parts of 1 (16 columns) or 2 elements
+    RED16: gl.constexpr = gl.BlockedLayout([KSPLIT, 1, 1], [1, 2, 16], [1, 8, 1], [2, 1, 0])
+    RED32: gl.constexpr = gl.BlockedLayout([KSPLIT, 1, 2], [1, 2, 16], [1, 8, 1], [2, 1, 0])
+    Y16: gl.constexpr = _sum_layout(OWN_SUM, RED16, MMA3)
+    Y32: gl.constexpr = _sum_layout(OWN_SUM, RED32, MMA3)
+    SH: gl.constexpr = H // (KSPLIT * KC)  # steps per warp over K = H
+    SI: gl.constexpr = INNER // (KSPLIT * KC)  # over K = INNER
+    if c < N_O:
+        col0 = c * 16
+        wo_s = gl.allocate_shared_memory(gl.bfloat16, [SH, KSPLIT, 16, KC], SMEM)
+        osum_s = gl.allocate_shared_memory(
+            gl.float32, [KSPLIT, 16, 16],
+            gl.PaddedSharedLayout.with_identity_for([[16, 8]], [KSPLIT, 16, 16], [2, 1, 0]))
+        x_s = gl.allocate_shared_memory(gl.bfloat16, [SH, KSPLIT, 16, KC], SMEM)
+        wd_s = gl.allocate_shared_memory(gl.bfloat16, [SI, KSPLIT, 16, KC], SMEM)
+        a_s = gl.allocate_shared_memory(gl.bfloat16, [SI, KSPLIT, 16, KC], SMEM)
+        _copy_ksplit(wo_s, wo_ptr, col0, H, 16, SH, 16, CP)
+        _copy_ksplit(x_s, x_ptr, 0, H, R, SH, 16, CP)
+        async_copy.commit_group()
+        if EARLY_DOWN:
+            _copy_ksplit(wd_s, wd_ptr, col0, INNER, 16, SI, 16, CP)
+        async_copy.commit_group()
+        async_copy.wait_group(1)  # o's weights and x are in; down's keep streaming
+        gl.thread_barrier()
+        _stamp(times_ptr, c, 1, STAMP)
+        y1 = _product_ksplit(x_s, wo_s, osum_s, SH, 16, MMA3, RED16, OWN_SUM, TWO_ACC)
+        _stamp(times_ptr, c, 6, STAMP)
+        _store_ksplit(y1_ptr, H, col0, y1, R, 16, Y16)
+        _stamp(times_ptr, c, 7, STAMP)
+        _publish(sync_ptr + 1)
+        if not EARLY_DOWN:  # (probe: does the release wait for the down rows' copies?)
+            _copy_ksplit(wd_s, wd_ptr, col0, INNER, 16, SI, 16, CP)
+            async_copy.commit_group()
+        _stamp(times_ptr, c, 2, STAMP)
+        _wait(sync_ptr + 2, N_G)
+        _stamp(times_ptr, c, 3, STAMP)
+        _copy_ksplit(a_s, act_ptr, 0, INNER, R, SI, 16, CP)
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        _stamp(times_ptr, c, 4, STAMP)
+        y3 = _product_ksplit(a_s, wd_s, osum_s, SI, 16, MMA3, RED16, OWN_SUM, TWO_ACC)
+        _store_ksplit(y3_ptr, H, col0, y3, R, 16, Y16)
+        last = _publish(sync_ptr + 3) == N_O - 1
+        _stamp(times_ptr, c, 5, STAMP)
+        if last:  # the last: every CTA is past its waits
+            for j in gl.static_range(4):
+                gl.atomic_xchg(sync_ptr + j, 0, sem="relaxed", scope="gpu")
+    else:
+        col0 = (c - N_O) * 32
+        g_s = gl.allocate_shared_memory(gl.bfloat16, [SH, KSPLIT, 32, KC], SMEM)
+        gsum_s = gl.allocate_shared_memory(
+            gl.float32, [KSPLIT, 16, 32],
+            gl.PaddedSharedLayout.with_identity_for([[32, 8]], [KSPLIT, 16, 32], [2, 1, 0]))
+        u_s = gl.allocate_shared_memory(gl.bfloat16, [SH, KSPLIT, 32, KC], SMEM)
+        y_s = gl.allocate_shared_memory(gl.bfloat16, [SH, KSPLIT, 16, KC], SMEM)
+        _copy_ksplit(g_s, wgu_ptr, col0, H, 32, SH, 32, CP)
+        _copy_ksplit(u_s, wgu_ptr, INNER + col0, H, 32, SH, 32, CP)
+        async_copy.commit_group()
+        _wait(sync_ptr + 1, N_O)
+        _stamp(times_ptr, c, 1, STAMP)
+        _copy_ksplit(y_s, y1_ptr, 0, H, R, SH, 16, CP)
+        async_copy.commit_group()
+        async_copy.wait_group(0)
+        gl.thread_barrier()
+        _stamp(times_ptr, c, 2, STAMP)
+        gate = _product_ksplit(y_s, g_s, gsum_s, SH, 32, MMA3, RED32, OWN_SUM, TWO_ACC)
+        for _ in range(GATE_REPEAT - 1):  # (probe: the product's own cost, repeated)
+            gate += _product_ksplit(y_s, g_s, gsum_s, SH, 32, MMA3, RED32, OWN_SUM, TWO_ACC)
+        gate = gate.to(gl.bfloat16).to(gl.float32)
+        _stamp(times_ptr, c, 4, STAMP)
+        up = _product_ksplit(y_s, u_s, gsum_s, SH, 32, MMA3, RED32, OWN_SUM, TWO_ACC).to(gl.bfloat16).to(gl.float32)
+        _stamp(times_ptr, c, 5, STAMP)
+        act = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
+        _store_ksplit(act_ptr, INNER, col0, act * up, R, 32, Y32)
+        _stamp(times_ptr, c, 6, STAMP)
+        _publish(sync_ptr + 2)
+        _stamp(times_ptr, c, 3, STAMP)
+
+
+def chain_gluon(x, wo, wgu, wd, sync, times=None, form="multiply-sum"):
+    """One launch of the chain in one of :data:`FORMS`."""
     y1 = torch.empty((ROWS, H), dtype=x.dtype, device=x.device)
     act = torch.empty((ROWS, INNER), dtype=x.dtype, device=x.device)
     y3 = torch.empty((ROWS, H), dtype=x.dtype, device=x.device)
-    _gluon_chain_kernel[(CTAS,)](sync, x, wo, wgu, wd, y1, act, y3,
-                                 sync if times is None else times, H=H, INNER=INNER, R=ROWS,
-                                 N_O=N_O, N_G=N_G, STAMP=times is not None, MMA=mma, num_warps=8)
+    common = dict(H=H, INNER=INNER, R=ROWS, N_O=N_O, N_G=N_G, STAMP=times is not None, num_warps=8)
+    args = (sync, x, wo, wgu, wd, y1, act, y3, sync if times is None else times)
+    if form.startswith("mma K-split"):
+        _gluon_chain_ksplit_kernel[(CTAS,)](*args, EARLY_DOWN="down rows after o" not in form,
+                                            GATE_REPEAT=11 if "gate x11" in form else 1,
+                                            OWN_SUM="own sum" in form,
+                                            TWO_ACC="two accumulators" in form,
+                                            SWIZZLE_ROWS="swizzle" in form, **common)
+    else:
+        _gluon_chain_kernel[(CTAS,)](*args, MMA=form == "mma", **common)
     return y3
+
+
+FORMS = ("multiply-sum", "mma", "mma K-split", "mma K-split, own sum",
+         "mma K-split, own sum, swizzle", "mma K-split, own sum, swizzle, two accumulators",
+         "mma K-split, down rows after o", "mma K-split, gate x11",
+         "mma K-split, own sum, gate x11",
+         "mma K-split, own sum, swizzle, two accumulators, gate x11")
+# "gate x11": timing only (gate comes out 11 times too large)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--form", choices=FORMS, default=None,
+                    help="only launch this form --launches times (for a profiler), no timing")
+    ap.add_argument("--launches", type=int, default=3)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("gluon_chain: needs a CUDA GPU", file=sys.stderr)
@@ -294,39 +500,48 @@ def main() -> int:
         sets.append(tuple((torch.randn(*shape, generator=g) / shape[-1] ** 0.5).to(dtype).to(dev)
                           for shape in ((ROWS, H), (H, H), (2 * INNER, H), (H, INNER))))
     sync = torch.zeros(4, dtype=torch.int32, device=dev)
+    if args.form is not None:
+        for _ in range(args.launches):
+            chain_gluon(*sets[0], sync, form=args.form)
+        torch.cuda.synchronize()
+        return 0
     ref = chain_reference(*sets[0])
     result = {"rows": ROWS, "dtype": "bfloat16", "ctas": CTAS}
-    for mma in (False, True):
-        out = chain_gluon(*sets[0], sync, mma=mma)
+    for form in FORMS:
+        out = chain_gluon(*sets[0], sync, form=form)
         err = ((out.float() - ref.float()).abs().max() / ref.float().abs().max()).item()
-        result[f"max_rel_err{' mma' if mma else ''}"] = err
-        print(f"gluon chain{' (mma)' if mma else ''}: max error {err:.2e} of the reference's largest value")
+        result[f"max_rel_err {form}"] = err
+        print(f"gluon chain ({form}): max error {err:.2e} of the reference's largest value")
     chain_launches(*sets[0])
-    for name, fn in (("four launches", lambda s: chain_launches(*s)),
-                     ("gluon one launch", lambda s: chain_gluon(*s, sync)),
-                     ("gluon one launch mma", lambda s: chain_gluon(*s, sync, mma=True))):
+    runs = [("four launches", lambda s: chain_launches(*s))]
+    runs += [(f"gluon one launch {form}", lambda s, form=form: chain_gluon(*s, sync, form=form))
+             for form in FORMS]
+    for name, fn in runs:
         for label, used in (("cold", sets), ("warm", sets[:1])):
             def run(used=used, fn=fn):
                 for s in used:
                     fn(s)
             us = do_bench_cudagraph(run, rep=200) * 1e3 / len(used)
             result[f"{name} {label}"] = us
-            print(f"{name:<18} {label}: {us:6.1f} us per chain")
+            print(f"{name:<32} {label}: {us:6.1f} us per chain")
     # timeline of one warm call: per CTA group, the median time of each probe after the first start
-    for mma in (False, True):
+    for form in FORMS:
         times = torch.zeros((CTAS, 8), dtype=torch.int64, device=dev)
         for _ in range(3):
-            chain_gluon(*sets[0], sync, times, mma=mma)
+            chain_gluon(*sets[0], sync, times, form=form)
         torch.cuda.synchronize()
         t = (times - times[:, 0].min()).cpu().double() / 1e3  # us
         o_probes = ["start", "o weights in", "o published", "gate/up done seen", "act in",
                     "down published"]
         g_probes = ["start", "o done seen", "y1 in", "gate/up published"]
+        if form.startswith("mma K-split"):  # its finer probes
+            o_probes += ["o product done", "o stored"]
+            g_probes += ["gate product done", "up product done", "act stored"]
         timeline = {"o/down CTAs": {n: float(t[:N_O, i].median()) for i, n in enumerate(o_probes)},
                     "gate/up CTAs": {n: float(t[N_O:, i].median()) for i, n in enumerate(g_probes)},
                     "last down published": float(t[:N_O, 5].max())}
-        result[f"timeline_us{' mma' if mma else ''}"] = timeline
-        print(("mma " if mma else "") + json.dumps(timeline))
+        result[f"timeline_us {form}"] = timeline
+        print(form + " " + json.dumps(timeline))
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "gluon_chain.json").write_text(json.dumps(result, indent=2))
