@@ -105,6 +105,17 @@ def _stamp(times_ptr, c, slot, STAMP: gl.constexpr):
 
 
 @gluon.jit
+def _publish_down(sync_ptr, N_O: gl.constexpr, times_ptr, c, STAMP: gl.constexpr):
+    """Publish a down item (probe 5); the last of the N_O resets the four counters for the next
+    chain (every CTA is past its waits by then)."""
+    last = _publish(sync_ptr + 3) == N_O - 1
+    _stamp(times_ptr, c, 5, STAMP)
+    if last:
+        for j in gl.static_range(4):
+            gl.atomic_xchg(sync_ptr + j, 0, sem="relaxed", scope="gpu")
+
+
+@gluon.jit
 def _copy_rows(smem, ptr, row0, stride, NCHUNK: gl.constexpr, NC: gl.constexpr, KC: gl.constexpr,
                layout: gl.constexpr):
     """cp.async rows row0..row0+NC-1 (whole K = NCHUNK * KC) of a row-major matrix into
@@ -156,10 +167,11 @@ def _product_mma(a_s, w_s, NCHUNK: gl.constexpr, NC: gl.constexpr, MMA: gl.const
 
 
 @gluon.jit
-def _store_rows(ptr, stride, col0, y, R: gl.constexpr, NC: gl.constexpr, MMA: gl.constexpr):
-    """Rows 0..R-1 of y [16, NC] (MMA layout) into columns col0.. of a row-major matrix."""
-    r = gl.arange(0, 16, layout=gl.SliceLayout(1, MMA))
-    n = col0 + gl.arange(0, NC, layout=gl.SliceLayout(0, MMA))
+def _store_rows(ptr, stride, col0, y, R: gl.constexpr, NC: gl.constexpr, YL: gl.constexpr):
+    """Rows 0..R-1 of y [16, NC] (layout YL: an MMA layout, or a slice of one) into columns
+    col0.. of a row-major matrix."""
+    r = gl.arange(0, 16, layout=gl.SliceLayout(1, YL))
+    n = col0 + gl.arange(0, NC, layout=gl.SliceLayout(0, YL))
     gl.store(ptr + r[:, None] * stride + n[None, :], y.to(ptr.dtype.element_ty),
              mask=(r < R)[:, None])
 
@@ -260,11 +272,7 @@ def _gluon_chain_kernel(sync_ptr, x_ptr, wo_ptr, wgu_ptr, wd_ptr, y1_ptr, act_pt
         _stamp(times_ptr, c, 4, STAMP)
         y3 = _product_of(a_s, wd_s, INNER // 128, R, 16, 128, L16, MMA_L, MMA)
         _store_product(y3_ptr, H, col0, y3, R, 16, L16, MMA_L, MMA)
-        last = _publish(sync_ptr + 3) == N_O - 1
-        _stamp(times_ptr, c, 5, STAMP)
-        if last:  # the last: every CTA is past its waits
-            for j in gl.static_range(4):
-                gl.atomic_xchg(sync_ptr + j, 0, sem="relaxed", scope="gpu")
+        _publish_down(sync_ptr, N_O, times_ptr, c, STAMP)
     else:
         col0 = (c - N_O) * 32
         g_s = gl.allocate_shared_memory(gl.bfloat16, [H // 64, 32, 64], SMEM)
@@ -313,6 +321,15 @@ def _copy_ksplit(smem, ptr, row0, stride, rows_real, NSTEP: gl.constexpr, NROW: 
 
 
 @gluon.jit
+def _allocate_sum(NC: gl.constexpr):
+    """The cross-warp sum's buffer [KSPLIT, 16, NC] float32, each row padded by 8 floats so that
+    the accumulator's stores and the parts' loads do not conflict on banks."""
+    return gl.allocate_shared_memory(
+        gl.float32, [KSPLIT, 16, NC],
+        gl.PaddedSharedLayout.with_identity_for([[NC, 8]], [KSPLIT, 16, NC], [2, 1, 0]))
+
+
+@gluon.jit
 def _product_ksplit(a_s, w_s, sum_s, NSTEP: gl.constexpr, NC: gl.constexpr, MMA3: gl.constexpr,
                     RED: gl.constexpr, OWN_SUM: gl.constexpr, TWO_ACC: gl.constexpr = False):
     """[16, NC] float32 = a [16, K] x w [NC, K]^T, K split over the warps: a_s [NSTEP, KSPLIT,
@@ -353,12 +370,18 @@ def _sum_layout(own_sum, red, mma3):
 
 
 @gluon.jit
-def _store_ksplit(ptr, stride, col0, y, R: gl.constexpr, NC: gl.constexpr, YL: gl.constexpr):
-    """Rows 0..R-1 of y [16, NC] (layout YL) into columns col0.. of ``ptr``."""
-    r = gl.arange(0, 16, layout=gl.SliceLayout(1, YL))
-    n = col0 + gl.arange(0, NC, layout=gl.SliceLayout(0, YL))
-    gl.store(ptr + r[:, None] * stride + n[None, :], y.to(ptr.dtype.element_ty),
-             mask=(r < R)[:, None])
+def _wait_for_operand(counter_ptr, target, op_s, op_ptr, stride, R: gl.constexpr,
+                      NSTEP: gl.constexpr, CP: gl.constexpr, times_ptr, c, SEEN: gl.constexpr,
+                      IN: gl.constexpr, STAMP: gl.constexpr):
+    """Wait until ``target`` items have published into ``counter_ptr``, then copy the operand's R
+    rows into ``op_s`` (and wait for every copy in flight); probes SEEN and IN."""
+    _wait(counter_ptr, target)
+    _stamp(times_ptr, c, SEEN, STAMP)
+    _copy_ksplit(op_s, op_ptr, 0, stride, R, NSTEP, 16, CP)
+    async_copy.commit_group()
+    async_copy.wait_group(0)
+    gl.thread_barrier()
+    _stamp(times_ptr, c, IN, STAMP)
 
 
 @gluon.jit
@@ -385,9 +408,7 @@ def _gluon_chain_ksplit_kernel(sync_ptr, x_ptr, wo_ptr, wgu_ptr, wd_ptr, y1_ptr,
     if c < N_O:
         col0 = c * 16
         wo_s = gl.allocate_shared_memory(gl.bfloat16, [SH, KSPLIT, 16, KC], SMEM)
-        osum_s = gl.allocate_shared_memory(
-            gl.float32, [KSPLIT, 16, 16],
-            gl.PaddedSharedLayout.with_identity_for([[16, 8]], [KSPLIT, 16, 16], [2, 1, 0]))
+        osum_s = _allocate_sum(16)
         x_s = gl.allocate_shared_memory(gl.bfloat16, [SH, KSPLIT, 16, KC], SMEM)
         wd_s = gl.allocate_shared_memory(gl.bfloat16, [SI, KSPLIT, 16, KC], SMEM)
         a_s = gl.allocate_shared_memory(gl.bfloat16, [SI, KSPLIT, 16, KC], SMEM)
@@ -402,45 +423,28 @@ def _gluon_chain_ksplit_kernel(sync_ptr, x_ptr, wo_ptr, wgu_ptr, wd_ptr, y1_ptr,
         _stamp(times_ptr, c, 1, STAMP)
         y1 = _product_ksplit(x_s, wo_s, osum_s, SH, 16, MMA3, RED16, OWN_SUM, TWO_ACC)
         _stamp(times_ptr, c, 6, STAMP)
-        _store_ksplit(y1_ptr, H, col0, y1, R, 16, Y16)
+        _store_rows(y1_ptr, H, col0, y1, R, 16, Y16)
         _stamp(times_ptr, c, 7, STAMP)
         _publish(sync_ptr + 1)
         if not EARLY_DOWN:  # (probe: does the release wait for the down rows' copies?)
             _copy_ksplit(wd_s, wd_ptr, col0, INNER, 16, SI, 16, CP)
             async_copy.commit_group()
         _stamp(times_ptr, c, 2, STAMP)
-        _wait(sync_ptr + 2, N_G)
-        _stamp(times_ptr, c, 3, STAMP)
-        _copy_ksplit(a_s, act_ptr, 0, INNER, R, SI, 16, CP)
-        async_copy.commit_group()
-        async_copy.wait_group(0)
-        gl.thread_barrier()
-        _stamp(times_ptr, c, 4, STAMP)
+        _wait_for_operand(sync_ptr + 2, N_G, a_s, act_ptr, INNER, R, SI, CP, times_ptr, c, 3, 4,
+                          STAMP)
         y3 = _product_ksplit(a_s, wd_s, osum_s, SI, 16, MMA3, RED16, OWN_SUM, TWO_ACC)
-        _store_ksplit(y3_ptr, H, col0, y3, R, 16, Y16)
-        last = _publish(sync_ptr + 3) == N_O - 1
-        _stamp(times_ptr, c, 5, STAMP)
-        if last:  # the last: every CTA is past its waits
-            for j in gl.static_range(4):
-                gl.atomic_xchg(sync_ptr + j, 0, sem="relaxed", scope="gpu")
+        _store_rows(y3_ptr, H, col0, y3, R, 16, Y16)
+        _publish_down(sync_ptr, N_O, times_ptr, c, STAMP)
     else:
         col0 = (c - N_O) * 32
         g_s = gl.allocate_shared_memory(gl.bfloat16, [SH, KSPLIT, 32, KC], SMEM)
-        gsum_s = gl.allocate_shared_memory(
-            gl.float32, [KSPLIT, 16, 32],
-            gl.PaddedSharedLayout.with_identity_for([[32, 8]], [KSPLIT, 16, 32], [2, 1, 0]))
+        gsum_s = _allocate_sum(32)
         u_s = gl.allocate_shared_memory(gl.bfloat16, [SH, KSPLIT, 32, KC], SMEM)
         y_s = gl.allocate_shared_memory(gl.bfloat16, [SH, KSPLIT, 16, KC], SMEM)
         _copy_ksplit(g_s, wgu_ptr, col0, H, 32, SH, 32, CP)
         _copy_ksplit(u_s, wgu_ptr, INNER + col0, H, 32, SH, 32, CP)
         async_copy.commit_group()
-        _wait(sync_ptr + 1, N_O)
-        _stamp(times_ptr, c, 1, STAMP)
-        _copy_ksplit(y_s, y1_ptr, 0, H, R, SH, 16, CP)
-        async_copy.commit_group()
-        async_copy.wait_group(0)
-        gl.thread_barrier()
-        _stamp(times_ptr, c, 2, STAMP)
+        _wait_for_operand(sync_ptr + 1, N_O, y_s, y1_ptr, H, R, SH, CP, times_ptr, c, 1, 2, STAMP)
         gate = _product_ksplit(y_s, g_s, gsum_s, SH, 32, MMA3, RED32, OWN_SUM, TWO_ACC)
         for _ in range(GATE_REPEAT - 1):  # (probe: the product's own cost, repeated)
             gate += _product_ksplit(y_s, g_s, gsum_s, SH, 32, MMA3, RED32, OWN_SUM, TWO_ACC)
@@ -449,7 +453,7 @@ def _gluon_chain_ksplit_kernel(sync_ptr, x_ptr, wo_ptr, wgu_ptr, wd_ptr, y1_ptr,
         up = _product_ksplit(y_s, u_s, gsum_s, SH, 32, MMA3, RED32, OWN_SUM, TWO_ACC).to(gl.bfloat16).to(gl.float32)
         _stamp(times_ptr, c, 5, STAMP)
         act = (gate / (1.0 + gl.exp(-gate))).to(gl.bfloat16).to(gl.float32)
-        _store_ksplit(act_ptr, INNER, col0, act * up, R, 32, Y32)
+        _store_rows(act_ptr, INNER, col0, act * up, R, 32, Y32)
         _stamp(times_ptr, c, 6, STAMP)
         _publish(sync_ptr + 2)
         _stamp(times_ptr, c, 3, STAMP)
