@@ -331,7 +331,7 @@ def _allocate_sum(NC: gl.constexpr):
 
 @gluon.jit
 def _product_ksplit(a_s, w_s, sum_s, NSTEP: gl.constexpr, NC: gl.constexpr, MMA3: gl.constexpr,
-                    RED: gl.constexpr, OWN_SUM: gl.constexpr, TWO_ACC: gl.constexpr = False):
+                    RED: gl.constexpr, OWN_SUM: gl.constexpr, TWO_ACC: gl.constexpr):
     """[16, NC] float32 = a [16, K] x w [NC, K]^T, K split over the warps: a_s [NSTEP, KSPLIT,
     16, KC], w_s [NSTEP, KSPLIT, NC, KC]; each warp sums its slice on tensor cores, then the
     slices are added across warps: by ``gl.sum`` (whose scratch stores conflict 16-way, ncu), or
@@ -340,19 +340,16 @@ def _product_ksplit(a_s, w_s, sum_s, NSTEP: gl.constexpr, NC: gl.constexpr, MMA3
     A_L: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA3, k_width=2)
     B_L: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA3, k_width=2)
     acc = gl.zeros([KSPLIT, 16, NC], gl.float32, MMA3)
-    if TWO_ACC and NSTEP > 1:  # even and odd steps into two accumulators: half the chain
-        acc1 = gl.zeros([KSPLIT, 16, NC], gl.float32, MMA3)
-        for s in gl.static_range(0, NSTEP - 1, 2):
-            acc = mma_v2(a_s.index(s).load(A_L), w_s.index(s).permute([0, 2, 1]).load(B_L), acc)
-            acc1 = mma_v2(a_s.index(s + 1).load(A_L),
-                          w_s.index(s + 1).permute([0, 2, 1]).load(B_L), acc1)
-        if NSTEP % 2 == 1:
-            acc = mma_v2(a_s.index(NSTEP - 1).load(A_L),
-                         w_s.index(NSTEP - 1).permute([0, 2, 1]).load(B_L), acc)
-        acc = acc + acc1
-    else:
-        for s in gl.static_range(NSTEP):
-            acc = mma_v2(a_s.index(s).load(A_L), w_s.index(s).permute([0, 2, 1]).load(B_L), acc)
+    acc_odd = gl.zeros([KSPLIT, 16, NC], gl.float32, MMA3)  # TWO_ACC: the odd steps' chain
+    for s in gl.static_range(NSTEP):
+        a = a_s.index(s).load(A_L)
+        w = w_s.index(s).permute([0, 2, 1]).load(B_L)
+        if TWO_ACC and s % 2 == 1:
+            acc_odd = mma_v2(a, w, acc_odd)
+        else:
+            acc = mma_v2(a, w, acc)
+    if TWO_ACC:
+        acc = acc + acc_odd
     if OWN_SUM:
         sum_s.store(acc)
         gl.thread_barrier()
@@ -459,30 +456,38 @@ def _gluon_chain_ksplit_kernel(sync_ptr, x_ptr, wo_ptr, wgu_ptr, wd_ptr, y1_ptr,
         _stamp(times_ptr, c, 3, STAMP)
 
 
+_KSPLIT = dict(EARLY_DOWN=True, GATE_REPEAT=1, OWN_SUM=False, TWO_ACC=False, SWIZZLE_ROWS=False)
+_BEST = {**_KSPLIT, "OWN_SUM": True, "SWIZZLE_ROWS": True}
+# every form: its kernel and that kernel's options. "gate x11" forms are for timing only (the
+# gate comes out 11 times too large); "down rows after o" probes whether the release waits for
+# the copies in flight
+FORMS = {
+    "multiply-sum": (_gluon_chain_kernel, dict(MMA=False)),
+    "mma": (_gluon_chain_kernel, dict(MMA=True)),
+    "mma K-split": (_gluon_chain_ksplit_kernel, _KSPLIT),
+    "mma K-split, own sum": (_gluon_chain_ksplit_kernel, {**_KSPLIT, "OWN_SUM": True}),
+    "mma K-split, own sum, swizzle": (_gluon_chain_ksplit_kernel, _BEST),
+    "mma K-split, own sum, swizzle, two accumulators":
+        (_gluon_chain_ksplit_kernel, {**_BEST, "TWO_ACC": True}),
+    "mma K-split, down rows after o": (_gluon_chain_ksplit_kernel, {**_KSPLIT, "EARLY_DOWN": False}),
+    "mma K-split, gate x11": (_gluon_chain_ksplit_kernel, {**_KSPLIT, "GATE_REPEAT": 11}),
+    "mma K-split, own sum, gate x11":
+        (_gluon_chain_ksplit_kernel, {**_KSPLIT, "OWN_SUM": True, "GATE_REPEAT": 11}),
+    "mma K-split, own sum, swizzle, two accumulators, gate x11":
+        (_gluon_chain_ksplit_kernel, {**_BEST, "TWO_ACC": True, "GATE_REPEAT": 11}),
+}
+
+
 def chain_gluon(x, wo, wgu, wd, sync, times=None, form="multiply-sum"):
     """One launch of the chain in one of :data:`FORMS`."""
     y1 = torch.empty((ROWS, H), dtype=x.dtype, device=x.device)
     act = torch.empty((ROWS, INNER), dtype=x.dtype, device=x.device)
     y3 = torch.empty((ROWS, H), dtype=x.dtype, device=x.device)
-    common = dict(H=H, INNER=INNER, R=ROWS, N_O=N_O, N_G=N_G, STAMP=times is not None, num_warps=8)
-    args = (sync, x, wo, wgu, wd, y1, act, y3, sync if times is None else times)
-    if form.startswith("mma K-split"):
-        _gluon_chain_ksplit_kernel[(CTAS,)](*args, EARLY_DOWN="down rows after o" not in form,
-                                            GATE_REPEAT=11 if "gate x11" in form else 1,
-                                            OWN_SUM="own sum" in form,
-                                            TWO_ACC="two accumulators" in form,
-                                            SWIZZLE_ROWS="swizzle" in form, **common)
-    else:
-        _gluon_chain_kernel[(CTAS,)](*args, MMA=form == "mma", **common)
+    kernel, options = FORMS[form]
+    kernel[(CTAS,)](sync, x, wo, wgu, wd, y1, act, y3, sync if times is None else times, H=H,
+                    INNER=INNER, R=ROWS, N_O=N_O, N_G=N_G, STAMP=times is not None, num_warps=8,
+                    **options)
     return y3
-
-
-FORMS = ("multiply-sum", "mma", "mma K-split", "mma K-split, own sum",
-         "mma K-split, own sum, swizzle", "mma K-split, own sum, swizzle, two accumulators",
-         "mma K-split, down rows after o", "mma K-split, gate x11",
-         "mma K-split, own sum, gate x11",
-         "mma K-split, own sum, swizzle, two accumulators, gate x11")
-# "gate x11": timing only (gate comes out 11 times too large)
 
 
 def main() -> int:
@@ -538,7 +543,7 @@ def main() -> int:
         o_probes = ["start", "o weights in", "o published", "gate/up done seen", "act in",
                     "down published"]
         g_probes = ["start", "o done seen", "y1 in", "gate/up published"]
-        if form.startswith("mma K-split"):  # its finer probes
+        if FORMS[form][0] is _gluon_chain_ksplit_kernel:  # its finer probes
             o_probes += ["o product done", "o stored"]
             g_probes += ["gate product done", "up product done", "act stored"]
         timeline = {"o/down CTAs": {n: float(t[:N_O, i].median()) for i, n in enumerate(o_probes)},
