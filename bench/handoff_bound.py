@@ -13,7 +13,11 @@ This measures both, side by side, in CUDA graphs:
   ``P`` have arrived, acquires, and reads a neighbour's value, which is checked afterwards.
   Cost per handoff = the slope over ``S``;
 - ``boundary``: ``S`` launches of a trivial kernel of ``P`` programs, each reading what the one
-  before wrote, with programmatic dependent launch on (as phasegraph ships) and off.
+  before wrote, with programmatic dependent launch on (as phasegraph ships) and off;
+- ``vector``: the same three ways of handing a whole W-word vector (a product's input) from all
+  programs to all, plus tagged words: each 8-byte word carries its value and its stage, stored
+  at once, so readers spin on the data itself with no fence and no counter (the "LL" protocol
+  of NCCL's low-latency collectives), polled by the whole program or by each thread.
 
 It then gives the batch-1 tree η of an ideal execution of the bench pair (``bound_from_bench``):
 every weight byte at the copy bandwidth the bench measured, arithmetic and attention free, and
@@ -62,6 +66,23 @@ STAGE_COUNTS = (16, 64, 256)
 REPLAYS = 200
 
 
+def _spin_asm(pack: int) -> str:
+    """PTX for one thread's ``pack`` tagged words: load them all (relaxed, gpu scope), and
+    load them all again until every tag equals the one asked for; outputs the values.
+    Operands: $0.. the values, then the word addresses, then the tags (one per word)."""
+    loads = "".join(f"ld.relaxed.gpu.global.b64 w{i}, [${pack + i}];\n" for i in range(pack))
+    unpack = "".join(f"mov.b64 {{${i}, t{i}}}, w{i};\n" for i in range(pack))
+    test = f"setp.ne.b32 p, t0, ${2 * pack};\n" + "".join(
+        f"setp.ne.or.b32 p, t{i}, ${2 * pack + i}, p;\n" for i in range(1, pack))
+    return (f"{{ .reg .pred p; .reg .b64 w<{pack}>; .reg .b32 t<{pack}>;\nLL_SPIN:\n"
+            + loads + unpack + test + "@p bra LL_SPIN;\n}")
+
+
+def _spin_constraints(pack: int) -> str:
+    """The operands of :func:`_spin_asm`: ``pack`` values out, addresses and tags in."""
+    return ",".join(["=r"] * pack + ["l"] * pack + ["r"] * pack)
+
+
 if triton is not None:
     @triton.jit
     def _handoff_kernel(counter_ptr, mail_ptr, checksum_ptr, STAGES, P: tl.constexpr):
@@ -95,6 +116,102 @@ if triton is not None:
         pid = tl.program_id(0)
         neighbour = (pid + 1) % tl.num_programs(0)
         tl.store(dst_ptr + pid, tl.load(src_ptr + neighbour) + 1)
+
+
+    # --- handing a whole vector to every program (what a product's input needs) ----------------
+
+    @triton.jit
+    def _store_tagged(ptr, word):
+        """One 8-byte word by a relaxed gpu-scope store of all 64 bits, so a reader sees the whole
+        word or none of it."""
+        return tl.inline_asm_elementwise("st.relaxed.gpu.global.b64 [$1], $2; mov.b32 $0, 0;",
+                                         "=r,l,l", [ptr, word], dtype=tl.int32, is_pure=False,
+                                         pack=1)
+
+    @triton.jit
+    def _load_tagged(ptr, tag, ASM: tl.constexpr, CONSTRAINTS: tl.constexpr, PACK: tl.constexpr):
+        """The values of the tagged words at ``ptr`` once each carries ``tag``: every thread
+        spins on its own words only (no reduction across the program)."""
+        return tl.inline_asm_elementwise(ASM, CONSTRAINTS, [ptr, tag], dtype=tl.int32,
+                                         is_pure=False, pack=PACK)
+
+    @triton.jit
+    def _own_words(pid, W: tl.constexpr, V: tl.constexpr, VP: tl.constexpr):
+        """The indices of the (at most V) words of the W-word vector program ``pid`` writes, and
+        which of the VP lanes hold one."""
+        lane = tl.arange(0, VP)
+        index = pid * V + lane
+        return index, (lane < V) & (index < W)
+
+    @triton.jit
+    def _vector_tagged_kernel(mail_ptr, checksum_ptr, STAGES, P: tl.constexpr, W: tl.constexpr,
+                              WP: tl.constexpr, V: tl.constexpr, VP: tl.constexpr,
+                              PER_THREAD: tl.constexpr, SPIN_ASM: tl.constexpr,
+                              SPIN_CONSTRAINTS: tl.constexpr, PACK: tl.constexpr):
+        """``STAGES`` handoffs of a W-word vector among ``P`` resident programs, each word sent
+        with its stage as a tag in the same 8-byte store (the "LL" protocol of NCCL's
+        low-latency collectives): no fence and no counter. Each program writes its V words, then
+        loads all W (relaxed, past L1) until every tag is this stage's: with PER_THREAD each
+        thread spins on its own PACK words, else the program polls them all and tests them with
+        one reduction across its threads."""
+        pid = tl.program_id(0)
+        index, mine = _own_words(pid, W, V, VP)
+        every = tl.arange(0, WP)
+        read = tl.where(every < W, every, 0)  # pad lanes re-read word 0
+        checksum = tl.zeros([WP], dtype=tl.int32)
+        for stage in range(STAGES):
+            slot = mail_ptr + (stage % 2) * W  # two mailboxes, as in _handoff_kernel
+            tag = stage + 1  # the mailboxes start zeroed: no tag yet
+            value = (stage * W + index).to(tl.int64)
+            # lanes without a word of this program write a scratch word past both mailboxes
+            _store_tagged(tl.where(mine, slot + index, mail_ptr + 2 * W),
+                          (tag.to(tl.int64) << 32) | value)
+            if PER_THREAD:
+                values = _load_tagged(slot + read, tl.full([WP], tag, tl.int32), SPIN_ASM,
+                                      SPIN_CONSTRAINTS, PACK)
+                # no thread may write the next stage's words while another still waits for
+                # this one's: two stages on, the mailbox is rewritten (and the wait never ends)
+                tl.debug_barrier()
+            else:  # the whole program polls: all words, then one test across its threads
+                words = tl.load(slot + read, volatile=True)
+                while tl.min(((words >> 32) == tag).to(tl.int32)) == 0:
+                    words = tl.load(slot + read, volatile=True)
+                values = words.to(tl.int32)
+            checksum += tl.where(every < W, values, 0)
+        tl.store(checksum_ptr + pid, tl.sum(checksum))
+
+    @triton.jit
+    def _vector_counter_kernel(counter_ptr, mail_ptr, checksum_ptr, STAGES, P: tl.constexpr,
+                               W: tl.constexpr, WP: tl.constexpr, V: tl.constexpr,
+                               VP: tl.constexpr):
+        """The same handoffs through a done-counter, as a persistent kernel does them today:
+        write V plain words, arrive (release), spin, acquire, then read all W words from L2."""
+        pid = tl.program_id(0)
+        index, mine = _own_words(pid, W, V, VP)
+        every = tl.arange(0, WP)
+        checksum = tl.zeros([WP], dtype=tl.int32)
+        for stage in range(STAGES):
+            slot = mail_ptr + (stage % 2) * W
+            tl.store(slot + index, stage * W + index, mask=mine)
+            _publish(counter_ptr)
+            _wait(counter_ptr, (stage + 1) * P)
+            checksum += tl.load(slot + every, mask=every < W, other=0, cache_modifier=".cg")
+        tl.store(checksum_ptr + pid, tl.sum(checksum))
+
+    @triton.jit
+    def _vector_boundary_kernel(src_ptr, dst_ptr, checksum_ptr, stage, W: tl.constexpr,
+                                WP: tl.constexpr, V: tl.constexpr, VP: tl.constexpr,
+                                PDL: tl.constexpr):
+        """One launch of a chain of vector handoffs by kernel boundaries, as phasegraph ships
+        them: read all W words the launch before wrote into this program's checksum, then write
+        this stage's V words."""
+        pdl_enter(PDL)
+        pid = tl.program_id(0)
+        index, mine = _own_words(pid, W, V, VP)
+        every = tl.arange(0, WP)
+        total = tl.sum(tl.load(src_ptr + every, mask=every < W, other=0))
+        tl.store(checksum_ptr + pid, tl.load(checksum_ptr + pid) + total)
+        tl.store(dst_ptr + index, stage * W + index, mask=mine)
 
 
 def expected_checksum(stages: int, programs: int) -> torch.Tensor:
@@ -177,6 +294,84 @@ def measure_boundary(programs: int, pdl: bool) -> dict:
             "us_by_stages": times, "us_per_handoff": slope_us(times)}
 
 
+# a product's whole input, in 32-bit words: the head's 4 rows x 768 in bfloat16 (two to a word),
+# and the verify's 16 rows x 768 in float32
+VECTOR_WORDS = (1536, 12288)
+VECTOR_WARPS = 8
+
+
+def expected_vector_checksum(stages: int, words: int) -> int:
+    """What each program of a vector chain sums over ``stages`` stages, stage s carrying the
+    values s·W + w (w < W): Σ_s (s·W² + W(W−1)/2), wrapped to int32 as the kernels add."""
+    total = words * words * stages * (stages - 1) // 2 + stages * words * (words - 1) // 2
+    return (total + 2**31) % 2**32 - 2**31
+
+
+def _vector_shape(words: int, programs: int) -> dict:
+    """The constexprs of the vector kernels: W words, V = ⌈W / programs⌉ written by each program,
+    and the power-of-two widths (WP, VP) of the ranges that hold them."""
+    per_program = -(-words // programs)
+    return {"W": words, "WP": 1 << (words - 1).bit_length(), "V": per_program,
+            "VP": 1 << (per_program - 1).bit_length()}
+
+
+def _check_vector(checksum: torch.Tensor, stages: int, words: int, name: str) -> None:
+    want = expected_vector_checksum(stages, words)
+    got = checksum.cpu()
+    if not bool((got == want).all()):
+        raise AssertionError(f"{name} of {words} words, {stages} stages: a program summed "
+                             f"{got.tolist()[:4]}..., not {want}")
+
+
+def measure_vector_handoffs(programs: int, words: int) -> list[dict]:
+    """Handoffs of a ``words``-word vector among ``programs`` programs three ways: tagged words
+    (no fence, no counter), a done-counter then a read from L2, and kernel boundaries under PDL."""
+    shape = _vector_shape(words, programs)
+    checksum = torch.zeros(programs, dtype=torch.int32, device="cuda")
+    tagged_mail = torch.zeros(2 * words + 1, dtype=torch.int64, device="cuda")  # + a scratch word
+    plain_mail = torch.zeros(2 * words, dtype=torch.int32, device="cuda")
+    counter = torch.zeros(1, dtype=torch.int32, device="cuda")
+    rows = []
+
+    pack = shape["WP"] // (32 * VECTOR_WARPS)  # the words of one thread
+
+    def tagged(stages, per_thread):
+        tagged_mail.zero_()
+        _vector_tagged_kernel[(programs,)](tagged_mail, checksum, stages, P=programs,
+                                           PER_THREAD=per_thread, SPIN_ASM=_spin_asm(pack),
+                                           SPIN_CONSTRAINTS=_spin_constraints(pack), PACK=pack, num_warps=VECTOR_WARPS, **shape)
+
+    def counted(stages):
+        counter.zero_()
+        _vector_counter_kernel[(programs,)](counter, plain_mail, checksum, stages, P=programs,
+                                            num_warps=VECTOR_WARPS, **shape)
+
+    options = pdl_options()
+
+    def launched(stages):
+        checksum.zero_()
+        plain_mail.zero_()
+        for stage in range(stages):
+            src, dst = plain_mail[(stage + 1) % 2 * words:], plain_mail[stage % 2 * words:]
+            _vector_boundary_kernel[(programs,)](src, dst, checksum, stage,
+                                                 num_warps=VECTOR_WARPS, **shape, **options)
+
+    for name, work, stages_read in (("tagged words, the program polls",
+                                      lambda s: tagged(s, False), lambda s: s),
+                                     ("tagged words, each thread spins on its own",
+                                      lambda s: tagged(s, True), lambda s: s),
+                                     ("done-counter, then read", counted, lambda s: s),
+                                     ("kernel boundary, PDL on", launched, lambda s: s - 1)):
+        times = {}
+        for stages in STAGE_COUNTS:
+            times[stages] = graph_time_us(lambda stages=stages, work=work: work(stages))
+            _check_vector(checksum, stages_read(stages), words, name)
+        rows.append({"handoff": name, "programs": programs, "words": words,
+                     "pdl": options.get("PDL", False) if work is launched else None,
+                     "us_by_stages": times, "us_per_handoff": slope_us(times)})
+    return rows
+
+
 def handoffs(layers: int, draft_forwards: int) -> dict[str, int]:
     """The all-to-all handoffs a batch-1 step cannot avoid, counted so as to favour η.
 
@@ -252,6 +447,15 @@ def report(result: dict) -> str:
             name = "persistent handoff, every program to every other"
         stages = ", ".join(f"{s}: {t:.1f}" for s, t in row["us_by_stages"].items())
         lines.append(f"| {name} | {row['programs']} | {stages} | {row['us_per_handoff']:.3f} |")
+    if result.get("vector"):
+        lines += ["", "A whole vector handed to every program (a product's input), "
+                  f"{result['vector'][0]['programs']} programs:", "",
+                  "| handoff | words (32-bit) | µs by stage count | µs per handoff |",
+                  "|---|---|---|---|"]
+        for row in result["vector"]:
+            stages = ", ".join(f"{s}: {t:.1f}" for s, t in row["us_by_stages"].items())
+            lines.append(f"| {row['handoff']} | {row['words']} | {stages} | "
+                         f"{row['us_per_handoff']:.3f} |")
     if "bound" in result:
         bound = result["bound"]
         lines += ["", f"Bench run {bound['bench_commit']}: {bound['step_bytes'] / 1e6:.1f} MB per "
@@ -298,7 +502,9 @@ def main(argv: list[str] | None = None) -> int:
                   "triton": triton.__version__, "sms": sms,
                   "pingpong": measure_pingpong(),
                   "handoff": [measure_handoff(p) for p in (1, 32, sms)],
-                  "boundary": [measure_boundary(sms, pdl) for pdl in (True, False)]}
+                  "boundary": [measure_boundary(sms, pdl) for pdl in (True, False)],
+                  "vector": [row for words in VECTOR_WORDS
+                             for row in measure_vector_handoffs(sms, words)]}
     if args.bench_json:
         result["bound"] = bound_from_bench(json.loads(args.bench_json.read_text()),
                                            measured_handoff_us(result))

@@ -95,3 +95,49 @@ def test_a_missing_input_file_is_named(script, tmp_path, capsys):
         script.main(["--out", str(tmp_path), "--measured", str(tmp_path / "none.json")])
     assert exit_info.value.code == 2
     assert "none.json: no such file" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("stages", "words"), [(1, 5), (3, 1536), (256, 12288)])
+def test_expected_vector_checksum_is_the_kernels_int32_sum(script, stages, words):
+    """Replays a vector kernel's sums in int32, as the GPU wraps them: an accumulator per word
+    over the stages (stage s carries s·W + w), then one sum over the words."""
+    import numpy as np
+
+    w = np.arange(words, dtype=np.int32)
+    with np.errstate(over="ignore"):
+        per_word = sum((np.int32(stage * words) + w for stage in range(stages)),
+                       np.zeros(words, np.int32))
+        assert script.expected_vector_checksum(stages, words) == int(per_word.sum(dtype=np.int32))
+
+
+@pytest.mark.parametrize("words", [1536, 12288, 5])
+def test_every_vector_word_has_exactly_one_writer(script, words):
+    shape = script._vector_shape(words, 132)
+    assert shape["WP"] >= words and shape["WP"] & (shape["WP"] - 1) == 0
+    assert shape["VP"] >= shape["V"] and shape["VP"] & (shape["VP"] - 1) == 0
+    written = [pid * shape["V"] + lane for pid in range(132) for lane in range(shape["VP"])
+               if lane < shape["V"] and pid * shape["V"] + lane < words]
+    assert sorted(written) == list(range(words))
+
+
+@pytest.mark.parametrize("pack", [1, 8, 64])
+def test_the_spin_asm_names_each_operand_its_constraints_declare(script, pack):
+    import re
+
+    asm, constraints = script._spin_asm(pack), script._spin_constraints(pack).split(",")
+    assert len(constraints) == 3 * pack and constraints[:pack] == ["=r"] * pack
+    used = sorted({int(n) for n in re.findall(r"\$(\d+)", asm)})
+    assert used == list(range(3 * pack))
+    assert asm.count("ld.relaxed.gpu.global.b64") == pack
+    assert asm.count("setp.ne") == pack and asm.rstrip().endswith("@p bra LL_SPIN;\n}")
+
+
+def test_a_recorded_vector_measurement_is_reported_row_by_row(script, tmp_path):
+    recorded_path = ROOT / "bench" / "results" / "handoff-vector-h100-2026-11-26" / "round1" / "handoff_bound.json"
+    assert script.main(["--out", str(tmp_path), "--measured", str(recorded_path)]) == 0
+    text = (tmp_path / "handoff_bound.md").read_text()
+    recorded = json.loads(recorded_path.read_text())
+    assert len(recorded["vector"]) == 8
+    for row in recorded["vector"]:
+        assert f"| {row['handoff']} | {row['words']} |" in text
+        assert f"{row['us_per_handoff']:.3f} |" in text
