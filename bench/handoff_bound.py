@@ -49,7 +49,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from phasegraph.bench.common import TREE  # noqa: E402
+from phasegraph.bench.common import PG_CONFIGS, TREE  # noqa: E402
 from phasegraph.kernels._dispatch import pdl_enter, pdl_options  # noqa: E402
 from phasegraph.train.presets import PRESETS  # noqa: E402
 
@@ -294,9 +294,17 @@ def measure_boundary(programs: int, pdl: bool) -> dict:
             "us_by_stages": times, "us_per_handoff": slope_us(times)}
 
 
-# a product's whole input, in 32-bit words: the head's 4 rows x 768 in bfloat16 (two to a word),
-# and the verify's 16 rows x 768 in float32
-VECTOR_WORDS = (1536, 12288)
+def carried_words(hidden: int) -> dict[str, int]:
+    """The 32-bit words of the input a handoff hands to every SM at batch 1: the decode step's
+    one float32 row, the tree verify's N float32 rows, and a head forward's K bfloat16 rows (two
+    to a word; the fc's larger input is counted as these, which favours η)."""
+    tree = {label: kwargs for label, kwargs, _ in PG_CONFIGS}[TREE]
+    return {"decode step": hidden, "tree verify": tree["num_draft_tokens"] * hidden,
+            "head forward": tree["topk"] * hidden // 2}
+
+
+# a product's whole input, in 32-bit words, for each kind of handoff of the bench pair
+VECTOR_WORDS = tuple(sorted(set(carried_words(PRESETS["bench-pair"].target.hidden_size).values())))
 VECTOR_WARPS = 8
 
 
@@ -410,9 +418,29 @@ def batch1_tree_row(bench: dict) -> dict:
                 if row["config"] == TREE and row["batch"] == 1 and row["engine"] == "phasegraph")
 
 
-def bound_from_bench(bench: dict, handoff_us: float) -> dict:
+def ideal_carrying_us(step_bytes: int, iteration_bytes: int, bandwidth: float,
+                      counts: dict[str, int], words: dict[str, int],
+                      carried_us: dict[int, float]) -> dict:
+    """As :func:`ideal_times_us`, each handoff at the measured cost of handing on its input
+    (``carried_us``: µs by words): the verify's as many as the decode step's, the rest the
+    head's."""
+    step_us = (step_bytes / bandwidth * 1e6
+               + counts["decode step"] * carried_us[words["decode step"]])
+    iteration_us = (iteration_bytes / bandwidth * 1e6
+                    + counts["decode step"] * carried_us[words["tree verify"]]
+                    + (counts["tree iteration"] - counts["decode step"])
+                    * carried_us[words["head forward"]])
+    return {"handoff_us": {k: carried_us[v] for k, v in words.items()},
+            "decode_step_us": step_us, "tree_iteration_us": iteration_us,
+            "eta_bound": step_us / iteration_us}
+
+
+def bound_from_bench(bench: dict, handoff_us: float,
+                     carried_us: dict[int, float] | None = None) -> dict:
     """Ideal times for the bench JSON's batch-1 tree row at its measured copy bandwidth, under
-    three readings of where the bytes come from and what a handoff costs."""
+    three readings of where the bytes come from and what a handoff costs; with ``carried_us``
+    (µs per handoff by the words it hands on, measured), two more in which each handoff carries
+    its input."""
     tree = batch1_tree_row(bench)
     weight_bytes = tree["weight_bytes"]
     layers = PRESETS["bench-pair"].target.num_layers
@@ -428,6 +456,12 @@ def bound_from_bench(bench: dict, handoff_us: float) -> dict:
         "the head's weights held in L2 after its first forward": ideal_times_us(
             step, head_in_l2, bandwidth, handoff_us, counts),
     }
+    words = carried_words(PRESETS["bench-pair"].target.hidden_size)
+    if carried_us is not None and all(w in carried_us for w in words.values()):
+        models["every weight from DRAM, each handoff carrying its input"] = ideal_carrying_us(
+            step, iteration, bandwidth, counts, words, carried_us)
+        models["the head in L2, each handoff carrying its input"] = ideal_carrying_us(
+            step, head_in_l2, bandwidth, counts, words, carried_us)
     return {"bench_commit": bench["env"].get("git_commit"), "step_bytes": step,
             "iteration_bytes": iteration, "copy_bandwidth_Bps": bandwidth, "handoffs": counts,
             "measured_eta": tree["eta"],
@@ -468,8 +502,14 @@ def report(result: dict) -> str:
                   "| ideal (arithmetic free, bytes at the copy bandwidth) | handoff | decode step "
                   "| tree iteration | η |", "|---|---|---|---|---|"]
         for name, row in bound["models"].items():
-            lines.append(f"| {name} | {row['handoff_us']:.3f} µs | {row['decode_step_us']:.1f} µs "
+            cost = row["handoff_us"]
+            cost = (" / ".join(f"{us:.3f}" for us in cost.values()) if isinstance(cost, dict)
+                    else f"{cost:.3f}")
+            lines.append(f"| {name} | {cost} µs | {row['decode_step_us']:.1f} µs "
                          f"| {row['tree_iteration_us']:.1f} µs | {row['eta_bound']:.3f} |")
+        if any(isinstance(row["handoff_us"], dict) for row in bound["models"].values()):
+            lines += ["", "Where each handoff carries its input, its cost is the cheapest measured "
+                      "for the words handed on: decode step / tree verify / head forward."]
     return "\n".join(lines) + "\n"
 
 
@@ -477,6 +517,15 @@ def measured_handoff_us(result: dict) -> float:
     """The cheapest handoff among every program of the GPU: persistent or kernel boundary."""
     return min(row["us_per_handoff"] for row in result["handoff"] + result["boundary"]
                if row["programs"] == result["sms"])
+
+
+def carried_handoff_us(result: dict) -> dict[int, float]:
+    """The cheapest measured way of handing a vector to every program, by its words."""
+    cheapest: dict[int, float] = {}
+    for row in result.get("vector", []):
+        cheapest[row["words"]] = min(row["us_per_handoff"],
+                                     cheapest.get(row["words"], float("inf")))
+    return cheapest
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -507,7 +556,7 @@ def main(argv: list[str] | None = None) -> int:
                              for row in measure_vector_handoffs(sms, words)]}
     if args.bench_json:
         result["bound"] = bound_from_bench(json.loads(args.bench_json.read_text()),
-                                           measured_handoff_us(result))
+                                           measured_handoff_us(result), carried_handoff_us(result))
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "handoff_bound.json").write_text(json.dumps(result, indent=2))
     text = report(result)

@@ -141,3 +141,27 @@ def test_a_recorded_vector_measurement_is_reported_row_by_row(script, tmp_path):
     for row in recorded["vector"]:
         assert f"| {row['handoff']} | {row['words']} |" in text
         assert f"{row['us_per_handoff']:.3f} |" in text
+
+
+def test_handoffs_carrying_their_inputs_cost_what_was_measured_for_each_size(script, run39):
+    """At one cost for every size the carrying model is the plain one; a dearer verify handoff
+    adds its difference once per verify handoff (as many as a decode step has) to the iteration
+    only."""
+    words = script.carried_words(768)
+    assert words == {"decode step": 768, "tree verify": 16 * 768, "head forward": 4 * 768 // 2}
+    flat = {w: 0.9 for w in words.values()}
+    dear = {**flat, words["tree verify"]: 1.7}
+    plain = script.bound_from_bench(run39, handoff_us=0.9)["models"][DRAM]
+    models = script.bound_from_bench(run39, handoff_us=0.9, carried_us=flat)["models"]
+    same = models["every weight from DRAM, each handoff carrying its input"]
+    assert same["decode_step_us"] == pytest.approx(plain["decode_step_us"])
+    assert same["tree_iteration_us"] == pytest.approx(plain["tree_iteration_us"])
+    counts = script.bound_from_bench(run39, handoff_us=0.9)["handoffs"]
+    dearer = script.bound_from_bench(run39, handoff_us=0.9, carried_us=dear)["models"][
+        "every weight from DRAM, each handoff carrying its input"]
+    assert dearer["decode_step_us"] == pytest.approx(plain["decode_step_us"])
+    assert dearer["tree_iteration_us"] - plain["tree_iteration_us"] == pytest.approx(
+        counts["decode step"] * 0.8)
+    # a size that was not measured leaves the carrying models out
+    partial = {w: us for w, us in flat.items() if w != words["decode step"]}
+    assert len(script.bound_from_bench(run39, 0.9, carried_us=partial)["models"]) == 3
