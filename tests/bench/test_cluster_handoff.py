@@ -1,0 +1,48 @@
+"""bench/cluster_handoff.py on the CPU: its report of a recorded H100 run, the kernel's size
+checks as the launcher states them, and a clear message where no GPU is present."""
+
+import importlib.util
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+RECORDED = ROOT / "bench" / "results" / "cluster-handoff-h100-2026-11-26" / "run3" / "cluster_handoff.json"
+
+
+@pytest.fixture(scope="module")
+def script():
+    spec = importlib.util.spec_from_file_location("cluster_handoff",
+                                                  ROOT / "bench" / "cluster_handoff.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_recorded_run_is_reported_row_by_row(script):
+    recorded = json.loads(RECORDED.read_text())
+    text = script.report(recorded)
+    assert len(recorded["rows"]) == len(script.VECTOR_WORDS) * (len(script.CLUSTERS) + 1)
+    for row in recorded["rows"]:
+        cluster = row["cluster"] or "none"
+        pdl = "on" if row["pdl"] else "off"
+        assert (f"| {row['words']} | {cluster} | {pdl} | {row['max_active_clusters']} |"
+                in text)
+        assert f"| {row['us_per_handoff']:.3f} |" in text
+
+
+def test_every_measured_size_splits_into_16_byte_pieces_over_every_cluster(script):
+    """The launcher refuses a size the kernel cannot split; the sizes measured all pass."""
+    assert "words % (4 * c) || programs % c" in script.CUDA_SOURCE
+    for words in script.VECTOR_WORDS:
+        for cluster in script.CLUSTERS:
+            c = cluster or 1
+            assert words % (4 * c) == 0 and script.PROGRAMS % c == 0
+            assert words <= 4 * 16 * script.THREADS  # MAX_LOADS 16-byte loads per thread
+
+
+def test_without_a_gpu_it_says_what_it_needs(script, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(script.torch.cuda, "is_available", lambda: False)
+    assert script.main(["--out", str(tmp_path)]) == 2
+    assert "needs a CUDA GPU" in capsys.readouterr().err
