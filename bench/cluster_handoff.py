@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import shutil
 import subprocess
 import sys
@@ -38,6 +37,7 @@ from handoff_bound import (  # noqa: E402
     expected_vector_checksum,
     graph_time_us,
     slope_us,
+    write_result,
 )
 
 PROGRAMS = 132
@@ -251,11 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "rows": [measure(ext, words, cluster, pdl) for words in VECTOR_WORDS
                        for cluster, pdl in [(c, True) for c in CLUSTERS] + [(0, False)]]}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "cluster_handoff.json").write_text(json.dumps(result, indent=2))
-    text = report(result)
-    (args.out / "cluster_handoff.md").write_text(text)
-    print(text)
+    write_result(args.out, "cluster_handoff", result, report(result))
     return 0
 
 

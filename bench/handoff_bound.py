@@ -528,6 +528,14 @@ def carried_handoff_us(result: dict) -> dict[int, float]:
     return cheapest
 
 
+def write_result(out: Path, name: str, result: dict, text: str) -> None:
+    """``name``.json (every figure) and ``name``.md (the report) into ``out``; the report printed."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(result, indent=2))
+    (out / f"{name}.md").write_text(text)
+    print(text)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, required=True)
@@ -557,11 +565,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.bench_json:
         result["bound"] = bound_from_bench(json.loads(args.bench_json.read_text()),
                                            measured_handoff_us(result), carried_handoff_us(result))
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "handoff_bound.json").write_text(json.dumps(result, indent=2))
-    text = report(result)
-    (args.out / "handoff_bound.md").write_text(text)
-    print(text)
+    write_result(args.out, "handoff_bound", result, report(result))
     return 0
 
 

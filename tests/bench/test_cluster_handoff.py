@@ -1,11 +1,12 @@
 """bench/cluster_handoff.py on the CPU: its report of a recorded H100 run, the kernel's size
 checks as the launcher states them, and a clear message where no GPU is present."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from tests.bench.scripts import load_bench_script
 
 ROOT = Path(__file__).resolve().parents[2]
 RECORDED = ROOT / "bench" / "results" / "cluster-handoff-h100-2026-11-26" / "run3" / "cluster_handoff.json"
@@ -13,11 +14,7 @@ RECORDED = ROOT / "bench" / "results" / "cluster-handoff-h100-2026-11-26" / "run
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("cluster_handoff",
-                                                  ROOT / "bench" / "cluster_handoff.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("cluster_handoff")
 
 
 def test_the_recorded_run_is_reported_row_by_row(script):

@@ -2,11 +2,12 @@
 it is quoted for (bench/RESULTS.md §5), the recomputation from a recorded measurement, and the
 checksum its GPU handoff chain is checked with."""
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
+
+from tests.bench.scripts import load_bench_script
 
 ROOT = Path(__file__).resolve().parents[2]
 RUN39 = ROOT / "bench" / "results" / "bench-h100-2026-11-26-run39" / "bench.json"
@@ -16,10 +17,7 @@ DRAM = "every weight from DRAM"
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("handoff_bound", ROOT / "bench" / "handoff_bound.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("handoff_bound")
 
 
 @pytest.fixture(scope="module")

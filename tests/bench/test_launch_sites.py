@@ -1,23 +1,17 @@
 """bench/profile_pair_host.py --sites on the CPU: a step's device launches by phasegraph source
 line, where one call into phasegraph/kernels counts once whatever its torch reference does."""
 
-import importlib.util
 import re
-from pathlib import Path
 
 import torch
 
 from phasegraph import SpecConfig
 from phasegraph.runtime.engine import Engine
-
-SCRIPT = Path(__file__).resolve().parents[2] / "bench" / "profile_pair_host.py"
+from tests.bench.scripts import load_bench_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("profile_pair_host", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("profile_pair_host")
 
 
 def test_a_decode_step_is_mapped_to_its_kernel_calls_and_phase_lines():

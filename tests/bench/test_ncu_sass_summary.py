@@ -2,12 +2,11 @@
 an Nsight Compute source-page export shaped like the one bench/ncu_gluon_chain.sh writes."""
 
 import csv
-import importlib.util
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.scripts import load_bench_script
+
 HEADER = ["Address", "Source", "Warp Stall Sampling (All Samples)", "Instructions Executed",
           "L1 Wavefronts Shared Excessive", "L1 Wavefronts Shared", "stall_long_sb",
           "stall_long_sb (Not Issued)", "stall_barrier", "stall_barrier (Not Issued)"]
@@ -21,11 +20,7 @@ LINES = [  # a spin-wait, a conflicting store, a clean ldmatrix, a line ncu left
 
 @pytest.fixture(scope="module")
 def summarise():
-    spec = importlib.util.spec_from_file_location("ncu_sass_summary",
-                                                  ROOT / "bench" / "ncu_sass_summary.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.summarise
+    return load_bench_script("ncu_sass_summary").summarise
 
 
 @pytest.fixture

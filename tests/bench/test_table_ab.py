@@ -3,26 +3,14 @@ exact-shape rules between the shipped rules of fewer rows and the rest, so that 
 the shipped rule below the smallest swept M, the tuned rule for a swept shape, and the shipped
 rule for any other shape."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
 
 from phasegraph.kernels import linear as lin
-
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+from tests.bench.scripts import load_bench_script
 
 
 def _script():
-    sys.path.insert(0, str(BENCH))  # table_ab imports profile_pair_host beside it
-    try:
-        spec = importlib.util.spec_from_file_location("table_ab", BENCH / "table_ab.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCH))
-    return module
+    return load_bench_script("table_ab")  # it imports profile_pair_host beside it
 
 
 def test_tuned_rules_sit_between_the_shipped_ones(monkeypatch):
@@ -63,10 +51,7 @@ def test_the_previous_float32_table_is_the_one_19f556f_shipped():
 
 
 def _bench_linear():
-    spec = importlib.util.spec_from_file_location("bench_linear", BENCH / "bench_linear.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_bench_script("bench_linear")
 
 
 def test_a_fused_rule_must_beat_the_two_kernel_sequence_the_dispatcher_would_run():
