@@ -42,6 +42,10 @@ from handoff_bound import (  # noqa: E402
 
 PROGRAMS = 132
 CLUSTERS = (0, 1, 2, 4)  # 0: no cluster attribute at all
+GATHERS = ("shared, cluster sync", "registers", "shared, block sync")  # the kernel's Gather
+# (cluster, PDL, gather) of each measured row: the clusters, PDL off, and the two other gathers
+VARIANTS = ([(c, True, GATHERS[0]) for c in CLUSTERS] + [(0, False, GATHERS[0])]
+            + [(0, True, gather) for gather in GATHERS[1:]])
 THREADS = 256
 
 CUDA_SOURCE = r"""
@@ -52,13 +56,18 @@ namespace cg = cooperative_groups;
 constexpr int THREADS = 256;
 constexpr int MAX_LOADS = 16;  // 16-byte loads in flight per thread: vectors of up to 16384 words
 
-// One step of a chain of handoffs: wait for the kernel before (PDL), gather the W-word vector it
-// wrote into shared memory (each CTA of a cluster reads its 1/C from L2, all its loads in
-// flight at once, and stores it into all C CTAs' shared memory), add it into this CTA's
-// checksum, then write this stage's words.
+// How a CTA takes in the vector: into shared memory, then a cluster barrier (each CTA of a
+// cluster reads its 1/C and stores it into all C CTAs' shared memory); summed straight from the
+// registers it was loaded into (a cluster of one only); into shared memory, then a block barrier
+// (a cluster of one only).
+enum Gather { SHARED_CLUSTER_SYNC = 0, REGISTERS = 1, SHARED_BLOCK_SYNC = 2 };
+
+// One step of a chain of handoffs: wait for the kernel before (PDL), take in the W-word vector it
+// wrote (all of a CTA's 16-byte loads in flight at once) as ``gather`` says, add it into this
+// CTA's checksum, then write this stage's words.
 __global__ void __launch_bounds__(THREADS) handoff_step(
     const unsigned* __restrict__ src, unsigned* __restrict__ dst, unsigned* __restrict__ checksum,
-    unsigned stage, int words, int per_program) {
+    unsigned stage, int words, int per_program, int gather) {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;");
   extern __shared__ uint4 vec[];
@@ -73,22 +82,32 @@ __global__ void __launch_bounds__(THREADS) handoff_step(
     const int i = threadIdx.x + k * THREADS;
     if (i < slice) piece[k] = __ldcg(from + i);
   }
+  unsigned s = 0;
+  if (gather == REGISTERS) {
 #pragma unroll
-  for (int k = 0; k < MAX_LOADS; ++k) {
-    const int i = threadIdx.x + k * THREADS;
-    if (i < slice) {
-      if (size == 1) {
-        vec[i] = piece[k];
-      } else {
-        for (unsigned r = 0; r < size; ++r) cluster.map_shared_rank(vec, r)[rank * slice + i] = piece[k];
+    for (int k = 0; k < MAX_LOADS; ++k)
+      if (threadIdx.x + k * THREADS < slice) s += piece[k].x + piece[k].y + piece[k].z + piece[k].w;
+  } else {
+#pragma unroll
+    for (int k = 0; k < MAX_LOADS; ++k) {
+      const int i = threadIdx.x + k * THREADS;
+      if (i < slice) {
+        if (size == 1) {
+          vec[i] = piece[k];
+        } else {
+          for (unsigned r = 0; r < size; ++r) cluster.map_shared_rank(vec, r)[rank * slice + i] = piece[k];
+        }
       }
     }
-  }
-  cluster.sync();  // every CTA's slice is in every CTA's shared memory
-  unsigned s = 0;
-  for (int i = threadIdx.x; i < words / 4; i += THREADS) {
-    const uint4 v = vec[i];
-    s += v.x + v.y + v.z + v.w;
+    if (gather == SHARED_BLOCK_SYNC) {
+      __syncthreads();
+    } else {
+      cluster.sync();  // every CTA's slice is in every CTA's shared memory
+    }
+    for (int i = threadIdx.x; i < words / 4; i += THREADS) {
+      const uint4 v = vec[i];
+      s += v.x + v.y + v.z + v.w;
+    }
   }
   for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
   __shared__ unsigned part[THREADS / 32];
@@ -130,9 +149,11 @@ static cudaLaunchConfig_t config_for(int programs, int words, int cluster, bool 
 }
 
 extern "C" int handoff_step_launch(const void* src, void* dst, void* checksum, unsigned stage,
-                                   int words, int programs, int cluster, int pdl, void* stream) {
+                                   int words, int programs, int cluster, int pdl, int gather,
+                                   void* stream) {
   const int c = cluster > 0 ? cluster : 1;
-  if (words % (4 * c) || programs % c || words > 4 * MAX_LOADS * THREADS)
+  if (words % (4 * c) || programs % c || words > 4 * MAX_LOADS * THREADS ||
+      (gather != SHARED_CLUSTER_SYNC && c != 1))
     return cudaErrorInvalidValue;
   cudaError_t err = cudaFuncSetAttribute(handoff_step, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          words * sizeof(unsigned));
@@ -142,7 +163,7 @@ extern "C" int handoff_step_launch(const void* src, void* dst, void* checksum, u
   const int per_program = (words + programs - 1) / programs;
   return cudaLaunchKernelEx(&config, handoff_step, static_cast<const unsigned*>(src),
                             static_cast<unsigned*>(dst), static_cast<unsigned*>(checksum), stage,
-                            words, per_program);
+                            words, per_program, gather);
 }
 
 extern "C" int handoff_max_active_clusters(int programs, int words, int cluster, int* count) {
@@ -188,11 +209,13 @@ class ClusterHandoff:
             raise RuntimeError(self.lib.handoff_error_string(err).decode())
 
     def step(self, src: torch.Tensor, dst: torch.Tensor, checksum: torch.Tensor, stage: int,
-             words: int, cluster: int, pdl: bool = True) -> None:
+             words: int, cluster: int, pdl: bool = True, gather: str = "shared, cluster sync",
+             ) -> None:
         self._check(self.lib.handoff_step_launch(
             ctypes.c_void_p(src.data_ptr()), ctypes.c_void_p(dst.data_ptr()),
             ctypes.c_void_p(checksum.data_ptr()), ctypes.c_uint(stage), words, checksum.numel(),
-            cluster, int(pdl), ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)))
+            cluster, int(pdl), GATHERS.index(gather),
+            ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)))
 
     def max_active_clusters(self, programs: int, words: int, cluster: int) -> int:
         count = ctypes.c_int(0)
@@ -201,7 +224,8 @@ class ClusterHandoff:
         return count.value
 
 
-def measure(ext, words: int, cluster: int, pdl: bool = True) -> dict:
+def measure(ext, words: int, cluster: int, pdl: bool = True,
+            gather: str = "shared, cluster sync") -> dict:
     """µs per handoff of a ``words``-word vector among PROGRAMS CTAs in clusters of ``cluster``."""
     buffers = torch.zeros(2 * words, dtype=torch.int32, device="cuda")
     checksum = torch.zeros(PROGRAMS, dtype=torch.int32, device="cuda")
@@ -212,27 +236,29 @@ def measure(ext, words: int, cluster: int, pdl: bool = True) -> dict:
             buffers.zero_()
             for stage in range(stages):
                 ext.step(buffers[(stage + 1) % 2 * words:], buffers[stage % 2 * words:], checksum,
-                         stage, words, cluster, pdl)
+                         stage, words, cluster, pdl, gather)
         times[stages] = graph_time_us(work)
         want = expected_vector_checksum(stages - 1, words)  # stage s reads what s - 1 wrote
         if not bool((checksum.cpu() == want).all()):
             raise AssertionError(f"cluster {cluster}, {words} words, {stages} stages: a CTA summed "
                                  f"{checksum.cpu().tolist()[:4]}..., not {want}")
-    return {"words": words, "cluster": cluster, "pdl": pdl,
+    return {"words": words, "cluster": cluster, "pdl": pdl, "gather": gather,
             "max_active_clusters": ext.max_active_clusters(PROGRAMS, words, cluster),
             "us_by_stages": times, "us_per_handoff": slope_us(times)}
 
 
 def report(result: dict) -> str:
     lines = [f"Device: {result['device']}; torch {result['torch']}", "",
-             f"Kernel boundaries under PDL, {PROGRAMS} CTAs, each gathering the vector into shared "
-             "memory; a cluster's CTAs each read 1/C of it from L2 and store it into all C.", "",
-             "| words (32-bit) | cluster | PDL | clusters resident at once | µs by stage count "
-             "| µs per handoff |", "|---|---|---|---|---|---|"]
+             f"Kernel boundaries, {PROGRAMS} CTAs, each taking in the whole vector: into shared "
+             "memory then a cluster barrier (a cluster's CTAs each read 1/C of it from L2 and "
+             "store it into all C), or, in clusters of one, summed from registers or into shared "
+             "memory then a block barrier.", "",
+             "| words (32-bit) | cluster | PDL | gather | clusters resident at once "
+             "| µs by stage count | µs per handoff |", "|---|---|---|---|---|---|---|"]
     for row in result["rows"]:
         stages = ", ".join(f"{s}: {t:.1f}" for s, t in row["us_by_stages"].items())
         lines.append(f"| {row['words']} | {row['cluster'] or 'none'} | {'on' if row['pdl'] else 'off'} "
-                     f"| {row['max_active_clusters']} "
+                     f"| {row.get('gather', GATHERS[0])} | {row['max_active_clusters']} "
                      f"| {stages} | {row['us_per_handoff']:.3f} |")
     return "\n".join(lines) + "\n"
 
@@ -249,8 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     library = args.library or ClusterHandoff.build(Path(tempfile.mkdtemp(prefix="cluster_handoff_")))
     ext = ClusterHandoff(library)
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-              "rows": [measure(ext, words, cluster, pdl) for words in VECTOR_WORDS
-                       for cluster, pdl in [(c, True) for c in CLUSTERS] + [(0, False)]]}
+              "rows": [measure(ext, words, cluster, pdl, gather) for words in VECTOR_WORDS
+                       for cluster, pdl, gather in VARIANTS]}
     write_result(args.out, "cluster_handoff", result, report(result))
     return 0
 
