@@ -32,11 +32,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from handoff_bound import (  # noqa: E402
-    STAGE_COUNTS,
     VECTOR_WORDS,
     expected_vector_checksum,
-    graph_time_us,
     slope_us,
+    time_chains,
     write_result,
 )
 
@@ -229,19 +228,21 @@ def measure(ext, words: int, cluster: int, pdl: bool = True,
     """µs per handoff of a ``words``-word vector among PROGRAMS CTAs in clusters of ``cluster``."""
     buffers = torch.zeros(2 * words, dtype=torch.int32, device="cuda")
     checksum = torch.zeros(PROGRAMS, dtype=torch.int32, device="cuda")
-    times = {}
-    for stages in STAGE_COUNTS:
-        def work(stages=stages):
-            checksum.zero_()
-            buffers.zero_()
-            for stage in range(stages):
-                ext.step(buffers[(stage + 1) % 2 * words:], buffers[stage % 2 * words:], checksum,
-                         stage, words, cluster, pdl, gather)
-        times[stages] = graph_time_us(work)
+
+    def work(stages):
+        checksum.zero_()
+        buffers.zero_()
+        for stage in range(stages):
+            ext.step(buffers[(stage + 1) % 2 * words:], buffers[stage % 2 * words:], checksum,
+                     stage, words, cluster, pdl, gather)
+
+    def check(stages):
         want = expected_vector_checksum(stages - 1, words)  # stage s reads what s - 1 wrote
         if not bool((checksum.cpu() == want).all()):
             raise AssertionError(f"cluster {cluster}, {words} words, {stages} stages: a CTA summed "
                                  f"{checksum.cpu().tolist()[:4]}..., not {want}")
+
+    times = time_chains(work, check)
     return {"words": words, "cluster": cluster, "pdl": pdl, "gather": gather,
             "max_active_clusters": ext.max_active_clusters(PROGRAMS, words, cluster),
             "us_by_stages": times, "us_per_handoff": slope_us(times)}
@@ -258,7 +259,7 @@ def report(result: dict) -> str:
     for row in result["rows"]:
         stages = ", ".join(f"{s}: {t:.1f}" for s, t in row["us_by_stages"].items())
         lines.append(f"| {row['words']} | {row['cluster'] or 'none'} | {'on' if row['pdl'] else 'off'} "
-                     f"| {row.get('gather', GATHERS[0])} | {row['max_active_clusters']} "
+                     f"| {row['gather']} | {row['max_active_clusters']} "
                      f"| {stages} | {row['us_per_handoff']:.3f} |")
     return "\n".join(lines) + "\n"
 

@@ -40,6 +40,7 @@ sequential head forwards, each a decoder layer with the same handoffs as a targe
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 import sys
@@ -50,7 +51,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from phasegraph.bench.common import PG_CONFIGS, TREE  # noqa: E402
-from phasegraph.kernels._dispatch import pdl_enter, pdl_options  # noqa: E402
+from phasegraph.kernels._dispatch import next_pow2, pdl_enter, pdl_options  # noqa: E402
 from phasegraph.train.presets import PRESETS  # noqa: E402
 
 try:
@@ -247,32 +248,46 @@ def slope_us(times: dict[int, float]) -> float:
     return statistics.linear_regression(list(times), list(times.values())).slope
 
 
+def time_chains(work, check) -> dict[int, float]:
+    """µs per replay of a CUDA graph of ``work(stages)`` for each of STAGE_COUNTS, with
+    ``check(stages)`` run on what the replays left (it raises where a chain went wrong)."""
+    times = {}
+    for stages in STAGE_COUNTS:
+        times[stages] = graph_time_us(functools.partial(work, stages))
+        check(stages)
+    return times
+
+
 def measure_handoff(programs: int) -> dict:
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
     mail = torch.zeros(2 * programs, dtype=torch.int32, device="cuda")
     checksum = torch.zeros(programs, dtype=torch.int32, device="cuda")
-    times = {}
-    for stages in STAGE_COUNTS:
-        def work(stages=stages):
-            counter.zero_()
-            _handoff_kernel[(programs,)](counter, mail, checksum, stages, P=programs)
-        times[stages] = graph_time_us(work)
+
+    def work(stages):
+        counter.zero_()
+        _handoff_kernel[(programs,)](counter, mail, checksum, stages, P=programs)
+
+    def check(stages):
         if not torch.equal(checksum.cpu(), expected_checksum(stages, programs).to(torch.int32)):
             raise AssertionError(f"handoff chain of {programs} programs, {stages} stages: "
                                  "a program read a value from the wrong stage")
+
+    times = time_chains(work, check)
     return {"programs": programs, "us_by_stages": times, "us_per_handoff": slope_us(times)}
 
 
 def measure_pingpong() -> dict:
     flag = torch.zeros(1, dtype=torch.int32, device="cuda")
-    times = {}
-    for stages in STAGE_COUNTS:
-        def work(stages=stages):
-            flag.zero_()
-            _pingpong_kernel[(2,)](flag, stages)
-        times[stages] = graph_time_us(work)
+
+    def work(stages):
+        flag.zero_()
+        _pingpong_kernel[(2,)](flag, stages)
+
+    def check(stages):
         if flag.item() != 2 * stages:
             raise AssertionError(f"ping-pong of {stages} rounds ended at turn {flag.item()}")
+
+    times = time_chains(work, check)
     # two one-way handoffs per stage
     return {"programs": 2, "us_by_stages": times, "us_per_handoff": slope_us(times) / 2}
 
@@ -280,16 +295,17 @@ def measure_pingpong() -> dict:
 def measure_boundary(programs: int, pdl: bool) -> dict:
     buffers = [torch.zeros(programs, dtype=torch.int32, device="cuda") for _ in range(2)]
     options = pdl_options() if pdl else {"PDL": False}
-    times = {}
-    for stages in STAGE_COUNTS:
-        def work(stages=stages):
-            buffers[0].zero_()
-            for step in range(stages):
-                _boundary_kernel[(programs,)](buffers[step % 2], buffers[(step + 1) % 2],
-                                              **options)
-        times[stages] = graph_time_us(work)
+
+    def work(stages):
+        buffers[0].zero_()
+        for step in range(stages):
+            _boundary_kernel[(programs,)](buffers[step % 2], buffers[(step + 1) % 2], **options)
+
+    def check(stages):
         if not bool((buffers[stages % 2] == stages).all()):
             raise AssertionError(f"launch chain of {stages}: a kernel ran before its input")
+
+    times = time_chains(work, check)
     return {"programs": programs, "pdl": pdl and options.get("PDL", False),
             "us_by_stages": times, "us_per_handoff": slope_us(times)}
 
@@ -319,8 +335,7 @@ def _vector_shape(words: int, programs: int) -> dict:
     """The constexprs of the vector kernels: W words, V = ⌈W / programs⌉ written by each program,
     and the power-of-two widths (WP, VP) of the ranges that hold them."""
     per_program = -(-words // programs)
-    return {"W": words, "WP": 1 << (words - 1).bit_length(), "V": per_program,
-            "VP": 1 << (per_program - 1).bit_length()}
+    return {"W": words, "WP": next_pow2(words), "V": per_program, "VP": next_pow2(per_program)}
 
 
 def _check_vector(checksum: torch.Tensor, stages: int, words: int, name: str) -> None:
@@ -339,15 +354,14 @@ def measure_vector_handoffs(programs: int, words: int) -> list[dict]:
     tagged_mail = torch.zeros(2 * words + 1, dtype=torch.int64, device="cuda")  # + a scratch word
     plain_mail = torch.zeros(2 * words, dtype=torch.int32, device="cuda")
     counter = torch.zeros(1, dtype=torch.int32, device="cuda")
-    rows = []
-
     pack = shape["WP"] // (32 * VECTOR_WARPS)  # the words of one thread
 
     def tagged(stages, per_thread):
         tagged_mail.zero_()
         _vector_tagged_kernel[(programs,)](tagged_mail, checksum, stages, P=programs,
                                            PER_THREAD=per_thread, SPIN_ASM=_spin_asm(pack),
-                                           SPIN_CONSTRAINTS=_spin_constraints(pack), PACK=pack, num_warps=VECTOR_WARPS, **shape)
+                                           SPIN_CONSTRAINTS=_spin_constraints(pack), PACK=pack,
+                                           num_warps=VECTOR_WARPS, **shape)
 
     def counted(stages):
         counter.zero_()
@@ -364,16 +378,15 @@ def measure_vector_handoffs(programs: int, words: int) -> list[dict]:
             _vector_boundary_kernel[(programs,)](src, dst, checksum, stage,
                                                  num_warps=VECTOR_WARPS, **shape, **options)
 
+    rows = []
     for name, work, stages_read in (("tagged words, the program polls",
                                       lambda s: tagged(s, False), lambda s: s),
                                      ("tagged words, each thread spins on its own",
                                       lambda s: tagged(s, True), lambda s: s),
                                      ("done-counter, then read", counted, lambda s: s),
                                      ("kernel boundary, PDL on", launched, lambda s: s - 1)):
-        times = {}
-        for stages in STAGE_COUNTS:
-            times[stages] = graph_time_us(lambda stages=stages, work=work: work(stages))
-            _check_vector(checksum, stages_read(stages), words, name)
+        times = time_chains(work, lambda s, name=name, stages_read=stages_read: _check_vector(
+            checksum, stages_read(s), words, name))
         rows.append({"handoff": name, "programs": programs, "words": words,
                      "pdl": options.get("PDL", False) if work is launched else None,
                      "us_by_stages": times, "us_per_handoff": slope_us(times)})
