@@ -29,7 +29,9 @@ measured, after its stage's bytes (a kernel that reads its weights after its wai
 
 B (weight bytes) and BW come from a ``phasegraph bench`` JSON. Three readings: every weight from
 DRAM; the same with free handoffs; and the EAGLE-3 head's weights held in L2 after its first
-forward (they fit). EAGLE-3 (Li et al., 2025, arXiv:2503.01840) drafts the tree with S
+forward (they fit). Given the measured vector handoffs, four more in which each handoff costs
+what handing on its input costs: weights read after the wait (as above), or streamed in during
+the handoff before each product (``ideal_streamed_us``: a product costs max(bytes, handoff)). EAGLE-3 (Li et al., 2025, arXiv:2503.01840) drafts the tree with S
 sequential head forwards, each a decoder layer with the same handoffs as a target layer.
 
     python bench/handoff_bound.py --out DIR --bench-json bench/results/<run>/bench.json
@@ -40,6 +42,7 @@ sequential head forwards, each a decoder layer with the same handoffs as a targe
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import statistics
@@ -448,6 +451,59 @@ def ideal_carrying_us(step_bytes: int, iteration_bytes: int, bandwidth: float,
             "eta_bound": step_us / iteration_us}
 
 
+def _layer_products(spec, input_width: int) -> list[tuple[str, int]]:
+    """A decoder layer's four products in dataflow order, as (name, parameters): qkv (whose
+    input is ``input_width`` wide), o, gate/up, down."""
+    heads = spec.num_heads or spec.hidden_size // spec.head_dim
+    query, kv = heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
+    return [("qkv", input_width * (query + 2 * kv)), ("o", query * spec.hidden_size),
+            ("gate/up", spec.hidden_size * 2 * spec.intermediate_size),
+            ("down", spec.intermediate_size * spec.hidden_size)]
+
+
+def stage_bytes(weight_bytes: dict, dtype_bytes: dict[str, int]) -> dict[str, list[int]]:
+    """The weight bytes of each product, in dataflow order, for the bench pair: the target's
+    decode step (each layer's four products, then lm_head), the EAGLE-3 head's fc, and one head
+    forward (a decoder layer whose qkv reads the token's embedding and a hidden state, then its
+    lm_head). Each lm_head is what is left of the bench JSON's bytes (norm weights included),
+    so the stages add up to them exactly. ``dtype_bytes``: "target" and "head" element sizes."""
+    target = PRESETS["bench-pair"].target
+    head = dataclasses.replace(target, num_heads=PRESETS["bench-pair"].head.num_heads,
+                        num_kv_heads=PRESETS["bench-pair"].head.num_kv_heads,
+                        intermediate_size=PRESETS["bench-pair"].head.intermediate_size)
+    layer = [n * dtype_bytes["target"] for _, n in _layer_products(target, target.hidden_size)]
+    step = layer * target.num_layers
+    head_layer = [n * dtype_bytes["head"] for _, n in _layer_products(head, 2 * head.hidden_size)]
+    stages = {"decode step": step + [weight_bytes["step"] - sum(step)],
+              "head fc": [weight_bytes["draft_once"]],
+              "head forward": head_layer + [weight_bytes["draft_pass"] - sum(head_layer)]}
+    if min(stages["decode step"][-1], stages["head forward"][-1]) <= 0:
+        raise ValueError("the bench JSON's weight bytes are not the bench pair's")
+    return stages
+
+
+def ideal_streamed_us(stages: dict[str, list[int]], draft_passes: int, bandwidth: float,
+                      words: dict[str, int], carried_us: dict[int, float],
+                      head_in_l2: bool) -> dict:
+    """As :func:`ideal_carrying_us`, but each product's weights stream in *during* the handoff
+    before it (what a kernel that loads its weights before its PDL wait does), so a product
+    costs the larger of its bytes' time and its handoff's, not their sum. Only the next
+    product's weights are streamed ahead (the SMs hold ~30 MB; a target layer's products are
+    up to 16 MB). With ``head_in_l2``, head forwards after the first read no DRAM bytes."""
+    def chain_us(products: list[int], handoff_us: float) -> float:
+        return sum(max(b / bandwidth * 1e6, handoff_us) for b in products)
+
+    verify_us, head_us = carried_us[words["tree verify"]], carried_us[words["head forward"]]
+    step_us = chain_us(stages["decode step"], carried_us[words["decode step"]])
+    first_forward_us = chain_us(stages["head fc"] + stages["head forward"], head_us)
+    later_forward = [0] * len(stages["head forward"]) if head_in_l2 else stages["head forward"]
+    iteration_us = (chain_us(stages["decode step"], verify_us) + first_forward_us
+                    + (draft_passes - 1) * chain_us(later_forward, head_us))
+    return {"handoff_us": {k: carried_us[v] for k, v in words.items()},
+            "decode_step_us": step_us, "tree_iteration_us": iteration_us,
+            "eta_bound": step_us / iteration_us}
+
+
 def bound_from_bench(bench: dict, handoff_us: float,
                      carried_us: dict[int, float] | None = None) -> dict:
     """Ideal times for the bench JSON's batch-1 tree row at its measured copy bandwidth, under
@@ -475,6 +531,14 @@ def bound_from_bench(bench: dict, handoff_us: float,
             step, iteration, bandwidth, counts, words, carried_us)
         models["the head in L2, each handoff carrying its input"] = ideal_carrying_us(
             step, head_in_l2, bandwidth, counts, words, carried_us)
+        pair = bench["trained_pair"]
+        dtype_bytes = {"target": getattr(torch, pair["dtype"]).itemsize,
+                       "head": getattr(torch, pair["draft_dtype"]).itemsize}
+        stages = stage_bytes(weight_bytes, dtype_bytes)
+        for name, in_l2 in (("every weight from DRAM", False), ("the head in L2", True)):
+            models[f"{name}, each carrying handoff streaming the next product's weights"] = (
+                ideal_streamed_us(stages, weight_bytes["draft_passes"], bandwidth, words,
+                                  carried_us, in_l2))
     return {"bench_commit": bench["env"].get("git_commit"), "step_bytes": step,
             "iteration_bytes": iteration, "copy_bandwidth_Bps": bandwidth, "handoffs": counts,
             "measured_eta": tree["eta"],

@@ -163,3 +163,61 @@ def test_handoffs_carrying_their_inputs_cost_what_was_measured_for_each_size(scr
     # a size that was not measured leaves the carrying models out
     partial = {w: us for w, us in flat.items() if w != words["decode step"]}
     assert len(script.bound_from_bench(run39, 0.9, carried_us=partial)["models"]) == 3
+
+
+STREAMED = "each carrying handoff streaming the next product's weights"
+
+
+def test_stage_bytes_split_the_bench_bytes_into_one_product_per_handoff(script, run39):
+    """Every product of the decode step and of a head forward is preceded by one handoff, and the
+    products add up to the bytes the bench JSON reports."""
+    weight_bytes = script.batch1_tree_row(run39)["weight_bytes"]
+    stages = script.stage_bytes(weight_bytes, {"target": 4, "head": 2})
+    counts = script.handoffs(12, weight_bytes["draft_passes"])
+    assert len(stages["decode step"]) == counts["decode step"]
+    per_forward = len(stages["head fc"]) + weight_bytes["draft_passes"] * len(stages["head forward"])
+    assert counts["decode step"] + per_forward == counts["tree iteration"]
+    assert sum(stages["decode step"]) == weight_bytes["step"]
+    assert sum(stages["head forward"]) == weight_bytes["draft_pass"]
+    assert stages["head fc"] == [weight_bytes["draft_once"]]
+    # float32 target, vocabulary 8192 x 768 tied: lm_head is the table plus the norms' weights
+    assert stages["decode step"][-1] - 8192 * 768 * 4 == 4 * 768 * (2 * 12 + 1)
+    assert stages["decode step"][:4] == [768 * 1280 * 4, 768 * 768 * 4, 768 * 5120 * 4, 2560 * 768 * 4]
+    with pytest.raises(ValueError, match="not the bench pair's"):
+        script.stage_bytes({**weight_bytes, "step": weight_bytes["step"] // 2},
+                           {"target": 4, "head": 2})
+
+
+def test_streaming_weights_during_handoffs_costs_the_larger_of_the_two(script, run39):
+    """Free handoffs leave the bytes-only bound; handoffs dearer than every product's bytes
+    leave only the handoffs; in between each product costs max(bytes, handoff), never more than
+    the serial (bytes after the wait) model."""
+    words = script.carried_words(768)
+    bandwidth = run39["scale"]["copy_bandwidth_Bps"]
+    weight_bytes = script.batch1_tree_row(run39)["weight_bytes"]
+    stages = script.stage_bytes(weight_bytes, {"target": 4, "head": 2})
+    counts = script.handoffs(12, weight_bytes["draft_passes"])
+
+    def streamed(cost, in_l2=False):
+        return script.ideal_streamed_us(stages, weight_bytes["draft_passes"], bandwidth, words,
+                                        {w: cost for w in words.values()}, in_l2)
+
+    free = streamed(0.0)
+    assert free["decode_step_us"] == pytest.approx(weight_bytes["step"] / bandwidth * 1e6)
+    assert free["eta_bound"] == pytest.approx(weight_bytes["eta_bound"])
+    slow = streamed(1e3)  # every product hidden under its handoff
+    assert slow["decode_step_us"] == pytest.approx(counts["decode step"] * 1e3)
+    assert slow["tree_iteration_us"] == pytest.approx(counts["tree iteration"] * 1e3)
+    models = script.bound_from_bench(run39, 1.2, carried_us={w: 1.2 for w in words.values()})[
+        "models"]
+    for where in (DRAM, "the head in L2"):
+        serial = models[f"{where}, each handoff carrying its input"]
+        overlapped = models[f"{where}, {STREAMED}"]
+        assert overlapped["decode_step_us"] < serial["decode_step_us"]
+        assert overlapped["tree_iteration_us"] < serial["tree_iteration_us"]
+        assert overlapped["decode_step_us"] > free["decode_step_us"]  # o's bytes hide under 1.2 µs
+    held = streamed(1.2, in_l2=True)
+    assert held == models[f"the head in L2, {STREAMED}"]
+    # with the head in L2 its three later forwards are handoffs only: 5 each
+    assert (streamed(1.2)["tree_iteration_us"] - held["tree_iteration_us"]) == pytest.approx(
+        3 * (sum(max(b / bandwidth * 1e6, 1.2) for b in stages["head forward"]) - 5 * 1.2))
