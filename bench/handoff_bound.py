@@ -323,7 +323,8 @@ def carried_words(hidden: int) -> dict[str, int]:
 
 
 # a product's whole input, in 32-bit words, for each kind of handoff of the bench pair
-VECTOR_WORDS = tuple(sorted(set(carried_words(PRESETS["bench-pair"].target.hidden_size).values())))
+PAIR_WORDS = carried_words(PRESETS["bench-pair"].target.hidden_size)
+VECTOR_WORDS = tuple(sorted(set(PAIR_WORDS.values())))
 VECTOR_WARPS = 8
 
 
@@ -461,6 +462,13 @@ def _layer_products(spec, input_width: int) -> list[tuple[str, int]]:
             ("down", spec.intermediate_size * spec.hidden_size)]
 
 
+def pair_dtype_bytes(bench: dict) -> dict[str, int]:
+    """The element sizes of the bench JSON's trained pair: "target" and "head" (its draft)."""
+    pair = bench["trained_pair"]
+    return {"target": getattr(torch, pair["dtype"]).itemsize,
+            "head": getattr(torch, pair["draft_dtype"]).itemsize}
+
+
 def stage_bytes(weight_bytes: dict, dtype_bytes: dict[str, int]) -> dict[str, list[int]]:
     """The weight bytes of each product, in dataflow order, for the bench pair: the target's
     decode step (each layer's four products, then lm_head), the EAGLE-3 head's fc, and one head
@@ -525,16 +533,13 @@ def bound_from_bench(bench: dict, handoff_us: float,
         "the head's weights held in L2 after its first forward": ideal_times_us(
             step, head_in_l2, bandwidth, handoff_us, counts),
     }
-    words = carried_words(PRESETS["bench-pair"].target.hidden_size)
+    words = PAIR_WORDS
     if carried_us is not None and all(w in carried_us for w in words.values()):
         models["every weight from DRAM, each handoff carrying its input"] = ideal_carrying_us(
             step, iteration, bandwidth, counts, words, carried_us)
         models["the head in L2, each handoff carrying its input"] = ideal_carrying_us(
             step, head_in_l2, bandwidth, counts, words, carried_us)
-        pair = bench["trained_pair"]
-        dtype_bytes = {"target": getattr(torch, pair["dtype"]).itemsize,
-                       "head": getattr(torch, pair["draft_dtype"]).itemsize}
-        stages = stage_bytes(weight_bytes, dtype_bytes)
+        stages = stage_bytes(weight_bytes, pair_dtype_bytes(bench))
         for name, in_l2 in (("every weight from DRAM", False), ("the head in L2", True)):
             models[f"{name}, each carrying handoff streaming the next product's weights"] = (
                 ideal_streamed_us(stages, weight_bytes["draft_passes"], bandwidth, words,

@@ -38,9 +38,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from handoff_bound import (  # noqa: E402
+    PAIR_WORDS,
     batch1_tree_row,
-    carried_words,
     graph_time_us,
+    pair_dtype_bytes,
     stage_bytes,
     write_result,
 )
@@ -49,7 +50,6 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from phasegraph.kernels._dispatch import next_pow2, pdl_enter, pdl_options  # noqa: E402
-from phasegraph.train.presets import PRESETS  # noqa: E402
 
 try:
     import triton
@@ -67,6 +67,16 @@ WORDS_PER_THREAD = 8  # int32 weight words each thread loads per block: two 16-b
 
 if triton is not None:
     @triton.jit
+    def _chunk_lane_sums(chunk_ptr, CHUNK: tl.constexpr, BLOCK: tl.constexpr):
+        """A program's CHUNK weight words loaded BLOCK at a time (unrolled, so that every load can
+        be in flight at once) and added up by lane: [BLOCK] partial sums."""
+        block = tl.arange(0, BLOCK)
+        weights = tl.zeros([BLOCK], dtype=tl.int32)
+        for b in tl.static_range(0, CHUNK, BLOCK):
+            weights += tl.load(chunk_ptr + b + block, mask=b + block < CHUNK, other=0)
+        return weights
+
+    @triton.jit
     def _streamed_stage_kernel(weight_ptr, src_ptr, dst_ptr, checksum_ptr, stage,
                                CHUNK: tl.constexpr, BLOCK: tl.constexpr, W: tl.constexpr,
                                WP: tl.constexpr, OUT: tl.constexpr, V: tl.constexpr,
@@ -74,17 +84,11 @@ if triton is not None:
         """One product of a chain: its CHUNK weight words (before or after the wait), the W-word
         input into this program's checksum, then this program's V of the OUT output words."""
         pid = tl.program_id(0)
-        block = tl.arange(0, BLOCK)
-        weights = tl.zeros([BLOCK], dtype=tl.int32)
         if STREAMED:
-            for b in tl.static_range(0, CHUNK, BLOCK):
-                weights += tl.load(weight_ptr + pid * CHUNK + b + block, mask=b + block < CHUNK,
-                                   other=0)
+            weights = _chunk_lane_sums(weight_ptr + pid * CHUNK, CHUNK, BLOCK)
         pdl_enter(PDL)
         if not STREAMED:
-            for b in tl.static_range(0, CHUNK, BLOCK):
-                weights += tl.load(weight_ptr + pid * CHUNK + b + block, mask=b + block < CHUNK,
-                                   other=0)
+            weights = _chunk_lane_sums(weight_ptr + pid * CHUNK, CHUNK, BLOCK)
         every = tl.arange(0, WP)
         total = tl.sum(tl.load(src_ptr + every, mask=every < W, other=0)) + tl.sum(weights)
         tl.store(checksum_ptr + pid, tl.load(checksum_ptr + pid) + total)
@@ -98,7 +102,7 @@ def chains(weight_bytes: dict, dtype_bytes: dict[str, int]) -> dict[str, list[tu
     iteration with the head's weights shared by its forwards or one set per forward. A weight
     set names a buffer: chains that name the same set read the same weights."""
     stages = stage_bytes(weight_bytes, dtype_bytes)
-    words = carried_words(PRESETS["bench-pair"].target.hidden_size)
+    words = PAIR_WORDS
     passes = weight_bytes["draft_passes"]
 
     def target(in_words):
@@ -180,7 +184,7 @@ def measure(weight_bytes: dict, dtype_bytes: dict[str, int]) -> list[dict]:
     rows = [run(name, dict.fromkeys(every_size, warps), str(warps), streamed)
             for warps in WARPS for name in launches
             for streamed in ((False,) if name == ONE_LAUNCH else (True, False))]
-    words = carried_words(PRESETS["bench-pair"].target.hidden_size)
+    words = PAIR_WORDS
     for streamed in (True, False):
         alone = {part: min((r for r in rows if r["chain"] == part and r["streamed"] == streamed),
                            key=lambda r: r["us"])["warps"] for part in (VERIFY, DRAFT)}
@@ -239,10 +243,7 @@ def main(argv: list[str] | None = None) -> int:
         print("streamed_chain.py: needs Triton and a CUDA GPU", file=sys.stderr)
         return 2
     bench = json.loads(args.bench_json.read_text())
-    pair = bench["trained_pair"]
-    dtype_bytes = {"target": getattr(torch, pair["dtype"]).itemsize,
-                   "head": getattr(torch, pair["draft_dtype"]).itemsize}
-    rows = measure(batch1_tree_row(bench)["weight_bytes"], dtype_bytes)
+    rows = measure(batch1_tree_row(bench)["weight_bytes"], pair_dtype_bytes(bench))
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "triton": triton.__version__, "bench_commit": bench["env"].get("git_commit"),
               "rows": rows, "summary": summary(rows)}
