@@ -274,6 +274,13 @@ BAD_CONFIGS = {
                             "transformers cannot build a model from this config"),
     "unknown-rope": (dict(rope_scaling={"rope_type": "bogus", "factor": 2.0}, rope_parameters=None),
                      "transformers cannot build a model from this config \\(KeyError: 'bogus'\\)"),
+    # was: KeyError: 'gelu_bogus' from transformers/activations.py while the model was built
+    "unknown-activation": (dict(hidden_act="gelu_bogus"),
+                           "hidden_act 'gelu_bogus' is not an activation transformers knows"),
+    # was: every norm NaN, every greedy pick token 0, silently
+    "eps-negative": (dict(rms_norm_eps=-1), "rms_norm_eps must be a number > 0; got -1"),
+    "eps-zero": (dict(rms_norm_eps=0.0), "rms_norm_eps must be a number > 0; got 0.0"),
+    "eps-string": (dict(rms_norm_eps="1e-5"), "rms_norm_eps must be a number > 0; got '1e-5'"),
 }
 
 
@@ -295,3 +302,66 @@ def test_an_mtp_draft_without_layers_is_a_config_error(tmp_path, target_dir):
     d = _edit_config(write_mtp_draft(tmp_path / "mtp", target_dir), num_hidden_layers=0)
     with pytest.raises(CheckpointFileError, match="num_hidden_layers must be an integer >= 1; got 0"):
         MTPDraft.from_pretrained(d, target)
+
+
+@pytest.mark.parametrize(("weight_map", "why"), [
+    ("x", "weight_map must map tensor names to shard file names; got 'x'"),
+    ({"model.norm.weight": 3}, "weight_map must map tensor names to shard file names"),
+])
+def test_a_shard_index_of_the_wrong_shape_names_the_index(tmp_path, weight_map, why):
+    # was: AttributeError: 'str' object has no attribute 'values' (or a TypeError) from the loader
+    d = write_hf_target(tmp_path / "t", "llama", num_hidden_layers=2, shards=2)
+    (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    with pytest.raises(CheckpointFileError, match=f"model.safetensors.index.json: cannot parse the shard index \\({why}"):
+        HFTarget.from_pretrained(d)
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_weight_holding_nan_or_inf_is_refused(tmp_path, target_dir, bad):
+    import shutil
+
+    d = shutil.copytree(target_dir, tmp_path / "t")
+    edit_safetensors(d / "model.safetensors", lambda state: state["model.norm.weight"].__setitem__(3, bad))
+    with pytest.raises(CheckpointFileError, match="'model.norm.weight' holds 1 NaN or infinite values"):
+        HFTarget.from_pretrained(d)
+
+
+def test_a_weight_that_overflows_the_asked_dtype_is_refused(tmp_path, target_dir):
+    import shutil
+
+    d = shutil.copytree(target_dir, tmp_path / "t")
+    edit_safetensors(d / "model.safetensors", lambda state: state["model.norm.weight"].__setitem__(0, 1e6))
+    HFTarget.from_pretrained(d)  # float32 holds it
+    with pytest.raises(CheckpointFileError, match=r"holds 1 NaN or infinite values \(as loaded in torch.float16\)"):
+        HFTarget.from_pretrained(d, dtype=torch.float16)
+
+
+@pytest.mark.parametrize(("fields", "layers"), [
+    ({}, (2, 4, 5)),  # the default (2, L//2, L-3) at L = 8
+    ({"eagle_aux_layers": [1, 3, 6]}, (1, 3, 6)),  # phasegraph's trainer: captured inputs
+    ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 5]}}, (1, 3, 6)),  # outputs of
+    ({"eagle_aux_layers": [1, 3, 6], "eagle_config": {"eagle_aux_hidden_state_layer_ids": [0, 2, 5]}}, (1, 3, 6)),
+])
+def test_an_eagle3_head_gets_the_target_layers_it_declares(tmp_path, fields, layers):
+    # was: the declared layers silently ignored (the target always captured (2, L//2, L-3))
+    deep = write_hf_target(tmp_path / "t", "llama", num_hidden_layers=8)
+    target = HFTarget.from_pretrained(deep, feature_mode="eagle3")
+    d = _edit_config(write_eagle3_draft(tmp_path / "e3", deep), **fields)
+    Eagle3Draft.from_pretrained(d, target)
+    assert target.feature_layers == layers
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"eagle_aux_layers": [1, 3, 8]}, r"eagle_aux_layers asks for the inputs of target layers \[1, 3, 8\], but the "
+                                      r"target has layers 0..7"),
+    ({"eagle_aux_layers": [1, 3]}, "eagle_aux_layers must list three target layer indices; got \\[1, 3\\]"),
+    ({"eagle_aux_layers": [1, 3, 6], "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 6]}},
+     "declares two different sets of target layers"),
+])
+def test_an_eagle3_head_declaring_impossible_layers_is_refused(tmp_path, fields, message):
+    deep = write_hf_target(tmp_path / "t", "llama", num_hidden_layers=8)
+    target = HFTarget.from_pretrained(deep, feature_mode="eagle3")
+    d = _edit_config(write_eagle3_draft(tmp_path / "e3", deep), **fields)
+    with pytest.raises(DraftMismatch, match=message):
+        Eagle3Draft.from_pretrained(d, target)
+    assert target.feature_layers == (2, 4, 5)  # unchanged

@@ -59,6 +59,8 @@ def test_prefill_decode_verify_match_transformers(target_dir, page_size, fused):
     ours = HFTarget.from_pretrained(target_dir, dtype=torch.float32, feature_mode="eagle3", fused=fused)
     assert (ours.fused_layers is not None) == fused
     assert_conforms(ours, TargetModel)
+    if page_size == 16:  # layers a head may declare in place of the default (2, L//2, L-3)
+        ours.use_feature_layers((0, 3, 1))
     vocab = ours.vocab_size
     max_tokens = 48
     m = KVCacheManager(
@@ -91,7 +93,7 @@ def test_prefill_decode_verify_match_transformers(target_dir, page_size, fused):
         want = reference_logits(ref, s)
         torch.testing.assert_close(out.logits[start : start + len(s)], want, atol=ATOL, rtol=0)
         start += len(s)
-    # EAGLE-3 features = residual inputs of layers (2, L//2, L-3) = HF hidden_states[i]
+    # EAGLE-3 features = residual inputs of the feature layers = HF hidden_states[i]
     with torch.no_grad():
         hs = ref(torch.tensor([seqs[1]]), output_hidden_states=True).hidden_states
     want_feat = torch.cat([hs[i][0] for i in ours.feature_layers], dim=-1)

@@ -21,7 +21,7 @@ from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.runtime.errors import DraftMismatch
 from phasegraph.runtime.kv_pool import KVPool, KVSpec, check_pool_fits
 from phasegraph.runtime.models.attention_backend import ATTN_IMPLEMENTATION, forward_context
-from phasegraph.runtime.models.loading import check_rope, config_errors, read_config
+from phasegraph.runtime.models.loading import check_model_parts, config_errors, read_config
 from phasegraph.runtime.models.take_rows import embed, take_rows
 from phasegraph.runtime.models.target import HFTarget, head_dim_of, no_weight_init
 
@@ -32,7 +32,7 @@ def draft_config(directory: str | Path | None = None, raw: dict | None = None) -
         raw = read_config(directory)
     with config_errors(directory):
         config = LlamaConfig.from_dict(dict(raw))
-    check_rope(config, directory)
+    check_model_parts(config, directory)
     config._attn_implementation = ATTN_IMPLEMENTATION
     return config
 

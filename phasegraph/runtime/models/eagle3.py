@@ -45,10 +45,15 @@ from phasegraph.runtime.models.draft_base import (
     require,
 )
 from phasegraph.runtime.models.fused_decoder import FusedLayer, fuse_layer, unfusable_config_reason
-from phasegraph.runtime.models.loading import Checkpoint, load_into_module
+from phasegraph.runtime.models.loading import Checkpoint, load_into_module, read_config
 from phasegraph.runtime.models.rotary_table import RotaryTable
 from phasegraph.runtime.models.take_rows import lookup_table, take_rows
-from phasegraph.runtime.models.target import HFTarget, head_dim_of, resolve_dtype
+from phasegraph.runtime.models.target import (
+    HFTarget,
+    declared_eagle3_layers,
+    head_dim_of,
+    resolve_dtype,
+)
 
 
 class Eagle3Midlayer(nn.Module):
@@ -145,6 +150,9 @@ class Eagle3Draft(FeatureDraft):
             f"{where}: draft_vocab_size {draft_vocab} > vocab_size {config.vocab_size}",
         )
         check_fits_target(where, config, target, feature_size=3 * target_hidden)
+        layers = declared_eagle3_layers(read_config(directory), target.num_layers, where)
+        if layers is not None:
+            target.use_feature_layers(layers)
         with_d2t = draft_vocab < config.vocab_size or "d2t" in checkpoint.shapes
         with building(device or target.device, init=False):
             head = Eagle3Head(

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -49,6 +50,9 @@ SIZE_FIELDS = (
 )
 
 
+EPSILON_FIELDS = ("rms_norm_eps",)
+
+
 def read_config(directory: str | Path) -> dict:
     """``config.json`` of a checkpoint directory as a dict, its size fields checked."""
     directory = Path(directory)
@@ -72,6 +76,12 @@ def read_config(directory: str | Path) -> dict:
         value = raw.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
             raise CheckpointFileError(f"{path}: {name} must be an integer >= 1; got {value!r}")
+    for name in EPSILON_FIELDS:  # a zero or negative epsilon turns every norm into NaN
+        value = raw.get(name)
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value < math.inf
+        ):
+            raise CheckpointFileError(f"{path}: {name} must be a number > 0; got {value!r}")
     return raw
 
 
@@ -91,14 +101,20 @@ def config_errors(directory: str | Path | None) -> Iterator[None]:
         ) from exc
 
 
-def check_rope(config, directory: str | Path | None) -> None:
-    """Build the config's rotary embedding on the meta device (no memory, no compute): a RoPE
-    type or parameters transformers rejects fail here, as :class:`CheckpointFileError`, rather
-    than as a ``KeyError`` from deep inside the model's construction."""
+def check_model_parts(config, directory: str | Path | None) -> None:
+    """Build the config's rotary embedding on the meta device (no memory, no compute) and look
+    up its activation: a RoPE type or parameters, or a ``hidden_act``, that transformers rejects
+    fail here, as :class:`CheckpointFileError`, rather than as a ``KeyError`` from deep inside
+    the model's construction."""
+    from transformers.activations import ACT2FN
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
     with config_errors(directory), torch.device("meta"):
         LlamaRotaryEmbedding(config=config)
+    activation = getattr(config, "hidden_act", None)
+    if activation is not None and (not isinstance(activation, str) or activation not in ACT2FN):
+        where = Path(directory) / "config.json" if directory is not None else "config"
+        raise CheckpointFileError(f"{where}: hidden_act {activation!r} is not an activation transformers knows")
 
 
 class Checkpoint:
@@ -130,6 +146,10 @@ class Checkpoint:
     @property
     def files(self) -> list[Path]:
         return sorted(set(self._where.values()))
+
+    def files_of(self, key: str) -> Path:
+        """The file that holds tensor ``key``."""
+        return self._where[key]
 
     def keys(self) -> list[str]:
         return list(self._where)
@@ -168,6 +188,13 @@ class Checkpoint:
             weight_map = json.loads(index.read_text())["weight_map"]
         except (OSError, ValueError, KeyError, TypeError) as exc:
             raise CheckpointFileError(f"{index}: cannot parse the shard index ({exc})") from exc
+        if not isinstance(weight_map, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+        ):
+            raise CheckpointFileError(
+                f"{index}: cannot parse the shard index (weight_map must map tensor names to shard "
+                f"file names; got {one_line(repr(weight_map), 120)})"
+            )
         for shard in sorted(set(weight_map.values())):
             path = self.directory / shard
             handle = self._open(path)
@@ -270,3 +297,9 @@ def load_into_module(
     for key in checkpoint.keys():
         if key in state:
             state[key].copy_(checkpoint.get(key))
+            if state[key].is_floating_point() and not bool(torch.isfinite(state[key]).all()):
+                bad = int((~torch.isfinite(state[key])).sum())
+                raise CheckpointFileError(
+                    f"{checkpoint.files_of(key)}: tensor {key!r} holds {bad} NaN or infinite values "
+                    f"(as loaded in {state[key].dtype}); every output would be garbage"
+                )

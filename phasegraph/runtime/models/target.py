@@ -21,13 +21,13 @@ from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.linear import linear
 from phasegraph.phases.protocols import TargetOutput
-from phasegraph.runtime.errors import UnsupportedModel
+from phasegraph.runtime.errors import DraftMismatch, UnsupportedModel
 from phasegraph.runtime.kv_pool import KVPool, KVSpec, check_pool_fits
 from phasegraph.runtime.models.attention_backend import ATTN_IMPLEMENTATION, forward_context
 from phasegraph.runtime.models.fused_decoder import fuse_decoder, run_fused_decoder
 from phasegraph.runtime.models.loading import (
     Checkpoint,
-    check_rope,
+    check_model_parts,
     config_errors,
     load_into_module,
     read_config,
@@ -41,6 +41,45 @@ FEATURE_MODES = ("last", "eagle3", "none")
 def eagle3_feature_layers(num_layers: int) -> tuple[int, int, int]:
     """Layers whose residual input EAGLE-3 fuses: (2, L//2, L-3) clamped to [0, L-1]."""
     return tuple(min(max(i, 0), num_layers - 1) for i in (2, num_layers // 2, num_layers - 3))
+
+
+def declared_eagle3_layers(raw: dict, num_layers: int, where: str) -> tuple[int, ...] | None:
+    """The target layers an EAGLE-3 head's ``config.json`` says it was trained on, as indices of
+    the layers whose residual input is captured; None where it declares none (the default
+    :func:`eagle3_feature_layers` then holds).
+
+    Two spellings: ``eagle_aux_layers`` (phasegraph's trainer: the captured layers themselves)
+    and ``eagle_config.eagle_aux_hidden_state_layer_ids`` (SpecForge / SGLang: layers whose
+    *output* is captured, i.e. the input of the layer after). A head that declares both must
+    mean the same layers."""
+    declared: dict[str, tuple[int, ...]] = {}
+    if raw.get("eagle_aux_layers") is not None:
+        declared["eagle_aux_layers"] = _three_layer_ids(raw["eagle_aux_layers"], "eagle_aux_layers", where)
+    eagle_config = raw.get("eagle_config")
+    if isinstance(eagle_config, dict) and eagle_config.get("eagle_aux_hidden_state_layer_ids") is not None:
+        name = "eagle_config.eagle_aux_hidden_state_layer_ids"
+        outputs_of = _three_layer_ids(eagle_config["eagle_aux_hidden_state_layer_ids"], name, where)
+        declared[name] = tuple(i + 1 for i in outputs_of)
+    if not declared:
+        return None
+    if len(set(declared.values())) > 1:
+        raise DraftMismatch(f"{where}: the head declares two different sets of target layers: " + "; ".join(
+            f"{name} captures the inputs of layers {list(layers)}" for name, layers in declared.items()))
+    name, layers = next(iter(declared.items()))
+    if not all(0 <= i < num_layers for i in layers):
+        raise DraftMismatch(
+            f"{where}: {name} asks for the inputs of target layers {list(layers)}, but the target "
+            f"has layers 0..{num_layers - 1}"
+        )
+    return layers
+
+
+def _three_layer_ids(value, name: str, where: str) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or len(value) != 3 or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in value
+    ):
+        raise DraftMismatch(f"{where}: {name} must list three target layer indices; got {value!r}")
+    return tuple(value)
 
 
 def check_model_type(model_type: str | None, where: str) -> None:
@@ -106,7 +145,7 @@ def load_causal_lm(
     checkpoint = Checkpoint(directory, allow_bin=allow_bin)  # file errors before building
     with config_errors(directory):
         config = AutoConfig.from_pretrained(str(directory))
-    check_rope(config, directory)
+    check_model_parts(config, directory)
     model = build_causal_lm(config, resolve_dtype(dtype), device, init=False)
     load_into_module(model, checkpoint)
     return model
@@ -241,6 +280,16 @@ class HFTarget:
                 hidden = out[0] if isinstance(out, tuple) else out  # [1, T, Ht]
         hidden = inner.norm(hidden)[0]  # [T, Ht]
         return hidden, self._features(hidden, captured)
+
+    def use_feature_layers(self, layers: tuple[int, ...]) -> None:
+        """Capture the residual inputs of ``layers`` as EAGLE-3 features (a head trained on
+        other layers than the default (2, L//2, L-3) declares them; see
+        :func:`declared_eagle3_layers`)."""
+        if self.feature_mode != "eagle3":
+            raise DraftMismatch(f"feature layers apply to feature_mode 'eagle3'; this target's is {self.feature_mode!r}")
+        if len(layers) != 3 or not all(0 <= i < self.num_layers for i in layers):
+            raise DraftMismatch(f"EAGLE-3 feature layers must be three of 0..{self.num_layers - 1}; got {list(layers)}")
+        self.feature_layers = tuple(layers)
 
     def _features(self, hidden: torch.Tensor, captured: dict[int, torch.Tensor]) -> torch.Tensor:
         if self.feature_mode == "last":
