@@ -29,6 +29,7 @@ from phasegraph.runtime.config import (
 )
 from phasegraph.runtime.cuda_graphs import DEFAULT_BUCKETS, GRAPH_SCOPES, GraphRunner
 from phasegraph.runtime.errors import (
+    CheckpointFileError,
     DraftMismatch,
     InvalidConfig,
     InvalidRequest,
@@ -42,6 +43,12 @@ from phasegraph.runtime.requests import Request, Status
 from phasegraph.runtime.scheduler import Scheduler
 from phasegraph.statemachine import Trace
 from phasegraph.statemachine.errors import one_line
+
+# Upper bounds of the engine's sizes: far above any real setting, and low enough that the page
+# table and the pools' index arithmetic stay within 32-bit slot and page ids
+MAX_PAGE_SIZE = 1 << 16
+MAX_BATCH_SIZE = 1 << 16
+MAX_KV_TOKENS = (1 << 31) - 1
 
 FEATURE_MODE = {"none": "none", "eagle": "last", "eagle3": "eagle3", "mtp": "last", "standalone": "none"}
 
@@ -99,31 +106,55 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, name: s
     return names[dtype]
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
 def _load_tokenizer(directory: Path):
-    if not any((directory / f).exists() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+    """The directory's tokenizer, or None where it ships none. Unreadable tokenizer files raise
+    :class:`CheckpointFileError` naming them (transformers raises whatever its parser met)."""
+    present = [f for f in TOKENIZER_FILES if (directory / f).exists()]
+    if not present:
         return None
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(directory))
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except Exception as exc:  # noqa: BLE001 - tokenizers/transformers/json raise their own types
+        raise CheckpointFileError(
+            f"{directory}: cannot load the tokenizer from {', '.join(present)} "
+            f"({type(exc).__name__}: {one_line(str(exc), 200)})"
+        ) from exc
+
+
+def _token_ids_field(value, where: str) -> list[int]:
+    """An ``eos_token_id`` field (absent, one id or a list of ids) as a list of ints."""
+    if value is None:
+        return []
+    values = value if isinstance(value, (list, tuple)) else [value]
+    if not all(is_int(v) for v in values):
+        raise CheckpointFileError(f"{where}: eos_token_id must be a token id or a list of them; got {value!r}")
+    return [int(v) for v in values]
 
 
 def _eos_ids(target: HFTarget, directory: Path | None, tokenizer) -> tuple[int, ...]:
-    ids: list[int] = []
-
-    def add(v):
-        if isinstance(v, int):
-            ids.append(v)
-        elif isinstance(v, (list, tuple)):
-            ids.extend(int(x) for x in v)
-
-    add(getattr(target.config, "eos_token_id", None))
-    if directory is not None and (directory / "generation_config.json").exists():
+    """End-of-sequence ids from the target's config, ``generation_config.json`` and tokenizer."""
+    ids = _token_ids_field(getattr(target.config, "eos_token_id", None), "the target's config")
+    generation_config = directory / "generation_config.json" if directory is not None else None
+    if generation_config is not None and generation_config.exists():
         import json
 
-        add(json.loads((directory / "generation_config.json").read_text()).get("eos_token_id"))
+        try:
+            fields = json.loads(generation_config.read_text())
+        except (OSError, ValueError) as exc:
+            raise CheckpointFileError(f"{generation_config}: cannot parse it ({exc})") from exc
+        if not isinstance(fields, dict):
+            raise CheckpointFileError(
+                f"{generation_config}: must hold a JSON object; got a {type(fields).__name__}"
+            )
+        ids += _token_ids_field(fields.get("eos_token_id"), str(generation_config))
     if tokenizer is not None:
-        add(getattr(tokenizer, "eos_token_id", None))
+        ids += _token_ids_field(getattr(tokenizer, "eos_token_id", None), "the tokenizer")
     return tuple(dict.fromkeys(i for i in ids if 0 <= i < target.vocab_size))
 
 
@@ -160,6 +191,8 @@ class Engine:
                     f"Engine({name}=...) takes a loaded model, not the path {str(model)!r}: load "
                     "checkpoint directories with Engine.from_pretrained(target_dir, draft_dir, spec=...)"
                 )
+            if model is not None or name == "target":
+                _check_model_object(name, model)
         if graph_scope not in GRAPH_SCOPES:
             raise InvalidConfig(f"graph_scope must be one of {', '.join(GRAPH_SCOPES)}; got {graph_scope!r}")
         self._graph_scope = graph_scope
@@ -180,12 +213,13 @@ class Engine:
             check_kernel_settings(getattr(target, "device", torch.device("cpu")))
         except KernelSettingError as exc:
             raise InvalidConfig(str(exc)) from None
-        if not is_int(page_size) or page_size < 1:
-            raise InvalidConfig(f"page_size must be an integer >= 1; got {page_size!r}")
-        if not is_int(max_batch_size) or max_batch_size < 1:
-            raise InvalidConfig(f"max_batch_size must be an integer >= 1; got {max_batch_size!r}")
-        if kv_pool_tokens is not None and (not is_int(kv_pool_tokens) or kv_pool_tokens < 1):
-            raise InvalidConfig(f"kv_pool_tokens must be an integer >= 1 (or None: sized from free memory); got {kv_pool_tokens!r}")
+        if not is_int(page_size) or not 1 <= page_size <= MAX_PAGE_SIZE:
+            raise InvalidConfig(f"page_size must be an integer in [1, {MAX_PAGE_SIZE}]; got {page_size!r}")
+        if not is_int(max_batch_size) or not 1 <= max_batch_size <= MAX_BATCH_SIZE:
+            raise InvalidConfig(f"max_batch_size must be an integer in [1, {MAX_BATCH_SIZE}]; got {max_batch_size!r}")
+        if kv_pool_tokens is not None and (not is_int(kv_pool_tokens) or not 1 <= kv_pool_tokens <= MAX_KV_TOKENS):
+            raise InvalidConfig(f"kv_pool_tokens must be an integer in [1, {MAX_KV_TOKENS}] (or None: sized from "
+                                f"free memory); got {kv_pool_tokens!r}")
         self.target = target
         self.draft = draft if spec.speculative else None
         self.spec = spec
@@ -384,6 +418,11 @@ class Engine:
                 f"request {request_id!r} may need {need} tokens of KV cache, but the pool holds "
                 f"{capacity}; raise kv_pool_tokens or lower max_new_tokens"
             )
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequest(
+                f"stop strings {list(params.stop)!r} need a tokenizer to be matched, and this target "
+                "has none: pass stop_token_ids instead"
+            )
         outside = [t for t in params.stop_token_ids if t >= self.target.vocab_size]
         if outside:
             raise InvalidRequest(
@@ -500,6 +539,8 @@ class Engine:
         if len(plist) != n:
             raise InvalidRequest(f"got {n} prompts but {len(plist)} SamplingParams")
         base = next(self._counter)
+        while any(f"gen-{base}-{i}" in self._requests for i in range(n)):  # ids a caller chose
+            base = next(self._counter)
         reqs = [self._make_request(f"gen-{base}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, plist, strict=True))]
         for req in reqs:
             self._requests[req.request_id] = req
@@ -574,6 +615,29 @@ def _kv_bytes_per_token(spec) -> int:
     return 2 * spec.num_layers * spec.num_kv_heads * spec.head_dim * torch.tensor([], dtype=spec.dtype).element_size()
 
 
+# What the engine and the phases use of each model object (phases/protocols.py, plus the KV
+# attachment the runtime needs)
+MODEL_ATTRIBUTES = {
+    "target": ("forward", "vocab_size", "feature_size", "config", "device", "kv_spec", "attach_kv"),
+    "draft": ("forward", "hidden_size", "uses_features", "kv_lead", "to_target_ids", "kv_spec", "attach_kv"),
+}
+
+
+def _check_model_object(name: str, model) -> None:
+    """``Engine(target, draft)`` takes phasegraph's model wrappers; anything else (a bare
+    transformers model, None) would fail deep inside the first step."""
+    missing = [a for a in MODEL_ATTRIBUTES[name] if not hasattr(model, a)]
+    if not missing:
+        return
+    wrapper = ("HFTarget(model, feature_mode=...)" if name == "target"
+               else "a draft class of phasegraph.runtime.models (e.g. Eagle3Draft)")
+    raise InvalidConfig(
+        f"Engine({name}=...) takes a phasegraph {name} model ({wrapper}); got {type(model).__name__}, "
+        f"which lacks {', '.join(missing)}. Engine.from_pretrained(target_dir, draft_dir, spec=...) "
+        "loads checkpoint directories"
+    )
+
+
 def _check_request_id(request_id) -> None:
     if not isinstance(request_id, str):
         raise InvalidRequest(f"a request id is a string; got {type(request_id).__name__} {request_id!r}")
@@ -594,9 +658,12 @@ def _check_settings(target, *, max_context, validate, seed, eos_token_ids, graph
         if not isinstance(value, bool) and not any(value is e or (isinstance(e, str) and value == e) for e in extras):
             allowed = ", ".join(["True", "False", *map(repr, extras)])
             raise InvalidConfig(f"{name} must be one of {allowed}; got {value!r}")
-    if max_context is not None and (not is_int(max_context) or max_context < 1):
-        raise InvalidConfig(f"max_context must be an integer >= 1 (or None: the model's "
+    if max_context is not None and (not is_int(max_context) or not 1 <= max_context <= MAX_KV_TOKENS):
+        raise InvalidConfig(f"max_context must be an integer in [1, {MAX_KV_TOKENS}] (or None: the model's "
                             f"max_position_embeddings); got {max_context!r}")
+    if max_context is None and getattr(target.config, "max_position_embeddings", 0) > MAX_KV_TOKENS:
+        raise InvalidConfig(f"the target's max_position_embeddings ({target.config.max_position_embeddings}) "
+                            f"exceeds {MAX_KV_TOKENS} tokens: pass max_context")
     if validate is not None:
         from phasegraph.statemachine.modes import ValidationMode
 

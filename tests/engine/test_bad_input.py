@@ -112,6 +112,9 @@ BAD_REQUESTS = {
     "string-prompt-no-tokenizer": ("hello", lambda: greedy(4), InvalidRequest, ["tokenizer", "token ids"]),
     "not-a-prompt": (42, lambda: greedy(4), InvalidRequest, ["int"]),
     "stop-id-outside-vocab": ([1, 2], lambda: greedy(4, stop_token_ids=[VOCAB + 3]), InvalidRequest, ["stop_token_ids", str(VOCAB + 3)]),
+    # was: the stop strings silently never matched (no tokenizer to decode the text with)
+    "stop-string-no-tokenizer": ([1, 2], lambda: greedy(4, stop=["foo"]), InvalidRequest,
+                                 ["stop strings ['foo'] need a tokenizer", "stop_token_ids"]),
     "params-not-sampling-params": ([1, 2], lambda: {"max_new_tokens": 4}, InvalidRequest, ["SamplingParams"]),
     # a 2-D tensor is a batch, not one prompt (it was flattened into one prompt, silently)
     "2d-tensor-prompt": (torch.tensor([[1, 2], [3, 4]]), lambda: greedy(4), InvalidRequest, ["1-D", "[2, 2]"]),
@@ -252,7 +255,7 @@ def test_bad_engine_settings(busy, clean_output, engine_root):
         (dict(device="tpu"), ["device", "'tpu'", "'cuda:N'"]),
         (dict(device="mps"), ["device", "'mps'", "CPUs and NVIDIA GPUs"]),
         (dict(device=3.5), ["device", "3.5"]),
-        (dict(max_context=0), ["max_context", ">= 1", "got 0"]),  # was: silently the default
+        (dict(max_context=0), ["max_context", "in [1, 2147483647]", "got 0"]),  # was: silently the default
         # a truthy string turned a switch on ("no" traced, "yes" graphed as if True)
         (dict(trace="no"), ["trace must be one of True, False", "got 'no'"]),
         (dict(overlap="yes"), ["overlap must be one of True, False, None", "got 'yes'"]),
@@ -271,8 +274,14 @@ def test_bad_engine_settings(busy, clean_output, engine_root):
         (dict(draft_dtype=torch.int64), ["draft_dtype", "torch.int64"]),  # was: nn.Module.to's TypeError
         (dict(dtype=torch.float8_e4m3fn), ["dtype", "float8"]),  # was: TypeError from torch
         # a page larger than the pool: "the pool holds -1000000" at the first request
-        (dict(page_size=10**6), ["kv_pool_tokens=4096", "page_size=1000000", "raise kv_pool_tokens"]),
-        (dict(kv_pool_tokens=10**12), ["KV cache", "does not fit", "cpu memory"]),  # was: MemoryError
+        (dict(page_size=8192), ["kv_pool_tokens=4096", "page_size=8192", "raise kv_pool_tokens"]),
+        # a page table of 2**31 pages for each of 65536 rows (was: MemoryError)
+        (dict(max_context=2**31 - 1, max_batch_size=2**16), ["KV cache", "does not fit", "cpu memory"]),
+        # sizes past 64 bits: was OverflowError / a torch C++ error from deep inside the KV pool
+        (dict(kv_pool_tokens=10**30), ["kv_pool_tokens must be an integer in [1, 2147483647]", str(10**30)]),
+        (dict(page_size=10**30), ["page_size must be an integer in [1, 65536]", str(10**30)]),
+        (dict(max_batch_size=10**20), ["max_batch_size must be an integer in [1, 65536]", str(10**20)]),
+        (dict(max_context=10**30), ["max_context must be an integer in [1, 2147483647]", str(10**30)]),
         # top-k of a 96-token vocabulary: a ValueError from the draft kernel at the first step
         (dict(spec=SpecConfig(method="eagle3", num_steps=2, topk=97)), ["topk=97", "vocabulary of 96"]),
         (dict(spec=SpecConfig(method="standalone", topk=97)), ["topk=97"]),
@@ -323,6 +332,55 @@ def test_engine_takes_loaded_models_and_no_ignored_draft(busy, clean_output):
         Engine(bundle_target, "some/draft/dir", spec=SpecConfig(method="eagle3"))
     with pytest.raises(InvalidConfig, match="a draft was given but spec is method 'none'"):
         Engine(bundle_target, draft)  # was: the draft silently ignored
+    # was: AttributeError: 'LlamaForCausalLM' object has no attribute 'kv_spec' (from torch)
+    with pytest.raises(InvalidConfig, match=r"takes a phasegraph target model \(HFTarget\(model, feature_mode=\.\.\.\)\); "
+                                            r"got LlamaForCausalLM, which lacks .*kv_spec, attach_kv"):
+        Engine(bundle_target.model)
+    with pytest.raises(InvalidConfig, match="got NoneType"):
+        Engine(None)  # was: AttributeError: 'NoneType' object has no attribute 'device'
+    with pytest.raises(InvalidConfig, match="takes a phasegraph draft model .* got HFTarget, which lacks uses_features"):
+        Engine(bundle_target, bundle_target, spec=SpecConfig(method="eagle3"))
+    assert _queued(busy) == ["good"]
+    _finish_good(busy, clean_output)
+
+
+def test_generate_picks_request_ids_no_caller_holds(engine_root):
+    """``generate`` names its requests itself; ids a caller gave ``add_request`` must not clash
+    with them (was: InvalidRequest "request id 'gen-1-0' is already in use", an id the caller
+    never passed to generate)."""
+    bundle = arch_bundle(engine_root, "llama")
+    prompts = make_prompts([5, 7], seed=3)
+    want = [o.token_ids for o in engine_for(bundle, "none").generate(prompts, greedy(6))]
+    eng = engine_for(bundle, "none")
+    taken = [f"gen-{base}-{i}" for base in range(4) for i in range(2)]
+    for rid in taken:
+        eng.add_request(rid, [1, 2, 3], greedy(3))
+    got = eng.generate(prompts, greedy(6))
+    assert [o.token_ids for o in got] == want
+    assert sorted(eng._requests) == sorted(taken)  # the caller's requests are still theirs
+    while eng.has_unfinished():
+        eng.step()
+    assert_all_free(eng)
+
+
+@pytest.mark.parametrize(("name", "text", "words"), [
+    ("generation_config.json", "null", "generation_config.json: must hold a JSON object; got a NoneType"),
+    ("generation_config.json", "[2]", "generation_config.json: must hold a JSON object; got a list"),
+    ("generation_config.json", '{"eos_token_id": ["x"]}', "eos_token_id must be a token id or a list of them; got ['x']"),
+    ("generation_config.json", "{", "generation_config.json: cannot parse it"),
+    ("tokenizer_config.json", "[]", "cannot load the tokenizer from tokenizer.json, tokenizer_config.json"),
+    ("tokenizer.json", "", "cannot load the tokenizer from tokenizer.json"),
+])
+def test_broken_files_beside_the_weights_name_themselves(busy, clean_output, engine_root, tmp_path, name, text, words):
+    """Was: AttributeError / JSONDecodeError / ValueError from deep inside the engine or
+    transformers, naming no file."""
+    target, _, _ = text_bundle(engine_root)
+    d = _copy(target, tmp_path / "t")
+    (d / name).write_text(text)
+    with pytest.raises(CheckpointFileError) as info:
+        Engine.from_pretrained(d, None, kv_pool_tokens=4096)
+    assert str(d) in str(info.value) and words in str(info.value), str(info.value)
+    assert _queued(busy) == ["good"]
     _finish_good(busy, clean_output)
 
 
