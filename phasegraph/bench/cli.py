@@ -11,6 +11,7 @@ import sys
 from phasegraph.bench.common import (
     SCALE_CONFIGS,
     BenchRun,
+    check_reused_pair,
     environment,
     free_memory,
     has_pair,
@@ -133,6 +134,9 @@ def estimate_seconds(run: BenchRun) -> dict[str, float]:
 
 def _resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the full or --quick defaults and parse the comma-separated lists."""
+    for option, path in (("--out", args.out), ("--pair", args.pair)):
+        if path is not None and not path.strip():  # "" would be the current directory / OUT/pair, unasked
+            raise CliError(f"{option} needs a directory name, got an empty one")
     defaults = QUICK if args.quick else FULL
     for key, val in defaults.items():
         if getattr(args, key) is None:
@@ -188,6 +192,8 @@ def run_bench(args: argparse.Namespace) -> int:
             raise no_pair_to_skip_to(pair)
         if problem := untrainable_pair_dir(pair):
             raise CliError(problem)
+        if has_pair(pair):  # a config the engine or transformers would refuse only after --out is written
+            check_reused_pair(pair)
     run = BenchRun(args)
     if not run.cuda:
         torch.set_num_threads(max(1, args.threads))

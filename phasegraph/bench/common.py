@@ -51,7 +51,8 @@ class BenchRun:
         self.out = Path(args.out)
         self.device = torch.device(args.device if args.device != "auto" else
                                    ("cuda" if torch.cuda.is_available() else "cpu"))
-        if self.device.type == "cuda" and not torch.cuda.is_available() and not args.dry_run:
+        # --dry-run too: its plan would be of a run that cannot start
+        if self.device.type == "cuda" and not torch.cuda.is_available():
             raise CliError("--device cuda: no CUDA GPU is available")
         if self.device.type != "cuda" and not args.quick and not args.dry_run:
             raise CliError("the full bench (a ~96M pair, the 8B shape) needs a CUDA GPU: use --quick on the CPU")
@@ -284,6 +285,25 @@ def has_pair(d: Path) -> bool:
 def no_pair_to_skip_to(d: Path) -> CliError:
     """The error of ``--skip-train`` where ``d`` holds no pair."""
     return CliError(f"--skip-train: {d} holds no trained pair (target/ and eagle3/ with config.json)")
+
+
+def check_reused_pair(d: Path) -> None:
+    """A :class:`CliError` naming the file where a pair to reuse has a ``config.json`` (target/,
+    eagle3/, and draft/ when it has one) that the runtime's own reader refuses: not JSON, not an
+    object, a size field out of range, or no supported ``model_type``."""
+    from phasegraph.runtime.errors import PhasegraphRuntimeError
+    from phasegraph.runtime.models.loading import read_config
+    from phasegraph.runtime.models.target import check_model_type
+    from phasegraph.statemachine.errors import one_line
+
+    for role in ("target", "eagle3", "draft"):
+        directory = d / role
+        if role == "draft" and not (directory / "config.json").exists():
+            continue  # no standalone draft: its rows are skipped (or, with --quick, a random one made)
+        try:
+            check_model_type(read_config(directory).get("model_type"), str(directory / "config.json"))
+        except PhasegraphRuntimeError as exc:
+            raise CliError(f"--pair {d}: cannot reuse the pair: {one_line(str(exc), 300)}") from None
 
 
 def untrainable_pair_dir(d: Path) -> str | None:

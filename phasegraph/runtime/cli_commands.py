@@ -41,8 +41,9 @@ def add_generate(sub) -> None:
     prompt.add_argument("--prompt", help="prompt text (needs the target's tokenizer)")
     prompt.add_argument("--prompt-ids", metavar="IDS", help="prompt token ids, e.g. '1,2,3'")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
-    p.add_argument("--topk", type=int, default=1, metavar="K", help="draft tree branching (1 = chain)")
-    p.add_argument("--num-steps", type=int, default=3, metavar="S", help="draft tree depth")
+    # the draft's options default to None, so that one given beside --method none is refused
+    p.add_argument("--topk", type=int, metavar="K", help="draft tree branching (default 1 = chain)")
+    p.add_argument("--num-steps", type=int, metavar="S", help="draft tree depth (default 3)")
     p.add_argument("--num-draft-tokens", type=int, metavar="N", help="tree nodes verified, root included")
     p.add_argument("--page-size", type=int, default=1, metavar="P")
     p.add_argument("--kv-pool-tokens", type=int, metavar="N", help="KV pool size in tokens")
@@ -77,14 +78,20 @@ def run_generate(args: argparse.Namespace) -> int:
     from phasegraph.runtime.config import SamplingParams, SpecConfig
     from phasegraph.runtime.engine import Engine
 
+    for option, path in (("--target", args.target), ("--draft", args.draft), ("--trace", args.trace)):
+        if path is not None and not path.strip():  # "" would be the current directory / no trace
+            raise CliError(f"{option} needs a {'file' if option == '--trace' else 'directory'} name, "
+                           "got an empty one")
     method = args.method or ("eagle3" if args.draft else "none")
-    if method == "none" and args.draft:
-        raise CliError("--draft was given with --method none: pass a speculative --method or drop --draft")
-    spec = (
-        SpecConfig(method="none") if method == "none"
-        else SpecConfig(method=method, topk=args.topk, num_steps=args.num_steps,
-                        num_draft_tokens=args.num_draft_tokens)
-    )
+    draft_options = {"--draft": args.draft, "--draft-dtype": args.draft_dtype, "--topk": args.topk,
+                     "--num-steps": args.num_steps, "--num-draft-tokens": args.num_draft_tokens}
+    if method == "none" and (given := [o for o, v in draft_options.items() if v is not None]):
+        # the baseline has no draft: these would be silently ignored
+        raise CliError(f"{', '.join(given)} {'was' if len(given) == 1 else 'were'} given with --method none: "
+                       f"pass a speculative --method or drop {', '.join(given)}")
+    tree = {k: v for k, v in (("topk", args.topk), ("num_steps", args.num_steps),
+                              ("num_draft_tokens", args.num_draft_tokens)) if v is not None}
+    spec = SpecConfig(method="none") if method == "none" else SpecConfig(method=method, **tree)
     if spec.speculative and not args.draft:
         raise CliError(f"--method {method} needs --draft DIR")
     params = SamplingParams(

@@ -15,6 +15,9 @@ from phasegraph.phases.context import TreeShape, check_tree_shape
 from phasegraph.runtime.errors import InvalidConfig, InvalidRequest
 
 METHODS = ("none", "eagle", "eagle3", "mtp", "standalone")
+# SpecConfig's bounds (see its docstring): far above any published EAGLE tree, low enough that
+# the tree's tensors stay small and no count overflows on its way into torch
+MAX_NUM_STEPS, MAX_TOPK, MAX_NUM_DRAFT_TOKENS, MAX_TREE_CANDIDATES = 64, 128, 1024, 32768
 
 
 @attrs.frozen
@@ -27,6 +30,10 @@ class SpecConfig:
     tree depth, ``topk`` (K) the branching per step (1 = chain), ``num_draft_tokens`` (N) the
     tree nodes verified per request including the root (default: S+1 for a chain, else
     min(K·S, 16) + 1 capped by what the tree can hold).
+
+    Bounds (:class:`InvalidConfig` past them; published EAGLE trees stay far below, e.g. S <= 10,
+    K <= 10, N <= 64): S <= 64, K <= 128, N <= 1024, and at most 32768 draft candidates
+    K + (S-1)·K² per request, so the tree's tensors stay small ([B, candidates], [B, N, N]).
     """
 
     method: str = "eagle3"
@@ -39,15 +46,25 @@ class SpecConfig:
             raise InvalidConfig(f"SpecConfig.method must be one of {', '.join(METHODS)}; got {self.method!r}")
         if self.method == "none":
             return
-        for name in ("num_steps", "topk"):
+        for name, most in (("num_steps", MAX_NUM_STEPS), ("topk", MAX_TOPK)):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise InvalidConfig(f"SpecConfig.{name} must be an integer >= 1; got {v!r}")
+            if not is_int(v) or not 1 <= v <= most:
+                raise InvalidConfig(f"SpecConfig.{name} must be an integer in [1, {most}]; got {v!r}")
+        candidates = self.topk + (self.num_steps - 1) * self.topk * self.topk
+        if candidates > MAX_TREE_CANDIDATES:
+            raise InvalidConfig(
+                f"SpecConfig: topk={self.topk}, num_steps={self.num_steps} drafts {candidates} candidates "
+                f"per request (K + (S-1)·K²); at most {MAX_TREE_CANDIDATES}: lower topk or num_steps"
+            )
         n = self.num_draft_tokens
         if n is None:
             object.__setattr__(self, "num_draft_tokens", self.default_num_draft_tokens())
-        elif not isinstance(n, int) or isinstance(n, bool):
+        elif not is_int(n):
             raise InvalidConfig(f"SpecConfig.num_draft_tokens must be an integer; got {n!r}")
+        elif n > MAX_NUM_DRAFT_TOKENS:
+            raise InvalidConfig(
+                f"SpecConfig.num_draft_tokens must be at most {MAX_NUM_DRAFT_TOKENS}; got {n!r}"
+            )
         problems = check_tree_shape(self.topk, self.num_steps, self.num_draft_tokens)
         if problems:
             raise InvalidConfig("SpecConfig: " + "; ".join(problems))
@@ -137,8 +154,8 @@ class SamplingParams:
             raise InvalidRequest(f"stop must be non-empty strings; got {stops!r}")
         object.__setattr__(self, "stop", stops)
         ids = _as_tuple("stop_token_ids", self.stop_token_ids, "a list of token ids")
-        if any(not is_int(i) or i < 0 for i in ids):
-            raise InvalidRequest(f"stop_token_ids must be non-negative integers; got {ids!r}")
+        if any(not is_int(i) or not 0 <= i <= INT64_MAX for i in ids):  # they travel as int64
+            raise InvalidRequest(f"stop_token_ids must be non-negative integers below 2**63; got {ids!r}")
         object.__setattr__(self, "stop_token_ids", ids)
         seed = self.seed  # the per-request seed travels to the device as an int64
         if seed is not None and (not is_int(seed) or not INT64_MIN <= seed <= INT64_MAX):

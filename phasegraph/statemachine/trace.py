@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Iterator
@@ -176,7 +177,7 @@ class Trace:
             raise PhaseGraphError(
                 f"{str(path)!r} is not a phasegraph Chrome-trace JSON file (nested too deeply)"
             ) from None
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError, OverflowError) as exc:
             why = one_line(f"missing key {exc}" if isinstance(exc, KeyError) else str(exc))
             raise PhaseGraphError(
                 f"{str(path)!r} is not a phasegraph Chrome-trace JSON file ({why})"
@@ -184,6 +185,10 @@ class Trace:
         trace = cls(transitions)
         trace._t0 = 0
         return trace
+
+
+# the largest |time| (µs) of a loaded event: its nanoseconds (µs * 1000) must be a finite float
+MAX_TRACE_US = sys.float_info.max / 1000
 
 
 def _number(e: dict, key: str, i: int) -> float:
@@ -204,6 +209,9 @@ def _transition_of_event(i: int, e: object) -> Transition:
     ts, dur = _number(e, "ts", i), _number(e, "dur", i)
     if dur < 0:
         raise ValueError(f"event {i}: 'dur' must be >= 0, got {dur!r}")
+    if not (math.isfinite(ts * 1000) and math.isfinite((ts + dur) * 1000)):  # int(inf) below
+        raise ValueError(f"event {i}: 'ts' {ts!r} + 'dur' {dur!r} is out of range (a trace's times, "
+                         f"start and end, are within ±{MAX_TRACE_US:.3g} µs)")
     checks = (
         ("name", e["name"], (str,), False),
         ("args.from", args.get("from"), (str,), True),

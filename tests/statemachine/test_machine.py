@@ -241,10 +241,17 @@ def _chrome(tmp_path, event):
     return p
 
 
+OUT_OF_RANGE = " is out of range (a trace's times, start and end, are within ±1.8e+305 µs)"
+
+
 @pytest.mark.parametrize(("change", "why"), [
     ({"ts": "INF"}, "event 0: 'ts' must be a finite number, got inf"),  # was a raw OverflowError
     ({"ts": True}, "event 0: 'ts' must be a finite number, got True"),
     ({"dur": -5}, "event 0: 'dur' must be >= 0, got -5"),  # was a transition that ended first
+    # finite, but its nanoseconds are not: was a raw OverflowError from int(inf)
+    ({"ts": 1e306, "dur": 1e306}, f"event 0: 'ts' 1e+306 + 'dur' 1e+306{OUT_OF_RANGE}"),
+    ({"ts": 1.5e305, "dur": 1e305}, f"event 0: 'ts' 1.5e+305 + 'dur' 1e+305{OUT_OF_RANGE}"),
+    ({"ts": -1e306}, f"event 0: 'ts' -1e+306 + 'dur' 1{OUT_OF_RANGE}"),
     ({"name": 5}, "event 0: 'name' must be a string, got 5"),
     ({"args": {"from": 3}}, "event 0: 'args.from' must be a string or null, got 3"),
     ({"args": {"batch_size": "x"}}, "event 0: 'args.batch_size' must be an integer or null, got 'x'"),

@@ -210,6 +210,22 @@ def test_cli_graph_infinite_time_in_a_trace_is_one_line(tmp_path, capsys):
     )
 
 
+def test_cli_graph_a_time_past_the_float_range_in_a_trace_is_one_line(tmp_path, capsys):
+    """Finite 'ts' and 'dur' whose nanoseconds overflow a float: was a traceback (OverflowError:
+    cannot convert float infinity to integer, from _transition_of_event)."""
+    bad = tmp_path / "big.json"
+    bad.write_text(json.dumps({"traceEvents": [
+        {"ph": "X", "name": "prefill-extend", "ts": 0, "dur": 1, "args": {"from": None}},
+        {"ph": "X", "name": "verify", "ts": 1e306, "dur": 1e306, "args": {"from": "draft"}},
+    ]}))
+    assert main(["graph", "--format", "text", "--trace", str(bad)]) == 2
+    assert capsys.readouterr().err == (
+        f"phasegraph: error: {str(bad)!r} is not a phasegraph Chrome-trace JSON file "
+        "(event 1: 'ts' 1e+306 + 'dur' 1e+306 is out of range (a trace's times, start and end, are "
+        "within ±1.8e+305 µs))\n"
+    )
+
+
 @pytest.mark.parametrize("option", ["--out", "--trace"])
 def test_cli_graph_refuses_an_empty_file_name(option, capsys):
     """`--out ''` printed to stdout and `--trace ''` drew no overlay, as if neither were given."""
