@@ -37,6 +37,7 @@ from phasegraph.runtime.errors import (
 )
 from phasegraph.runtime.kv_pool import KVCacheManager
 from phasegraph.runtime.memory import PhaseMemory
+from phasegraph.runtime.models.loading import read_json_object
 from phasegraph.runtime.models.target import HFTarget
 from phasegraph.runtime.prefill_graph import token_buckets_for
 from phasegraph.runtime.requests import Request, Status
@@ -142,16 +143,7 @@ def _eos_ids(target: HFTarget, directory: Path | None, tokenizer) -> tuple[int, 
     ids = _token_ids_field(getattr(target.config, "eos_token_id", None), "the target's config")
     generation_config = directory / "generation_config.json" if directory is not None else None
     if generation_config is not None and generation_config.exists():
-        import json
-
-        try:
-            fields = json.loads(generation_config.read_text())
-        except (OSError, ValueError) as exc:
-            raise CheckpointFileError(f"{generation_config}: cannot parse it ({exc})") from exc
-        if not isinstance(fields, dict):
-            raise CheckpointFileError(
-                f"{generation_config}: must hold a JSON object; got a {type(fields).__name__}"
-            )
+        fields = read_json_object(generation_config)
         ids += _token_ids_field(fields.get("eos_token_id"), str(generation_config))
     if tokenizer is not None:
         ids += _token_ids_field(getattr(tokenizer, "eos_token_id", None), "the tokenizer")

@@ -364,10 +364,10 @@ def test_generate_picks_request_ids_no_caller_holds(engine_root):
 
 
 @pytest.mark.parametrize(("name", "text", "words"), [
-    ("generation_config.json", "null", "generation_config.json: must hold a JSON object; got a NoneType"),
-    ("generation_config.json", "[2]", "generation_config.json: must hold a JSON object; got a list"),
+    ("generation_config.json", "null", "generation_config.json must hold a JSON object; got a NoneType"),
+    ("generation_config.json", "[2]", "generation_config.json must hold a JSON object; got a list"),
     ("generation_config.json", '{"eos_token_id": ["x"]}', "eos_token_id must be a token id or a list of them; got ['x']"),
-    ("generation_config.json", "{", "generation_config.json: cannot parse it"),
+    ("generation_config.json", "{", "generation_config.json: cannot parse generation_config.json"),
     ("tokenizer_config.json", "[]", "cannot load the tokenizer from tokenizer.json, tokenizer_config.json"),
     ("tokenizer.json", "", "cannot load the tokenizer from tokenizer.json"),
 ])

@@ -53,6 +53,18 @@ SIZE_FIELDS = (
 EPSILON_FIELDS = ("rms_norm_eps",)
 
 
+def read_json_object(path: Path) -> dict:
+    """A checkpoint directory's JSON file (``config.json``, ``generation_config.json``) as a
+    dict; unreadable or not an object: :class:`CheckpointFileError` naming the file."""
+    try:
+        raw = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointFileError(f"{path}: cannot parse {path.name} ({exc})") from exc
+    if not isinstance(raw, dict):
+        raise CheckpointFileError(f"{path}: {path.name} must hold a JSON object; got a {type(raw).__name__}")
+    return raw
+
+
 def read_config(directory: str | Path) -> dict:
     """``config.json`` of a checkpoint directory as a dict, its size fields checked."""
     directory = Path(directory)
@@ -64,14 +76,7 @@ def read_config(directory: str | Path) -> dict:
             else "the directory holds no config.json"
         )
         raise CheckpointFileError(f"{path}: config.json not found ({directory}: {why})")
-    try:
-        raw = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointFileError(f"{path}: cannot parse config.json ({exc})") from exc
-    if not isinstance(raw, dict):
-        raise CheckpointFileError(
-            f"{path}: config.json must hold a JSON object; got a {type(raw).__name__}"
-        )
+    raw = read_json_object(path)
     for name in SIZE_FIELDS:
         value = raw.get(name)
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
