@@ -8,11 +8,14 @@ import os
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
 import argparse  # noqa: E402
+import signal  # noqa: E402
 import sys  # noqa: E402
+import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from phasegraph.train.presets import (  # noqa: E402
     PRESETS,
+    TrainInputError,
     apply_overrides,
     head_param_count,
     lm_param_count,
@@ -26,7 +29,7 @@ def _parser() -> argparse.ArgumentParser:
         description="Train a target + EAGLE-3 head (+ standalone draft) on the stdlib sources.",
     )
     p.add_argument("preset", choices=sorted(PRESETS))
-    p.add_argument("--out", type=Path, help="output directory (required unless --plan)")
+    p.add_argument("--out", help="output directory (required unless --plan)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,
                    help="default: cuda when available")
@@ -37,7 +40,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--overwrite", action="store_true",
-                   help="train into a non-empty --out (its target/, eagle3/, draft/ are replaced)")
+                   help="train into a non-empty --out: its target/, eagle3/, draft/ and "
+                   "train_report.json are replaced once the run has finished; other files stay")
     p.add_argument("--plan", action="store_true",
                    help="print sizes and the projected H100 time, then exit")
     return p
@@ -61,26 +65,54 @@ def _plan(preset) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    preset = apply_overrides(PRESETS[args.preset], args.overrides)
+    """Bad input ends with one ``error:`` line and exit status 2 (parser.error) before anything
+    is written; an interrupt (Ctrl-C, SIGTERM) with status 130 and no half-written output."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        preset = apply_overrides(PRESETS[args.preset], args.overrides)
+    except TrainInputError as exc:
+        parser.error(str(exc))
     if args.plan:
         print(_plan(preset))
         return 0
     if args.out is None:
-        _parser().error("--out is required")
+        parser.error("--out is required")
+    if not args.out.strip():
+        parser.error("--out needs a directory name, got an empty one")
+    if args.threads is not None and args.threads < 1:
+        parser.error(f"--threads must be at least 1, got {args.threads}")
     import torch
 
+    from phasegraph.train.recipe import check_run_options, run_recipe
+
+    for name in ("seed", "device", "time_budget_s"):
+        try:
+            check_run_options(**{name: getattr(args, name)})
+        except TrainInputError as exc:  # "seed must be ..." -> "--seed must be ..."
+            parser.error("--" + name.replace("_", "-") + str(exc).removeprefix(name))
     if args.threads:
         torch.set_num_threads(args.threads)
-    from phasegraph.train.recipe import run_recipe
 
+    def on_term(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    in_main = threading.current_thread() is threading.main_thread()  # where signals can be set
+    previous = signal.signal(signal.SIGTERM, on_term) if in_main else None
     try:
         run_recipe(
-            preset, args.out, seed=args.seed, device=args.device, time_budget_s=args.time_budget_s,
-            progress=not args.no_progress, overwrite=args.overwrite,
+            preset, Path(args.out), seed=args.seed, device=args.device,
+            time_budget_s=args.time_budget_s, progress=not args.no_progress,
+            overwrite=args.overwrite,
         )
-    except FileExistsError as exc:
-        _parser().error(str(exc))
+    except (FileExistsError, TrainInputError) as exc:
+        parser.error(str(exc))
+    except KeyboardInterrupt:
+        print(f"{parser.prog}: interrupted (no new pair in {args.out})", file=sys.stderr)
+        return 130
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
     return 0
 
 

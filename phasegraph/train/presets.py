@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import typing
 from dataclasses import dataclass, field
 
 __all__ = [
@@ -18,8 +19,10 @@ __all__ = [
     "LMSpec",
     "PRESETS",
     "Preset",
+    "TrainInputError",
     "TrainSpec",
     "apply_overrides",
+    "check_preset",
     "head_flops_per_row",
     "head_param_count",
     "lm_flops_per_token",
@@ -227,23 +230,32 @@ _TINY = Preset(
 PRESETS: dict[str, Preset] = {p.name: p for p in (_DEMO, _BENCH, _TINY)}
 
 
-def _parse_scalar(text: str, like: object) -> object:
-    if text.lower() in ("none", "null"):
+class TrainInputError(ValueError):
+    """A preset, override or run option the recipe refuses, named in its one-line message."""
+
+
+def _field_type(cls: type, name: str) -> tuple[type, bool]:
+    """``(type, optional)`` of a dataclass field: ``int | None`` is ``(int, True)``."""
+    hint = typing.get_type_hints(cls)[name]
+    args = typing.get_args(hint)
+    if type(None) in args:
+        return next(a for a in args if a is not type(None)), True
+    return hint, False
+
+
+def _parse_scalar(text: str, kind: type, optional: bool) -> object:
+    if optional and text.lower() in ("none", "null"):
         return None
-    if isinstance(like, bool):
+    if kind is bool:
         if text.lower() not in ("true", "false", "1", "0"):
             raise ValueError(f"not a boolean: {text!r}")
         return text.lower() in ("true", "1")
-    if isinstance(like, int):
+    if kind is int:
         return int(text)
-    if isinstance(like, float):
+    if kind is float:
         return float(text)
-    if like is None:  # an optional field left at None: take ints/floats as such
-        for cast in (int, float):
-            try:
-                return cast(text)
-            except ValueError:
-                pass
+    if not text:
+        raise ValueError("empty text")
     return text
 
 
@@ -252,56 +264,164 @@ POSITIVE_FIELDS = frozenset({
     "vocab_size", "hidden_size", "num_layers", "num_heads", "num_kv_heads", "intermediate_size",
     "head_dim", "context", "rope_theta", "rms_norm_eps", "batch_size", "seq_len", "lr",
     "unroll", "eval_every", "eval_windows", "draft_vocab_size", "selfgen_prompt_len",
-    "selfgen_batch", "gen_tokens", "chain_steps", "tree_topk", "tree_steps", "tree_nodes",
+    "selfgen_batch", "loss_windows", "prompt_max_lines", "gen_tokens", "chain_steps",
+    "tree_topk", "tree_steps", "tree_nodes",
 })
+INT_LIMIT = 2**63  # counts past int64 overflow inside torch
+SAVE_DTYPES = ("bfloat16", "float16", "float32")
+TTT_TOKENS = ("data", "greedy")
 
 
-def _parsed(item: str, text: str, like: object) -> object:
-    """``text`` as the type of the field it replaces, in the field's range; a ValueError names
-    the override."""
+def _parsed(item: str, text: str, cls: type, name: str) -> object:
+    """``text`` as the type of field ``name`` of ``cls``, in the field's range; a
+    :class:`TrainInputError` names the override."""
+    kind, optional = _field_type(cls, name)
+    if dataclasses.is_dataclass(kind):
+        if optional and text.strip().lower() in ("none", "null"):
+            return None  # e.g. draft=none: no standalone draft
+        fields = ", ".join(f.name for f in dataclasses.fields(kind))
+        raise TrainInputError(
+            f"override {item!r}: {name} is a section, not a value; set its fields "
+            f"({name}.FIELD=VALUE, FIELD one of: {fields})"
+        )
     try:
-        value = _parse_scalar(text.strip(), like)
+        value = _parse_scalar(text.strip(), kind, optional)
     except ValueError as exc:
-        kinds = {bool: "a boolean", int: "an integer", float: "a number"}
-        kind = kinds.get(type(like), "a number or text")
-        raise ValueError(f"override {item!r}: expected {kind}, got {text!r}") from exc
+        kinds = {bool: "a boolean", int: "an integer", float: "a number", str: "text"}
+        expected = kinds.get(kind, "a value") + (" or none" if optional else "")
+        raise TrainInputError(f"override {item!r}: expected {expected}, got {text!r}") from exc
     if isinstance(value, (int, float)) and not isinstance(value, bool):
-        name = item.partition("=")[0].strip().rpartition(".")[2]
         if not math.isfinite(value):
-            raise ValueError(f"override {item!r}: expected a finite number, got {text!r}")
+            raise TrainInputError(f"override {item!r}: expected a finite number, got {text!r}")
         if name in POSITIVE_FIELDS and value <= 0:
-            raise ValueError(f"override {item!r}: {name} must be greater than 0")
+            raise TrainInputError(f"override {item!r}: {name} must be greater than 0")
         if value < 0:
-            raise ValueError(f"override {item!r}: {name} must be 0 or more")
+            raise TrainInputError(f"override {item!r}: {name} must be 0 or more")
+        if isinstance(value, int) and value >= INT_LIMIT:
+            raise TrainInputError(f"override {item!r}: {name} must be less than 2**63")
     return value
 
 
+def _field_names(cls: type) -> list[str]:
+    return [f.name for f in dataclasses.fields(cls)]
+
+
 def apply_overrides(preset: Preset, overrides: list[str]) -> Preset:
-    """Replace fields from ``section.field=value`` (or ``field=value`` for top-level fields).
+    """Replace fields from ``section.field=value`` (or ``field=value`` for top-level fields);
+    a bad override, or a result :func:`check_preset` refuses, is a :class:`TrainInputError`.
 
     >>> apply_overrides(PRESETS["tiny"], ["target_train.steps=3"]).target_train.steps
     3
     """
     for item in overrides:
         key, sep, value = item.partition("=")
+        key = key.strip()
         if not sep:
-            raise ValueError(f"override {item!r} is not of the form key=value")
-        parts = key.strip().split(".")
+            raise TrainInputError(f"override {item!r} is not of the form key=value")
+        if not key:
+            raise TrainInputError(f"override {item!r} has no key: expected section.field=value")
+        parts = key.split(".")
         if len(parts) == 1:
-            if not hasattr(preset, parts[0]):
-                raise ValueError(f"unknown preset field {parts[0]!r}")
-            like = getattr(preset, parts[0])
-            preset = dataclasses.replace(preset, **{parts[0]: _parsed(item, value, like)})
+            if key not in _field_names(Preset):
+                raise TrainInputError(
+                    f"unknown preset field {key!r} (top-level fields: "
+                    f"{', '.join(_field_names(Preset))})"
+                )
+            preset = dataclasses.replace(preset, **{key: _parsed(item, value, Preset, key)})
             continue
         if len(parts) != 2:
-            raise ValueError(f"override key {key!r} must be 'section.field'")
+            raise TrainInputError(f"override key {key!r} must be 'section.field'")
         section, name = parts
-        sub = getattr(preset, section, None)
-        if sub is None or not dataclasses.is_dataclass(sub) or not hasattr(sub, name):
-            raise ValueError(f"unknown preset field {key!r}")
-        sub = dataclasses.replace(sub, **{name: _parsed(item, value, getattr(sub, name))})
+        kind = _field_type(Preset, section)[0] if section in _field_names(Preset) else None
+        if kind is None or not dataclasses.is_dataclass(kind):
+            sections = [n for n in _field_names(Preset)
+                        if dataclasses.is_dataclass(_field_type(Preset, n)[0])]
+            raise TrainInputError(
+                f"unknown preset field {key!r} (sections: {', '.join(sections)})"
+            )
+        if name not in _field_names(kind):
+            raise TrainInputError(
+                f"unknown preset field {key!r} ({section} has: {', '.join(_field_names(kind))})"
+            )
+        sub = getattr(preset, section)
+        if sub is None:
+            raise TrainInputError(
+                f"override {item!r}: preset {preset.name!r} has no {section} (bench-pair has one)"
+            )
+        sub = dataclasses.replace(sub, **{name: _parsed(item, value, kind, name)})
         preset = dataclasses.replace(preset, **{section: sub})
+    check_preset(preset)
     return preset
+
+
+def check_preset(preset: Preset) -> None:
+    """A :class:`TrainInputError` naming every field that contradicts another, or that the
+    recipe would refuse only deep inside a run (each field's own range is checked where an
+    override is parsed)."""
+    p, t, h, ht, ev = preset, preset.target, preset.head, preset.head_train, preset.eval
+    bad = []
+    if p.vocab_size < 257:
+        bad.append(f"vocab_size {p.vocab_size} must be at least 257 (256 bytes and <|endoftext|>)")
+    models = [("target", t, p.target_train)]
+    if (p.draft is None) != (p.draft_train is None):
+        bad.append("draft and draft_train must both be set or both be none")
+    elif p.draft is not None:
+        models.append(("draft", p.draft, p.draft_train))
+        if p.draft.context >= p.draft_train.seq_len > t.context:  # the target teaches on them
+            bad.append(f"draft_train.seq_len {p.draft_train.seq_len} must be at most "
+                       f"target.context {t.context}")
+    for name, spec, train in models:
+        if spec.hidden_size % spec.num_heads:
+            bad.append(f"{name}.hidden_size {spec.hidden_size} must be a multiple of "
+                       f"{name}.num_heads {spec.num_heads}")
+        if spec.num_heads % spec.num_kv_heads:
+            bad.append(f"{name}.num_heads {spec.num_heads} must be a multiple of "
+                       f"{name}.num_kv_heads {spec.num_kv_heads}")
+        if spec.head_dim % 2:
+            bad.append(f"{name}.head_dim {spec.head_dim} must be even (RoPE)")
+        if train.seq_len > spec.context:
+            bad.append(f"{name}_train.seq_len {train.seq_len} must be at most "
+                       f"{name}.context {spec.context}")
+    nh, nkv, _ = head_dims(h, t)
+    if nh % nkv:
+        bad.append(f"the head's {nh} attention heads (head.num_heads, else target.num_heads) must "
+                   f"be a multiple of its {nkv} KV heads (head.num_kv_heads)")
+    if ht.seq_len >= t.context:
+        bad.append(f"head_train.seq_len {ht.seq_len} must be below target.context {t.context} "
+                   "(a head window is seq_len + 1 target tokens)")
+    if h.unroll > ht.seq_len:
+        bad.append(f"head.unroll {h.unroll} must be at most head_train.seq_len {ht.seq_len}")
+    if h.draft_vocab_size is not None and h.draft_vocab_size > p.vocab_size:
+        bad.append(f"head.draft_vocab_size {h.draft_vocab_size} must be at most "
+                   f"vocab_size {p.vocab_size}")
+    if h.ttt_tokens not in TTT_TOKENS:
+        bad.append(f"head.ttt_tokens must be one of {', '.join(TTT_TOKENS)}, not {h.ttt_tokens!r}")
+    if h.selfgen_fraction > 1:
+        bad.append(f"head.selfgen_fraction {h.selfgen_fraction} must be at most 1")
+    for name, train in (("target_train", p.target_train), ("head_train", ht),
+                        ("draft_train", p.draft_train)):
+        if train is not None and train.beta2 >= 1:
+            bad.append(f"{name}.beta2 {train.beta2} must be below 1")
+        if train is not None and train.min_lr_ratio > 1:
+            bad.append(f"{name}.min_lr_ratio {train.min_lr_ratio} must be at most 1")
+    if p.save_dtype not in SAVE_DTYPES:
+        bad.append(f"save_dtype must be one of {', '.join(SAVE_DTYPES)}, not {p.save_dtype!r}")
+    if ev.max_prompts > 0:  # the simulated speculative decode (eval.max_prompts=0 skips it)
+        if ev.gen_tokens > t.context - 2:
+            bad.append(f"eval.gen_tokens {ev.gen_tokens} must be at most target.context - 2 "
+                       f"({t.context - 2}): prompt and continuation share the context")
+        for name, steps in (("chain_steps", ev.chain_steps), ("tree_steps", ev.tree_steps)):
+            if steps >= ev.gen_tokens:
+                bad.append(f"eval.{name} {steps} must be below eval.gen_tokens {ev.gen_tokens}")
+        most = ev.tree_topk + (ev.tree_steps - 1) * ev.tree_topk**2 + 1
+        if not 2 <= ev.tree_nodes <= most:
+            bad.append(f"eval.tree_nodes {ev.tree_nodes} must be between 2 and {most} for "
+                       f"tree_topk {ev.tree_topk}, tree_steps {ev.tree_steps}")
+        if ev.tree_topk > (h.draft_vocab_size or p.vocab_size):
+            bad.append(f"eval.tree_topk {ev.tree_topk} must be at most the draft vocabulary "
+                       f"({h.draft_vocab_size or p.vocab_size})")
+    if bad:
+        raise TrainInputError(f"preset {p.name!r}: " + "; ".join(bad))
 
 
 def preset_to_dict(preset: Preset) -> dict:

@@ -8,6 +8,10 @@ Output directory layout::
     DIR/draft/      HF directory + tokenizer (bench-pair only)
     DIR/train_report.json
 
+Everything is saved into ``DIR/.train-incomplete/`` first and moved into place once the report
+is written (``eagle3/`` last), so a failed or interrupted run never leaves a ``target/`` and
+``eagle3/`` pair that looks complete, and ``overwrite`` replaces the previous run's outputs whole.
+
 Deterministic for a given ``(preset, seed)`` on a given machine: every random draw comes from a
 seeded CPU generator and training runs a fixed number of steps. ``time_budget_s`` only cuts
 stages short (the report then says ``stopped_early``).
@@ -15,9 +19,12 @@ stages short (the report then says ``stopped_early``).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import platform
+import shutil
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -38,6 +45,8 @@ from phasegraph.train.loop import (
 )
 from phasegraph.train.presets import (
     Preset,
+    TrainInputError,
+    check_preset,
     head_flops_per_row,
     head_param_count,
     lm_flops_per_token,
@@ -55,13 +64,24 @@ from phasegraph.train.simulate import (
 from phasegraph.train.target import build_lm, eval_lm, save_lm, train_lm
 from phasegraph.train.tokenizer import EOS_TOKEN, encode_stream, save_tokenizer, train_tokenizer
 
-__all__ = ["ASSUMED_MFU", "PACKAGE_BUDGET_MIB", "project", "run_recipe"]
+__all__ = [
+    "ASSUMED_MFU",
+    "PACKAGE_BUDGET_MIB",
+    "check_run_options",
+    "prepare_out_dir",
+    "project",
+    "run_recipe",
+]
 
 ASSUMED_MFU = 0.15  # share of the H100 bf16 peak small models reach in eager PyTorch
 SELFGEN_STEP_S = 0.015  # projected seconds per batched decode step (launch-bound)
 PACKAGE_BUDGET_MIB = 24.0
 FILE_BUDGET_MIB = 16.0
 _EVAL_RESERVE = 0.1  # share of a time budget kept for saving and evaluation
+STAGING = ".train-incomplete"  # what a run saves into until every file is written
+OUTPUTS = ("target", "draft", "train_report.json", "eagle3")  # moved into place in this order
+# torch generators take seed * 1000 + a stage offset (at most 12) in [-2**63, 2**64)
+MIN_SEED, MAX_SEED = -(2**63 // 1000), (2**64 - 13) // 1000
 
 
 def project(preset: Preset, mfu: float = ASSUMED_MFU) -> dict[str, dict]:
@@ -124,9 +144,65 @@ def _prompt_ids(tok, prompts, limit: int) -> list[list[int]]:
     return [tok.encode(p.text, add_special_tokens=False).ids[-limit:] for p in prompts]
 
 
+def check_run_options(seed: int = 0, device: str | torch.device | None = None,
+                      time_budget_s: float | None = None) -> None:
+    """A :class:`TrainInputError` for a seed the generators cannot take, a device that is not
+    there, or a time budget that is not a positive number of seconds."""
+    if not MIN_SEED <= seed <= MAX_SEED:
+        raise TrainInputError(f"seed must be between {MIN_SEED} and {MAX_SEED}, got {seed}")
+    if time_budget_s is not None and not (math.isfinite(time_budget_s) and time_budget_s > 0):
+        raise TrainInputError(
+            f"time_budget_s must be a positive number of seconds, got {time_budget_s}"
+        )
+    if device is None:
+        return
+    try:
+        dev = torch.device(device)
+    except RuntimeError as exc:
+        raise TrainInputError(f"device {device}: {exc}") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise TrainInputError(f"device {device}: training runs on cpu or cuda")
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise TrainInputError(f"device {device}: no CUDA GPU is available")
+    if dev.type == "cuda" and (dev.index or 0) >= torch.cuda.device_count():
+        raise TrainInputError(f"device {device}: there are {torch.cuda.device_count()} GPUs")
+
+
+def prepare_out_dir(out_dir: str | Path, overwrite: bool = False) -> bool:
+    """Check that a run may train into ``out_dir``, create it, and return whether it was
+    missing. FileExistsError: a file, or (unless ``overwrite``) a directory holding files (a
+    killed run's ``.train-incomplete/`` does not count); :class:`TrainInputError`: an empty name,
+    or a directory that cannot be created or written."""
+    if not str(out_dir).strip():
+        raise TrainInputError("the output directory needs a name, got an empty one")
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise FileExistsError(f"{out_dir} is a file, not a directory")
+    try:
+        held = sorted(p.name for p in out_dir.iterdir() if p.name != STAGING) \
+            if out_dir.exists() else []
+        if held and not overwrite:
+            listed = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
+            raise FileExistsError(
+                f"{out_dir} is not empty ({listed}): training would overwrite what it holds; "
+                "choose a new or empty directory, or overwrite it on purpose (--overwrite)"
+            )
+        created = not out_dir.exists()
+        out_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out_dir):  # written only at the end: fail now instead
+            pass
+    except FileExistsError:
+        raise
+    except OSError as exc:
+        raise TrainInputError(
+            f"{out_dir}: cannot create or write the directory ({exc.strerror or exc})"
+        ) from None
+    return created
+
+
 def run_recipe(
     preset: Preset,
-    out_dir: Path,
+    out_dir: str | Path,
     seed: int = 0,
     device: str | torch.device | None = None,
     time_budget_s: float | None = None,
@@ -135,22 +211,53 @@ def run_recipe(
     overwrite: bool = False,
 ) -> dict:
     """Run every stage, write the files and ``train_report.json``; returns the report.
-    ``out_dir`` must be missing or empty unless ``overwrite`` (FileExistsError): the run writes
-    ``target/``, ``eagle3/``, ``draft/`` and the report there, over whatever they replace."""
+    ``out_dir`` must be missing or empty unless ``overwrite`` (FileExistsError): the run then
+    replaces its ``target/``, ``eagle3/``, ``draft/`` and report, and leaves other files alone.
+    Bad input (:func:`check_preset`, :func:`check_run_options`, :func:`prepare_out_dir`) is a
+    :class:`TrainInputError` before anything is read or written."""
+    check_preset(preset)
+    check_run_options(seed, device, time_budget_s)
+    created = prepare_out_dir(out_dir, overwrite)
     out_dir = Path(out_dir)
-    if out_dir.exists() and not out_dir.is_dir():
-        raise FileExistsError(f"{out_dir} is a file, not a directory")
-    held = sorted(p.name for p in out_dir.iterdir()) if out_dir.exists() else []
-    if held and not overwrite:
-        listed = ", ".join(held[:5]) + (f" and {len(held) - 5} more" if len(held) > 5 else "")
-        raise FileExistsError(
-            f"{out_dir} is not empty ({listed}): training would overwrite what it holds; "
-            "choose a new or empty directory, or overwrite it on purpose (--overwrite)"
-        )
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    with deterministic_mode():
-        return _run(preset, out_dir, seed, device, time_budget_s, progress, log)
+    try:
+        with deterministic_mode():
+            return _run(preset, out_dir, seed, device, time_budget_s, progress, log)
+    except BaseException:  # failed or interrupted: nothing half-written stays behind
+        shutil.rmtree(out_dir / STAGING, ignore_errors=True)
+        if created:
+            with contextlib.suppress(OSError):
+                out_dir.rmdir()  # only if still empty
+        raise
+
+
+def _move_into_place(staging: Path, out_dir: Path) -> None:
+    """Replace ``out_dir``'s outputs by the staged ones. The old ``eagle3/`` goes first and the
+    new one comes last: ``phasegraph bench`` takes ``target/`` + ``eagle3/`` for a complete pair,
+    so it never sees one of two runs, or one without its tokenizer or report."""
+    for name in reversed(OUTPUTS):
+        old = out_dir / name
+        if old.is_dir() and not old.is_symlink():
+            shutil.rmtree(old)
+        elif old.exists() or old.is_symlink():
+            old.unlink()
+    for name in OUTPUTS:
+        if (staging / name).exists():
+            (staging / name).rename(out_dir / name)
+    staging.rmdir()
+
+
+@contextlib.contextmanager
+def _save_progress(progress: bool):
+    """transformers' "Writing model shards" bar only with ``progress``."""
+    was = transformers.utils.logging.is_progress_bar_enabled()
+    if not progress:
+        transformers.utils.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was and not progress:
+            transformers.utils.logging.enable_progress_bar()
 
 
 def _run(preset, out_dir, seed, device, time_budget_s, progress, log) -> dict:
@@ -192,6 +299,7 @@ def _run(preset, out_dir, seed, device, time_budget_s, progress, log) -> dict:
     t0 = time.perf_counter()
     streams = {split: encode_stream(tok, texts[split]) for split in texts}
     walls["encode"] = time.perf_counter() - t0
+    _check_data(preset, streams, files["heldout"], vocab)
     report["corpus"] = {
         "stdlib": str(corpus_mod.stdlib_root()),
         "splits": {
@@ -283,14 +391,18 @@ def _run(preset, out_dir, seed, device, time_budget_s, progress, log) -> dict:
     t0 = time.perf_counter()
     dtype = getattr(torch, preset.save_dtype)
     context = preset.target.context
-    save_lm(target, out_dir / "target", dtype)
-    save_tokenizer(tok, out_dir / "target", context)
-    save_eagle3_head(head, out_dir / "eagle3", dtype)
-    dirs = {"target": out_dir / "target", "eagle3": out_dir / "eagle3"}
-    if draft is not None:
-        save_lm(draft, out_dir / "draft", dtype)
-        save_tokenizer(tok, out_dir / "draft", context)
-        dirs["draft"] = out_dir / "draft"
+    staging = out_dir / STAGING
+    shutil.rmtree(staging, ignore_errors=True)  # a killed run's leftovers
+    staging.mkdir()
+    dirs = {"target": staging / "target", "eagle3": staging / "eagle3"}
+    with _save_progress(progress):
+        save_lm(target, dirs["target"], dtype)
+        save_tokenizer(tok, dirs["target"], context)
+        save_eagle3_head(head, dirs["eagle3"], dtype)
+        if draft is not None:
+            dirs["draft"] = staging / "draft"
+            save_lm(draft, dirs["draft"], dtype)
+            save_tokenizer(tok, dirs["draft"], context)
     for d in dirs.values():  # safetensors writes 0600; the files are meant to be shipped
         for f in d.iterdir():
             f.chmod(0o644)
@@ -319,9 +431,42 @@ def _run(preset, out_dir, seed, device, time_budget_s, progress, log) -> dict:
         report.get(k, {}).get("train", {}).get("stopped_early", False)
         for k in ("target", "head", "draft")
     )
-    (out_dir / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    (staging / "train_report.json").write_text(json.dumps(report, indent=2) + "\n")
+    _move_into_place(staging, out_dir)
     log(format_summary(report))
     return report
+
+
+def _check_data(preset: Preset, streams: dict[str, torch.Tensor], heldout, vocab: int) -> None:
+    """A :class:`TrainInputError` where a corpus cap leaves a split shorter than the windows
+    the stages draw from it or no held-out prompt for the simulated decode, or the tokenizer
+    reached fewer tokens than the head's vocabulary or the tree's top-k need."""
+    stages = [("target_train", preset.target_train), ("head_train", preset.head_train)]
+    if preset.draft_train is not None:
+        stages.append(("draft_train", preset.draft_train))
+    name, spec = max(stages, key=lambda s: s[1].seq_len)
+    need = spec.seq_len + 1
+    bad = []
+    for split in ("train", "valid", "heldout"):
+        have = int(streams[split].numel())
+        if have < need + (split == "train"):  # training samples windows at random offsets
+            cap = getattr(preset.corpus, f"max_{split}_bytes")
+            bad.append(f"corpus.max_{split}_bytes={cap} leaves {have} {split} tokens, "
+                       f"fewer than one {need}-token window ({name}.seq_len + 1)")
+    if not bad and preset.eval.max_prompts > 0 and not corpus_mod.heldout_prompts(
+            max_lines=preset.eval.prompt_max_lines, max_prompts=1, files=heldout):
+        bad.append(f"corpus.max_heldout_bytes={preset.corpus.max_heldout_bytes} leaves no "
+                   "held-out file long enough for a prompt (eval.max_prompts=0 skips them)")
+    h, ev = preset.head, preset.eval
+    if h.draft_vocab_size is not None and h.draft_vocab_size > vocab:
+        bad.append(f"head.draft_vocab_size {h.draft_vocab_size} must be at most the {vocab} "
+                   f"tokens the tokenizer reached (vocab_size {preset.vocab_size})")
+    elif ev.max_prompts > 0 and ev.tree_topk > min(vocab, h.draft_vocab_size or vocab):
+        bad.append(f"eval.tree_topk {ev.tree_topk} must be at most the draft vocabulary "
+                   f"({min(vocab, h.draft_vocab_size or vocab)} tokens: the tokenizer reached "
+                   f"{vocab} of vocab_size {preset.vocab_size})")
+    if bad:
+        raise TrainInputError(f"preset {preset.name!r}: " + "; ".join(bad))
 
 
 def _selfgen_pool(frozen, stream, preset, seed, device, budget, progress) -> torch.Tensor:

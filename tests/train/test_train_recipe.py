@@ -184,8 +184,10 @@ def test_cli_plan_and_overrides(capsys):
     assert main(["demo-pair", "--plan"]) == 0
     text = capsys.readouterr().out
     assert "target" in text and "eagle3 head" in text and "projected H100 time" in text
-    with pytest.raises(ValueError, match="unknown preset field"):
+    with pytest.raises(SystemExit) as exited:  # a one-line usage error, not a traceback
         main(["tiny", "--plan", "--set", "target_train.nope=1"])
+    assert exited.value.code == 2
+    assert "error: unknown preset field 'target_train.nope'" in capsys.readouterr().err
     assert apply_overrides(TINY, ["head.draft_vocab_size=256"]).head.draft_vocab_size == 256
     with pytest.raises(ValueError, match=r"override 'eval.max_prompts=abc': expected an integer, got 'abc'"):
         apply_overrides(TINY, ["eval.max_prompts=abc"])
