@@ -172,8 +172,8 @@ def _resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         args.time_limit_s = None
     if args.train_budget_s is None and not args.quick:
         args.train_budget_s = DEFAULT_TRAIN_BUDGET_S
-    if args.train_budget_s is not None and args.train_budget_s <= 0:
-        args.train_budget_s = None
+    if args.train_budget_s is not None and (args.train_budget_s <= 0 or math.isinf(args.train_budget_s)):
+        args.train_budget_s = None  # 0 or inf: no limit (the recipe takes None, not inf)
     try:  # a typo in --train-set fails here, not after part 2 has run
         training_preset(args)
     except ValueError as exc:

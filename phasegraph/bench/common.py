@@ -309,7 +309,9 @@ def check_reused_pair(d: Path) -> None:
 def untrainable_pair_dir(d: Path) -> str | None:
     """Why the bench may not train a pair into ``d``: it holds files but no pair to reuse, and
     training would overwrite them (None: ``d`` is missing, empty, or holds a pair)."""
-    if has_pair(d) or not d.exists() or (d.is_dir() and not any(d.iterdir())):
+    from phasegraph.train.recipe import STAGING  # a killed training run's staging directory is
+    # no file of the user's (the recipe clears it)
+    if has_pair(d) or not d.exists() or (d.is_dir() and not any(p.name != STAGING for p in d.iterdir())):
         return None
     what = "is a file" if not d.is_dir() else "holds files but no trained pair (target/ and eagle3/ with config.json)"
     return (f"--pair {d} {what}: training the pair into it would overwrite them; point --pair at a new "
@@ -319,8 +321,9 @@ def untrainable_pair_dir(d: Path) -> str | None:
 def training_preset(args):
     """``(name, overrides, preset)`` of the recipe part 1 trains: ``bench-pair`` (``tiny`` with
     --quick), the bench's own override first and --train-set's after it (so the user's win), and
-    the preset they give. Raises ValueError for a bad override."""
-    from phasegraph.train.presets import PRESETS, apply_overrides
+    the preset they give. Raises ValueError for a bad override, or for fields the recipe would
+    refuse together (:func:`~phasegraph.train.presets.check_preset`): before any part runs."""
+    from phasegraph.train.presets import PRESETS, apply_overrides, check_preset
 
     name = "tiny" if args.quick else "bench-pair"
     overrides = list(args.train_set)
@@ -328,7 +331,9 @@ def training_preset(args):
         # the bench measures τ itself, on the engine; the recipe's own simulated-acceptance
         # check (28 s on 4 held-out prompts in run 13) is skipped unless --train-set asks for it
         overrides = ["eval.max_prompts=0", *overrides]
-    return name, overrides, apply_overrides(PRESETS[name], overrides)
+    preset = apply_overrides(PRESETS[name], overrides)
+    check_preset(preset)
+    return name, overrides, preset
 
 
 def phase_share(trace, wall: float) -> dict[str, float]:

@@ -497,14 +497,43 @@ def test_a_count_or_limit_out_of_range_is_refused_before_anything_runs(tmp_path,
     assert not out.exists() and not pair.exists()
 
 
-def test_a_zero_time_limit_means_none(tmp_path):
-    """--time-limit-s 0 turns the limit off, as --train-budget-s 0 does."""
+@pytest.mark.parametrize("budget", ["0", "inf"])
+def test_a_zero_time_limit_means_none(tmp_path, budget):
+    """--time-limit-s 0 turns the limit off, as --train-budget-s 0 or inf does (the recipe
+    refuses an infinite budget: the bench hands it no limit instead)."""
     from phasegraph.bench.cli import _resolve_args
     from phasegraph.cli import build_parser
 
-    args = build_parser().parse_args(["bench", "--out", str(tmp_path), "--time-limit-s", "0", "--train-budget-s", "0"])
+    args = build_parser().parse_args(["bench", "--out", str(tmp_path), "--time-limit-s", "0", "--train-budget-s", budget])
     args = _resolve_args(args)
     assert args.time_limit_s is None and args.train_budget_s is None
+
+
+def test_train_set_fields_the_recipe_refuses_together_stop_the_bench_at_once(tmp_path, capsys):
+    """Each override valid alone, the two contradicting: refused at the start (was: the recipe's
+    error inside part 1, after part 2 had run)."""
+    from phasegraph.cli import main
+
+    pair = tmp_path / "pair"
+    argv = ["bench", "--quick", "--out", str(tmp_path / "out"), "--pair", str(pair),
+            "--train-set", "target.num_heads=4", "--train-set", "target.num_kv_heads=3"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert "--train-set:" in err and "num_kv_heads" in err, err
+    assert not pair.exists()
+
+
+def test_a_killed_training_runs_staging_directory_does_not_block_the_pair_directory(tmp_path):
+    """A run killed mid-training leaves only DIR/.train-incomplete/, which the recipe clears: the
+    bench may train into DIR (it was refused as "holds files")."""
+    from phasegraph.bench.common import untrainable_pair_dir
+    from phasegraph.train.recipe import STAGING
+
+    pair = tmp_path / "pair"
+    (pair / STAGING / "target").mkdir(parents=True)
+    assert untrainable_pair_dir(pair) is None
+    (pair / "notes.txt").write_text("mine")
+    assert "holds files but no trained pair" in untrainable_pair_dir(pair)
 
 
 def test_a_dry_run_prints_the_plan_and_makes_nothing(tmp_path, capsys):
