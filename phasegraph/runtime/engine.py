@@ -45,8 +45,9 @@ from phasegraph.runtime.scheduler import Scheduler
 from phasegraph.statemachine import Trace
 from phasegraph.statemachine.errors import one_line
 
-# Upper bounds of the engine's sizes: far above any real setting, and low enough that the page
-# table and the pools' index arithmetic stay within 32-bit slot and page ids
+# Upper bounds of the engine's sizes: far above any real setting (past them, Python ints
+# overflowed inside torch); KV slot ids and positions stay below 2**31. Sizes within them that do
+# not fit in memory are refused when the KV cache is allocated.
 MAX_PAGE_SIZE = 1 << 16
 MAX_BATCH_SIZE = 1 << 16
 MAX_KV_TOKENS = (1 << 31) - 1
