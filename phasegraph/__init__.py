@@ -1,6 +1,7 @@
 """phasegraph: EAGLE-style speculative decoding as an explicit, typed state graph of phases.
 
-The public API (``Engine``, ``SpecConfig``, ``SamplingParams``) is imported lazily, so that
+The public API (``Engine``, ``SpecConfig``, ``SamplingParams``, ``RequestOutput``,
+``RequestDelta``) is imported lazily, so that
 ``import phasegraph`` (and the pytest plugin) does not pull in torch.
 """
 
@@ -13,6 +14,7 @@ _LAZY = {
     "SpecConfig": "phasegraph.runtime.config",
     "SamplingParams": "phasegraph.runtime.config",
     "RequestOutput": "phasegraph.runtime.config",
+    "RequestDelta": "phasegraph.runtime.config",  # what Engine.step() returns, one per request
 }
 
 __all__ = ["__version__", *_LAZY]

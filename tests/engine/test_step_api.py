@@ -142,6 +142,20 @@ def test_generate_among_step_level_requests_and_reused_ids(engine_root):
     assert_all_free(engine)
 
 
+def test_the_public_names_are_what_the_engine_hands_out(engine_root):
+    """``phasegraph.RequestDelta`` / ``RequestOutput`` (lazy top-level names) are the types of
+    what ``step()`` and ``generate()`` return, for users' annotations and isinstance checks."""
+    import phasegraph
+
+    assert {"Engine", "SpecConfig", "SamplingParams", "RequestOutput", "RequestDelta"} <= set(phasegraph.__all__)
+    engine = engine_for(arch_bundle(engine_root, "llama"), "none")
+    assert isinstance(engine, phasegraph.Engine)
+    engine.add_request("r", make_prompts([4], seed=1)[0], phasegraph.SamplingParams(max_new_tokens=2))
+    deltas = engine.step()
+    assert deltas and all(isinstance(d, phasegraph.RequestDelta) for d in deltas)
+    assert all(isinstance(o, phasegraph.RequestOutput) for o in engine.generate(make_prompts([3], seed=2)))
+
+
 def test_two_engines_sharing_one_target_object(engine_root):
     """Engines built over the same model objects each run over their own KV pools."""
     from phasegraph.runtime.engine import Engine
