@@ -39,6 +39,13 @@ def require_at_least(option: str, value: int, least: int) -> None:
         raise CliError(f"{option} must be at least {least}, got {value}")
 
 
+def require_name(option: str, value: str | None, kind: str) -> None:
+    """A :class:`CliError` if ``option`` was given an empty ``kind`` name ("file", "directory"):
+    "" would silently mean the current directory, stdout or no file at all."""
+    if value is not None and not value.strip():
+        raise CliError(f"{option} needs a {kind} name, got an empty one")
+
+
 def writable_file(path: str, option: str) -> Path:
     """``path`` as a file a command may write, checked before any work: a :class:`CliError` if it
     names a directory, its directory is missing, or the file cannot be opened for writing (a
@@ -66,8 +73,7 @@ def _cmd_graph(args: argparse.Namespace) -> int:
     from phasegraph.statemachine.render import BINARY_FORMATS, render_bytes
 
     for option, path in (("--out", args.out), ("--trace", args.trace)):
-        if path is not None and not path.strip():  # "" would mean stdout / no overlay, unasked
-            raise CliError(f"{option} needs a file name, got an empty one")
+        require_name(option, path, "file")
     fmt = graph_format(args.format, args.out)
     if args.out:
         writable_file(args.out, "--out")

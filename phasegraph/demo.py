@@ -15,7 +15,14 @@ import time
 from importlib import resources
 from pathlib import Path
 
-from phasegraph.cli import CliError, graph_format, register, require_at_least, writable_file
+from phasegraph.cli import (
+    CliError,
+    graph_format,
+    register,
+    require_at_least,
+    require_name,
+    writable_file,
+)
 
 DEMO_CHAIN = {"method": "eagle3", "num_steps": 3, "topk": 1}
 DEMO_TREE = {"method": "eagle3", "num_steps": 4, "topk": 4, "num_draft_tokens": 16}
@@ -84,8 +91,7 @@ def run_demo(args: argparse.Namespace) -> int:
             f"the embedded model pair is missing from {demo_pair_dir()}; reinstall phasegraph "
             "or train one with `python -m phasegraph.train demo-pair --out DIR`"
         )
-    if args.graph is not None and not args.graph.strip():  # "" would silently write no graph
-        raise CliError("--graph needs a file name, got an empty one")
+    require_name("--graph", args.graph, "file")
     graph_file, graph_fmt = _graph_output(args.graph) if args.graph else (None, None)
     for option, value, least in (("--prompts", args.prompts, 1), ("--show", args.show, 0), ("--threads", args.threads, 1)):
         require_at_least(option, value, least)

@@ -23,7 +23,7 @@ from phasegraph.bench.common import (
 from phasegraph.bench.pair import measure_trained_pair
 from phasegraph.bench.report import write_outputs
 from phasegraph.bench.scale import measure_scale
-from phasegraph.cli import CliError, register, require_at_least
+from phasegraph.cli import CliError, register, require_at_least, require_name
 
 # Training budget of the full run. Run 13 (bench/RESULTS.md §5, H100) measured 182 s of part 1
 # measurement, 108 s of part 2 and ~15 s of start-up; the recipe spends 90 % of its budget on the
@@ -135,8 +135,7 @@ def estimate_seconds(run: BenchRun) -> dict[str, float]:
 def _resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the full or --quick defaults and parse the comma-separated lists."""
     for option, path in (("--out", args.out), ("--pair", args.pair)):
-        if path is not None and not path.strip():  # "" would be the current directory / OUT/pair, unasked
-            raise CliError(f"{option} needs a directory name, got an empty one")
+        require_name(option, path, "directory")
     defaults = QUICK if args.quick else FULL
     for key, val in defaults.items():
         if getattr(args, key) is None:

@@ -28,12 +28,18 @@ class TreeShape:
     @property
     def num_candidates(self) -> int:
         """C = K + (S-1)·K²: draft candidates per request."""
-        return self.topk + (self.num_steps - 1) * self.topk * self.topk
+        return num_tree_candidates(self.topk, self.num_steps)
 
     @property
     def tokens_per_iteration(self) -> int:
         """Logical KV positions a request needs behind its prefix per iteration."""
         return max(self.num_draft_tokens, self.accept_width)
+
+
+def num_tree_candidates(topk: int, num_steps: int) -> int:
+    """C = K + (S-1)·K²: the candidates a tree of ``topk`` K and ``num_steps`` S drafts per
+    request (K at the first step, K² at each later one: K beams times their top-K)."""
+    return topk + (num_steps - 1) * topk * topk
 
 
 def check_tree_shape(topk: int, num_steps: int, num_draft_tokens: int) -> list[str]:
@@ -45,7 +51,7 @@ def check_tree_shape(topk: int, num_steps: int, num_draft_tokens: int) -> list[s
         problems.append(f"num_steps must be >= 1, got {num_steps}")
     if problems:
         return problems
-    most = 1 + topk + (num_steps - 1) * topk * topk
+    most = 1 + num_tree_candidates(topk, num_steps)
     if topk == 1:
         most = 1 + num_steps
     if not 2 <= num_draft_tokens <= most:

@@ -19,7 +19,7 @@ import argparse
 import sys
 import time
 
-from phasegraph.cli import CliError, register, writable_file
+from phasegraph.cli import CliError, register, require_name, writable_file
 
 PROGRESS_MIN_TOKENS = 32  # show a progress bar from this many new tokens on
 
@@ -78,10 +78,9 @@ def run_generate(args: argparse.Namespace) -> int:
     from phasegraph.runtime.config import SamplingParams, SpecConfig
     from phasegraph.runtime.engine import Engine
 
-    for option, path in (("--target", args.target), ("--draft", args.draft), ("--trace", args.trace)):
-        if path is not None and not path.strip():  # "" would be the current directory / no trace
-            raise CliError(f"{option} needs a {'file' if option == '--trace' else 'directory'} name, "
-                           "got an empty one")
+    for option, path, kind in (("--target", args.target, "directory"), ("--draft", args.draft, "directory"),
+                               ("--trace", args.trace, "file")):
+        require_name(option, path, kind)
     method = args.method or ("eagle3" if args.draft else "none")
     draft_options = {"--draft": args.draft, "--draft-dtype": args.draft_dtype, "--topk": args.topk,
                      "--num-steps": args.num_steps, "--num-draft-tokens": args.num_draft_tokens}

@@ -11,7 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 
 import attrs
 
-from phasegraph.phases.context import TreeShape, check_tree_shape
+from phasegraph.phases.context import TreeShape, check_tree_shape, num_tree_candidates
 from phasegraph.runtime.errors import InvalidConfig, InvalidRequest
 
 METHODS = ("none", "eagle", "eagle3", "mtp", "standalone")
@@ -50,7 +50,7 @@ class SpecConfig:
             v = getattr(self, name)
             if not is_int(v) or not 1 <= v <= most:
                 raise InvalidConfig(f"SpecConfig.{name} must be an integer in [1, {most}]; got {v!r}")
-        candidates = self.topk + (self.num_steps - 1) * self.topk * self.topk
+        candidates = num_tree_candidates(self.topk, self.num_steps)
         if candidates > MAX_TREE_CANDIDATES:
             raise InvalidConfig(
                 f"SpecConfig: topk={self.topk}, num_steps={self.num_steps} drafts {candidates} candidates "
@@ -72,7 +72,7 @@ class SpecConfig:
     def default_num_draft_tokens(self) -> int:
         if self.topk == 1:
             return self.num_steps + 1
-        most = self.topk + (self.num_steps - 1) * self.topk * self.topk
+        most = num_tree_candidates(self.topk, self.num_steps)
         return min(self.topk * self.num_steps, 16, most) + 1
 
     @property

@@ -189,8 +189,7 @@ def prepare_out_dir(out_dir: str | Path, overwrite: bool = False) -> bool:
             )
         created = not out_dir.exists()
         out_dir.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=out_dir):  # written only at the end: fail now instead
-            pass
+        tempfile.TemporaryFile(dir=out_dir).close()  # written only at the end: fail now instead
     except FileExistsError:
         raise
     except OSError as exc:

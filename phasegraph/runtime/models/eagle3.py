@@ -142,7 +142,8 @@ class Eagle3Draft(FeatureDraft):
         fused: bool | None = None,
     ) -> Eagle3Draft:
         where = str(directory)
-        config = draft_config(directory)
+        raw = read_config(directory)
+        config = draft_config(directory, raw)
         checkpoint = Checkpoint(directory, allow_bin=True)
         target_hidden, draft_vocab = eagle3_dims(config)
         require(
@@ -150,7 +151,7 @@ class Eagle3Draft(FeatureDraft):
             f"{where}: draft_vocab_size {draft_vocab} > vocab_size {config.vocab_size}",
         )
         check_fits_target(where, config, target, feature_size=3 * target_hidden)
-        layers = declared_eagle3_layers(read_config(directory), target.num_layers, where)
+        layers = declared_eagle3_layers(raw, target.num_layers, where)
         if layers is not None:
             target.use_feature_layers(layers)
         with_d2t = draft_vocab < config.vocab_size or "d2t" in checkpoint.shapes

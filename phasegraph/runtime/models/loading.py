@@ -90,6 +90,11 @@ def read_config(directory: str | Path) -> dict:
     return raw
 
 
+def _config_file(directory: str | Path | None) -> Path | str:
+    """What an error about a config names: its ``config.json``, or "config" for one built in code."""
+    return Path(directory) / "config.json" if directory is not None else "config"
+
+
 @contextlib.contextmanager
 def config_errors(directory: str | Path | None) -> Iterator[None]:
     """Turn transformers' rejection of a config (its own validators, a RoPE type it does not
@@ -99,7 +104,7 @@ def config_errors(directory: str | Path | None) -> Iterator[None]:
     except PhasegraphRuntimeError:
         raise
     except Exception as exc:  # noqa: BLE001 - transformers/huggingface_hub raise their own types
-        where = Path(directory) / "config.json" if directory is not None else "config"
+        where = _config_file(directory)
         raise CheckpointFileError(
             f"{where}: transformers cannot build a model from this config "
             f"({type(exc).__name__}: {one_line(str(exc), 300)})"
@@ -118,8 +123,9 @@ def check_model_parts(config, directory: str | Path | None) -> None:
         LlamaRotaryEmbedding(config=config)
     activation = getattr(config, "hidden_act", None)
     if activation is not None and (not isinstance(activation, str) or activation not in ACT2FN):
-        where = Path(directory) / "config.json" if directory is not None else "config"
-        raise CheckpointFileError(f"{where}: hidden_act {activation!r} is not an activation transformers knows")
+        raise CheckpointFileError(
+            f"{_config_file(directory)}: hidden_act {activation!r} is not an activation transformers knows"
+        )
 
 
 class Checkpoint:
