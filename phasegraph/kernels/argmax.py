@@ -9,9 +9,16 @@ candidates; a row that fits one block is done in one launch.
 Semantics are torch's: the first index of the maximum; NaN counts as larger than everything,
 so a row with NaN gives its first NaN (tests/gpu/test_triton_layer_kernels.py checks ties across
 blocks, NaN, infinities and all -inf rows against ``torch.argmax``).
+
+:func:`argmax_finite` also says, per row, whether the row's largest logit is finite: False where
+the row holds a NaN or +inf, or only -inf. The kernels know the maximum already, so the flag is
+one more store, no extra pass; the phases use it to fail a request whose target overflowed
+instead of emitting token 0 forever.
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 
@@ -35,9 +42,24 @@ def _check(logits: torch.Tensor) -> None:
         raise ValueError("logits: an empty vocabulary has no largest entry")
 
 
+class GreedyPick(NamedTuple):
+    index: torch.Tensor  # [R] int64: torch.argmax's answer
+    finite: torch.Tensor  # [R] bool: the row's maximum is finite (no NaN, no +inf, not all -inf)
+
+
 def argmax_reference(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
     _check(logits)
     return logits.argmax(dim=-1)
+
+
+def row_max_finite(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] bool
+    """Whether each row's largest logit is finite (``amax`` propagates NaN)."""
+    _check(logits)
+    return torch.isfinite(logits.amax(dim=-1))
+
+
+def argmax_finite_reference(logits: torch.Tensor) -> GreedyPick:
+    return GreedyPick(argmax_reference(logits), row_max_finite(logits))
 
 
 @jit
@@ -51,15 +73,23 @@ def _first_max(x, idx, BIG: tl.constexpr):
     return tl.where(has_nan, float("nan"), best), tl.where(has_nan, first_nan, first_best)
 
 
+@jit
+def _is_finite(best):
+    """The row maximum from :func:`_first_max` is finite (NaN != NaN; +-inf fail the bound)."""
+    return (best == best) & (tl.abs(best) < float("inf"))
+
+
 @jit(do_not_specialize=["vocab"])
 def _block_argmax_kernel(
     logits_ptr,  # [R, V]
     val_ptr,  # [R, NB] f32 out: each block's maximum (NaN if it holds one)
     idx_ptr,  # [R, NB] i64 out: its first index (the final answer when NB == 1)
+    finite_ptr,  # [R] bool out when NB == 1 and STORE_FINITE
     vocab,
     stride_r,
     NB: tl.constexpr,
     BLOCK: tl.constexpr,
+    STORE_FINITE: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
@@ -70,6 +100,8 @@ def _block_argmax_kernel(
     best, first = _first_max(x, idx, 1 << 62)
     if NB > 1:
         tl.store(val_ptr + r * NB + b, best)
+    elif STORE_FINITE:
+        tl.store(finite_ptr + r, _is_finite(best))
     tl.store(idx_ptr + r * NB + b, first)
 
 
@@ -78,8 +110,10 @@ def _merge_blocks_kernel(
     val_ptr,  # [R, NB] f32
     idx_ptr,  # [R, NB] i64
     out_ptr,  # [R] i64
+    finite_ptr,  # [R] bool out when STORE_FINITE
     NB: tl.constexpr,
     BLOCK_NB: tl.constexpr,
+    STORE_FINITE: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
@@ -90,14 +124,16 @@ def _merge_blocks_kernel(
     idx = tl.load(idx_ptr + r * NB + offs, mask=ok, other=1 << 62)
     # Blocks are in index order and each holds its own first maximum, so the smallest index of
     # the blocks that hold the maximum (or a NaN) is the row's first.
-    _, first = _first_max(val, idx, 1 << 62)
+    best, first = _first_max(val, idx, 1 << 62)
     tl.store(out_ptr + r, first)
+    if STORE_FINITE:
+        tl.store(finite_ptr + r, _is_finite(best))
 
 
-def argmax_triton(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
-    """Triton ``argmax``: grid ``(R, cdiv(V, BLOCK))`` with ``BLOCK = min(next_pow2(V),
-    BLOCK_MAX)``, then one program per row over the blocks' candidates (skipped with one block).
-    Reads each logit once."""
+def _argmax_launch(logits: torch.Tensor, finite: torch.Tensor | None) -> torch.Tensor:
+    """Grid ``(R, cdiv(V, BLOCK))`` with ``BLOCK = min(next_pow2(V), BLOCK_MAX)``, then one
+    program per row over the blocks' candidates (skipped with one block). Reads each logit once;
+    stores each row's finiteness into ``finite`` [R] when given."""
     _check(logits)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -111,12 +147,27 @@ def argmax_triton(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
     if blocks > 1:
         val = torch.empty((rows, blocks), dtype=torch.float32, device=logits.device)
         idx = torch.empty((rows, blocks), dtype=torch.int64, device=logits.device)
-    _block_argmax_kernel[(rows, blocks)](logits, val, idx, vocab, logits.stride(0), NB=blocks,
-                                         BLOCK=block, num_warps=8, **pdl_options())
+    store_finite = finite is not None
+    finite = out if finite is None else finite  # never written without STORE_FINITE
+    _block_argmax_kernel[(rows, blocks)](logits, val, idx, finite, vocab, logits.stride(0), NB=blocks,
+                                         BLOCK=block, STORE_FINITE=store_finite, num_warps=8,
+                                         **pdl_options())
     if blocks > 1:
-        _merge_blocks_kernel[(rows,)](val, idx, out, NB=blocks, BLOCK_NB=next_pow2(blocks),
-                                      num_warps=1, **pdl_options())
+        _merge_blocks_kernel[(rows,)](val, idx, out, finite, NB=blocks, BLOCK_NB=next_pow2(blocks),
+                                      STORE_FINITE=store_finite, num_warps=1, **pdl_options())
     return out
+
+
+def argmax_triton(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
+    """Triton ``argmax`` (:func:`_argmax_launch`)."""
+    return _argmax_launch(logits, None)
+
+
+def argmax_finite_triton(logits: torch.Tensor) -> GreedyPick:
+    """Triton :func:`argmax_finite`: the same launches, one more store per row."""
+    _check(logits)
+    finite = torch.empty(logits.shape[0], dtype=torch.bool, device=logits.device)
+    return GreedyPick(_argmax_launch(logits, finite), finite)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
@@ -124,3 +175,10 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
     if use_triton(logits):
         return argmax_triton(logits)
     return argmax_reference(logits)
+
+
+def argmax_finite(logits: torch.Tensor) -> GreedyPick:  # [R, V] -> ([R] int64, [R] bool)
+    """``argmax`` and whether each row's maximum is finite (Triton on CUDA)."""
+    if use_triton(logits):
+        return argmax_finite_triton(logits)
+    return argmax_finite_reference(logits)

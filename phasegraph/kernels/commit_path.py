@@ -8,6 +8,12 @@ length, budget, bonus token and the row draft-extend samples from. The reference
 with ~25 small torch ops (each a kernel of a few microseconds on a GPU); the Triton kernel does
 it in one program per request (bench/RESULTS.md §5: the launch inventory of an iteration).
 
+A node whose target logits were not finite (``node_finite`` False: the target overflowed, see
+:func:`phasegraph.kernels.argmax.argmax_finite`) made a meaningless prediction, and so did every
+node after it on the path: ``emitted`` keeps the tokens before the first such node, holds
+:data:`NONFINITE_LOGITS` in its place and -1 after it, so the host fails that request instead
+of emitting garbage. The rest of the state is cut as usual (the host drops the request).
+
 Both return :class:`CommittedPath`; its fields equal the reference's exactly (integers only).
 """
 
@@ -21,20 +27,25 @@ from phasegraph.kernels._checks import expect, expect_shape
 from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
 from phasegraph.kernels.bonus import fill_bonus_tokens_reference, gather_accepted_tokens_reference
 
+NONFINITE_LOGITS = -2  # an emitted entry: this token's target logits held NaN or +inf (never a token id)
+
 
 class CommittedPath(NamedTuple):
     lens: torch.Tensor  # [B] i64 in [1, W]: tokens committed
     finished: torch.Tensor  # [B] bool: a stop token or the budget ended the request
     accept_index: torch.Tensor  # [B, W] i64: the accepted nodes, -1 past lens
-    emitted: torch.Tensor  # [B, W] i64: their tokens, -1 past lens
+    emitted: torch.Tensor  # [B, W] i64: their tokens, -1 past lens; NONFINITE_LOGITS (see above)
     bonus_tokens: torch.Tensor  # [B] i64: the last committed token
     select_index: torch.Tensor  # [B] i64: b * width + lens - 1 + lead (draft-extend's sampled row)
     seq_lens: torch.Tensor  # [B] i64: seq_lens + lens
     remaining: torch.Tensor  # [B] i64: max(remaining - lens, 0)
 
 
-def _check(predict, accept_index, accept_lens, stop_ids, remaining, seq_lens, lead) -> None:
+def _check(predict, accept_index, accept_lens, stop_ids, remaining, seq_lens, lead, node_finite) -> None:
     expect(predict, "predict", 1, torch.int64)
+    if node_finite is not None:
+        expect(node_finite, "node_finite", 1, torch.bool)
+        expect_shape(node_finite, "node_finite", tuple(predict.shape))
     expect(accept_index, "accept_index", 2, torch.int64)
     batch = accept_index.shape[0]
     for t, name in ((accept_lens, "accept_lens"), (remaining, "remaining"), (seq_lens, "seq_lens")):
@@ -55,9 +66,11 @@ def commit_path_reference(
     remaining: torch.Tensor,  # [B] i64
     seq_lens: torch.Tensor,  # [B] i64
     lead: int,  # 0, or 1 for drafts whose extend starts at the root token
+    *,
+    node_finite: torch.Tensor | None = None,  # [B*N] bool, None = every node finite
 ) -> CommittedPath:
     """The cut path and the request state it leaves, in torch ops."""
-    _check(predict, accept_index, accept_lens, stop_ids, remaining, seq_lens, lead)
+    _check(predict, accept_index, accept_lens, stop_ids, remaining, seq_lens, lead, node_finite)
     B, W = accept_index.shape
     device = accept_index.device
     raw = gather_accepted_tokens_reference(predict, accept_index)  # [B, W]
@@ -68,12 +81,17 @@ def commit_path_reference(
     finished = (first_stop <= lens) | (lens >= remaining)
     inside = j[None, :] < lens[:, None]  # [B, W]
     index = torch.where(inside, accept_index, -1)
+    emitted = torch.where(inside, raw, -1)
+    if node_finite is not None:
+        bad = inside & ~node_finite[accept_index.clamp(min=0)]  # [B, W]
+        first_bad = torch.where(bad, j, W).min(dim=1).values[:, None]  # [B, 1], W = none
+        emitted = torch.where(j == first_bad, NONFINITE_LOGITS, torch.where(j > first_bad, -1, emitted))
     width = W + lead
     return CommittedPath(
         lens=lens,
         finished=finished,
         accept_index=index,
-        emitted=torch.where(inside, raw, -1),
+        emitted=emitted,
         bonus_tokens=fill_bonus_tokens_reference(predict, index, lens),
         select_index=torch.arange(B, device=device) * width + lens - 1 + lead,
         seq_lens=seq_lens + lens,
@@ -89,6 +107,7 @@ def _commit_path_kernel(
     stop_ids_ptr,  # [B, Z]
     remaining_ptr,  # [B]
     seq_lens_ptr,  # [B]
+    node_finite_ptr,  # [B*N] bool, read when HAS_FINITE
     lens_ptr,  # [B] out
     finished_ptr,  # [B] bool out
     index_out_ptr,  # [B, W] out
@@ -102,6 +121,8 @@ def _commit_path_kernel(
     lead,
     BLOCK_W: tl.constexpr,
     BLOCK_Z: tl.constexpr,
+    HAS_FINITE: tl.constexpr,
+    NONFINITE: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
@@ -121,7 +142,12 @@ def _commit_path_kernel(
     tl.store(lens_ptr + b, lens)
     tl.store(finished_ptr + b, (first_stop <= lens) | (lens >= remaining))
     tl.store(index_out_ptr + b * width + w, tl.where(inside, index, -1), mask=in_w)
-    tl.store(emitted_ptr + b * width + w, tl.where(inside, token, -1), mask=in_w)
+    emitted = tl.where(inside, token, -1)
+    if HAS_FINITE:
+        finite = tl.load(node_finite_ptr + index, mask=inside & (index >= 0), other=1)
+        first_bad = tl.min(tl.where(inside & (finite == 0), w, width), axis=0)
+        emitted = tl.where(w == first_bad, NONFINITE, tl.where(w > first_bad, -1, emitted))
+    tl.store(emitted_ptr + b * width + w, emitted, mask=in_w)
     tl.store(bonus_ptr + b, tl.sum(tl.where(w == lens - 1, token, 0), axis=0))
     tl.store(select_ptr + b, b * (width + lead) + lens - 1 + lead)
     tl.store(seq_out_ptr + b, tl.load(seq_lens_ptr + b) + lens)
@@ -136,9 +162,11 @@ def commit_path_triton(
     remaining: torch.Tensor,  # [B] i64
     seq_lens: torch.Tensor,  # [B] i64
     lead: int,
+    *,
+    node_finite: torch.Tensor | None = None,  # [B*N] bool
 ) -> CommittedPath:
     """Triton ``commit_path``: one program per request, one launch."""
-    _check(predict, accept_index, accept_lens, stop_ids, remaining, seq_lens, lead)
+    _check(predict, accept_index, accept_lens, stop_ids, remaining, seq_lens, lead, node_finite)
     B, W = accept_index.shape
     Z = stop_ids.shape[1]
     device = accept_index.device
@@ -156,8 +184,11 @@ def commit_path_triton(
         raise ValueError("accept_index: an accepted path has at least one node (W >= 1)")
     _commit_path_kernel[(B,)](
         predict.contiguous(), accept_index.contiguous(), accept_lens.contiguous(), stop_ids.contiguous(),
-        remaining.contiguous(), seq_lens.contiguous(), *out, W, Z, lead,
-        BLOCK_W=max(next_pow2(W), 2), BLOCK_Z=max(next_pow2(Z), 2), num_warps=1, **pdl_options(),
+        remaining.contiguous(), seq_lens.contiguous(),
+        predict if node_finite is None else node_finite.contiguous(),  # never read without HAS_FINITE
+        *out, W, Z, lead,
+        BLOCK_W=max(next_pow2(W), 2), BLOCK_Z=max(next_pow2(Z), 2), HAS_FINITE=node_finite is not None,
+        NONFINITE=NONFINITE_LOGITS, num_warps=1, **pdl_options(),
     )
     return out
 
@@ -170,8 +201,11 @@ def commit_path(
     remaining: torch.Tensor,  # [B] i64
     seq_lens: torch.Tensor,  # [B] i64
     lead: int,
+    *,
+    node_finite: torch.Tensor | None = None,  # [B*N] bool, None = every node finite
 ) -> CommittedPath:
-    """Cut each accepted path after its first stop token and at the budget; the state it leaves."""
-    if use_triton(accept_index):
-        return commit_path_triton(predict, accept_index, accept_lens, stop_ids, remaining, seq_lens, lead)
-    return commit_path_reference(predict, accept_index, accept_lens, stop_ids, remaining, seq_lens, lead)
+    """Cut each accepted path after its first stop token and at the budget; the state it leaves;
+    mark the first accepted token whose logits were not finite (module docstring)."""
+    impl = commit_path_triton if use_triton(accept_index) else commit_path_reference
+    return impl(predict, accept_index, accept_lens, stop_ids, remaining, seq_lens, lead,
+                node_finite=node_finite)

@@ -787,7 +787,7 @@ commit_mod = importlib.import_module("phasegraph.kernels.commit_path")
 @pytest.mark.parametrize("lead", [0, 1])
 @pytest.mark.parametrize(("batch", "width", "stops"), [(1, 1, 1), (7, 4, 3), (5, 9, 0), (64, 7, 5)])
 def test_commit_path(device, gen, batch, width, stops, lead):
-    from tests.kernels.commit_path_cases import commit_path_case
+    from tests.kernels.commit_path_cases import commit_path_case, node_finite_case
 
     case = commit_path_case(gen, batch, width, nodes=width + 3, stops=stops, lead=lead, device=device)
     ref = commit_mod.commit_path_reference(*case)
@@ -796,3 +796,10 @@ def test_commit_path(device, gen, batch, width, stops, lead):
     if batch >= 7 and stops:  # stop tokens and budgets both cut some paths here
         cut = ref.lens < case[2]
         assert cut.any() and (~ref.finished).any()
+    # with nodes whose logits were not finite: the emitted rows are cut at the first of them
+    finite = node_finite_case(gen, batch, width + 3, device=device)
+    ref = commit_mod.commit_path_reference(*case, node_finite=finite)
+    out = run_triton(device, commit_mod.commit_path_triton, *case, node_finite=finite)
+    assert_same_fields(ref, out)
+    if batch >= 7:
+        assert (ref.emitted == commit_mod.NONFINITE_LOGITS).any()

@@ -437,6 +437,12 @@ def test_argmax_equals_torch(device, gen, dtype, vocab):
     assert_equal(logits[:, : max(1, vocab // 2)].cpu().argmax(dim=-1),
                  run_triton(device, argmax.argmax_triton, logits[:, : max(1, vocab // 2)]).cpu(),
                  "argmax of a strided view")
+    # argmax_finite: the same index, and the row maximum's finiteness (rows 2-5 are not finite)
+    pick = run_triton(device, argmax.argmax_finite_triton, logits)
+    ref = argmax.argmax_finite_reference(logits.cpu())
+    assert_equal(ref.index, pick.index, "argmax_finite index")
+    assert_equal(ref.finite, pick.finite, "argmax_finite finite")
+    assert ref.finite.tolist()[4:6] == [False, False] and ref.finite[[0, 6, 7, 8]].all()
 
 
 def _tree_block_slots(meta, nodes: int) -> torch.Tensor:

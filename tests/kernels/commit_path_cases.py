@@ -6,6 +6,11 @@ from __future__ import annotations
 import torch
 
 
+def node_finite_case(gen: torch.Generator, batch: int, nodes: int, device="cpu") -> torch.Tensor:
+    """[B*N] bool: about one node in six with non-finite logits."""
+    return (torch.rand(batch * nodes, generator=gen) > 1 / 6).to(device)
+
+
 def commit_path_case(gen: torch.Generator, batch: int, width: int, nodes: int, stops: int, lead: int,
                      vocab: int = 6, device="cpu") -> tuple:
     predict = torch.randint(0, vocab, (batch * nodes,), generator=gen)

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phasegraph.kernels.commit_path import commit_path, commit_path_reference
+from phasegraph.kernels.commit_path import NONFINITE_LOGITS, commit_path, commit_path_reference
 
 T = torch.tensor
 
@@ -37,6 +37,25 @@ def test_cuts_after_the_first_stop_token_and_at_the_budget():
     assert free.lens.tolist() == [3, 1] and free.finished.tolist() == [False, False]
 
 
+def test_non_finite_nodes_cut_the_emitted_tokens_at_the_first_accepted_one():
+    predict = torch.arange(100, 100 + 2 * 8)
+    index, lens = T([[0, 2, 5, -1], [8, 9, 11, 12]]), T([3, 4])
+    finite = torch.ones(16, dtype=torch.bool)
+    finite[[5, 7]] = False  # row 0: its third accepted node; node 7 is off every path
+    finite[[8]] = False  # row 1: its root
+    no_stops = T([[-1], [-1]])
+    p = commit_path(predict, index, lens, no_stops, T([9, 9]), T([10, 20]), 0, node_finite=finite)
+    assert p.emitted.tolist() == [[100, 102, -2, -1], [-2, -1, -1, -1]]
+    # the rest of the path's state is cut as without the flags (the host drops the request)
+    clean = commit_path(predict, index, lens, no_stops, T([9, 9]), T([10, 20]), 0)
+    assert p.lens.tolist() == clean.lens.tolist() and p.seq_lens.tolist() == clean.seq_lens.tolist()
+    # a stop token before the bad node ends the path first: nothing is flagged
+    stopped = commit_path(predict, index, lens, T([[102], [-1]]), T([9, 9]), T([10, 20]), 0,
+                          node_finite=finite)
+    assert stopped.emitted.tolist()[0] == [100, 102, -1, -1]
+    assert NONFINITE_LOGITS == -2
+
+
 def test_no_stop_ids_at_all():
     p = _path([[0, 1, -1, -1], [8, -1, -1, -1]], [2, 1], [], [5, 5])
     assert p.lens.tolist() == [2, 1] and p.finished.tolist() == [False, False]
@@ -56,6 +75,8 @@ def test_public_name_is_the_reference_off_cuda():
     ({"stop_ids": T([[1]])}, "stop_ids: expected 2 rows, got 1"),
     ({"remaining": T([1.0, 2.0])}, "remaining: expected dtype torch.int64"),
     ({"lead": 2}, "lead: expected 0 or 1, got 2"),
+    ({"node_finite": torch.ones(8)}, "node_finite: expected dtype torch.bool"),
+    ({"node_finite": torch.ones(7, dtype=torch.bool)}, r"node_finite: expected shape \(8,\)"),
 ])
 def test_bad_input_fails_by_name(change, match):
     args = {"predict": torch.arange(8), "accept_index": T([[0, -1], [4, 5]]), "accept_lens": T([1, 2]),
