@@ -1,7 +1,7 @@
 """phasegraph: EAGLE-style speculative decoding as an explicit, typed state graph of phases.
 
 The public API (``Engine``, ``SpecConfig``, ``SamplingParams``, ``RequestOutput``,
-``RequestDelta``) is imported lazily, so that
+``RequestDelta``, ``RequestFailed``) is imported lazily, so that
 ``import phasegraph`` (and the pytest plugin) does not pull in torch.
 """
 
@@ -15,6 +15,7 @@ _LAZY = {
     "SamplingParams": "phasegraph.runtime.config",
     "RequestOutput": "phasegraph.runtime.config",
     "RequestDelta": "phasegraph.runtime.config",  # what Engine.step() returns, one per request
+    "RequestFailed": "phasegraph.runtime.errors",  # Engine.generate: a request ended with an error
 }
 
 __all__ = ["__version__", *_LAZY]

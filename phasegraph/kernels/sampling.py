@@ -4,14 +4,16 @@ Torch only, on every device: ``inverse_cdf_sample`` is defined by a float32 ``cu
 ``searchsorted``; a Triton scan adds in another order, so its picks would differ from these
 wherever a coin lands within float32 rounding of a boundary, and there is little to gain (three
 ops per row). ``sample_tokens`` is ``argmax`` or ``target_probs`` (see tree_sampling.py) plus
-this.
+this, and says which rows' logits were finite (argmax.py).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
-from phasegraph.kernels.argmax import argmax
+from phasegraph.kernels.argmax import argmax_finite, row_max_finite
 from phasegraph.kernels.tree_sampling import target_probs
 
 
@@ -27,6 +29,11 @@ def inverse_cdf_sample(probs: torch.Tensor, coins: torch.Tensor) -> torch.Tensor
     return torch.minimum(idx, last_nonzero)
 
 
+class SampledTokens(NamedTuple):
+    tokens: torch.Tensor  # [R] int64
+    finite: torch.Tensor  # [R] bool: the row's largest logit is finite (argmax.argmax_finite)
+
+
 def sample_tokens(
     logits: torch.Tensor,  # [R, V]
     temperature: torch.Tensor,  # [R] float32, 0 = greedy
@@ -34,10 +41,11 @@ def sample_tokens(
     top_p: torch.Tensor,  # [R] float32, 1 = off
     coins: torch.Tensor,  # [R] uniform in [0, 1)
     greedy_only: bool = False,
-) -> torch.Tensor:
+) -> SampledTokens:
     """Next token per row: argmax when every row is greedy, else a sample from the target's
-    temperature / top-k / top-p processed distribution (greedy rows stay exact argmax)."""
+    temperature / top-k / top-p processed distribution (greedy rows stay exact argmax); and
+    whether each row's logits were finite (a NaN or +inf row samples nothing meaningful)."""
     if greedy_only:
-        return argmax(logits)
+        return SampledTokens(*argmax_finite(logits))
     probs = target_probs(logits, temperature, top_k, top_p, 1)  # [R, V]
-    return inverse_cdf_sample(probs, coins)
+    return SampledTokens(inverse_cdf_sample(probs, coins), row_max_finite(logits))

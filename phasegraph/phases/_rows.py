@@ -26,6 +26,7 @@ def select_state(s: DraftState, rows: torch.Tensor) -> DraftState:
         topk_index=s.topk_index[rows],
         hidden=None if s.hidden is None else s.hidden[rows],
         bonus_logprobs=None if s.bonus_logprobs is None else s.bonus_logprobs[rows],
+        emitted=None if s.emitted is None else s.emitted[rows],
     )
 
 
@@ -65,6 +66,9 @@ def concat_states(a: DraftState, b: DraftState) -> DraftState:
     logprobs = None
     if a.bonus_logprobs is not None and b.bonus_logprobs is not None:
         logprobs = torch.cat([a.bonus_logprobs, b.bonus_logprobs])
+    emitted = None
+    if a.emitted is not None and b.emitted is not None:
+        emitted = torch.cat([a.emitted, b.emitted])
     return DraftState(
         params=concat_params(a.params, b.params),
         seq_lens=torch.cat([a.seq_lens, b.seq_lens]),
@@ -74,4 +78,5 @@ def concat_states(a: DraftState, b: DraftState) -> DraftState:
         topk_index=torch.cat([a.topk_index, b.topk_index]),
         hidden=hidden,
         bonus_logprobs=logprobs,
+        emitted=emitted,
     )

@@ -22,6 +22,7 @@ import types
 import torch
 from jaxtyping import Bool, Float, Float32, Int64
 
+from phasegraph.kernels.commit_path import NONFINITE_LOGITS
 from phasegraph.statemachine import InvalidSchema, Role, Schema, invariant, schema, tensor, value
 
 REQUEST = Role("request", "B")
@@ -152,6 +153,9 @@ class PrefillResult(DraftExtendInput):
     """Prefill's output: the draft-extend input for the prompts plus the first sampled token."""
 
     first_logprobs: Float32[Tensor, "B"] | None = tensor(role=REQUEST, default=None)
+    logits_finite: Bool[Tensor, "B"] = tensor(
+        role=REQUEST, doc="False where the target's logits for the first token held NaN or +inf (or only -inf)"
+    )
 
 
 # ----------------------------------------------------------------------------- draft state
@@ -169,6 +173,10 @@ class DraftState(Schema):
     topk_index: Int64[Tensor, "B K"] = tensor(role=REQUEST, doc="depth-1 candidate tokens (target vocab)")
     hidden: Float[Tensor, "B Hd"] | None = tensor(role=REQUEST, default=None, doc="draft hidden fed to step 0")
     bonus_logprobs: Float32[Tensor, "B"] | None = tensor(role=REQUEST, default=None, doc="set by decode when asked")
+    emitted: Int64[Tensor, "B"] | None = tensor(
+        role=REQUEST, default=None,
+        doc="set by decode: bonus_tokens, or NONFINITE_LOGITS where the target's logits held NaN or +inf",
+    )
 
     @invariant("seq_lens >= 1 and remaining >= 0")
     def _lengths(self) -> str | None:
@@ -184,6 +192,13 @@ class DraftState(Schema):
         ok = ((self.topk_p >= 0) & (self.topk_p <= 1)).all(dim=1)
         row = _first_bad_row(ok)
         return f"request {row}: topk_p {self.topk_p[row].tolist()} (NaN or out of [0, 1])"
+
+    @invariant("emitted (when set) is bonus_tokens or NONFINITE_LOGITS")
+    def _emitted(self) -> str | None:
+        if self.emitted is None:
+            return None
+        row = _first_bad_row((self.emitted == self.bonus_tokens) | (self.emitted == NONFINITE_LOGITS))
+        return None if row is None else f"request {row}: emitted {int(self.emitted[row])}, bonus token {int(self.bonus_tokens[row])}"
 
 
 # ----------------------------------------------------------------------------- tree proposal
@@ -261,6 +276,9 @@ class VerifyResult(Schema):
     accept_index: Int64[Tensor, "B W"] = tensor(role=REQUEST, doc="node rows of the accepted path, -1 padded")
     accept_lens: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="accepted drafts + 1 (the bonus)")
     bonus_tokens: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="the new bonus token")
+    logits_finite: Bool[Tensor, "B N"] = tensor(
+        role=REQUEST, doc="False at node j where the target's logits after it held NaN or +inf (or only -inf)"
+    )
 
     @invariant("accept_index[b,0] is b's root; entries stay in b's node block; -1 only as a suffix")
     def _accept_index_in_block(self) -> str | None:
@@ -344,7 +362,9 @@ class FinalizedPath(DraftExtendInput):
     verified: VerifyResult = value(doc="the verify result this path was finalized from")
     accept_index: Int64[Tensor, "B W"] = tensor(role=REQUEST)
     accept_lens: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="after truncation at a stop or budget")
-    emitted: Int64[Tensor, "B W"] = tensor(role=REQUEST, doc="new tokens, -1 padded")
+    emitted: Int64[Tensor, "B W"] = tensor(
+        role=REQUEST, doc="new tokens, -1 padded; NONFINITE_LOGITS at the first whose logits were not finite"
+    )
     finished: Bool[Tensor, "B"] = tensor(role=REQUEST, doc="hit a stop token or its budget")
     accepted_predict: Int64[Tensor, "B*W"] = tensor(role=ACCEPTED)
     accepted_features: Float[Tensor, "B*W Hf"] = tensor(role=ACCEPTED)
@@ -356,14 +376,19 @@ class FinalizedPath(DraftExtendInput):
         row = _first_bad_row(self.seq_lens == before + self.accept_lens)
         return None if row is None else f"request {row}: seq_len {int(self.seq_lens[row])} != {int(before[row])} + {int(self.accept_lens[row])}"
 
-    @invariant("emitted tokens are the accepted predictions, -1 past accept_lens")
+    @invariant("emitted tokens are the accepted predictions, -1 past accept_lens, cut at the first "
+               "node with non-finite logits")
     def _emitted(self) -> str | None:
         B, W = self.emitted.shape
         if B == 0:
             return None
         j = torch.arange(W, device=self.emitted.device)[None, :]
         inside = j < self.accept_lens[:, None]
+        node = self.accept_index.clamp(min=0)
+        bad = inside & ~self.verified.logits_finite.reshape(-1)[node]  # [B, W]
+        first_bad = torch.where(bad, j, W).min(dim=1).values[:, None]  # [B, 1], W = none
         want = torch.where(inside, self.accepted_predict.view(B, W), -1)
+        want = torch.where(j == first_bad, NONFINITE_LOGITS, torch.where(j > first_bad, -1, want))
         row = _first_bad_row((self.emitted == want).all(dim=1))
         return None if row is None else f"request {row}: emitted {self.emitted[row].tolist()} != {want[row].tolist()}"
 

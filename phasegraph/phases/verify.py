@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from phasegraph.kernels.argmax import argmax
+from phasegraph.kernels.argmax import argmax_finite, row_max_finite
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.bonus import fill_bonus_tokens
 from phasegraph.kernels.cache_slots import span_slots_and_rows
@@ -53,16 +53,17 @@ def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
     out = ctx.target.forward(state.draft_tokens, state.positions, attn, logits_index=None)
     logits = out.logits  # [B*N, V]
     if ctx.simulate_accept_drafts is not None:  # benchmark mode, labelled as such by the engine
+        greedy, finite = argmax_finite(logits)  # [B*N] each
         outcome = verify_tree_simulated(
-            state.draft_tokens, state.retrieve_next_token, argmax(logits), S,
-            ctx.simulate_accept_drafts,
+            state.draft_tokens, state.retrieve_next_token, greedy, S, ctx.simulate_accept_drafts,
         )
     elif ctx.greedy_only:
+        greedy, finite = argmax_finite(logits)
         outcome = verify_tree_greedy(
-            state.draft_tokens, state.retrieve_next_token, state.retrieve_next_sibling,
-            argmax(logits), S,
+            state.draft_tokens, state.retrieve_next_token, state.retrieve_next_sibling, greedy, S,
         )
     else:
+        finite = row_max_finite(logits)  # [B*N]
         probs = target_probs(logits, params.temperature, params.top_k, params.top_p, N)
         # the coins that choose the token at position seq_len + d + 1 (after depth d)
         chosen = seq_lens[:, None] + 1 + torch.arange(S + 1, device=device)  # [B, S+1]
@@ -83,4 +84,5 @@ def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
         accept_index=outcome.accept_index,
         accept_lens=outcome.accept_lens,
         bonus_tokens=fill_bonus_tokens(outcome.predict, outcome.accept_index, outcome.accept_lens),
+        logits_finite=finite.view(B, N),
     )

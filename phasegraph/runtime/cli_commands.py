@@ -74,9 +74,18 @@ def _prompt(args: argparse.Namespace):
     return ids
 
 
+def _write_output(engine, out) -> None:
+    if engine.tokenizer is not None:
+        sys.stdout.write(out.text + "\n")
+    else:
+        sys.stdout.write(" ".join(map(str, out.token_ids)) + "\n")
+    sys.stdout.flush()
+
+
 def run_generate(args: argparse.Namespace) -> int:
     from phasegraph.runtime.config import SamplingParams, SpecConfig
     from phasegraph.runtime.engine import Engine
+    from phasegraph.runtime.errors import RequestFailed
 
     for option, path, kind in (("--target", args.target, "directory"), ("--draft", args.draft, "directory"),
                                ("--trace", args.trace, "file")):
@@ -109,13 +118,13 @@ def run_generate(args: argparse.Namespace) -> int:
                        "pass the prompt's token ids with --prompt-ids (e.g. --prompt-ids 1,2,3)")
     progress = not args.no_progress and args.max_new_tokens >= PROGRESS_MIN_TOKENS
     start = time.perf_counter()
-    out = engine.generate([prompt], params, progress=progress)[0]
+    try:
+        out = engine.generate([prompt], params, progress=progress)[0]
+    except RequestFailed as exc:  # show what came before the failure, then the error
+        _write_output(engine, exc.outputs[0])
+        raise CliError(str(exc)) from None
     seconds = time.perf_counter() - start
-    if engine.tokenizer is not None:
-        sys.stdout.write(out.text + "\n")
-    else:
-        sys.stdout.write(" ".join(map(str, out.token_ids)) + "\n")
-    sys.stdout.flush()
+    _write_output(engine, out)
     tau = out.stats.mean_accept_length
     accept = (
         f"mean acceptance length: {tau:.2f} over {len(out.stats.accept_lengths)} verify steps"

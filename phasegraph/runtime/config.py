@@ -200,9 +200,10 @@ class RequestOutput:
     prompt_token_ids: list[int]
     token_ids: list[int]  # generated tokens only
     text: str
-    finish_reason: str | None  # "length" | "stop" | "abort" | None while running
+    finish_reason: str | None  # "length" | "stop" | "abort" | "error" | None while running
     logprobs: list[float] | None = None
     stats: RequestStats = attrs.field(factory=RequestStats)
+    error: str | None = None  # what went wrong, with finish_reason "error"
 
     @property
     def finished(self) -> bool:
@@ -217,3 +218,4 @@ class RequestDelta:
     new_token_ids: tuple[int, ...]
     new_text: str
     finish_reason: str | None
+    error: str | None = None  # what went wrong, with finish_reason "error"

@@ -33,6 +33,7 @@ from phasegraph.runtime.errors import (
     DraftMismatch,
     InvalidConfig,
     InvalidRequest,
+    RequestFailed,
     SchedulerInvariantError,
 )
 from phasegraph.runtime.kv_pool import KVCacheManager
@@ -483,7 +484,7 @@ class Engine:
         for rid, req in list(self._requests.items()):
             tokens, text = req.take_delta()
             if tokens or text or req.finish_reason is not None:
-                deltas.append(RequestDelta(rid, tuple(tokens), text, req.finish_reason))
+                deltas.append(RequestDelta(rid, tuple(tokens), text, req.finish_reason, req.error))
             if req.status is Status.FINISHED:
                 del self._requests[rid]
         return deltas
@@ -516,7 +517,10 @@ class Engine:
         """Generate for every prompt; outputs come back in the prompts' order.
 
         Every prompt and parameter set is checked before any work starts, so one bad prompt
-        raises :class:`InvalidRequest` without running (or harming) the others.
+        raises :class:`InvalidRequest` without running (or harming) the others. A request that
+        fails while it runs (finish reason ``"error"``: its target's logits were not finite)
+        does not stop the others; once all have ended, :class:`RequestFailed` is raised with
+        every output (``.outputs``), the failed ones carrying their ``error``.
         """
         if isinstance(prompts, (str, torch.Tensor)) or (
             isinstance(prompts, Sequence) and prompts and _as_token_id(prompts[0]) is not None
@@ -557,7 +561,10 @@ class Engine:
             for req in reqs:
                 if req.status is Status.FINISHED:
                     self._requests.pop(req.request_id, None)
-        return [r.to_output() for r in reqs]
+        outputs = [r.to_output() for r in reqs]
+        if any(o.finish_reason == "error" for o in outputs):
+            raise RequestFailed(outputs)
+        return outputs
 
     # ------------------------------------------------------------------ introspection
     @property

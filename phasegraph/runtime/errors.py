@@ -120,6 +120,21 @@ class InvalidRequest(PhasegraphRuntimeError, ValueError):
     vocabulary, bad sampling parameters, ...). Nothing was queued; no other request is affected."""
 
 
+class RequestFailed(PhasegraphRuntimeError):
+    """``Engine.generate`` ran every request to its end, and some ended with finish reason
+    ``"error"`` (e.g. the target's logits were not finite). ``outputs`` holds every request's
+    output, in the prompts' order, the failed ones with their ``error``; nothing is lost."""
+
+    def __init__(self, outputs: Sequence) -> None:
+        self.outputs = list(outputs)
+        self.failed = [o for o in self.outputs if o.finish_reason == "error"]
+        first = self.failed[0]
+        more = f" (and {len(self.failed) - 1} more)" if len(self.failed) > 1 else ""
+        super().__init__(
+            f"request {first.request_id} failed after {len(first.token_ids)} tokens{more}: {first.error}"
+        )
+
+
 class SchedulerInvariantError(PhasegraphRuntimeError):
     """The scheduler's bookkeeping is inconsistent (a request in two queues, host and device
     state disagreeing, KV accounting broken, ...); ``problems`` lists every violation found.

@@ -42,6 +42,7 @@ class Request:
         self.logprobs: list[float] | None = [] if params.logprobs else None
         self.status = Status.WAITING
         self.finish_reason: str | None = None
+        self.error: str | None = None  # set with finish_reason "error"
         self.row: int | None = None  # page-table row while running
         self.seq_len = 0
         self._text = ""  # decoded from output[:_text_tokens] (cut at a stop string once one is hit)
@@ -113,6 +114,19 @@ class Request:
         if self.finish_reason is None:
             self.finish_reason = reason
 
+    def fail_nonfinite(self) -> None:
+        """Finish with ``"error"``: the target's logits for output token ``len(output)`` held NaN
+        or +inf (or only -inf), so that token and every later one would be garbage (greedy
+        argmax picks the first NaN's id, 0 for an all-NaN row)."""
+        if self.finish_reason is not None:
+            return
+        self.finish_reason = "error"
+        self.error = (
+            f"the target's logits for output token {len(self.output)} were not finite (NaN or "
+            "infinity): its activations overflowed or its weights are broken. A float16 model "
+            "often overflows; load it in bfloat16 or float32"
+        )
+
     # -- reporting
     def take_delta(self) -> tuple[list[int], str]:
         """Tokens and text produced since the last call.
@@ -146,6 +160,7 @@ class Request:
             finish_reason=self.finish_reason,
             logprobs=None if self.logprobs is None else list(self.logprobs),
             stats=self.stats,
+            error=self.error,
         )
 
 

@@ -42,6 +42,7 @@ import attrs
 import torch
 
 from phasegraph.phases import BatchParams, DraftState, PrefillInput, RowSelection, SpecContext
+from phasegraph.phases.schemas import NONFINITE_LOGITS
 from phasegraph.runtime.errors import KVAccountingError, OutOfKVPages, SchedulerInvariantError
 from phasegraph.runtime.kv_pool import KVCacheManager, to_device
 from phasegraph.runtime.requests import Request, Status
@@ -76,7 +77,8 @@ class InFlight:
 
     batch: list[Request]  # the running batch it was issued for, in row order
     # speculative: [B, W] emitted tokens, -1 past each accept length (so the host counts the
-    # length: no kernel packs it in); decode: [B]; in host memory
+    # length: no kernel packs it in); decode: [B]; in host memory. NONFINITE_LOGITS marks the
+    # first token whose target logits were not finite (the request fails there)
     tokens: torch.Tensor
     logprobs: torch.Tensor | None  # [B, W] or [B]
     ready: torch.cuda.Event | None  # recorded after the copy to the host (None on the CPU)
@@ -269,11 +271,14 @@ class Scheduler:
         new_state = self._run(m, "draft-extend", reqs)
         # host sync: the first token of every new request
         first = result.bonus_tokens.tolist()
+        finite = result.logits_finite.tolist()
         first_lp = result.first_logprobs.tolist() if result.first_logprobs is not None else None
         for i, (req, prompt) in enumerate(zip(reqs, prompts, strict=True)):
             req.status = Status.RUNNING
             req.seq_len = len(prompt)
-            if not resumed[i]:
+            if not finite[i]:
+                req.fail_nonfinite()  # leaves the batch with the finished ones (step)
+            elif not resumed[i]:
                 req.append([first[i]], None if first_lp is None else [first_lp[i]])
         self._run(self.machine, "merge", self.running + reqs, other=new_state)
         self.running.extend(reqs)
@@ -339,14 +344,14 @@ class Scheduler:
         m = self.machine
         if not self.speculative:
             state = self._run(m, "decode", batch)
-            tokens = state.bonus_tokens  # [B]: one token each
+            tokens = state.emitted  # [B]: one token each, NONFINITE_LOGITS where it is garbage
             lps = state.bonus_logprobs  # [B] or None
         else:
             self._run(m, "draft", batch)
             self._run(m, "verify", batch)
             path = self._run(m, "finalize-tree-path", batch)
             self._run(m, "draft-extend", batch)
-            tokens = path.emitted  # [B, W], -1 past accept_lens (never a token id)
+            tokens = path.emitted  # [B, W], -1 past accept_lens, NONFINITE_LOGITS (never token ids)
             lps = None if path.accepted_logprobs is None else path.accepted_logprobs.view(len(batch), -1)
         ready = None
         if tokens.device.type == "cuda":
@@ -370,14 +375,14 @@ class Scheduler:
         for i, req in enumerate(done.batch):
             if req.status is not Status.RUNNING or req.finish_reason is not None:
                 continue
-            if done.speculative:
-                n = sum(1 for t in packed[i] if t >= 0)  # accept_lens[i]: -1 pads the rest
+            row = packed[i] if done.speculative else packed[i : i + 1]
+            n = sum(1 for t in row if t >= 0)  # accept_lens[i]: -1 pads the rest
+            if done.speculative and NONFINITE_LOGITS not in row:
                 req.stats.accept_lengths.append(n)
-                req.append(packed[i][:n], None if lps is None else lps[i][:n])
-            else:
-                n = 1
-                req.append(packed[i : i + 1], None if lps is None else lps[i : i + 1])
+            req.append(row[:n], None if lps is None else (lps[i] if done.speculative else lps[i : i + 1])[:n])
             req.seq_len += n
+            if NONFINITE_LOGITS in row:
+                req.fail_nonfinite()  # the tokens before the bad one stay
             touched.add(req)
         return touched
 

@@ -61,6 +61,7 @@ def draft_extend_input(
         features=torch.randn(p.input_ids.shape[0], hf, device=device),
         token_req=p.token_req, select_index=p.select_index, seq_lens=p.seq_lens,
         bonus_tokens=bonus, remaining=p.remaining - 1,
+        logits_finite=torch.ones(len(prompt_lens), dtype=torch.bool, device=device),
     )
 
 
@@ -156,6 +157,7 @@ def verify_result(proposal: TreeProposal, *, hf: int = 8, vocab: int = 32, accep
         accept_index=accept_index,
         accept_lens=lens,
         bonus_tokens=predict[last],
+        logits_finite=torch.ones(B, N, dtype=torch.bool, device=device),
     )
 
 
@@ -254,6 +256,7 @@ def synthetic_eagle_graph():
             positions=state.positions, features=torch.zeros(state.input_ids.shape[0], 8),
             token_req=state.token_req, select_index=state.select_index, seq_lens=state.seq_lens,
             bonus_tokens=bonus, remaining=state.remaining - 1,
+            logits_finite=torch.ones(B, dtype=torch.bool),
         )
 
     def _draft_extend(state: DraftExtendInput, ctx) -> DraftState:

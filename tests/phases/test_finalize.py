@@ -51,7 +51,8 @@ def test_a_new_per_node_side_output_is_compacted_without_code_changes():
     B, N = base.proposal.depth.shape
     experts = torch.arange(B * N * 2).view(B * N, 2) + 1000
     result = VerifyWithExperts(**{f: getattr(base, f) for f in ("proposal", "predict", "features",
-                                  "logprobs", "accept_index", "accept_lens", "bonus_tokens")},
+                                  "logprobs", "accept_index", "accept_lens", "bonus_tokens",
+                                  "logits_finite")},
                                routed_experts=experts)
     out = finalize_tree_path(result, ctx)
     out.validate("strict")
@@ -77,7 +78,7 @@ def test_a_per_node_side_output_without_the_node_role_is_refused_by_name():
     B, N = base.proposal.depth.shape
     result = VerifyWithRolelessExperts(
         **{f: getattr(base, f) for f in ("proposal", "predict", "features", "logprobs",
-                                         "accept_index", "accept_lens", "bonus_tokens")},
+                                         "accept_index", "accept_lens", "bonus_tokens", "logits_finite")},
         routed_experts=torch.zeros(B * N, 2, dtype=torch.int64))
     with pytest.raises(InvalidSchema, match=r"field 'routed_experts' has shape 'B\*N E', whose "
                                             r"first dim 'B\*N' is the node role's: declare "
