@@ -64,9 +64,17 @@ def _plan(preset) -> str:
     return "\n".join(lines)
 
 
+def _out_of_memory(exc: RuntimeError) -> bool:
+    """A CUDA out-of-memory error, or the CPU allocator's refusal."""
+    import torch
+
+    return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Bad input ends with one ``error:`` line and exit status 2 (parser.error) before anything
-    is written; an interrupt (Ctrl-C, SIGTERM) with status 130 and no half-written output."""
+    is written; an interrupt (Ctrl-C, SIGTERM) with status 130 and no half-written output; sizes
+    too large for the machine's memory with one ``error: out of memory`` line and status 1."""
     parser = _parser()
     args = parser.parse_args(argv)
     try:
@@ -110,6 +118,14 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"{parser.prog}: interrupted (no new pair in {args.out})", file=sys.stderr)
         return 130
+    except RuntimeError as exc:  # torch.OutOfMemoryError is one too
+        if not _out_of_memory(exc):
+            raise
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"{parser.prog}: error: out of memory ({first}): the preset's sizes do not fit this "
+              f"machine; lower a batch_size or seq_len with --set (no new pair in {args.out})",
+              file=sys.stderr)
+        return 1
     finally:
         if in_main:
             signal.signal(signal.SIGTERM, previous)

@@ -235,3 +235,25 @@ def test_overwrite_replaces_the_previous_outputs_whole(tmp_path):
     (fresh / STAGING / "target").mkdir(parents=True)  # left by a run killed while saving
     _run(fresh)
     assert sorted(p.name for p in fresh.iterdir()) == ["eagle3", "target", "train_report.json"]
+
+
+@pytest.mark.parametrize("exc", [
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: "
+                 "you tried to allocate 103200000000 bytes"),
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 96.00 GiB"),
+], ids=["cpu", "cuda"])
+def test_sizes_too_large_for_memory_end_in_one_error_line(tmp_path, monkeypatch, capsys, exc):
+    """``--set target_train.batch_size=100000000`` used to end in the allocator's traceback."""
+    _fail_after_saving(monkeypatch, exc)
+    out = tmp_path / "out"
+    assert main(["tiny", "--out", str(out), "--no-progress", *SMALL_ARGS]) == 1
+    err = capsys.readouterr().err
+    assert f"error: out of memory ({str(exc).splitlines()[0]})" in err
+    assert "lower a batch_size or seq_len with --set" in err and "Traceback" not in err
+    assert not out.exists()
+
+
+def test_other_runtime_errors_are_not_taken_for_out_of_memory(tmp_path, monkeypatch):
+    _fail_after_saving(monkeypatch, RuntimeError("boom"))
+    with pytest.raises(RuntimeError, match="boom"):
+        main(["tiny", "--out", str(tmp_path / "out"), "--no-progress", *SMALL_ARGS])
