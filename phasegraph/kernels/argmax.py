@@ -11,8 +11,9 @@ so a row with NaN gives its first NaN (tests/gpu/test_triton_layer_kernels.py ch
 blocks, NaN, infinities and all -inf rows against ``torch.argmax``).
 
 :func:`argmax_finite` also says, per row, whether the row's largest logit is finite: False where
-the row holds a NaN or +inf, or only -inf. The kernels know the maximum already, so the flag is
-one more store, no extra pass; the phases use it to fail a request whose target overflowed
+the row holds a NaN or +inf, or only -inf; and gives the pick as the host should see it, the
+index or :data:`NONFINITE_LOGITS`. The kernels know the maximum already, so these are two more
+stores, no extra pass or launch; the phases use them to fail a request whose target overflowed
 instead of emitting token 0 forever.
 """
 
@@ -34,6 +35,7 @@ from phasegraph.kernels._dispatch import (
 )
 
 BLOCK_MAX = 8192  # logits per program
+NONFINITE_LOGITS = -2  # a pick whose logits held NaN or +inf (never a token id)
 
 
 def _check(logits: torch.Tensor) -> None:
@@ -45,6 +47,7 @@ def _check(logits: torch.Tensor) -> None:
 class GreedyPick(NamedTuple):
     index: torch.Tensor  # [R] int64: torch.argmax's answer
     finite: torch.Tensor  # [R] bool: the row's maximum is finite (no NaN, no +inf, not all -inf)
+    emitted: torch.Tensor  # [R] int64: index where finite, else NONFINITE_LOGITS
 
 
 def argmax_reference(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
@@ -59,7 +62,8 @@ def row_max_finite(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] bool
 
 
 def argmax_finite_reference(logits: torch.Tensor) -> GreedyPick:
-    return GreedyPick(argmax_reference(logits), row_max_finite(logits))
+    index, finite = argmax_reference(logits), row_max_finite(logits)
+    return GreedyPick(index, finite, torch.where(finite, index, NONFINITE_LOGITS))
 
 
 @jit
@@ -85,11 +89,13 @@ def _block_argmax_kernel(
     val_ptr,  # [R, NB] f32 out: each block's maximum (NaN if it holds one)
     idx_ptr,  # [R, NB] i64 out: its first index (the final answer when NB == 1)
     finite_ptr,  # [R] bool out when NB == 1 and STORE_FINITE
+    emitted_ptr,  # [R] i64 out when NB == 1 and STORE_FINITE: the index or NONFINITE
     vocab,
     stride_r,
     NB: tl.constexpr,
     BLOCK: tl.constexpr,
     STORE_FINITE: tl.constexpr,
+    NONFINITE: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
@@ -101,7 +107,9 @@ def _block_argmax_kernel(
     if NB > 1:
         tl.store(val_ptr + r * NB + b, best)
     elif STORE_FINITE:
-        tl.store(finite_ptr + r, _is_finite(best))
+        ok = _is_finite(best)
+        tl.store(finite_ptr + r, ok)
+        tl.store(emitted_ptr + r, tl.where(ok, first, NONFINITE))
     tl.store(idx_ptr + r * NB + b, first)
 
 
@@ -111,9 +119,11 @@ def _merge_blocks_kernel(
     idx_ptr,  # [R, NB] i64
     out_ptr,  # [R] i64
     finite_ptr,  # [R] bool out when STORE_FINITE
+    emitted_ptr,  # [R] i64 out when STORE_FINITE: the index or NONFINITE
     NB: tl.constexpr,
     BLOCK_NB: tl.constexpr,
     STORE_FINITE: tl.constexpr,
+    NONFINITE: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
@@ -127,13 +137,16 @@ def _merge_blocks_kernel(
     best, first = _first_max(val, idx, 1 << 62)
     tl.store(out_ptr + r, first)
     if STORE_FINITE:
-        tl.store(finite_ptr + r, _is_finite(best))
+        ok = _is_finite(best)
+        tl.store(finite_ptr + r, ok)
+        tl.store(emitted_ptr + r, tl.where(ok, first, NONFINITE))
 
 
-def _argmax_launch(logits: torch.Tensor, finite: torch.Tensor | None) -> torch.Tensor:
+def _argmax_launch(logits: torch.Tensor, checked: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
     """Grid ``(R, cdiv(V, BLOCK))`` with ``BLOCK = min(next_pow2(V), BLOCK_MAX)``, then one
     program per row over the blocks' candidates (skipped with one block). Reads each logit once;
-    stores each row's finiteness into ``finite`` [R] when given."""
+    stores each row's finiteness and host-side pick into ``checked`` ([R] bool, [R] int64) when
+    given."""
     _check(logits)
     if logits.stride(1) != 1:
         logits = logits.contiguous()
@@ -147,14 +160,13 @@ def _argmax_launch(logits: torch.Tensor, finite: torch.Tensor | None) -> torch.T
     if blocks > 1:
         val = torch.empty((rows, blocks), dtype=torch.float32, device=logits.device)
         idx = torch.empty((rows, blocks), dtype=torch.int64, device=logits.device)
-    store_finite = finite is not None
-    finite = out if finite is None else finite  # never written without STORE_FINITE
-    _block_argmax_kernel[(rows, blocks)](logits, val, idx, finite, vocab, logits.stride(0), NB=blocks,
-                                         BLOCK=block, STORE_FINITE=store_finite, num_warps=8,
-                                         **pdl_options())
+    finite, emitted = (out, out) if checked is None else checked  # never written unless checked
+    flags = dict(STORE_FINITE=checked is not None, NONFINITE=NONFINITE_LOGITS)
+    _block_argmax_kernel[(rows, blocks)](logits, val, idx, finite, emitted, vocab, logits.stride(0),
+                                         NB=blocks, BLOCK=block, **flags, num_warps=8, **pdl_options())
     if blocks > 1:
-        _merge_blocks_kernel[(rows,)](val, idx, out, finite, NB=blocks, BLOCK_NB=next_pow2(blocks),
-                                      STORE_FINITE=store_finite, num_warps=1, **pdl_options())
+        _merge_blocks_kernel[(rows,)](val, idx, out, finite, emitted, NB=blocks,
+                                      BLOCK_NB=next_pow2(blocks), **flags, num_warps=1, **pdl_options())
     return out
 
 
@@ -164,10 +176,11 @@ def argmax_triton(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
 
 
 def argmax_finite_triton(logits: torch.Tensor) -> GreedyPick:
-    """Triton :func:`argmax_finite`: the same launches, one more store per row."""
+    """Triton :func:`argmax_finite`: the same launches, two more stores per row."""
     _check(logits)
     finite = torch.empty(logits.shape[0], dtype=torch.bool, device=logits.device)
-    return GreedyPick(_argmax_launch(logits, finite), finite)
+    emitted = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
+    return GreedyPick(_argmax_launch(logits, (finite, emitted)), finite, emitted)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
@@ -177,8 +190,9 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
     return argmax_reference(logits)
 
 
-def argmax_finite(logits: torch.Tensor) -> GreedyPick:  # [R, V] -> ([R] int64, [R] bool)
-    """``argmax`` and whether each row's maximum is finite (Triton on CUDA)."""
+def argmax_finite(logits: torch.Tensor) -> GreedyPick:  # [R, V] -> [R] int64, [R] bool, [R] int64
+    """``argmax``, whether each row's maximum is finite, and the pick or NONFINITE_LOGITS
+    (Triton on CUDA)."""
     if use_triton(logits):
         return argmax_finite_triton(logits)
     return argmax_finite_reference(logits)

@@ -25,9 +25,8 @@ import torch
 
 from phasegraph.kernels._checks import expect, expect_shape
 from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
+from phasegraph.kernels.argmax import NONFINITE_LOGITS
 from phasegraph.kernels.bonus import fill_bonus_tokens_reference, gather_accepted_tokens_reference
-
-NONFINITE_LOGITS = -2  # an emitted entry: this token's target logits held NaN or +inf (never a token id)
 
 
 class CommittedPath(NamedTuple):

@@ -13,7 +13,7 @@ from typing import NamedTuple
 
 import torch
 
-from phasegraph.kernels.argmax import argmax_finite, row_max_finite
+from phasegraph.kernels.argmax import NONFINITE_LOGITS, argmax_finite, row_max_finite
 from phasegraph.kernels.tree_sampling import target_probs
 
 
@@ -32,6 +32,7 @@ def inverse_cdf_sample(probs: torch.Tensor, coins: torch.Tensor) -> torch.Tensor
 class SampledTokens(NamedTuple):
     tokens: torch.Tensor  # [R] int64
     finite: torch.Tensor  # [R] bool: the row's largest logit is finite (argmax.argmax_finite)
+    emitted: torch.Tensor  # [R] int64: tokens where finite, else NONFINITE_LOGITS (what the host reads)
 
 
 def sample_tokens(
@@ -48,4 +49,5 @@ def sample_tokens(
     if greedy_only:
         return SampledTokens(*argmax_finite(logits))
     probs = target_probs(logits, temperature, top_k, top_p, 1)  # [R, V]
-    return SampledTokens(inverse_cdf_sample(probs, coins), row_max_finite(logits))
+    tokens, finite = inverse_cdf_sample(probs, coins), row_max_finite(logits)
+    return SampledTokens(tokens, finite, torch.where(finite, tokens, NONFINITE_LOGITS))

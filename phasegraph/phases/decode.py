@@ -8,7 +8,7 @@ from phasegraph.kernels.random import PURPOSE_SAMPLE, counter_uniform, position_
 from phasegraph.kernels.sampling import sample_tokens
 from phasegraph.phases._common import causal_extend_metadata
 from phasegraph.phases.context import SpecContext
-from phasegraph.phases.schemas import NONFINITE_LOGITS, DraftState
+from phasegraph.phases.schemas import DraftState
 from phasegraph.statemachine import phase
 
 
@@ -21,7 +21,7 @@ def decode(state: DraftState, ctx: SpecContext) -> DraftState:
                                   one_query_per_row=True)
     out = ctx.target.forward(state.bonus_tokens, state.seq_lens, attn, logits_index=None)
     coins = counter_uniform(params.seed, position_counter(state.seq_lens + 1, PURPOSE_SAMPLE))  # [B]
-    nxt, finite = sample_tokens(out.logits, params.temperature, params.top_k, params.top_p, coins,
+    nxt, _, emitted = sample_tokens(out.logits, params.temperature, params.top_k, params.top_p, coins,
                                 ctx.greedy_only)
     logprobs = None
     if ctx.return_logprobs:
@@ -35,5 +35,5 @@ def decode(state: DraftState, ctx: SpecContext) -> DraftState:
         topk_index=state.topk_index,
         hidden=None,
         bonus_logprobs=logprobs,
-        emitted=torch.where(finite, nxt, NONFINITE_LOGITS),  # what the host appends
+        emitted=emitted,  # what the host appends: nxt, or NONFINITE_LOGITS
     )

@@ -27,7 +27,7 @@ def prefill_extend(state: PrefillInput, ctx: SpecContext) -> PrefillResult:
     out = ctx.target.forward(state.input_ids, state.positions, attn, logits_index=state.select_index)
     logits = out.logits  # [B, V]
     coins = counter_uniform(params.seed, position_counter(state.seq_lens, PURPOSE_SAMPLE))  # [B]
-    sampled, finite = sample_tokens(logits, params.temperature, params.top_k, params.top_p, coins, ctx.greedy_only)
+    sampled, finite, _ = sample_tokens(logits, params.temperature, params.top_k, params.top_p, coins, ctx.greedy_only)
     first = torch.where(state.forced_tokens >= 0, state.forced_tokens, sampled)  # [B]
     first_logprobs = None
     if ctx.return_logprobs:

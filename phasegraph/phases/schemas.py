@@ -22,7 +22,7 @@ import types
 import torch
 from jaxtyping import Bool, Float, Float32, Int64
 
-from phasegraph.kernels.commit_path import NONFINITE_LOGITS
+from phasegraph.kernels.argmax import NONFINITE_LOGITS
 from phasegraph.statemachine import InvalidSchema, Role, Schema, invariant, schema, tensor, value
 
 REQUEST = Role("request", "B")

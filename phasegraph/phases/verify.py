@@ -53,12 +53,12 @@ def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
     out = ctx.target.forward(state.draft_tokens, state.positions, attn, logits_index=None)
     logits = out.logits  # [B*N, V]
     if ctx.simulate_accept_drafts is not None:  # benchmark mode, labelled as such by the engine
-        greedy, finite = argmax_finite(logits)  # [B*N] each
+        greedy, finite, _ = argmax_finite(logits)  # [B*N] each
         outcome = verify_tree_simulated(
             state.draft_tokens, state.retrieve_next_token, greedy, S, ctx.simulate_accept_drafts,
         )
     elif ctx.greedy_only:
-        greedy, finite = argmax_finite(logits)
+        greedy, finite, _ = argmax_finite(logits)
         outcome = verify_tree_greedy(
             state.draft_tokens, state.retrieve_next_token, state.retrieve_next_sibling, greedy, S,
         )

@@ -11,7 +11,6 @@ The short-prompt request must come out as in a clean run, and every KV page must
 from __future__ import annotations
 
 import pytest
-import torch
 
 from phasegraph.cli import main
 from phasegraph.phases.protocols import TargetOutput
@@ -146,19 +145,3 @@ def test_cli_generate_prints_the_clean_prefix_and_the_error(engine_root, monkeyp
     assert out == prefix.text + "\n"  # what came before the failure
     assert "failed after 3 tokens" in err and "were not finite (NaN or infinity)" in err
     assert "Traceback" not in err
-
-
-def test_greedy_pick_flags_rows_whose_maximum_is_not_finite():
-    from phasegraph.kernels.argmax import argmax_finite
-
-    nan, inf = float("nan"), float("inf")
-    logits = torch.tensor([
-        [0.5, 2.0, -1.0],  # finite
-        [0.5, nan, 9.0],  # a NaN
-        [0.5, inf, 1.0],  # +inf
-        [-inf, -inf, -inf],  # nothing finite
-        [-inf, 3.0, -inf],  # masked entries are fine
-    ])
-    pick = argmax_finite(logits)
-    assert pick.index.tolist() == logits.argmax(dim=-1).tolist()
-    assert pick.finite.tolist() == [True, False, False, False, True]
