@@ -141,7 +141,7 @@ def test_cli_generate_prints_the_clean_prefix_and_the_error(engine_root, monkeyp
     rc = main(["generate", "--target", str(target), "--prompt-ids", "11,12,13,14,15",
                "--max-new-tokens", "12", "--method", "none", "--no-progress"])
     out, err = capsys.readouterr()
-    assert rc != 0
+    assert rc == 2  # the CLI's error status
     assert out == prefix.text + "\n"  # what came before the failure
     assert "failed after 3 tokens" in err and "were not finite (NaN or infinity)" in err
     assert "Traceback" not in err
