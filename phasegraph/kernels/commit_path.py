@@ -57,6 +57,21 @@ def _check(predict, accept_index, accept_lens, stop_ids, remaining, seq_lens, le
         raise ValueError(f"lead: expected 0 or 1, got {lead}")
 
 
+def cut_at_nonfinite(
+    tokens: torch.Tensor,  # [B, W] i64, an accepted path's tokens, -1 outside ``inside``
+    accept_index: torch.Tensor,  # [B, W] i64, their nodes
+    inside: torch.Tensor,  # [B, W] bool, the committed entries
+    node_finite: torch.Tensor,  # [B*N] bool
+) -> torch.Tensor:  # [B, W] i64
+    """``tokens`` cut at the first committed node whose logits were not finite:
+    NONFINITE_LOGITS there, -1 after it (the module docstring)."""
+    W = tokens.shape[1]
+    j = torch.arange(W, device=tokens.device)
+    bad = inside & ~node_finite[accept_index.clamp(min=0)]  # [B, W]
+    first_bad = torch.where(bad, j, W).min(dim=1).values[:, None]  # [B, 1], W = none
+    return torch.where(j == first_bad, NONFINITE_LOGITS, torch.where(j > first_bad, -1, tokens))
+
+
 def commit_path_reference(
     predict: torch.Tensor,  # [B*N] i64, token emitted after each node
     accept_index: torch.Tensor,  # [B, W] i64, accepted nodes, -1 padded
@@ -82,9 +97,7 @@ def commit_path_reference(
     index = torch.where(inside, accept_index, -1)
     emitted = torch.where(inside, raw, -1)
     if node_finite is not None:
-        bad = inside & ~node_finite[accept_index.clamp(min=0)]  # [B, W]
-        first_bad = torch.where(bad, j, W).min(dim=1).values[:, None]  # [B, 1], W = none
-        emitted = torch.where(j == first_bad, NONFINITE_LOGITS, torch.where(j > first_bad, -1, emitted))
+        emitted = cut_at_nonfinite(emitted, accept_index, inside, node_finite)
     width = W + lead
     return CommittedPath(
         lens=lens,

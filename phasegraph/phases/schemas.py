@@ -23,6 +23,7 @@ import torch
 from jaxtyping import Bool, Float, Float32, Int64
 
 from phasegraph.kernels.argmax import NONFINITE_LOGITS
+from phasegraph.kernels.commit_path import cut_at_nonfinite
 from phasegraph.statemachine import InvalidSchema, Role, Schema, invariant, schema, tensor, value
 
 REQUEST = Role("request", "B")
@@ -384,11 +385,8 @@ class FinalizedPath(DraftExtendInput):
             return None
         j = torch.arange(W, device=self.emitted.device)[None, :]
         inside = j < self.accept_lens[:, None]
-        node = self.accept_index.clamp(min=0)
-        bad = inside & ~self.verified.logits_finite.reshape(-1)[node]  # [B, W]
-        first_bad = torch.where(bad, j, W).min(dim=1).values[:, None]  # [B, 1], W = none
         want = torch.where(inside, self.accepted_predict.view(B, W), -1)
-        want = torch.where(j == first_bad, NONFINITE_LOGITS, torch.where(j > first_bad, -1, want))
+        want = cut_at_nonfinite(want, self.accept_index, inside, self.verified.logits_finite.reshape(-1))
         row = _first_bad_row((self.emitted == want).all(dim=1))
         return None if row is None else f"request {row}: emitted {self.emitted[row].tolist()} != {want[row].tolist()}"
 

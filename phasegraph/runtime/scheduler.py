@@ -376,12 +376,14 @@ class Scheduler:
             if req.status is not Status.RUNNING or req.finish_reason is not None:
                 continue
             row = packed[i] if done.speculative else packed[i : i + 1]
+            row_lps = None if lps is None else (lps[i] if done.speculative else lps[i : i + 1])
             n = sum(1 for t in row if t >= 0)  # accept_lens[i]: -1 pads the rest
-            if done.speculative and NONFINITE_LOGITS not in row:
+            failed = NONFINITE_LOGITS in row
+            if done.speculative and not failed:
                 req.stats.accept_lengths.append(n)
-            req.append(row[:n], None if lps is None else (lps[i] if done.speculative else lps[i : i + 1])[:n])
+            req.append(row[:n], None if row_lps is None else row_lps[:n])
             req.seq_len += n
-            if NONFINITE_LOGITS in row:
+            if failed:
                 req.fail_nonfinite()  # the tokens before the bad one stay
             touched.add(req)
         return touched
