@@ -6,18 +6,23 @@ request ever reaches that position. It must end with finish reason ``"error"`` a
 naming the first bad token, keeping exactly the tokens a clean run emits before it (the greedy
 argmax of a NaN row is its first NaN's id, so without the check it would go on emitting garbage).
 The short-prompt request must come out as in a clean run, and every KV page must come back.
+
+A draft model whose logits are not finite harms no output: its drafts are rejected, so every
+verify accepts only the bonus token (tau 1), and strict validation names the bad top-k.
 """
 
 from __future__ import annotations
 
 import pytest
+import torch
 
 from phasegraph.cli import main
-from phasegraph.phases.protocols import TargetOutput
+from phasegraph.phases.protocols import DraftOutput, TargetOutput
 from phasegraph.runtime.config import SamplingParams
 from phasegraph.runtime.engine import Engine
 from phasegraph.runtime.errors import RequestFailed
 from phasegraph.runtime.models.target import HFTarget
+from phasegraph.statemachine import InvariantViolation
 
 from .support import arch_bundle, assert_all_free, engine_for, make_prompts, text_bundle
 
@@ -145,3 +150,37 @@ def test_cli_generate_prints_the_clean_prefix_and_the_error(engine_root, monkeyp
     assert out == prefix.text + "\n"  # what came before the failure
     assert "failed after 3 tokens" in err and "were not finite (NaN or infinity)" in err
     assert "Traceback" not in err
+
+
+def poison_draft(monkeypatch, engine) -> None:
+    """Every logits row the draft model returns holds NaN."""
+    real = engine.draft.forward
+
+    def forward(*args, **kwargs) -> DraftOutput:
+        out = real(*args, **kwargs)
+        return DraftOutput(logits=torch.full_like(out.logits, float("nan")), hidden=out.hidden,
+                           hidden_rows=out.hidden_rows)
+
+    monkeypatch.setattr(engine.draft, "forward", forward)
+
+
+@pytest.mark.parametrize("config", ["eagle3-tree", "mtp-chain", "standalone-tree"])
+def test_a_draft_with_non_finite_logits_costs_speed_not_output(engine_root, monkeypatch, config):
+    method, spec = CONFIGS[config]
+    bundle = arch_bundle(engine_root, "llama")
+    prompts = make_prompts([LONG, SHORT], seed=5)
+    baseline = engine_for(bundle, "none", page_size=4).generate(prompts, GREEDY)
+
+    engine = engine_for(bundle, method, page_size=4, validate="boundary", **spec)
+    poison_draft(monkeypatch, engine)
+    outs = engine.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in baseline]
+    assert all(o.finish_reason == "length" and o.error is None for o in outs)
+    for o in outs:  # every verify accepted the bonus token alone
+        assert o.stats.accept_lengths == [1] * (NEW_TOKENS - 1)
+    assert_all_free(engine)
+
+    strict = engine_for(bundle, method, page_size=4, validate="strict", **spec)
+    poison_draft(monkeypatch, strict)
+    with pytest.raises(InvariantViolation, match=r"draft-extend.*0 <= topk_p <= 1.*nan"):
+        strict.generate(prompts, GREEDY)
