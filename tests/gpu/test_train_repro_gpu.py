@@ -1,0 +1,32 @@
+"""GPU training is reproducible: two runs of the bench pair's recipe (shortened) save the same
+weights byte for byte (bench/train_repro.py; under the old warn-only mode SDPA's attention
+backward made every file differ)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.gpu]
+
+ROOT = Path(__file__).resolve().parents[2]
+SHORTER = ["target_train.steps=20", "target_train.eval_every=10", "head_train.steps=10",
+           "head_train.eval_every=5", "draft_train.steps=10", "draft_train.eval_every=5",
+           "head.selfgen_seqs=16", "head.selfgen_batch=16"]
+
+
+def test_two_gpu_trainings_save_identical_weights(tmp_path):
+    sets = [arg for s in SHORTER for arg in ("--set", s)]
+    done = subprocess.run([sys.executable, str(ROOT / "bench" / "train_repro.py"), "--out", str(tmp_path),
+                           "--runs", "2", *sets], cwd=ROOT, capture_output=True, text=True, timeout=400)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads((tmp_path / "train_repro.json").read_text())
+    assert result["device"] != "cpu" and not result["warn_only"]
+    files = result["runs"][0]["hashes"]
+    assert {f.split("/")[0] for f in files} == {"target", "eagle3", "draft"}
+    assert result["identical_to_run0"] == [True, True] and result["differing_files"] == []
+    assert all(not s["stopped_early"] for r in result["runs"] for s in r["stages"].values())
