@@ -2,12 +2,13 @@
 
 One command, one process, one GPU::
 
-    phasegraph bench --out DIR [--pair PAIR_DIR] [--train-budget-s 250] [--parts 1,2]
+    phasegraph bench --out DIR [--pair PAIR_DIR] [--train-budget-s 280] [--parts 1,2]
     phasegraph bench --quick --out DIR            # the whole pipeline on the CPU, tiny models
 
 Part 1, trained pair: reuses ``--pair`` when it holds ``target/`` and ``eagle3/`` (and
-``draft/``), else trains the ``bench-pair`` preset into it (``phasegraph.train``, stages cut to
-``--train-budget-s``). Held-out stdlib prompts (last ``--prompt-tokens`` tokens), greedy,
+``draft/``), else trains the ``bench-pair`` preset into it (``phasegraph.train``, strict
+deterministic kernels, stages sized to fit ``--train-budget-s`` on an H100, which cuts them
+only on a slower GPU). Held-out stdlib prompts (last ``--prompt-tokens`` tokens), greedy,
 ``--new-tokens`` new tokens, ``ignore_eos``, at each batch size (B prompts at once): phasegraph
 baseline (``method="none"``), EAGLE-3 chain and tree, standalone-draft chain; transformers'
 ``generate`` on the same target (sdpa attention), plain and with ``assistant_model`` (batch 1

@@ -25,13 +25,15 @@ from phasegraph.bench.report import write_outputs
 from phasegraph.bench.scale import measure_scale
 from phasegraph.cli import CliError, register, require_at_least, require_name
 
-# Training budget of the full run. Run 13 (bench/RESULTS.md §5, H100) measured 182 s of part 1
-# measurement, 108 s of part 2 and ~15 s of start-up; the recipe spends 90 % of its budget on the
-# stages and ~10 s on held-out evaluation and saving (its own simulated-acceptance check is
-# skipped: the bench measures τ itself), so 250 s keeps the whole run under 9 minutes. The tiny
-# preset of --quick runs unbudgeted (~15 s on a CPU): the recipe splits a budget by the stages'
-# projected H100 time, which gives the tiny target almost nothing.
-DEFAULT_TRAIN_BUDGET_S = 250.0
+# Training budget of the full run: a cap, not a target. The bench-pair preset's stages (450 /
+# 200 / 300 steps) train in ~210 s on an H100 under strict deterministic kernels, and the recipe
+# gives each stage its projected share of 90 % of the budget (the rest is for held-out
+# evaluation and saving; its own simulated-acceptance check is skipped: the bench measures τ
+# itself). 280 s leaves every stage ~15 % above its need, so none is cut on the clock and the
+# pair comes out the same in every run; a slower GPU gets stages cut short instead of a run past
+# 9 minutes (part 1's measurement ~200 s, part 2 ~110 s, start-up ~15 s). The tiny preset of
+# --quick runs unbudgeted (~15 s on a CPU): its projected H100 time gives it almost nothing.
+DEFAULT_TRAIN_BUDGET_S = 280.0
 
 FULL = {"batches": "1,8,32", "new_tokens": 256, "prompt_tokens": 256, "batch1_prompts": 3, "batch1_repeats": 3,
         "hf_batch1_prompts": 1,

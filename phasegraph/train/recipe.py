@@ -13,8 +13,10 @@ is written (``eagle3/`` last), so a failed or interrupted run never leaves a ``t
 ``eagle3/`` pair that looks complete, and ``overwrite`` replaces the previous run's outputs whole.
 
 Deterministic for a given ``(preset, seed)`` on a given machine: every random draw comes from a
-seeded CPU generator and training runs a fixed number of steps. ``time_budget_s`` only cuts
-stages short (the report then says ``stopped_early``).
+seeded CPU generator, every kernel is a deterministic one (:func:`deterministic_mode`, strict:
+on a GPU the attention backward is otherwise not), and training runs a fixed number of steps.
+``time_budget_s`` only cuts stages short (the report then says ``stopped_early``, and the
+weights then depend on the clock).
 """
 
 from __future__ import annotations
@@ -65,7 +67,7 @@ from phasegraph.train.target import build_lm, eval_lm, save_lm, train_lm
 from phasegraph.train.tokenizer import EOS_TOKEN, encode_stream, save_tokenizer, train_tokenizer
 
 __all__ = [
-    "ASSUMED_MFU",
+    "STAGE_MFU",
     "PACKAGE_BUDGET_MIB",
     "check_run_options",
     "prepare_out_dir",
@@ -73,8 +75,15 @@ __all__ = [
     "run_recipe",
 ]
 
-ASSUMED_MFU = 0.15  # share of the H100 bf16 peak small models reach in eager PyTorch
-SELFGEN_STEP_S = 0.015  # projected seconds per batched decode step (launch-bound)
+# Share of the H100's bf16 peak each stage reaches in eager PyTorch under strict deterministic
+# kernels, from the bench-pair preset on an H100 (2026-11-26, bench/train_repro.py and run 51's
+# train_report.json): the 12-layer target 0.17, the 4-layer draft 0.155, the EAGLE-3 head half
+# the target's (one layer unrolled five steps behind the frozen target's forward). A time budget
+# is split over the stages in proportion to these projections, so they must be near the truth
+# for a budget that fits every stage to cut none.
+STAGE_MFU = {"target": 0.17, "head": 0.085, "draft": 0.155}
+SELFGEN_STEP_S = 0.015  # projected seconds per batched decode step at least (launch-bound)
+SELFGEN_MFU = 0.003  # a 1024-row decode step of the bench target: 0.083 s (H100, run 51)
 PACKAGE_BUDGET_MIB = 24.0
 FILE_BUDGET_MIB = 16.0
 _EVAL_RESERVE = 0.1  # share of a time budget kept for saving and evaluation
@@ -84,22 +93,25 @@ OUTPUTS = ("target", "draft", "train_report.json", "eagle3")  # moved into place
 MIN_SEED, MAX_SEED = -(2**63 // 1000), (2**64 - 13) // 1000
 
 
-def project(preset: Preset, mfu: float = ASSUMED_MFU) -> dict[str, dict]:
-    """Projected H100 seconds of each training stage (FLOP count / (peak * mfu))."""
+def project(preset: Preset) -> dict[str, dict]:
+    """Projected H100 seconds of each training stage (FLOP count / (peak * the stage's MFU))."""
     v, t = preset.vocab_size, preset.target
     tt, ht, h = preset.target_train, preset.head_train, preset.head
     out = {}
     tokens = tt.steps * tt.batch_size * tt.seq_len
     flops = tokens * lm_flops_per_token(t, v, tt.seq_len)
-    out["target"] = {"tokens": tokens, "tflop": flops / 1e12, "s": projected_seconds(flops, mfu)}
+    out["target"] = {"tokens": tokens, "tflop": flops / 1e12,
+                     "s": projected_seconds(flops, STAGE_MFU["target"])}
     if h.selfgen_seqs:
         n_batches = math.ceil(h.selfgen_seqs / h.selfgen_batch)
         gen = ht.seq_len + 1 - h.selfgen_prompt_len
-        out["selfgen"] = {"tokens": h.selfgen_seqs * gen, "tflop": 0.0,
-                          "s": n_batches * gen * SELFGEN_STEP_S}
+        batch = min(h.selfgen_batch, h.selfgen_seqs)
+        step_s = max(SELFGEN_STEP_S, projected_seconds(batch * lm_flops_per_token(t, v, 1, train=False),
+                                                       SELFGEN_MFU))
+        out["selfgen"] = {"tokens": h.selfgen_seqs * gen, "tflop": 0.0, "s": n_batches * gen * step_s}
     rows = ht.steps * ht.batch_size * ht.seq_len
     flops = rows * head_flops_per_row(h, t, v, ht.seq_len)
-    out["head"] = {"tokens": rows, "tflop": flops / 1e12, "s": projected_seconds(flops, mfu)}
+    out["head"] = {"tokens": rows, "tflop": flops / 1e12, "s": projected_seconds(flops, STAGE_MFU["head"])}
     if preset.draft is not None and preset.draft_train is not None:
         dt = preset.draft_train
         tokens = dt.steps * dt.batch_size * dt.seq_len
@@ -107,7 +119,7 @@ def project(preset: Preset, mfu: float = ASSUMED_MFU) -> dict[str, dict]:
             lm_flops_per_token(preset.draft, v, dt.seq_len)
             + lm_flops_per_token(t, v, dt.seq_len, train=False)
         )
-        out["draft"] = {"tokens": tokens, "tflop": flops / 1e12, "s": projected_seconds(flops, mfu)}
+        out["draft"] = {"tokens": tokens, "tflop": flops / 1e12, "s": projected_seconds(flops, STAGE_MFU["draft"])}
     return out
 
 
@@ -273,7 +285,7 @@ def _run(preset, out_dir, seed, device, time_budget_s, progress, log) -> dict:
     }
     projection = project(preset)
     report["projection_h100"] = {
-        "assumed_mfu": ASSUMED_MFU,
+        "assumed_mfu": STAGE_MFU,
         "stages": {k: {"tokens": v["tokens"], "tflop": round(v["tflop"], 1), "s": round(v["s"], 1)}
                    for k, v in projection.items()},
         "total_training_s": round(sum(v["s"] for v in projection.values()), 1),
@@ -541,7 +553,8 @@ def _format_splits(splits: dict) -> str:
 
 
 def _format_projection(preset: Preset, projection: dict) -> str:
-    lines = [f"[{preset.name}] projected H100 time at {ASSUMED_MFU:.0%} of 790 TFLOP/s bf16:"]
+    mfu = ", ".join(f"{stage} {share:.1%}" for stage, share in STAGE_MFU.items())
+    lines = [f"[{preset.name}] projected H100 time at {mfu} of 790 TFLOP/s bf16:"]
     for stage, p in projection.items():
         lines.append(
             f"  {stage:<8} {p['tokens'] / 1e6:9.1f}M tokens {p['tflop']:9.1f} TFLOP  ~{p['s']:6.0f} s"

@@ -279,6 +279,27 @@ def test_transformers_prompts_at_batch_one_are_a_subset_of_phasegraphs(tmp_path,
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("slower", [1.0, 1.1], ids=["as projected", "10% slower"])
+def test_the_default_budget_cuts_no_stage_of_the_bench_pair(monkeypatch, slower):
+    """Every bench-pair stage gets its whole step count inside the default budget when it runs
+    at its projected H100 speed (measured), or 10 % slower: a stage cut on the clock would make
+    the pair, and so the bench's τ, differ from run to run."""
+    from phasegraph.bench.cli import DEFAULT_TRAIN_BUDGET_S
+    from phasegraph.train.presets import PRESETS
+    from phasegraph.train.recipe import _Budget, project
+
+    now = [1000.0]
+    monkeypatch.setattr(time, "monotonic", lambda: now[0])
+    projection = project(PRESETS["bench-pair"])
+    assert list(projection) == ["target", "selfgen", "head", "draft"]
+    budget = _Budget(DEFAULT_TRAIN_BUDGET_S, projection)
+    for stage, p in projection.items():
+        need = p["s"] * slower
+        assert budget.deadline(stage).remaining() >= need, stage
+        now[0] += need
+    assert now[0] - 1000.0 < DEFAULT_TRAIN_BUDGET_S
+
+
 def test_the_training_estimate_follows_the_budget_and_the_acceptance_check(tmp_path):
     """The recipe spends its stage share of --train-budget-s plus held-out evaluation; its own
     simulated-acceptance check is skipped by the bench unless --train-set turns it back on
