@@ -301,7 +301,8 @@ def test_the_default_budget_cuts_no_stage_of_the_bench_pair(monkeypatch, slower)
 
 
 def test_the_training_estimate_follows_the_budget_and_the_acceptance_check(tmp_path):
-    """The recipe spends its stage share of --train-budget-s plus held-out evaluation; its own
+    """The recipe spends its stages' projected time, or its stage share of --train-budget-s where
+    that is less, plus held-out evaluation; its own
     simulated-acceptance check is skipped by the bench unless --train-set turns it back on
     (the last override wins, as in the recipe)."""
     from phasegraph.bench.cli import (
@@ -310,12 +311,17 @@ def test_the_training_estimate_follows_the_budget_and_the_acceptance_check(tmp_p
         TRAIN_EVAL_S,
         TRAIN_STAGE_SHARE,
     )
+    from phasegraph.train.presets import PRESETS
+    from phasegraph.train.recipe import project
 
     def training(*extra):
         return _part1_estimate(tmp_path, *extra)["part 1: training"]
 
-    assert training() == pytest.approx(DEFAULT_TRAIN_BUDGET_S * TRAIN_STAGE_SHARE + TRAIN_EVAL_S)
+    projected = sum(p["s"] for p in project(PRESETS["bench-pair"]).values())
+    assert projected < DEFAULT_TRAIN_BUDGET_S * TRAIN_STAGE_SHARE  # the stages end before the budget does
+    assert training() == pytest.approx(projected + TRAIN_EVAL_S)
     assert training("--train-budget-s", "100") == pytest.approx(100 * TRAIN_STAGE_SHARE + TRAIN_EVAL_S)
+    assert training("--train-budget-s", "0") == pytest.approx(projected + TRAIN_EVAL_S)  # no budget
     asked = training("--train-set", "eval.max_prompts=4")
     assert asked - training() == pytest.approx(TRAIN_ACCEPTANCE_S)
     assert training("--train-set", "eval.max_prompts=4", "--train-set", "eval.max_prompts=0") == training()
