@@ -30,3 +30,19 @@ def test_two_gpu_trainings_save_identical_weights(tmp_path):
     assert {f.split("/")[0] for f in files} == {"target", "eagle3", "draft"}
     assert result["identical_to_run0"] == [True, True] and result["differing_files"] == []
     assert all(not s["stopped_early"] for r in result["runs"] for s in r["stages"].values())
+
+
+@pytest.mark.parametrize("overrides", [[], ["head.draft_vocab_size=256"]], ids=["tiny", "tiny-draft-vocab"])
+def test_every_stage_of_the_recipe_runs_strictly_deterministic_on_the_gpu(tmp_path, overrides):
+    """Strict mode raises on any op without a deterministic CUDA kernel: every stage the recipe
+    has (with the simulated speculative decode and a reduced draft vocabulary) must have one."""
+    from phasegraph.train.presets import PRESETS, apply_overrides
+    from phasegraph.train.recipe import run_recipe
+
+    preset = apply_overrides(PRESETS["tiny"], overrides)
+    reports = [run_recipe(preset, tmp_path / name, device="cuda", progress=False, log=lambda s: None)
+               for name in ("a", "b")]
+    assert reports[0]["acceptance"] and reports[0]["acceptance"] == reports[1]["acceptance"]
+    for sub in ("target", "eagle3"):
+        a, b = (tmp_path / n / sub / "model.safetensors" for n in ("a", "b"))
+        assert a.read_bytes() == b.read_bytes(), sub
