@@ -282,6 +282,36 @@ def has_pair(d: Path) -> bool:
     return (d / "target" / "config.json").exists() and (d / "eagle3" / "config.json").exists()
 
 
+PAIR_MODELS = ("target", "eagle3", "draft")
+
+
+def pair_weight_digests(d: Path) -> dict[str, str]:
+    """``{"target": sha256[:16], ...}`` of each model's safetensors files (in name order) in the
+    pair directory ``d``: two runs whose digests agree measured the same weights, so their τ
+    agree too."""
+    digests = {}
+    for model in PAIR_MODELS:
+        files = sorted((d / model).glob("*.safetensors"))
+        if files:
+            h = hashlib.sha256()
+            for f in files:
+                with f.open("rb") as fh:
+                    for block in iter(lambda: fh.read(1 << 24), b""):
+                        h.update(block)
+            digests[model] = h.hexdigest()[:16]
+    return digests
+
+
+def training_steps(report: dict) -> dict[str, list[int]]:
+    """``{"target": [steps, planned], ...}`` of a training report's stages."""
+    out = {}
+    for stage, section in report.items():
+        train = section.get("train") if isinstance(section, dict) else None
+        if isinstance(train, dict) and "planned_steps" in train:
+            out[stage] = [train.get("steps"), train["planned_steps"]]
+    return out
+
+
 def no_pair_to_skip_to(d: Path) -> CliError:
     """The error of ``--skip-train`` where ``d`` holds no pair."""
     return CliError(f"--skip-train: {d} holds no trained pair (target/ and eagle3/ with config.json)")

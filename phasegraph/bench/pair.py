@@ -23,11 +23,13 @@ from phasegraph.bench.common import (
     has_pair,
     iteration_weight_bytes,
     no_pair_to_skip_to,
+    pair_weight_digests,
     phase_share,
     prefill_seconds,
     share_text,
     timed_calls,
     training_preset,
+    training_steps,
     warm_then_time,
 )
 from phasegraph.bench.report import write_outputs
@@ -100,6 +102,7 @@ def measure_trained_pair(run: BenchRun) -> None:
         "greedy": True, "ignore_eos": True, "rows": [],
         "batch1_prompts": a.batch1_prompts, "hf_batch1_prompts": a.hf_batch1_prompts,
         "wall_s_by_group": {},  # where part 1's time goes: engine, compiles, captures, warm-ups, rows
+        "weights_sha256": pair_weight_digests(pair),
     }
     run.result["trained_pair"] = part
     rows = part["rows"]
@@ -189,6 +192,7 @@ def _trained_pair_dir(run: BenchRun) -> Path:
         "preset": preset_name, "overrides": overrides, "budget_s": a.train_budget_s,
         "wall_s": round(time.perf_counter() - t0, 1), "stopped_early": report.get("stopped_early"),
         "report_wall_s": report.get("wall_s"), "acceptance": report.get("acceptance"),
+        "steps": training_steps(report),  # a stage cut on the clock: steps < planned
     }
     return pair
 

@@ -231,6 +231,8 @@ def render_markdown(result: dict) -> str:
             "at the same batch; η = speedup / τ; time share by phase = host wall time inside each phase (trace; "
             "the GPU runs asynchronously, its wait lands in 'other').",
             "",
+            _pair_provenance(tp, r.get("training")),
+            "",
             "| engine | configuration | batch | tokens/s | τ | speedup | η | identical to baseline | time share by phase |",
             "|---|---|---|---|---|---|---|---|---|",
         ]
@@ -411,4 +413,19 @@ def draw_plots(result: dict, out: Path) -> dict:
     files.append("eta_vs_tau.png")
     return {"files": files}
 
+
+def _pair_provenance(tp: dict, training: dict | None) -> str:
+    """Which weights part 1 measured, and whether another run would measure the same ones."""
+    digests = tp.get("weights_sha256") or {}
+    text = "Pair weights (SHA-256, first 16 hex digits): " + (
+        " · ".join(f"{model} `{digest}`" for model, digest in digests.items()) or "–")
+    if not training:
+        return text + "; reused from an earlier run (its train_report.json says how it was trained)."
+    steps = training.get("steps") or {}
+    counts = " · ".join(f"{stage} {done}/{planned}" for stage, (done, planned) in steps.items())
+    if any(done != planned for done, planned in steps.values()):
+        return (text + f"; trained in this run, **stages cut on the --train-budget-s clock** ({counts} steps): "
+                "another run's pair, and so its τ, will differ.")
+    return text + f"; trained in this run, every stage whole ({counts} steps): the recipe is deterministic, " \
+        "so another run on this GPU and software trains the same weights and measures the same τ."
 

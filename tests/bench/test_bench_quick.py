@@ -50,7 +50,13 @@ def test_json_holds_every_figure_and_the_environment(quick_run):
     assert 0 < r["env"]["host_launch_us"] < 1e4  # a tiny op's issue time, in microseconds
     assert f"host {r['env']['host_launch_us']} µs" in (out / "bench.md").read_text()
     assert r["training"]["preset"] == "tiny"
+    assert r["training"]["steps"] == {"target": [30, 30], "head": [20, 20]}  # no budget: every stage whole
     assert (out / "train_report.json").exists()
+    from phasegraph.bench.common import pair_weight_digests
+
+    digests = r["trained_pair"]["weights_sha256"]
+    assert set(digests) == {"target", "eagle3"}  # the tiny preset trains no standalone draft
+    assert digests == pair_weight_digests(out / "pair") and all(len(d) == 16 for d in digests.values())
 
     rows = r["trained_pair"]["rows"]
     groups = r["trained_pair"]["wall_s_by_group"]  # where part 1's time went
@@ -112,6 +118,9 @@ def test_markdown_table(quick_run):
     assert "batch 1 only" in md
     assert "CUDA graphs captured inside a timed call" in md
     assert "Part 1's wall time by row group" in md
+    digests = json.loads((out / "bench.json").read_text())["trained_pair"]["weights_sha256"]
+    assert (f"Pair weights (SHA-256, first 16 hex digits): target `{digests['target']}` · eagle3 "
+            f"`{digests['eagle3']}`; trained in this run, every stage whole (target 30/30 · head 20/20 steps)") in md
     for goal in ("EAGLE-3 tree η ≥ 0.75", "≥ 5× transformers' assisted generation",
                  "identical to the baseline in every row", "SIMULATED τ = 4: η ≥ 0.75",
                  "≥ 1.3× baseline", "85% of the memory-bandwidth bound"):
@@ -125,6 +134,19 @@ def test_plots(quick_run):
     for name in ("tokens_per_s.png", "eta_vs_tau.png"):
         data = (out / name).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 10_000, name
+
+
+def test_the_table_says_when_the_pair_would_differ_in_another_run():
+    from phasegraph.bench.report import _pair_provenance
+
+    tp = {"weights_sha256": {"target": "0123456789abcdef"}}
+    cut = _pair_provenance(tp, {"steps": {"target": [300, 450], "head": [200, 200]}})
+    assert "**stages cut on the --train-budget-s clock** (target 300/450 · head 200/200 steps)" in cut
+    assert "will differ" in cut
+    whole = _pair_provenance(tp, {"steps": {"target": [450, 450]}})
+    assert "every stage whole (target 450/450 steps)" in whole and "the same τ" in whole
+    assert "reused from an earlier run" in _pair_provenance(tp, None)
+    assert _pair_provenance(tp, None).startswith("Pair weights (SHA-256, first 16 hex digits): target `0123456789abcdef`")
 
 
 def test_goal_rows_are_measured_first():
