@@ -422,10 +422,11 @@ def _pair_provenance(tp: dict, training: dict | None) -> str:
     if not training:
         return text + "; reused from an earlier run (its train_report.json says how it was trained)."
     steps = training.get("steps") or {}
+    if not steps:  # a bench.json from before the steps were recorded
+        return text + "; trained in this run."
     counts = " · ".join(f"{stage} {done}/{planned}" for stage, (done, planned) in steps.items())
     if any(done != planned for done, planned in steps.values()):
         return (text + f"; trained in this run, **stages cut on the --train-budget-s clock** ({counts} steps): "
                 "another run's pair, and so its τ, will differ.")
     return text + f"; trained in this run, every stage whole ({counts} steps): the recipe is deterministic, " \
         "so another run on this GPU and software trains the same weights and measures the same τ."
-
