@@ -3,21 +3,21 @@ compare the saved weights byte for byte, under strict or warn-only deterministic
 
     python bench/train_repro.py --out DIR [--runs 2] [--warn-only] [--set key=value ...]
 
-Writes ``DIR/train_repro.json``: each run's SHA-256 per weight file, whether every run matches
-the first, and each stage's steps, wall time and tokens/s (the cost of strict determinism).
+Writes ``DIR/train_repro.json``: each run's SHA-256 of each model's weights (the digests
+``phasegraph bench`` reports), whether every run matches the first, and each stage's steps,
+wall time and tokens/s (the cost of strict determinism).
 The default ``--set`` list shortens every stage to a few dozen steps; later ``--set`` win.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
-import hashlib
 import json
 import shutil
 import sys
 from pathlib import Path
+from unittest import mock
 
 SHORT = [
     "eval.max_prompts=0",
@@ -26,16 +26,6 @@ SHORT = [
     "head_train.steps=40", "head_train.warmup_steps=10", "head_train.eval_every=20",
     "draft_train.steps=40", "draft_train.warmup_steps=10", "draft_train.eval_every=20",
 ]
-STAGES = ("target", "eagle3", "draft")
-
-
-def weight_hashes(pair: Path) -> dict[str, str]:
-    """``{"stage/file": sha256}`` of every safetensors file the run saved."""
-    out = {}
-    for stage in STAGES:
-        for f in sorted((pair / stage).glob("*.safetensors")):
-            out[f"{stage}/{f.name}"] = hashlib.sha256(f.read_bytes()).hexdigest()
-    return out
 
 
 def stage_speed(report: dict) -> dict[str, dict]:
@@ -59,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
 
     import torch
 
+    from phasegraph.bench.common import pair_weight_digests
     from phasegraph.train import loop, recipe
     from phasegraph.train.presets import PRESETS, apply_overrides
 
@@ -69,9 +60,9 @@ def main(argv: list[str] | None = None) -> int:
     for i in range(args.runs):
         pair = args.out / f"run{i}"
         shutil.rmtree(pair, ignore_errors=True)
-        with _patched(recipe, "deterministic_mode", mode):
+        with mock.patch.object(recipe, "deterministic_mode", mode):
             report = recipe.run_recipe(preset, pair, progress=False, log=lambda s: None)
-        runs.append({"hashes": weight_hashes(pair), "stages": stage_speed(report)})
+        runs.append({"hashes": pair_weight_digests(pair), "stages": stage_speed(report)})
         print(f"run {i}: {json.dumps(runs[-1]['stages'])}", flush=True)
         if not args.keep:
             shutil.rmtree(pair)
@@ -84,22 +75,12 @@ def main(argv: list[str] | None = None) -> int:
         "overrides": [*SHORT, *args.set],
         "runs": runs,
         "identical_to_run0": same,
-        "differing_files": differing,
+        "differing_models": differing,
     }
     (args.out / "train_repro.json").write_text(json.dumps(result, indent=1))
     print(f"{'warn-only' if args.warn_only else 'strict'}: {args.runs} runs, weights identical to run 0: "
-          f"{same}; differing files: {differing or 'none'}")
+          f"{same}; differing models: {differing or 'none'}")
     return 0
-
-
-@contextlib.contextmanager
-def _patched(module, name, value):
-    old = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, old)
 
 
 if __name__ == "__main__":

@@ -326,7 +326,7 @@ def check_reused_pair(d: Path) -> None:
     from phasegraph.runtime.models.target import check_model_type
     from phasegraph.statemachine.errors import one_line
 
-    for role in ("target", "eagle3", "draft"):
+    for role in PAIR_MODELS:
         directory = d / role
         if role == "draft" and not (directory / "config.json").exists():
             continue  # no standalone draft: its rows are skipped (or, with --quick, a random one made)
