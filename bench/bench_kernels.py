@@ -199,7 +199,7 @@ def bench_tree_kernels(args):
         bench("select_tree_nodes", shape,
               [partial(tree.select_tree_nodes_reference, *cand, num_nodes)],
               [partial(tree.select_tree_nodes_triton, *cand, num_nodes)])
-        tok, par = tree.select_tree_nodes_reference(*cand, num_nodes)
+        tok, par, _ = tree.select_tree_nodes_reference(*cand, num_nodes)
         seq = torch.randint(0, 2000, (batch,), device=DEVICE)
         targs = (roots.to(DEVICE), tok, par, seq)
         bench("build_tree", shape, [partial(tree.build_tree_reference, *targs)],

@@ -1,7 +1,7 @@
 """phasegraph: EAGLE-style speculative decoding as an explicit, typed state graph of phases.
 
 The public API (``Engine``, ``SpecConfig``, ``SamplingParams``, ``RequestOutput``,
-``RequestDelta``, ``RequestFailed``) is imported lazily, so that
+``RequestDelta``, ``RequestFailed``, ``NonFiniteDraftWarning``) is imported lazily, so that
 ``import phasegraph`` (and the pytest plugin) does not pull in torch.
 """
 
@@ -16,6 +16,7 @@ _LAZY = {
     "RequestOutput": "phasegraph.runtime.config",
     "RequestDelta": "phasegraph.runtime.config",  # what Engine.step() returns, one per request
     "RequestFailed": "phasegraph.runtime.errors",  # Engine.generate: a request ended with an error
+    "NonFiniteDraftWarning": "phasegraph.runtime.errors",  # the draft's logits were NaN or infinite
 }
 
 __all__ = ["__version__", *_LAZY]

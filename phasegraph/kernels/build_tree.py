@@ -8,10 +8,14 @@ root: the bonus token of the previous step, at position ``seq_len``. See ``docs/
 ``select_tree_nodes`` and ``build_tree`` dispatch to Triton on CUDA tensors (one program per
 request each) and to the ``*_reference`` torch versions elsewhere. ``select_tree_nodes`` may take
 the step-0 candidates apart from the others (``first_tokens``, ``first_scores``), so that no
-concatenation runs before it.
+concatenation runs before it. It also says, per request, whether every candidate score was
+finite: a draft whose logits held NaN or infinity scores its candidates NaN, and the flag lets
+the host say so without reading the scores (``commit_path``'s ``draft_finite``).
 """
 
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import attrs
 import torch
@@ -39,6 +43,12 @@ class TreeTensors:
     retrieve_index: torch.Tensor  # [B, N] i64, b*N + j
     retrieve_next_token: torch.Tensor  # [B, N] i64, first child in node order, -1
     retrieve_next_sibling: torch.Tensor  # [B, N] i64, next sibling in node order, -1
+
+
+class SelectedNodes(NamedTuple):
+    tokens: torch.Tensor  # [B, N-1] i64: the tokens of nodes 1..N-1
+    parents: torch.Tensor  # [B, N] i64: each node's parent node, -1 for the root (node 0)
+    scores_finite: torch.Tensor  # [B] bool: False where any candidate's score was NaN or infinite
 
 
 def _check_candidates(
@@ -76,7 +86,7 @@ def select_tree_nodes_reference(
     num_nodes: int,
     first_tokens: torch.Tensor | None = None,  # [B, K0] i64
     first_scores: torch.Tensor | None = None,  # [B, K0] f32
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> SelectedNodes:
     """Keep the N-1 best candidates as tree nodes 1..N-1.
 
     With ``first_tokens`` and ``first_scores``, those are candidates ``0 .. K0-1`` (parent -1,
@@ -86,9 +96,10 @@ def select_tree_nodes_reference(
     A stable descending sort by score keeps N-1 candidates (ties go to the lower index), then the
     kept ids are sorted ascending, so node j >= 1 is the j-th kept candidate. A candidate's score
     never exceeds its parent's and its id is larger, so the parent is always kept, and at a lower
-    node index. Returns ``(node_tokens [B, N-1], node_parents [B, N])`` with
-    ``node_parents[:, 0] = -1``; a node whose parent candidate is -1 hangs off node 0. (Should a
-    parent be missing anyway, e.g. with NaN scores, the node is attached to the root.)
+    node index. Returns :class:`SelectedNodes`: ``tokens`` [B, N-1], ``parents`` [B, N] with
+    ``parents[:, 0] = -1`` (a node whose parent candidate is -1 hangs off node 0; should a parent
+    be missing anyway, e.g. with NaN scores, the node is attached to the root), and
+    ``scores_finite`` [B], whether every candidate score of the request was finite.
     """
     batch, num_cand = _check_candidates(
         cand_tokens, cand_scores, cand_parents, num_nodes, first_tokens, first_scores
@@ -112,7 +123,8 @@ def select_tree_nodes_reference(
     parent_node = torch.where(parent_cand < 0, 0, parent_node)
 
     root = torch.full((batch, 1), -1, dtype=torch.int64, device=device)
-    return node_tokens, torch.cat([root, parent_node], dim=1)
+    scores_finite = torch.isfinite(cand_scores).all(dim=1)  # [B]
+    return SelectedNodes(node_tokens, torch.cat([root, parent_node], dim=1), scores_finite)
 
 
 def build_tree_reference(
@@ -216,6 +228,7 @@ def _select_tree_nodes_kernel(
     cand_parents_ptr,  # [B, C - K0] i64
     node_tokens_ptr,  # [B, N-1] i64, out
     node_parents_ptr,  # [B, N] i64, out
+    scores_finite_ptr,  # [B] bool, out
     num_first,  # K0 (0: every candidate in cand_*)
     num_cand,  # C
     num_nodes,
@@ -229,6 +242,9 @@ def _select_tree_nodes_kernel(
     offs = tl.arange(0, BLOCK_C)
     ok = offs < num_cand
     score = _load_candidates(first_scores_ptr, cand_scores_ptr, b, offs, ok, num_first, rest, 0.0)
+    # NaN fails both comparisons; +-inf fails the second
+    finite = (score == score) & (tl.abs(score) < float("inf"))
+    tl.store(scores_finite_ptr + b, tl.min(finite.to(tl.int32), axis=0) > 0)
     # rank[c]: how many candidates the stable descending sort puts before c
     rank = tl.zeros([BLOCK_C], tl.int32)
     for start in range(0, BLOCK_C, CHUNK):
@@ -258,7 +274,7 @@ def select_tree_nodes_triton(
     num_nodes: int,
     first_tokens: torch.Tensor | None = None,  # [B, K0] i64
     first_scores: torch.Tensor | None = None,  # [B, K0] f32
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> SelectedNodes:
     """Triton ``select_tree_nodes``: one program per request, no sort.
 
     The stable descending sort only decides which N-1 candidates are kept, so each candidate's
@@ -275,6 +291,7 @@ def select_tree_nodes_triton(
     device = cand_scores.device
     node_tokens = torch.empty((batch, num_nodes - 1), dtype=torch.int64, device=device)
     node_parents = torch.empty((batch, num_nodes), dtype=torch.int64, device=device)
+    scores_finite = torch.empty(batch, dtype=torch.bool, device=device)
     if batch > 0:
         block_c = next_pow2(num_cand)
         cand_tokens, cand_scores = cand_tokens.contiguous(), cand_scores.contiguous()
@@ -286,12 +303,12 @@ def select_tree_nodes_triton(
             num_first = first_scores.shape[1]
         _select_tree_nodes_kernel[(batch,)](
             first_tokens, first_scores, cand_tokens, cand_scores, cand_parents.contiguous(),
-            node_tokens, node_parents, num_first, num_cand, num_nodes,
+            node_tokens, node_parents, scores_finite, num_first, num_cand, num_nodes,
             BLOCK_C=block_c,
             CHUNK=max(1, min(block_c, 8192 // block_c)),
             num_warps=4, **pdl_options(),
         )
-    return node_tokens, node_parents
+    return SelectedNodes(node_tokens, node_parents, scores_finite)
 
 
 @jit
@@ -410,9 +427,9 @@ def select_tree_nodes(
     num_nodes: int,
     first_tokens: torch.Tensor | None = None,  # [B, K0] i64, candidates 0 .. K0-1 (parent -1)
     first_scores: torch.Tensor | None = None,  # [B, K0] f32
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Keep the N-1 best candidates as tree nodes 1..N-1 (see
-    :func:`select_tree_nodes_reference`); Triton on CUDA tensors."""
+) -> SelectedNodes:
+    """Keep the N-1 best candidates as tree nodes 1..N-1, and say where a score was not finite
+    (see :func:`select_tree_nodes_reference`); Triton on CUDA tensors."""
     impl = select_tree_nodes_triton if use_triton(cand_scores) else select_tree_nodes_reference
     return impl(cand_tokens, cand_scores, cand_parents, num_nodes, first_tokens, first_scores)
 

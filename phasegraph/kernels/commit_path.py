@@ -14,6 +14,13 @@ node after it on the path: ``emitted`` keeps the tokens before the first such no
 :data:`NONFINITE_LOGITS` in its place and -1 after it, so the host fails that request instead
 of emitting garbage. The rest of the state is cut as usual (the host drops the request).
 
+A request whose tree was drafted from non-finite draft logits (``draft_finite`` False: a NaN
+candidate score, :func:`phasegraph.kernels.build_tree.select_tree_nodes`) loses nothing but
+speed, since verify rejects such drafts; its ``emitted`` row is padded with
+:data:`DRAFT_NONFINITE` instead of -1, so the host, which reads that row anyway, can say so
+without another copy. A path that fills the whole row has no padding to carry the mark; a
+broken draft is rejected, so its row has room.
+
 Both return :class:`CommittedPath`; its fields equal the reference's exactly (integers only).
 """
 
@@ -28,25 +35,31 @@ from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options,
 from phasegraph.kernels.argmax import NONFINITE_LOGITS
 from phasegraph.kernels.bonus import fill_bonus_tokens_reference, gather_accepted_tokens_reference
 
+DRAFT_NONFINITE = -3  # pads ``emitted`` where the draft's scores were not finite (never a token id)
+
 
 class CommittedPath(NamedTuple):
     lens: torch.Tensor  # [B] i64 in [1, W]: tokens committed
     finished: torch.Tensor  # [B] bool: a stop token or the budget ended the request
     accept_index: torch.Tensor  # [B, W] i64: the accepted nodes, -1 past lens
-    emitted: torch.Tensor  # [B, W] i64: their tokens, -1 past lens; NONFINITE_LOGITS (see above)
+    emitted: torch.Tensor  # [B, W] i64: their tokens, -1 (or DRAFT_NONFINITE) past lens; NONFINITE_LOGITS
     bonus_tokens: torch.Tensor  # [B] i64: the last committed token
     select_index: torch.Tensor  # [B] i64: b * width + lens - 1 + lead (draft-extend's sampled row)
     seq_lens: torch.Tensor  # [B] i64: seq_lens + lens
     remaining: torch.Tensor  # [B] i64: max(remaining - lens, 0)
 
 
-def _check(predict, accept_index, accept_lens, stop_ids, remaining, seq_lens, lead, node_finite) -> None:
+def _check(predict, accept_index, accept_lens, stop_ids, remaining, seq_lens, lead, node_finite,
+           draft_finite) -> None:
     expect(predict, "predict", 1, torch.int64)
     if node_finite is not None:
         expect(node_finite, "node_finite", 1, torch.bool)
         expect_shape(node_finite, "node_finite", tuple(predict.shape))
     expect(accept_index, "accept_index", 2, torch.int64)
     batch = accept_index.shape[0]
+    if draft_finite is not None:
+        expect(draft_finite, "draft_finite", 1, torch.bool)
+        expect_shape(draft_finite, "draft_finite", (batch,))
     for t, name in ((accept_lens, "accept_lens"), (remaining, "remaining"), (seq_lens, "seq_lens")):
         expect(t, name, 1, torch.int64)
         expect_shape(t, name, (batch,))
@@ -72,6 +85,15 @@ def cut_at_nonfinite(
     return torch.where(j == first_bad, NONFINITE_LOGITS, torch.where(j > first_bad, -1, tokens))
 
 
+def mark_nonfinite_draft(
+    emitted: torch.Tensor,  # [B, W] i64, -1 padded
+    draft_finite: torch.Tensor,  # [B] bool
+) -> torch.Tensor:  # [B, W] i64
+    """``emitted`` with its -1 padding replaced by DRAFT_NONFINITE in the rows whose draft was
+    not finite (the module docstring)."""
+    return torch.where((emitted == -1) & ~draft_finite[:, None], DRAFT_NONFINITE, emitted)
+
+
 def commit_path_reference(
     predict: torch.Tensor,  # [B*N] i64, token emitted after each node
     accept_index: torch.Tensor,  # [B, W] i64, accepted nodes, -1 padded
@@ -82,9 +104,11 @@ def commit_path_reference(
     lead: int,  # 0, or 1 for drafts whose extend starts at the root token
     *,
     node_finite: torch.Tensor | None = None,  # [B*N] bool, None = every node finite
+    draft_finite: torch.Tensor | None = None,  # [B] bool, None = every draft finite
 ) -> CommittedPath:
     """The cut path and the request state it leaves, in torch ops."""
-    _check(predict, accept_index, accept_lens, stop_ids, remaining, seq_lens, lead, node_finite)
+    _check(predict, accept_index, accept_lens, stop_ids, remaining, seq_lens, lead, node_finite,
+           draft_finite)
     B, W = accept_index.shape
     device = accept_index.device
     raw = gather_accepted_tokens_reference(predict, accept_index)  # [B, W]
@@ -98,6 +122,8 @@ def commit_path_reference(
     emitted = torch.where(inside, raw, -1)
     if node_finite is not None:
         emitted = cut_at_nonfinite(emitted, accept_index, inside, node_finite)
+    if draft_finite is not None:
+        emitted = mark_nonfinite_draft(emitted, draft_finite)
     width = W + lead
     return CommittedPath(
         lens=lens,
@@ -120,6 +146,7 @@ def _commit_path_kernel(
     remaining_ptr,  # [B]
     seq_lens_ptr,  # [B]
     node_finite_ptr,  # [B*N] bool, read when HAS_FINITE
+    draft_finite_ptr,  # [B] bool, read when HAS_DRAFT_FINITE
     lens_ptr,  # [B] out
     finished_ptr,  # [B] bool out
     index_out_ptr,  # [B, W] out
@@ -134,7 +161,9 @@ def _commit_path_kernel(
     BLOCK_W: tl.constexpr,
     BLOCK_Z: tl.constexpr,
     HAS_FINITE: tl.constexpr,
+    HAS_DRAFT_FINITE: tl.constexpr,
     NONFINITE: tl.constexpr,
+    DRAFT_BAD: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
@@ -159,6 +188,9 @@ def _commit_path_kernel(
         finite = tl.load(node_finite_ptr + index, mask=inside & (index >= 0), other=1)
         first_bad = tl.min(tl.where(inside & (finite == 0), w, width), axis=0)
         emitted = tl.where(w == first_bad, NONFINITE, tl.where(w > first_bad, -1, emitted))
+    if HAS_DRAFT_FINITE:
+        pad = tl.where(tl.load(draft_finite_ptr + b) != 0, -1, DRAFT_BAD)
+        emitted = tl.where(emitted == -1, pad, emitted)
     tl.store(emitted_ptr + b * width + w, emitted, mask=in_w)
     tl.store(bonus_ptr + b, tl.sum(tl.where(w == lens - 1, token, 0), axis=0))
     tl.store(select_ptr + b, b * (width + lead) + lens - 1 + lead)
@@ -176,9 +208,11 @@ def commit_path_triton(
     lead: int,
     *,
     node_finite: torch.Tensor | None = None,  # [B*N] bool
+    draft_finite: torch.Tensor | None = None,  # [B] bool
 ) -> CommittedPath:
     """Triton ``commit_path``: one program per request, one launch."""
-    _check(predict, accept_index, accept_lens, stop_ids, remaining, seq_lens, lead, node_finite)
+    _check(predict, accept_index, accept_lens, stop_ids, remaining, seq_lens, lead, node_finite,
+           draft_finite)
     B, W = accept_index.shape
     Z = stop_ids.shape[1]
     device = accept_index.device
@@ -198,9 +232,11 @@ def commit_path_triton(
         predict.contiguous(), accept_index.contiguous(), accept_lens.contiguous(), stop_ids.contiguous(),
         remaining.contiguous(), seq_lens.contiguous(),
         predict if node_finite is None else node_finite.contiguous(),  # never read without HAS_FINITE
+        predict if draft_finite is None else draft_finite.contiguous(),  # nor this without HAS_DRAFT_FINITE
         *out, W, Z, lead,
         BLOCK_W=max(next_pow2(W), 2), BLOCK_Z=max(next_pow2(Z), 2), HAS_FINITE=node_finite is not None,
-        NONFINITE=NONFINITE_LOGITS, num_warps=1, **pdl_options(),
+        HAS_DRAFT_FINITE=draft_finite is not None, NONFINITE=NONFINITE_LOGITS, DRAFT_BAD=DRAFT_NONFINITE,
+        num_warps=1, **pdl_options(),
     )
     return out
 
@@ -215,9 +251,11 @@ def commit_path(
     lead: int,
     *,
     node_finite: torch.Tensor | None = None,  # [B*N] bool, None = every node finite
+    draft_finite: torch.Tensor | None = None,  # [B] bool, None = every draft finite
 ) -> CommittedPath:
     """Cut each accepted path after its first stop token and at the budget; the state it leaves;
-    mark the first accepted token whose logits were not finite (module docstring)."""
+    mark the first accepted token whose logits were not finite, and the padding of a request
+    whose draft was not (module docstring)."""
     impl = commit_path_triton if use_triton(accept_index) else commit_path_reference
     return impl(predict, accept_index, accept_lens, stop_ids, remaining, seq_lens, lead,
-                node_finite=node_finite)
+                node_finite=node_finite, draft_finite=draft_finite)

@@ -78,22 +78,23 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
             if carry is not None:
                 hidden = moved.hidden
 
-    node_tokens, node_parents = select_tree_nodes(
+    nodes = select_tree_nodes(
         table.tokens, table.scores, table.parents, N,
         first_tokens=state.topk_index, first_scores=state.topk_p,
     )
-    built = build_tree(state.bonus_tokens, node_tokens, node_parents, seq_lens)
+    built = build_tree(state.bonus_tokens, nodes.tokens, nodes.parents, seq_lens)
     return TreeProposal(
         draft=state,
         num_steps=S,
         draft_lead=lead,
         draft_tokens=built.draft_tokens,
         positions=built.positions,
-        parents=node_parents,
+        parents=nodes.parents,
         depth=built.depth,
         tree_mask=built.tree_mask,
         retrieve_index=built.retrieve_index,
         retrieve_next_token=built.retrieve_next_token,
         retrieve_next_sibling=built.retrieve_next_sibling,
         draft_positions=layout.draft_positions,  # [B, S-1, K] a view of the positions given
+        draft_finite=nodes.scores_finite,  # [B]: False where the draft's logits were not finite
     )

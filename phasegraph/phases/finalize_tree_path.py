@@ -40,7 +40,8 @@ def finalize_tree_path(state: VerifyResult, ctx: SpecContext) -> FinalizedPath:
     lead = proposal.draft_lead
     # the path cut after its first stop token and at the budget, and the state it leaves
     path = commit_path(state.predict, state.accept_index, state.accept_lens, params.stop_ids,
-                       draft_state.remaining, seq_lens, lead, node_finite=state.logits_finite.view(-1))
+                       draft_state.remaining, seq_lens, lead, node_finite=state.logits_finite.view(-1),
+                       draft_finite=proposal.draft_finite)
     lens, accept_index = path.lens, path.accept_index
 
     compacted = {}

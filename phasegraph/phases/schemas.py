@@ -23,7 +23,7 @@ import torch
 from jaxtyping import Bool, Float, Float32, Int64
 
 from phasegraph.kernels.argmax import NONFINITE_LOGITS
-from phasegraph.kernels.commit_path import cut_at_nonfinite
+from phasegraph.kernels.commit_path import cut_at_nonfinite, mark_nonfinite_draft
 from phasegraph.statemachine import InvalidSchema, Role, Schema, invariant, schema, tensor, value
 
 REQUEST = Role("request", "B")
@@ -223,6 +223,18 @@ class TreeProposal(Schema):
     draft_positions: Int64[Tensor, "B D K"] = tensor(
         role=REQUEST, doc="the position every beam of draft forward i ran at: the tensor the forwards were given"
     )
+    draft_finite: Bool[Tensor, "B"] = tensor(
+        role=REQUEST,
+        doc="False where a candidate score the tree was chosen from was NaN or infinite: the draft's logits were not",
+    )
+
+    @invariant("the draft's candidate scores are finite (draft_finite)")
+    def _draft_finite(self) -> str | None:
+        row = _first_bad_row(self.draft_finite)
+        return None if row is None else (
+            f"request {row}: a draft candidate's score was NaN or infinite, so the draft's logits "
+            "were not finite (its tree is verified and rejected: outputs stay exact, tau falls to 1)"
+        )
 
     @invariant("positions == seq_lens + depth (seed 001)")
     def _positions_follow_depth(self) -> str | None:
@@ -364,7 +376,9 @@ class FinalizedPath(DraftExtendInput):
     accept_index: Int64[Tensor, "B W"] = tensor(role=REQUEST)
     accept_lens: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="after truncation at a stop or budget")
     emitted: Int64[Tensor, "B W"] = tensor(
-        role=REQUEST, doc="new tokens, -1 padded; NONFINITE_LOGITS at the first whose logits were not finite"
+        role=REQUEST,
+        doc="new tokens, -1 padded (DRAFT_NONFINITE where the tree's draft was not finite); NONFINITE_LOGITS "
+            "at the first whose logits were not finite",
     )
     finished: Bool[Tensor, "B"] = tensor(role=REQUEST, doc="hit a stop token or its budget")
     accepted_predict: Int64[Tensor, "B*W"] = tensor(role=ACCEPTED)
@@ -378,7 +392,7 @@ class FinalizedPath(DraftExtendInput):
         return None if row is None else f"request {row}: seq_len {int(self.seq_lens[row])} != {int(before[row])} + {int(self.accept_lens[row])}"
 
     @invariant("emitted tokens are the accepted predictions, -1 past accept_lens, cut at the first "
-               "node with non-finite logits")
+               "node with non-finite logits; DRAFT_NONFINITE pads where the draft was not finite")
     def _emitted(self) -> str | None:
         B, W = self.emitted.shape
         if B == 0:
@@ -387,6 +401,7 @@ class FinalizedPath(DraftExtendInput):
         inside = j < self.accept_lens[:, None]
         want = torch.where(inside, self.accepted_predict.view(B, W), -1)
         want = cut_at_nonfinite(want, self.accept_index, inside, self.verified.logits_finite.reshape(-1))
+        want = mark_nonfinite_draft(want, self.verified.proposal.draft_finite)
         row = _first_bad_row((self.emitted == want).all(dim=1))
         return None if row is None else f"request {row}: emitted {self.emitted[row].tolist()} != {want[row].tolist()}"
 

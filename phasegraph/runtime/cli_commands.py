@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+import warnings
 
 from phasegraph.cli import CliError, register, require_name, writable_file
 
@@ -85,7 +86,7 @@ def _write_output(engine, out) -> None:
 def run_generate(args: argparse.Namespace) -> int:
     from phasegraph.runtime.config import SamplingParams, SpecConfig
     from phasegraph.runtime.engine import Engine
-    from phasegraph.runtime.errors import RequestFailed
+    from phasegraph.runtime.errors import NonFiniteDraftWarning, RequestFailed
 
     for option, path, kind in (("--target", args.target, "directory"), ("--draft", args.draft, "directory"),
                                ("--trace", args.trace, "file")):
@@ -119,7 +120,9 @@ def run_generate(args: argparse.Namespace) -> int:
     progress = not args.no_progress and args.max_new_tokens >= PROGRESS_MIN_TOKENS
     start = time.perf_counter()
     try:
-        out = engine.generate([prompt], params, progress=progress)[0]
+        with warnings.catch_warnings():  # the summary line below says it, in one line
+            warnings.simplefilter("ignore", NonFiniteDraftWarning)
+            out = engine.generate([prompt], params, progress=progress)[0]
     except RequestFailed as exc:  # show what came before the failure, then the error
         _write_output(engine, exc.outputs[0])
         raise CliError(str(exc)) from None
@@ -130,6 +133,9 @@ def run_generate(args: argparse.Namespace) -> int:
         f"mean acceptance length: {tau:.2f} over {len(out.stats.accept_lengths)} verify steps"
         if tau is not None else f"mean acceptance length: n/a (method {method})"
     )
+    if out.stats.nonfinite_drafts:
+        accept += (f" (in {out.stats.nonfinite_drafts} of them the draft's logits were not finite, "
+                   "so verify rejected its drafts: check the draft's weights and dtype)")
     rate = len(out.token_ids) / seconds if seconds > 0 else float("inf")
     capped = ""
     if out.finish_reason == "length" and len(out.token_ids) < args.max_new_tokens:

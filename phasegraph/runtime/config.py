@@ -183,6 +183,7 @@ class RequestStats:
     phase_time_s: dict[str, float] = attrs.field(factory=dict)  # wall time of the batches it was in
     retractions: int = 0
     prompt_tokens: int = 0
+    nonfinite_drafts: int = 0  # verify steps whose draft logits were NaN or infinite (their drafts rejected)
 
     @property
     def mean_accept_length(self) -> float | None:

@@ -65,7 +65,7 @@ def _neutral_fill(name: str, x: torch.Tensor) -> float | int:
     """What padded rows hold: request row 0 and slot 0 are reserved sinks; lengths of 1 keep
     attention well defined; probabilities a valid uniform value."""
     if x.dtype == torch.bool:
-        return name in ("tree_mask",)
+        return name in ("tree_mask", "draft_finite")
     if name in ("seq_lens",):
         return 1
     if name in ("remaining",):

@@ -135,6 +135,13 @@ class RequestFailed(PhasegraphRuntimeError):
         )
 
 
+class NonFiniteDraftWarning(RuntimeWarning):
+    """The draft's logits were not finite (NaN or infinity) for a request: verify rejects every
+    draft of such a tree, so the outputs stay exact but speculation gains nothing (tau 1).
+    Issued once per engine; ``RequestStats.nonfinite_drafts`` counts the verify steps of each
+    request. ``validate="strict"`` raises ``InvariantViolation`` instead."""
+
+
 class SchedulerInvariantError(PhasegraphRuntimeError):
     """The scheduler's bookkeeping is inconsistent (a request in two queues, host and device
     state disagreeing, KV accounting broken, ...); ``problems`` lists every violation found.

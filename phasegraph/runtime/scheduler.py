@@ -35,15 +35,22 @@ The running batch's rows are always in the order of ``self.running``.
 from __future__ import annotations
 
 import time
+import warnings
 from collections import deque
 from collections.abc import Callable
 
 import attrs
 import torch
 
+from phasegraph.kernels.commit_path import DRAFT_NONFINITE
 from phasegraph.phases import BatchParams, DraftState, PrefillInput, RowSelection, SpecContext
 from phasegraph.phases.schemas import NONFINITE_LOGITS
-from phasegraph.runtime.errors import KVAccountingError, OutOfKVPages, SchedulerInvariantError
+from phasegraph.runtime.errors import (
+    KVAccountingError,
+    NonFiniteDraftWarning,
+    OutOfKVPages,
+    SchedulerInvariantError,
+)
 from phasegraph.runtime.kv_pool import KVCacheManager, to_device
 from phasegraph.runtime.requests import Request, Status
 from phasegraph.statemachine import Machine, PhaseGraph, Trace
@@ -121,6 +128,7 @@ class Scheduler:
         self.machine.reset("filter", self._empty_state())
         self.num_retractions = 0
         self._prefill_batches = 0
+        self._warned_nonfinite_draft = False
         self.on_phase: Callable[[str, float, list[Request]], None] | None = None
 
     # ------------------------------------------------------------------ requests in and out
@@ -351,7 +359,8 @@ class Scheduler:
             self._run(m, "verify", batch)
             path = self._run(m, "finalize-tree-path", batch)
             self._run(m, "draft-extend", batch)
-            tokens = path.emitted  # [B, W], -1 past accept_lens, NONFINITE_LOGITS (never token ids)
+            # [B, W], -1 (DRAFT_NONFINITE: the draft was not finite) past accept_lens, NONFINITE_LOGITS
+            tokens = path.emitted
             lps = None if path.accepted_logprobs is None else path.accepted_logprobs.view(len(batch), -1)
         ready = None
         if tokens.device.type == "cuda":
@@ -381,12 +390,29 @@ class Scheduler:
             failed = NONFINITE_LOGITS in row
             if done.speculative and not failed:
                 req.stats.accept_lengths.append(n)
+                if DRAFT_NONFINITE in row:
+                    self._note_nonfinite_draft(req)
             req.append(row[:n], None if row_lps is None else row_lps[:n])
             req.seq_len += n
             if failed:
                 req.fail_nonfinite()  # the tokens before the bad one stay
             touched.add(req)
         return touched
+
+    def _note_nonfinite_draft(self, req: Request) -> None:
+        """Count a verify step whose tree came from non-finite draft logits; warn once."""
+        req.stats.nonfinite_drafts += 1
+        if self._warned_nonfinite_draft:
+            return
+        self._warned_nonfinite_draft = True
+        warnings.warn(
+            f"request {req.request_id}: the draft's logits were not finite (NaN or infinity), so "
+            "verify rejected its drafts: the outputs stay exact but speculation gains nothing "
+            "(tau 1). Check the draft's weights and dtype; RequestStats.nonfinite_drafts counts "
+            "such verify steps per request (this warning is given once per engine)",
+            NonFiniteDraftWarning,
+            stacklevel=2,
+        )
 
     def _filter_finished(self) -> None:
         done = [r for r in self.running if r.finish_reason is not None]

@@ -126,6 +126,7 @@ def tree_proposal(draft: DraftState, *, N: int = 5, S: int = 3, vocab: int = 32)
         retrieve_next_sibling=torch.tensor(next_sibling, device=device).expand(B, N).clone(),
         draft_positions=(draft.seq_lens[:, None] + torch.arange(D, device=device))[:, :, None]
         .expand(B, D, K),
+        draft_finite=torch.ones(B, dtype=torch.bool, device=device),
     )
 
 

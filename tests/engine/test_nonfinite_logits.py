@@ -8,10 +8,14 @@ argmax of a NaN row is its first NaN's id, so without the check it would go on e
 The short-prompt request must come out as in a clean run, and every KV page must come back.
 
 A draft model whose logits are not finite harms no output: its drafts are rejected, so every
-verify accepts only the bonus token (tau 1), and strict validation names the bad top-k.
+verify accepts only the bonus token (tau 1). It is not silent either: the engine warns once
+(``NonFiniteDraftWarning``), ``stats.nonfinite_drafts`` counts the verify steps, and strict
+validation names the bad top-k or the tree's non-finite scores.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import pytest
 import torch
@@ -20,9 +24,11 @@ from phasegraph.cli import main
 from phasegraph.phases.protocols import DraftOutput, TargetOutput
 from phasegraph.runtime.config import SamplingParams
 from phasegraph.runtime.engine import Engine
-from phasegraph.runtime.errors import RequestFailed
+from phasegraph.runtime.errors import NonFiniteDraftWarning, RequestFailed
+from phasegraph.runtime.models.eagle3 import Eagle3Draft
 from phasegraph.runtime.models.target import HFTarget
 from phasegraph.statemachine import InvariantViolation
+from phasegraph.statemachine.modes import validation_mode
 
 from .support import arch_bundle, assert_all_free, engine_for, make_prompts, text_bundle
 
@@ -152,35 +158,87 @@ def test_cli_generate_prints_the_clean_prefix_and_the_error(engine_root, monkeyp
     assert "Traceback" not in err
 
 
-def poison_draft(monkeypatch, engine) -> None:
-    """Every logits row the draft model returns holds NaN."""
-    real = engine.draft.forward
+def poisoned_draft_forward(real, steps_only: bool = False):
+    """``real`` (a draft's forward) with every logits row NaN; ``steps_only``: only in the
+    draft phase's own forwards (``from_target=False``), not in draft-extend's."""
 
     def forward(*args, **kwargs) -> DraftOutput:
         out = real(*args, **kwargs)
+        if steps_only and kwargs["from_target"]:
+            return out
         return DraftOutput(logits=torch.full_like(out.logits, float("nan")), hidden=out.hidden,
                            hidden_rows=out.hidden_rows)
 
-    monkeypatch.setattr(engine.draft, "forward", forward)
+    return forward
 
 
+def poison_draft(monkeypatch, engine, steps_only: bool = False) -> None:
+    """Every logits row the draft model returns holds NaN (``steps_only``: see above)."""
+    monkeypatch.setattr(engine.draft, "forward", poisoned_draft_forward(engine.draft.forward, steps_only))
+
+
+def generate_warned(engine, prompts, params) -> tuple[list, list[warnings.WarningMessage]]:
+    """``engine.generate``'s outputs and the NonFiniteDraftWarnings it gave."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        outs = engine.generate(prompts, params)
+    return outs, [w for w in caught if issubclass(w.category, NonFiniteDraftWarning)]
+
+
+@pytest.mark.parametrize("steps_only", [False, True], ids=["every-forward", "draft-steps-only"])
 @pytest.mark.parametrize("config", ["eagle3-tree", "mtp-chain", "standalone-tree"])
-def test_a_draft_with_non_finite_logits_costs_speed_not_output(engine_root, monkeypatch, config):
+def test_a_draft_with_non_finite_logits_costs_speed_not_output(engine_root, monkeypatch, config,
+                                                               steps_only):
     method, spec = CONFIGS[config]
     bundle = arch_bundle(engine_root, "llama")
     prompts = make_prompts([LONG, SHORT], seed=5)
     baseline = engine_for(bundle, "none", page_size=4).generate(prompts, GREEDY)
 
+    healthy, said = generate_warned(engine_for(bundle, method, page_size=4, **spec), prompts, GREEDY)
+    assert not said and all(o.stats.nonfinite_drafts == 0 for o in healthy)
+
     engine = engine_for(bundle, method, page_size=4, validate="boundary", **spec)
-    poison_draft(monkeypatch, engine)
-    outs = engine.generate(prompts, GREEDY)
+    poison_draft(monkeypatch, engine, steps_only)
+    outs, said = generate_warned(engine, prompts, GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in baseline]
     assert all(o.finish_reason == "length" and o.error is None for o in outs)
-    for o in outs:  # every verify accepted the bonus token alone
-        assert o.stats.accept_lengths == [1] * (NEW_TOKENS - 1)
+    if not steps_only:  # every verify accepted the bonus token alone
+        for o in outs:
+            assert o.stats.accept_lengths == [1] * (NEW_TOKENS - 1)
+    # loud, once: every verify step of both requests counted
+    assert len(said) == 1
+    assert "the draft's logits were not finite (NaN or infinity)" in str(said[0].message)
+    assert [o.stats.nonfinite_drafts for o in outs] == [len(o.stats.accept_lengths) for o in outs]
+    assert all(o.stats.nonfinite_drafts > 0 for o in outs)
     assert_all_free(engine)
 
     strict = engine_for(bundle, method, page_size=4, validate="strict", **spec)
-    poison_draft(monkeypatch, strict)
-    with pytest.raises(InvariantViolation, match=r"draft-extend.*0 <= topk_p <= 1.*nan"):
+    poison_draft(monkeypatch, strict, steps_only)
+    where = (r"phase 'draft'.*the draft's candidate scores are finite.*NaN or infinite" if steps_only
+             else r"draft-extend.*0 <= topk_p <= 1.*nan")
+    with pytest.raises(InvariantViolation, match=where):
         strict.generate(prompts, GREEDY)
+
+
+def test_cli_generate_says_when_the_draft_was_not_finite(engine_root, monkeypatch, capsys):
+    target, drafts, _ = text_bundle(engine_root)
+    real = Eagle3Draft.forward
+    monkeypatch.setattr(Eagle3Draft, "forward",
+                        lambda self, *a, **k: poisoned_draft_forward(real.__get__(self))(*a, **k))
+    clean = Engine.from_pretrained(target).generate(
+        [[11, 12, 13, 14, 15]], SamplingParams(max_new_tokens=8, ignore_eos=True))[0]
+    argv = ["generate", "--target", str(target), "--draft", str(drafts["eagle3"]), "--method", "eagle3",
+            "--prompt-ids", "11,12,13,14,15", "--max-new-tokens", "8", "--ignore-eos", "--no-progress"]
+    # strict validation (the pytest plugin's default) stops at the NaN top-k, in one line
+    assert main(argv) == 2
+    out, err = capsys.readouterr()
+    assert "phasegraph: error: DraftState (output of phase 'draft-extend')" in err and "topk_p [nan]" in err
+    assert "Traceback" not in err
+
+    with validation_mode("boundary"), warnings.catch_warnings():  # the library's default
+        warnings.simplefilter("error")  # the CLI says it in its summary line, not as a warning
+        rc = main(argv)
+    out, err = capsys.readouterr()
+    assert rc == 0 and out == clean.text + "\n", err
+    assert "mean acceptance length: 1.00 over 7 verify steps (in 7 of them the draft's logits were not finite" in err
+    assert "Traceback" not in err

@@ -184,7 +184,7 @@ def draft_case(gen: torch.Generator, *, batch: int, topk: int, num_steps: int, v
         steps.append(beams)
     cand = concat_candidates(first, steps)
     num_nodes = tree_nodes(topk, num_steps)
-    node_tokens, node_parents = select_tree_nodes_reference(*cand, num_nodes)
+    node_tokens, node_parents, _ = select_tree_nodes_reference(*cand, num_nodes)
     return roots, first, steps, cand, node_tokens, node_parents
 
 
@@ -368,7 +368,7 @@ def compile_cases():
             table = expand.StepCandidates.empty(batch, topk, num_steps, torch.device("cpu"))
             expand.expand_step_triton(first.beam_scores, None, p, i, 1, topk, table)  # as draft runs it
             num_nodes = tree_nodes(topk, num_steps)
-            tokens, parents = tree.select_tree_nodes_triton(*cand, num_nodes)
+            tokens, parents, _ = tree.select_tree_nodes_triton(*cand, num_nodes)
             tree.select_tree_nodes_triton(*[c[:, topk:] for c in cand], num_nodes,
                                           first_tokens=cand[0][:, :topk], first_scores=cand[1][:, :topk])
             tree.build_tree_triton(roots, tokens, parents, torch.zeros(batch, dtype=torch.int64))

@@ -526,7 +526,7 @@ def test_select_tree_nodes_and_build_tree(device, gen, batch, topk, num_steps):
         assert_same_fields(
             ref, run_triton(device, tree_mod.select_tree_nodes_triton, *rest, num_nodes, **first)
         )
-        node_tokens, node_parents = ref
+        node_tokens, node_parents, _ = ref
         seq_lens = torch.randint(0, 1000, (batch,), generator=gen).to(device)
         tree_args = (roots.to(device), node_tokens, node_parents, seq_lens)
         assert_same_fields(
@@ -536,12 +536,15 @@ def test_select_tree_nodes_and_build_tree(device, gen, batch, topk, num_steps):
 
 
 def test_select_tree_nodes_ties_and_nan(device, gen):
-    """Equal scores keep the lower id; NaN sorts above every number (as torch.sort)."""
+    """Equal scores keep the lower id; NaN sorts above every number (as torch.sort); the rows
+    with a NaN or infinite score, and only those, are not ``scores_finite``."""
     batch, num_cand = 6, 40
     scores = torch.randint(0, 4, (batch, num_cand), generator=gen).float() / 4
     scores[0, 7] = float("nan")
     scores[1, [3, 30]] = float("nan")
     scores[2] = 0.5
+    scores[3, 39] = float("inf")
+    scores[4, 0] = float("-inf")
     parents = torch.randint(-1, num_cand, (batch, num_cand), generator=gen)
     parents = torch.minimum(parents, torch.arange(num_cand) - 1)
     tokens = torch.randint(0, 1000, (batch, num_cand), generator=gen)
@@ -552,6 +555,7 @@ def test_select_tree_nodes_ties_and_nan(device, gen):
             parents.to(device), num_nodes,
         )
         assert_same_fields(ref, out)
+        assert out.scores_finite.tolist() == [False] * 5 + [True]
 
 
 def test_build_tree_shapes(device, gen):
@@ -803,3 +807,11 @@ def test_commit_path(device, gen, batch, width, stops, lead):
     assert_same_fields(ref, out)
     if batch >= 7:
         assert (ref.emitted == commit_mod.NONFINITE_LOGITS).any()
+    # and with drafts that were not finite: their rows' padding is marked
+    draft_finite = (torch.rand(batch, generator=gen) > 0.5).to(device)
+    ref = commit_mod.commit_path_reference(*case, node_finite=finite, draft_finite=draft_finite)
+    out = run_triton(device, commit_mod.commit_path_triton, *case, node_finite=finite,
+                     draft_finite=draft_finite)
+    assert_same_fields(ref, out)
+    if batch >= 7:
+        assert (ref.emitted == commit_mod.DRAFT_NONFINITE).any()

@@ -20,24 +20,25 @@ def test_select_tree_nodes_hand_case():
     tokens = torch.tensor([[10, 11, 20, 21, 22, 23]])
     scores = torch.tensor([[0.6, 0.4, 0.3, 0.18, 0.36, 0.04]])
     parents = torch.tensor([[-1, -1, 0, 0, 1, 1]])
-    node_tokens, node_parents = select_tree_nodes(tokens, scores, parents, num_nodes=5)
+    node_tokens, node_parents, finite = select_tree_nodes(tokens, scores, parents, num_nodes=5)
     # best 4 by score: ids 0, 1, 4, 2 -> sorted 0, 1, 2, 4 = nodes 1..4
     assert torch.equal(node_tokens, torch.tensor([[10, 11, 20, 22]]))
     assert torch.equal(node_parents, torch.tensor([[-1, 0, 0, 1, 2]]))
+    assert torch.equal(finite, torch.tensor([True]))
 
 
 def test_select_tree_nodes_ties_keep_lower_ids():
     tokens = torch.arange(6).view(1, 6) + 100
     scores = torch.tensor([[1.0, 1.0, 1.0, 1.0, 1.0, 1.0]])
     parents = torch.tensor([[-1, -1, 0, 0, 1, 1]])
-    node_tokens, node_parents = select_tree_nodes(tokens, scores, parents, num_nodes=4)
+    node_tokens, node_parents, _ = select_tree_nodes(tokens, scores, parents, num_nodes=4)
     assert torch.equal(node_tokens, torch.tensor([[100, 101, 102]]))
     assert torch.equal(node_parents, torch.tensor([[-1, 0, 0, 1]]))
 
 
 def test_select_tree_nodes_root_only():
     tokens = torch.tensor([[5, 6]])
-    node_tokens, node_parents = select_tree_nodes(
+    node_tokens, node_parents, _ = select_tree_nodes(
         tokens, torch.tensor([[0.5, 0.5]]), torch.tensor([[-1, -1]]), num_nodes=1
     )
     assert node_tokens.shape == (1, 0)
@@ -148,7 +149,8 @@ def test_selected_tree_is_well_formed(data, topk, num_steps):
         steps.append(out)
         beam_scores, beam_cand = out.beam_scores, out.beam_cand
     tokens, scores, cand_parents = concat_candidates(first, steps)
-    node_tokens, node_parents = select_tree_nodes(tokens, scores, cand_parents, num_nodes)
+    node_tokens, node_parents, finite = select_tree_nodes(tokens, scores, cand_parents, num_nodes)
+    assert bool(finite.all())
 
     assert node_parents.shape == (batch, num_nodes)
     nodes = torch.arange(num_nodes)

@@ -7,7 +7,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phasegraph.kernels.commit_path import NONFINITE_LOGITS, commit_path, commit_path_reference
+from phasegraph.kernels.commit_path import (
+    DRAFT_NONFINITE,
+    NONFINITE_LOGITS,
+    commit_path,
+    commit_path_reference,
+)
 
 T = torch.tensor
 
@@ -56,6 +61,26 @@ def test_non_finite_nodes_cut_the_emitted_tokens_at_the_first_accepted_one():
     assert NONFINITE_LOGITS == -2
 
 
+def test_a_draft_that_was_not_finite_marks_the_padding_of_its_row_only():
+    predict = torch.arange(100, 100 + 3 * 8)
+    index, lens = T([[0, -1, -1, -1], [8, 9, 11, 12], [16, 17, -1, -1]]), T([1, 4, 2])
+    no_stops, budget, seq = T([[-1]] * 3), T([9, 9, 9]), T([10, 20, 30])
+    draft_finite = T([False, False, True])
+    p = commit_path(predict, index, lens, no_stops, budget, seq, 0, draft_finite=draft_finite)
+    # row 0: every slot past its one token; row 1: a full path has no padding to mark
+    assert p.emitted.tolist() == [[100, -3, -3, -3], [108, 109, 111, 112], [116, 117, -1, -1]]
+    clean = commit_path(predict, index, lens, no_stops, budget, seq, 0)
+    for name in ("lens", "finished", "accept_index", "bonus_tokens", "select_index", "seq_lens", "remaining"):
+        assert torch.equal(getattr(p, name), getattr(clean, name)), name
+    # a cut at non-finite target logits keeps its NONFINITE_LOGITS; the padding after it is marked
+    finite = torch.ones(24, dtype=torch.bool)
+    finite[9] = False
+    both = commit_path(predict, index, lens, no_stops, budget, seq, 0, node_finite=finite,
+                       draft_finite=draft_finite)
+    assert both.emitted.tolist()[1] == [108, NONFINITE_LOGITS, -3, -3]
+    assert DRAFT_NONFINITE == -3
+
+
 def test_no_stop_ids_at_all():
     p = _path([[0, 1, -1, -1], [8, -1, -1, -1]], [2, 1], [], [5, 5])
     assert p.lens.tolist() == [2, 1] and p.finished.tolist() == [False, False]
@@ -77,6 +102,8 @@ def test_public_name_is_the_reference_off_cuda():
     ({"lead": 2}, "lead: expected 0 or 1, got 2"),
     ({"node_finite": torch.ones(8)}, "node_finite: expected dtype torch.bool"),
     ({"node_finite": torch.ones(7, dtype=torch.bool)}, r"node_finite: expected shape \(8,\)"),
+    ({"draft_finite": torch.ones(2)}, "draft_finite: expected dtype torch.bool"),
+    ({"draft_finite": torch.ones(3, dtype=torch.bool)}, r"draft_finite: expected shape \(2,\)"),
 ])
 def test_bad_input_fails_by_name(change, match):
     args = {"predict": torch.arange(8), "accept_index": T([[0, -1], [4, 5]]), "accept_lens": T([1, 2]),

@@ -118,8 +118,9 @@ def test_draft_tree_verify_pipeline_on_cuda():
         assert_same(cpu, gpu)
         steps.append(cpu)
     cand = K.concat_candidates(steps[0], steps[1:])
-    (node_tokens, node_parents), gpu = both(K.select_tree_nodes, *cand, num_nodes)
-    assert_same((node_tokens, node_parents), gpu)
+    nodes, gpu = both(K.select_tree_nodes, *cand, num_nodes)
+    assert_same(nodes, gpu)
+    node_tokens, node_parents, _ = nodes
     seq_lens = torch.randint(0, 100, (batch,), generator=g)
     tree, gpu_tree = both(K.build_tree, roots, node_tokens, node_parents, seq_lens)
     assert_same(tree, gpu_tree)

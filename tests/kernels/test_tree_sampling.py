@@ -428,7 +428,7 @@ def speculative_step(roots, cfg, gen, sampler):
         out = expand_step(beam_scores, beam_cand, q_p[beam_tokens], q_i[beam_tokens], step, topk)
         steps.append(out)
         beam_scores, beam_cand, beam_tokens = out.beam_scores, out.beam_cand, out.beam_tokens
-    node_tokens, node_parents = select_tree_nodes(*concat_candidates(first, steps), num_nodes)
+    node_tokens, node_parents, _ = select_tree_nodes(*concat_candidates(first, steps), num_nodes)
     tree = build_tree(roots, node_tokens, node_parents, torch.zeros(batch, dtype=torch.int64))
     # target_probs of every node's logits: the Markov target's row depends only on the node's
     # token, so the V processed rows are computed once and gathered (a CPU sort of 1e5*N rows
@@ -532,7 +532,7 @@ def test_gathered_rows_equal_per_node_target_probs():
     second = expand_step(
         first.beam_scores, first.beam_cand, q_p[first.beam_tokens], q_i[first.beam_tokens], 1, topk
     )
-    node_tokens, node_parents = select_tree_nodes(*concat_candidates(first, [second]), num_nodes)
+    node_tokens, node_parents, _ = select_tree_nodes(*concat_candidates(first, [second]), num_nodes)
     tree = build_tree(roots, node_tokens, node_parents, torch.zeros(512, dtype=torch.int64))
     for temperature, top_p in [(1.0, 1.0), (0.7, 0.9), (0.0, 1.0)]:
         per_node = target_probs(

@@ -328,7 +328,7 @@ def test_empty_batch_flows_through_every_kernel():
                 topk,
             )
         )
-    node_tokens, node_parents = K.select_tree_nodes(
+    node_tokens, node_parents, _ = K.select_tree_nodes(
         *K.concat_candidates(steps[0], steps[1:]), num_nodes
     )
     tree = K.build_tree(empty, node_tokens, node_parents, empty)
