@@ -555,7 +555,7 @@ def test_select_tree_nodes_ties_and_nan(device, gen):
             parents.to(device), num_nodes,
         )
         assert_same_fields(ref, out)
-        assert out.scores_finite.tolist() == [False] * 5 + [True]
+        assert out.scores_finite.tolist() == [False, False, True, False, False, True]
 
 
 def test_build_tree_shapes(device, gen):
