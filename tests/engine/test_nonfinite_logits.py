@@ -220,6 +220,17 @@ def test_a_draft_with_non_finite_logits_costs_speed_not_output(engine_root, monk
         strict.generate(prompts, GREEDY)
 
 
+def test_a_non_finite_draft_is_counted_when_sampling_too(engine_root, monkeypatch):
+    """Sampled verify may accept a NaN draft's in-range token (the target drew it): every step
+    is still counted, whatever it accepted."""
+    bundle = arch_bundle(engine_root, "llama")
+    engine = engine_for(bundle, "eagle3", page_size=4, validate="boundary", **CONFIGS["eagle3-tree"][1])
+    poison_draft(monkeypatch, engine)
+    outs, said = generate_warned(engine, make_prompts([LONG, SHORT], seed=5), SAMPLED)
+    assert len(said) == 1 and all(o.finish_reason == "length" for o in outs)
+    assert [o.stats.nonfinite_drafts for o in outs] == [len(o.stats.accept_lengths) for o in outs]
+
+
 def test_cli_generate_says_when_the_draft_was_not_finite(engine_root, monkeypatch, capsys):
     target, drafts, _ = text_bundle(engine_root)
     real = Eagle3Draft.forward
