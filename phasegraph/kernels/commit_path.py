@@ -18,8 +18,9 @@ A request whose tree was drafted from non-finite draft logits (``draft_finite`` 
 candidate score, :func:`phasegraph.kernels.build_tree.select_tree_nodes`) loses nothing but
 speed, since verify rejects such drafts; its ``emitted`` row is padded with
 :data:`DRAFT_NONFINITE` instead of -1, so the host, which reads that row anyway, can say so
-without another copy. A path that fills the whole row has no padding to carry the mark; a
-broken draft is rejected, so its row has room.
+without another copy. A path that fills the whole row has no padding to carry the mark, but a
+broken draft's tokens are accepted only where the target emits the same token anyway, so its
+rows nearly always have room, and every step it drafts is checked again.
 
 Both return :class:`CommittedPath`; its fields equal the reference's exactly (integers only).
 """
