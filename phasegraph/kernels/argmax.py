@@ -78,9 +78,10 @@ def _first_max(x, idx, BIG: tl.constexpr):
 
 
 @jit
-def _is_finite(best):
-    """The row maximum from :func:`_first_max` is finite (NaN != NaN; +-inf fail the bound)."""
-    return (best == best) & (tl.abs(best) < float("inf"))
+def is_finite(x):
+    """``x`` is finite (NaN != NaN; +-inf fail the bound): here the row maximum from
+    :func:`_first_max`, in ``build_tree`` every candidate score."""
+    return (x == x) & (tl.abs(x) < float("inf"))
 
 
 @jit(do_not_specialize=["vocab"])
@@ -107,7 +108,7 @@ def _block_argmax_kernel(
     if NB > 1:
         tl.store(val_ptr + r * NB + b, best)
     elif STORE_FINITE:
-        ok = _is_finite(best)
+        ok = is_finite(best)
         tl.store(finite_ptr + r, ok)
         tl.store(emitted_ptr + r, tl.where(ok, first, NONFINITE))
     tl.store(idx_ptr + r * NB + b, first)
@@ -137,7 +138,7 @@ def _merge_blocks_kernel(
     best, first = _first_max(val, idx, 1 << 62)
     tl.store(out_ptr + r, first)
     if STORE_FINITE:
-        ok = _is_finite(best)
+        ok = is_finite(best)
         tl.store(finite_ptr + r, ok)
         tl.store(emitted_ptr + r, tl.where(ok, first, NONFINITE))
 

@@ -30,6 +30,7 @@ from phasegraph.kernels._dispatch import (
     tl,
     use_triton,
 )
+from phasegraph.kernels.argmax import is_finite
 
 
 @attrs.frozen(eq=False)
@@ -242,9 +243,7 @@ def _select_tree_nodes_kernel(
     offs = tl.arange(0, BLOCK_C)
     ok = offs < num_cand
     score = _load_candidates(first_scores_ptr, cand_scores_ptr, b, offs, ok, num_first, rest, 0.0)
-    # NaN fails both comparisons; +-inf fails the second
-    finite = (score == score) & (tl.abs(score) < float("inf"))
-    tl.store(scores_finite_ptr + b, tl.min(finite.to(tl.int32), axis=0) > 0)
+    tl.store(scores_finite_ptr + b, tl.min(is_finite(score).to(tl.int32), axis=0) > 0)
     # rank[c]: how many candidates the stable descending sort puts before c
     rank = tl.zeros([BLOCK_C], tl.int32)
     for start in range(0, BLOCK_C, CHUNK):

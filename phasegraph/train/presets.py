@@ -27,6 +27,7 @@ __all__ = [
     "head_param_count",
     "lm_flops_per_token",
     "lm_param_count",
+    "max_tree_nodes",
     "preset_to_dict",
 ]
 
@@ -418,7 +419,7 @@ def check_preset(preset: Preset) -> None:
         for name, steps in (("chain_steps", ev.chain_steps), ("tree_steps", ev.tree_steps)):
             if steps >= ev.gen_tokens:
                 bad.append(f"eval.{name} {steps} must be below eval.gen_tokens {ev.gen_tokens}")
-        most = ev.tree_topk + (ev.tree_steps - 1) * ev.tree_topk**2 + 1
+        most = max_tree_nodes(ev.tree_topk, ev.tree_steps)
         if not 2 <= ev.tree_nodes <= most:
             bad.append(f"eval.tree_nodes {ev.tree_nodes} must be between 2 and {most} for "
                        f"tree_topk {ev.tree_topk}, tree_steps {ev.tree_steps}")
@@ -458,6 +459,13 @@ def lm_flops_per_token(spec: LMSpec, vocab: int, seq_len: int, train: bool = Tru
     attn = spec.num_layers * 2 * seq_len * spec.num_heads * spec.head_dim  # QK^T and PV, causal
     fwd = 2 * matmul + attn
     return 3 * fwd if train else fwd
+
+
+def max_tree_nodes(topk: int, steps: int) -> int:
+    """1 + K + (S-1)·K²: the root and every candidate a draft tree of ``topk`` K and ``steps``
+    S proposes (the simulated decode's bound; the engine's is ``phasegraph.phases.context``'s,
+    which this torch-free module does not import)."""
+    return 1 + topk + (steps - 1) * topk * topk
 
 
 def head_dims(head: HeadSpec, target: LMSpec) -> tuple[int, int, int]:

@@ -29,6 +29,7 @@ from transformers import LlamaForCausalLM
 from phasegraph.train.eagle3_head import Eagle3Head
 from phasegraph.train.eagle3_train import FrozenTarget
 from phasegraph.train.loop import autocast
+from phasegraph.train.presets import max_tree_nodes
 
 __all__ = [
     "AcceptStats",
@@ -265,9 +266,9 @@ def simulate_eagle3(
     pad_id: int = 0,
 ) -> AcceptStats:
     """Accept lengths of greedy EAGLE-3 decoding of ``seqs`` (prompt + target greedy text)."""
-    n_cand = topk + (steps - 1) * topk * topk
-    if not 2 <= nodes <= n_cand + 1:
-        raise ValueError(f"nodes={nodes} must be in [2, {n_cand + 1}] for topk={topk}, steps={steps}")
+    most = max_tree_nodes(topk, steps)
+    if not 2 <= nodes <= most:
+        raise ValueError(f"nodes={nodes} must be in [2, {most}] for topk={topk}, steps={steps}")
     ids, lens = _pad_right(seqs, pad_id)
     ids, lens = ids.to(device), lens.to(device)
     width = ids.shape[1]
