@@ -42,9 +42,9 @@ from collections.abc import Callable
 import attrs
 import torch
 
+from phasegraph.kernels.argmax import NONFINITE_LOGITS
 from phasegraph.kernels.commit_path import DRAFT_NONFINITE
 from phasegraph.phases import BatchParams, DraftState, PrefillInput, RowSelection, SpecContext
-from phasegraph.phases.schemas import NONFINITE_LOGITS
 from phasegraph.runtime.errors import (
     KVAccountingError,
     NonFiniteDraftWarning,

@@ -13,6 +13,7 @@ import sys  # noqa: E402
 import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from phasegraph.cli import CliError, require_at_least, require_name  # noqa: E402
 from phasegraph.train.presets import (  # noqa: E402
     PRESETS,
     TrainInputError,
@@ -86,10 +87,12 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.out is None:
         parser.error("--out is required")
-    if not args.out.strip():
-        parser.error("--out needs a directory name, got an empty one")
-    if args.threads is not None and args.threads < 1:
-        parser.error(f"--threads must be at least 1, got {args.threads}")
+    try:  # the phasegraph command's checks, with its messages
+        require_name("--out", args.out, "directory")
+        if args.threads is not None:
+            require_at_least("--threads", args.threads, 1)
+    except CliError as exc:
+        parser.error(str(exc))
     import torch
 
     from phasegraph.train.recipe import check_run_options, run_recipe
