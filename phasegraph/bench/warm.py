@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 
 from phasegraph.bench.common import PG_CONFIGS, REPO_ROOT, free_memory
+from phasegraph.runtime.errors import is_out_of_memory
 
 WARM_NEW_TOKENS = 8  # enough for prefill, draft-extend and a few iterations of every phase
 RETRY_FREE_BYTES = 8 << 30  # free device memory a configuration that ran out waits for (part
@@ -125,18 +126,10 @@ def _try_config(*args) -> int | None:
     try:
         return _warm_config(*args)
     except RuntimeError as exc:  # torch.OutOfMemoryError, or a CUDA call's own
-        if not _out_of_memory(exc):
+        if not is_out_of_memory(exc):
             raise
         free_memory()
         return None
-
-
-def _out_of_memory(exc: BaseException) -> bool:
-    """The allocator's ``torch.OutOfMemoryError``, or a CUDA call that ran out (a graph's
-    instantiation, say) and raised a plain ``RuntimeError``."""
-    import torch
-
-    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in str(exc)
 
 
 def device_free_bytes() -> int | None:

@@ -35,6 +35,7 @@ from phasegraph.runtime.errors import (
     InvalidRequest,
     RequestFailed,
     SchedulerInvariantError,
+    is_out_of_memory,
 )
 from phasegraph.runtime.kv_pool import KVCacheManager
 from phasegraph.runtime.memory import PhaseMemory
@@ -252,7 +253,7 @@ class Engine:
                 device=self.device,
             )
         except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
-            if not isinstance(exc, (MemoryError, torch.OutOfMemoryError)) and "alloc" not in str(exc):
+            if not is_out_of_memory(exc) and "alloc" not in str(exc):  # or another allocator refusal
                 raise
             raise InvalidConfig(
                 f"the KV cache (kv_pool_tokens={kv_tokens}, max_context={self.max_context}, "

@@ -9,6 +9,19 @@ class PhasegraphRuntimeError(Exception):
     """Base class of every error the runtime raises on purpose."""
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """Whether ``exc`` says memory ran out: Python's ``MemoryError``, torch's allocator
+    (``torch.OutOfMemoryError``), a CUDA call that ran out and raised a plain ``RuntimeError``
+    ("out of memory": a graph's instantiation, say), or torch's CPU allocator ("can't allocate
+    memory")."""
+    if isinstance(exc, MemoryError):
+        return True
+    import torch  # here: this module is imported where torch is not
+
+    text = str(exc)
+    return isinstance(exc, torch.OutOfMemoryError) or "out of memory" in text or "can't allocate memory" in text
+
+
 # ---------------------------------------------------------------------------------------------
 # KV pool
 

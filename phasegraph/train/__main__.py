@@ -14,6 +14,7 @@ import threading  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 from phasegraph.cli import CliError, require_at_least, require_name  # noqa: E402
+from phasegraph.runtime.errors import is_out_of_memory  # noqa: E402
 from phasegraph.train.presets import (  # noqa: E402
     PRESETS,
     TrainInputError,
@@ -63,13 +64,6 @@ def _plan(preset) -> str:
         lines.append(f"standalone draft {d / 1e6:.2f}M params = {mib(2 * d):.2f} MiB bf16")
     lines.append(_format_projection(preset, project(preset)))
     return "\n".join(lines)
-
-
-def _out_of_memory(exc: RuntimeError) -> bool:
-    """A CUDA out-of-memory error, or the CPU allocator's refusal."""
-    import torch
-
-    return isinstance(exc, torch.OutOfMemoryError) or "can't allocate memory" in str(exc)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -122,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{parser.prog}: interrupted (no new pair in {args.out})", file=sys.stderr)
         return 130
     except RuntimeError as exc:  # torch.OutOfMemoryError is one too
-        if not _out_of_memory(exc):
+        if not is_out_of_memory(exc):
             raise
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         print(f"{parser.prog}: error: out of memory ({first}): the preset's sizes do not fit this "
