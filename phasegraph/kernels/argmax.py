@@ -44,10 +44,15 @@ def _check(logits: torch.Tensor) -> None:
         raise ValueError("logits: an empty vocabulary has no largest entry")
 
 
-class GreedyPick(NamedTuple):
-    index: torch.Tensor  # [R] int64: torch.argmax's answer
+class TokenPick(NamedTuple):
+    tokens: torch.Tensor  # [R] int64: each row's pick (torch.argmax's answer, or a sample)
     finite: torch.Tensor  # [R] bool: the row's maximum is finite (no NaN, no +inf, not all -inf)
-    emitted: torch.Tensor  # [R] int64: index where finite, else NONFINITE_LOGITS
+    emitted: torch.Tensor  # [R] int64: tokens where finite, else NONFINITE_LOGITS (what the host reads)
+
+    @classmethod
+    def marked(cls, tokens: torch.Tensor, finite: torch.Tensor) -> TokenPick:
+        """``tokens`` with ``emitted`` derived from ``finite`` in torch ops."""
+        return cls(tokens, finite, torch.where(finite, tokens, NONFINITE_LOGITS))
 
 
 def argmax_reference(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
@@ -61,9 +66,8 @@ def row_max_finite(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] bool
     return torch.isfinite(logits.amax(dim=-1))
 
 
-def argmax_finite_reference(logits: torch.Tensor) -> GreedyPick:
-    index, finite = argmax_reference(logits), row_max_finite(logits)
-    return GreedyPick(index, finite, torch.where(finite, index, NONFINITE_LOGITS))
+def argmax_finite_reference(logits: torch.Tensor) -> TokenPick:
+    return TokenPick.marked(argmax_reference(logits), row_max_finite(logits))
 
 
 @jit
@@ -176,12 +180,12 @@ def argmax_triton(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
     return _argmax_launch(logits, None)
 
 
-def argmax_finite_triton(logits: torch.Tensor) -> GreedyPick:
+def argmax_finite_triton(logits: torch.Tensor) -> TokenPick:
     """Triton :func:`argmax_finite`: the same launches, two more stores per row."""
     _check(logits)
     finite = torch.empty(logits.shape[0], dtype=torch.bool, device=logits.device)
     emitted = torch.empty(logits.shape[0], dtype=torch.int64, device=logits.device)
-    return GreedyPick(_argmax_launch(logits, (finite, emitted)), finite, emitted)
+    return TokenPick(_argmax_launch(logits, (finite, emitted)), finite, emitted)
 
 
 def argmax(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
@@ -191,7 +195,7 @@ def argmax(logits: torch.Tensor) -> torch.Tensor:  # [R, V] -> [R] int64
     return argmax_reference(logits)
 
 
-def argmax_finite(logits: torch.Tensor) -> GreedyPick:  # [R, V] -> [R] int64, [R] bool, [R] int64
+def argmax_finite(logits: torch.Tensor) -> TokenPick:  # [R, V] -> [R] int64, [R] bool, [R] int64
     """``argmax``, whether each row's maximum is finite, and the pick or NONFINITE_LOGITS
     (Triton on CUDA)."""
     if use_triton(logits):

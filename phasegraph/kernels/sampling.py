@@ -9,11 +9,9 @@ this, and says which rows' logits were finite (argmax.py).
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-from phasegraph.kernels.argmax import NONFINITE_LOGITS, argmax_finite, row_max_finite
+from phasegraph.kernels.argmax import TokenPick, argmax_finite, row_max_finite
 from phasegraph.kernels.tree_sampling import target_probs
 
 
@@ -29,12 +27,6 @@ def inverse_cdf_sample(probs: torch.Tensor, coins: torch.Tensor) -> torch.Tensor
     return torch.minimum(idx, last_nonzero)
 
 
-class SampledTokens(NamedTuple):
-    tokens: torch.Tensor  # [R] int64
-    finite: torch.Tensor  # [R] bool: the row's largest logit is finite (argmax.argmax_finite)
-    emitted: torch.Tensor  # [R] int64: tokens where finite, else NONFINITE_LOGITS (what the host reads)
-
-
 def sample_tokens(
     logits: torch.Tensor,  # [R, V]
     temperature: torch.Tensor,  # [R] float32, 0 = greedy
@@ -42,12 +34,11 @@ def sample_tokens(
     top_p: torch.Tensor,  # [R] float32, 1 = off
     coins: torch.Tensor,  # [R] uniform in [0, 1)
     greedy_only: bool = False,
-) -> SampledTokens:
+) -> TokenPick:
     """Next token per row: argmax when every row is greedy, else a sample from the target's
     temperature / top-k / top-p processed distribution (greedy rows stay exact argmax); and
     whether each row's logits were finite (a NaN or +inf row samples nothing meaningful)."""
     if greedy_only:
-        return SampledTokens(*argmax_finite(logits))
+        return argmax_finite(logits)
     probs = target_probs(logits, temperature, top_k, top_p, 1)  # [R, V]
-    tokens, finite = inverse_cdf_sample(probs, coins), row_max_finite(logits)
-    return SampledTokens(tokens, finite, torch.where(finite, tokens, NONFINITE_LOGITS))
+    return TokenPick.marked(inverse_cdf_sample(probs, coins), row_max_finite(logits))

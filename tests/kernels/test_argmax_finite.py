@@ -19,6 +19,6 @@ def test_greedy_pick_flags_rows_whose_maximum_is_not_finite():
         [-inf, 3.0, -inf],  # masked entries are fine
     ])
     pick = argmax_finite(logits)
-    assert pick.index.tolist() == logits.argmax(dim=-1).tolist()
+    assert pick.tokens.tolist() == logits.argmax(dim=-1).tolist()
     assert pick.finite.tolist() == [True, False, False, False, True]
     assert pick.emitted.tolist() == [1, NONFINITE_LOGITS, NONFINITE_LOGITS, NONFINITE_LOGITS, 1]
