@@ -18,9 +18,10 @@ A request whose tree was drafted from non-finite draft logits (``draft_finite`` 
 candidate score, :func:`phasegraph.kernels.build_tree.select_tree_nodes`) loses nothing but
 speed, since verify rejects such drafts; its ``emitted`` row is padded with
 :data:`DRAFT_NONFINITE` instead of -1, so the host, which reads that row anyway, can say so
-without another copy. A path that fills the whole row has no padding to carry the mark, but a
-broken draft's tokens are accepted only where the target emits the same token anyway, so its
-rows nearly always have room, and every step it drafts is checked again.
+without another copy. So that every such row has padding to carry the mark, its path is cut to
+at most ``W - 1`` tokens (``W >= 2``): a broken draft's tokens are accepted only where the target
+emits the same token anyway, so this rarely cuts anything, and a cut path stays exact, like a cut
+at the budget (the next step starts from its last token).
 
 Both return :class:`CommittedPath`; its fields equal the reference's exactly (integers only).
 """
@@ -117,6 +118,8 @@ def commit_path_reference(
     j = torch.arange(W, device=device)
     first_stop = torch.where(is_stop, j + 1, W + 1).min(dim=1).values  # [B], W + 1 = none
     lens = torch.minimum(torch.minimum(accept_lens, first_stop), remaining.clamp(min=1))
+    if draft_finite is not None:  # room for the DRAFT_NONFINITE mark (the module docstring)
+        lens = torch.where(draft_finite, lens, lens.clamp(max=max(W - 1, 1)))
     finished = (first_stop <= lens) | (lens >= remaining)
     inside = j[None, :] < lens[:, None]  # [B, W]
     index = torch.where(inside, accept_index, -1)
@@ -180,6 +183,9 @@ def _commit_path_kernel(
     first_stop = tl.min(tl.where(is_stop, w + 1, width + 1), axis=0)
     remaining = tl.load(remaining_ptr + b)
     lens = tl.minimum(tl.minimum(tl.load(accept_lens_ptr + b), first_stop), tl.maximum(remaining, 1))
+    if HAS_DRAFT_FINITE:  # room for the DRAFT_BAD mark
+        draft_ok = tl.load(draft_finite_ptr + b) != 0
+        lens = tl.where(draft_ok, lens, tl.minimum(lens, tl.maximum(width - 1, 1)))
     inside = w < lens
     tl.store(lens_ptr + b, lens)
     tl.store(finished_ptr + b, (first_stop <= lens) | (lens >= remaining))
@@ -190,7 +196,7 @@ def _commit_path_kernel(
         first_bad = tl.min(tl.where(inside & (finite == 0), w, width), axis=0)
         emitted = tl.where(w == first_bad, NONFINITE, tl.where(w > first_bad, -1, emitted))
     if HAS_DRAFT_FINITE:
-        pad = tl.where(tl.load(draft_finite_ptr + b) != 0, -1, DRAFT_BAD)
+        pad = tl.where(draft_ok, -1, DRAFT_BAD)
         emitted = tl.where(emitted == -1, pad, emitted)
     tl.store(emitted_ptr + b * width + w, emitted, mask=in_w)
     tl.store(bonus_ptr + b, tl.sum(tl.where(w == lens - 1, token, 0), axis=0))
@@ -256,7 +262,7 @@ def commit_path(
 ) -> CommittedPath:
     """Cut each accepted path after its first stop token and at the budget; the state it leaves;
     mark the first accepted token whose logits were not finite, and the padding of a request
-    whose draft was not (module docstring)."""
+    whose draft was not, cutting its path to leave room for that mark (module docstring)."""
     impl = commit_path_triton if use_triton(accept_index) else commit_path_reference
     return impl(predict, accept_index, accept_lens, stop_ids, remaining, seq_lens, lead,
                 node_finite=node_finite, draft_finite=draft_finite)

@@ -23,7 +23,7 @@ import torch
 from jaxtyping import Bool, Float, Float32, Int64
 
 from phasegraph.kernels.argmax import NONFINITE_LOGITS
-from phasegraph.kernels.commit_path import cut_at_nonfinite, mark_nonfinite_draft
+from phasegraph.kernels.commit_path import DRAFT_NONFINITE, cut_at_nonfinite, mark_nonfinite_draft
 from phasegraph.statemachine import InvalidSchema, Role, Schema, invariant, schema, tensor, value
 
 REQUEST = Role("request", "B")
@@ -374,7 +374,8 @@ class FinalizedPath(DraftExtendInput):
 
     verified: VerifyResult = value(doc="the verify result this path was finalized from")
     accept_index: Int64[Tensor, "B W"] = tensor(role=REQUEST)
-    accept_lens: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="after truncation at a stop or budget")
+    accept_lens: Int64[Tensor, "B"] = tensor(
+        role=REQUEST, doc="after truncation at a stop or budget, and to W - 1 where the draft was not finite")
     emitted: Int64[Tensor, "B W"] = tensor(
         role=REQUEST,
         doc="new tokens, -1 padded (DRAFT_NONFINITE where the tree's draft was not finite); NONFINITE_LOGITS "
@@ -404,6 +405,15 @@ class FinalizedPath(DraftExtendInput):
         want = mark_nonfinite_draft(want, self.verified.proposal.draft_finite)
         row = _first_bad_row((self.emitted == want).all(dim=1))
         return None if row is None else f"request {row}: emitted {self.emitted[row].tolist()} != {want[row].tolist()}"
+
+    @invariant("a request whose draft was not finite ends its emitted row with DRAFT_NONFINITE (W >= 2), "
+               "so the host always sees the mark")
+    def _draft_mark(self) -> str | None:
+        if self.emitted.shape[1] < 2:
+            return None
+        marked = self.verified.proposal.draft_finite | (self.emitted[:, -1] == DRAFT_NONFINITE)
+        row = _first_bad_row(marked)
+        return None if row is None else f"request {row}: draft not finite, emitted {self.emitted[row].tolist()}"
 
 
 def accepted_name(node_field: str) -> str:

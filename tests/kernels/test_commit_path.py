@@ -67,11 +67,17 @@ def test_a_draft_that_was_not_finite_marks_the_padding_of_its_row_only():
     no_stops, budget, seq = T([[-1]] * 3), T([9, 9, 9]), T([10, 20, 30])
     draft_finite = T([False, False, True])
     p = commit_path(predict, index, lens, no_stops, budget, seq, 0, draft_finite=draft_finite)
-    # row 0: every slot past its one token; row 1: a full path has no padding to mark
-    assert p.emitted.tolist() == [[100, -3, -3, -3], [108, 109, 111, 112], [116, 117, -1, -1]]
+    # row 0: every slot past its one token; row 1: its full path is cut by one to make room
+    assert p.emitted.tolist() == [[100, -3, -3, -3], [108, 109, 111, -3], [116, 117, -1, -1]]
     clean = commit_path(predict, index, lens, no_stops, budget, seq, 0)
     for name in ("lens", "finished", "accept_index", "bonus_tokens", "select_index", "seq_lens", "remaining"):
-        assert torch.equal(getattr(p, name), getattr(clean, name)), name
+        assert torch.equal(getattr(p, name)[[0, 2]], getattr(clean, name)[[0, 2]]), name
+    # the cut row is what a budget of three tokens would have left it
+    cut = commit_path(predict, index, lens, no_stops, T([9, 3, 9]), seq, 0)
+    assert p.lens.tolist()[1] == 3 and p.finished.tolist()[1] is False
+    for name in ("accept_index", "bonus_tokens", "select_index", "seq_lens"):
+        assert torch.equal(getattr(p, name)[1], getattr(cut, name)[1]), name
+    assert p.remaining.tolist()[1] == 6
     # a cut at non-finite target logits keeps its NONFINITE_LOGITS; the padding after it is marked
     finite = torch.ones(24, dtype=torch.bool)
     finite[9] = False

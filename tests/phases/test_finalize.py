@@ -129,3 +129,36 @@ def test_path_is_cut_at_a_stop_token_and_at_the_budget():
     assert out.accept_lens.tolist()[1] == min(2, int(result.accept_lens[1]))
     assert bool(out.finished[1]) == (int(result.accept_lens[1]) >= 2)
     assert out.remaining.tolist()[1] == 2 - out.accept_lens.tolist()[1]
+
+
+def test_a_full_path_from_a_draft_that_was_not_finite_is_cut_to_carry_the_mark():
+    """The host learns that a draft was not finite from DRAFT_NONFINITE in the emitted row's
+    padding; a path of all W nodes is cut by one so that the row always has that padding, and a
+    row without the mark is an invariant violation."""
+    from phasegraph.kernels.commit_path import DRAFT_NONFINITE
+    from phasegraph.statemachine import InvariantViolation
+    from phasegraph.statemachine.schema import check_invariants
+
+    def own_invariants(path):  # strict validation also flags the nested proposal's own
+        check_invariants(path, type(path).__schema__)
+
+    kv, result, ctx = _setup(B=2, N=5, S=2, accept=2)
+    W = result.accept_index.shape[1]
+    assert result.accept_lens.tolist() == [W, W]  # every draft accepted
+    proposal = result.proposal.replace(draft_finite=torch.tensor([False, True]))
+    result = result.replace(proposal=proposal)
+    out = finalize_tree_path(result, ctx)
+    out.validate("boundary")
+    own_invariants(out)
+    assert out.accept_lens.tolist() == [W - 1, W]
+    want = [int(result.predict[int(result.accept_index[0, i])]) for i in range(W - 1)]
+    assert out.emitted[0].tolist() == [*want, DRAFT_NONFINITE]
+    assert out.bonus_tokens.tolist()[0] == want[-1] and not bool(out.finished[0])
+    assert (out.emitted[1] >= 0).all()  # the finite draft's full path stays whole
+
+    # the bug the cut prevents: the whole path committed, and no padding left for the mark
+    finite = result.replace(proposal=proposal.replace(draft_finite=torch.tensor([True, True])))
+    unmarked = finalize_tree_path(finite, ctx).replace(verified=result)
+    assert unmarked.accept_lens.tolist() == [W, W]
+    with pytest.raises(InvariantViolation, match="draft not finite"):
+        own_invariants(unmarked)
