@@ -22,7 +22,7 @@ def decode(state: DraftState, ctx: SpecContext) -> DraftState:
     out = ctx.target.forward(state.bonus_tokens, state.seq_lens, attn, logits_index=None)
     coins = counter_uniform(params.seed, position_counter(state.seq_lens + 1, PURPOSE_SAMPLE))  # [B]
     nxt, _, emitted = sample_tokens(out.logits, params.temperature, params.top_k, params.top_p, coins,
-                                ctx.greedy_only)
+                                    ctx.greedy_only)
     logprobs = None
     if ctx.return_logprobs:
         logprobs = torch.log_softmax(out.logits.float(), dim=-1).gather(1, nxt[:, None])[:, 0]
