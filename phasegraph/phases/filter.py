@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from phasegraph.phases._rows import select_state
 from phasegraph.phases.context import SpecContext
 from phasegraph.phases.schemas import DraftState, RowSelection
 from phasegraph.statemachine import phase
+from phasegraph.statemachine.rows import select_rows
 
 
 @phase("filter", input=DraftState, output=DraftState, extra_inputs={"keep": RowSelection})
@@ -17,4 +17,4 @@ def filter_batch(state: DraftState, ctx: SpecContext, *, keep: RowSelection) -> 
     dropped = torch.ones(B, dtype=torch.bool, device=state.seq_lens.device)
     dropped[keep.rows] = False
     ctx.memory.release_rows(state.params.req_pool_idx[dropped])
-    return select_state(state, keep.rows)
+    return select_rows(state, keep.rows)

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-from phasegraph.phases._rows import concat_states
 from phasegraph.phases.context import SpecContext
 from phasegraph.phases.schemas import DraftState
 from phasegraph.statemachine import phase
+from phasegraph.statemachine.rows import concat_rows
 
 
 @phase("merge", input=DraftState, output=DraftState, extra_inputs={"other": DraftState})
 def merge(state: DraftState, ctx: SpecContext, *, other: DraftState) -> DraftState:
     """The running batch's rows followed by ``other``'s. Only draft states merge (seed 004)."""
-    return concat_states(state, other)
+    return concat_rows(state, other)

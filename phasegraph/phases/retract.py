@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import torch
 
-from phasegraph.phases._rows import select_state
 from phasegraph.phases.context import SpecContext
 from phasegraph.phases.schemas import DraftState, RowSelection
 from phasegraph.statemachine import phase
+from phasegraph.statemachine.rows import select_rows
 
 
 @phase("retract", input=DraftState, output=DraftState, extra_inputs={"rows": RowSelection})
@@ -19,4 +19,4 @@ def retract(state: DraftState, ctx: SpecContext, *, rows: RowSelection) -> Draft
     keep = torch.ones(B, dtype=torch.bool, device=state.seq_lens.device)
     keep[rows.rows] = False
     ctx.memory.release_rows(state.params.req_pool_idx[rows.rows])
-    return select_state(state, keep.nonzero()[:, 0])
+    return select_rows(state, keep.nonzero()[:, 0])

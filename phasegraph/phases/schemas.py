@@ -24,7 +24,16 @@ from jaxtyping import Bool, Float, Float32, Int64
 
 from phasegraph.kernels.argmax import NONFINITE_LOGITS
 from phasegraph.kernels.commit_path import DRAFT_NONFINITE, cut_at_nonfinite, mark_nonfinite_draft
-from phasegraph.statemachine import InvalidSchema, Role, Schema, invariant, schema, tensor, value
+from phasegraph.statemachine import (
+    InvalidSchema,
+    Pad,
+    Role,
+    Schema,
+    invariant,
+    schema,
+    tensor,
+    value,
+)
 
 REQUEST = Role("request", "B")
 NODE = Role("node", "B*N")
@@ -57,12 +66,12 @@ def _within(x: Tensor, lo: float | None, hi: float | None) -> bool:
 class BatchParams(Schema):
     """Per-request settings that stay fixed while a request runs (rebuilt by merge/filter)."""
 
-    req_pool_idx: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="row of the request in the KV page table")
-    temperature: Float32[Tensor, "B"] = tensor(role=REQUEST, doc="0 = greedy")
-    top_p: Float32[Tensor, "B"] = tensor(role=REQUEST, doc="1 = off")
-    top_k: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="0 = off")
-    stop_ids: Int64[Tensor, "B Z"] = tensor(role=REQUEST, doc="token ids that end the request, -1 padded")
-    seed: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="seed of the request's counter-based coins")
+    req_pool_idx: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=Pad.sink(0), doc="row of the request in the KV page table")
+    temperature: Float32[Tensor, "B"] = tensor(role=REQUEST, pad=0.0, doc="0 = greedy")
+    top_p: Float32[Tensor, "B"] = tensor(role=REQUEST, pad=1.0, doc="1 = off")
+    top_k: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=0, doc="0 = off")
+    stop_ids: Int64[Tensor, "B Z"] = tensor(role=REQUEST, pad=-1, doc="token ids that end the request, -1 padded")
+    seed: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=0, doc="seed of the request's counter-based coins")
 
     @invariant("req_pool_idx >= 1 (row 0 is the reserved padding row)")
     def _rows_not_reserved(self) -> str | None:
@@ -92,14 +101,14 @@ class PrefillInput(Schema):
     """New requests' prompts, flattened: the entry of the graph."""
 
     params: BatchParams = value()
-    input_ids: Int64[Tensor, "T"] = tensor(role=TOKEN, doc="prompt tokens of every request, concatenated")
-    positions: Int64[Tensor, "T"] = tensor(role=TOKEN)
-    token_req: Int64[Tensor, "T"] = tensor(role=TOKEN, doc="batch row of each token")
-    select_index: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="row in T of each request's last prompt token")
-    seq_lens: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="prompt lengths (committed after prefill)")
-    remaining: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="new tokens each request may still emit")
+    input_ids: Int64[Tensor, "T"] = tensor(role=TOKEN, pad=0, doc="prompt tokens of every request, concatenated")
+    positions: Int64[Tensor, "T"] = tensor(role=TOKEN, pad=0)
+    token_req: Int64[Tensor, "T"] = tensor(role=TOKEN, pad=Pad.index(REQUEST), doc="batch row of each token")
+    select_index: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=Pad.index(TOKEN), doc="row in T of each request's last prompt token")
+    seq_lens: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=1, doc="prompt lengths (committed after prefill)")
+    remaining: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=1, doc="new tokens each request may still emit")
     forced_tokens: Int64[Tensor, "B"] = tensor(
-        role=REQUEST, doc="-1: sample the first token; else emit this token (a resumed request's bonus)"
+        role=REQUEST, pad=-1, doc="-1: sample the first token; else emit this token (a resumed request's bonus)"
     )
 
     @invariant("select_index[b] is the last token of request b, at position seq_len - 1")
@@ -121,14 +130,14 @@ class DraftExtendInput(Schema):
     """What draft-extend reads: one row per token, row p carrying token p+1 and target feature p."""
 
     params: BatchParams = value()
-    input_ids: Int64[Tensor, "T"] = tensor(role=TOKEN, doc="the token after each row's position")
-    positions: Int64[Tensor, "T"] = tensor(role=TOKEN, doc="draft position of each row (= logical KV slot)")
-    features: Float[Tensor, "T Hf"] = tensor(role=TOKEN, doc="target features at each row")
-    token_req: Int64[Tensor, "T"] = tensor(role=TOKEN)
-    select_index: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="row of each request's last valid token")
-    seq_lens: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="committed length after this extend")
-    bonus_tokens: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="last emitted token, at position seq_len")
-    remaining: Int64[Tensor, "B"] = tensor(role=REQUEST)
+    input_ids: Int64[Tensor, "T"] = tensor(role=TOKEN, pad=0, doc="the token after each row's position")
+    positions: Int64[Tensor, "T"] = tensor(role=TOKEN, pad=0, doc="draft position of each row (= logical KV slot)")
+    features: Float[Tensor, "T Hf"] = tensor(role=TOKEN, pad=0, doc="target features at each row")
+    token_req: Int64[Tensor, "T"] = tensor(role=TOKEN, pad=Pad.index(REQUEST))
+    select_index: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=Pad.index(TOKEN), doc="row of each request's last valid token")
+    seq_lens: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=1, doc="committed length after this extend")
+    bonus_tokens: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=0, doc="last emitted token, at position seq_len")
+    remaining: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=1)
     lead: int = value(
         default=0,
         doc="draft KV lead: 0 = row p carries token p+1 (EAGLE kinds); 1 = row p carries token p "
@@ -153,9 +162,9 @@ class DraftExtendInput(Schema):
 class PrefillResult(DraftExtendInput):
     """Prefill's output: the draft-extend input for the prompts plus the first sampled token."""
 
-    first_logprobs: Float32[Tensor, "B"] | None = tensor(role=REQUEST, default=None)
+    first_logprobs: Float32[Tensor, "B"] | None = tensor(role=REQUEST, pad=0.0, default=None)
     logits_finite: Bool[Tensor, "B"] = tensor(
-        role=REQUEST, doc="False where the target's logits for the first token held NaN or +inf (or only -inf)"
+        role=REQUEST, pad=True, doc="False where the target's logits for the first token held NaN or +inf (or only -inf)"
     )
 
 
@@ -167,15 +176,17 @@ class DraftState(Schema):
     """The only persistent, mergeable state between iterations (one row per running request)."""
 
     params: BatchParams = value()
-    seq_lens: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="committed KV length; bonus excluded")
-    bonus_tokens: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="last emitted token, at position seq_len")
-    remaining: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="new tokens each request may still emit")
-    topk_p: Float32[Tensor, "B K"] = tensor(role=REQUEST, doc="draft probabilities of the depth-1 candidates")
-    topk_index: Int64[Tensor, "B K"] = tensor(role=REQUEST, doc="depth-1 candidate tokens (target vocab)")
-    hidden: Float[Tensor, "B Hd"] | None = tensor(role=REQUEST, default=None, doc="draft hidden fed to step 0")
-    bonus_logprobs: Float32[Tensor, "B"] | None = tensor(role=REQUEST, default=None, doc="set by decode when asked")
+    seq_lens: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=1, doc="committed KV length; bonus excluded")
+    bonus_tokens: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=0, doc="last emitted token, at position seq_len")
+    remaining: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=1, doc="new tokens each request may still emit")
+    topk_p: Float32[Tensor, "B K"] = tensor(role=REQUEST, pad=Pad.UNIFORM, doc="draft probabilities of the depth-1 candidates")
+    topk_index: Int64[Tensor, "B K"] = tensor(role=REQUEST, pad=0, doc="depth-1 candidate tokens (target vocab)")
+    hidden: Float[Tensor, "B Hd"] | None = tensor(role=REQUEST, pad=0.0, default=None, doc="draft hidden fed to step 0")
+    bonus_logprobs: Float32[Tensor, "B"] | None = tensor(
+        role=REQUEST, pad=0.0, per_step=True, default=None, doc="set by decode when asked"
+    )
     emitted: Int64[Tensor, "B"] | None = tensor(
-        role=REQUEST, default=None,
+        role=REQUEST, pad=0, per_step=True, default=None,
         doc="set by decode: bonus_tokens, or NONFINITE_LOGITS where the target's logits held NaN or +inf",
     )
 
@@ -212,19 +223,19 @@ class TreeProposal(Schema):
     draft: DraftState = value(doc="the state the tree was drafted from")
     num_steps: int = value(doc="S, the tree depth")
     draft_lead: int = value(default=0, doc="the draft's KV lead (1 for standalone drafts)")
-    draft_tokens: Int64[Tensor, "B*N"] = tensor(role=NODE, doc="node tokens; node 0 is the bonus token")
-    positions: Int64[Tensor, "B*N"] = tensor(role=NODE, doc="seq_len + depth")
-    parents: Int64[Tensor, "B N"] = tensor(role=REQUEST, doc="tree parent of each node, -1 for the root")
-    depth: Int64[Tensor, "B N"] = tensor(role=REQUEST)
-    tree_mask: Bool[Tensor, "B N N"] = tensor(role=REQUEST, doc="ancestor-or-self")
-    retrieve_index: Int64[Tensor, "B N"] = tensor(role=REQUEST, doc="b*N + j")
-    retrieve_next_token: Int64[Tensor, "B N"] = tensor(role=REQUEST, doc="first child, -1")
-    retrieve_next_sibling: Int64[Tensor, "B N"] = tensor(role=REQUEST, doc="next sibling, -1")
+    draft_tokens: Int64[Tensor, "B*N"] = tensor(role=NODE, pad=0, doc="node tokens; node 0 is the bonus token")
+    positions: Int64[Tensor, "B*N"] = tensor(role=NODE, pad=0, doc="seq_len + depth")
+    parents: Int64[Tensor, "B N"] = tensor(role=REQUEST, pad=-1, doc="tree parent of each node, -1 for the root")
+    depth: Int64[Tensor, "B N"] = tensor(role=REQUEST, pad=0)
+    tree_mask: Bool[Tensor, "B N N"] = tensor(role=REQUEST, pad=Pad.IDENTITY, doc="ancestor-or-self")
+    retrieve_index: Int64[Tensor, "B N"] = tensor(role=REQUEST, pad=Pad.index(NODE), doc="b*N + j")
+    retrieve_next_token: Int64[Tensor, "B N"] = tensor(role=REQUEST, pad=-1, doc="first child, -1")
+    retrieve_next_sibling: Int64[Tensor, "B N"] = tensor(role=REQUEST, pad=-1, doc="next sibling, -1")
     draft_positions: Int64[Tensor, "B D K"] = tensor(
-        role=REQUEST, doc="the position every beam of draft forward i ran at: the tensor the forwards were given"
+        role=REQUEST, pad=0, doc="the position every beam of draft forward i ran at: the tensor the forwards were given"
     )
     draft_finite: Bool[Tensor, "B"] = tensor(
-        role=REQUEST,
+        role=REQUEST, pad=True,
         doc="False where a candidate score the tree was chosen from was NaN or infinite: the draft's logits were not",
     )
 
@@ -283,14 +294,14 @@ class VerifyResult(Schema):
     """
 
     proposal: TreeProposal = value()
-    predict: Int64[Tensor, "B*N"] = tensor(role=NODE, doc="token emitted after each node if accepted")
-    features: Float[Tensor, "B*N Hf"] = tensor(role=NODE, doc="target features for draft-extend")
-    logprobs: Float32[Tensor, "B*N"] | None = tensor(role=NODE, default=None, doc="logprob of predict")
-    accept_index: Int64[Tensor, "B W"] = tensor(role=REQUEST, doc="node rows of the accepted path, -1 padded")
-    accept_lens: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="accepted drafts + 1 (the bonus)")
-    bonus_tokens: Int64[Tensor, "B"] = tensor(role=REQUEST, doc="the new bonus token")
+    predict: Int64[Tensor, "B*N"] = tensor(role=NODE, pad=0, doc="token emitted after each node if accepted")
+    features: Float[Tensor, "B*N Hf"] = tensor(role=NODE, pad=0.0, doc="target features for draft-extend")
+    logprobs: Float32[Tensor, "B*N"] | None = tensor(role=NODE, pad=0.0, default=None, doc="logprob of predict")
+    accept_index: Int64[Tensor, "B W"] = tensor(role=REQUEST, pad=Pad.index(NODE), doc="node rows of the accepted path, -1 padded")
+    accept_lens: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=1, doc="accepted drafts + 1 (the bonus)")
+    bonus_tokens: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=0, doc="the new bonus token")
     logits_finite: Bool[Tensor, "B N"] = tensor(
-        role=REQUEST, doc="False at node j where the target's logits after it held NaN or +inf (or only -inf)"
+        role=REQUEST, pad=True, doc="False at node j where the target's logits after it held NaN or +inf (or only -inf)"
     )
 
     @invariant("accept_index[b,0] is b's root; entries stay in b's node block; -1 only as a suffix")
@@ -373,18 +384,18 @@ class FinalizedPath(DraftExtendInput):
     """
 
     verified: VerifyResult = value(doc="the verify result this path was finalized from")
-    accept_index: Int64[Tensor, "B W"] = tensor(role=REQUEST)
+    accept_index: Int64[Tensor, "B W"] = tensor(role=REQUEST, pad=Pad.index(NODE))
     accept_lens: Int64[Tensor, "B"] = tensor(
-        role=REQUEST, doc="after truncation at a stop or budget, and to W - 1 where the draft was not finite")
+        role=REQUEST, pad=1, doc="after truncation at a stop or budget, and to W - 1 where the draft was not finite")
     emitted: Int64[Tensor, "B W"] = tensor(
-        role=REQUEST,
+        role=REQUEST, pad=-1,
         doc="new tokens, -1 padded (DRAFT_NONFINITE where the tree's draft was not finite); NONFINITE_LOGITS "
             "at the first whose logits were not finite",
     )
-    finished: Bool[Tensor, "B"] = tensor(role=REQUEST, doc="hit a stop token or its budget")
-    accepted_predict: Int64[Tensor, "B*W"] = tensor(role=ACCEPTED)
-    accepted_features: Float[Tensor, "B*W Hf"] = tensor(role=ACCEPTED)
-    accepted_logprobs: Float32[Tensor, "B*W"] | None = tensor(role=ACCEPTED, default=None)
+    finished: Bool[Tensor, "B"] = tensor(role=REQUEST, pad=False, doc="hit a stop token or its budget")
+    accepted_predict: Int64[Tensor, "B*W"] = tensor(role=ACCEPTED, pad=0)
+    accepted_features: Float[Tensor, "B*W Hf"] = tensor(role=ACCEPTED, pad=0.0)
+    accepted_logprobs: Float32[Tensor, "B*W"] | None = tensor(role=ACCEPTED, pad=0.0, default=None)
 
     @invariant("seq_lens == seq_lens before verify + accept_lens")
     def _seq_lens_advance(self) -> str | None:
@@ -430,7 +441,7 @@ def finalized_schema_for(verify_cls: type[VerifyResult]) -> type[FinalizedPath]:
     """
     have = {t.name for t in FinalizedPath.__schema__.tensors}
     nodes = set(node_fields(verify_cls))  # refuses a per-node field without the node role
-    hints = {}
+    hints, pads = {}, {}
     import typing
 
     annotations = typing.get_type_hints(verify_cls, include_extras=True)
@@ -443,6 +454,7 @@ def finalized_schema_for(verify_cls: type[VerifyResult]) -> type[FinalizedPath]:
         rest = spec.dim_text.split()[1:]
         new_ann = arr.dtype[arr.array_type, " ".join(["B*W", *rest])]
         hints[accepted_name(spec.name)] = (new_ann | None) if spec.optional else new_ann
+        pads[accepted_name(spec.name)] = spec.pad  # an accepted row holds what its node held
     if not hints:
         return FinalizedPath
 
@@ -451,7 +463,8 @@ def finalized_schema_for(verify_cls: type[VerifyResult]) -> type[FinalizedPath]:
         ns["__module__"] = __name__
         for name, ann in hints.items():
             optional = type(None) in typing.get_args(ann)
-            ns[name] = tensor(role=ACCEPTED, default=None) if optional else tensor(role=ACCEPTED)
+            kw = {"default": None} if optional else {}
+            ns[name] = tensor(role=ACCEPTED, pad=pads[name], **kw)
 
     cls = types.new_class(f"FinalizedPath_{verify_cls.__name__}", (FinalizedPath,), exec_body=body)
     return schema(cls)

@@ -220,3 +220,4 @@ class RequestDelta:
     new_text: str
     finish_reason: str | None
     error: str | None = None  # what went wrong, with finish_reason "error"
+    accept_lengths: tuple[int, ...] = ()  # of the verify steps since the previous step()

@@ -8,8 +8,10 @@ through it): the padded copy of the phase's input schema and the outputs the cap
 Replay protocol, per call:
 
 1. copy the real input's tensors into rows ``[0, B)`` of the static input; fill the padded rows
-   ``[B, bucket)`` with neutral values (request row 0 and page 0 are the reserved sinks, so
-   padded rows never read or write another request's KV; tokens 0, finite hidden states);
+   ``[B, bucket)`` as each field declares (:class:`~phasegraph.statemachine.Pad`): the reserved
+   KV row 0, whose pages are the sink page 0, and row numbers into the padded request's own
+   rows, so padded rows never read or write a live request's KV (checked once per plan and
+   after capture, :func:`~phasegraph.statemachine.rows.check_padding`);
 2. replay the graph;
 3. return the output schema with every tensor sliced back to ``B`` rows and copied out into
    fresh memory (a later replay overwrites the static outputs), nested schemas pointing at the
@@ -39,8 +41,9 @@ from typing import Any
 import attrs
 import torch
 
-from phasegraph.phases.schemas import ACCEPTED, NODE, REQUEST, TOKEN
+from phasegraph.phases.schemas import REQUEST
 from phasegraph.statemachine import PhaseGraph, PhaseSpec, Schema
+from phasegraph.statemachine.rows import check_padding, padding_plan
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 # "phase": one graph per phase and bucket; "iteration": the four phases of a speculative
@@ -48,35 +51,14 @@ DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 GRAPH_SCOPES = ("phase", "iteration")
 
 
-def _rows_per_request(spec_tensor, obj: Schema, batch: int) -> int | None:
-    """How many leading rows one request owns in this tensor (None: not batch-indexed)."""
-    role = spec_tensor.role
-    if role is None:
+def _rows_per_request(t, x: torch.Tensor, batch: int) -> int | None:
+    """How many leading rows one request owns in field ``t``'s tensor ``x`` (None: not
+    batch-indexed)."""
+    if t.role is None:
         return None
-    x = getattr(obj, spec_tensor.name)
-    if role is REQUEST or role == REQUEST:
+    if t.role == REQUEST:
         return 1
-    if role in (NODE, ACCEPTED, TOKEN):
-        return x.shape[0] // batch if batch else None
-    return None
-
-
-def _neutral_fill(name: str, x: torch.Tensor) -> float | int:
-    """What padded rows hold: request row 0 and slot 0 are reserved sinks; lengths of 1 keep
-    attention well defined; probabilities a valid uniform value."""
-    if x.dtype == torch.bool:
-        return name in ("tree_mask", "draft_finite")
-    if name in ("seq_lens",):
-        return 1
-    if name in ("remaining",):
-        return 1
-    if name in ("topk_p",):
-        return 1.0 / max(x.shape[-1], 1)
-    if name in ("top_p",):
-        return 1.0
-    if name in ("parents", "retrieve_next_token", "retrieve_next_sibling", "stop_ids", "forced_tokens"):
-        return -1
-    return 0
+    return x.shape[0] // batch if batch else None
 
 
 def shape_key(state: Schema, batch: int) -> tuple:
@@ -146,9 +128,10 @@ class InputCopier:
     """Copies a real input of ``batch`` requests into a graph's padded static input, with what
     depends only on the shapes worked out once per graph and batch size: which rows of which
     static buffers receive which field of the input (grouped by dtype for one
-    ``torch._foreach_copy_`` each) and which padded rows get neutral values. A call fetches the
-    input's fields and copies; rebuilding those lists on every replay cost ~0.14 ms of host time
-    per call at batch 1 (``bench/profile_pair_host.py --generate``, H100 host, 2026-11-24).
+    ``torch._foreach_copy_`` each), and the padded rows' values, made from each field's
+    declared :class:`~phasegraph.statemachine.Pad` (:func:`padding_plan`) and checked once
+    (:func:`check_padding`) so that no padded row addresses a live request. Planning on every
+    replay would put the field walk on the host's critical path at batch 1.
 
     A graph is chosen by its input's per-request widths (``shape_key``), so every input a
     copier sees has the shapes it was planned for; ``_foreach_copy_`` copies like ``copy_``
@@ -158,29 +141,30 @@ class InputCopier:
     def __init__(self, static: Schema, real: Schema, batch: int, bucket: int):
         # per (dtype, device) of the static buffers: the input's field paths, the static rows
         self.groups: dict[tuple, tuple[list[tuple[str, ...]], list[torch.Tensor]]] = {}
-        self.fills: list[tuple[str, torch.Tensor]] = []  # padded rows [batch, bucket)
-        self._plan(static, real, batch, bucket, ())
+        self._plan(static, real, batch, ())
+        plan = padding_plan(static, batch)  # padded rows [batch, bucket) and their values
+        self.pad_rows = [rows for _, rows, _ in plan]
+        self.pad_values = [values for _, _, values in plan]
+        self.static, self.batch = static, batch
+        self.checked = False
 
-    def _plan(self, static: Schema, real: Schema, batch: int, bucket: int, path: tuple[str, ...]) -> None:
+    def _plan(self, static: Schema, real: Schema, batch: int, path: tuple[str, ...]) -> None:
         spec = type(static).__schema__
         for t in spec.tensors:
             dst = getattr(static, t.name)
             if dst is None:
                 continue
-            per = _rows_per_request(t, real, batch)
+            per = _rows_per_request(t, getattr(real, t.name), batch)
             if per is not None:
-                n = batch * per
-                if bucket > batch:
-                    self.fills.append((t.name, dst[n:]))
-                if not n:
+                if not batch * per:
                     continue
-                dst = dst[:n]
+                dst = dst[: batch * per]
             paths, dsts = self.groups.setdefault((dst.dtype, dst.device), ([], []))
             paths.append((*path, t.name))
             dsts.append(dst)
         for v in spec.values:
             if v.nested:
-                self._plan(getattr(static, v.name), getattr(real, v.name), batch, bucket, (*path, v.name))
+                self._plan(getattr(static, v.name), getattr(real, v.name), batch, (*path, v.name))
 
     def __call__(self, real: Schema) -> None:
         for paths, dsts in self.groups.values():
@@ -191,8 +175,11 @@ class InputCopier:
                     x = getattr(x, name)
                 srcs.append(x)
             torch._foreach_copy_(dsts, srcs)
-        for name, pad in self.fills:
-            fill_padded(name, pad)
+        if self.pad_rows:
+            foreach_copy(self.pad_rows, self.pad_values)
+        if not self.checked:  # once per plan: the padding is the same on every later call
+            self.checked = True
+            check_padding(self.static, self.batch, "graph input")
 
 
 def copy_inputs_in(copiers: dict[int, InputCopier], static: Schema, real: Schema, batch: int,
@@ -205,28 +192,12 @@ def copy_inputs_in(copiers: dict[int, InputCopier], static: Schema, real: Schema
     copier(real)
 
 
-def fill_padded(name: str, rows: torch.Tensor) -> None:
-    """Fill padded rows with their neutral value; padded trees see only themselves."""
-    if name == "tree_mask":
-        rows.zero_()
-        rows.diagonal(dim1=-2, dim2=-1).fill_(True)
-    else:
-        rows.fill_(_neutral_fill(name, rows))
-
-
-def fill_neutral(static: Schema, bucket: int) -> None:
-    """Make every row of a padded static instance a padded row (request row 0, page 0, neutral
+def fill_neutral(static: Schema) -> None:
+    """Make every row of a padded static instance a padded row (the reserved KV row, neutral
     values): running a phase on it writes only the reserved sink page. Used to warm up a
     capture whose phases are not idempotent on real input."""
-    spec = type(static).__schema__
-    for t in spec.tensors:
-        x = getattr(static, t.name)
-        if x is None or _rows_per_request(t, static, bucket) is None:
-            continue
-        fill_padded(t.name, x)
-    for v in spec.values:
-        if v.nested:
-            fill_neutral(getattr(static, v.name), bucket)
+    plan = padding_plan(static, 0)
+    foreach_copy([rows for _, rows, _ in plan], [values for _, _, values in plan])
 
 
 def pad_schema(real: Schema, batch: int, bucket: int) -> Schema:
@@ -238,7 +209,7 @@ def pad_schema(real: Schema, batch: int, bucket: int) -> Schema:
         if x is None:
             fields[t.name] = None
             continue
-        per = _rows_per_request(t, real, batch)
+        per = _rows_per_request(t, x, batch)
         if per is None:
             fields[t.name] = x.clone()
             continue
@@ -290,6 +261,8 @@ class OutputCopier:
         self.count = 0
         self.registered: dict[tuple, int] = {}  # the static view each index copies
         self.kept: list[_OutputSet] = []
+        for static in statics:  # planned after the first replay: the outputs hold its values
+            check_padding(static, batch, "graph output")
         tokens = _nested_tokens(static_input, ("in", ()), {})
         self.recipes = []
         for k, static in enumerate(statics):
@@ -307,7 +280,7 @@ class OutputCopier:
             if x is None:
                 fields.append((t.name, _NONE, None))
                 continue
-            per = _rows_per_request(t, static, self.bucket)
+            per = _rows_per_request(t, x, self.bucket)
             fields.append((t.name, _TENSOR, self._register(x if per is None else x[: self.batch * per])))
         for v in spec.values:
             val = getattr(static, v.name)

@@ -485,7 +485,8 @@ class Engine:
         for rid, req in list(self._requests.items()):
             tokens, text = req.take_delta()
             if tokens or text or req.finish_reason is not None:
-                deltas.append(RequestDelta(rid, tuple(tokens), text, req.finish_reason, req.error))
+                deltas.append(RequestDelta(rid, tuple(tokens), text, req.finish_reason, req.error,
+                                           tuple(req.take_accept_lengths())))
             if req.status is Status.FINISHED:
                 del self._requests[rid]
         return deltas

@@ -121,7 +121,7 @@ class IterationGraph:
         else:
             # warm up on all-padded rows (they write only the sink page), so that nothing is
             # compiled, autotuned or lazily initialised inside the capture; then the real rows
-            fill_neutral(static_in, bucket)
+            fill_neutral(static_in)
             warm_up(run_iteration)
             copy_into_static(static_in, state, batch, bucket)
             graph = torch.cuda.CUDAGraph()

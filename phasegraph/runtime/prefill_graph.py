@@ -5,7 +5,7 @@ Llama-3-8B shape issues ~330 launches, which on the lent H100 hosts take 20-40 m
 ~7.5 ms of GPU work (bench/RESULTS.md §5). A prefill's tokens are ragged (each request brings its
 own prompt length), so the per-batch-size graphs of the iteration phases do not fit it. Here a
 prefill of ``B`` requests and ``T`` tokens replays the graph captured for the smallest token
-bucket ``>= T`` and the smallest request bucket ``>= B + 1``:
+bucket ``> T`` (one padded token at least) and the smallest request bucket ``>= B + 1``:
 
 - the ``T`` real tokens come first, then ``bucket_T - T`` padded tokens, all owned by padded
   request ``B``; its row in the page table is the reserved row 0, every entry of which is the
@@ -35,12 +35,12 @@ from phasegraph.phases.schemas import REQUEST, TOKEN
 from phasegraph.runtime.cuda_graphs import (
     EmulatedGraph,
     GraphRunner,
-    fill_padded,
     foreach_copy,
     no_garbage_collection,
     warm_up,
 )
 from phasegraph.statemachine import PhaseSpec, Schema
+from phasegraph.statemachine.rows import check_padding, pad_values
 
 DEFAULT_TOKEN_BUCKETS = (16, 32, 64, 128, 256, 512, 1024, 2048, 4096)
 
@@ -74,7 +74,8 @@ class PrefillGraph:
     # ------------------------------------------------------------------ dispatch
     def _buckets(self, batch: int, tokens: int) -> tuple[int | None, int | None]:
         req_bucket = next((b for b in self.request_buckets if b >= batch + 1), None)
-        tok_bucket = next((b for b in self.token_buckets if b >= tokens), None)
+        # at least one padded token: the padded requests select it, never a live token
+        tok_bucket = next((b for b in self.token_buckets if b >= tokens + 1), None)
         return req_bucket, tok_bucket
 
     def _eager(self, reason: str, state: Schema, ctx: Any, extra: dict) -> Schema:
@@ -120,6 +121,9 @@ class PrefillGraph:
             graph = torch.cuda.CUDAGraph()
             with no_garbage_collection(), torch.cuda.graph(graph, pool=self.runner.pool):
                 static_out = self.spec.fn(static_in, ctx)
+        batch, tokens = state.seq_lens.shape[0], state.input_ids.shape[0]
+        live = {REQUEST: batch, TOKEN: tokens}
+        check_padding(static_in, batch, "prefill graph input", live.__getitem__)
         cap = _CapturedPrefill(graph, static_in, static_out)
         self.graphs[key] = cap
         return cap
@@ -146,26 +150,35 @@ def padded_prefill_input(state: Schema, req_bucket: int, tok_bucket: int) -> Sch
 
 def copy_into_padded(static: Schema, state: Schema) -> None:
     """Write ``state`` into the padded static input in place: the real rows by one multi-tensor
-    copy, then the padded rows as the module docstring describes."""
+    copy, then the padded rows from each field's declared padding, with padded request
+    ``batch`` owning every padded token as the module docstring describes."""
     batch, tokens = state.seq_lens.shape[0], state.input_ids.shape[0]
-    tok_bucket = static.input_ids.shape[0]
+    req_bucket, tok_bucket = static.seq_lens.shape[0], static.input_ids.shape[0]
+    dev = static.input_ids.device
+    owners = {REQUEST: torch.arange(batch, req_bucket, device=dev),
+              TOKEN: torch.full((tok_bucket - tokens,), batch, device=dev)}
+    live = {REQUEST: batch, TOKEN: tokens}
     dsts, srcs = [], []
     for real, padded in ((state.params, static.params), (state, static)):
         for t in type(real).__schema__.tensors:
-            x = getattr(real, t.name)
-            dsts.append(getattr(padded, t.name)[: x.shape[0]])
+            x, rows = getattr(real, t.name), getattr(padded, t.name)
+            dsts.append(rows[: x.shape[0]])
             srcs.append(x)
+            if t.name in _LAYOUT_FIELDS or rows.shape[0] == live[t.role]:
+                continue
+            dsts.append(rows[live[t.role]:])
+            srcs.append(pad_values(t, rows[live[t.role]:], owners[t.role], 1))
     foreach_copy(dsts, srcs)
-    for name, x in static.params.tensors():
-        fill_padded(name, x[batch:])
-    for name in ("remaining", "forced_tokens"):
-        fill_padded(name, getattr(static, name)[batch:])
-    static.input_ids[tokens:].fill_(0)
+    # the padded tokens: one causal sequence of padded request ``batch``, which every padded
+    # request selects the last token of
     torch.arange(tok_bucket - tokens, out=static.positions[tokens:])
-    static.token_req[tokens:].fill_(batch)  # padded request ``batch`` owns every padded token
     static.select_index[batch:].fill_(tok_bucket - 1)
     static.seq_lens[batch:].fill_(1)
     static.seq_lens[batch] = max(tok_bucket - tokens, 1)
+
+
+# fields whose padded rows follow the ragged layout above instead of their declared padding
+_LAYOUT_FIELDS = ("positions", "select_index", "seq_lens")
 
 
 def _no_rows(state: Schema) -> Schema:

@@ -49,6 +49,7 @@ class Request:
         self._text_tokens = 0
         self._reported_tokens = 0
         self._reported_text = ""
+        self._reported_accepts = 0
         self._stop_string_hit = False
         self.stats = RequestStats(prompt_tokens=len(self.prompt))
 
@@ -150,6 +151,12 @@ class Request:
             done = done[:common]
         self._reported_text = text
         return new_tokens, text[len(done) :]
+
+    def take_accept_lengths(self) -> list[int]:
+        """Accept lengths of the verify steps since the last call."""
+        new = self.stats.accept_lengths[self._reported_accepts :]
+        self._reported_accepts += len(new)
+        return new
 
     def to_output(self) -> RequestOutput:
         return RequestOutput(

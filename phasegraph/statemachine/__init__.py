@@ -10,6 +10,7 @@ from phasegraph.statemachine.errors import (
     InvalidSchema,
     InvalidValidationMode,
     InvariantViolation,
+    PaddingViolation,
     PhaseContractViolation,
     PhaseGraphError,
     RendererUnavailable,
@@ -26,6 +27,7 @@ from phasegraph.statemachine.modes import (
 )
 from phasegraph.statemachine.phase import PhaseSpec, phase
 from phasegraph.statemachine.schema import (
+    Pad,
     Role,
     Schema,
     invariant,
@@ -45,11 +47,13 @@ __all__ = [
     "InvalidValidationMode",
     "InvariantViolation",
     "Machine",
+    "PaddingViolation",
     "PhaseContractViolation",
     "PhaseGraph",
     "PhaseGraphError",
     "PhaseSpec",
     "RendererUnavailable",
+    "Pad",
     "Role",
     "Schema",
     "SchemaViolation",

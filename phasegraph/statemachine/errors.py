@@ -122,6 +122,17 @@ class InvariantViolation(SchemaViolation):
         super().__init__(schema, None, f"invariant {invariant!r}", detail, **kw)
 
 
+class PaddingViolation(SchemaViolation):
+    """A padded request's row of a batch padded up to a fixed size (a CUDA graph's bucket)
+    addresses a live request's rows (SGLang #24859's class): checked when a graph's padding is
+    planned and after its capture."""
+
+    def __init__(self, schema: str, field: str, where: str, detail: str):
+        self.where = where
+        super().__init__(schema, field, "padded rows that address only padded requests",
+                         f"{detail}{f' ({where})' if where else ''}")
+
+
 class PhaseContractViolation(PhaseGraphError):
     """A phase broke its contract: it mutated its input or returned the wrong type."""
 

@@ -42,21 +42,73 @@ class Role:
 
 
 @attrs.frozen
+class Pad:
+    """What the rows of a padded request hold in a field, when a batch of ``B`` requests is
+    padded up to a larger fixed size (a captured CUDA graph's bucket). Declared on every field
+    that has a role, so that no padded row takes a default that happens to address a live one
+    (SGLang #24859's class: padded rows that read or wrote another request's state).
+
+    - ``Pad.fill(v)``: the constant ``v``;
+    - ``Pad.index(role)``: the field holds row numbers of ``role``'s fields (a request's own
+      block of them): a padded request ``b`` points into its own block, ``b * per + column``,
+      never at a live request's rows;
+    - ``Pad.sink(v)``: the field holds rows of a table outside the batch in which row ``v`` is
+      reserved for padding: every padded row holds ``v``, and no live row may;
+    - ``Pad.IDENTITY``: an identity matrix over the last two dims (a tree that sees only itself);
+    - ``Pad.UNIFORM``: ``1 / size`` of the last dim (a valid distribution).
+    """
+
+    kind: str  # "fill" | "index" | "sink" | "identity" | "uniform"
+    fill: Any = 0
+    indexes: Role | None = None
+
+    @classmethod
+    def constant(cls, value: Any) -> Pad:
+        return cls("fill", value)
+
+    @classmethod
+    def index(cls, role: Role) -> Pad:
+        return cls("index", -1, role)
+
+    @classmethod
+    def sink(cls, row: int) -> Pad:
+        return cls("sink", row)
+
+
+Pad.IDENTITY = Pad("identity")  # type: ignore[attr-defined]
+Pad.UNIFORM = Pad("uniform")  # type: ignore[attr-defined]
+
+
+@attrs.frozen
 class _FieldMeta:
     role: Role | None
     host: bool
     doc: str
+    pad: Pad | None = None
+    per_step: bool = False
 
 
 def tensor(
     *,
     role: Role | None = None,
+    pad: Pad | Any = None,
     host: bool = False,
+    per_step: bool = False,
     doc: str = "",
     default: Any = attrs.NOTHING,
 ) -> Any:
-    """Declare a tensor field. ``host=True`` marks a CPU-side tensor (reading it never syncs)."""
-    return attrs.field(default=default, metadata={_META_KEY: _FieldMeta(role, host, doc)})
+    """Declare a tensor field. ``host=True`` marks a CPU-side tensor (reading it never syncs).
+
+    A field with a ``role`` (its leading dim indexes requests, nodes, tokens, ...) must say what
+    a padded request's rows hold: ``pad=`` a :class:`Pad`, or a plain number or bool for
+    ``Pad.constant``. ``per_step=True`` marks an optional output of the last phase only (not
+    state): concatenating a batch that has it with one that has not drops it instead of
+    refusing.
+    """
+    if pad is not None and not isinstance(pad, Pad):
+        pad = Pad.constant(pad)
+    meta = _FieldMeta(role, host, doc, pad, per_step)
+    return attrs.field(default=default, metadata={_META_KEY: meta})
 
 
 def value(*, doc: str = "", default: Any = attrs.NOTHING) -> Any:
@@ -144,6 +196,8 @@ class _TensorSpec:
     role: Role | None
     host: bool
     doc: str
+    pad: Pad | None = None
+    per_step: bool = False
 
 
 @attrs.frozen
@@ -204,6 +258,31 @@ def _split_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
+_PAD_KINDS = ("fill", "index", "sink", "identity", "uniform")
+
+
+def _pad_problems(name: str, meta: _FieldMeta, dims: list[str]) -> list[str]:
+    """What is wrong with a field's padding declaration ([] = nothing)."""
+    pad = meta.pad
+    if meta.role is None:
+        return [f"field {name!r} declares pad= but no role: only rows of a role are padded"] if pad else []
+    if pad is None:
+        return [
+            f"field {name!r} has role {meta.role.name!r} but declares no pad=: say what a padded "
+            "request's rows hold (e.g. pad=0, pad=Pad.index(REQUEST) for a row number, "
+            "pad=Pad.sink(0) for a reserved outside row)"
+        ]
+    if pad.kind not in _PAD_KINDS:
+        return [f"field {name!r}: unknown pad kind {pad.kind!r} (one of {', '.join(_PAD_KINDS)})"]
+    if pad.kind == "index" and not isinstance(pad.indexes, Role):
+        return [f"field {name!r}: Pad.index takes the Role whose rows the field numbers"]
+    if pad.kind == "index" and len(dims) > 2:
+        return [f"field {name!r}: Pad.index fields have one or two dims, not {len(dims)}"]
+    if pad.kind == "identity" and len(dims) < 3:
+        return [f"field {name!r}: Pad.IDENTITY needs two dims past the leading one"]
+    return []
+
+
 def _compile(cls: type) -> CompiledSchema:
     try:
         hints = typing.get_type_hints(cls, include_extras=True)
@@ -246,17 +325,18 @@ def _compile(cls: type) -> CompiledSchema:
                     f"field {f.name!r} has role {meta.role.name!r}, so its first dim must be "
                     f"{meta.role.leading!r}, but its shape is {dim_text!r}"
                 )
+            problems += _pad_problems(f.name, meta, tokens)
             # jaxtyping's Shaped (any dtype) carries no list of dtype names
             names = tuple(tp.dtypes) if isinstance(tp.dtypes, (tuple, list)) else ("any",)
             dtypes = _torch_dtypes(names)
             tensors.append(
                 _TensorSpec(
                     f.name, dtypes, "|".join(names), dims, dim_text, optional,
-                    meta.role, meta.host, meta.doc,
+                    meta.role, meta.host, meta.doc, meta.pad, meta.per_step,
                 )
             )
         else:
-            if meta.role is not None or meta.host:
+            if meta.role is not None or meta.host or meta.pad is not None:
                 problems.append(f"field {f.name!r} has a tensor role but no jaxtyping annotation")
             checkable = tp if isinstance(tp, type) and tp is not Any else None
             types = (checkable,) if checkable is not None else None

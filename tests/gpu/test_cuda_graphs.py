@@ -368,3 +368,22 @@ def test_the_host_copies_of_emitted_tokens_reuse_pinned_buffers():
     buffers = eng.scheduler.host_buffers
     assert 1 <= buffers.allocated <= 2, buffers.allocated
     assert sum(len(v) for v in buffers.free.values()) == buffers.allocated  # all given back
+
+
+@pytest.mark.parametrize("scope", ["phase", "iteration"])
+@pytest.mark.parametrize(("method", "draft"), [("eagle3", "eagle3"), ("standalone", "self")])
+@pytest.mark.parametrize("topk", [1, 4])
+@pytest.mark.parametrize("batch", [3, 6])
+def test_padded_replays_leave_live_kv_and_acceptance_as_eager(tmp_path_factory, scope, method, draft, topk, batch):
+    """Real graphs at buckets 4 and 8 with 3 and 6 requests: after every step each live
+    request's target and draft KV equals an eager run's bit for bit (float32), and so do its
+    accept lengths (the CPU suite runs the same check on emulated graphs)."""
+    from tests.engine.support import arch_bundle
+    from tests.engine.test_graph_padding_kv import run_lockstep
+
+    bundle = arch_bundle(tmp_path_factory.getbasetemp() / "padding-kv", "llama")
+    eager, graphed, outputs = run_lockstep(bundle, method, draft, batch, scope, topk, graphs=True)
+    assert outputs[graphed] == outputs[eager]
+    stats = graphed.graph_runner.stats()
+    replays = stats["iteration"]["replays"] if scope == "iteration" else stats["draft-extend"]["replays"]
+    assert replays > 0

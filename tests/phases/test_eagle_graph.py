@@ -109,7 +109,7 @@ def test_every_node_field_of_verify_result_has_a_compacted_counterpart():
 def test_a_new_side_output_gets_a_compacted_field_without_code_changes():
     @schema
     class VerifyWithExperts(VerifyResult):
-        routed_experts: Int64[torch.Tensor, "B*N E"] = tensor(role=NODE)
+        routed_experts: Int64[torch.Tensor, "B*N E"] = tensor(role=NODE, pad=0)
 
     out_cls = finalized_schema_for(VerifyWithExperts)
     assert issubclass(out_cls, FinalizedPath)

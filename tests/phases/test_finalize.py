@@ -18,7 +18,7 @@ from phasegraph.testing import synthetic as syn
 class VerifyWithExperts(VerifyResult):
     """A verify result with a side output finalize has never heard of (seed 000's routed experts)."""
 
-    routed_experts: Int64[torch.Tensor, "B*N E"] = tensor(role=NODE)
+    routed_experts: Int64[torch.Tensor, "B*N E"] = tensor(role=NODE, pad=0)
 
 
 @schema

@@ -17,22 +17,22 @@ Tensor = torch.Tensor
 
 @schema
 class Knobs(Schema):
-    seed: Int64[Tensor, "B"] = tensor(role=REQUEST)
+    seed: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=0)
 
 
 @schema
 class Start(Schema):
-    x: Float32[Tensor, "B 3"] = tensor(role=REQUEST)
+    x: Float32[Tensor, "B 3"] = tensor(role=REQUEST, pad=0)
     knobs: Knobs = value()
 
 
 @schema
 class Middle(Schema):
-    nodes: Float32[Tensor, "B*N 2"] = tensor(role=NODE)
-    picked: Bool[Tensor, "B"] = tensor(role=REQUEST)
+    nodes: Float32[Tensor, "B*N 2"] = tensor(role=NODE, pad=0)
+    picked: Bool[Tensor, "B"] = tensor(role=REQUEST, pad=0)
     table: Float32[Tensor, "5"] = tensor()  # not batch-indexed: copied whole
-    strided: Float32[Tensor, "B 4"] = tensor(role=REQUEST)
-    missing: Float32[Tensor, "B"] | None = tensor(role=REQUEST, default=None)
+    strided: Float32[Tensor, "B 4"] = tensor(role=REQUEST, pad=0)
+    missing: Float32[Tensor, "B"] | None = tensor(role=REQUEST, pad=0.0, default=None)
     knobs: Knobs = value()
     source: Start = value()
     step: int = value()
@@ -40,7 +40,7 @@ class Middle(Schema):
 
 @schema
 class End(Schema):
-    y: Int64[Tensor, "B"] = tensor(role=REQUEST)
+    y: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=0)
     middle: Middle = value()
     knobs: Knobs = value()
 

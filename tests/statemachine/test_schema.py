@@ -25,12 +25,12 @@ NODE = Role("node", "B*N")
 
 @schema
 class Toy(Schema):
-    ids: Int64[torch.Tensor, "B"] = tensor(role=REQ)
-    scores: Float32[torch.Tensor, "B K"] = tensor(role=REQ)
-    per_node: Int64[torch.Tensor, "B*N"] = tensor(role=NODE)
-    table: Int64[torch.Tensor, "B N"] = tensor(role=REQ)
-    opt: Float32[torch.Tensor, "B H"] | None = tensor(role=REQ, default=None)
-    host_lens: Int64[torch.Tensor, "B"] | None = tensor(role=REQ, host=True, default=None)
+    ids: Int64[torch.Tensor, "B"] = tensor(role=REQ, pad=0)
+    scores: Float32[torch.Tensor, "B K"] = tensor(role=REQ, pad=0)
+    per_node: Int64[torch.Tensor, "B*N"] = tensor(role=NODE, pad=0)
+    table: Int64[torch.Tensor, "B N"] = tensor(role=REQ, pad=0)
+    opt: Float32[torch.Tensor, "B H"] | None = tensor(role=REQ, pad=0.0, default=None)
+    host_lens: Int64[torch.Tensor, "B"] | None = tensor(role=REQ, pad=0, host=True, default=None)
     steps: int = value(default=3)
 
     @invariant("ids are non-negative")
@@ -147,7 +147,7 @@ def test_role_and_shape_must_agree_at_declaration():
 
         @schema
         class Bad(Schema):
-            x: Int64[torch.Tensor, "B N"] = tensor(role=NODE)
+            x: Int64[torch.Tensor, "B N"] = tensor(role=NODE, pad=0)
 
 
 def test_schemas_are_frozen_and_replace_copies():
