@@ -426,6 +426,32 @@ class FinalizedPath(DraftExtendInput):
         row = _first_bad_row(marked)
         return None if row is None else f"request {row}: draft not finite, emitted {self.emitted[row].tolist()}"
 
+    @invariant("every accepted_<field> row i < accept_lens is <field> of node accept_index[b, i], and "
+               "draft-extend's rows carry those predictions and features (compacted along the path, "
+               "not left in node order: SGLang #26866)")
+    def _compacted_along_path(self) -> str | None:
+        B, W = self.accept_index.shape
+        if B == 0:
+            return None
+        inside = torch.arange(W, device=self.accept_index.device)[None, :] < self.accept_lens[:, None]  # [B, W]
+        nodes = self.accept_index.clamp(min=0).reshape(-1)  # [B*W]
+        pairs = [(accepted_name(n), getattr(self, accepted_name(n)), getattr(self.verified, n)[nodes]
+                  if getattr(self.verified, n) is not None else None) for n in node_fields(type(self.verified))]
+        lead_rows = self.input_ids.shape[0] // B - W  # 1: a row for the root token comes first
+        ids, feats = self.input_ids.view(B, W + lead_rows), self.features.view(B, W + lead_rows, -1)
+        pairs += [("input_ids", ids[:, lead_rows:].reshape(-1), self.accepted_predict),
+                  ("features", feats[:, lead_rows:].reshape(B * W, -1), self.accepted_features)]
+        for name, got, want in pairs:
+            if (got is None) != (want is None):
+                return f"{name} is {'missing' if got is None else 'set'} but its node field is not"
+            if got is None:
+                continue
+            same = (got == want) | (got != got) & (want != want)  # NaN where the node held NaN
+            row = _first_bad_row((same.view(B, W, -1).all(dim=2) | ~inside).all(dim=1))
+            if row is not None:
+                return f"request {row}: {name} is not compacted along accept_index {self.accept_index[row].tolist()}"
+        return None
+
 
 def accepted_name(node_field: str) -> str:
     return f"accepted_{node_field}"

@@ -124,7 +124,7 @@ class InvariantViolation(SchemaViolation):
 
 class PaddingViolation(SchemaViolation):
     """A padded request's row of a batch padded up to a fixed size (a CUDA graph's bucket)
-    addresses a live request's rows (SGLang #24859's class): checked when a graph's padding is
+    addresses a live request's rows (vLLM #43682's class): checked when a graph's padding is
     planned and after its capture."""
 
     def __init__(self, schema: str, field: str, where: str, detail: str):

@@ -46,7 +46,7 @@ class Pad:
     """What the rows of a padded request hold in a field, when a batch of ``B`` requests is
     padded up to a larger fixed size (a captured CUDA graph's bucket). Declared on every field
     that has a role, so that no padded row takes a default that happens to address a live one
-    (SGLang #24859's class: padded rows that read or wrote another request's state).
+    (vLLM #43682's class: padded graph rows that read or wrote another request's state).
 
     - ``Pad.fill(v)``: the constant ``v``;
     - ``Pad.index(role)``: the field holds row numbers of ``role``'s fields (a request's own

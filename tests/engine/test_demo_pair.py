@@ -53,8 +53,11 @@ def test_acceptance_is_real(outputs):
         lens = [n for o in outputs[name] for n in o.stats.accept_lengths]
         return sum(lens) / len(lens)
 
-    assert tau("chain") >= 2.2  # issue 6 goals, on held-out stdlib files
-    assert tau("tree") >= 2.6
+    # the pair's measured tau on these held-out prompts (CPU, float32), within a tolerance that
+    # float rounding across CPUs stays inside: a bug that only lowers acceptance (the draft
+    # extended with features in node order instead of the accepted path's: tree 2.80) fails
+    assert tau("chain") == pytest.approx(2.49, abs=0.1)
+    assert tau("tree") == pytest.approx(3.37, abs=0.1)
 
 
 def _tokenizes_as_python(source: str) -> bool:

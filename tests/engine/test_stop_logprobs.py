@@ -2,8 +2,8 @@
 
 The target has a tiny byte-level BPE tokenizer saved beside it (``support.text_bundle``), so
 prompts may be strings and stop strings apply to the decoded text. Each check runs for the
-target alone, an EAGLE-3 tree and a chain whose draft is the target itself (many drafts
-accepted per step, so a stop lands inside an accepted path). Reference points: the
+target alone, an EAGLE-3 tree, and a chain and a tree whose draft is the target itself (many
+drafts accepted per step, so a stop lands inside an accepted path). Reference points: the
 unconstrained greedy continuation (stops cut it at their first occurrence), transformers'
 ``generate`` with the same EOS, and transformers' forward rescoring the emitted sequence
 (logprobs within 1e-4 of log_softmax of the target's own logits).
@@ -25,6 +25,9 @@ METHODS = {
     "none": (None, SpecConfig(method="none")),
     "eagle3-tree": ("eagle3", SpecConfig(method="eagle3", topk=4, num_steps=3, num_draft_tokens=8)),
     "self-chain": ("self", SpecConfig(method="standalone", topk=1, num_steps=4)),
+    # the target as its own draft in a tree: accepted paths run through nodes out of node order,
+    # so per-node outputs (logprobs) are right only if compacted along the path
+    "self-tree": ("self", SpecConfig(method="standalone", topk=4, num_steps=3, num_draft_tokens=10)),
 }
 
 

@@ -92,12 +92,29 @@ def test_no_stop_ids_at_all():
     assert p.lens.tolist() == [2, 1] and p.finished.tolist() == [False, False]
 
 
-def test_public_name_is_the_reference_off_cuda():
+def test_cpu_tensors_go_to_the_reference_and_cuda_ones_would_go_to_triton(monkeypatch):
+    """The dispatch itself: the public name calls the reference for CPU tensors (the Triton
+    kernel is compared with the reference on the GPU, tests/gpu)."""
+    import phasegraph.kernels.commit_path as module
     from tests.kernels.commit_path_cases import commit_path_case
 
+    calls = []
+
+    def spy(name, fn):
+        def run(*args, **kwargs):
+            calls.append(name)
+            return fn(*args, **kwargs)
+        return run
+
+    monkeypatch.setattr(module, "commit_path_reference", spy("reference", commit_path_reference))
+    monkeypatch.setattr(module, "commit_path_triton", spy("triton", module.commit_path_triton))
     case = commit_path_case(torch.Generator().manual_seed(0), batch=6, width=5, nodes=9, stops=3, lead=0)
-    for a, b in zip(commit_path(*case), commit_path_reference(*case), strict=True):
-        assert torch.equal(a, b)
+    commit_path(*case)
+    assert calls == ["reference"]
+    monkeypatch.setattr(module, "use_triton", lambda x: True)  # what a CUDA tensor gets
+    with pytest.raises(Exception):  # noqa: B017 - Triton cannot launch on CPU tensors here
+        commit_path(*case)
+    assert calls == ["reference", "triton"]
 
 
 @pytest.mark.parametrize(("change", "match"), [

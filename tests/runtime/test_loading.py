@@ -122,12 +122,20 @@ def test_untied_target_needs_its_lm_head_and_tied_target_does_not(tmp_path):
 
 
 def test_ignorable_rotary_buffers_are_accepted(tmp_path):
+    """Old checkpoints carry each layer's rotary inv_freq buffer: it loads, and is ignored (a
+    bogus one would change every logit if it were copied into the model)."""
+    plain = write_hf_target(tmp_path / "plain", "llama", num_hidden_layers=2)
     d = write_hf_target(tmp_path / "t", "llama", num_hidden_layers=2)
     edit_safetensors(
         d / "model.safetensors",
         lambda s: s.update({"model.layers.0.self_attn.rotary_emb.inv_freq": torch.ones(8)}),
     )
-    HFTarget.from_pretrained(d)
+    def tensors(target):
+        return dict(target.model.named_parameters()) | dict(target.model.named_buffers())
+
+    want, got = tensors(HFTarget.from_pretrained(plain)), tensors(HFTarget.from_pretrained(d))
+    assert got.keys() == want.keys() and any("inv_freq" in k for k in got)
+    assert all(torch.equal(got[k], want[k]) for k in want)
 
 
 def test_truncated_safetensors_names_the_file(tmp_path):

@@ -74,7 +74,11 @@ def test_subclass_output_satisfies_base_input():
     class A2(A):
         z: Int64[torch.Tensor, "B"] = tensor()
 
-    PhaseGraph("g", [_mk("a", A, A2), _mk("b", A, A)], [("a", "b"), ("b", "a")], entry="a")
+    g = PhaseGraph("g", [_mk("a", A, A2), _mk("b", A, A)], [("a", "b"), ("b", "a")], entry="a")
+    assert g.edges == (("a", "b"), ("b", "a")) and g.allowed("a") == ("b",)
+    # the same graph with an output that is not a subclass and lacks a field is refused
+    with pytest.raises(InvalidPhaseGraph, match="schema_compatible"):
+        PhaseGraph("g", [_mk("a", A, C), _mk("b", A, A)], [("a", "b"), ("b", "a")], entry="a")
 
 
 def test_dead_end_unless_terminal():
