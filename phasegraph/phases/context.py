@@ -30,10 +30,15 @@ class TreeShape:
         """C = K + (S-1)·K²: draft candidates per request."""
         return num_tree_candidates(self.topk, self.num_steps)
 
-    @property
-    def tokens_per_iteration(self) -> int:
-        """Logical KV positions a request needs behind its prefix per iteration."""
-        return max(self.num_draft_tokens, self.accept_width)
+
+
+def tokens_per_iteration(tree: TreeShape | None, kv_lead: int) -> int:
+    """Logical KV positions behind its committed length that one request writes in one
+    iteration: the tree's N nodes or the accepted path's W plus the draft's KV lead, whichever
+    is more; 1 without speculation (a decode step)."""
+    if tree is None:
+        return 1
+    return max(tree.num_draft_tokens, tree.accept_width + kv_lead)
 
 
 def num_tree_candidates(topk: int, num_steps: int) -> int:
@@ -76,3 +81,17 @@ class SpecContext:
     # Benchmark mode only: verify accepts this many drafts per step whatever they are (greedy
     # requests); outputs are then not the target's. None = real verification.
     simulate_accept_drafts: int | None = None
+
+    @property
+    def kv_lead(self) -> int:
+        """The draft's KV lead (:class:`DraftModel`), 0 without speculation."""
+        return 0 if self.draft is None or self.tree is None else self.draft.kv_lead
+
+    @property
+    def tokens_per_iteration(self) -> int:
+        return tokens_per_iteration(self.tree, self.kv_lead)
+
+    @property
+    def commit_per_iteration(self) -> int:
+        """The most tokens one iteration commits to a request: the accepted path (W), or 1."""
+        return 1 if self.tree is None else self.tree.accept_width

@@ -12,7 +12,7 @@ from phasegraph.phases.schemas import DraftState
 from phasegraph.statemachine import phase
 
 
-@phase("decode", input=DraftState, output=DraftState)
+@phase("decode")
 def decode(state: DraftState, ctx: SpecContext) -> DraftState:
     """Commit each request's bonus token at position ``seq_len`` and sample the next one."""
     params = state.params

@@ -13,7 +13,7 @@ from phasegraph.phases.schemas import DraftState, TreeProposal
 from phasegraph.statemachine import phase
 
 
-@phase("draft", input=DraftState, output=TreeProposal)
+@phase("draft")
 def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
     """EAGLE-2 dynamic tree drafting (arXiv 2406.16858): S-1 draft forwards over K beams.
 
@@ -36,7 +36,7 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
     rows = state.params.req_pool_idx  # [B]
     seq_lens = state.seq_lens  # [B]
 
-    lead = int(getattr(model, "kv_lead", 0))
+    lead = ctx.kv_lead
     # [B] the draft's committed KV length; step i runs at base + i (no add kernel for EAGLE's 0)
     base = seq_lens + lead if lead else seq_lens
     # step-0 beams: the state's top-k, candidates 0..K-1 (beam_cand None: ids 0..K-1)

@@ -10,7 +10,7 @@ from phasegraph.phases.schemas import DraftExtendInput, DraftState
 from phasegraph.statemachine import phase
 
 
-@phase("draft-extend", input=DraftExtendInput, output=DraftState)
+@phase("draft-extend")
 def draft_extend(state: DraftExtendInput, ctx: SpecContext) -> DraftState:
     """Extend the draft's KV over the committed rows and take the top-k of each request's last row.
 

@@ -10,7 +10,7 @@ from phasegraph.statemachine import phase
 from phasegraph.statemachine.rows import select_rows
 
 
-@phase("filter", input=DraftState, output=DraftState, extra_inputs={"keep": RowSelection})
+@phase("filter")
 def filter_batch(state: DraftState, ctx: SpecContext, *, keep: RowSelection) -> DraftState:
     """Drop finished or aborted requests: their pages and page-table rows go back to the pool."""
     B = state.seq_lens.shape[0]

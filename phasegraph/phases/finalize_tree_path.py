@@ -19,7 +19,7 @@ from phasegraph.phases.schemas import (
 from phasegraph.statemachine import phase
 
 
-@phase("finalize-tree-path", input=VerifyResult, output=FinalizedPath)
+@phase("finalize-tree-path")
 def finalize_tree_path(state: VerifyResult, ctx: SpecContext) -> FinalizedPath:
     """Compact every per-node field of the verify result to the accepted path and move its KV.
 

@@ -8,7 +8,7 @@ from phasegraph.statemachine import phase
 from phasegraph.statemachine.rows import concat_rows
 
 
-@phase("merge", input=DraftState, output=DraftState, extra_inputs={"other": DraftState})
+@phase("merge")
 def merge(state: DraftState, ctx: SpecContext, *, other: DraftState) -> DraftState:
     """The running batch's rows followed by ``other``'s. Only draft states merge (seed 004)."""
     return concat_rows(state, other)

@@ -12,7 +12,7 @@ from phasegraph.phases.schemas import PrefillInput, PrefillResult
 from phasegraph.statemachine import phase
 
 
-@phase("prefill-extend", input=PrefillInput, output=PrefillResult)
+@phase("prefill-extend")
 def prefill_extend(state: PrefillInput, ctx: SpecContext) -> PrefillResult:
     """Run the target over the prompts (writing their KV) and sample the first new token.
 
@@ -32,7 +32,7 @@ def prefill_extend(state: PrefillInput, ctx: SpecContext) -> PrefillResult:
     first_logprobs = None
     if ctx.return_logprobs:
         first_logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, first[:, None])[:, 0]
-    lead = draft_kv_lead(ctx)
+    lead = ctx.kv_lead
     if lead == 0:
         ids = state.input_ids.roll(-1)  # row p <- token p+1 (the wrap-around rows are overwritten)
         ids = ids.index_copy(0, state.select_index, first)
@@ -53,13 +53,6 @@ def prefill_extend(state: PrefillInput, ctx: SpecContext) -> PrefillResult:
         first_logprobs=first_logprobs,
         logits_finite=finite,
     )
-
-
-def draft_kv_lead(ctx: SpecContext) -> int:
-    """The draft's KV lead (0 without a draft)."""
-    if ctx.draft is None or ctx.tree is None:
-        return 0
-    return int(getattr(ctx.draft, "kv_lead", 0))
 
 
 def _rows_with_bonus(state: PrefillInput, first: torch.Tensor, features: torch.Tensor):

@@ -10,7 +10,7 @@ from phasegraph.statemachine import phase
 from phasegraph.statemachine.rows import select_rows
 
 
-@phase("retract", input=DraftState, output=DraftState, extra_inputs={"rows": RowSelection})
+@phase("retract")
 def retract(state: DraftState, ctx: SpecContext, *, rows: RowSelection) -> DraftState:
     """Free every page (over-allocation and draft branch regions included) and the page-table
     row of each request in ``rows``; the scheduler requeues them to resume from their prompt

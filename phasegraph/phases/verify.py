@@ -22,7 +22,7 @@ from phasegraph.phases.schemas import TreeProposal, VerifyResult
 from phasegraph.statemachine import phase
 
 
-@phase("verify", input=TreeProposal, output=VerifyResult)
+@phase("verify")
 def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
     """Tree verification (SpecInfer, arXiv 2305.09781; EAGLE-2, arXiv 2406.16858).
 

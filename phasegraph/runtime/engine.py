@@ -20,6 +20,7 @@ import torch
 
 from phasegraph.kernels._dispatch import KernelSettingError, check_kernel_settings
 from phasegraph.phases import EAGLE_GRAPH, SpecContext
+from phasegraph.phases.context import tokens_per_iteration
 from phasegraph.runtime.config import (
     RequestDelta,
     RequestOutput,
@@ -229,9 +230,7 @@ class Engine:
                 f"SpecConfig.topk={tree.topk} exceeds the draft's vocabulary of {draft_vocab} tokens "
                 "(each draft step keeps the top-k of it)"
             )
-        self.tokens_per_iteration = (
-            max(tree.num_draft_tokens, tree.accept_width + int(getattr(self.draft, "kv_lead", 0))) if tree else 1
-        )
+        self.tokens_per_iteration = tokens_per_iteration(tree, self.draft.kv_lead if self.draft is not None else 0)
         # overlap scheduling (default on a GPU): the device runs one iteration ahead of the
         # host, so a request may hold the tokens of one more iteration (see scheduler.py)
         self.overlap = self.device.type == "cuda" if overlap is None else bool(overlap)

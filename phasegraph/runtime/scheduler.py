@@ -55,21 +55,6 @@ from phasegraph.runtime.kv_pool import KVCacheManager, to_device
 from phasegraph.runtime.requests import Request, Status
 from phasegraph.statemachine import Machine, PhaseGraph, Trace
 
-
-def tokens_per_iteration(ctx: SpecContext) -> int:
-    """Logical KV positions behind its committed length a request writes in one iteration: the
-    tree nodes (N), the accepted path (W) plus the draft's KV lead, or 1 without a draft."""
-    if ctx.tree is None:
-        return 1
-    lead = int(getattr(ctx.draft, "kv_lead", 0)) if ctx.draft is not None else 0
-    return max(ctx.tree.num_draft_tokens, ctx.tree.accept_width + lead)
-
-
-def commit_per_iteration(ctx: SpecContext) -> int:
-    """The most tokens one iteration commits to a request's KV: the accepted path (W), or 1."""
-    return 1 if ctx.tree is None else ctx.tree.accept_width
-
-
 # A request whose KV must grow takes the pages of this many more positions while the pool has
 # them free: at batch 1 the page table is then written once every ~64 tokens instead of every
 # iteration (a host-to-device copy and an indexed write, ~0.15 ms of host time on a slow host).
@@ -116,8 +101,8 @@ class Scheduler:
         self.validate = validate
         self.check_every_step = check_every_step
         self.speculative = ctx.tree is not None
-        self.tokens_per_iteration = tokens_per_iteration(ctx)
-        self.commit_per_iteration = commit_per_iteration(ctx)
+        self.tokens_per_iteration = ctx.tokens_per_iteration
+        self.commit_per_iteration = ctx.commit_per_iteration
         self.overlap = overlap
         self.spare_tokens = spare_tokens
         self.in_flight: InFlight | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import inspect
+import typing
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -79,30 +80,78 @@ class PhaseSpec:
         return self.doc.strip().splitlines()[0] if self.doc.strip() else ""
 
 
+def _annotated(fn: Callable[..., Any]) -> tuple[Any, Any, dict[str, Any]] | None:
+    """(input, output, extra inputs) from ``fn``'s annotations: its first parameter, its return,
+    and its keyword-only parameters annotated with a schema; None where they cannot be read."""
+    try:
+        hints = typing.get_type_hints(fn)
+        params = list(inspect.signature(fn).parameters.values())
+    except Exception:  # noqa: BLE001 - unresolvable names, builtins without a signature
+        return None
+    first = hints.get(params[0].name) if params else None
+    extra = {p.name: hints[p.name] for p in params
+             if p.kind is p.KEYWORD_ONLY and isinstance(hints.get(p.name), type)
+             and issubclass(hints[p.name], Schema)}
+    return first, hints.get("return"), extra
+
+
 def phase(
     name: str,
     *,
-    input: type[Schema],  # noqa: A002 - mirrors the declaration's vocabulary
-    output: type[Schema],
+    input: type[Schema] | None = None,  # noqa: A002 - mirrors the declaration's vocabulary
+    output: type[Schema] | None = None,
     extra_inputs: Mapping[str, type[Schema]] | None = None,
 ) -> Callable[[Callable[..., Any]], PhaseSpec]:
-    """Decorator declaring a phase function::
+    """Decorator declaring a phase function; its schemas come from the function's annotations::
 
-        @phase("verify", input=TreeProposal, output=VerifyResult)
+        @phase("verify")
         def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
             '''Run the target over the tree and accept the longest matching path.'''
+
+    The first parameter's annotation is the input, the return annotation the output, and
+    keyword-only parameters annotated with a schema are the extra inputs. ``input=``,
+    ``output=`` and ``extra_inputs=`` may be given instead (for a function without
+    annotations); where both are, they must agree.
     """
-    extra_inputs = {} if extra_inputs is None else extra_inputs
-    _check_declaration(name, input, output, extra_inputs)
+
+    if input is not None and output is not None:  # a wrong declaration fails before any function
+        _check_declaration(name, input, output, {} if extra_inputs is None else extra_inputs)
 
     def wrap(fn: Callable[..., Any]) -> PhaseSpec:
+        declared = {"input": input, "output": output, "extra_inputs": extra_inputs}
+        found = _annotated(fn) if callable(fn) else None
+        if found is not None:
+            annotated = dict(zip(("input", "output", "extra_inputs"), found, strict=True))
+            for key, given in declared.items():
+                have = annotated[key]
+                if given is None or not have:
+                    continue
+                if (dict(given) != have) if key == "extra_inputs" else (given is not have):
+                    raise InvalidPhase(name, [
+                        f"{key}={_shown(given)} disagrees with the function's annotation {_shown(have)}"
+                    ])
+            declared = {k: v if v is not None else annotated[k] for k, v in declared.items()}
+        for key in ("input", "output"):
+            if declared[key] is None:
+                raise InvalidPhase(name, [
+                    f"no {key} schema: annotate the function ({'its first parameter' if key == 'input' else 'its return'}) "
+                    f"or pass {key}="
+                ])
+        extra = dict(declared["extra_inputs"] or {})
+        _check_declaration(name, declared["input"], declared["output"], extra)
         return PhaseSpec(
             name=name,
-            input=input,
-            output=output,
+            input=declared["input"],
+            output=declared["output"],
             fn=fn,
             doc=(inspect.getdoc(fn) or "") if callable(fn) else "",
-            extra_inputs=dict(extra_inputs),
+            extra_inputs=extra,
         )
 
     return wrap
+
+
+def _shown(value: Any) -> str:
+    if isinstance(value, Mapping):
+        return "{" + ", ".join(f"{k}: {_shown(v)}" for k, v in value.items()) + "}"
+    return getattr(value, "__name__", repr(value))

@@ -184,3 +184,32 @@ def test_phase_declaration_errors_are_named():
     good = _mk("p", A, A)
     with pytest.raises(InvalidPhase, match="cannot be called as fn"):  # a PhaseSpec made otherwise
         attrs.evolve(good, fn=one_arg)
+
+
+# ----------------------------------------------------------------------------- phase declarations
+
+
+def test_a_phase_takes_its_schemas_from_its_annotations():
+    @phase("p")
+    def p(state: A, ctx, *, other: B) -> C:
+        return state
+
+    assert (p.input, p.output, dict(p.extra_inputs)) == (A, C, {"other": B})
+
+
+def test_declared_schemas_must_agree_with_the_annotations():
+    with pytest.raises(InvalidPhase, match="output=A disagrees with the function's annotation C"):
+        @phase("p", input=A, output=A)
+        def p(state: A, ctx) -> C:
+            return state
+
+    with pytest.raises(InvalidPhase, match=r"extra_inputs=\{other: A\} disagrees.*\{other: B\}"):
+        @phase("q", extra_inputs={"other": A})
+        def q(state: A, ctx, *, other: B) -> A:
+            return state
+
+
+def test_a_phase_without_annotations_must_declare_its_schemas():
+    with pytest.raises(InvalidPhase, match="no output schema: annotate the function"):
+        phase("p", input=A)(lambda s, c: s)
+    assert phase("p", input=A, output=C)(lambda s, c: s).output is C
