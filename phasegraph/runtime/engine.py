@@ -40,6 +40,7 @@ from phasegraph.runtime.errors import (
 )
 from phasegraph.runtime.kv_pool import KVCacheManager
 from phasegraph.runtime.memory import PhaseMemory
+from phasegraph.runtime.models.drafts import draft_kind, load_draft
 from phasegraph.runtime.models.loading import read_json_object
 from phasegraph.runtime.models.target import HFTarget
 from phasegraph.runtime.prefill_graph import token_buckets_for
@@ -67,15 +68,6 @@ def _as_spec(spec) -> SpecConfig:
     if not isinstance(spec, SpecConfig):
         raise InvalidConfig(f"spec must be a SpecConfig (or a method name); got {type(spec).__name__}")
     return spec
-
-
-def _draft_class(method: str):
-    from phasegraph.runtime.models.eagle1 import Eagle1Draft
-    from phasegraph.runtime.models.eagle3 import Eagle3Draft
-    from phasegraph.runtime.models.mtp import MTPDraft
-    from phasegraph.runtime.models.standalone import StandaloneDraft
-
-    return {"eagle": Eagle1Draft, "eagle3": Eagle3Draft, "mtp": MTPDraft, "standalone": StandaloneDraft}[method]
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -336,18 +328,28 @@ class Engine:
     ) -> Engine:
         """Load a target directory (config.json + safetensors, sharded or not, plus its
         tokenizer if present) and, for speculative methods, a draft directory in that method's
-        public checkpoint layout.
+        public checkpoint layout. Without ``spec``, a draft directory selects the method it
+        holds (:func:`~phasegraph.runtime.models.drafts.draft_kind`) with its default shape; a
+        ``spec`` whose method is another kind than the directory's raises :class:`DraftMismatch`.
 
         ``draft_dtype`` (default: ``dtype``) runs the draft in another precision than the target,
         e.g. a bfloat16 head beside a float32 target: the draft only proposes tokens, so its
         precision moves the acceptance length, never the output (which is always the target's).
         """
-        spec = _as_spec(spec)
         for name, path in (("target_dir", target_dir), ("draft_dir", draft_dir)):
             if path is not None and not isinstance(path, (str, os.PathLike)):
                 raise InvalidConfig(f"{name} must be a directory path; got {type(path).__name__} {path!r}")
         if target_dir is None:
             raise InvalidConfig("target_dir must be a directory path; got None")
+        if spec is None and draft_dir is not None:  # the method the draft's checkpoint names
+            kind = draft_kind(draft_dir)
+            if kind is None:
+                raise InvalidConfig(
+                    f"cannot tell which kind of draft {str(draft_dir)!r} holds (its config and tensor "
+                    "names fit none of eagle, eagle3, mtp, standalone): pass spec=SpecConfig(method=...)"
+                )
+            spec = SpecConfig(method=kind)
+        spec = _as_spec(spec)
         if draft_dir is not None and not spec.speculative:
             raise InvalidConfig(
                 f"draft_dir {str(draft_dir)!r} was given but spec is method 'none' (the target alone), "
@@ -362,7 +364,7 @@ class Engine:
         if spec.speculative:
             if draft_dir is None:
                 raise InvalidConfig(f"SpecConfig(method={spec.method!r}) needs draft_dir")
-            draft = _draft_class(spec.method).from_pretrained(Path(draft_dir), target, dtype=draft_dt, device=dev)
+            draft = load_draft(Path(draft_dir), target, spec.method, dtype=draft_dt, device=dev)
         tokenizer = _load_tokenizer(target_path)
         if spec.method == "standalone":
             _check_draft_tokenizer(Path(draft_dir), tokenizer)

@@ -285,8 +285,8 @@ def test_bad_engine_settings(busy, clean_output, engine_root):
         # top-k of a 96-token vocabulary: a ValueError from the draft kernel at the first step
         (dict(spec=SpecConfig(method="eagle3", num_steps=2, topk=97)), ["topk=97", "vocabulary of 96"]),
         (dict(spec=SpecConfig(method="standalone", topk=97)), ["topk=97"]),
-        # a draft directory and no speculative method: the draft was silently ignored
-        (dict(spec=None), ["draft_dir", "method 'none'", "SpecConfig(method=...)"]),
+        # a draft directory and method 'none': the draft was silently ignored
+        (dict(spec=SpecConfig(method="none")), ["draft_dir", "method 'none'", "SpecConfig(method=...)"]),
         (dict(target=None), ["target_dir", "None"]),  # was: TypeError from pathlib
         (dict(target=5), ["target_dir", "int"]),
     ]:

@@ -9,6 +9,7 @@ their ``layer_idx`` is the draft pool layer they write.
 
 from __future__ import annotations
 
+import abc
 import contextlib
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,9 +22,15 @@ from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.runtime.errors import DraftMismatch
 from phasegraph.runtime.kv_pool import KVPool, KVSpec, check_pool_fits
 from phasegraph.runtime.models.attention_backend import ATTN_IMPLEMENTATION, forward_context
-from phasegraph.runtime.models.loading import check_model_parts, config_errors, read_config
+from phasegraph.runtime.models.loading import (
+    Checkpoint,
+    check_model_parts,
+    config_errors,
+    load_into_module,
+    read_config,
+)
 from phasegraph.runtime.models.take_rows import embed, take_rows
-from phasegraph.runtime.models.target import HFTarget, head_dim_of, no_weight_init
+from phasegraph.runtime.models.target import HFTarget, head_dim_of, no_weight_init, resolve_dtype
 
 
 def draft_config(directory: str | Path | None = None, raw: dict | None = None) -> LlamaConfig:
@@ -65,7 +72,7 @@ def require(condition: bool, message: str) -> None:
         raise DraftMismatch(message)
 
 
-class FeatureDraft:
+class FeatureDraft(abc.ABC):
     """Shared adapter state: target modules, draft config, head, rotary embedding, KV pool."""
 
     uses_features = True
@@ -117,6 +124,54 @@ class FeatureDraft:
 
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
+
+    # -- loading: one template, the kinds fill in their head and checks -------------------------
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        directory: str | Path,
+        target: HFTarget,
+        dtype: torch.dtype | str | None = None,
+        device: torch.device | str | None = None,
+        **options,
+    ):
+        """Load a head from a checkpoint directory in its public layout: ``config.json`` plus
+        ``model.safetensors`` (or ``pytorch_model.bin``); every key checked against the head.
+        ``options`` go to the adapter (EAGLE-3's ``fused``)."""
+        where = str(directory)
+        raw = read_config(directory)
+        config = draft_config(directory, raw)
+        cls.check_config(where, config, raw, target)
+        checkpoint = Checkpoint(directory, allow_bin=True)
+        with building(device or target.device, init=False):
+            head = cls.build_head(config, raw, checkpoint)
+        load_into_module(head, checkpoint, allowed_extra=cls.ignored_keys(config))
+        head.to(resolve_dtype(dtype) if dtype is not None else target.dtype)
+        draft = cls(target, config, head, **options)
+        draft.check_loaded(where)
+        return draft
+
+    @classmethod
+    def check_config(cls, where: str, config: LlamaConfig, raw: dict, target: HFTarget) -> None:
+        """Raise :class:`DraftMismatch` where the head cannot serve ``target`` (before reading
+        weights). By default: same hidden size and vocabulary, features of the target's width."""
+        check_fits_target(where, config, target, feature_size=config.hidden_size)
+
+    @classmethod
+    @abc.abstractmethod
+    def build_head(cls, config: LlamaConfig, raw: dict, checkpoint: Checkpoint) -> torch.nn.Module:
+        """The kind's head module with the checkpoint's layout (weights not loaded yet)."""
+
+    @classmethod
+    def ignored_keys(cls, config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+        """Checkpoint tensors the head accepts and does not use: some trainers save the
+        target's embedding beside the head (the target's own is used)."""
+        return {"embed_tokens.weight": (config.vocab_size, config.hidden_size)}
+
+    def check_loaded(self, where: str) -> None:
+        """Checks that need the loaded weights (none by default)."""
+        return None
 
 
 def run_decoder_layer(

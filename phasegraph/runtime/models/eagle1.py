@@ -20,8 +20,6 @@ Checkpoint: ``fc.weight [H, 2H]``, ``fc.bias [H]``, ``layers.0.self_attn.{q,k,v,
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 from transformers import LlamaConfig
@@ -29,15 +27,8 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.phases.protocols import DraftOutput
-from phasegraph.runtime.models.draft_base import (
-    FeatureDraft,
-    building,
-    check_fits_target,
-    draft_config,
-    run_decoder_layer,
-)
-from phasegraph.runtime.models.loading import Checkpoint, load_into_module
-from phasegraph.runtime.models.target import HFTarget, resolve_dtype
+from phasegraph.runtime.models.draft_base import FeatureDraft, run_decoder_layer
+from phasegraph.runtime.models.target import HFTarget
 
 
 class Eagle1Head(nn.Module):
@@ -60,26 +51,8 @@ class Eagle1Draft(FeatureDraft):
         self.vocab_size: int = target.vocab_size
 
     @classmethod
-    def from_pretrained(
-        cls,
-        directory: str | Path,
-        target: HFTarget,
-        dtype: torch.dtype | str | None = None,
-        device: torch.device | str | None = None,
-    ) -> Eagle1Draft:
-        where = str(directory)
-        config = draft_config(directory)
-        check_fits_target(where, config, target, feature_size=config.hidden_size)
-        checkpoint = Checkpoint(directory, allow_bin=True)
-        with building(device or target.device, init=False):
-            head = Eagle1Head(config)
-        load_into_module(
-            head,
-            checkpoint,
-            allowed_extra={"embed_tokens.weight": (config.vocab_size, config.hidden_size)},
-        )
-        head.to(resolve_dtype(dtype) if dtype is not None else target.dtype)
-        return cls(target, config, head)
+    def build_head(cls, config: LlamaConfig, raw: dict, checkpoint) -> Eagle1Head:
+        return Eagle1Head(config)
 
     @torch.no_grad()
     def forward(

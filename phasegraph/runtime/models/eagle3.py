@@ -25,8 +25,6 @@ embedding is used, as in the reference). ``config.json``: Llama keys + ``draft_v
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 from transformers import LlamaConfig
@@ -37,23 +35,11 @@ from phasegraph.kernels.linear import add_rms_norm_linear, linear, silu_mul_line
 from phasegraph.kernels.rms_norm import rms_norm_concat
 from phasegraph.phases.protocols import DraftOutput
 from phasegraph.runtime.errors import UnsupportedModel
-from phasegraph.runtime.models.draft_base import (
-    FeatureDraft,
-    building,
-    check_fits_target,
-    draft_config,
-    require,
-)
+from phasegraph.runtime.models.draft_base import FeatureDraft, check_fits_target, require
 from phasegraph.runtime.models.fused_decoder import FusedLayer, fuse_layer, unfusable_config_reason
-from phasegraph.runtime.models.loading import Checkpoint, load_into_module, read_config
 from phasegraph.runtime.models.rotary_table import RotaryTable
 from phasegraph.runtime.models.take_rows import lookup_table, take_rows
-from phasegraph.runtime.models.target import (
-    HFTarget,
-    declared_eagle3_layers,
-    head_dim_of,
-    resolve_dtype,
-)
+from phasegraph.runtime.models.target import HFTarget, declared_eagle3_layers, head_dim_of
 
 
 class Eagle3Midlayer(nn.Module):
@@ -133,18 +119,7 @@ class Eagle3Draft(FeatureDraft):
                     self.fused_layer = fuse_layer(head.midlayer, config)
 
     @classmethod
-    def from_pretrained(
-        cls,
-        directory: str | Path,
-        target: HFTarget,
-        dtype: torch.dtype | str | None = None,
-        device: torch.device | str | None = None,
-        fused: bool | None = None,
-    ) -> Eagle3Draft:
-        where = str(directory)
-        raw = read_config(directory)
-        config = draft_config(directory, raw)
-        checkpoint = Checkpoint(directory, allow_bin=True)
+    def check_config(cls, where: str, config: LlamaConfig, raw: dict, target: HFTarget) -> None:
         target_hidden, draft_vocab = eagle3_dims(config)
         require(
             draft_vocab <= config.vocab_size,
@@ -154,24 +129,20 @@ class Eagle3Draft(FeatureDraft):
         layers = declared_eagle3_layers(raw, target.num_layers, where)
         if layers is not None:
             target.use_feature_layers(layers)
-        with_d2t = draft_vocab < config.vocab_size or "d2t" in checkpoint.shapes
-        with building(device or target.device, init=False):
-            head = Eagle3Head(
-                config,
-                target_hidden_size=target_hidden,
-                draft_vocab_size=draft_vocab,
-                with_d2t=with_d2t,
-                with_t2d="t2d" in checkpoint.shapes,
-            )
-        load_into_module(
-            head,
-            checkpoint,
-            allowed_extra={"embed_tokens.weight": (config.vocab_size, config.hidden_size)},
+
+    @classmethod
+    def build_head(cls, config: LlamaConfig, raw: dict, checkpoint) -> Eagle3Head:
+        target_hidden, draft_vocab = eagle3_dims(config)
+        return Eagle3Head(
+            config,
+            target_hidden_size=target_hidden,
+            draft_vocab_size=draft_vocab,
+            with_d2t=draft_vocab < config.vocab_size or "d2t" in checkpoint.shapes,
+            with_t2d="t2d" in checkpoint.shapes,
         )
-        head.to(resolve_dtype(dtype) if dtype is not None else target.dtype)
-        draft = cls(target, config, head, fused=fused)
-        draft.check_d2t(where)
-        return draft
+
+    def check_loaded(self, where: str) -> None:
+        self.check_d2t(where)
 
     def check_d2t(self, where: str) -> None:
         if self.d2t is None:

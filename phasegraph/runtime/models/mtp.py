@@ -23,8 +23,6 @@ Semantics (``DraftModel.forward``):
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import torch
 from torch import nn
 from transformers import LlamaConfig
@@ -32,15 +30,9 @@ from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMS
 
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.phases.protocols import DraftOutput
-from phasegraph.runtime.models.draft_base import (
-    FeatureDraft,
-    building,
-    check_fits_target,
-    draft_config,
-    run_decoder_layer,
-)
-from phasegraph.runtime.models.loading import Checkpoint, load_into_module
-from phasegraph.runtime.models.target import HFTarget, resolve_dtype
+from phasegraph.runtime.errors import DraftMismatch
+from phasegraph.runtime.models.draft_base import FeatureDraft, run_decoder_layer
+from phasegraph.runtime.models.target import HFTarget
 
 
 def mtp_layer(config: LlamaConfig, index: int) -> LlamaDecoderLayer:
@@ -71,24 +63,18 @@ class MTPDraft(FeatureDraft):
         self.vocab_size: int = target.vocab_size
 
     @classmethod
-    def from_pretrained(
-        cls,
-        directory: str | Path,
-        target: HFTarget,
-        dtype: torch.dtype | str | None = None,
-        device: torch.device | str | None = None,
-    ) -> MTPDraft:
-        where = str(directory)
-        config = draft_config(directory)
-        check_fits_target(where, config, target, feature_size=config.hidden_size)
+    def check_config(cls, where: str, config: LlamaConfig, raw: dict, target: HFTarget) -> None:
+        super().check_config(where, config, raw, target)
         if config.num_hidden_layers < 1:
-            raise ValueError(f"{where}: an MTP draft needs at least one layer")
-        checkpoint = Checkpoint(directory, allow_bin=True)
-        with building(device or target.device, init=False):
-            head = MTPHead(config)
-        load_into_module(head, checkpoint)
-        head.to(resolve_dtype(dtype) if dtype is not None else target.dtype)
-        return cls(target, config, head)
+            raise DraftMismatch(f"{where}: an MTP draft needs at least one layer")
+
+    @classmethod
+    def build_head(cls, config: LlamaConfig, raw: dict, checkpoint) -> MTPHead:
+        return MTPHead(config)
+
+    @classmethod
+    def ignored_keys(cls, config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+        return {}
 
     def layer_for_step(self, step: int) -> int:
         return min(step + 1, self.num_layers - 1)
