@@ -1,6 +1,6 @@
 """phasegraph: EAGLE-style speculative decoding as an explicit, typed state graph of phases.
 
-The public API (``Engine``, ``SpecConfig``, ``SamplingParams``, ``RequestOutput``,
+The public API (``Engine``, ``EngineConfig``, ``SpecConfig``, ``SamplingParams``, ``RequestOutput``,
 ``RequestDelta``, ``RequestFailed``, ``NonFiniteDraftWarning``) is imported lazily, so that
 ``import phasegraph`` (and the pytest plugin) does not pull in torch.
 """
@@ -12,6 +12,7 @@ __version__ = "0.1.0"
 _LAZY = {
     "Engine": "phasegraph.runtime.engine",
     "SpecConfig": "phasegraph.runtime.config",
+    "EngineConfig": "phasegraph.runtime.config",  # every Engine option, checked when made
     "SamplingParams": "phasegraph.runtime.config",
     "RequestOutput": "phasegraph.runtime.config",
     "RequestDelta": "phasegraph.runtime.config",  # what Engine.step() returns, one per request

@@ -175,6 +175,126 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+# Upper bounds of the engine's sizes: far above any real setting (past them, Python ints
+# overflowed inside torch); KV slot ids and positions stay below 2**31. Sizes within them that do
+# not fit in memory are refused when the KV cache is allocated.
+MAX_PAGE_SIZE = 1 << 16
+MAX_BATCH_SIZE = 1 << 16
+MAX_KV_TOKENS = (1 << 31) - 1
+# "phase": one graph per phase and bucket; "iteration": the four phases of a speculative
+# iteration as one graph (runtime/iteration_graph.py), per-phase graphs as fallback
+GRAPH_SCOPES = ("phase", "iteration")
+
+
+def as_spec(spec: SpecConfig | str | None) -> SpecConfig:
+    """``spec`` as a SpecConfig: None is the target alone, a string names the method."""
+    if spec is None:
+        return SpecConfig(method="none")
+    if isinstance(spec, str):
+        return SpecConfig(method=spec)
+    if not isinstance(spec, SpecConfig):
+        raise InvalidConfig(f"spec must be a SpecConfig (or a method name); got {type(spec).__name__}")
+    return spec
+
+
+def _switch(*extras: object):
+    """A validator: True or False, or one of ``extras`` (a truthy string such as "no" would
+    silently turn a switch on)."""
+    def check(_, attribute, value) -> None:
+        if isinstance(value, bool) or any(value is e or (isinstance(e, str) and value == e) for e in extras):
+            return
+        allowed = ", ".join(["True", "False", *map(repr, extras)])
+        raise InvalidConfig(f"{attribute.name} must be one of {allowed}; got {value!r}")
+    return check
+
+
+def _count(most: int, none: str | None = None):
+    """A validator: an integer in [1, most], or None where ``none`` says what None means."""
+    def check(_, attribute, value) -> None:
+        if value is None and none is not None:
+            return
+        if not is_int(value) or not 1 <= value <= most:
+            why = f" (or None: {none})" if none is not None else ""
+            raise InvalidConfig(f"{attribute.name} must be an integer in [1, {most}]{why}; got {value!r}")
+    return check
+
+
+def _token_ids(value):
+    """A list of ids as a tuple; anything else is kept as given, for the engine to refuse by name."""
+    if isinstance(value, Iterable) and not isinstance(value, (str, bytes)):
+        return tuple(value)
+    return value
+
+
+@attrs.frozen
+class EngineConfig:
+    """Every option of an :class:`~phasegraph.runtime.engine.Engine`, each checked when the
+    config is made (:class:`InvalidConfig` naming the option); the checks that need the models
+    (vocabulary, context length) run when the engine is built.
+
+    ``spec``: how to speculate (a SpecConfig, a method name, or None for the target alone).
+    ``page_size``: KV tokens per page. ``kv_pool_tokens``: the KV pool's size (None: half the
+    free GPU memory, 32768 on a CPU). ``max_batch_size``: requests run together.
+    ``max_context``: tokens per request (None: the model's ``max_position_embeddings``).
+    ``eos_token_ids``: extra end-of-sequence ids. ``validate``: the phase validation mode
+    (``strict``, ``boundary``, ``off``; None: the process default). ``trace``: record phase
+    transitions. ``check_every_step``: check every invariant after each step. ``seed``: of the
+    requests that set none. ``cuda_graphs``: True, False, ``"emulate"`` (the padding and
+    slicing on the CPU, for tests) or None (on a GPU). ``graph_buckets``: the batch sizes graphs
+    are captured for. ``graph_scope``: ``"iteration"`` (one graph per speculative iteration) or
+    ``"phase"``. ``prefill_graphs``: graphs of prefill too. ``simulate_accept_length``:
+    benchmark mode, every verify accepts this many tokens whatever they are. ``overlap``: the
+    overlap scheduler (None: on a GPU).
+    """
+
+    spec: SpecConfig = attrs.field(default=None, converter=as_spec)
+    page_size: int = attrs.field(default=1, validator=_count(MAX_PAGE_SIZE))
+    kv_pool_tokens: int | None = attrs.field(default=None, validator=_count(MAX_KV_TOKENS, "sized from free memory"))
+    max_batch_size: int = attrs.field(default=32, validator=_count(MAX_BATCH_SIZE))
+    max_context: int | None = attrs.field(
+        default=None, validator=_count(MAX_KV_TOKENS, "the model's max_position_embeddings"))
+    eos_token_ids: tuple[int, ...] = attrs.field(default=(), converter=_token_ids)
+    validate: str | None = None
+    trace: bool = attrs.field(default=True, validator=_switch())
+    check_every_step: bool = attrs.field(default=False, validator=_switch())
+    seed: int = 0
+    cuda_graphs: bool | str | None = attrs.field(default=None, validator=_switch(None, "emulate"))
+    graph_buckets: tuple[int, ...] | None = None
+    graph_scope: str = "iteration"
+    prefill_graphs: bool = attrs.field(default=False, validator=_switch())
+    simulate_accept_length: int | None = None
+    overlap: bool | None = attrs.field(default=None, validator=_switch(None))
+
+    def __attrs_post_init__(self) -> None:
+        if self.validate is not None:
+            from phasegraph.statemachine.modes import ValidationMode
+
+            try:
+                ValidationMode.parse(self.validate)
+            except ValueError as exc:
+                raise InvalidConfig(f"validate: {exc}") from None
+        if not is_int(self.seed):
+            raise InvalidConfig(f"seed must be an integer; got {self.seed!r}")
+        buckets = self.graph_buckets
+        if buckets is not None:
+            if (isinstance(buckets, (str, bytes)) or not isinstance(buckets, Sequence) or not buckets
+                    or any(not is_int(b) or b < 1 for b in buckets)):
+                raise InvalidConfig(f"graph_buckets must be a list of batch sizes >= 1 (or None); got {buckets!r}")
+            object.__setattr__(self, "graph_buckets", tuple(buckets))
+        if self.graph_scope not in GRAPH_SCOPES:
+            raise InvalidConfig(f"graph_scope must be one of {', '.join(GRAPH_SCOPES)}; got {self.graph_scope!r}")
+        accept = self.simulate_accept_length
+        if accept is not None:
+            tree = self.spec.tree()
+            if not is_int(accept):
+                raise InvalidConfig(f"simulate_accept_length must be an integer; got {accept!r}")
+            if tree is None or not 1 <= accept <= tree.accept_width:
+                raise InvalidConfig(
+                    f"simulate_accept_length must be in [1, num_steps + 1] with a speculative method; "
+                    f"got {accept!r}"
+                )
+
+
 @attrs.define
 class RequestStats:
     """What happened to one request: accept lengths per verify step and time per phase."""

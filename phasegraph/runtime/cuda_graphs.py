@@ -42,13 +42,11 @@ import attrs
 import torch
 
 from phasegraph.phases.schemas import REQUEST
+from phasegraph.runtime.config import GRAPH_SCOPES
 from phasegraph.statemachine import PhaseGraph, PhaseSpec, Schema
 from phasegraph.statemachine.rows import check_padding, padding_plan
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
-# "phase": one graph per phase and bucket; "iteration": the four phases of a speculative
-# iteration as one graph (phasegraph/runtime/iteration_graph.py), per-phase graphs as fallback
-GRAPH_SCOPES = ("phase", "iteration")
 
 
 def _rows_per_request(t, x: torch.Tensor, batch: int) -> int | None:

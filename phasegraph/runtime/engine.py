@@ -13,22 +13,26 @@ import itertools
 import math
 import operator
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
+import attrs
 import torch
 
 from phasegraph.kernels._dispatch import KernelSettingError, check_kernel_settings
 from phasegraph.phases import EAGLE_GRAPH, SpecContext
 from phasegraph.phases.context import tokens_per_iteration
 from phasegraph.runtime.config import (
+    MAX_KV_TOKENS,
+    EngineConfig,
     RequestDelta,
     RequestOutput,
     SamplingParams,
     SpecConfig,
+    as_spec,
     is_int,
 )
-from phasegraph.runtime.cuda_graphs import DEFAULT_BUCKETS, GRAPH_SCOPES, GraphRunner
+from phasegraph.runtime.cuda_graphs import DEFAULT_BUCKETS, GraphRunner
 from phasegraph.runtime.errors import (
     CheckpointFileError,
     DraftMismatch,
@@ -49,25 +53,7 @@ from phasegraph.runtime.scheduler import Scheduler
 from phasegraph.statemachine import Trace
 from phasegraph.statemachine.errors import one_line
 
-# Upper bounds of the engine's sizes: far above any real setting (past them, Python ints
-# overflowed inside torch); KV slot ids and positions stay below 2**31. Sizes within them that do
-# not fit in memory are refused when the KV cache is allocated.
-MAX_PAGE_SIZE = 1 << 16
-MAX_BATCH_SIZE = 1 << 16
-MAX_KV_TOKENS = (1 << 31) - 1
-
 FEATURE_MODE = {"none": "none", "eagle": "last", "eagle3": "eagle3", "mtp": "last", "standalone": "none"}
-
-
-def _as_spec(spec) -> SpecConfig:
-    """``spec`` as a SpecConfig: None is the target alone, a string names the method."""
-    if spec is None:
-        return SpecConfig(method="none")
-    if isinstance(spec, str):
-        return SpecConfig(method=spec)
-    if not isinstance(spec, SpecConfig):
-        raise InvalidConfig(f"spec must be a SpecConfig (or a method name); got {type(spec).__name__}")
-    return spec
 
 
 def resolve_device(device: str | torch.device | None) -> torch.device:
@@ -153,91 +139,66 @@ class Engine:
         self,
         target: HFTarget,
         draft=None,
+        config: EngineConfig | None = None,
         *,
-        spec: SpecConfig | None = None,
         tokenizer=None,
-        page_size: int = 1,
-        kv_pool_tokens: int | None = None,
-        max_batch_size: int = 32,
-        max_context: int | None = None,
-        eos_token_ids: Sequence[int] = (),
-        validate: str | None = None,
-        trace: bool = True,
-        check_every_step: bool = False,
-        seed: int = 0,
-        cuda_graphs: bool | str | None = None,
-        graph_buckets: Sequence[int] | None = None,
-        graph_scope: str = "iteration",
-        prefill_graphs: bool = False,
-        simulate_accept_length: int | None = None,
-        overlap: bool | None = None,
+        **options,
     ):
-        spec = _as_spec(spec)
-        for name, model in (("target", target), ("draft", draft)):
-            if isinstance(model, (str, os.PathLike)):
-                raise InvalidConfig(
-                    f"Engine({name}=...) takes a loaded model, not the path {str(model)!r}: load "
-                    "checkpoint directories with Engine.from_pretrained(target_dir, draft_dir, spec=...)"
-                )
-            if model is not None or name == "target":
-                _check_model_object(name, model)
-        if graph_scope not in GRAPH_SCOPES:
-            raise InvalidConfig(f"graph_scope must be one of {', '.join(GRAPH_SCOPES)}; got {graph_scope!r}")
-        self._graph_scope = graph_scope
-        if spec.speculative and draft is None:
-            raise InvalidConfig(f"SpecConfig(method={spec.method!r}) needs a draft model")
-        if draft is not None and not spec.speculative:
-            raise InvalidConfig(
-                "a draft was given but spec is method 'none' (the target alone), which would ignore "
-                "it: pass spec=SpecConfig(method=...) to speculate with it, or no draft"
-            )
-        eos_token_ids = _check_settings(
-            target, max_context=max_context, validate=validate, seed=seed, eos_token_ids=eos_token_ids,
-            graph_buckets=graph_buckets, simulate_accept_length=simulate_accept_length,
-            switches=dict(trace=trace, check_every_step=check_every_step, prefill_graphs=prefill_graphs,
-                          overlap=overlap, cuda_graphs=cuda_graphs),
-        )
-        try:  # a kernel setting the first launch would refuse, refused before any request
-            check_kernel_settings(getattr(target, "device", torch.device("cpu")))
-        except KernelSettingError as exc:
-            raise InvalidConfig(str(exc)) from None
-        if not is_int(page_size) or not 1 <= page_size <= MAX_PAGE_SIZE:
-            raise InvalidConfig(f"page_size must be an integer in [1, {MAX_PAGE_SIZE}]; got {page_size!r}")
-        if not is_int(max_batch_size) or not 1 <= max_batch_size <= MAX_BATCH_SIZE:
-            raise InvalidConfig(f"max_batch_size must be an integer in [1, {MAX_BATCH_SIZE}]; got {max_batch_size!r}")
-        if kv_pool_tokens is not None and (not is_int(kv_pool_tokens) or not 1 <= kv_pool_tokens <= MAX_KV_TOKENS):
-            raise InvalidConfig(f"kv_pool_tokens must be an integer in [1, {MAX_KV_TOKENS}] (or None: sized from "
-                                f"free memory); got {kv_pool_tokens!r}")
+        """``options`` are :class:`EngineConfig`'s fields (``spec=``, ``page_size=``, ...), or
+        change those of ``config``."""
+        config = _engine_config(config, options)
+        _check_models(config, target, draft)
+        self.config = config
+        spec = config.spec
         self.target = target
         self.draft = draft if spec.speculative else None
         self.spec = spec
         self.tokenizer = tokenizer
         self.device = target.device
-        self.eos_token_ids = tuple(eos_token_ids)
-        self.max_context = int(max_context or getattr(target.config, "max_position_embeddings", 4096))
+        self.eos_token_ids = config.eos_token_ids
+        self.max_context = int(config.max_context or getattr(target.config, "max_position_embeddings", 4096))
         tree = spec.tree()
-        draft_vocab = getattr(self.draft, "vocab_size", None)
-        if tree is not None and isinstance(draft_vocab, int) and tree.topk > draft_vocab:
-            raise InvalidConfig(
-                f"SpecConfig.topk={tree.topk} exceeds the draft's vocabulary of {draft_vocab} tokens "
-                "(each draft step keeps the top-k of it)"
-            )
         self.tokens_per_iteration = tokens_per_iteration(tree, self.draft.kv_lead if self.draft is not None else 0)
         # overlap scheduling (default on a GPU): the device runs one iteration ahead of the
         # host, so a request may hold the tokens of one more iteration (see scheduler.py)
-        self.overlap = self.device.type == "cuda" if overlap is None else bool(overlap)
+        self.overlap = self.device.type == "cuda" if config.overlap is None else config.overlap
         self.kv_lookahead = self.tokens_per_iteration + ((tree.accept_width if tree else 1) if self.overlap else 0)
-        self.page_size = page_size
-        kv_tokens = kv_pool_tokens or self._default_pool_tokens()
+        self.page_size = config.page_size
+        self._allocate_kv(tree)
+        self._attach_pools()
+        self.ctx = SpecContext(target=target, memory=PhaseMemory(self.kv), tree=tree, draft=self.draft)
+        if config.simulate_accept_length is not None:
+            # Benchmark mode: every verify accepts simulate_accept_length - 1 drafts whatever
+            # they are, so outputs are not the target's; never compare them with a baseline.
+            self.ctx.simulate_accept_drafts = config.simulate_accept_length - 1
+        self.simulated = config.simulate_accept_length is not None
+        self.trace = Trace() if config.trace else None
+        self.graph_runner = self._graph_runner()
+        graph = EAGLE_GRAPH if self.graph_runner is None else self.graph_runner.graph
+        self.scheduler = Scheduler(
+            graph=graph, ctx=self.ctx, kv=self.kv, max_batch_size=config.max_batch_size,
+            device=self.device, trace=self.trace, validate=config.validate,
+            check_every_step=config.check_every_step, overlap=self.overlap,
+        )
+        self.check_every_step = config.check_every_step
+        self._seed = config.seed
+        self._counter = itertools.count()
+        self._requests: dict[str, Request] = {}
+
+    def _allocate_kv(self, tree) -> None:
+        """``self.kv``: the paged KV pools of the target and the draft, with room for the
+        smallest request; :class:`InvalidConfig` where they do not fit in memory."""
+        config, page_size = self.config, self.config.page_size
+        kv_tokens = config.kv_pool_tokens or self._default_pool_tokens()
         num_pages = math.ceil(kv_tokens / page_size) + 1  # + the reserved page 0
         max_pages = math.ceil((self.max_context + self.kv_lookahead) / page_size) + 1
         try:
             self.kv = KVCacheManager(
                 num_pages=num_pages,
                 page_size=page_size,
-                max_reqs=max_batch_size + 1,
+                max_reqs=config.max_batch_size + 1,
                 max_pages_per_req=max_pages,
-                target=target.kv_spec,
+                target=self.target.kv_spec,
                 draft=self.draft.kv_spec if self.draft is not None else None,
                 topk=tree.topk if tree else 1,
                 num_steps=tree.num_steps if tree else 1,
@@ -248,60 +209,38 @@ class Engine:
                 raise
             raise InvalidConfig(
                 f"the KV cache (kv_pool_tokens={kv_tokens}, max_context={self.max_context}, "
-                f"max_batch_size={max_batch_size}) does not fit in {self.device.type} memory: lower "
+                f"max_batch_size={config.max_batch_size}) does not fit in {self.device.type} memory: lower "
                 f"them ({type(exc).__name__}: {one_line(str(exc))})"
             ) from None
         least = 2 + self.kv_lookahead  # one prompt token and one new token, plus the lookahead
-        if self._kv_capacity() < least:
+        capacity = self._kv_capacity()
+        if capacity < least:
             raise InvalidConfig(
                 f"kv_pool_tokens={kv_tokens} with page_size={page_size} leaves room for "
-                f"{max(self._kv_capacity(), 0)} tokens of one request, fewer than the {least} the "
+                f"{max(capacity, 0)} tokens of one request, fewer than the {least} the "
                 "smallest request needs: raise kv_pool_tokens or lower page_size"
             )
-        self._attach_pools()
-        self.ctx = SpecContext(target=target, memory=PhaseMemory(self.kv), tree=tree, draft=self.draft)
-        if simulate_accept_length is not None:
-            # Benchmark mode: every verify accepts simulate_accept_length - 1 drafts whatever
-            # they are, so outputs are not the target's; never compare them with a baseline.
-            if tree is None or not 1 <= simulate_accept_length <= tree.accept_width:
-                raise InvalidConfig(
-                    f"simulate_accept_length must be in [1, num_steps + 1] with a speculative method; "
-                    f"got {simulate_accept_length!r}"
-                )
-            self.ctx.simulate_accept_drafts = simulate_accept_length - 1
-        self.simulated = simulate_accept_length is not None
-        self.trace = Trace() if trace else None
-        self.graph_runner = self._graph_runner(cuda_graphs, graph_buckets, max_batch_size, prefill_graphs)
-        graph = EAGLE_GRAPH if self.graph_runner is None else self.graph_runner.graph
-        self.scheduler = Scheduler(
-            graph=graph, ctx=self.ctx, kv=self.kv, max_batch_size=max_batch_size,
-            device=self.device, trace=self.trace, validate=validate, check_every_step=check_every_step,
-            overlap=self.overlap,
-        )
-        self.check_every_step = check_every_step
-        self._seed = seed
-        self._counter = itertools.count()
-        self._requests: dict[str, Request] = {}
 
-    def _graph_runner(self, cuda_graphs, buckets, max_batch_size, prefill_graphs: bool) -> GraphRunner | None:
+    def _graph_runner(self) -> GraphRunner | None:
         """CUDA graphs of every phase of an iteration (``graph_scope="iteration"``: one graph
         for draft -> verify -> finalize -> draft-extend; ``"phase"``: one per phase) and of
         decode: on by default on a GPU; ``"emulate"`` runs the same padding and slicing on the
         CPU (for tests). ``prefill_graphs=True`` adds graphs of prefill-extend per request and
         token bucket (phasegraph/runtime/prefill_graph.py); off by default."""
-        if cuda_graphs is None:
-            cuda_graphs = self.device.type == "cuda"
+        config = self.config
+        cuda_graphs = self.device.type == "cuda" if config.cuda_graphs is None else config.cuda_graphs
         if not cuda_graphs:
-            if prefill_graphs:
+            if config.prefill_graphs:
                 raise InvalidConfig("prefill_graphs=True needs CUDA graphs (cuda_graphs=True on a GPU, 'emulate' on the CPU)")
             return None
         emulate = cuda_graphs == "emulate"
         if not emulate and self.device.type != "cuda":
             raise InvalidConfig("cuda_graphs=True needs a CUDA device (use cuda_graphs='emulate' on the CPU)")
         # every batch the engine can form has a bucket: the largest one is max_batch_size
-        buckets = tuple(b for b in (buckets or DEFAULT_BUCKETS) if b < max_batch_size) + (max_batch_size,)
-        prefill = token_buckets_for(self.max_context) if prefill_graphs else ()
-        return GraphRunner(buckets, emulate=emulate, scope=self._graph_scope, prefill_token_buckets=prefill)
+        largest = config.max_batch_size
+        buckets = tuple(b for b in (config.graph_buckets or DEFAULT_BUCKETS) if b < largest) + (largest,)
+        prefill = token_buckets_for(self.max_context) if config.prefill_graphs else ()
+        return GraphRunner(buckets, emulate=emulate, scope=config.graph_scope, prefill_token_buckets=prefill)
 
     def _attach_pools(self) -> None:
         """Point the models at this engine's KV pools. Done before every step, not only at
@@ -349,7 +288,7 @@ class Engine:
                     "names fit none of eagle, eagle3, mtp, standalone): pass spec=SpecConfig(method=...)"
                 )
             spec = SpecConfig(method=kind)
-        spec = _as_spec(spec)
+        spec = as_spec(spec)
         if draft_dir is not None and not spec.speculative:
             raise InvalidConfig(
                 f"draft_dir {str(draft_dir)!r} was given but spec is method 'none' (the target alone), "
@@ -646,48 +585,60 @@ def _check_request_id(request_id) -> None:
         raise InvalidRequest(f"a request id is a string; got {type(request_id).__name__} {request_id!r}")
 
 
-# Engine switches: what each may be besides True / False (a truthy string such as "no" would
-# silently turn a switch on)
-SWITCH_EXTRAS = {"trace": (), "check_every_step": (), "prefill_graphs": (), "overlap": (None,),
-                 "cuda_graphs": (None, "emulate")}
+def _engine_config(config: EngineConfig | None, options: dict) -> EngineConfig:
+    """``config`` with ``options`` (EngineConfig fields) changed; an unknown option is refused
+    by name."""
+    if config is not None and not isinstance(config, EngineConfig):
+        raise InvalidConfig(f"config must be an EngineConfig; got {type(config).__name__}")
+    unknown = sorted(set(options) - set(attrs.fields_dict(EngineConfig)))
+    if unknown:
+        raise InvalidConfig(f"Engine got unknown option(s) {', '.join(unknown)}; its options are the fields "
+                            f"of EngineConfig: {', '.join(attrs.fields_dict(EngineConfig))}")
+    return attrs.evolve(config, **options) if config is not None else EngineConfig(**options)
 
 
-def _check_settings(target, *, max_context, validate, seed, eos_token_ids, graph_buckets,
-                    simulate_accept_length, switches) -> tuple[int, ...]:
-    """The Engine settings not checked where they are used: :class:`InvalidConfig` naming one.
-    Returns ``eos_token_ids`` as a tuple."""
-    for name, value in switches.items():
-        extras = SWITCH_EXTRAS[name]
-        if not isinstance(value, bool) and not any(value is e or (isinstance(e, str) and value == e) for e in extras):
-            allowed = ", ".join(["True", "False", *map(repr, extras)])
-            raise InvalidConfig(f"{name} must be one of {allowed}; got {value!r}")
-    if max_context is not None and (not is_int(max_context) or not 1 <= max_context <= MAX_KV_TOKENS):
-        raise InvalidConfig(f"max_context must be an integer in [1, {MAX_KV_TOKENS}] (or None: the model's "
-                            f"max_position_embeddings); got {max_context!r}")
-    if max_context is None and getattr(target.config, "max_position_embeddings", 0) > MAX_KV_TOKENS:
+def _check_models(config: EngineConfig, target, draft) -> None:
+    """The models given to an Engine, and the options that depend on them: :class:`InvalidConfig`
+    naming what is wrong."""
+    spec = config.spec
+    for name, model in (("target", target), ("draft", draft)):
+        if isinstance(model, (str, os.PathLike)):
+            raise InvalidConfig(
+                f"Engine({name}=...) takes a loaded model, not the path {str(model)!r}: load "
+                "checkpoint directories with Engine.from_pretrained(target_dir, draft_dir, spec=...)"
+            )
+        if model is not None or name == "target":
+            _check_model_object(name, model)
+    if spec.speculative and draft is None:
+        raise InvalidConfig(f"SpecConfig(method={spec.method!r}) needs a draft model")
+    if draft is not None and not spec.speculative:
+        raise InvalidConfig(
+            "a draft was given but spec is method 'none' (the target alone), which would ignore "
+            "it: pass spec=SpecConfig(method=...) to speculate with it, or no draft"
+        )
+    _check_config_fits(config, target, draft)
+    try:  # a kernel setting the first launch would refuse, refused before any request
+        check_kernel_settings(getattr(target, "device", torch.device("cpu")))
+    except KernelSettingError as exc:
+        raise InvalidConfig(str(exc)) from None
+
+
+def _check_config_fits(config: EngineConfig, target, draft) -> None:
+    """The options that depend on the models: :class:`InvalidConfig` naming one."""
+    if config.max_context is None and getattr(target.config, "max_position_embeddings", 0) > MAX_KV_TOKENS:
         raise InvalidConfig(f"the target's max_position_embeddings ({target.config.max_position_embeddings}) "
                             f"exceeds {MAX_KV_TOKENS} tokens: pass max_context")
-    if validate is not None:
-        from phasegraph.statemachine.modes import ValidationMode
-
-        try:
-            ValidationMode.parse(validate)
-        except ValueError as exc:
-            raise InvalidConfig(f"validate: {exc}") from None
-    if not is_int(seed):
-        raise InvalidConfig(f"seed must be an integer; got {seed!r}")
-    eos = tuple(eos_token_ids) if isinstance(eos_token_ids, Iterable) and not isinstance(eos_token_ids, (str, bytes)) else None
-    if eos is None or any(not is_int(t) or not 0 <= t < target.vocab_size for t in eos):
+    eos = config.eos_token_ids
+    if not isinstance(eos, tuple) or any(not is_int(t) or not 0 <= t < target.vocab_size for t in eos):
         raise InvalidConfig(f"eos_token_ids must be a list of token ids in [0, {target.vocab_size}); "
-                            f"got {eos_token_ids!r}")
-    if graph_buckets is not None and (
-        isinstance(graph_buckets, (str, bytes)) or not isinstance(graph_buckets, Sequence)
-        or not graph_buckets or any(not is_int(b) or b < 1 for b in graph_buckets)
-    ):
-        raise InvalidConfig(f"graph_buckets must be a list of batch sizes >= 1 (or None); got {graph_buckets!r}")
-    if simulate_accept_length is not None and not is_int(simulate_accept_length):
-        raise InvalidConfig(f"simulate_accept_length must be an integer; got {simulate_accept_length!r}")
-    return eos
+                            f"got {list(eos) if isinstance(eos, tuple) else eos!r}")
+    tree = config.spec.tree()
+    draft_vocab = getattr(draft, "vocab_size", None)
+    if tree is not None and isinstance(draft_vocab, int) and tree.topk > draft_vocab:
+        raise InvalidConfig(
+            f"SpecConfig.topk={tree.topk} exceeds the draft's vocabulary of {draft_vocab} tokens "
+            "(each draft step keeps the top-k of it)"
+        )
 
 
 def _check_draft_tokenizer(draft_dir: Path, tokenizer) -> None:

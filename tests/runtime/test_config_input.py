@@ -90,3 +90,24 @@ def test_generate_refuses_huge_tree_options(capsys, no_engine, option, message):
 def test_generate_refuses_draft_options_without_a_draft(capsys, no_engine, args, message):
     """Draft options beside method none were silently ignored (only --draft was refused)."""
     assert message in _generate(capsys, *args)
+
+
+def test_engine_options_are_one_checked_config():
+    """Engine(target, config=EngineConfig(...)) and Engine(target, **options) are the same
+    engine; a bad option is refused when the config is made, an unknown one by name."""
+    from phasegraph import Engine, EngineConfig
+    from phasegraph.runtime.errors import InvalidConfig
+
+    from ..phases.lossless_support import tiny_target
+
+    config = EngineConfig(max_batch_size=3, kv_pool_tokens=512, page_size=4)
+    engine = Engine(tiny_target(), config=config)
+    assert engine.config == config and engine.page_size == 4 and engine.kv.page_size == 4
+    evolved = Engine(tiny_target(), config=config, page_size=2)
+    assert evolved.config.page_size == 2 and evolved.config.max_batch_size == 3
+    with pytest.raises(InvalidConfig, match=r"page_size must be an integer in \[1, 65536\]; got 0"):
+        EngineConfig(page_size=0)
+    with pytest.raises(InvalidConfig, match="unknown option.*page_sise"):
+        Engine(tiny_target(), page_sise=2)
+    with pytest.raises(InvalidConfig, match="config must be an EngineConfig; got SpecConfig"):
+        Engine(tiny_target(), None, SpecConfig(method="none"))
