@@ -24,11 +24,13 @@ def _live_pages(engine, row: int) -> list[int]:
     return list(engine.kv.table.owned[row])
 
 
-def assert_live_kv_equal(eager, graphed) -> None:
-    """Every page a live request owns holds the same K and V in both engines (page tables too)."""
+def assert_live_kv_equal(eager, graphed, atol: float = 0.0) -> float:
+    """Every page a live request owns holds the same K and V in both engines (page tables too):
+    bit for bit with ``atol=0``, else within ``atol``. Returns the largest difference."""
     rows = sorted(r.row for r in eager.scheduler.running)
     assert rows == sorted(r.row for r in graphed.scheduler.running)
     page = eager.kv.page_size
+    largest = 0.0
     for row in rows:
         pages = _live_pages(eager, row)
         assert pages == _live_pages(graphed, row), f"row {row}: pages differ"
@@ -37,17 +39,21 @@ def assert_live_kv_equal(eager, graphed) -> None:
                            ("draft", eager.kv.draft_pool, graphed.kv.draft_pool)):
             for layer in range(a.num_layers):
                 for kind, x, y in (("K", a.k[layer], b.k[layer]), ("V", a.v[layer], b.v[layer])):
-                    diff = (x[slots] != y[slots]).any(dim=-1).any(dim=-1)
-                    assert not bool(diff.any()), (
-                        f"{name} {kind} of layer {layer}, row {row}: slots "
-                        f"{slots[diff].tolist()[:8]} differ from the eager run"
+                    gap = (x[slots.to(x.device)] - y[slots.to(y.device)]).abs().flatten(1).amax(dim=1).cpu()
+                    bad = gap > atol
+                    assert not bool(bad.any()), (
+                        f"{name} {kind} of layer {layer}, row {row}: slots {slots[bad].tolist()[:8]} "
+                        f"differ from the eager run by up to {float(gap.max()):.3g}"
                     )
+                    largest = max(largest, float(gap.max()) if gap.numel() else 0.0)
+    return largest
 
 
 def run_lockstep(bundle, method: str, draft: str, batch: int, scope: str, topk: int, steps: int = 3,
-                 graphs: bool | str = "emulate"):
+                 graphs: bool | str = "emulate", atol: float = 0.0):
     """An eager engine and a graphed one (emulated on the CPU) stepped side by side on the same
-    requests; live KV compared after every step. Returns both and their outputs."""
+    requests; live KV compared after every step (within ``atol``). Returns both engines, their
+    outputs and the largest KV difference seen."""
     nodes = 4 if topk == 1 else 8
     kw = dict(topk=topk, num_steps=steps, num_draft_tokens=nodes, draft=draft, max_batch_size=8,
               graph_buckets=BUCKETS)
@@ -58,14 +64,15 @@ def run_lockstep(bundle, method: str, draft: str, batch: int, scope: str, topk: 
         for i, p in enumerate(prompts):
             engine.add_request(f"r{i}", p, greedy(24))
     outputs = {e: {} for e in (eager, graphed)}  # request -> (tokens, accept lengths)
+    largest = 0.0
     while eager.has_unfinished() or graphed.has_unfinished():
         for engine in (eager, graphed):
             for d in engine.step():
                 tokens, accepts = outputs[engine].setdefault(d.request_id, ([], []))
                 tokens.extend(d.new_token_ids)
                 accepts.extend(d.accept_lengths)
-        assert_live_kv_equal(eager, graphed)
-    return eager, graphed, outputs
+        largest = max(largest, assert_live_kv_equal(eager, graphed, atol))
+    return eager, graphed, outputs, largest
 
 
 @pytest.mark.parametrize("scope", ["phase", "iteration"])
@@ -74,7 +81,7 @@ def run_lockstep(bundle, method: str, draft: str, batch: int, scope: str, topk: 
 @pytest.mark.parametrize("batch", [3, 6])
 def test_padded_rows_leave_live_kv_and_acceptance_as_eager(engine_root, scope, method, draft, topk, batch):
     bundle = arch_bundle(engine_root, "llama")
-    eager, graphed, outputs = run_lockstep(bundle, method, draft, batch, scope, topk)
+    eager, graphed, outputs, _ = run_lockstep(bundle, method, draft, batch, scope, topk)
     assert outputs[graphed] == outputs[eager]  # tokens and per-request accept lengths
     assert all(len(accepts) > 0 for _, accepts in outputs[eager].values())
     stats = graphed.graph_runner.stats()

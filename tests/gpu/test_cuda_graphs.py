@@ -376,13 +376,18 @@ def test_the_host_copies_of_emitted_tokens_reuse_pinned_buffers():
 @pytest.mark.parametrize("batch", [3, 6])
 def test_padded_replays_leave_live_kv_and_acceptance_as_eager(tmp_path_factory, scope, method, draft, topk, batch):
     """Real graphs at buckets 4 and 8 with 3 and 6 requests: after every step each live
-    request's target and draft KV equals an eager run's bit for bit (float32), and so do its
-    accept lengths (the CPU suite runs the same check on emulated graphs)."""
+    request's target and draft KV equals an eager run's, and so do its tokens and accept lengths
+    (float32). Equal within rounding, not bit for bit: the products pick their tiles by row
+    count, and a padded replay has more rows than the eager batch (the CPU suite checks the
+    same bit for bit on emulated graphs). A padded row writing into a live request's KV differs
+    by O(1)."""
     from tests.engine.support import arch_bundle
     from tests.engine.test_graph_padding_kv import run_lockstep
 
     bundle = arch_bundle(tmp_path_factory.getbasetemp() / "padding-kv", "llama")
-    eager, graphed, outputs = run_lockstep(bundle, method, draft, batch, scope, topk, graphs=True)
+    eager, graphed, outputs, largest = run_lockstep(bundle, method, draft, batch, scope, topk, graphs=True,
+                                                    atol=1e-4)
+    print(f"largest live KV difference from eager: {largest:.3g}")
     assert outputs[graphed] == outputs[eager]
     stats = graphed.graph_runner.stats()
     replays = stats["iteration"]["replays"] if scope == "iteration" else stats["draft-extend"]["replays"]
