@@ -244,7 +244,10 @@ class EngineConfig:
     are captured for. ``graph_scope``: ``"iteration"`` (one graph per speculative iteration) or
     ``"phase"``. ``prefill_graphs``: graphs of prefill too. ``simulate_accept_length``:
     benchmark mode, every verify accepts this many tokens whatever they are. ``overlap``: the
-    overlap scheduler (None: on a GPU).
+    overlap scheduler (None: on a GPU). ``num_threads``: torch's threads for an engine on the
+    CPU, set process-wide when the engine is built: 1 by default, the fastest on a busy machine
+    (a decode step's small products gain little from more threads, and waiting threads lose
+    their core to any other load); None leaves torch's setting alone. Ignored on a GPU.
     """
 
     spec: SpecConfig = attrs.field(default=None, converter=as_spec)
@@ -264,6 +267,7 @@ class EngineConfig:
     prefill_graphs: bool = attrs.field(default=False, validator=_switch())
     simulate_accept_length: int | None = None
     overlap: bool | None = attrs.field(default=None, validator=_switch(None))
+    num_threads: int | None = attrs.field(default=1, validator=_count(1024, "torch's own setting"))
 
     def __attrs_post_init__(self) -> None:
         if self.validate is not None:

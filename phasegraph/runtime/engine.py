@@ -155,6 +155,8 @@ class Engine:
         self.spec = spec
         self.tokenizer = tokenizer
         self.device = target.device
+        if self.device.type == "cpu" and config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
         self.eos_token_ids = config.eos_token_ids
         self.max_context = int(config.max_context or getattr(target.config, "max_position_embeddings", 4096))
         tree = spec.tree()

@@ -111,3 +111,26 @@ def test_engine_options_are_one_checked_config():
         Engine(tiny_target(), page_sise=2)
     with pytest.raises(InvalidConfig, match="config must be an EngineConfig; got SpecConfig"):
         Engine(tiny_target(), None, SpecConfig(method="none"))
+
+
+def test_a_cpu_engine_runs_on_one_thread_unless_told_otherwise():
+    import torch
+
+    from phasegraph import Engine
+    from phasegraph.runtime.errors import InvalidConfig
+
+    from ..phases.lossless_support import tiny_target
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        Engine(tiny_target(), kv_pool_tokens=512)
+        assert torch.get_num_threads() == 1
+        Engine(tiny_target(), kv_pool_tokens=512, num_threads=2)
+        assert torch.get_num_threads() == 2
+        Engine(tiny_target(), kv_pool_tokens=512, num_threads=None)  # torch's setting stays
+        assert torch.get_num_threads() == 2
+        with pytest.raises(InvalidConfig, match=r"num_threads must be an integer in \[1, 1024\]"):
+            Engine(tiny_target(), num_threads=0)
+    finally:
+        torch.set_num_threads(before)
