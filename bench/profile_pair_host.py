@@ -31,7 +31,6 @@ import cProfile
 import functools
 import io
 import json
-import os
 import pstats
 import sys
 import time
@@ -83,8 +82,8 @@ def build_pair(dtype: torch.dtype, device: str = "cuda", overrides: list[str] | 
 
 
 def simulated_configs(target, head) -> dict[str, tuple]:
-    """The configurations this script (and ``graph_anatomy.py``) times, by key: ``(label, target,
-    draft, spec, SIMULATED tau)``; the baseline runs the target without EAGLE-3 features."""
+    """The configurations this script times, by key: ``(label, target, draft, spec, SIMULATED
+    tau)``; the baseline runs the target without EAGLE-3 features."""
     from phasegraph import SpecConfig
 
     return {
@@ -105,25 +104,6 @@ def generate_call(engine, batch: int = 1, prompt_tokens: int = 128, new_tokens: 
     prompts = torch.randint(0, engine.target.vocab_size, (batch, prompt_tokens), generator=g).tolist()
     params = SamplingParams(max_new_tokens=new_tokens, temperature=0.0, ignore_eos=True)
     return lambda: engine.generate(prompts, params)
-
-
-def set_env(name: str, value: str | None) -> None:
-    """Set environment variable ``name`` to ``value`` in this process (None: unset it)."""
-    if value is None:
-        os.environ.pop(name, None)
-    else:
-        os.environ[name] = value
-
-
-@contextlib.contextmanager
-def restored_env(name: str):
-    """Yields ``name``'s value now and puts it back on exit, whatever the body set (the A/B
-    scripts switch kernel settings between probes in one process)."""
-    before = os.environ.get(name)
-    try:
-        yield before
-    finally:
-        set_env(name, before)
 
 
 @contextlib.contextmanager

@@ -275,7 +275,7 @@ _N_VOCAB = (8192, 1 << 40)
 # (cuBLAS 13.0), o 5.3 (9.7), gate_up 10.4 (16.6), down 8.1 (18.9), head fc 7.8 (18.3), head qkv
 # 7.6 (21.0); a target layer's products at 16 rows 44.9 -> 35.7 us. On whole steps (bench
 # pair, batch 1) the tree iteration's GPU work went 1.152 -> 1.035 ms, chain 0.824 -> 0.815,
-# decode unchanged (bench/table_ab.py --linear).
+# decode unchanged.
 _FP32_TF32X3_SPLIT = {s: _FP32_TF32X3._replace(split_k=s) for s in (2, 4, 8)}
 
 
@@ -313,7 +313,7 @@ FP32_CONFIGS: tuple[_Rule, ...] = (
 # §2): the norm prologue at one row wants two weight rows per program there (qkv+norm 14.6 against
 # 16.5 us with one, gate_up+norm 55.2 against 64.6), where the H100 wants one (20.2 against 24.5,
 # 77.7 against 90.9); the row statistics are computed once per program, and on the faster memory
-# the per-row pass shows. The 8B decode step: 4.59 -> 4.06 ms of GPU work (bench/table_ab.py).
+# the per-row pass shows. The 8B decode step: 4.59 -> 4.06 ms of GPU work.
 _GEMV_WHOLE_K_2 = SkinnyConfig(2, 4096, 4, 1, dot=False)
 _H200_RULES: tuple[_Rule, ...] = (
     _Rule(1, *_QKV_8B, _GEMV_WHOLE_K_2, True, True),
@@ -324,7 +324,7 @@ _H200_RULES: tuple[_Rule, ...] = (
 # op in a CUDA graph: qkv 14.7 us on the 16-row dot tile against 16.2 on the wide wgmma one;
 # gate_up 55.0 on cuBLAS against 56.0 on the best Triton tile; down 29.9 with K in two slices
 # (float32 partials, summed in slice order) against 31.0. The 8B chain iteration (SIMULATED
-# tau = 4): 5.55 -> 5.44 ms of GPU work, decode unchanged (bench/table_ab.py, two rounds with the
+# tau = 4): 5.55 -> 5.44 ms of GPU work, decode unchanged (two rounds with the
 # shipped table before and after). They go after every one-row rule, since a rule covers every M
 # up to its m_max.
 _H200_FOUR_ROW_RULES: tuple[_Rule, ...] = (

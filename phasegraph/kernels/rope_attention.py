@@ -394,7 +394,7 @@ def _rope_tree_attention_kernel(
                NUM_SPLITS)
 
 
-TREE_NUM_WARPS = 4  # warps per program of the verify's kernel (bench/attention_chunk_ab.py varies it)
+TREE_NUM_WARPS = 4  # warps per program of the verify's kernel
 # registers per thread the verify's kernel may use (None: the compiler's choice; ptxas .maxnreg).
 # A cap changes register allocation only, never the arithmetic, so the bits stay.
 TREE_MAXNREG: int | None = None
@@ -523,7 +523,7 @@ def rope_paged_attention_triton(
 
     Launched plainly, never early (``pdl_options(early=False)``): placed early beside the qkv
     product it follows, its programs crowded onto the SMs that had room, and the bench pair's
-    decode step took 0.483 instead of 0.415 ms of GPU time (``bench/pdl_ab.py``, H100)."""
+    decode step took 0.483 instead of 0.415 ms of GPU time (H100)."""
     _check(qkv, num_heads, num_kv_heads, head_dim, k_cache)
     num_tokens = qkv.shape[0]
     group = num_heads // num_kv_heads
