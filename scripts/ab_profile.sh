@@ -32,13 +32,13 @@ case ${1:-} in
         for side in old new; do
           pkg=$PWD; [ "$side" = old ] && pkg=$PWD/.ab
           echo "== $side (round $round)"
-          PYTHONPATH=$pkg timeout 150 python bench/bench_scale.py --batches 1 --skip-spec \
+          PYTHONPATH=$pkg timeout 150 python benchmarks/bench_scale.py --batches 1 --skip-spec \
             --out "$OUT/8b-$side-$round" 2>&1 | grep -E "GPU|AR decode"
         done
       done
       for side in old new; do
         pkg=$PWD; [ "$side" = old ] && pkg=$PWD/.ab
-        PYTHONPATH=$pkg timeout 150 python bench/profile_pair_host.py --shape 8b --dtype bfloat16 \
+        PYTHONPATH=$pkg timeout 150 python benchmarks/profile_pair_host.py --shape 8b --dtype bfloat16 \
           --batches 1 --configs baseline --kernels --no-profile --checks default --out "$OUT/8b-kernels-$side" \
           2>&1 | grep -v Warning > "$OUT/8b-kernels-$side.txt"
         echo "== $side kernels"; grep -E "kernels per step" -A6 "$OUT/8b-kernels-$side.txt"
@@ -50,7 +50,7 @@ case ${1:-} in
         for side in old new; do
           pkg=$PWD; [ "$side" = old ] && pkg=$PWD/.ab
           echo "== $side (round $round)"
-          PYTHONPATH=$pkg timeout 200 python bench/bench_scale.py --batches 1 --scopes iteration \
+          PYTHONPATH=$pkg timeout 200 python benchmarks/bench_scale.py --batches 1 --scopes iteration \
             --out "$OUT/8b-spec-$side-$round" 2>&1 | grep -E "AR decode|iteration " | cut -c1-120
         done
       done
@@ -64,7 +64,7 @@ case ${1:-} in
         for side in old new; do
           pkg=$PWD; [ "$side" = old ] && pkg=$PWD/.ab
           tag=$side; [ "$rounds" -gt 1 ] && tag=$side-$round
-          PYTHONPATH=$pkg timeout 240 python bench/profile_pair_host.py --generate --batches 1 \
+          PYTHONPATH=$pkg timeout 240 python benchmarks/profile_pair_host.py --generate --batches 1 \
             --out "$OUT/generate-$tag" 2>&1 | grep -v Warning > "$OUT/generate-$tag.txt"
           echo "== $tag"; grep -E "=====|ms per call" "$OUT/generate-$tag.txt"
         done
@@ -73,7 +73,7 @@ case ${1:-} in
     fi
     for side in old new; do
       dir=$PWD; [ "$side" = old ] && dir=$PWD/.ab
-      (cd "$dir" && PYTHONPATH=$dir timeout 120 python bench/profile_pair_host.py --dtype float32 \
+      (cd "$dir" && PYTHONPATH=$dir timeout 120 python benchmarks/profile_pair_host.py --dtype float32 \
         ${DRAFT_DTYPE:+--draft-dtype $DRAFT_DTYPE} \
         --batches 1 --configs baseline chain tree --kernels --no-profile --checks default \
         --out "$OUT/$side" 2>&1 | grep -v Warning > "$OUT/profile-$side.txt")

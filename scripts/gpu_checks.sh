@@ -15,12 +15,12 @@ if [[ $what == tests || $what == all ]]; then
     2>&1 | tail -25 | tee "$OUT/gpu-tests.txt"
 fi
 if [[ $what == scale || $what == all ]]; then
-  timeout 400 python bench/bench_scale.py --batches 1 8 64 --scopes iteration --scheduler --out "$OUT" \
+  timeout 400 python benchmarks/bench_scale.py --batches 1 8 64 --scopes iteration --scheduler --out "$OUT" \
     2>&1 | grep -v Warning | tee "$OUT/scale.txt"
 fi
 if [[ $what == fp32-table ]]; then  # the bench pair's float32 products at 4 and 16 rows, then
   # whole steps (decode, chain, tree) with the shipped table against the one this sweep tunes
-  timeout 300 python bench/bench_linear.py --dtype float32 --shape-set pair --ms 4,16 --no-pdl \
+  timeout 300 python benchmarks/bench_linear.py --dtype float32 --shape-set pair --ms 4,16 --no-pdl \
     --out "$OUT/linear" 2>&1 | grep -v Warning | tee "$OUT/linear.txt"
   timeout 240 python bench/table_ab.py --linear "$OUT/linear/bench_linear.json" --out "$OUT/ab" \
     2>&1 | grep -v Warning | tee "$OUT/table-ab.txt"
@@ -49,13 +49,13 @@ if [[ $what == bf16-head ]]; then  # a bfloat16 EAGLE-3 head beside the float32 
   # with its silu prologue at 16 rows (verify), and a tree iteration's kernels with either head
   timeout 200 python -m pytest -q -p no:cacheprovider tests/engine/test_greedy_parity.py \
     -k "bfloat16_draft" tests/gpu/test_linear_gpu.py 2>&1 | tail -8 | tee "$OUT/tests.txt"
-  timeout 240 python bench/bench_linear.py --dtype bfloat16 --shape-set pair --ms 1,4,5 --no-pdl \
+  timeout 240 python benchmarks/bench_linear.py --dtype bfloat16 --shape-set pair --ms 1,4,5 --no-pdl \
     --shapes o,gate_up,down,lm_head,head_fc,head_qkv --out "$OUT/linear-bf16" 2>&1 \
     | grep -v Warning | tee "$OUT/linear-bf16.txt"
-  timeout 120 python bench/bench_linear.py --dtype float32 --shape-set pair --ms 16 --no-pdl \
+  timeout 120 python benchmarks/bench_linear.py --dtype float32 --shape-set pair --ms 16 --no-pdl \
     --shapes down --out "$OUT/linear-f32-down" 2>&1 | grep -v Warning | tee "$OUT/linear-f32-down.txt"
   for head in float32 bfloat16; do
-    timeout 200 python bench/profile_pair_host.py --out "$OUT/head-$head" --draft-dtype $head \
+    timeout 200 python benchmarks/profile_pair_host.py --out "$OUT/head-$head" --draft-dtype $head \
       --batches 1 --configs baseline tree --kernels --no-profile --checks off 2>&1 \
       | grep -v Warning | tee "$OUT/head-$head.txt"
   done
@@ -67,8 +67,8 @@ if [[ $what == parity ]]; then  # the CPU suite's greedy parity against transfor
 fi
 if [[ $what == phase-8b ]]; then  # the 8B shape's decode step and chain iteration, GPU kernels by
   # phase (SIMULATED tau = 4, batch 1)
-  timeout 300 python bench/profile_pair_host.py --shape 8b --dtype bfloat16 --configs baseline chain \
+  timeout 300 python benchmarks/profile_pair_host.py --shape 8b --dtype bfloat16 --configs baseline chain \
     --batches 1 --kernels --no-profile --checks off --out "$OUT/8b" 2>&1 | grep -v Warning | tee "$OUT/8b-kernels.txt"
-  timeout 300 python bench/profile_pair_host.py --shape 8b --dtype bfloat16 --configs chain \
+  timeout 300 python benchmarks/profile_pair_host.py --shape 8b --dtype bfloat16 --configs chain \
     --batches 1 --phase-kernels --out "$OUT/8b-phases" 2>&1 | grep -v Warning | tee "$OUT/8b-phase-kernels.txt"
 fi

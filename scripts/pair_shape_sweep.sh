@@ -29,7 +29,7 @@ for name in "${names[@]}"; do
   sets=()
   for kv in ${SHAPES[$name]}; do sets+=(--set "$kv"); done
   echo "===== $name: ${SHAPES[$name]:-(preset)}" | tee "$OUT/$name.txt"
-  timeout 240 python bench/profile_pair_host.py --out "$OUT/$name" --batches 1 --configs baseline tree \
+  timeout 240 python benchmarks/profile_pair_host.py --out "$OUT/$name" --batches 1 --configs baseline tree \
     ${DRAFT_DTYPE:+--draft-dtype $DRAFT_DTYPE} --no-profile --checks off "${sets[@]}" 2>&1 \
     | grep -v Warning | tee -a "$OUT/$name.txt"
 done

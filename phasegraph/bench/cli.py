@@ -319,6 +319,4 @@ def add_bench_command(sub) -> None:
 def _argv() -> list[str]:
     """The command line after ``bench`` (for the record), when run from the command line."""
     argv = sys.argv[1:]
-    if "bench" in argv:
-        return argv[argv.index("bench") + 1:]
-    return argv if sys.argv and sys.argv[0].endswith("bench_e2e.py") else []
+    return argv[argv.index("bench") + 1:] if "bench" in argv else []

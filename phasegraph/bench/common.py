@@ -402,10 +402,10 @@ def prefill_seconds(trace) -> float:
 
 
 def load_bench_scale():
-    """bench/bench_scale.py (the 8B builders, bandwidth and step-time probes) as a module."""
+    """benchmarks/bench_scale.py (the 8B builders, bandwidth and step-time probes) as a module."""
     import importlib.util
 
-    path = REPO_ROOT / "bench" / "bench_scale.py"
+    path = REPO_ROOT / "benchmarks" / "bench_scale.py"
     if not path.exists():
         raise CliError(f"{path} is missing: run `phasegraph bench` from a phasegraph checkout")
     spec = importlib.util.spec_from_file_location("phasegraph_bench_scale", path)
@@ -429,11 +429,11 @@ def _git(*args: str) -> str | None:
 
 def source_digest(root: Path = REPO_ROOT) -> str:
     """sha256 (first 16 hex digits) over the path and bytes of every ``phasegraph/**/*.py`` and
-    ``bench/*.py`` file: names the code a run executed even where .git is a stale copy and the
+    ``benchmarks/*.py`` file: names the code a run executed even where .git is a stale copy and the
     commit is given by hand (PHASEGRAPH_GIT_COMMIT). To match it to a commit:
     ``git checkout C && python -c 'from phasegraph.bench.common import source_digest as d; print(d())'``."""
     h = hashlib.sha256()
-    files = sorted([*root.glob("phasegraph/**/*.py"), *root.glob("bench/*.py")])
+    files = sorted([*root.glob("phasegraph/**/*.py"), *root.glob("benchmarks/*.py")])
     for f in files:
         h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()[:16]

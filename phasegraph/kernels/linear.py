@@ -27,7 +27,7 @@ gate_up and down products of a decoder layer disappear for small M:
 
 Dispatch (the kernel-module convention of ``_dispatch.py``): the Triton kernel runs on CUDA for
 M <= :data:`MAX_M` rows and contiguous inputs where its table (measured against cuBLAS by
-``bench/bench_linear.py``) says it wins. bf16/fp16 (:data:`CONFIGS`; on an H200
+``benchmarks/bench_linear.py``) says it wins. bf16/fp16 (:data:`CONFIGS`; on an H200
 :data:`H200_CONFIGS`, the 8B shapes' tiles at one row and at 2..4 rows retuned for its faster
 memory): every product up to 16
 rows, the fused prologues at one row (at 2..16 rows the norm / silu kernel runs, then the Triton
@@ -191,7 +191,7 @@ _DOT = SkinnyConfig(32, 256, 4, 4, dot=True)
 _DOT_WIDE = SkinnyConfig(64, 256, 4, 3, dot=True, swap=True)  # wgmma, W as the left operand
 _DOT_WIDE_K128 = SkinnyConfig(64, 128, 4, 4, dot=True, swap=True)
 _QKV_8B, _GATE_UP_8B = ((6144, 6144), (4096, 4096)), ((28672, 28672), (4096, 4096))
-# Measured by bench/bench_linear.py (bf16, H100 80GB HBM3; time per op in a CUDA graph against
+# Measured by benchmarks/bench_linear.py (bf16, H100 80GB HBM3; time per op in a CUDA graph against
 # cuBLAS, and against the norm / silu kernel + cuBLAS; bench/RESULTS.md). First match wins.
 # - M = 1: the multiply-sum form beats cuBLAS on every 8B shape (qkv 18.2 vs 20.6 us, o 12.8 vs
 #   16.5, gate_up 76.1 vs 85.8, down 41.1 vs 44.5) and so do the fused prologues (qkv+norm 20.1
@@ -203,7 +203,7 @@ _QKV_8B, _GATE_UP_8B = ((6144, 6144), (4096, 4096)), ((28672, 28672), (4096, 409
 #   then the Triton product.
 # - N >= 65536 (a target's lm_head over a 128k vocabulary): at M = 1 the whole-K multiply-sum
 #   streams 128256 x 4096 in 331 us against cuBLAS's 372 (105.7 vs 94.2 % of the copy
-#   bandwidth; `bench/bench_linear.py --shape-set 8b-vocab --ms 1`, H100, 2026-11-24); at
+#   bandwidth; `benchmarks/bench_linear.py --shape-set 8b-vocab --ms 1`, H100, 2026-11-24); at
 #   M = 2..4 (a chain's verify) the wgmma tile W-left, 64 x 256, 341 us against 371 (`--ms 4`);
 #   at M = 5..16 cuBLAS keeps it (not measured against the Triton tiles at that width).
 _VOCAB_WIDE = (65536, 1 << 40)
@@ -255,7 +255,7 @@ _N_WIDE = (4096, 1 << 40)
 _N_VOCAB = (8192, 1 << 40)
 # float32. An IEEE tl.dot runs on FMA units (2x slower than cuBLAS); "tf32x3" runs it on tensor
 # cores in three TF32 passes, within 2-5e-7 of float64 like IEEE sums (bench_linear rel_err). It
-# wins only where N gives it enough 32-wide programs. Measured by `bench/bench_linear.py --dtype
+# wins only where N gives it enough 32-wide programs. Measured by `benchmarks/bench_linear.py --dtype
 # float32 --shape-set pair` (H100; the bench pair's target: hidden 768, qkv 1280, MLP 2560,
 # vocabulary 8192, and its EAGLE-3 head: fc 768x2304, qkv 1280x1536; bench/RESULTS.md §6), time
 # per op in a CUDA graph, Triton vs cuBLAS:
@@ -309,7 +309,7 @@ FP32_CONFIGS: tuple[_Rule, ...] = (
 
 
 # The same products on an H200 (HBM3e: ~4.2 TB/s of copy bandwidth against the H100's ~3.0, the
-# same SMs). Measured by `bench/bench_linear.py --ms 1` on an H200 (2026-11-25; bench/RESULTS.md
+# same SMs). Measured by `benchmarks/bench_linear.py --ms 1` on an H200 (2026-11-25; bench/RESULTS.md
 # §2): the norm prologue at one row wants two weight rows per program there (qkv+norm 14.6 against
 # 16.5 us with one, gate_up+norm 55.2 against 64.6), where the H100 wants one (20.2 against 24.5,
 # 77.7 against 90.9); the row statistics are computed once per program, and on the faster memory
@@ -320,7 +320,7 @@ _H200_RULES: tuple[_Rule, ...] = (
     _Rule(1, *_GATE_UP_8B, _GEMV_WHOLE_K_2, True, True),
 )
 # At two to four rows (an 8B chain's verify and draft-extend) the H200 wants other tiles too.
-# Measured by `bench/bench_linear.py --ms 4` on an H200 (2026-11-26; bench/RESULTS.md §5), time per
+# Measured by `benchmarks/bench_linear.py --ms 4` on an H200 (2026-11-26; bench/RESULTS.md §5), time per
 # op in a CUDA graph: qkv 14.7 us on the 16-row dot tile against 16.2 on the wide wgmma one;
 # gate_up 55.0 on cuBLAS against 56.0 on the best Triton tile; down 29.9 with K in two slices
 # (float32 partials, summed in slice order) against 31.0. The 8B chain iteration (SIMULATED

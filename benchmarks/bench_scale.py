@@ -1,6 +1,6 @@
 """Llama-3-8B-shaped target (random bf16 weights) and an EAGLE-3-shaped head on one GPU.
 
-    python bench/bench_scale.py [--batches 1 8 64] [--layers 32] [--out DIR]
+    python benchmarks/bench_scale.py [--batches 1 8 64] [--layers 32] [--out DIR]
 
 Measures, in one run on the same GPU:
 - the device-to-device copy bandwidth and, from it, the autoregressive bandwidth bound

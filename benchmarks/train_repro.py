@@ -1,7 +1,7 @@
 """Is GPU training reproducible? Train the bench pair's recipe (shortened) several times and
 compare the saved weights byte for byte, under strict or warn-only deterministic mode.
 
-    python bench/train_repro.py --out DIR [--runs 2] [--warn-only] [--set key=value ...]
+    python benchmarks/train_repro.py --out DIR [--runs 2] [--warn-only] [--set key=value ...]
 
 Writes ``DIR/train_repro.json``: each run's SHA-256 of each model's weights (the digests
 ``phasegraph bench`` reports), whether every run matches the first, and each stage's steps,

@@ -1,7 +1,7 @@
 """The skinny Triton product (phasegraph/kernels/linear.py) against cuBLAS at decode shapes.
 
-    python bench/bench_linear.py [--out DIR] [--quick] [--ms 1,4,16]
-    python bench/bench_linear.py --dtype float32 --shape-set pair --ms 4,16 --no-pdl
+    python benchmarks/bench_linear.py [--out DIR] [--quick] [--ms 1,4,16]
+    python benchmarks/bench_linear.py --dtype float32 --shape-set pair --ms 4,16 --no-pdl
 
 Shapes: the four weight products of a Llama-3-8B-shaped layer (bf16): qkv 6144x4096,
 o 4096x4096, gate_up 28672x4096, down 4096x14336, at M = 1, 4, 16 token rows. ``--shape-set

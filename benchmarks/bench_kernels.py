@@ -1,6 +1,6 @@
 """Triton kernels against their torch references on the GPU, one row per kernel and shape.
 
-    python bench/bench_kernels.py [--only attention|tree,verify,slots|rope] [--quick] [--out DIR]
+    python benchmarks/bench_kernels.py [--only attention|tree,verify,slots|rope] [--quick] [--out DIR]
 
 ``--only attention`` takes ~6 min on an H100 (three extra tile variants per shape; ``--quick``
 times the default tiles only), the other parts together ~3 min (``--only draft``: the chain draft

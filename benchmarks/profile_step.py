@@ -1,6 +1,6 @@
 """Where the time of a graphed decode step and of a speculative iteration goes (8B shape, GPU).
 
-    python bench/profile_step.py [--layers 32] [--out DIR]
+    python benchmarks/profile_step.py [--layers 32] [--out DIR]
 
 Kernel time per step grouped by kernel name (profiler trace over a few graphed steps), the
 step's wall time, and the achieved bandwidth of each weight product of a Llama-3-8B layer at

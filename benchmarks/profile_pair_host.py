@@ -1,7 +1,7 @@
 """Where a step's wall time goes on the bench pair's shape (96M Llama target, EAGLE-3 head),
 with random weights and SIMULATED acceptance, so that it needs no training:
 
-    python bench/profile_pair_host.py [--out DIR] [--dtype float32] [--batches 1 8]
+    python benchmarks/profile_pair_host.py [--out DIR] [--dtype float32] [--batches 1 8]
 
 For the baseline (``method="none"``), EAGLE-3 chain S=3 (simulated τ = 4) and tree K=4 S=4
 N=16 (simulated τ = 3: random weights keep the tree shallow), at each batch size:

@@ -1,6 +1,6 @@
 """Cost of one validated phase transition with a DraftState of B=64, per validation mode.
 
-    python bench/bench_transition.py [--batch 64] [--repeat 20000]
+    python benchmarks/bench_transition.py [--batch 64] [--repeat 20000]
 
 The phase body returns a prebuilt output, so the figure is the machine's own cost: the legality
 lookup, the boundary checks of the mode, the mutation check (strict) and the trace hook. The
