@@ -19,8 +19,7 @@ the host's Python: this script shows which part. Writes ``pair_host.json`` and
 (batch 1, three calls of 256 new tokens, trace, default checks and text on; then all off), and
 splits each iteration's wall time into the host's wait for the device, the scheduler's pieces,
 the phases and text decoding, beside the GPU busy time (``pair_generate.json``,
-``pair_generate_profile.txt``). ``bash scripts/ab_profile.sh run generate`` runs it for two
-commits on one machine.
+``pair_generate_profile.txt``).
 """
 
 from __future__ import annotations
@@ -400,7 +399,7 @@ def wrapped_methods(methods: dict[str, tuple[type, str]], wrap, wrap_ready):
 
     saved = []
     for label, (cls, name) in methods.items():
-        if cls is None or name not in cls.__dict__:  # another version of the package (ab_profile.sh)
+        if cls is None or name not in cls.__dict__:  # another version of the package on PYTHONPATH
             continue
         saved.append((cls, name, cls.__dict__[name]))
         setattr(cls, name, wrap(label, cls.__dict__[name]))

@@ -215,8 +215,8 @@ def _shape(n: int, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
 
 # The bench pair's EAGLE-3 head in bfloat16 beside its float32 target (`phasegraph bench
 # --draft-dtype bfloat16`): a draft step runs 4 rows (K beams) and draft-extend 5 (the accepted
-# path) at batch 1. Measured by `bash scripts/gpu_checks.sh bf16-head` (bench_linear.py --dtype
-# bfloat16 --shape-set pair --ms 1,4,5, H100, 2026-11-24; bench/RESULTS.md §6), us per op in a
+# path) at batch 1. Measured by `benchmarks/bench_linear.py --dtype
+# bfloat16 --shape-set pair --ms 1,4,5` (H100, 2026-11-24; bench/RESULTS.md §6), us per op in a
 # CUDA graph, best Triton tile vs cuBLAS: 4 rows o 3.0 vs 4.0, head fc 4.7 vs 6.1, down 4.7 vs
 # 6.4, head qkv 4.6 vs 5.2 (multiply-sums), gate_up 5.1 vs 5.4 and lm_head 6.3 vs 6.8 (wgmma,
 # W on the left); 5 rows on tl.dot tiles. The 1-row forms are the general rule's; at 4-5 rows
@@ -269,7 +269,7 @@ _N_VOCAB = (8192, 1 << 40)
 #   prologues were slower than the norm / silu kernel + the Triton product.
 #
 # The bench pair's own shapes (one N and K each) have exact rules from the split-K sweep of
-# 2026-11-24 (`bash scripts/gpu_checks.sh fp32-table`, H100; bench/RESULTS.md §6): at 5..16
+# 2026-11-24 (`benchmarks/bench_linear.py --dtype float32 --shape-set pair --ms 4,16`, H100; bench/RESULTS.md §6): at 5..16
 # rows a three-pass TF32 tl.dot with K split over 2..8 programs per column block (the narrow
 # products have only 24-40 blocks of 32 columns otherwise) beats the multiply-sums: qkv 5.9 us
 # (cuBLAS 13.0), o 5.3 (9.7), gate_up 10.4 (16.6), down 8.1 (18.9), head fc 7.8 (18.3), head qkv

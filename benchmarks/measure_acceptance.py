@@ -1,6 +1,6 @@
 """Acceptance length τ of a trained pair through the public Engine, on held-out stdlib prompts.
 
-    python scripts/measure_acceptance.py PAIR_DIR [--device cpu|cuda] [--prompts 16] [--tokens 128]
+    python benchmarks/measure_acceptance.py PAIR_DIR [--device cpu|cuda] [--prompts 16] [--tokens 128]
 
 PAIR_DIR holds ``target/`` (HF format + tokenizer) and ``eagle3/``. Greedy decoding, float32:
 every speculative output must equal the baseline's, and τ is printed for the demo's chain
