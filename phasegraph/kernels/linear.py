@@ -192,7 +192,7 @@ _DOT_WIDE = SkinnyConfig(64, 256, 4, 3, dot=True, swap=True)  # wgmma, W as the 
 _DOT_WIDE_K128 = SkinnyConfig(64, 128, 4, 4, dot=True, swap=True)
 _QKV_8B, _GATE_UP_8B = ((6144, 6144), (4096, 4096)), ((28672, 28672), (4096, 4096))
 # Measured by benchmarks/bench_linear.py (bf16, H100 80GB HBM3; time per op in a CUDA graph against
-# cuBLAS, and against the norm / silu kernel + cuBLAS; bench/RESULTS.md). First match wins.
+# cuBLAS, and against the norm / silu kernel + cuBLAS). First match wins.
 # - M = 1: the multiply-sum form beats cuBLAS on every 8B shape (qkv 18.2 vs 20.6 us, o 12.8 vs
 #   16.5, gate_up 76.1 vs 85.8, down 41.1 vs 44.5) and so do the fused prologues (qkv+norm 20.1
 #   vs 22.5, gate_up+norm 77.7 vs 84.4, down+silu 41.0 vs 46.3). With K > 4096 the whole-K tile
@@ -216,7 +216,7 @@ def _shape(n: int, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
 # The bench pair's EAGLE-3 head in bfloat16 beside its float32 target (`phasegraph bench
 # --draft-dtype bfloat16`): a draft step runs 4 rows (K beams) and draft-extend 5 (the accepted
 # path) at batch 1. Measured by `benchmarks/bench_linear.py --dtype
-# bfloat16 --shape-set pair --ms 1,4,5` (H100, 2026-11-24; bench/RESULTS.md §6), us per op in a
+# bfloat16 --shape-set pair --ms 1,4,5` (H100, 2026-11-24), us per op in a
 # CUDA graph, best Triton tile vs cuBLAS: 4 rows o 3.0 vs 4.0, head fc 4.7 vs 6.1, down 4.7 vs
 # 6.4, head qkv 4.6 vs 5.2 (multiply-sums), gate_up 5.1 vs 5.4 and lm_head 6.3 vs 6.8 (wgmma,
 # W on the left); 5 rows on tl.dot tiles. The 1-row forms are the general rule's; at 4-5 rows
@@ -257,7 +257,7 @@ _N_VOCAB = (8192, 1 << 40)
 # cores in three TF32 passes, within 2-5e-7 of float64 like IEEE sums (bench_linear rel_err). It
 # wins only where N gives it enough 32-wide programs. Measured by `benchmarks/bench_linear.py --dtype
 # float32 --shape-set pair` (H100; the bench pair's target: hidden 768, qkv 1280, MLP 2560,
-# vocabulary 8192, and its EAGLE-3 head: fc 768x2304, qkv 1280x1536; bench/RESULTS.md §6), time
+# vocabulary 8192, and its EAGLE-3 head: fc 768x2304, qkv 1280x1536), time
 # per op in a CUDA graph, Triton vs cuBLAS:
 # - M = 1: qkv 3.3 vs 4.1 us, o 2.7 vs 3.9, gate_up 6.9 vs 8.1, down 4.8 vs 5.3; fused
 #   prologues qkv+norm 3.6 vs 5.4, gate_up+norm 7.5 vs 9.8, down+silu 5.3 vs 6.6;
@@ -269,8 +269,8 @@ _N_VOCAB = (8192, 1 << 40)
 #   prologues were slower than the norm / silu kernel + the Triton product.
 #
 # The bench pair's own shapes (one N and K each) have exact rules from the split-K sweep of
-# 2026-11-24 (`benchmarks/bench_linear.py --dtype float32 --shape-set pair --ms 4,16`, H100; bench/RESULTS.md §6): at 5..16
-# rows a three-pass TF32 tl.dot with K split over 2..8 programs per column block (the narrow
+# 2026-11-24 (`benchmarks/bench_linear.py --dtype float32 --shape-set pair --ms 4,16`, H100):
+# at 5..16 rows a three-pass TF32 tl.dot with K split over 2..8 programs per column block (the narrow
 # products have only 24-40 blocks of 32 columns otherwise) beats the multiply-sums: qkv 5.9 us
 # (cuBLAS 13.0), o 5.3 (9.7), gate_up 10.4 (16.6), down 8.1 (18.9), head fc 7.8 (18.3), head qkv
 # 7.6 (21.0); a target layer's products at 16 rows 44.9 -> 35.7 us. On whole steps (bench
@@ -309,8 +309,8 @@ FP32_CONFIGS: tuple[_Rule, ...] = (
 
 
 # The same products on an H200 (HBM3e: ~4.2 TB/s of copy bandwidth against the H100's ~3.0, the
-# same SMs). Measured by `benchmarks/bench_linear.py --ms 1` on an H200 (2026-11-25; bench/RESULTS.md
-# §2): the norm prologue at one row wants two weight rows per program there (qkv+norm 14.6 against
+# same SMs). Measured by `benchmarks/bench_linear.py --ms 1` on an H200 (2026-11-25):
+# the norm prologue at one row wants two weight rows per program there (qkv+norm 14.6 against
 # 16.5 us with one, gate_up+norm 55.2 against 64.6), where the H100 wants one (20.2 against 24.5,
 # 77.7 against 90.9); the row statistics are computed once per program, and on the faster memory
 # the per-row pass shows. The 8B decode step: 4.59 -> 4.06 ms of GPU work.
@@ -320,7 +320,7 @@ _H200_RULES: tuple[_Rule, ...] = (
     _Rule(1, *_GATE_UP_8B, _GEMV_WHOLE_K_2, True, True),
 )
 # At two to four rows (an 8B chain's verify and draft-extend) the H200 wants other tiles too.
-# Measured by `benchmarks/bench_linear.py --ms 4` on an H200 (2026-11-26; bench/RESULTS.md §5), time per
+# Measured by `benchmarks/bench_linear.py --ms 4` on an H200 (2026-11-26), time per
 # op in a CUDA graph: qkv 14.7 us on the 16-row dot tile against 16.2 on the wide wgmma one;
 # gate_up 55.0 on cuBLAS against 56.0 on the best Triton tile; down 29.9 with K in two slices
 # (float32 partials, summed in slice order) against 31.0. The 8B chain iteration (SIMULATED
@@ -632,7 +632,7 @@ def early_weight_load(one_tile: bool, static_weight: bool, weight_bytes: int, pd
     ``EARLY_WEIGHT_MAX_BYTES`` of weights: on an H100 it took the bench pair's decode step from
     400 to 360 µs, while the 8B shape's step (products of 33.5 MB and more, many waves of
     programs) went from 5.47 to 5.56 ms, and for products that loop over K the first tile loaded
-    early cost the tree verify 3.4 % (bench/RESULTS.md §5). No shipped rule has one tile per
+    early cost the tree verify 3.4 %. No shipped rule has one tile per
     slice: such 16-row tiles gain from it but cost the tree iteration 10 % more than they gain.
     ``PHASEGRAPH_EARLY_WEIGHTS``: ``auto`` (default) this rule; ``on`` any size; ``off`` never.
     """

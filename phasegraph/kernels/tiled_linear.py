@@ -65,7 +65,7 @@ def _r(m_lo: int, m_hi: int, n: int, k: int, summed: TileConfig | None,
 _T = TileConfig
 # The bench pair's shapes (target: hidden 768, qkv 1280, MLP 2560, vocabulary 8192; EAGLE-3
 # head: fc 768 x 2304, qkv 1280 x 1536), picked by a sweep against cuBLAS (H100,
-# 2026-11-25; bench/RESULTS.md §6): per row range, the tile with the least time over the row
+# 2026-11-25): per row range, the tile with the least time over the row
 # counts timed in it, where it beats cuBLAS at each. Comments: row count, cuBLAS -> best tile,
 # us per product in a CUDA graph with weights from memory (a deferred product's time leaves out
 # what its consumer spends reading the slices). First match wins; other shapes stay with cuBLAS
