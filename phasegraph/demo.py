@@ -125,10 +125,10 @@ def run_demo(args: argparse.Namespace) -> int:
         print("note: on a CPU a forward's cost grows with every token it processes, so verifying a\n"
               "      tree costs several decode steps and speculation cannot pay on a model this small;\n"
               "      on a GPU a step's cost hardly grows with its tokens, and this pair decodes\n"
-              "      1.0-1.4x faster with speculation (bench/RESULTS.md §4).")
+              "      1.0-1.4x faster with speculation (docs/performance.md).")
     else:
         print("note: this 7.7M-parameter pair's steps are mostly the host's work on a GPU, so these\n"
-              "      speedups move from run to run; `phasegraph bench` measures a 96M pair (bench/RESULTS.md).")
+              "      speedups move from run to run; `phasegraph bench` measures a 96M pair (docs/performance.md).")
     print("\n=== phase flow (tree run) ===")
     trace = tree["engine"].trace
     times = trace.phase_time()

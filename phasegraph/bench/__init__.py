@@ -16,7 +16,7 @@ only: transformers' assisted generation does not batch). Tokens/s (warm-up exclu
 speedup over the phasegraph baseline at the same batch, η = speedup / τ, time share by phase
 (from the engine's trace) and the share of outputs identical to the baseline's.
 
-Part 2, scale: bench/bench_scale.py's Llama-3-8B-shaped target (random bf16 weights) and
+Part 2, scale: benchmarks/bench_scale.py's Llama-3-8B-shaped target (random bf16 weights) and
 EAGLE-3-shaped head (chain S=3 drafts by default), acceptance SIMULATED (verify accepts τ - 1
 drafts whatever they are) at each τ and batch size, against the graphed baseline; the baseline's
 share of the bandwidth bound, and bench_scale's GPU probes of a decode step and of each phase.

@@ -44,16 +44,16 @@ QUICK = {"batches": "1,2", "new_tokens": 16, "prompt_tokens": 64, "batch1_prompt
          "scale_batches": "1,2",
          "scale_new_tokens": 16, "scale_prompt_tokens": 32}
 
-# Figures the time estimate uses. Measured (bench/RESULTS.md §2, H200, 8B shape, graphs on):
+# Figures the time estimate uses. Measured (H200, 8B shape, graphs on):
 # decode step by batch, chain and tree iteration by batch, eager iteration. Assumed (not measured):
 # the host cost of a phasegraph step on a small model (the measured host issue of an 8B
-# iteration is 1.6-3.1 ms, RESULTS.md §2), transformers' eager generate step, first Triton
+# iteration is 1.6-3.1 ms), transformers' eager generate step, first Triton
 # compilation and graph capture.
 SCALE_STEP_S = {1: 4.94e-3, 8: 5.93e-3, 64: 8.17e-3}
 SCALE_ITER_S = {"chain": {1: 6.74e-3, 8: 7.98e-3, 64: 12.34e-3}, "tree": {1: 7.70e-3, 8: 8.86e-3, 64: 31.73e-3}}
 SCALE_EAGER_ITER_S = 62.5e-3
 TRITON_COMPILE_S = 40.0
-# Measured on the 96M pair (bench/RESULTS.md §5, H100): a baseline step at batch 1 takes 0.47 ms
+# Measured on the 96M pair (H100): a baseline step at batch 1 takes 0.47 ms
 # and a speculative iteration 0.8-1.1 ms end to end. One configuration at batches 1, 8 and 32
 # (engine, first compiles, captures, two warm-ups, the timed calls and the GPU-work probe) took
 # 30-56 s on a fresh machine (run 22), 17-31 s where the Triton cache was warm (run 23) and 14-21 s
@@ -319,6 +319,4 @@ def add_bench_command(sub) -> None:
 def _argv() -> list[str]:
     """The command line after ``bench`` (for the record), when run from the command line."""
     argv = sys.argv[1:]
-    if "bench" in argv:
-        return argv[argv.index("bench") + 1:]
-    return argv if sys.argv and sys.argv[0].endswith("bench_e2e.py") else []
+    return argv[argv.index("bench") + 1:] if "bench" in argv else []

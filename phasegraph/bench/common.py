@@ -67,7 +67,7 @@ class BenchRun:
         self.dtype = torch.bfloat16 if self.cuda else torch.float32  # part 2 (the 8B shape)
         # part 1: float32 by default, so that "identical to the baseline" is exact: in bf16 the
         # rounding of a product depends on its batch shape (a verify of B*N tokens vs a decode of
-        # B), and greedy picks at near-ties flip (RESULTS.md §5 records such a bf16 run)
+        # B), and greedy picks at near-ties flip
         self.pair_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.pair_dtype]
         # the drafts (EAGLE-3 head, standalone draft, transformers' assistant): bfloat16 on a GPU,
         # as their checkpoints are saved; a draft only proposes, so this moves τ, never the output
@@ -242,7 +242,7 @@ def warm_then_time(run: BenchRun, engine, calls: list[list], params, repeats: in
     because a CUDA graph is captured the second time its bucket is used (a bucket a call uses
     once, as requests finish one by one, or a prefill bucket), so the timed calls replay graphs
     only; the last figure says whether they did (0). Repeats: a call of ~60 ms on a lent
-    machine's host now and then runs 20 % slower (bench/RESULTS.md §5, run 21), which a single
+    machine's host now and then runs 20 % slower, which a single
     timing passes on to the row's speedup."""
     warm = []
     for batch in calls:
@@ -402,10 +402,10 @@ def prefill_seconds(trace) -> float:
 
 
 def load_bench_scale():
-    """bench/bench_scale.py (the 8B builders, bandwidth and step-time probes) as a module."""
+    """benchmarks/bench_scale.py (the 8B builders, bandwidth and step-time probes) as a module."""
     import importlib.util
 
-    path = REPO_ROOT / "bench" / "bench_scale.py"
+    path = REPO_ROOT / "benchmarks" / "bench_scale.py"
     if not path.exists():
         raise CliError(f"{path} is missing: run `phasegraph bench` from a phasegraph checkout")
     spec = importlib.util.spec_from_file_location("phasegraph_bench_scale", path)
@@ -429,11 +429,11 @@ def _git(*args: str) -> str | None:
 
 def source_digest(root: Path = REPO_ROOT) -> str:
     """sha256 (first 16 hex digits) over the path and bytes of every ``phasegraph/**/*.py`` and
-    ``bench/*.py`` file: names the code a run executed even where .git is a stale copy and the
+    ``benchmarks/*.py`` file: names the code a run executed even where .git is a stale copy and the
     commit is given by hand (PHASEGRAPH_GIT_COMMIT). To match it to a commit:
     ``git checkout C && python -c 'from phasegraph.bench.common import source_digest as d; print(d())'``."""
     h = hashlib.sha256()
-    files = sorted([*root.glob("phasegraph/**/*.py"), *root.glob("bench/*.py")])
+    files = sorted([*root.glob("phasegraph/**/*.py"), *root.glob("benchmarks/*.py")])
     for f in files:
         h.update(str(f.relative_to(root)).encode() + b"\0" + f.read_bytes() + b"\0")
     return h.hexdigest()[:16]
@@ -486,7 +486,7 @@ def detach_cupti_after_profiling() -> None:
     ``TEARDOWN_CUPTI=1``), unless the environment already says otherwise. Left attached, CUPTI
     makes every later launch dearer for the host: on an H100 a tree iteration's graph replay
     went from 0.008 to 0.081 ms, and ``Machine.advance`` from 0.18 to 0.28 ms per iteration,
-    after one session (bench/RESULTS.md §5) - and the bench times rows after it has profiled
+    after one session - and the bench times rows after it has profiled
     others."""
     os.environ.setdefault(CUPTI_TEARDOWN_VAR, "1")
 

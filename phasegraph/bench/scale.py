@@ -1,4 +1,4 @@
-"""Part 2 of ``phasegraph bench``: bench/bench_scale.py's Llama-3-8B shape (random weights) with
+"""Part 2 of ``phasegraph bench``: benchmarks/bench_scale.py's Llama-3-8B shape (random weights) with
 SIMULATED acceptance against the graphed baseline, and bench_scale's GPU probes."""
 
 from __future__ import annotations

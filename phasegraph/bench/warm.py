@@ -3,7 +3,7 @@ configuration of part 1 once, at every batch size, on a random pair of the prese
 
 On a fresh machine Triton compiles each kernel the first time a configuration launches it.
 Run 22 (fresh machine, one call) spent 170 s in part 1's phasegraph rows; run 23 (same code,
-Triton cache already filled) spent 94 s (bench/RESULTS.md §5). Triton keeps compiled kernels on
+Triton cache already filled) spent 94 s. Triton keeps compiled kernels on
 disk, keyed by source and specialisation, so kernels compiled here on the same shapes and dtypes
 are loaded, not compiled, when part 1 launches them. The timed calls are unaffected: they were
 always warm (every call runs twice before it is timed); only the bench's wall time changes.

@@ -23,7 +23,7 @@ programs may be placed on the SMs while the kernel before it on the stream still
 the next kernel launch (``griddepcontrol.launch_dependents``). Since every kernel waits before it
 reads or writes anything, a chain of kernels keeps stream order; what is saved is the launch and
 placement of each kernel (CUDA graphs capture the programmatic edges; on the H100 0.3-0.4 us per
-launch, a bench-pair decode step 4 % and a tree iteration 4 % of GPU time, ``bench/pdl_ab.py``).
+launch, a bench-pair decode step 4 % and a tree iteration 4 % of GPU time).
 Torch's own kernels never signal early, so a kernel after one of them starts as it always did. A
 launch may opt out (``pdl_options(early=False)``, the decode attention): it then starts plainly.
 

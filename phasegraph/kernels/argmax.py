@@ -2,7 +2,7 @@
 
 Every greedy decode step and verify takes it over the target's vocabulary. torch reduces one
 row in a single thread block, which reads a 128k vocabulary's 0.5 MB of float32 logits on one
-SM (27 µs of an 8B decode step on an H100, bench/RESULTS.md §2). Here the row is cut into
+SM (27 µs of an 8B decode step on an H100). Here the row is cut into
 blocks of up to ``BLOCK_MAX`` logits, one program each, and a second launch merges the blocks'
 candidates; a row that fits one block is done in one launch.
 

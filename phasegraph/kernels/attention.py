@@ -660,7 +660,7 @@ def paged_attention_triton(
       in one ``tl.dot`` tile, so the run's KV is read once. Decode and draft steps (one token
       per row) get one program per token and kv head, each doing its G query heads; the
       unused rows of its tile cost tensor-core arithmetic, not bytes (``block_m=16`` trims
-      them at the price of shorter runs; ``bench/bench_kernels.py`` times both).
+      them at the price of shorter runs; ``benchmarks/bench_kernels.py`` times both).
     - *Enough programs in flight.* At batch 1 there are only Hkv runs; split-K divides each
       run's range into ``splits`` equal whole tiles (computed on the device from kv_len, so the
       grid depends on shapes only) and a second kernel merges the partial softmaxes. ``splits``
@@ -693,7 +693,7 @@ def paged_attention_triton(
     4 warps, 2 stages (about 220 registers per thread on sm_90 and no spills, by
     ``tests/gpu/compile_sm90.py``; ``BLOCK_N = 64`` reaches 255 and spills). fp32 uses 16 x 16
     tiles and 1 stage (its full-precision products need many more registers). The keyword
-    arguments override these for ``bench/bench_kernels.py``.
+    arguments override these for ``benchmarks/bench_kernels.py``.
     """
     num_tokens, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[1]

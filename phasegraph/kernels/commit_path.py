@@ -6,7 +6,7 @@ finalize-tree-path keeps the path up to and including the first stop token and w
 request's token budget (``remaining``), and derives from the cut length ``lens`` the new sequence
 length, budget, bonus token and the row draft-extend samples from. The reference computes that
 with ~25 small torch ops (each a kernel of a few microseconds on a GPU); the Triton kernel does
-it in one program per request (bench/RESULTS.md §5: the launch inventory of an iteration).
+it in one program per request.
 
 A node whose target logits were not finite (``node_finite`` False: the target overflowed, see
 :func:`phasegraph.kernels.argmax.argmax_finite`) made a meaningless prediction, and so did every

@@ -27,7 +27,7 @@ gate_up and down products of a decoder layer disappear for small M:
 
 Dispatch (the kernel-module convention of ``_dispatch.py``): the Triton kernel runs on CUDA for
 M <= :data:`MAX_M` rows and contiguous inputs where its table (measured against cuBLAS by
-``bench/bench_linear.py``) says it wins. bf16/fp16 (:data:`CONFIGS`; on an H200
+``benchmarks/bench_linear.py``) says it wins. bf16/fp16 (:data:`CONFIGS`; on an H200
 :data:`H200_CONFIGS`, the 8B shapes' tiles at one row and at 2..4 rows retuned for its faster
 memory): every product up to 16
 rows, the fused prologues at one row (at 2..16 rows the norm / silu kernel runs, then the Triton
@@ -191,8 +191,8 @@ _DOT = SkinnyConfig(32, 256, 4, 4, dot=True)
 _DOT_WIDE = SkinnyConfig(64, 256, 4, 3, dot=True, swap=True)  # wgmma, W as the left operand
 _DOT_WIDE_K128 = SkinnyConfig(64, 128, 4, 4, dot=True, swap=True)
 _QKV_8B, _GATE_UP_8B = ((6144, 6144), (4096, 4096)), ((28672, 28672), (4096, 4096))
-# Measured by bench/bench_linear.py (bf16, H100 80GB HBM3; time per op in a CUDA graph against
-# cuBLAS, and against the norm / silu kernel + cuBLAS; bench/RESULTS.md). First match wins.
+# Measured by benchmarks/bench_linear.py (bf16, H100 80GB HBM3; time per op in a CUDA graph against
+# cuBLAS, and against the norm / silu kernel + cuBLAS). First match wins.
 # - M = 1: the multiply-sum form beats cuBLAS on every 8B shape (qkv 18.2 vs 20.6 us, o 12.8 vs
 #   16.5, gate_up 76.1 vs 85.8, down 41.1 vs 44.5) and so do the fused prologues (qkv+norm 20.1
 #   vs 22.5, gate_up+norm 77.7 vs 84.4, down+silu 41.0 vs 46.3). With K > 4096 the whole-K tile
@@ -203,7 +203,7 @@ _QKV_8B, _GATE_UP_8B = ((6144, 6144), (4096, 4096)), ((28672, 28672), (4096, 409
 #   then the Triton product.
 # - N >= 65536 (a target's lm_head over a 128k vocabulary): at M = 1 the whole-K multiply-sum
 #   streams 128256 x 4096 in 331 us against cuBLAS's 372 (105.7 vs 94.2 % of the copy
-#   bandwidth; `bench/bench_linear.py --shape-set 8b-vocab --ms 1`, H100, 2026-11-24); at
+#   bandwidth; `benchmarks/bench_linear.py --shape-set 8b-vocab --ms 1`, H100, 2026-11-24); at
 #   M = 2..4 (a chain's verify) the wgmma tile W-left, 64 x 256, 341 us against 371 (`--ms 4`);
 #   at M = 5..16 cuBLAS keeps it (not measured against the Triton tiles at that width).
 _VOCAB_WIDE = (65536, 1 << 40)
@@ -215,8 +215,8 @@ def _shape(n: int, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
 
 # The bench pair's EAGLE-3 head in bfloat16 beside its float32 target (`phasegraph bench
 # --draft-dtype bfloat16`): a draft step runs 4 rows (K beams) and draft-extend 5 (the accepted
-# path) at batch 1. Measured by `bash scripts/gpu_checks.sh bf16-head` (bench_linear.py --dtype
-# bfloat16 --shape-set pair --ms 1,4,5, H100, 2026-11-24; bench/RESULTS.md §6), us per op in a
+# path) at batch 1. Measured by `benchmarks/bench_linear.py --dtype
+# bfloat16 --shape-set pair --ms 1,4,5` (H100, 2026-11-24), us per op in a
 # CUDA graph, best Triton tile vs cuBLAS: 4 rows o 3.0 vs 4.0, head fc 4.7 vs 6.1, down 4.7 vs
 # 6.4, head qkv 4.6 vs 5.2 (multiply-sums), gate_up 5.1 vs 5.4 and lm_head 6.3 vs 6.8 (wgmma,
 # W on the left); 5 rows on tl.dot tiles. The 1-row forms are the general rule's; at 4-5 rows
@@ -255,9 +255,9 @@ _N_WIDE = (4096, 1 << 40)
 _N_VOCAB = (8192, 1 << 40)
 # float32. An IEEE tl.dot runs on FMA units (2x slower than cuBLAS); "tf32x3" runs it on tensor
 # cores in three TF32 passes, within 2-5e-7 of float64 like IEEE sums (bench_linear rel_err). It
-# wins only where N gives it enough 32-wide programs. Measured by `bench/bench_linear.py --dtype
+# wins only where N gives it enough 32-wide programs. Measured by `benchmarks/bench_linear.py --dtype
 # float32 --shape-set pair` (H100; the bench pair's target: hidden 768, qkv 1280, MLP 2560,
-# vocabulary 8192, and its EAGLE-3 head: fc 768x2304, qkv 1280x1536; bench/RESULTS.md §6), time
+# vocabulary 8192, and its EAGLE-3 head: fc 768x2304, qkv 1280x1536), time
 # per op in a CUDA graph, Triton vs cuBLAS:
 # - M = 1: qkv 3.3 vs 4.1 us, o 2.7 vs 3.9, gate_up 6.9 vs 8.1, down 4.8 vs 5.3; fused
 #   prologues qkv+norm 3.6 vs 5.4, gate_up+norm 7.5 vs 9.8, down+silu 5.3 vs 6.6;
@@ -269,13 +269,13 @@ _N_VOCAB = (8192, 1 << 40)
 #   prologues were slower than the norm / silu kernel + the Triton product.
 #
 # The bench pair's own shapes (one N and K each) have exact rules from the split-K sweep of
-# 2026-11-24 (`bash scripts/gpu_checks.sh fp32-table`, H100; bench/RESULTS.md §6): at 5..16
-# rows a three-pass TF32 tl.dot with K split over 2..8 programs per column block (the narrow
+# 2026-11-24 (`benchmarks/bench_linear.py --dtype float32 --shape-set pair --ms 4,16`, H100):
+# at 5..16 rows a three-pass TF32 tl.dot with K split over 2..8 programs per column block (the narrow
 # products have only 24-40 blocks of 32 columns otherwise) beats the multiply-sums: qkv 5.9 us
 # (cuBLAS 13.0), o 5.3 (9.7), gate_up 10.4 (16.6), down 8.1 (18.9), head fc 7.8 (18.3), head qkv
 # 7.6 (21.0); a target layer's products at 16 rows 44.9 -> 35.7 us. On whole steps (bench
 # pair, batch 1) the tree iteration's GPU work went 1.152 -> 1.035 ms, chain 0.824 -> 0.815,
-# decode unchanged (bench/table_ab.py --linear).
+# decode unchanged.
 _FP32_TF32X3_SPLIT = {s: _FP32_TF32X3._replace(split_k=s) for s in (2, 4, 8)}
 
 
@@ -309,22 +309,22 @@ FP32_CONFIGS: tuple[_Rule, ...] = (
 
 
 # The same products on an H200 (HBM3e: ~4.2 TB/s of copy bandwidth against the H100's ~3.0, the
-# same SMs). Measured by `bench/bench_linear.py --ms 1` on an H200 (2026-11-25; bench/RESULTS.md
-# §2): the norm prologue at one row wants two weight rows per program there (qkv+norm 14.6 against
+# same SMs). Measured by `benchmarks/bench_linear.py --ms 1` on an H200 (2026-11-25):
+# the norm prologue at one row wants two weight rows per program there (qkv+norm 14.6 against
 # 16.5 us with one, gate_up+norm 55.2 against 64.6), where the H100 wants one (20.2 against 24.5,
 # 77.7 against 90.9); the row statistics are computed once per program, and on the faster memory
-# the per-row pass shows. The 8B decode step: 4.59 -> 4.06 ms of GPU work (bench/table_ab.py).
+# the per-row pass shows. The 8B decode step: 4.59 -> 4.06 ms of GPU work.
 _GEMV_WHOLE_K_2 = SkinnyConfig(2, 4096, 4, 1, dot=False)
 _H200_RULES: tuple[_Rule, ...] = (
     _Rule(1, *_QKV_8B, _GEMV_WHOLE_K_2, True, True),
     _Rule(1, *_GATE_UP_8B, _GEMV_WHOLE_K_2, True, True),
 )
 # At two to four rows (an 8B chain's verify and draft-extend) the H200 wants other tiles too.
-# Measured by `bench/bench_linear.py --ms 4` on an H200 (2026-11-26; bench/RESULTS.md §5), time per
+# Measured by `benchmarks/bench_linear.py --ms 4` on an H200 (2026-11-26), time per
 # op in a CUDA graph: qkv 14.7 us on the 16-row dot tile against 16.2 on the wide wgmma one;
 # gate_up 55.0 on cuBLAS against 56.0 on the best Triton tile; down 29.9 with K in two slices
 # (float32 partials, summed in slice order) against 31.0. The 8B chain iteration (SIMULATED
-# tau = 4): 5.55 -> 5.44 ms of GPU work, decode unchanged (bench/table_ab.py, two rounds with the
+# tau = 4): 5.55 -> 5.44 ms of GPU work, decode unchanged (two rounds with the
 # shipped table before and after). They go after every one-row rule, since a rule covers every M
 # up to its m_max.
 _H200_FOUR_ROW_RULES: tuple[_Rule, ...] = (
@@ -632,7 +632,7 @@ def early_weight_load(one_tile: bool, static_weight: bool, weight_bytes: int, pd
     ``EARLY_WEIGHT_MAX_BYTES`` of weights: on an H100 it took the bench pair's decode step from
     400 to 360 µs, while the 8B shape's step (products of 33.5 MB and more, many waves of
     programs) went from 5.47 to 5.56 ms, and for products that loop over K the first tile loaded
-    early cost the tree verify 3.4 % (bench/RESULTS.md §5). No shipped rule has one tile per
+    early cost the tree verify 3.4 %. No shipped rule has one tile per
     slice: such 16-row tiles gain from it but cost the tree iteration 10 % more than they gain.
     ``PHASEGRAPH_EARLY_WEIGHTS``: ``auto`` (default) this rule; ``on`` any size; ``off`` never.
     """

@@ -3,7 +3,7 @@
 A decode step (and every draft step) runs, per layer, ``rotary_write_kv`` (rotate q and k,
 write k and v into the pool), ``paged_attention`` and, where it splits the positions, the
 combine kernel: three launches of a few microseconds each whose cost is mostly launch and
-memory latency, not bytes (bench/RESULTS.md §5, "What limits the goals"). When every query token
+memory latency, not bytes (docs/performance.md, "What limits"). When every query token
 has its own page-table row (``AttentionMetadata.one_query_per_row``: decode, draft steps), the
 first two fold into one kernel: each program (token, kv head, split) rotates its group's query
 heads from the qkv product itself, and the program whose positions hold the token's own slot
@@ -394,7 +394,7 @@ def _rope_tree_attention_kernel(
                NUM_SPLITS)
 
 
-TREE_NUM_WARPS = 4  # warps per program of the verify's kernel (bench/attention_chunk_ab.py varies it)
+TREE_NUM_WARPS = 4  # warps per program of the verify's kernel
 # registers per thread the verify's kernel may use (None: the compiler's choice; ptxas .maxnreg).
 # A cap changes register allocation only, never the arithmetic, so the bits stay.
 TREE_MAXNREG: int | None = None
@@ -423,8 +423,8 @@ def rope_tree_attention_triton(
     all the same bits). Where the token tile divides E and there are several splits, axis 0
     runs over the runs (``T / BLOCK_T``), not the tokens, and float32 chunk programs past
     ``kv_len + E`` return at once (:func:`~phasegraph.kernels.attention.chunk_unread`): the
-    bench pair's verify at batch 8 spent most of its attention time in programs that returned
-    (bench/RESULTS.md §5, "Attention programs that return at once"). ``num_splits`` overrides
+    bench pair's verify at batch 8 spent most of its attention time in programs that returned.
+    ``num_splits`` overrides
     the split count as :func:`~phasegraph.kernels.attention.paged_attention_triton`'s does (> 1
     with float32 chunks: one split per chunk), for tests that need several splits where the grid
     would not choose them."""
@@ -523,7 +523,7 @@ def rope_paged_attention_triton(
 
     Launched plainly, never early (``pdl_options(early=False)``): placed early beside the qkv
     product it follows, its programs crowded onto the SMs that had room, and the bench pair's
-    decode step took 0.483 instead of 0.415 ms of GPU time (``bench/pdl_ab.py``, H100)."""
+    decode step took 0.483 instead of 0.415 ms of GPU time (H100)."""
     _check(qkv, num_heads, num_kv_heads, head_dim, k_cache)
     num_tokens = qkv.shape[0]
     group = num_heads // num_kv_heads

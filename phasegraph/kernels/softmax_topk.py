@@ -5,7 +5,7 @@ their draft probabilities (Li et al., 2024, "EAGLE-2: Faster Inference of Langua
 Dynamic Draft Trees", §4). The reference takes the full softmax and ``topk``, as every path did
 before (seed 002: no shortcut that changes what is computed). On a GPU that is a softmax kernel
 and a radix select, ~30 µs per call over a 32k draft vocabulary at batch 1, four times an
-iteration (bench/RESULTS.md §5). The Triton path makes two passes of small programs instead:
+iteration. The Triton path makes two passes of small programs instead:
 
 1. every (row, chunk of ``CHUNK`` logits) program finds its chunk's maximum, the sum of
    ``exp(x - max)`` over the chunk and the chunk's k largest logits;

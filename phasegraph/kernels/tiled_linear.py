@@ -19,7 +19,7 @@ total_triton` sums them in slice order. Either way the result never depends on w
 ran first, so a CUDA-graph replay equals the eager call bit for bit.
 
 Dispatch: :func:`tiled_config` names the tile where :data:`FP32_TILE_CONFIGS` (measured against
-cuBLAS by ``bench/fp32_gemm.py``, then on whole steps by ``bench/tiled_linear_ab.py``) has a
+cuBLAS per product, then on whole steps) has a
 rule; :func:`phasegraph.kernels.linear.linear` runs it then, and ``F.linear`` (the reference)
 everywhere else above 16 rows. Tiles come from a fixed table, never
 from autotuning, so nothing is timed or compiled differently during capture.
@@ -64,16 +64,16 @@ def _r(m_lo: int, m_hi: int, n: int, k: int, summed: TileConfig | None,
 
 _T = TileConfig
 # The bench pair's shapes (target: hidden 768, qkv 1280, MLP 2560, vocabulary 8192; EAGLE-3
-# head: fc 768 x 2304, qkv 1280 x 1536), picked by `python bench/fp32_gemm.py` (H100,
-# 2026-11-25; bench/RESULTS.md §6): per row range, the tile with the least time over the row
+# head: fc 768 x 2304, qkv 1280 x 1536), picked by a sweep against cuBLAS (H100,
+# 2026-11-25): per row range, the tile with the least time over the row
 # counts timed in it, where it beats cuBLAS at each. Comments: row count, cuBLAS -> best tile,
 # us per product in a CUDA graph with weights from memory (a deferred product's time leaves out
 # what its consumer spends reading the slices). First match wins; other shapes stay with cuBLAS
-# (not measured). On whole steps (bench/tiled_linear_ab.py, H100, GPU time per step against
+# (not measured). On whole steps (H100, GPU time per step against
 # cuBLAS): baseline at batch 32 -14.2 %, chain S=3 at batch 8 / 32 -17.4 / -16.3 %, tree K=4
 # S=4 N=16 -15.7 / -20.6 %, batch 1 unchanged. Not here: 16-row tiles for the tree's verify at
 # batch 1. Alone they beat the skinny kernel's deferred o (3.6 -> 3.2 us) and gate_up (10.0 ->
-# 7.9) with 8 K slices (`fp32_gemm.py --ms 16`), but the norm and SwiGLU then read 8 slices,
+# 7.9) with 8 K slices, but the norm and SwiGLU then read 8 slices,
 # and the tree iteration lost 5.7 % (0.751 -> 0.793 ms).
 FP32_TILE_CONFIGS: tuple[_TileRule, ...] = (
     # target qkv

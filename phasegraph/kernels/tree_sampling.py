@@ -19,7 +19,7 @@ sequence of fused, sync-free torch ops (softmax, one segmented stable sort per r
 scatter) that CUDA graphs capture as they are. Its cost is the sort, several passes over
 ``B*N x V``; a Triton top-k/top-p without a sort (radix select per row) could cut that, but it
 must reproduce the stable-sort tie rule and the top-p prefix rule exactly, which is left for when
-``bench/bench_kernels.py`` shows it matters next to the verify forward.
+``benchmarks/bench_kernels.py`` shows it matters next to the verify forward.
 """
 
 from __future__ import annotations

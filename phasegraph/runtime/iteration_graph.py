@@ -2,7 +2,7 @@
 
 Per-phase graphs (:class:`~phasegraph.runtime.cuda_graphs.GraphedPhase`) launch four graphs an
 iteration and copy each phase's input into its static buffers; at batch 1 that host work is
-what the GPU waits on (bench/RESULTS.md §2). Here the four phases are captured back to back as
+what the GPU waits on. Here the four phases are captured back to back as
 one graph per bucket, so an iteration costs one input copy and one launch.
 
 The state machine still advances phase by phase, with every legality check and schema check:

@@ -2,7 +2,7 @@
 
 An eager prefill launches every kernel of every layer from Python: a 128-token prefill of a
 Llama-3-8B shape issues ~330 launches, which on the lent H100 hosts take 20-40 ms against
-~7.5 ms of GPU work (bench/RESULTS.md §5). A prefill's tokens are ragged (each request brings its
+~7.5 ms of GPU work. A prefill's tokens are ragged (each request brings its
 own prompt length), so the per-batch-size graphs of the iteration phases do not fit it. Here a
 prefill of ``B`` requests and ``T`` tokens replays the graph captured for the smallest token
 bucket ``> T`` (one padded token at least) and the smallest request bucket ``>= B + 1``:

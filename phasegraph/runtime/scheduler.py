@@ -503,7 +503,7 @@ class PinnedBuffers:
     """Pinned host buffers for the one copy of an iteration's emitted tokens to the host, kept
     by shape and dtype and reused once the host has read them (:meth:`Scheduler._collect`).
     Allocating pinned memory on every iteration went through the caching host allocator each
-    time (~0.04 ms of host time per iteration with the copy, bench/profile_pair_host.py
+    time (~0.04 ms of host time per iteration with the copy, benchmarks/profile_pair_host.py
     --generate). A buffer is given back only after its contents were read, so a reused one is
     never overwritten while an iteration in flight still owns it."""
 

@@ -77,7 +77,7 @@ __all__ = [
 
 # Share of the H100's bf16 peak each stage reaches in eager PyTorch under strict deterministic
 # kernels: bench run 52 measured target 0.19, head 0.086 and draft 0.16 with the bench-pair
-# preset (beside the bench's compile process; bench/train_repro.py alone: target 0.17). The head
+# preset (beside the bench's compile process; benchmarks/train_repro.py alone: target 0.17). The head
 # reaches half the target's: one layer unrolled five steps behind the frozen target's forward.
 # A time budget is split over the stages in proportion to these projections, so they must be
 # near the truth for a budget that fits every stage to cut none.

@@ -1,15 +1,15 @@
-"""Loading a script of ``bench/`` (not a package) as a module, as the tests of those scripts do."""
+"""Loading a script of ``benchmarks/`` (not a package) as a module, as the tests of those scripts do."""
 
 import importlib.util
 import sys
 from pathlib import Path
 from types import ModuleType
 
-BENCH = Path(__file__).resolve().parents[2] / "bench"
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
 
 
 def load_bench_script(name: str) -> ModuleType:
-    """``bench/<name>.py`` as a fresh module, with ``bench/`` importable while it loads (scripts
+    """``benchmarks/<name>.py`` as a fresh module, with ``benchmarks/`` importable while it loads (scripts
     import their neighbours)."""
     spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
     module = importlib.util.module_from_spec(spec)

@@ -22,8 +22,9 @@ TRAIN_SET = ["target_train.steps=30", "target_train.eval_every=15", "head_train.
 @pytest.fixture(scope="module")
 def quick_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    cmd = [sys.executable, str(REPO / "bench" / "bench_e2e.py"), "--quick", "--out", str(out), "--no-progress",
-           "--threads", "1"]
+    # the command line of `phasegraph bench`, installed or not (PYTHONPATH below)
+    cmd = [sys.executable, "-c", "import sys; from phasegraph.cli import main; sys.exit(main())", "bench",
+           "--quick", "--out", str(out), "--no-progress", "--threads", "1"]
     for item in TRAIN_SET:
         cmd += ["--train-set", item]
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
@@ -181,16 +182,16 @@ def test_batch_one_rows_run_one_call_per_prompt():
 
 
 def test_source_digest_names_the_code_not_the_commit(tmp_path):
-    """The digest changes with any byte of the package or bench scripts, and only with those."""
+    """The digest changes with any byte of the package or benchmark scripts, and only with those."""
     from phasegraph.bench.common import source_digest
 
     (tmp_path / "phasegraph" / "sub").mkdir(parents=True)
-    (tmp_path / "bench").mkdir()
+    (tmp_path / "benchmarks").mkdir()
     (tmp_path / "phasegraph" / "sub" / "a.py").write_text("x = 1\n")
-    (tmp_path / "bench" / "b.py").write_text("y = 2\n")
+    (tmp_path / "benchmarks" / "b.py").write_text("y = 2\n")
     first = source_digest(tmp_path)
     assert len(first) == 16 and source_digest(tmp_path) == first
-    (tmp_path / "bench" / "RESULTS.md").write_text("figures")  # not code
+    (tmp_path / "benchmarks" / "README.md").write_text("figures")  # not code
     (tmp_path / "README.md").write_text("docs")
     assert source_digest(tmp_path) == first
     (tmp_path / "phasegraph" / "sub" / "a.py").write_text("x = 2\n")

@@ -1,4 +1,4 @@
-"""bench/profile_pair_host.py --sites on the CPU: a step's device launches by phasegraph source
+"""benchmarks/profile_pair_host.py --sites on the CPU: a step's device launches by phasegraph source
 line, where one call into phasegraph/kernels counts once whatever its torch reference does."""
 
 import re

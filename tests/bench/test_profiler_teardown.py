@@ -1,5 +1,5 @@
 """The bench's profiler sessions leave CUPTI detached (TEARDOWN_CUPTI=1), so that rows timed after
-another row's GPU-busy probe pay no profiler cost on every launch (bench/RESULTS.md §5)."""
+another row's GPU-busy probe pay no profiler cost on every launch."""
 
 import os
 

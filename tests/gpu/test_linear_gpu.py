@@ -3,7 +3,7 @@ references, on fresh random inputs and poisoned allocations, with no host sync o
 
 Products: within 1e-2 relative error of the reference in bf16 (2e-3 in fp16; the kernel sums in
 another order than cuBLAS); the prologue's ``summed`` output is one rounded add and must be
-equal. Every launch config the table may pick (and the sweep of bench/bench_linear.py tries)
+equal. Every launch config the table may pick (and the sweep of benchmarks/bench_linear.py tries)
 must compute the same function, so the tests run several. On the GPU a graph replay must equal
 the eager call bit for bit (no atomics, no split-K). Same modes as test_triton_kernels.py (GPU
 with ``-m gpu``; CPU through the interpreter with ``PHASEGRAPH_TRITON_INTERPRET=1``, tiny shapes).

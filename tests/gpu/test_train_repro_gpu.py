@@ -1,5 +1,5 @@
 """GPU training is reproducible: two runs of the bench pair's recipe (shortened) save the same
-weights byte for byte (bench/train_repro.py; under the old warn-only mode SDPA's attention
+weights byte for byte (benchmarks/train_repro.py; under the old warn-only mode SDPA's attention
 backward made every file differ)."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ SHORTER = ["target_train.steps=20", "target_train.eval_every=10", "head_train.st
 
 def test_two_gpu_trainings_save_identical_weights(tmp_path):
     sets = [arg for s in SHORTER for arg in ("--set", s)]
-    done = subprocess.run([sys.executable, str(ROOT / "bench" / "train_repro.py"), "--out", str(tmp_path),
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "train_repro.py"), "--out", str(tmp_path),
                            "--runs", "2", *sets], cwd=ROOT, capture_output=True, text=True, timeout=400)
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads((tmp_path / "train_repro.json").read_text())

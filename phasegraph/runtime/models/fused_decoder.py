@@ -2,7 +2,7 @@
 
 Why model code here (issue 4 asks for transformers' own modules wherever they work): under a
 CUDA graph, transformers' modules reach ~50% of the memory-bandwidth bound of a batch-1 decode
-step on an 8B model (bench/RESULTS.md §2), because a layer is ~36 small kernels: separate q/k/v
+step on an 8B model, because a layer is ~36 small kernels: separate q/k/v
 and gate/up products, RMSNorm as 8 float32 ops, rotary embedding as 12. Speculative decoding's
 speedup is measured against that step, and the issue's goal is 85% of the bound. So for the
 same modules and the same weights we run, per layer:
@@ -15,8 +15,8 @@ page-table row (decode, draft steps) rotary_write_kv and paged_attention are one
 (:mod:`phasegraph.kernels.rope_attention`), so 5 (plus the combine pass where attention splits): the skinny Triton product of
 :mod:`phasegraph.kernels.linear` streams each weight once and applies the norm or the
 activation to its operand as it loads it. With 2..16 tokens the products are still the skinny
-Triton kernel but the norm and activation kernels stay separate (fusing them was slower there:
-bench/RESULTS.md §6). Otherwise (more tokens, fp32, CPU) the same public functions run the
+Triton kernel but the norm and activation kernels stay separate (fusing them was slower
+there). Otherwise (more tokens, fp32, CPU) the same public functions run the
 unfused sequence
 
     add_rms_norm -> qkv product -> rotary_write_kv -> paged_attention -> o product
