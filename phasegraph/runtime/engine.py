@@ -28,7 +28,7 @@ from phasegraph.runtime.config import (
     SpecConfig,
     is_int,
 )
-from phasegraph.runtime.cuda_graphs import DEFAULT_BUCKETS, GRAPH_SCOPES, GraphRunner
+from phasegraph.runtime.cuda_graphs import DEFAULT_BUCKETS
 from phasegraph.runtime.errors import (
     CheckpointFileError,
     DraftMismatch,
@@ -38,6 +38,7 @@ from phasegraph.runtime.errors import (
     SchedulerInvariantError,
     is_out_of_memory,
 )
+from phasegraph.runtime.graph_runner import GRAPH_SCOPES, GraphRunner
 from phasegraph.runtime.kv_pool import KVCacheManager
 from phasegraph.runtime.memory import PhaseMemory
 from phasegraph.runtime.models.drafts import draft_kind, load_draft
