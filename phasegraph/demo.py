@@ -82,7 +82,7 @@ def run_demo(args: argparse.Namespace) -> int:
     import torch
 
     from phasegraph import SamplingParams
-    from phasegraph.kernels._dispatch import check_kernel_settings
+    from phasegraph.kernels import check_kernel_settings
     from phasegraph.runtime.engine import resolve_device
     from phasegraph.statemachine import PhaseGraphError
 

@@ -65,7 +65,7 @@ def measure_trained_pair(run: BenchRun) -> None:
     from tqdm.auto import tqdm
 
     from phasegraph import SamplingParams
-    from phasegraph.runtime.engine import _load_tokenizer
+    from phasegraph.runtime.models.loading import load_tokenizer
     from phasegraph.train.corpus import heldout_prompts
 
     a = run.args
@@ -83,7 +83,7 @@ def measure_trained_pair(run: BenchRun) -> None:
                       "use a small RANDOM draft with the target's vocabulary (τ near 1)")
     elif drafts["draft"] is None:
         draft_note = f"{pair} has no draft/: the standalone and assisted-generation rows are not run"
-    tok = _load_tokenizer(pair / "target")
+    tok = load_tokenizer(pair / "target")
     cfg = json.loads((pair / "target" / "config.json").read_text())
     context = int(cfg.get("max_position_embeddings", 4096))
     prompt_tokens = prompt_cap(a, context)

@@ -50,7 +50,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _plan(preset) -> str:
-    from phasegraph.train.recipe import _format_projection, project
+    from phasegraph.train.recipe import format_projection, project
 
     v = preset.vocab_size
     t = lm_param_count(preset.target, v)
@@ -62,7 +62,7 @@ def _plan(preset) -> str:
     if preset.draft is not None:
         d = lm_param_count(preset.draft, v)
         lines.append(f"standalone draft {d / 1e6:.2f}M params = {mib(2 * d):.2f} MiB bf16")
-    lines.append(_format_projection(preset, project(preset)))
+    lines.append(format_projection(preset, project(preset)))
     return "\n".join(lines)
 
 

@@ -290,7 +290,7 @@ def _run(preset, out_dir, seed, device, time_budget_s, progress, log) -> dict:
                    for k, v in projection.items()},
         "total_training_s": round(sum(v["s"] for v in projection.values()), 1),
     }
-    log(_format_projection(preset, projection))
+    log(format_projection(preset, projection))
     budget = _Budget(time_budget_s, projection)
 
     # -- corpus and tokenizer ------------------------------------------------------------------
@@ -552,7 +552,7 @@ def _format_splits(splits: dict) -> str:
     )
 
 
-def _format_projection(preset: Preset, projection: dict) -> str:
+def format_projection(preset: Preset, projection: dict) -> str:
     mfu = ", ".join(f"{stage} {share:.1%}" for stage, share in STAGE_MFU.items())
     lines = [f"[{preset.name}] projected H100 time at {mfu} of 790 TFLOP/s bf16:"]
     for stage, p in projection.items():
