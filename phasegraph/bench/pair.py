@@ -76,7 +76,7 @@ def measure_trained_pair(run: BenchRun) -> None:
     drafts = {"eagle3": pair / "eagle3", "draft": pair / "draft" if (pair / "draft" / "config.json").exists() else None}
     draft_note = None
     if drafts["draft"] is None and a.quick:
-        from phasegraph.runtime.models.testing_checkpoints import write_standalone_draft
+        from phasegraph.testing.checkpoints import write_standalone_draft
 
         drafts["draft"] = write_standalone_draft(run.out / "random_draft", pair / "target")
         draft_note = ("quick mode: the tiny preset trains no standalone draft; the standalone rows "
