@@ -145,12 +145,13 @@ def _load_subcommand_modules() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)  # usage errors: one line, SystemExit(2) (see _Parser)
+    from phasegraph.bench.common import BenchError
     from phasegraph.runtime.errors import PhasegraphRuntimeError
     from phasegraph.statemachine import PhaseGraphError
 
     try:
         return int(args.func(args) or 0)
-    except (CliError, PhaseGraphError, PhasegraphRuntimeError, OSError, ValueError) as exc:
+    except (CliError, BenchError, PhaseGraphError, PhasegraphRuntimeError, OSError, ValueError) as exc:
         message = str(exc).strip().replace("\n", " ")
         print(f"phasegraph: error: {message}", file=sys.stderr)
         return 2

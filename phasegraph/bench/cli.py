@@ -8,6 +8,8 @@ import os
 import signal
 import sys
 
+from tqdm.auto import tqdm
+
 from phasegraph.bench.common import (
     SCALE_CONFIGS,
     BenchRun,
@@ -65,6 +67,21 @@ TRITON_COMPILE_S = 40.0
 SMALL_STEP_S, SMALL_ITER_S, CAPTURE_S, CONFIG_SETUP_S, CONFIG_SETUP_WARM_S = 0.5e-3, 1.2e-3, 0.3, 40.0, 20.0
 HF_STEP_S, HF_ASSISTED_STEP_S, TRAIN_ACCEPTANCE_S = 37e-3, 0.2, 30.0
 TRAIN_STAGE_SHARE, TRAIN_EVAL_S = 0.9, 12.0
+
+
+# the kernel warm-up process part 1 starts while its pair trains (phasegraph.bench.warm)
+WARM_WORKER = (sys.executable, "-m", "phasegraph.bench.warm")
+
+
+def _say(text: str) -> None:
+    """A line of the run's progress (above any progress bar) or its closing table, on stdout."""
+    tqdm.write(text)
+    sys.stdout.flush()
+
+
+def _say_error(text: str) -> None:
+    """The traceback of an error that cost the run some rows, on stderr."""
+    print(text, file=sys.stderr)
 
 
 def _ints(text: str) -> list[int]:
@@ -201,7 +218,7 @@ def run_bench(args: argparse.Namespace) -> int:
             raise CliError(problem)
         if has_pair(pair):  # a config the engine or transformers would refuse only after --out is written
             check_reused_pair(pair)
-    run = BenchRun(args)
+    run = BenchRun(args, log=_say, log_error=_say_error, warm_worker=WARM_WORKER)
     if not run.cuda:
         torch.set_num_threads(max(1, args.threads))
     a = args
