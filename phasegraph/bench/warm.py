@@ -8,16 +8,14 @@ disk, keyed by source and specialisation, so kernels compiled here on the same s
 are loaded, not compiled, when part 1 launches them. The timed calls are unaffected: they were
 always warm (every call runs twice before it is timed); only the bench's wall time changes.
 
-    python -m phasegraph.bench.warm SPEC_JSON      # what phasegraph.bench.pair starts
+    python -m phasegraph.cli.bench_warmup SPEC_JSON      # what phasegraph.bench.pair starts
 """
 
 from __future__ import annotations
 
-import functools
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -201,15 +199,3 @@ def run_spec(spec: dict, log: Callable[[str], None]) -> int:
     with tempfile.TemporaryDirectory(prefix="phasegraph-warm-") as tmp:
         dirs = write_random_pair(preset, Path(tmp), spec["seed"])
         return run_configs(spec, dirs, log)
-
-
-def main(argv: list[str] | None = None) -> int:
-    spec = json.loads((argv if argv is not None else sys.argv[1:])[0])
-    t0 = time.perf_counter()
-    calls = run_spec(spec, functools.partial(print, flush=True))
-    print(f"warm-up: {calls} calls in {time.perf_counter() - t0:.1f} s", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

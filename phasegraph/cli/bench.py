@@ -1,4 +1,5 @@
-"""The ``phasegraph bench`` subcommand: options, their defaults, the time estimate and the run."""
+"""The ``phasegraph bench`` subcommand: options, their defaults, the time estimate and the run
+(what it measures: :mod:`phasegraph.bench`)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from phasegraph.bench.common import (
 from phasegraph.bench.pair import measure_trained_pair
 from phasegraph.bench.report import write_outputs
 from phasegraph.bench.scale import measure_scale
-from phasegraph.cli import CliError, register, require_at_least, require_name
+from phasegraph.cli.common import CliError, require_at_least, require_name
 
 # Training budget of the full run: a cap, not a target. The bench-pair preset's stages (450 /
 # 200 / 300 steps) train in ~180 s on an H100 under strict deterministic kernels (run 52), and
@@ -70,7 +71,7 @@ TRAIN_STAGE_SHARE, TRAIN_EVAL_S = 0.9, 12.0
 
 
 # the kernel warm-up process part 1 starts while its pair trains (phasegraph.bench.warm)
-WARM_WORKER = (sys.executable, "-m", "phasegraph.bench.warm")
+WARM_WORKER = (sys.executable, "-m", "phasegraph.cli.bench_warmup")
 
 
 def _say(text: str) -> None:
@@ -262,8 +263,7 @@ def run_bench(args: argparse.Namespace) -> int:
     return 130 if interrupted else (1 if run.result.get("errors") else 0)
 
 
-@register
-def add_bench_command(sub) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser(
         "bench",
         help="end-to-end speed: trained pair vs transformers, and the 8B shape (simulated acceptance)",
