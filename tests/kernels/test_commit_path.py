@@ -112,7 +112,7 @@ def test_cpu_tensors_go_to_the_reference_and_cuda_ones_would_go_to_triton(monkey
     commit_path(*case)
     assert calls == ["reference"]
     monkeypatch.setattr(module, "use_triton", lambda x: True)  # what a CUDA tensor gets
-    with pytest.raises(Exception):  # noqa: B017 - Triton cannot launch on CPU tensors here
+    with pytest.raises(Exception):  # noqa: B017, PT011 - Triton cannot launch on CPU tensors here
         commit_path(*case)
     assert calls == ["reference", "triton"]
 
