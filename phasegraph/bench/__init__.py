@@ -1,4 +1,4 @@
-"""What ``phasegraph bench`` (issue 7) measures: end-to-end speed against transformers and our own
+"""What ``phasegraph bench`` measures: end-to-end speed against transformers and our own
 baseline. The command's options and output are :mod:`phasegraph.cli.bench`.
 
 One command, one process, one GPU::
