@@ -444,9 +444,9 @@ class _ModuloTokenizer:
     iteration, ``Request._update_text``)."""
 
     def __init__(self):
-        from phasegraph.runtime.engine import _load_tokenizer
+        from phasegraph.runtime.models.loading import load_tokenizer
 
-        self.inner = _load_tokenizer(Path(__file__).resolve().parents[1] / "phasegraph/data/demo_pair/target")
+        self.inner = load_tokenizer(Path(__file__).resolve().parents[1] / "phasegraph/data/demo_pair/target")
         self.eos_token_id = None
 
     def decode(self, tokens, skip_special_tokens=True):

@@ -1,4 +1,5 @@
-"""``phasegraph bench`` (issue 7): end-to-end speed against transformers and our own baseline.
+"""What ``phasegraph bench`` measures: end-to-end speed against transformers and our own
+baseline. The command's options and output are :mod:`phasegraph.cli.bench`.
 
 One command, one process, one GPU::
 
@@ -25,7 +26,3 @@ Writes ``bench.json`` (every figure and the environment), ``bench.md`` (the tabl
 printed), ``tokens_per_s.png`` and ``eta_vs_tau.png`` into ``--out``; the JSON and the table
 after every configuration too, so a run cut short still leaves what it measured.
 """
-
-from phasegraph.bench.cli import add_bench_command, run_bench  # importing registers the subcommand
-
-__all__ = ["add_bench_command", "run_bench"]

@@ -11,9 +11,8 @@ import os
 import platform
 import subprocess
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
-
-from phasegraph.cli import CliError
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
@@ -39,30 +38,48 @@ SCALE_CONFIGS = {
 }
 
 
+class BenchError(Exception):
+    """A bench run that cannot start or go on as asked (a missing GPU or pair, an output
+    directory that cannot be made): it stops the run, where other errors only lose their rows."""
+
+
+def _silent(text: str) -> None:
+    """Where a run's messages go unless its caller passes a log."""
+
+
 class BenchRun:
     """One ``phasegraph bench`` run: its options, device, output directory and the result dict
-    that every part fills in."""
+    that every part fills in.
 
-    def __init__(self, args: argparse.Namespace):
+    ``log`` takes each progress line and the final table, ``log_error`` the traceback of an
+    error a row group survives (both silent by default); ``warm_worker`` is the command line
+    that runs the kernel warm-up process (:mod:`phasegraph.bench.warm`), given the spec as its
+    last argument (None: part 1 compiles its kernels itself)."""
+
+    def __init__(self, args: argparse.Namespace, log: Callable[[str], None] = _silent,
+                 log_error: Callable[[str], None] = _silent, warm_worker: Sequence[str] | None = None):
         import torch
 
         self.args = args
+        self.log = log
+        self.log_error = log_error
+        self.warm_worker = warm_worker
         self.t0 = time.perf_counter()
         self.out = Path(args.out)
         self.device = torch.device(args.device if args.device != "auto" else
                                    ("cuda" if torch.cuda.is_available() else "cpu"))
         # --dry-run too: its plan would be of a run that cannot start
         if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise CliError("--device cuda: no CUDA GPU is available")
+            raise BenchError("--device cuda: no CUDA GPU is available")
         if self.device.type != "cuda" and not args.quick and not args.dry_run:
-            raise CliError("the full bench (a ~96M pair, the 8B shape) needs a CUDA GPU: use --quick on the CPU")
+            raise BenchError("the full bench (a ~96M pair, the 8B shape) needs a CUDA GPU: use --quick on the CPU")
         if self.out.exists() and not self.out.is_dir():
-            raise CliError(f"--out {self.out}: exists and is not a directory")
+            raise BenchError(f"--out {self.out}: exists and is not a directory")
         if not args.dry_run:  # a dry run prints the plan and makes nothing
             try:
                 self.out.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
-                raise CliError(f"--out {self.out}: cannot create the directory ({exc.strerror or exc})") from None
+                raise BenchError(f"--out {self.out}: cannot create the directory ({exc.strerror or exc})") from None
         self.cuda = self.device.type == "cuda"
         self.dtype = torch.bfloat16 if self.cuda else torch.float32  # part 2 (the 8B shape)
         # part 1: float32 by default, so that "identical to the baseline" is exact: in bf16 the
@@ -88,16 +105,17 @@ class BenchRun:
         }
 
     def guard(self, what: str, fn, *args, **kwargs):
-        """Run ``fn``; an exception is recorded under ``errors`` (and printed) instead of ending
-        the run, so one failing row leaves the others measured. Interrupts pass through."""
+        """Run ``fn``; an exception is recorded under ``errors`` (its traceback to ``log_error``)
+        instead of ending the run, so one failing row leaves the others measured. Interrupts and
+        :class:`BenchError` pass through."""
         try:
             return fn(*args, **kwargs)
-        except CliError:
+        except BenchError:
             raise
         except Exception as exc:  # noqa: BLE001 - recorded, reported, and the exit status says so
             import traceback
 
-            traceback.print_exc()
+            self.log_error(traceback.format_exc().rstrip("\n"))
             self.result.setdefault("errors", []).append(f"{what}: {type(exc).__name__}: {exc}")
             free_memory()
             return None
@@ -312,13 +330,13 @@ def training_steps(report: dict) -> dict[str, list[int]]:
     return out
 
 
-def no_pair_to_skip_to(d: Path) -> CliError:
+def no_pair_to_skip_to(d: Path) -> BenchError:
     """The error of ``--skip-train`` where ``d`` holds no pair."""
-    return CliError(f"--skip-train: {d} holds no trained pair (target/ and eagle3/ with config.json)")
+    return BenchError(f"--skip-train: {d} holds no trained pair (target/ and eagle3/ with config.json)")
 
 
 def check_reused_pair(d: Path) -> None:
-    """A :class:`CliError` naming the file where a pair to reuse has a ``config.json`` (target/,
+    """A :class:`BenchError` naming the file where a pair to reuse has a ``config.json`` (target/,
     eagle3/, and draft/ when it has one) that the runtime's own reader refuses: not JSON, not an
     object, a size field out of range, or no supported ``model_type``."""
     from phasegraph.runtime.errors import PhasegraphRuntimeError
@@ -333,7 +351,7 @@ def check_reused_pair(d: Path) -> None:
         try:
             check_model_type(read_config(directory).get("model_type"), str(directory / "config.json"))
         except PhasegraphRuntimeError as exc:
-            raise CliError(f"--pair {d}: cannot reuse the pair: {one_line(str(exc), 300)}") from None
+            raise BenchError(f"--pair {d}: cannot reuse the pair: {one_line(str(exc), 300)}") from None
 
 
 def untrainable_pair_dir(d: Path) -> str | None:
@@ -407,7 +425,7 @@ def load_bench_scale():
 
     path = REPO_ROOT / "benchmarks" / "bench_scale.py"
     if not path.exists():
-        raise CliError(f"{path} is missing: run `phasegraph bench` from a phasegraph checkout")
+        raise BenchError(f"{path} is missing: run `phasegraph bench` from a phasegraph checkout")
     spec = importlib.util.spec_from_file_location("phasegraph_bench_scale", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -8,6 +8,7 @@ import shutil
 import time
 from pathlib import Path
 
+from phasegraph.bench import warm as warm_mod
 from phasegraph.bench.common import (
     BASELINE,
     CHAIN,
@@ -16,6 +17,7 @@ from phasegraph.bench.common import (
     PG_CONFIGS,
     STANDALONE,
     TREE,
+    BenchError,
     BenchRun,
     count_phase,
     fmt,
@@ -33,14 +35,13 @@ from phasegraph.bench.common import (
     warm_then_time,
 )
 from phasegraph.bench.report import write_outputs
-from phasegraph.cli import CliError
 
 
 def prompt_cap(args, context: int) -> int:
     """Tokens kept of each held-out prompt: ``--prompt-tokens``, within the target's context."""
     prompt_tokens = min(args.prompt_tokens, context - args.new_tokens - 32)
     if prompt_tokens < 8:
-        raise CliError(f"the target's context ({context}) leaves no room for {args.new_tokens} new tokens")
+        raise BenchError(f"the target's context ({context}) leaves no room for {args.new_tokens} new tokens")
     return prompt_tokens
 
 
@@ -60,12 +61,22 @@ def engine_settings(run: BenchRun, kv_tokens: int) -> dict:
             "prefill_graphs": run.prefill_graphs}
 
 
+def warm_spec(run: BenchRun, preset_name: str, overrides: list[str], preset) -> dict:
+    """What the kernel warm-up process needs to build the engines part 1 builds: part 1's engine
+    keywords (:func:`engine_settings`), with its prompt cap and KV pool."""
+    a = run.args
+    prompt_tokens = prompt_cap(a, preset.target.context)
+    kv_tokens = kv_pool_tokens(max(a.batch_list), prompt_tokens, a.new_tokens)
+    return {"preset": preset_name, "overrides": overrides, "seed": a.seed, "batches": a.batch_list,
+            "prompt_tokens": prompt_tokens, "engine": engine_settings(run, kv_tokens)}
+
+
 def measure_trained_pair(run: BenchRun) -> None:
     """Part 1: fills ``run.result["trained_pair"]``, writing the outputs after every row group."""
     from tqdm.auto import tqdm
 
     from phasegraph import SamplingParams
-    from phasegraph.runtime.engine import _load_tokenizer
+    from phasegraph.runtime.models.loading import load_tokenizer
     from phasegraph.train.corpus import heldout_prompts
 
     a = run.args
@@ -76,14 +87,14 @@ def measure_trained_pair(run: BenchRun) -> None:
     drafts = {"eagle3": pair / "eagle3", "draft": pair / "draft" if (pair / "draft" / "config.json").exists() else None}
     draft_note = None
     if drafts["draft"] is None and a.quick:
-        from phasegraph.runtime.models.testing_checkpoints import write_standalone_draft
+        from phasegraph.testing.checkpoints import write_standalone_draft
 
         drafts["draft"] = write_standalone_draft(run.out / "random_draft", pair / "target")
         draft_note = ("quick mode: the tiny preset trains no standalone draft; the standalone rows "
                       "use a small RANDOM draft with the target's vocabulary (τ near 1)")
     elif drafts["draft"] is None:
         draft_note = f"{pair} has no draft/: the standalone and assisted-generation rows are not run"
-    tok = _load_tokenizer(pair / "target")
+    tok = load_tokenizer(pair / "target")
     cfg = json.loads((pair / "target" / "config.json").read_text())
     context = int(cfg.get("max_position_embeddings", 4096))
     prompt_tokens = prompt_cap(a, context)
@@ -158,36 +169,34 @@ def _trained_pair_dir(run: BenchRun) -> Path:
     a = run.args
     pair = run.pair_path()
     if has_pair(pair):
-        print(f"part 1: reusing the trained pair in {pair}", flush=True)
+        run.log(f"part 1: reusing the trained pair in {pair}")
         return pair
     if a.skip_train:  # run_bench checked this at the start; the pair went away since
         raise no_pair_to_skip_to(pair)
     preset_name, overrides, preset = training_preset(a)
-    print(f"part 1: training the {preset_name} pair into {pair} (budget "
-          f"{fmt(a.train_budget_s, '.0f')} s; overrides: {overrides or 'none'})", flush=True)
+    run.log(f"part 1: training the {preset_name} pair into {pair} (budget "
+            f"{fmt(a.train_budget_s, '.0f')} s; overrides: {overrides or 'none'})")
     from phasegraph.train.recipe import run_recipe
 
     t0 = time.perf_counter()
-    warm = None
-    if run.cuda and a.warm_compile:  # part 1's kernels compile in a second process meanwhile
-        from phasegraph.bench import warm as warm_mod
-
-        warm = warm_mod.start(warm_mod.warm_spec(run, preset_name, overrides, preset),
-                              run.out / "compile_warmup.log")
-        print(f"part 1: compiling part 1's kernels in a second process meanwhile (pid {warm.pid}; log "
-              f"{run.out / 'compile_warmup.log'})", flush=True)
+    proc = None
+    if run.cuda and a.warm_compile and run.warm_worker:  # part 1's kernels compile meanwhile
+        proc = warm_mod.start(run.warm_worker, warm_spec(run, preset_name, overrides, preset),
+                          run.out / "compile_warmup.log")
+        run.log(f"part 1: compiling part 1's kernels in a second process meanwhile (pid {proc.pid}; log "
+                f"{run.out / 'compile_warmup.log'})")
     try:
         report = run_recipe(preset, pair, seed=a.seed, device=run.device,
-                            time_budget_s=a.train_budget_s, progress=not a.no_progress)
+                            time_budget_s=a.train_budget_s, progress=not a.no_progress, log=run.log)
     except BaseException:  # training failed or was interrupted: the warm-up has no use left
-        if warm is not None:
-            warm.kill()
-            warm.wait()
+        if proc is not None:
+            proc.kill()
+            proc.wait()
         raise
     free_memory()  # the training's cached blocks: a warm-up configuration may be waiting for them
-    if warm is not None:
-        run.result["compile_warmup"] = warm_mod.finish(warm, t0, WARM_WAIT_S)
-        print(f"part 1: kernel warm-up {run.result['compile_warmup']}", flush=True)
+    if proc is not None:
+        run.result["compile_warmup"] = warm_mod.finish(proc, t0, WARM_WAIT_S)
+        run.log(f"part 1: kernel warm-up {run.result['compile_warmup']}")
     run.result["training"] = {
         "preset": preset_name, "overrides": overrides, "budget_s": a.train_budget_s,
         "wall_s": round(time.perf_counter() - t0, 1), "stopped_early": report.get("stopped_early"),
@@ -206,8 +215,6 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
                        outputs, rows, bar, note) -> None:
     """One phasegraph configuration at every batch size (one engine, reused; ``engine_kw``:
     :func:`engine_settings`)."""
-    from tqdm.auto import tqdm
-
     from phasegraph import Engine, SpecConfig
 
     a = run.args
@@ -241,8 +248,8 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
         outputs[(label, b)] = tokens
         rows.append(row)
         bar.update(1)
-        tqdm.write(f"  {label:<28} batch {b:>3}: {row['tokens_per_s']:9.1f} tok/s  "
-                   f"τ {fmt(row['tau'])}  phases: {share_text(row['phase_share'])}")
+        run.log(f"  {label:<28} batch {b:>3}: {row['tokens_per_s']:9.1f} tok/s  "
+                f"τ {fmt(row['tau'])}  phases: {share_text(row['phase_share'])}")
 
 
 def _gpu_busy_seconds(engine, calls: list[list], params) -> tuple[float, int]:
@@ -317,8 +324,6 @@ def request_calls(prompts: list, batch: int, batch1_prompts: int) -> list[list]:
 
 
 def _measure_hf_row(run: BenchRun, model, asst, label, b, calls, outputs, rows, draft_note) -> None:
-    from tqdm.auto import tqdm
-
     a = run.args
     _hf_generate(run, model, calls[0], min(16, a.new_tokens), asst)  # warm-up
     wall, tokens, gc_pauses = timed_calls(run, calls, lambda batch: _hf_generate(run, model, batch, a.new_tokens, asst))
@@ -335,7 +340,7 @@ def _measure_hf_row(run: BenchRun, model, asst, label, b, calls, outputs, rows, 
             row["note"] = draft_note
     outputs[(label, b)] = tokens
     rows.append(row)
-    tqdm.write(f"  {label[:28]:<28} batch {b:>3}: {row['tokens_per_s']:9.1f} tok/s")
+    run.log(f"  {label[:28]:<28} batch {b:>3}: {row['tokens_per_s']:9.1f} tok/s")
 
 
 # ------------------------------------------------------------------------------------------------

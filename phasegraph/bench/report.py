@@ -36,9 +36,9 @@ def write_outputs(run: BenchRun, final: bool = False) -> None:
     (run.out / "bench.json").write_text(json.dumps(result, indent=2, default=str) + "\n")
     (run.out / "bench.md").write_text(md)
     if final:
-        print("\n" + md, flush=True)
-        print(f"wrote {run.out / 'bench.json'}, {run.out / 'bench.md'} and "
-              f"{', '.join(str(run.out / p) for p in result['plots'].get('files', []))}")
+        run.log("\n" + md)
+        run.log(f"wrote {run.out / 'bench.json'}, {run.out / 'bench.md'} and "
+                f"{', '.join(str(run.out / p) for p in result['plots'].get('files', []))}")
 
 
 def evaluate_goals(result: dict, args: argparse.Namespace) -> list[dict]:

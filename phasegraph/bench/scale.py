@@ -7,6 +7,7 @@ import time
 
 from phasegraph.bench.common import (
     SCALE_CONFIGS,
+    BenchError,
     BenchRun,
     count_phase,
     fill_random_weights,
@@ -19,7 +20,6 @@ from phasegraph.bench.common import (
     warm_then_time,
 )
 from phasegraph.bench.report import write_outputs
-from phasegraph.cli import CliError
 
 QUICK_SCALE_MODEL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
                      "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 4096}
@@ -34,7 +34,7 @@ def measure_scale(run: BenchRun) -> None:
 
     a = run.args
     if not run.cuda and not a.quick:
-        raise CliError("part 2 (8B shape) needs a CUDA GPU: use --quick on the CPU, or --parts 1")
+        raise BenchError("part 2 (8B shape) needs a CUDA GPU: use --quick on the CPU, or --parts 1")
     t_part = time.perf_counter()
     bs = load_bench_scale()
     bw = bs.copy_bandwidth() if run.cuda else _host_copy_bandwidth(run)
@@ -136,8 +136,6 @@ def _host_copy_bandwidth(run: BenchRun, nbytes: int = 256 << 20) -> float:
 
 
 def _measure_baseline(run: BenchRun, bs, target, prompts, params, engine_kw, base_tps, bar) -> None:
-    from tqdm.auto import tqdm
-
     from phasegraph import Engine, SpecConfig
     from phasegraph.runtime.models.target import HFTarget
 
@@ -165,8 +163,8 @@ def _measure_baseline(run: BenchRun, bs, target, prompts, params, engine_kw, bas
         base_tps[b] = row["tokens_per_s"]
         part["baseline"].append(row)
         bar.update(1)
-        tqdm.write(f"  scale baseline batch {b:>3}: {row['tokens_per_s']:9.1f} tok/s, step "
-                   f"{1e3 * row.get('decode_step_s', row['step_s_end_to_end']):.2f} ms, bound {1e3 * bound:.2f} ms")
+        run.log(f"  scale baseline batch {b:>3}: {row['tokens_per_s']:9.1f} tok/s, step "
+                f"{1e3 * row.get('decode_step_s', row['step_s_end_to_end']):.2f} ms, bound {1e3 * bound:.2f} ms")
 
 
 def goal_order(batches: list[int]) -> list[int]:
@@ -178,8 +176,6 @@ def goal_order(batches: list[int]) -> list[int]:
 
 def _measure_spec(run: BenchRun, bs, target, head, name, spec, tau, prompts, params, engine_kw, base_tps,
                   bar) -> None:
-    from tqdm.auto import tqdm
-
     from phasegraph import Engine
 
     a = run.args
@@ -204,8 +200,8 @@ def _measure_spec(run: BenchRun, bs, target, head, name, spec, tau, prompts, par
                "phase_share": phase_share(engine.trace, wall), "gc": gc_pauses, "captured_while_timed": captured}
         part["rows"].append(row)
         bar.update(1)
-        tqdm.write(f"  scale {name:<18} SIMULATED τ={tau} (measured {measured:.2f}) batch {b:>3}: "
-                   f"{row['tokens_per_s']:9.1f} tok/s speedup {speedup:.2f} η {row['eta']:.2f}")
+        run.log(f"  scale {name:<18} SIMULATED τ={tau} (measured {measured:.2f}) batch {b:>3}: "
+                f"{row['tokens_per_s']:9.1f} tok/s speedup {speedup:.2f} η {row['eta']:.2f}")
     if run.cuda and tau == max(a.scale_tau_list):
         # GPU time per phase at the smallest and largest batch (bench_scale's probe): what
         # limits η at batch 1 and the speedup at the largest batch, measured. One graph per

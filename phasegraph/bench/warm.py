@@ -8,7 +8,7 @@ disk, keyed by source and specialisation, so kernels compiled here on the same s
 are loaded, not compiled, when part 1 launches them. The timed calls are unaffected: they were
 always warm (every call runs twice before it is timed); only the bench's wall time changes.
 
-    python -m phasegraph.bench.warm SPEC_JSON      # what phasegraph.bench.pair starts
+    python -m phasegraph.cli.bench_warmup SPEC_JSON      # what phasegraph.bench.pair starts
 """
 
 from __future__ import annotations
@@ -16,9 +16,9 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from phasegraph.bench.common import PG_CONFIGS, REPO_ROOT, free_memory
@@ -31,23 +31,12 @@ RETRY_WAIT_S = 900.0  # the longest a configuration that ran out waits for that 
 # stops the warm-up WARM_WAIT_S after the training ends in any case)
 
 
-def warm_spec(run, preset_name: str, overrides: list[str], preset) -> dict:
-    """What the second process needs to build the engines part 1 builds: part 1's engine
-    keywords (:func:`phasegraph.bench.pair.engine_settings`), with its prompt cap and KV pool."""
-    from phasegraph.bench.pair import engine_settings, kv_pool_tokens, prompt_cap
-
-    a = run.args
-    prompt_tokens = prompt_cap(a, preset.target.context)
-    kv_tokens = kv_pool_tokens(max(a.batch_list), prompt_tokens, a.new_tokens)
-    return {"preset": preset_name, "overrides": overrides, "seed": a.seed, "batches": a.batch_list,
-            "prompt_tokens": prompt_tokens, "engine": engine_settings(run, kv_tokens)}
-
-
-def start(spec: dict, log_path: Path) -> subprocess.Popen:
-    """The warm-up process, its output in ``log_path``."""
+def start(worker: Sequence[str], spec: dict, log_path: Path) -> subprocess.Popen:
+    """The warm-up process: the command line ``worker`` (it calls :func:`run_spec`) given
+    ``spec`` as JSON, its output in ``log_path``."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO_ROOT), os.environ.get("PYTHONPATH")]))}
     with open(log_path, "w") as log:  # the child writes to its own copy of the descriptor
-        return subprocess.Popen([sys.executable, "-m", "phasegraph.bench.warm", json.dumps(spec)],
+        return subprocess.Popen([*worker, json.dumps(spec)],
                                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO_ROOT)
 
 
@@ -157,7 +146,7 @@ def wait_for_memory(min_free: int, timeout_s: float, free_bytes=device_free_byte
         sleep(poll_s)
 
 
-def run_configs(spec: dict, dirs: dict[str, Path], log=print, *,
+def run_configs(spec: dict, dirs: dict[str, Path], log: Callable[[str], None], *,
                 free_bytes=device_free_bytes, sleep=time.sleep) -> int:
     """Engines of every part-1 configuration (and acceptance length, :func:`accept_lengths`), one
     short ``generate`` per batch size; the number of calls made. A configuration that runs out
@@ -180,41 +169,33 @@ def run_configs(spec: dict, dirs: dict[str, Path], log=print, *,
         made = _try_config(spec, dirs, spec_kw, draft_key, params, vocab, g)
         if made is None:
             log(f"warm-up: {label}: out of device memory (another process holds it: in the "
-                f"bench, the training); tried again when {RETRY_FREE_BYTES >> 30} GiB are free",
-                flush=True)
+                f"bench, the training); tried again when {RETRY_FREE_BYTES >> 30} GiB are free")
             retry.append((label, spec_kw, draft_key))
             continue
         calls += made
-        log(f"warm-up: {label}: {time.perf_counter() - t0:.1f} s", flush=True)
+        log(f"warm-up: {label}: {time.perf_counter() - t0:.1f} s")
     for label, spec_kw, draft_key in retry:
         if not wait_for_memory(RETRY_FREE_BYTES, RETRY_WAIT_S, free_bytes, sleep):
             log(f"warm-up: {label}: skipped, {RETRY_FREE_BYTES >> 30} GiB of device memory were "
-                f"not free within {RETRY_WAIT_S:.0f} s (part 1 compiles its kernels itself)",
-                flush=True)
+                f"not free within {RETRY_WAIT_S:.0f} s (part 1 compiles its kernels itself)")
             continue
         t0 = time.perf_counter()
         made = _try_config(spec, dirs, spec_kw, draft_key, params, vocab, g)
         if made is None:
             log(f"warm-up: {label}: skipped, out of device memory again (part 1 compiles its "
-                f"kernels itself)", flush=True)
+                f"kernels itself)")
             continue
         calls += made
-        log(f"warm-up: {label}: {time.perf_counter() - t0:.1f} s (second try)", flush=True)
+        log(f"warm-up: {label}: {time.perf_counter() - t0:.1f} s (second try)")
     return calls
 
 
-def main(argv: list[str] | None = None) -> int:
+def run_spec(spec: dict, log: Callable[[str], None]) -> int:
+    """What the warm-up process does: a random pair of the spec's preset in a temporary
+    directory, then :func:`run_configs` on it; the number of calls made."""
     from phasegraph.train.presets import PRESETS, apply_overrides
 
-    spec = json.loads((argv if argv is not None else sys.argv[1:])[0])
     preset = apply_overrides(PRESETS[spec["preset"]], spec["overrides"])
-    t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="phasegraph-warm-") as tmp:
         dirs = write_random_pair(preset, Path(tmp), spec["seed"])
-        calls = run_configs(spec, dirs)
-    print(f"warm-up: {calls} calls in {time.perf_counter() - t0:.1f} s", flush=True)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+        return run_configs(spec, dirs, log)

@@ -8,6 +8,7 @@ path and the oracle) and a Triton one as ``<name>_triton``; the names exported h
 forces one, see ``_dispatch.py``).
 """
 
+from phasegraph.kernels._dispatch import KernelSettingError, check_kernel_settings
 from phasegraph.kernels.bonus import fill_bonus_tokens, gather_accepted_tokens
 from phasegraph.kernels.build_tree import TreeTensors, build_tree, select_tree_nodes
 from phasegraph.kernels.cache_slots import (
@@ -46,6 +47,7 @@ __all__ = [
     "DraftCandidates",
     "ExpandedCandidates",
     "ExtendSlots",
+    "KernelSettingError",
     "SpanRows",
     "StepCandidates",
     "TreeTensors",
@@ -53,6 +55,7 @@ __all__ = [
     "accepted_kv_moves",
     "assign_draft_cache_locs",
     "build_tree",
+    "check_kernel_settings",
     "compact_to_front",
     "concat_candidates",
     "draft_region_pages",

@@ -1,6 +1,7 @@
 """CUDA graph capture of whole phases, per batch-size bucket.
 
-:class:`GraphRunner` wraps a phase function so that, for a batch of ``B`` requests, the phase
+:class:`~phasegraph.runtime.graph_runner.GraphRunner` wraps a phase function in a
+:class:`GraphedPhase` so that, for a batch of ``B`` requests, the phase
 replays a CUDA graph captured for the smallest bucket ``>= B``; batches larger than the largest
 bucket run eagerly. The runner owns every static buffer (seed 003: one owner, addressed only
 through it): the padded copy of the phase's input schema and the outputs the capture produced.
@@ -32,7 +33,6 @@ and every static buffer before and after capture.
 from __future__ import annotations
 
 import contextlib
-import functools
 import gc
 import sys
 from collections.abc import Callable, Sequence
@@ -42,8 +42,7 @@ import attrs
 import torch
 
 from phasegraph.phases.schemas import REQUEST
-from phasegraph.runtime.config import GRAPH_SCOPES
-from phasegraph.statemachine import PhaseGraph, PhaseSpec, Schema
+from phasegraph.statemachine import PhaseSpec, Schema
 from phasegraph.statemachine.rows import check_padding, padding_plan
 
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
@@ -447,7 +446,7 @@ class GraphedPhase:
 
     def __init__(
         self,
-        runner: GraphRunner,
+        runner: GraphCapture,
         spec: PhaseSpec,
         when: Callable[[Schema], bool] | None = None,
         idempotent: bool = True,
@@ -519,29 +518,17 @@ class GraphedPhase:
         return cap
 
 
-class GraphRunner:
-    """Owns the captured graphs, their static buffers and the shared memory pool."""
+class GraphCapture:
+    """What every captured graph of an engine shares: the batch buckets, whether graphs are on
+    (or emulated on the CPU), the memory pool, and the key that selects a captured graph.
+    :class:`~phasegraph.runtime.graph_runner.GraphRunner` is the one an engine builds."""
 
-    def __init__(
-        self,
-        buckets: Sequence[int] = DEFAULT_BUCKETS,
-        enabled: bool = True,
-        emulate: bool = False,
-        scope: str = "iteration",
-        prefill_token_buckets: Sequence[int] = (),
-    ):
-        if scope not in GRAPH_SCOPES:
-            raise ValueError(f"graph scope must be one of {GRAPH_SCOPES}, got {scope!r}")
-        self.scope = scope
-        self.iteration = None  # the IterationGraph, with scope "iteration"
-        # prefill-extend graphs per (request bucket, token bucket); none: prefill runs eagerly
-        self.prefill_token_buckets = tuple(prefill_token_buckets)
-        self.prefill = None  # the PrefillGraph, with prefill token buckets
+    def __init__(self, buckets: Sequence[int] = DEFAULT_BUCKETS, enabled: bool = True,
+                 emulate: bool = False):
         self.buckets = tuple(sorted(set(int(b) for b in buckets)))
         self.emulate = emulate
         self.enabled = enabled and (emulate or torch.cuda.is_available())
         self.pool = torch.cuda.graph_pool_handle() if self.enabled and not emulate else None
-        self.phases: dict[str, GraphedPhase] = {}
         self.context_key: Callable[[Any], tuple] = lambda ctx: (
             bool(getattr(ctx, "greedy_only", False)),
             bool(getattr(ctx, "return_logprobs", False)),
@@ -556,60 +543,3 @@ class GraphRunner:
             if b >= batch:
                 return b if batch > 0 else None
         return None
-
-    def wrap(
-        self, spec: PhaseSpec, when: Callable[[Schema], bool] | None = None, idempotent: bool = True
-    ) -> PhaseSpec:
-        """``spec`` with a graphed function; ``when(state)`` False runs the call eagerly."""
-        graphed = GraphedPhase(self, spec, when, idempotent)
-        self.phases[spec.name] = graphed
-        return attrs.evolve(spec, fn=graphed)
-
-    @functools.cached_property
-    def graph(self) -> PhaseGraph:
-        """The EAGLE graph with every phase of an iteration graphed (draft, verify,
-        finalize-tree-path, draft-extend after decode, decode): the same phases, edges and
-        schemas, another execution."""
-        from phasegraph.phases.eagle import EDGES, PHASES
-        from phasegraph.phases.schemas import PrefillResult
-
-        def after_decode(state: Schema) -> bool:
-            return not isinstance(state, PrefillResult)  # prefill's rows are ragged
-
-        when = {"draft": None, "verify": None, "finalize-tree-path": None,
-                "draft-extend": after_decode, "decode": None}
-        not_idempotent = {"finalize-tree-path"}  # it moves KV within the request's own slots
-        phases = [
-            self.wrap(p, when[p.name], p.name not in not_idempotent) if p.name in when else p
-            for p in PHASES
-        ]
-        if self.prefill_token_buckets:
-            from phasegraph.runtime.prefill_graph import PrefillGraph
-
-            self.prefill = PrefillGraph(self, next(p for p in PHASES if p.name == "prefill-extend"),
-                                        self.prefill_token_buckets)
-            phases = [attrs.evolve(p, fn=self.prefill) if p.name == "prefill-extend" else p for p in phases]
-        if self.scope == "iteration":
-            from phasegraph.runtime.iteration_graph import ITERATION, IterationGraph
-
-            plain = {p.name: p for p in PHASES if p.name in ITERATION}
-            fallback = {p.name: p.fn for p in phases if p.name in ITERATION}
-            self.iteration = IterationGraph(self, plain, fallback)
-            phases = [attrs.evolve(p, fn=self.iteration.phase_fn(p.name)) if p.name in ITERATION else p
-                      for p in phases]
-        return PhaseGraph("eagle", phases, EDGES, entry="prefill-extend")
-
-    def stats(self) -> dict[str, dict[str, Any]]:
-        """Per graphed phase: graphs, replays, eager calls and why (prefill-extend too when its
-        graphs are on); with scope "iteration" also ``"iteration"``: its graphs, replays, and per
-        phase how many calls it served."""
-        out: dict[str, dict[str, Any]] = {
-            name: {"graphs": len(p.graphs), "replays": p.replays, "eager": p.eager_calls,
-                   "eager_reasons": dict(p.eager_reasons)}
-            for name, p in self.phases.items()
-        }
-        if self.iteration is not None:
-            out["iteration"] = self.iteration.stats()
-        if self.prefill is not None:
-            out["prefill-extend"] = self.prefill.stats()
-        return out

@@ -19,7 +19,7 @@ from pathlib import Path
 import attrs
 import torch
 
-from phasegraph.kernels._dispatch import KernelSettingError, check_kernel_settings
+from phasegraph.kernels import KernelSettingError, check_kernel_settings
 from phasegraph.phases import EAGLE_GRAPH, SpecContext
 from phasegraph.phases.context import tokens_per_iteration
 from phasegraph.runtime.config import (
@@ -32,7 +32,7 @@ from phasegraph.runtime.config import (
     as_spec,
     is_int,
 )
-from phasegraph.runtime.cuda_graphs import DEFAULT_BUCKETS, GraphRunner
+from phasegraph.runtime.cuda_graphs import DEFAULT_BUCKETS
 from phasegraph.runtime.errors import (
     CheckpointFileError,
     DraftMismatch,
@@ -42,10 +42,11 @@ from phasegraph.runtime.errors import (
     SchedulerInvariantError,
     is_out_of_memory,
 )
+from phasegraph.runtime.graph_runner import GraphRunner
 from phasegraph.runtime.kv_pool import KVCacheManager
 from phasegraph.runtime.memory import PhaseMemory
 from phasegraph.runtime.models.drafts import draft_kind, load_draft
-from phasegraph.runtime.models.loading import read_json_object
+from phasegraph.runtime.models.loading import load_tokenizer, read_json_object
 from phasegraph.runtime.models.target import HFTarget
 from phasegraph.runtime.prefill_graph import token_buckets_for
 from phasegraph.runtime.requests import Request, Status
@@ -87,27 +88,6 @@ def resolve_dtype(dtype: str | torch.dtype | None, device: torch.device, name: s
     if dtype not in names:
         raise InvalidConfig(f"{name} must be one of {', '.join(names)}; got {dtype!r}")
     return names[dtype]
-
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-
-
-def _load_tokenizer(directory: Path):
-    """The directory's tokenizer, or None where it ships none. Unreadable tokenizer files raise
-    :class:`CheckpointFileError` naming them (transformers raises whatever its parser met)."""
-    present = [f for f in TOKENIZER_FILES if (directory / f).exists()]
-    if not present:
-        return None
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(directory))
-    except Exception as exc:  # noqa: BLE001 - tokenizers/transformers/json raise their own types
-        raise CheckpointFileError(
-            f"{directory}: cannot load the tokenizer from {', '.join(present)} "
-            f"({type(exc).__name__}: {one_line(str(exc), 200)})"
-        ) from exc
 
 
 def _token_ids_field(value, where: str) -> list[int]:
@@ -306,7 +286,7 @@ class Engine:
             if draft_dir is None:
                 raise InvalidConfig(f"SpecConfig(method={spec.method!r}) needs draft_dir")
             draft = load_draft(Path(draft_dir), target, spec.method, dtype=draft_dt, device=dev)
-        tokenizer = _load_tokenizer(target_path)
+        tokenizer = load_tokenizer(target_path)
         if spec.method == "standalone":
             _check_draft_tokenizer(Path(draft_dir), tokenizer)
         kwargs.setdefault("eos_token_ids", _eos_ids(target, target_path, tokenizer))
@@ -649,7 +629,7 @@ def _check_draft_tokenizer(draft_dir: Path, tokenizer) -> None:
     rejected (the output stays the target's, the speed-up silently vanishes)."""
     if tokenizer is None:
         return
-    draft_tokenizer = _load_tokenizer(draft_dir)
+    draft_tokenizer = load_tokenizer(draft_dir)
     if draft_tokenizer is None:
         return
     target_tokens = {i: t for t, i in tokenizer.get_vocab().items()}

@@ -34,7 +34,7 @@ import torch
 
 from phasegraph.runtime.cuda_graphs import (
     EmulatedGraph,
-    GraphRunner,
+    GraphCapture,
     InputCopier,
     OutputCopier,
     copy_inputs_in,
@@ -62,7 +62,7 @@ class _CapturedIteration:
 class IterationGraph:
     """Serves the four phases of a speculative iteration from one graph per bucket."""
 
-    def __init__(self, runner: GraphRunner, specs: dict[str, PhaseSpec], fallback: dict[str, Callable]):
+    def __init__(self, runner: GraphCapture, specs: dict[str, PhaseSpec], fallback: dict[str, Callable]):
         self.runner = runner
         self.specs = specs
         self.fallback = fallback  # per-phase path (GraphedPhase or the plain function)

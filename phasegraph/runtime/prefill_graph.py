@@ -34,7 +34,7 @@ import torch
 from phasegraph.phases.schemas import REQUEST, TOKEN
 from phasegraph.runtime.cuda_graphs import (
     EmulatedGraph,
-    GraphRunner,
+    GraphCapture,
     foreach_copy,
     no_garbage_collection,
     warm_up,
@@ -59,7 +59,7 @@ def token_buckets_for(max_context: int, buckets=DEFAULT_TOKEN_BUCKETS) -> tuple[
 class PrefillGraph:
     """prefill-extend served from graphs captured per (request bucket, token bucket)."""
 
-    def __init__(self, runner: GraphRunner, spec: PhaseSpec, token_buckets: tuple[int, ...]):
+    def __init__(self, runner: GraphCapture, spec: PhaseSpec, token_buckets: tuple[int, ...]):
         self.runner = runner
         self.spec = spec
         self.token_buckets = tuple(sorted(set(int(b) for b in token_buckets)))

@@ -22,8 +22,9 @@ from collections.abc import Callable, Iterable, Sequence
 
 import networkx as nx
 
-from phasegraph.statemachine.errors import InvalidPhaseGraph
+from phasegraph.statemachine.errors import InvalidPhaseGraph, RendererUnavailable
 from phasegraph.statemachine.phase import PhaseSpec
+from phasegraph.statemachine.render import render, render_bytes
 from phasegraph.statemachine.schema import schema_satisfies
 
 Rule = Callable[["PhaseGraph"], list[str]]
@@ -205,17 +206,12 @@ class PhaseGraph:
 
     def __format__(self, spec: str) -> str:
         if spec in ("", "text", "mermaid", "dot"):
-            from phasegraph.statemachine import render
-
-            return render.render(self, spec or "text")
+            return render(self, spec or "text")
         return super().__format__(spec)
 
     def _repr_svg_(self) -> str | None:  # Jupyter
-        from phasegraph.statemachine import render
-        from phasegraph.statemachine.errors import RendererUnavailable
-
         try:
-            return render.render_bytes(self, "svg").decode()
+            return render_bytes(self, "svg").decode()
         except RendererUnavailable:
             return None
 

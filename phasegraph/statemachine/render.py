@@ -9,17 +9,34 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+from collections.abc import Collection, Iterator, Mapping
+from typing import Protocol
 
 import attrs
 import networkx as nx
 
 from phasegraph.statemachine.errors import PhaseGraphError, RendererUnavailable
-from phasegraph.statemachine.graph import PhaseGraph
+from phasegraph.statemachine.phase import PhaseSpec
 from phasegraph.statemachine.trace import EdgeStats, Trace
 
 TEXT_FORMATS = ("text", "mermaid", "dot")
 BINARY_FORMATS = ("svg", "png")
 FORMATS = TEXT_FORMATS + BINARY_FORMATS
+
+
+class Drawable(Protocol):
+    """What a renderer reads of a graph (:class:`~phasegraph.statemachine.PhaseGraph` is one):
+    the graph module draws itself through this one, so this one does not import it."""
+
+    name: str
+    entry: str
+    terminals: Collection[str]
+    phases: Mapping[str, PhaseSpec]
+
+    @property
+    def edges(self) -> tuple[tuple[str, str], ...]: ...
+
+    def __iter__(self) -> Iterator[PhaseSpec]: ...
 
 
 @attrs.frozen
@@ -50,7 +67,7 @@ class GraphView:
     traced: bool
 
 
-def describe(graph: PhaseGraph, trace: Trace | None = None) -> GraphView:
+def describe(graph: Drawable, trace: Trace | None = None) -> GraphView:
     """The intermediate representation every renderer consumes."""
     stats = trace.edge_stats() if trace is not None else {}
     unknown = sorted({n for edge in stats for n in edge if n is not None and n not in graph.phases})
@@ -176,7 +193,7 @@ def to_dot(view: GraphView) -> str:
     return "\n".join(lines) + "\n"
 
 
-def render(graph: PhaseGraph, fmt: str = "text", trace: Trace | None = None) -> str:
+def render(graph: Drawable, fmt: str = "text", trace: Trace | None = None) -> str:
     """Render to a text format: ``text``, ``mermaid`` or ``dot``."""
     view = describe(graph, trace)
     if fmt == "text":
@@ -190,7 +207,7 @@ def render(graph: PhaseGraph, fmt: str = "text", trace: Trace | None = None) -> 
     raise PhaseGraphError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
 
 
-def to_pydot(graph: PhaseGraph, trace: Trace | None = None):
+def to_pydot(graph: Drawable, trace: Trace | None = None):
     """The graph as a ``pydot.Dot`` (the ``[diagrams]`` extra), for users who lay it out or
     style it further themselves."""
     try:
@@ -207,7 +224,7 @@ def graphviz_available() -> bool:
     return shutil.which("dot") is not None
 
 
-def render_bytes(graph: PhaseGraph, fmt: str, trace: Trace | None = None) -> bytes:
+def render_bytes(graph: Drawable, fmt: str, trace: Trace | None = None) -> bytes:
     """Render to any format as bytes; ``svg`` and ``png`` run Graphviz's ``dot``."""
     if fmt in TEXT_FORMATS:
         return render(graph, fmt, trace).encode()

@@ -218,10 +218,11 @@ def run_recipe(
     device: str | torch.device | None = None,
     time_budget_s: float | None = None,
     progress: bool = True,
-    log: Callable[[str], None] = print,
+    log: Callable[[str], None] | None = None,
     overwrite: bool = False,
 ) -> dict:
-    """Run every stage, write the files and ``train_report.json``; returns the report.
+    """Run every stage, write the files and ``train_report.json``; returns the report. ``log``
+    takes the plan, each stage's result and the summary, one string each (None: nothing).
     ``out_dir`` must be missing or empty unless ``overwrite`` (FileExistsError): the run then
     replaces its ``target/``, ``eagle3/``, ``draft/`` and report, and leaves other files alone.
     Bad input (:func:`check_preset`, :func:`check_run_options`, :func:`prepare_out_dir`) is a
@@ -233,13 +234,17 @@ def run_recipe(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         with deterministic_mode():
-            return _run(preset, out_dir, seed, device, time_budget_s, progress, log)
+            return _run(preset, out_dir, seed, device, time_budget_s, progress, log or _silent)
     except BaseException:  # failed or interrupted: nothing half-written stays behind
         shutil.rmtree(out_dir / STAGING, ignore_errors=True)
         if created:
             with contextlib.suppress(OSError):
                 out_dir.rmdir()  # only if still empty
         raise
+
+
+def _silent(text: str) -> None:
+    """Where the recipe's messages go unless its caller passes a log."""
 
 
 def _move_into_place(staging: Path, out_dir: Path) -> None:
@@ -290,7 +295,7 @@ def _run(preset, out_dir, seed, device, time_budget_s, progress, log) -> dict:
                    for k, v in projection.items()},
         "total_training_s": round(sum(v["s"] for v in projection.values()), 1),
     }
-    log(_format_projection(preset, projection))
+    log(format_projection(preset, projection))
     budget = _Budget(time_budget_s, projection)
 
     # -- corpus and tokenizer ------------------------------------------------------------------
@@ -552,7 +557,7 @@ def _format_splits(splits: dict) -> str:
     )
 
 
-def _format_projection(preset: Preset, projection: dict) -> str:
+def format_projection(preset: Preset, projection: dict) -> str:
     mfu = ", ".join(f"{stage} {share:.1%}" for stage, share in STAGE_MFU.items())
     lines = [f"[{preset.name}] projected H100 time at {mfu} of 790 TFLOP/s bf16:"]
     for stage, p in projection.items():

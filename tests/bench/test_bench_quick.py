@@ -246,9 +246,9 @@ def test_batch_one_gpu_work_gives_the_eta_a_host_that_kept_up_would_allow():
 
 def _part1_estimate(tmp_path, *extra) -> dict[str, float]:
     """``--dry-run``'s estimate of a ``--parts 1`` run with ``extra`` options (no pair in place)."""
-    from phasegraph.bench.cli import _resolve_args, estimate_seconds
     from phasegraph.bench.common import BenchRun
     from phasegraph.cli import build_parser
+    from phasegraph.cli.bench import _resolve_args, estimate_seconds
 
     args = build_parser().parse_args(["bench", "--out", str(tmp_path), "--pair", str(tmp_path / "pair"),
                                       "--parts", "1", "--dry-run", *extra])
@@ -258,7 +258,7 @@ def _part1_estimate(tmp_path, *extra) -> dict[str, float]:
 def test_the_estimate_counts_transformers_rows_only_when_they_run(tmp_path):
     """--dry-run's part-1 estimate carries transformers' rows at the measured per-token cost
     (plain and assisted at batch 1) and drops them with --no-hf."""
-    from phasegraph.bench.cli import HF_ASSISTED_STEP_S, HF_STEP_S
+    from phasegraph.cli.bench import HF_ASSISTED_STEP_S, HF_STEP_S
 
     def part1(*extra):
         return _part1_estimate(tmp_path, *extra)["part 1: measure"]
@@ -307,7 +307,7 @@ def test_the_default_budget_cuts_no_stage_of_the_bench_pair(monkeypatch, slower)
     """Every bench-pair stage gets its whole step count inside the default budget when it runs
     at its projected H100 speed (measured), or 10 % slower: a stage cut on the clock would make
     the pair, and so the bench's τ, differ from run to run."""
-    from phasegraph.bench.cli import DEFAULT_TRAIN_BUDGET_S
+    from phasegraph.cli.bench import DEFAULT_TRAIN_BUDGET_S
     from phasegraph.train.presets import PRESETS
     from phasegraph.train.recipe import _Budget, project
 
@@ -328,7 +328,7 @@ def test_the_training_estimate_follows_the_budget_and_the_acceptance_check(tmp_p
     that is less, plus held-out evaluation; its own
     simulated-acceptance check is skipped by the bench unless --train-set turns it back on
     (the last override wins, as in the recipe)."""
-    from phasegraph.bench.cli import (
+    from phasegraph.cli.bench import (
         DEFAULT_TRAIN_BUDGET_S,
         TRAIN_ACCEPTANCE_S,
         TRAIN_EVAL_S,
@@ -513,13 +513,13 @@ def test_the_kernel_warm_up_pair_has_the_trained_pairs_layout(quick_run, tmp_pat
 
 
 def test_the_kernel_warm_up_process_entry_point_runs_a_spec(capsys):
-    """``python -m phasegraph.bench.warm SPEC_JSON``: the random pair in a temporary directory,
-    every configuration, a closing line with the number of calls."""
-    from phasegraph.bench import warm
+    """``python -m phasegraph.cli.bench_warmup SPEC_JSON``: the random pair in a temporary
+    directory, every configuration, a closing line with the number of calls."""
+    from phasegraph.cli import bench_warmup
 
     spec = {"preset": "tiny", "overrides": TRAIN_SET, "seed": 0, "batches": [1], "prompt_tokens": 16,
             "engine": _cpu_engine_settings(1, 512)}
-    assert warm.main([json.dumps(spec)]) == 0
+    assert bench_warmup.main([json.dumps(spec)]) == 0
     assert "warm-up: 10 calls in" in capsys.readouterr().out
 
 
@@ -551,8 +551,8 @@ def test_a_count_or_limit_out_of_range_is_refused_before_anything_runs(tmp_path,
 def test_a_zero_time_limit_means_none(tmp_path, budget):
     """--time-limit-s 0 turns the limit off, as --train-budget-s 0 or inf does (the recipe
     refuses an infinite budget: the bench hands it no limit instead)."""
-    from phasegraph.bench.cli import _resolve_args
     from phasegraph.cli import build_parser
+    from phasegraph.cli.bench import _resolve_args
 
     args = build_parser().parse_args(["bench", "--out", str(tmp_path), "--time-limit-s", "0", "--train-budget-s", budget])
     args = _resolve_args(args)

@@ -7,7 +7,7 @@ import pytest
 
 from phasegraph import Engine, SpecConfig
 from phasegraph.bench.common import forward_weight_bytes, iteration_weight_bytes
-from phasegraph.runtime.models.testing_checkpoints import (
+from phasegraph.testing.checkpoints import (
     TINY,
     write_eagle1_draft,
     write_eagle3_draft,

@@ -1,6 +1,6 @@
 """Shared pieces of the engine tests: tiny checkpoints on disk, prompts, transformers references.
 
-Every checkpoint is written by :mod:`phasegraph.runtime.models.testing_checkpoints` into a
+Every checkpoint is written by :mod:`phasegraph.testing.checkpoints` into a
 session temporary directory, once per architecture, and reused by every test of the session.
 The targets are small (hidden 32, 3 layers, vocabulary 96). The lm_head rows of a few "strong"
 tokens are scaled up (``boost_rows``) in the untied targets and in the drafts that own an
@@ -30,7 +30,7 @@ from safetensors.torch import load_file, save_file
 
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
-from phasegraph.runtime.models.testing_checkpoints import (
+from phasegraph.testing.checkpoints import (
     write_eagle1_draft,
     write_eagle3_draft,
     write_hf_target,

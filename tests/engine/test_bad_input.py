@@ -26,7 +26,7 @@ from phasegraph.runtime.errors import (
     InvalidRequest,
     PhasegraphRuntimeError,
 )
-from phasegraph.runtime.models.testing_checkpoints import (
+from phasegraph.testing.checkpoints import (
     write_eagle1_draft,
     write_eagle3_draft,
     write_hf_target,

@@ -29,7 +29,7 @@ class _Stopped(Exception):
 @pytest.fixture
 def no_runs(monkeypatch):
     """The demo stops with :class:`_Stopped` where its first run would start."""
-    import phasegraph.demo as demo
+    import phasegraph.cli.demo as demo
 
     def stop(*args, **kwargs):
         raise _Stopped
@@ -115,7 +115,7 @@ class _RecordingEngine:
     ("cpu", (["a"], 4)),  # nothing to compile or capture: one short call
 ])
 def test_the_demo_warms_up_before_it_times(monkeypatch, device, warm_up):
-    import phasegraph.demo as demo
+    import phasegraph.cli.demo as demo
     from phasegraph import SamplingParams
 
     engine = _RecordingEngine()

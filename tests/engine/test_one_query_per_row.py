@@ -24,7 +24,7 @@ import attrs
 import pytest
 
 from phasegraph.runtime.models import attention_backend, fused_decoder
-from phasegraph.runtime.models.testing_checkpoints import write_mtp_draft
+from phasegraph.testing.checkpoints import write_mtp_draft
 
 from .support import arch_bundle, assert_all_free, engine_for, greedy, make_prompts
 

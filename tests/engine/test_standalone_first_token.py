@@ -10,7 +10,7 @@ import torch
 
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
-from phasegraph.runtime.models.testing_checkpoints import write_hf_target
+from phasegraph.testing.checkpoints import write_hf_target
 
 
 @pytest.mark.parametrize(("topk", "nodes", "page_size"), [(1, 4, 1), (1, 4, 16), (1, 4, 4)])

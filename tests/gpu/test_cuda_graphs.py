@@ -26,7 +26,7 @@ VOCAB = 96
 
 def _target(dtype=torch.float32):
     from phasegraph.runtime.models.target import HFTarget, build_causal_lm
-    from phasegraph.runtime.models.testing_checkpoints import tiny_target_config
+    from phasegraph.testing.checkpoints import tiny_target_config
 
     config = tiny_target_config(
         "llama", vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,

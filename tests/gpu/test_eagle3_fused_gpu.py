@@ -18,7 +18,7 @@ from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.runtime.kv_pool import KVPool
 from phasegraph.runtime.models.eagle3 import Eagle3Draft
 from phasegraph.runtime.models.target import HFTarget
-from phasegraph.runtime.models.testing_checkpoints import write_eagle3_draft, write_hf_target
+from phasegraph.testing.checkpoints import write_eagle3_draft, write_hf_target
 
 pytestmark = pytest.mark.gpu
 

@@ -9,7 +9,7 @@ import torch
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
 from phasegraph.runtime.models.target import HFTarget, build_causal_lm
-from phasegraph.runtime.models.testing_checkpoints import tiny_target_config
+from phasegraph.testing.checkpoints import tiny_target_config
 
 VOCAB = 96
 NEW_TOKENS = 64

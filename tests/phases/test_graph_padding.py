@@ -65,7 +65,7 @@ def test_emulated_iteration_graph_is_lossless(batch, topk, steps, nodes):
 def test_iteration_graph_serves_only_the_object_it_returned():
     """verify, finalize and draft-extend are served from a replay only when their input is the
     object the previous phase of that replay returned; anything else takes the per-phase path."""
-    from phasegraph.runtime.cuda_graphs import GraphRunner
+    from phasegraph.runtime.graph_runner import GraphRunner
     from phasegraph.runtime.iteration_graph import IterationGraph
 
     calls = []

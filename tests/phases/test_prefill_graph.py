@@ -12,15 +12,15 @@ from phasegraph.phases.schemas import TOKEN, PrefillInput
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
 from phasegraph.runtime.errors import InvalidConfig
-from phasegraph.runtime.models.testing_checkpoints import (
-    write_eagle3_draft,
-    write_hf_target,
-    write_standalone_draft,
-)
 from phasegraph.runtime.prefill_graph import (
     padded_prefill_input,
     slice_prefill_result,
     token_buckets_for,
+)
+from phasegraph.testing.checkpoints import (
+    write_eagle3_draft,
+    write_hf_target,
+    write_standalone_draft,
 )
 from phasegraph.testing.drafters import NoisyOracleDraft
 

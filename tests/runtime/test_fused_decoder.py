@@ -16,7 +16,7 @@ from phasegraph.runtime.errors import UnsupportedModel
 from phasegraph.runtime.kv_pool import KVCacheManager
 from phasegraph.runtime.models.fused_decoder import fuse_decoder
 from phasegraph.runtime.models.target import HFTarget
-from phasegraph.runtime.models.testing_checkpoints import write_hf_target
+from phasegraph.testing.checkpoints import write_hf_target
 
 from .pg_runtime_helpers import causal_meta
 

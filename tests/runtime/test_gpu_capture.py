@@ -16,7 +16,7 @@ from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.runtime.kv_pool import KVCacheManager
 from phasegraph.runtime.models.eagle3 import Eagle3Draft
 from phasegraph.runtime.models.target import HFTarget
-from phasegraph.runtime.models.testing_checkpoints import write_eagle3_draft, write_hf_target
+from phasegraph.testing.checkpoints import write_eagle3_draft, write_hf_target
 
 from .pg_runtime_helpers import causal_meta, make_meta
 

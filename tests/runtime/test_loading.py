@@ -19,7 +19,7 @@ from phasegraph.runtime.models.eagle3 import Eagle3Draft
 from phasegraph.runtime.models.mtp import MTPDraft
 from phasegraph.runtime.models.standalone import StandaloneDraft
 from phasegraph.runtime.models.target import HFTarget
-from phasegraph.runtime.models.testing_checkpoints import (
+from phasegraph.testing.checkpoints import (
     write_eagle1_draft,
     write_eagle3_draft,
     write_hf_target,

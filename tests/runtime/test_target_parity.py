@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from phasegraph.phases.protocols import TargetModel
 from phasegraph.runtime.kv_pool import KVCacheManager
 from phasegraph.runtime.models.target import HFTarget
-from phasegraph.runtime.models.testing_checkpoints import TARGET_MODEL_TYPES, write_hf_target
+from phasegraph.testing.checkpoints import TARGET_MODEL_TYPES, write_hf_target
 
 from .pg_runtime_helpers import assert_conforms, causal_meta, make_meta
 

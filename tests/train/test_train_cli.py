@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from phasegraph.bench.common import has_pair
+from phasegraph.cli.train import main
 from phasegraph.train import recipe
-from phasegraph.train.__main__ import main
 from phasegraph.train.presets import PRESETS, TrainInputError, apply_overrides, check_preset
 from phasegraph.train.recipe import STAGING, run_recipe
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from phasegraph.train.__main__ import main
+from phasegraph.cli.train import main
 from phasegraph.train.eagle3_head import eagle3_aux_layers, load_eagle3_head
 from phasegraph.train.presets import PRESETS, apply_overrides
 from phasegraph.train.recipe import run_recipe

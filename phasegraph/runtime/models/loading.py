@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import math
+import os
 from collections.abc import Iterable, Iterator, Mapping
 from pathlib import Path
 
@@ -314,3 +315,24 @@ def load_into_module(
                     f"{checkpoint.files_of(key)}: tensor {key!r} holds {bad} NaN or infinite values "
                     f"(as loaded in {state[key].dtype}); every output would be garbage"
                 )
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def load_tokenizer(directory: Path):
+    """The directory's tokenizer, or None where it ships none. Unreadable tokenizer files raise
+    :class:`CheckpointFileError` naming them (transformers raises whatever its parser met)."""
+    present = [f for f in TOKENIZER_FILES if (directory / f).exists()]
+    if not present:
+        return None
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(directory))
+    except Exception as exc:  # noqa: BLE001 - tokenizers/transformers/json raise their own types
+        raise CheckpointFileError(
+            f"{directory}: cannot load the tokenizer from {', '.join(present)} "
+            f"({type(exc).__name__}: {one_line(str(exc), 200)})"
+        ) from exc

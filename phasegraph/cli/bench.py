@@ -1,4 +1,5 @@
-"""The ``phasegraph bench`` subcommand: options, their defaults, the time estimate and the run."""
+"""The ``phasegraph bench`` subcommand: options, their defaults, the time estimate and the run
+(what it measures: :mod:`phasegraph.bench`)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import math
 import os
 import signal
 import sys
+
+from tqdm.auto import tqdm
 
 from phasegraph.bench.common import (
     SCALE_CONFIGS,
@@ -23,7 +26,7 @@ from phasegraph.bench.common import (
 from phasegraph.bench.pair import measure_trained_pair
 from phasegraph.bench.report import write_outputs
 from phasegraph.bench.scale import measure_scale
-from phasegraph.cli import CliError, register, require_at_least, require_name
+from phasegraph.cli.common import CliError, require_at_least, require_name
 
 # Training budget of the full run: a cap, not a target. The bench-pair preset's stages (450 /
 # 200 / 300 steps) train in ~180 s on an H100 under strict deterministic kernels (run 52), and
@@ -65,6 +68,21 @@ TRITON_COMPILE_S = 40.0
 SMALL_STEP_S, SMALL_ITER_S, CAPTURE_S, CONFIG_SETUP_S, CONFIG_SETUP_WARM_S = 0.5e-3, 1.2e-3, 0.3, 40.0, 20.0
 HF_STEP_S, HF_ASSISTED_STEP_S, TRAIN_ACCEPTANCE_S = 37e-3, 0.2, 30.0
 TRAIN_STAGE_SHARE, TRAIN_EVAL_S = 0.9, 12.0
+
+
+# the kernel warm-up process part 1 starts while its pair trains (phasegraph.bench.warm)
+WARM_WORKER = (sys.executable, "-m", "phasegraph.cli.bench_warmup")
+
+
+def _say(text: str) -> None:
+    """A line of the run's progress (above any progress bar) or its closing table, on stdout."""
+    tqdm.write(text)
+    sys.stdout.flush()
+
+
+def _say_error(text: str) -> None:
+    """The traceback of an error that cost the run some rows, on stderr."""
+    print(text, file=sys.stderr)
 
 
 def _ints(text: str) -> list[int]:
@@ -201,7 +219,7 @@ def run_bench(args: argparse.Namespace) -> int:
             raise CliError(problem)
         if has_pair(pair):  # a config the engine or transformers would refuse only after --out is written
             check_reused_pair(pair)
-    run = BenchRun(args)
+    run = BenchRun(args, log=_say, log_error=_say_error, warm_worker=WARM_WORKER)
     if not run.cuda:
         torch.set_num_threads(max(1, args.threads))
     a = args
@@ -245,8 +263,7 @@ def run_bench(args: argparse.Namespace) -> int:
     return 130 if interrupted else (1 if run.result.get("errors") else 0)
 
 
-@register
-def add_bench_command(sub) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser(
         "bench",
         help="end-to-end speed: trained pair vs transformers, and the 8B shape (simulated acceptance)",

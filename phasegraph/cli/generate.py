@@ -10,7 +10,7 @@ Prints the completion on stdout; a progress bar (for long generations) and the s
 (mean acceptance length, tokens, time) on stderr. ``--trace FILE`` saves the run's phase trace
 as Chrome-trace JSON, which ``phasegraph graph --trace FILE`` overlays on the drawn graph.
 Every error the runtime raises on purpose ends as one ``phasegraph: error: ...`` line and exit
-status 2 (``phasegraph.cli.main``).
+status 2 (:func:`phasegraph.cli.main`).
 """
 
 from __future__ import annotations
@@ -20,13 +20,12 @@ import sys
 import time
 import warnings
 
-from phasegraph.cli import CliError, register, require_name, writable_file
+from phasegraph.cli.common import CliError, require_name, writable_file
 
 PROGRESS_MIN_TOKENS = 32  # show a progress bar from this many new tokens on
 
 
-@register
-def add_generate(sub) -> None:
+def add_parser(sub) -> None:
     p = sub.add_parser(
         "generate",
         help="generate a completion with a target model (and a draft for speculative decoding)",
