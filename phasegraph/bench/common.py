@@ -377,7 +377,7 @@ def training_preset(args):
     overrides = list(args.train_set)
     if not args.quick:
         # the bench measures τ itself, on the engine; the recipe's own simulated-acceptance
-        # check (28 s on 4 held-out prompts in run 13) is skipped unless --train-set asks for it
+        # check (~30 s) is skipped unless --train-set asks for it
         overrides = ["eval.max_prompts=0", *overrides]
     preset = apply_overrides(PRESETS[name], overrides)
     check_preset(preset)
@@ -511,7 +511,7 @@ def detach_cupti_after_profiling() -> None:
 
 def host_launch_seconds(device, calls: int = 2000) -> float:
     """Host time to issue one tiny op on ``device`` without waiting for it: how fast this
-    machine's host is. Lent machines differ (~2x between two H100 hosts on 2026-11-23), and a
+    machine's host is. Hosts of one GPU kind differ (~2x seen between two H100 hosts), and a
     small target at batch 1 is bound by the host, so its tokens/s move with this figure."""
     import torch
 

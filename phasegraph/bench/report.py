@@ -1,5 +1,5 @@
-"""Outputs of ``phasegraph bench``: bench.json, the Markdown table (bench.md), issue 7's goals
-and the matplotlib plots."""
+"""Outputs of ``phasegraph bench``: bench.json, the Markdown table (bench.md), the goals and
+the matplotlib plots."""
 
 from __future__ import annotations
 
@@ -186,7 +186,7 @@ def _graphs(part: dict) -> str:
     """'on (prefill too)', 'on (not prefill)' or 'off', from a part's record."""
     if not part.get("cuda_graphs"):
         return "off"
-    if "prefill_graphs" not in part:  # a record from before run 22
+    if "prefill_graphs" not in part:  # a record made before prefill graphs existed
         return "on"
     return "on (prefill too)" if part["prefill_graphs"] else "on (not prefill)"
 
@@ -288,7 +288,7 @@ def render_markdown(result: dict) -> str:
                              f"{1e3 * x['host_issue_s']:.2f} ms ({100 * x['host_share']:.0f}%) | {1e3 * ph['draft']:.2f} | "
                              f"{1e3 * ph['verify']:.2f} | {1e3 * ph['finalize-tree-path']:.2f} | {1e3 * ph['draft-extend']:.2f} |")
         lines += ["", _captured_text(sc["baseline"] + sc["rows"]), ""]
-    lines += ["## Goals (issue 7)", "", "| goal | measured | status |", "|---|---|---|"]
+    lines += ["## Goals", "", "| goal | measured | status |", "|---|---|---|"]
     for g in r["goals"]:
         status = {True: "met", False: "**not met**", None: "not measured"}[g["met"]]
         lines.append(f"| {g['goal']} | {g['measured']} | {status} |")

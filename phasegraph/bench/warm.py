@@ -1,12 +1,11 @@
 """Compile part 1's kernels while the pair trains: a second process runs every phasegraph
 configuration of part 1 once, at every batch size, on a random pair of the preset's shapes.
 
-On a fresh machine Triton compiles each kernel the first time a configuration launches it.
-Run 22 (fresh machine, one call) spent 170 s in part 1's phasegraph rows; run 23 (same code,
-Triton cache already filled) spent 94 s. Triton keeps compiled kernels on
-disk, keyed by source and specialisation, so kernels compiled here on the same shapes and dtypes
-are loaded, not compiled, when part 1 launches them. The timed calls are unaffected: they were
-always warm (every call runs twice before it is timed); only the bench's wall time changes.
+On a fresh machine Triton compiles each kernel the first time a configuration launches it,
+which nearly doubled part 1's wall time. Triton keeps compiled kernels on disk, keyed by source
+and specialisation, so kernels compiled here on the same shapes and dtypes are loaded, not
+compiled, when part 1 launches them. The timed calls are unaffected: every call runs twice
+before it is timed; only the bench's wall time changes.
 
     python -m phasegraph.cli.bench_warmup SPEC_JSON      # what phasegraph.bench.pair starts
 """
@@ -150,7 +149,7 @@ def run_configs(spec: dict, dirs: dict[str, Path], log: Callable[[str], None], *
                 free_bytes=device_free_bytes, sleep=time.sleep) -> int:
     """Engines of every part-1 configuration (and acceptance length, :func:`accept_lengths`), one
     short ``generate`` per batch size; the number of calls made. A configuration that runs out
-    of device memory (the training beside it can hold nearly all of it: run 26) is tried again
+    of device memory (the training beside it can hold nearly all of it) is tried again
     once :data:`RETRY_FREE_BYTES` are free, within :data:`RETRY_WAIT_S`; else it is skipped
     with a message (part 1 then compiles its kernels itself)."""
     import torch

@@ -28,15 +28,10 @@ from phasegraph.bench.report import write_outputs
 from phasegraph.bench.scale import measure_scale
 from phasegraph.cli.common import CliError, require_at_least, require_name
 
-# Training budget of the full run: a cap, not a target. The bench-pair preset's stages (450 /
-# 200 / 300 steps) train in ~180 s on an H100 under strict deterministic kernels (run 52), and
-# the recipe gives each stage its projected share of 90 % of the budget (the rest is for
-# held-out evaluation and saving; its own simulated-acceptance check is skipped: the bench
-# measures τ itself). 280 s gives every stage ~1.4x its projected time, so none is cut on the
-# clock and the pair comes out the same in every run; a slower GPU gets stages cut short
-# instead of a run past 9 minutes (part 1's measurement ~200 s, part 2 ~110 s, start-up ~15 s).
-# The tiny preset of --quick runs unbudgeted (~15 s on a CPU): its projected H100 time gives
-# it almost nothing.
+# Training budget of the full run: a cap, not a target. The bench-pair preset trains in ~180 s
+# on an H100; 280 s gives every stage ~1.4x its projected share, so none is cut on the clock and
+# the pair comes out the same in every run, while a slower GPU gets stages cut short instead of
+# a run past 9 minutes. The tiny preset of --quick runs unbudgeted.
 DEFAULT_TRAIN_BUDGET_S = 280.0
 
 FULL = {"batches": "1,8,32", "new_tokens": 256, "prompt_tokens": 256, "batch1_prompts": 3, "batch1_repeats": 3,
@@ -56,15 +51,10 @@ SCALE_STEP_S = {1: 4.94e-3, 8: 5.93e-3, 64: 8.17e-3}
 SCALE_ITER_S = {"chain": {1: 6.74e-3, 8: 7.98e-3, 64: 12.34e-3}, "tree": {1: 7.70e-3, 8: 8.86e-3, 64: 31.73e-3}}
 SCALE_EAGER_ITER_S = 62.5e-3
 TRITON_COMPILE_S = 40.0
-# Measured on the 96M pair (H100): a baseline step at batch 1 takes 0.47 ms
-# and a speculative iteration 0.8-1.1 ms end to end. One configuration at batches 1, 8 and 32
-# (engine, first compiles, captures, two warm-ups, the timed calls and the GPU-work probe) took
-# 30-56 s on a fresh machine (run 22), 17-31 s where the Triton cache was warm (run 23) and 14-21 s
-# where the kernels had compiled while the pair trained (--warm-compile, fresh machine, run 24):
-# the estimate takes 20 s where a pair is reused or the kernels compile while it trains, else
-# 40 s. transformers' generate, host bound, ran at 20-37 ms per token
-# plain and 60-217 ms assisted (runs 21-23; its default heuristic drafts up to 20 tokens a round).
-# The recipe's simulated-acceptance check took 28 s when asked for.
+# Measured on the 96M pair (H100): one configuration at batches 1, 8 and 32 (engine, first
+# compiles, captures, warm-ups, timed calls) takes ~40 s on a fresh machine and ~20 s where the
+# kernels compiled while the pair trained; transformers' generate is host bound (20-37 ms per
+# token plain, 60-217 ms assisted, whose heuristic drafts up to 20 tokens a round).
 SMALL_STEP_S, SMALL_ITER_S, CAPTURE_S, CONFIG_SETUP_S, CONFIG_SETUP_WARM_S = 0.5e-3, 1.2e-3, 0.3, 40.0, 20.0
 HF_STEP_S, HF_ASSISTED_STEP_S, TRAIN_ACCEPTANCE_S = 37e-3, 0.2, 30.0
 TRAIN_STAGE_SHARE, TRAIN_EVAL_S = 0.9, 12.0
@@ -267,7 +257,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser(
         "bench",
         help="end-to-end speed: trained pair vs transformers, and the 8B shape (simulated acceptance)",
-        description="phasegraph vs its own baseline and transformers' generate on one GPU (issue 7). "
+        description="phasegraph vs its own baseline and transformers' generate on one GPU. "
                     "Writes bench.json, bench.md, tokens_per_s.png and eta_vs_tau.png into --out.",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
@@ -317,8 +307,8 @@ def add_parser(sub) -> None:
                         "(default 560; none with --quick; 0 = none)")
     p.add_argument("--prefill-graphs", action=argparse.BooleanOptionalAction, default=True,
                    help="replay prefill from CUDA graphs per request and token bucket (Engine(prefill_graphs=True); "
-                        "on by default since run 22: an eager 128-token prefill of the 8B shape takes 29-44 ms of "
-                        "host time against 10-11 ms replayed, and run 21's part-2 rerun without it lost 0.01 of η)")
+                        "on by default: an eager 128-token prefill of the 8B shape takes 29-44 ms of host time "
+                        "against 10-11 ms replayed)")
     p.add_argument("--warm-compile", action=argparse.BooleanOptionalAction, default=True,
                    help="on a GPU, while the pair trains, compile part 1's kernels in a second process "
                         "(random weights, the preset's shapes) so that part 1 finds them compiled "

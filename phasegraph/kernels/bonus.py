@@ -2,7 +2,7 @@
 
 The per-request row stride of every per-node -> per-request gather is ``accept_index.shape[1]``
 (W), never N or a constant: SGLang read bonus tokens with stride N, which is wrong (and out of
-bounds) as soon as tree drafting makes N > W (seed 000, PR #26866).
+bounds) as soon as tree drafting makes N > W (SGLang #26866).
 
 The references are two or three fused gathers each; the Triton versions are one small launch
 each (one program per request), which matters only because every launch inside a captured
@@ -39,7 +39,7 @@ def fill_bonus_tokens_reference(
     batch, width = accept_index.shape
     expect_shape(accept_lens, "accept_lens", (batch,))
     tokens = gather_accepted_tokens_reference(predict, accept_index).reshape(batch * width)
-    stride = accept_index.shape[1]  # W, the row stride of `tokens` (seed 000)
+    stride = accept_index.shape[1]  # W, the row stride of `tokens` (SGLang #26866)
     rows = torch.arange(batch, dtype=torch.int64, device=accept_index.device)
     return tokens[rows * stride + accept_lens - 1]
 
@@ -78,7 +78,7 @@ def _fill_bonus_kernel(
     pdl_enter(PDL)
     b = tl.program_id(0).to(tl.int64)
     col = tl.load(accept_lens_ptr + b) - 1
-    index = tl.load(accept_index_ptr + b * width + col)  # row stride W (seed 000)
+    index = tl.load(accept_index_ptr + b * width + col)  # row stride W (SGLang #26866)
     token = tl.load(predict_ptr + index, mask=index >= 0, other=-1)
     tl.store(bonus_ptr + b, token)
 

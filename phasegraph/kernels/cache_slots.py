@@ -45,7 +45,7 @@ class DraftCacheLayout:
     @property
     def draft_positions(self) -> torch.Tensor:
         """[B, max(S-1, 0), K] i64: ``step_positions`` by request, a view and not a copy, so
-        that the positions the phase records (and strict mode checks, seed 001) are the ones
+        that the positions the phase records (and strict mode checks, SGLang #25015) are the ones
         the draft forwards were given."""
         batch, topk = self.region_pages.shape[:2]
         return self.step_positions.view(self.step_positions.shape[0], batch, topk).permute(1, 0, 2)

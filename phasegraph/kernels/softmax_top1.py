@@ -3,7 +3,7 @@
 A chain (``topk == 1``) EAGLE draft step keeps one candidate per row: the argmax and its softmax
 probability, which scores the path (Li et al., 2024, "EAGLE: Speculative Sampling Requires
 Rethinking Feature Uncertainty", §3). The reference takes the full softmax and its ``max``, as
-every path did before (seed 002: no shortcut that changes what is computed). On a GPU those are
+every path did before (SGLang #26358: no shortcut that changes what is computed). On a GPU those are
 two single-row kernels, ~10 µs each over a 32k draft vocabulary at batch 1, three times an
 iteration. The Triton kernel streams the row once with an online maximum and normaliser
 (Milakov & Gimelshein, 2018, "Online normalizer calculation for softmax"):

@@ -3,7 +3,7 @@
 A tree EAGLE draft step expands every beam by its ``topk`` most probable next tokens, scored by
 their draft probabilities (Li et al., 2024, "EAGLE-2: Faster Inference of Language Models with
 Dynamic Draft Trees", §4). The reference takes the full softmax and ``topk``, as every path did
-before (seed 002: no shortcut that changes what is computed). On a GPU that is a softmax kernel
+before (SGLang #26358: no shortcut that changes what is computed). On a GPU that is a softmax kernel
 and a radix select, ~30 µs per call over a 32k draft vocabulary at batch 1, four times an
 iteration. The Triton path makes two passes of small programs instead:
 

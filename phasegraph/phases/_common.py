@@ -40,7 +40,7 @@ def topk_of_logits(
     """Top-k of softmax(logits) [R, V]: probabilities [R, k] float32 and ids [R, k]
     (``id_offsets`` [V]: id i comes back as ``i + id_offsets[i]``).
 
-    Always the full softmax's values, also for k == 1 (seed 002: a path-specific shortcut
+    Always the full softmax's values, also for k == 1 (SGLang #26358: a path-specific shortcut
     collapsed accuracy on one backend). The kernels keep softmax + ``max`` / ``topk`` as their
     references; on CUDA :func:`softmax_top1` (k == 1) streams a row once with an online
     normaliser and :func:`softmax_topk` (k > 1) takes each chunk's top k and merges them, in

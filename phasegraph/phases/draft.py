@@ -18,7 +18,7 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
     """EAGLE-2 dynamic tree drafting (arXiv 2406.16858): S-1 draft forwards over K beams.
 
     Step 0's candidates are the top-k from draft-extend. Draft forward i (i = 0..S-2) runs the K
-    beams of every request at position ``seq_len + lead + i`` (seed 001; ``lead`` is the draft's
+    beams of every request at position ``seq_len + lead + i`` (SGLang #25015; ``lead`` is the draft's
     KV lead, 1 for standalone drafts), each beam attending the
     prefix plus its own ancestors in its page-aligned branch region; the K best of the K² new
     candidates by cumulative probability become the next beams. Finally the N-1 best candidates

@@ -1,4 +1,4 @@
-"""The declared EAGLE phase graph (DESIGN.md §4).
+"""The declared EAGLE phase graph.
 
 ::
 
@@ -8,7 +8,7 @@
     DraftState -> merge | filter | retract -> DraftState    (scheduler operations)
 
 Only phases that output a :class:`DraftState` lead to the scheduler operations, so a verify
-result can never reach merge (seed 004), and verify is always followed by finalize-tree-path,
+result can never reach merge (SGLang #24859), and verify is always followed by finalize-tree-path,
 which always leads to draft-extend (no phase is skipped when every request finishes).
 """
 

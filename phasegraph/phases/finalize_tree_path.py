@@ -24,7 +24,7 @@ def finalize_tree_path(state: VerifyResult, ctx: SpecContext) -> FinalizedPath:
     """Compact every per-node field of the verify result to the accepted path and move its KV.
 
     The per-node fields are found from the schema (:func:`node_fields`), so a side output added
-    to :class:`VerifyResult` is compacted without code changes (seed 000: routed experts were
+    to :class:`VerifyResult` is compacted without code changes (SGLang #26866: routed experts were
     left in raw node order). Accepted node ``accept_index[b, i]`` moves from logical position
     ``seq_len + j`` to ``seq_len + i`` in the target pool. The path is cut after a stop token or
     at the request's budget; the result feeds draft-extend with ``T = B*W`` rows.

@@ -10,5 +10,5 @@ from phasegraph.statemachine.rows import concat_rows
 
 @phase("merge")
 def merge(state: DraftState, ctx: SpecContext, *, other: DraftState) -> DraftState:
-    """The running batch's rows followed by ``other``'s. Only draft states merge (seed 004)."""
+    """The running batch's rows followed by ``other``'s. Only draft states merge (SGLang #24859)."""
     return concat_rows(state, other)

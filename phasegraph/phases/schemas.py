@@ -1,6 +1,6 @@
 """The schemas that cross the phase boundaries of EAGLE-style speculative decoding.
 
-Each phase's input and output is its own schema type (seed 004: one object mutated across
+Each phase's input and output is its own schema type (SGLang #24859: one object mutated across
 phases let a stale verify input reach ``merge_batch``). Only :class:`DraftState` is persistent and
 mergeable. Symbolic dims (see ``docs/internals.md``):
 
@@ -247,14 +247,14 @@ class TreeProposal(Schema):
             "were not finite (its tree is verified and rejected: outputs stay exact, tau falls to 1)"
         )
 
-    @invariant("positions == seq_lens + depth (seed 001)")
+    @invariant("positions == seq_lens + depth (SGLang #25015)")
     def _positions_follow_depth(self) -> str | None:
         B, N = self.depth.shape
         want = self.draft.seq_lens[:, None] + self.depth
         row = _first_bad_row((self.positions.view(B, N) == want).all(dim=1)) if B else None
         return None if row is None else f"request {row}: positions {self.positions.view(B, N)[row].tolist()} != seq_len {int(self.draft.seq_lens[row])} + depth {self.depth[row].tolist()}"
 
-    @invariant("draft step i runs at seq_len + lead + i (seed 001)")
+    @invariant("draft step i runs at seq_len + lead + i (SGLang #25015)")
     def _draft_step_positions(self) -> str | None:
         B, D, K = self.draft_positions.shape
         if D != max(self.num_steps - 1, 0):
@@ -290,7 +290,7 @@ class VerifyResult(Schema):
 
     Every ``NODE`` field here is compacted by finalize-tree-path into the ``accepted_<name>``
     field of the finalized schema, found from this declaration: add a per-node side output here
-    (or in a subclass) and it is compacted without code changes (seed 000).
+    (or in a subclass) and it is compacted without code changes (SGLang #26866).
     """
 
     proposal: TreeProposal = value()
@@ -330,7 +330,7 @@ class VerifyResult(Schema):
         row = _first_bad_row(ok)
         return None if row is None else f"request {row}: accept_lens {int(self.accept_lens[row])}, accept_index {self.accept_index[row].tolist()}"
 
-    @invariant("bonus_tokens[b] == predict[accept_index[b, accept_lens[b] - 1]] (stride W, seed 000)")
+    @invariant("bonus_tokens[b] == predict[accept_index[b, accept_lens[b] - 1]] (stride W, SGLang #26866)")
     def _bonus(self) -> str | None:
         B, W = self.accept_index.shape
         if B == 0:
@@ -348,7 +348,7 @@ def check_roles(cls: type[Schema]) -> None:
     """Raise :class:`InvalidSchema` where a tensor field of ``cls`` leads with a role's dim
     (``B``, ``B*N``, ``B*W``, ``T``) but declares no role: finalize compacts, the graph runner
     pads and filter keeps a field by its role, so a role-less ``B*N`` side output would stay in
-    node order unseen (seed 000: per-node outputs left out of the accepted-path compaction)."""
+    node order unseen (SGLang #26866: per-node outputs left out of the accepted-path compaction)."""
     problems = []
     for spec in cls.__schema__.tensors:
         lead = next(iter(spec.dim_text.split()), None)

@@ -3,7 +3,7 @@
 :class:`~phasegraph.runtime.graph_runner.GraphRunner` wraps a phase function in a
 :class:`GraphedPhase` so that, for a batch of ``B`` requests, the phase
 replays a CUDA graph captured for the smallest bucket ``>= B``; batches larger than the largest
-bucket run eagerly. The runner owns every static buffer (seed 003: one owner, addressed only
+bucket run eagerly. The runner owns every static buffer (SGLang #22041: one owner, addressed only
 through it): the padded copy of the phase's input schema and the outputs the capture produced.
 
 Replay protocol, per call:
@@ -18,7 +18,7 @@ Replay protocol, per call:
    fresh memory (a later replay overwrites the static outputs), nested schemas pointing at the
    real input (:class:`OutputCopier`, planned once per graph and batch size).
 
-Capture leaves the persistent state as it found it (seed 001's class): phases never mutate their
+Capture leaves the persistent state as it found it (SGLang #25015's class): phases never mutate their
 inputs (checked in strict mode), and the warm-up and capture runs write KV only where the replay
 that follows writes the same values or into scratch: verify writes the tree nodes behind each
 prefix, draft writes its branch regions, draft-extend writes the positions of the path it

