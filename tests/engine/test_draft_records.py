@@ -1,9 +1,9 @@
 """What the draft phases record is what the draft model was given and gave, for every draft kind.
 
-- seed 002: ``DraftState.topk_p`` is the full softmax's top k of the draft's logits, also for a
+- SGLang #26358: ``DraftState.topk_p`` is the full softmax's top k of the draft's logits, also for a
   chain (k = 1), where SGLang's shortcut put 1.0 without a softmax; the ids are mapped into the
   target vocabulary (an EAGLE-3 head's ``d2t`` offsets, else ``to_target_ids``);
-- seed 001: ``TreeProposal.draft_positions``, which strict mode checks against seq_len + lead +
+- SGLang #25015: ``TreeProposal.draft_positions``, which strict mode checks against seq_len + lead +
   i, holds the very positions each draft forward received, beam by beam.
 
 The models run on the qwen3 checkpoints, whose EAGLE-3 head has its own 40-token vocabulary.

@@ -1,4 +1,4 @@
-"""Emitted and bonus tokens: -1 padding and the accept_index.shape[1] stride (seed 000)."""
+"""Emitted and bonus tokens: -1 padding and the accept_index.shape[1] stride (SGLang #26866)."""
 
 import torch
 from hypothesis import given, settings

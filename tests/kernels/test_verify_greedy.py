@@ -180,7 +180,7 @@ CASES = [
     Case(
         "tree_topk2_batch_different_accept_lengths",
         2,
-        # root -> 1, 2; 1 -> 3, 4; 2 -> 5   (N = 6 > W = 3: the seed 000 stride case)
+        # root -> 1, 2; 1 -> 3, 4; 2 -> 5   (N = 6 > W = 3: the SGLang #26866 stride case)
         [
             Req(
                 [-1, 0, 0, 1, 1, 2],

@@ -1,4 +1,4 @@
-"""The declared EAGLE graph: legal flow, seed-004 rejections, schema compaction coverage."""
+"""The declared EAGLE graph: legal flow, SGLang #24859 rejections, schema compaction coverage."""
 
 from __future__ import annotations
 
@@ -127,7 +127,7 @@ def test_phase_that_mutates_its_input_is_caught_in_strict_mode():
     base = syn.synthetic_eagle_graph()
 
     def sloppy_decode(state: DraftState, ctx) -> DraftState:
-        state.seq_lens.add_(1)  # the seed-001 habit: mutate a shared buffer in place
+        state.seq_lens.add_(1)  # the SGLang #25015 habit: mutate a shared buffer in place
         return state.replace()
 
     phases = [attrs.evolve(p, fn=sloppy_decode) if p.name == "decode" else p for p in base]
@@ -173,7 +173,7 @@ def test_seed_001_draft_positions_off_by_one_are_rejected(corrupt, shown):
     m.advance("draft-extend", ctx)
     with pytest.raises(InvariantViolation) as err:
         m.advance("draft", ctx)
-    assert err.value.invariant == "draft step i runs at seq_len + lead + i (seed 001)"
+    assert err.value.invariant == "draft step i runs at seq_len + lead + i (SGLang #25015)"
     assert shown in str(err.value)
     assert m.phase == "draft-extend"
     # boundary mode reads no values, so it lets the bug through: strict is what catches it
@@ -196,7 +196,7 @@ def test_seed_000_bonus_stride_bug_is_an_invariant_violation():
     flat = predict[good.accept_index.clamp(min=0)].reshape(-1)  # [B*W]
     wrong = flat[torch.arange(B) * N + good.accept_lens - 1]
     assert not torch.equal(wrong, good.bonus_tokens)
-    with pytest.raises(InvariantViolation, match="stride W, seed 000"):
+    with pytest.raises(InvariantViolation, match="stride W, SGLang #26866"):
         good.replace(bonus_tokens=wrong).validate("strict")
 
 

@@ -16,14 +16,14 @@ from phasegraph.testing import synthetic as syn
 
 @schema
 class VerifyWithExperts(VerifyResult):
-    """A verify result with a side output finalize has never heard of (seed 000's routed experts)."""
+    """A verify result with a side output finalize has never heard of (SGLang #26866's routed experts)."""
 
     routed_experts: Int64[torch.Tensor, "B*N E"] = tensor(role=NODE, pad=0)
 
 
 @schema
 class VerifyWithRolelessExperts(VerifyResult):
-    """The same side output declared without its role: seed 000's forgotten field."""
+    """The same side output declared without its role: SGLang #26866's forgotten field."""
 
     routed_experts: Int64[torch.Tensor, "B*N E"] = tensor()
 
@@ -73,7 +73,7 @@ def test_a_new_per_node_side_output_is_compacted_without_code_changes():
 
 def test_a_per_node_side_output_without_the_node_role_is_refused_by_name():
     """A ``B*N`` field without ``role=NODE`` would stay in node order, uncompacted and unseen
-    (seed 000); finalize refuses the schema instead, naming the field and the role to declare."""
+    (SGLang #26866); finalize refuses the schema instead, naming the field and the role to declare."""
     kv, base, ctx = _setup()
     B, N = base.proposal.depth.shape
     result = VerifyWithRolelessExperts(

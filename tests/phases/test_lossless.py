@@ -71,7 +71,7 @@ def test_matrix_covers_the_issue_grid():
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_oracle_accepts_every_draft_the_tree_holds(topk, steps, nodes, page_size, drafter):
     """Full acceptance, and with ``HiddenChainOracleDraft`` only if every draft step got the
-    hidden state its parent row produced (seed 003: a stale hidden state between steps)."""
+    hidden state its parent row produced (SGLang #22041: a stale hidden state between steps)."""
     spec = SpecConfig(method="eagle", num_steps=steps, topk=topk, num_draft_tokens=nodes)
     outs, ref, engine, results = run_spec(drafter, spec, page_size, 3)
     assert outs == list(ref)
@@ -87,7 +87,7 @@ def test_oracle_accepts_every_draft_the_tree_holds(topk, steps, nodes, page_size
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_hidden_states_move_with_their_beams(topk, steps, nodes, page_size):
     """The right path changes beam slots (its token ranked second at half the steps) and still
-    gets full acceptance only if the hidden state of every beam moved with it (seed 003). N - 1
+    gets full acceptance only if the hidden state of every beam moved with it (SGLang #22041). N - 1
     = K + (S-1) K^2 keeps every candidate in the tree, so only a lost right token cuts a path."""
     spec = SpecConfig(method="eagle", num_steps=steps, topk=topk, num_draft_tokens=nodes)
     outs, ref, engine, results = run_spec(HiddenChainOracleDraft, spec, page_size, 3, second_rate=0.5)
