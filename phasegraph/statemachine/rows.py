@@ -227,7 +227,8 @@ def concat_rows(a: Schema, b: Schema) -> Schema:
     A width private to one field (the ``Z`` of a -1 padded list of stop ids) widens to the
     larger with the field's pad; any other difference of shape is refused. An optional field
     set on one side only is taken from it when the other side is empty, dropped when declared
-    ``per_step``, and refused otherwise. Plain values must agree.
+    ``per_step``, filled with its pad on the other side when declared ``absent_is_pad``, and
+    refused otherwise. Plain values must agree.
     """
     if type(a) is not type(b):
         raise PhaseGraphError(f"cannot concatenate a {type(a).__name__} with a {type(b).__name__}")
@@ -266,7 +267,8 @@ def _concat(a: Schema, b: Schema, root_a: Schema, root_b: Schema, na: int, nb: i
 
 def _one_sided(name: str, t: _TensorSpec, x: Any, y: Any, na: int, nb: int) -> Any:
     """An optional field set on at most one side: the set side's rows where the other side
-    has none, nothing where the set side has none or the field is ``per_step``."""
+    has none, nothing where the set side has none or the field is ``per_step``, the set side's
+    rows beside pad rows for the other where it is ``absent_is_pad``."""
     if (x is None and y is None) or t.per_step:
         return None
     if x is None:
@@ -278,6 +280,13 @@ def _one_sided(name: str, t: _TensorSpec, x: Any, y: Any, na: int, nb: int) -> A
         return x
     elif na == 0:
         return None
+    if t.absent_is_pad:
+        import torch
+
+        have, have_n, lacking_n = (x, na, nb) if x is not None else (y, nb, na)
+        rows = have.shape[0] // have_n * lacking_n
+        filled = have.new_full((rows, *have.shape[1:]), t.pad.fill)
+        return torch.cat([have, filled] if x is not None else [filled, have])
     raise PhaseGraphError(
         f"cannot concatenate {name}s: {t.name} is set in one batch and not in the other "
         "(they come from different drafts or configurations)"

@@ -86,6 +86,7 @@ class _FieldMeta:
     doc: str
     pad: Pad | None = None
     per_step: bool = False
+    absent_is_pad: bool = False
 
 
 def tensor(
@@ -94,6 +95,7 @@ def tensor(
     pad: Pad | Any = None,
     host: bool = False,
     per_step: bool = False,
+    absent_is_pad: bool = False,
     doc: str = "",
     default: Any = attrs.NOTHING,
 ) -> Any:
@@ -103,11 +105,14 @@ def tensor(
     a padded request's rows hold: ``pad=`` a :class:`Pad`, or a plain number or bool for
     ``Pad.constant``. ``per_step=True`` marks an optional output of the last phase only (not
     state): concatenating a batch that has it with one that has not drops it instead of
-    refusing.
+    refusing. ``absent_is_pad=True`` marks an optional field whose absence means its constant
+    pad in every row (state of a feature no request of that batch uses, such as zero token
+    counts): concatenating a batch that has it with one that has not gives the other's rows
+    the pad.
     """
     if pad is not None and not isinstance(pad, Pad):
         pad = Pad.constant(pad)
-    meta = _FieldMeta(role, host, doc, pad, per_step)
+    meta = _FieldMeta(role, host, doc, pad, per_step, absent_is_pad)
     return attrs.field(default=default, metadata={_META_KEY: meta})
 
 
@@ -198,6 +203,7 @@ class _TensorSpec:
     doc: str
     pad: Pad | None = None
     per_step: bool = False
+    absent_is_pad: bool = False
 
 
 @attrs.frozen
@@ -280,6 +286,8 @@ def _pad_problems(name: str, meta: _FieldMeta, dims: list[str]) -> list[str]:
         return [f"field {name!r}: Pad.index fields have one or two dims, not {len(dims)}"]
     if pad.kind == "identity" and len(dims) < 3:
         return [f"field {name!r}: Pad.IDENTITY needs two dims past the leading one"]
+    if meta.absent_is_pad and (pad.kind != "fill" or meta.per_step):
+        return [f"field {name!r}: absent_is_pad needs a constant pad (Pad.constant) and no per_step"]
     return []
 
 
@@ -326,13 +334,15 @@ def _compile(cls: type) -> CompiledSchema:
                     f"{meta.role.leading!r}, but its shape is {dim_text!r}"
                 )
             problems += _pad_problems(f.name, meta, tokens)
+            if meta.absent_is_pad and not optional:
+                problems.append(f"field {f.name!r} declares absent_is_pad but is not optional (| None)")
             # jaxtyping's Shaped (any dtype) carries no list of dtype names
             names = tuple(tp.dtypes) if isinstance(tp.dtypes, (tuple, list)) else ("any",)
             dtypes = _torch_dtypes(names)
             tensors.append(
                 _TensorSpec(
                     f.name, dtypes, "|".join(names), dims, dim_text, optional,
-                    meta.role, meta.host, meta.doc, meta.pad, meta.per_step,
+                    meta.role, meta.host, meta.doc, meta.pad, meta.per_step, meta.absent_is_pad,
                 )
             )
         else:

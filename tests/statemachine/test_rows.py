@@ -92,6 +92,39 @@ def test_concat_of_optional_fields_set_on_one_side():
     assert concat_rows(decoded, syn.draft_state(1, K=2)).emitted is None  # per_step: dropped
 
 
+@schema
+class DraftStateWithCounts(DraftState):
+    """State of a feature some batches use: absent means its pad in every row."""
+
+    counts: Int64[Tensor, "B C"] | None = tensor(role=REQUEST, pad=0, absent_is_pad=True, default=None)
+
+
+def test_concat_fills_an_absent_is_pad_field_with_its_pad_on_the_side_that_lacks_it():
+    def with_counts(d: DraftState, counts: Tensor | None) -> DraftStateWithCounts:
+        fields = {t.name: getattr(d, t.name) for t in DraftState.__schema__.tensors}
+        return DraftStateWithCounts(params=d.params, counts=counts, **fields)
+
+    a = with_counts(syn.draft_state(2, K=2), torch.tensor([[1, 2, 3], [4, 5, 6]]))
+    b = with_counts(syn.draft_state(1, K=2, start_row=5), None)
+    assert concat_rows(a, b).counts.tolist() == [[1, 2, 3], [4, 5, 6], [0, 0, 0]]
+    assert concat_rows(b, a).counts.tolist() == [[0, 0, 0], [1, 2, 3], [4, 5, 6]]
+    assert concat_rows(b, b).counts is None  # absent on both sides: still absent
+    none = select_rows(a, torch.tensor([], dtype=torch.int64))
+    assert concat_rows(none, b).counts is None  # the empty side's field says nothing of b's rows
+
+
+def test_absent_is_pad_needs_an_optional_field_with_a_constant_pad():
+    with pytest.raises(InvalidSchema, match="absent_is_pad but is not optional"):
+        @schema
+        class Required(Schema):
+            x: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=0, absent_is_pad=True)
+    with pytest.raises(InvalidSchema, match="absent_is_pad needs a constant pad"):
+        @schema
+        class Uniform(Schema):
+            x: Float32[Tensor, "B K"] | None = tensor(role=REQUEST, pad=Pad.UNIFORM, absent_is_pad=True,
+                                                     default=None)
+
+
 def test_row_numbers_are_renumbered_by_select_and_concat():
     """A field of row numbers (Pad.index) points into its own request's block wherever the
     request moves."""
