@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from phasegraph.kernels.argmax import TokenPick, argmax_finite, row_max_finite
+from phasegraph.kernels.argmax import TokenPick, argmax, argmax_finite, row_max_finite
 from phasegraph.kernels.tree_sampling import target_probs
 
 
@@ -34,11 +34,18 @@ def sample_tokens(
     top_p: torch.Tensor,  # [R] float32, 1 = off
     coins: torch.Tensor,  # [R] uniform in [0, 1)
     greedy_only: bool = False,
+    min_p: torch.Tensor | None = None,  # [R] float, 0 = off; None: off for all
+    raw_logits: torch.Tensor | None = None,  # [R, V]: the logits before bias and penalties
 ) -> TokenPick:
     """Next token per row: argmax when every row is greedy, else a sample from the target's
-    temperature / top-k / top-p processed distribution (greedy rows stay exact argmax); and
-    whether each row's logits were finite (a NaN or +inf row samples nothing meaningful)."""
+    temperature / top-k / top-p / min_p processed distribution (greedy rows stay exact
+    argmax); and whether each row's logits were finite (a NaN or +inf row samples nothing
+    meaningful). Where ``logits`` were processed (bias, penalties: clamped to finite values),
+    ``raw_logits`` are the model's, which say whether the row was finite."""
+    if greedy_only and raw_logits is None:
+        return argmax_finite(logits)  # the pick and finiteness in one pass
     if greedy_only:
-        return argmax_finite(logits)
-    probs = target_probs(logits, temperature, top_k, top_p, 1)  # [R, V]
-    return TokenPick.marked(inverse_cdf_sample(probs, coins), row_max_finite(logits))
+        tokens = argmax(logits)
+    else:
+        tokens = inverse_cdf_sample(target_probs(logits, temperature, top_k, top_p, 1, min_p), coins)
+    return TokenPick.marked(tokens, row_max_finite(logits if raw_logits is None else raw_logits))

@@ -42,13 +42,18 @@ def target_probs(
     top_k: torch.Tensor,  # [B] i64, 0 (or >= V) = off
     top_p: torch.Tensor,  # [B] float, 1.0 = off
     nodes_per_request: int,
+    min_p: torch.Tensor | None = None,  # [B] float in [0, 1], 0 = off; None: off for all
 ) -> torch.Tensor:  # [B*N, V] f32
-    """Sampling distribution of every node: softmax(logits / T), then top-k, then top-p.
+    """Sampling distribution of every node: softmax(logits / T), then top-k, top-p, min_p.
 
     Top-k keeps the k most likely tokens (ties to the lower id). Top-p then keeps the smallest
     most-likely-first prefix whose mass is >= top_p of the top-k mass (always at least one
-    token). The kept probabilities are renormalised. Rows of greedy requests (T <= 0) are a
-    one-hot on the argmax of the logits (first maximum), so sampling reproduces greedy exactly.
+    token). min_p then keeps the tokens whose probability is at least ``min_p`` times the most
+    likely one's (in the row itself: the ratio is the same before and after renormalising, and
+    top-k and top-p always keep the most likely token). The kept probabilities are
+    renormalised. Rows of greedy requests (T <= 0) are a one-hot on the argmax of the logits
+    (first maximum), so sampling reproduces greedy exactly. Logit bias and penalties are
+    applied to ``logits`` before (:mod:`phasegraph.kernels.penalties`).
     """
     expect_float(logits, "logits", 2)
     expect_float(temperature, "temperature", 1)
@@ -82,6 +87,11 @@ def target_probs(
     before = cum - in_top_k  # mass strictly before each rank
     top_p_keep = (before < p[:, None] * cum[:, -1:]) | (p[:, None] >= 1.0) | (rank[None, :] == 0)
     kept_sorted = torch.where(keep & top_p_keep, sorted_p, 0.0)
+    if min_p is not None:  # the row's most likely token sits at rank 0
+        expect_float(min_p, "min_p", 1)
+        expect_shape(min_p, "min_p", (batch,))
+        floor = per_node(min_p.to(torch.float32)) * sorted_p[:, 0]  # [B*N]
+        kept_sorted = torch.where(sorted_p >= floor[:, None], kept_sorted, 0.0)
     kept = torch.zeros_like(probs).scatter(1, order, kept_sorted)
     kept = kept / kept.sum(dim=-1, keepdim=True)
 

@@ -83,6 +83,27 @@ def test_target_probs_greedy_is_one_hot_on_first_argmax():
     assert torch.equal(out, torch.tensor([0.0, 1.0, 0.0, 0.0]))
 
 
+@pytest.mark.parametrize(("min_p", "kept"), [(0.0, 4), (0.09, 4), (0.2, 3), (0.5, 2), (0.7, 1), (1.0, 1)])
+def test_target_probs_min_p_keeps_tokens_within_a_factor_of_the_most_likely(min_p, kept):
+    logits = BASE.view(1, -1)  # 0.5, 0.3, 0.15, 0.05: min_p 0.2 keeps p >= 0.1
+    one = torch.ones(1)
+    out = target_probs(logits, one, torch.zeros(1, dtype=torch.int64), one, 1, torch.tensor([min_p]))[0]
+    expected = torch.tensor([0.5, 0.3, 0.15, 0.05])[:kept]
+    assert int((out > 0).sum()) == kept
+    assert torch.allclose(out[:kept], expected / expected.sum())
+
+
+def test_target_probs_min_p_comes_after_temperature_and_top_k():
+    # at T = 2 the probabilities flatten to ~0.40, 0.31, 0.22, 0.13: min_p 0.5 keeps three
+    logits = BASE.view(1, -1)
+    one = torch.ones(1)
+    flat = target_probs(logits, one * 2, torch.zeros(1, dtype=torch.int64), one, 1, torch.tensor([0.5]))[0]
+    assert int((flat > 0).sum()) == 3
+    # top-k 2 then min_p 0.7: 0.3 / 0.5 = 0.6 < 0.7 leaves the top token alone
+    top2 = target_probs(logits, one, torch.tensor([2]), one, 1, torch.tensor([0.7]))[0]
+    assert top2.tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
 def test_target_probs_per_request_parameters_cover_their_nodes():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(6, 10, generator=g)  # B = 2, N = 3
@@ -412,8 +433,9 @@ def _markov_tables():
 LOGP, Q = _markov_tables()
 
 
-def speculative_step(roots, cfg, gen, sampler):
-    """One draft + verify step of every trial, through the real kernels."""
+def speculative_step(roots, cfg, gen, sampler, probs_of=None):
+    """One draft + verify step of every trial, through the real kernels. ``probs_of(tree)``:
+    the target distribution of every node where it depends on more than the node's token."""
     topk, num_steps, num_nodes, temperature, top_p = cfg
     batch = roots.shape[0]
     q_p, q_i = Q.topk(topk, dim=-1)  # the draft's top-k after each token
@@ -433,7 +455,7 @@ def speculative_step(roots, cfg, gen, sampler):
     # target_probs of every node's logits: the Markov target's row depends only on the node's
     # token, so the V processed rows are computed once and gathered (a CPU sort of 1e5*N rows
     # would dominate the test); test_gathered_rows_equal_per_node_target_probs checks this.
-    probs = processed_table(temperature, top_p)[tree.draft_tokens]
+    probs = processed_table(temperature, top_p)[tree.draft_tokens] if probs_of is None else probs_of(tree)
     coins = torch.rand(batch, num_steps + 1, generator=gen)
     bonus_coins = torch.rand(batch, num_steps + 1, generator=gen)
     args = (
