@@ -6,9 +6,13 @@ import torch
 
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.cache_slots import extend_slots
+from phasegraph.kernels.logprobs import TokenLogprobs, token_logprobs
+from phasegraph.kernels.penalties import apply_penalties
 from phasegraph.kernels.softmax_top1 import softmax_top1
 from phasegraph.kernels.softmax_topk import softmax_topk
+from phasegraph.phases.context import SpecContext
 from phasegraph.phases.protocols import DraftModel, KVMemory
+from phasegraph.phases.schemas import BatchParams
 
 
 def causal_extend_metadata(
@@ -58,3 +62,41 @@ def draft_topk(model: DraftModel, logits: torch.Tensor, k: int) -> tuple[torch.T
     offsets = getattr(model, "target_id_offsets", None)  # [Vd] int64 or None
     probs, ids = topk_of_logits(logits, k, offsets)
     return probs, ids if offsets is not None else model.to_target_ids(ids)
+
+
+def processed_logits(
+    ctx: SpecContext,
+    params: BatchParams,
+    logits: torch.Tensor,  # [B*N, V] the target's logits
+    output_counts: torch.Tensor | None,  # [B, V] int32
+    prompt_mask: torch.Tensor | None,  # [B, V] bool
+    node_tokens: torch.Tensor | None = None,  # [B*N] (verify: the tree's nodes)
+    tree_mask: torch.Tensor | None = None,  # [B, N, N]
+) -> torch.Tensor:
+    """``logits`` with the batch's logit bias and penalties (:func:`apply_penalties`, the one
+    place they are applied, by prefill, decode and verify) where a request of the batch uses
+    them, else ``logits`` themselves: no pass when none does (``ctx.penalties``)."""
+    if not ctx.penalties:
+        return logits
+    if output_counts is None or prompt_mask is None:
+        raise ValueError(
+            "a request of the batch uses penalties (ctx.penalties) but the state carries no "
+            "output_counts / prompt_mask: it was prefilled without them"
+        )
+    return apply_penalties(
+        logits, output_counts, prompt_mask, params.repetition_penalty, params.frequency_penalty,
+        params.presence_penalty, params.logit_bias, node_tokens, tree_mask,
+    )
+
+
+def logprobs_if_asked(ctx: SpecContext, logits: torch.Tensor, tokens: torch.Tensor) -> TokenLogprobs:
+    """The target's logprobs of ``tokens`` and its top ``ctx.top_logprobs`` per row, from its
+    raw ``logits`` (:mod:`phasegraph.kernels.logprobs`); all None unless a request asks."""
+    if not ctx.return_logprobs:
+        return TokenLogprobs(None, None, None)
+    return token_logprobs(logits, tokens, ctx.top_logprobs)
+
+
+def min_p_if_used(ctx: SpecContext, params: BatchParams) -> torch.Tensor | None:
+    """The batch's min_p where a request uses it, else None (no pass)."""
+    return params.min_p if ctx.min_p else None

@@ -77,7 +77,11 @@ class SpecContext:
     tree: TreeShape | None  # None for the autoregressive baseline
     draft: DraftModel | None = None
     greedy_only: bool = False  # every request in the batch has temperature 0
-    return_logprobs: bool = False
+    return_logprobs: bool = False  # a request asks for its tokens' logprobs
+    top_logprobs: int = 0  # the most top logprobs per generated position a request asks for
+    prompt_logprobs: int | None = None  # None: no request asks for prompt logprobs; else the most top ones
+    penalties: bool = False  # a request uses logit_bias or a penalty (off: no count state, no pass)
+    min_p: bool = False  # a request uses min_p
     # Benchmark mode only: verify accepts this many drafts per step whatever they are (greedy
     # requests); outputs are then not the target's. None = real verification.
     simulate_accept_drafts: int | None = None

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
-import torch
-
+from phasegraph.kernels.penalties import count_tokens
 from phasegraph.kernels.random import PURPOSE_SAMPLE, counter_uniform, position_counter
 from phasegraph.kernels.sampling import sample_tokens
-from phasegraph.phases._common import causal_extend_metadata
+from phasegraph.phases._common import (
+    causal_extend_metadata,
+    logprobs_if_asked,
+    min_p_if_used,
+    processed_logits,
+)
 from phasegraph.phases.context import SpecContext
 from phasegraph.phases.schemas import DraftState
 from phasegraph.statemachine import phase
@@ -14,18 +18,19 @@ from phasegraph.statemachine import phase
 
 @phase("decode")
 def decode(state: DraftState, ctx: SpecContext) -> DraftState:
-    """Commit each request's bonus token at position ``seq_len`` and sample the next one."""
+    """Commit each request's bonus token at position ``seq_len`` and sample the next one (with
+    the batch's bias and penalties where a request uses them, then counting the new token)."""
     params = state.params
     # token b is request b, at position seq_len (rows of distinct requests)
     attn = causal_extend_metadata(ctx.memory, params.req_pool_idx, None, state.seq_lens,
                                   one_query_per_row=True)
     out = ctx.target.forward(state.bonus_tokens, state.seq_lens, attn, logits_index=None)
+    raw = out.logits  # [B, V]
+    logits = processed_logits(ctx, params, raw, state.output_counts, state.prompt_mask)
     coins = counter_uniform(params.seed, position_counter(state.seq_lens + 1, PURPOSE_SAMPLE))  # [B]
-    nxt, _, emitted = sample_tokens(out.logits, params.temperature, params.top_k, params.top_p, coins,
-                                    ctx.greedy_only)
-    logprobs = None
-    if ctx.return_logprobs:
-        logprobs = torch.log_softmax(out.logits.float(), dim=-1).gather(1, nxt[:, None])[:, 0]
+    nxt, _, emitted = sample_tokens(logits, params.temperature, params.top_k, params.top_p, coins,
+                                    ctx.greedy_only, min_p_if_used(ctx, params), raw if ctx.penalties else None)
+    lp = logprobs_if_asked(ctx, raw, nxt)
     return DraftState(
         params=params,
         seq_lens=state.seq_lens + 1,
@@ -34,6 +39,10 @@ def decode(state: DraftState, ctx: SpecContext) -> DraftState:
         topk_p=state.topk_p,
         topk_index=state.topk_index,
         hidden=None,
-        bonus_logprobs=logprobs,
+        output_counts=count_tokens(state.output_counts, emitted) if ctx.penalties else None,
+        prompt_mask=state.prompt_mask if ctx.penalties else None,
+        bonus_logprobs=lp.chosen,
+        bonus_top_logprobs=lp.top,
+        bonus_top_ids=lp.top_ids,
         emitted=emitted,  # what the host appends: nxt, or NONFINITE_LOGITS
     )

@@ -27,6 +27,7 @@ def draft_extend(state: DraftExtendInput, ctx: SpecContext) -> DraftState:
         return DraftState(
             params=params, seq_lens=state.seq_lens, bonus_tokens=state.bonus_tokens,
             remaining=state.remaining, topk_p=empty_p, topk_index=empty_i, hidden=None,
+            output_counts=state.output_counts, prompt_mask=state.prompt_mask,
         )
     attn = causal_extend_metadata(ctx.memory, params.req_pool_idx, state.token_req, state.positions)
     out = ctx.draft.forward(
@@ -45,4 +46,6 @@ def draft_extend(state: DraftExtendInput, ctx: SpecContext) -> DraftState:
         topk_p=topk_p,
         topk_index=topk_ids,
         hidden=hidden,
+        output_counts=state.output_counts,  # the penalty state rides along (None when unused)
+        prompt_mask=state.prompt_mask,
     )

@@ -8,6 +8,7 @@ from phasegraph.kernels.cache_slots import span_slots
 from phasegraph.kernels.commit_path import commit_path
 from phasegraph.kernels.compact import accepted_kv_moves, compact_to_front, move_kv
 from phasegraph.kernels.extend_positions import extend_rows
+from phasegraph.kernels.penalties import count_tokens
 from phasegraph.phases.context import SpecContext
 from phasegraph.phases.schemas import (
     FinalizedPath,
@@ -27,7 +28,8 @@ def finalize_tree_path(state: VerifyResult, ctx: SpecContext) -> FinalizedPath:
     to :class:`VerifyResult` is compacted without code changes (SGLang #26866: routed experts were
     left in raw node order). Accepted node ``accept_index[b, i]`` moves from logical position
     ``seq_len + j`` to ``seq_len + i`` in the target pool. The path is cut after a stop token or
-    at the request's budget; the result feeds draft-extend with ``T = B*W`` rows.
+    at the request's budget; the result feeds draft-extend with ``T = B*W`` rows. Where a
+    request uses penalties the emitted tokens are counted into the request's output counts.
     """
     memory = ctx.memory
     proposal = state.proposal
@@ -80,6 +82,8 @@ def finalize_tree_path(state: VerifyResult, ctx: SpecContext) -> FinalizedPath:
         seq_lens=path.seq_lens,
         bonus_tokens=path.bonus_tokens,
         remaining=path.remaining,  # 0 past the budget (overlap)
+        output_counts=count_tokens(draft_state.output_counts, path.emitted) if ctx.penalties else None,
+        prompt_mask=draft_state.prompt_mask if ctx.penalties else None,
         verified=state,
         accept_index=accept_index,
         accept_lens=lens,

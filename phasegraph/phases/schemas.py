@@ -7,7 +7,9 @@ mergeable. Symbolic dims (see ``docs/internals.md``):
 - ``B`` requests in the batch; ``T`` tokens of a ragged or fixed-width extend;
 - ``K`` topk per draft step; ``N`` tree nodes per request, root included; ``W`` accept width
   (= num_steps + 1); ``D`` draft forwards per iteration (= num_steps - 1);
-- ``Hd`` draft hidden size; ``Hf`` target feature width handed to the draft; ``Z`` stop ids.
+- ``Hd`` draft hidden size; ``Hf`` target feature width handed to the draft; ``Z`` stop ids;
+- ``V`` the target's vocabulary; ``L`` top logprobs per generated position, ``Lp`` per prompt
+  position (the most any request of the batch asks for).
 
 Roles: ``REQUEST`` fields have one row per request (``[B, ...]``), ``NODE`` fields one row per
 tree node (``[B*N, ...]``, request-major), ``ACCEPTED`` fields one row per accepted-path slot
@@ -20,7 +22,7 @@ import functools
 import types
 
 import torch
-from jaxtyping import Bool, Float, Float32, Int64
+from jaxtyping import Bool, Float, Float32, Int32, Int64
 
 from phasegraph.kernels.argmax import NONFINITE_LOGITS
 from phasegraph.kernels.commit_path import DRAFT_NONFINITE, cut_at_nonfinite, mark_nonfinite_draft
@@ -72,6 +74,14 @@ class BatchParams(Schema):
     top_k: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=0, doc="0 = off")
     stop_ids: Int64[Tensor, "B Z"] = tensor(role=REQUEST, pad=-1, doc="token ids that end the request, -1 padded")
     seed: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=0, doc="seed of the request's counter-based coins")
+    min_p: Float32[Tensor, "B"] = tensor(role=REQUEST, pad=0.0, doc="0 = off")
+    repetition_penalty: Float32[Tensor, "B"] = tensor(role=REQUEST, pad=1.0, doc="1 = off")
+    frequency_penalty: Float32[Tensor, "B"] = tensor(role=REQUEST, pad=0.0, doc="0 = off")
+    presence_penalty: Float32[Tensor, "B"] = tensor(role=REQUEST, pad=0.0, doc="0 = off")
+    logit_bias: Float32[Tensor, "B V"] | None = tensor(
+        role=REQUEST, pad=0.0, absent_is_pad=True, default=None,
+        doc="added to the target's logits; None where no request of the batch has a bias",
+    )
 
     @invariant("req_pool_idx >= 1 (row 0 is the reserved padding row)")
     def _rows_not_reserved(self) -> str | None:
@@ -86,9 +96,15 @@ class BatchParams(Schema):
         i = _first_bad_row(rows[1:] != rows[:-1])
         return None if i is None else f"row {int(rows[i])} is held by two requests"
 
-    @invariant("0 <= temperature, 0 < top_p <= 1, top_k >= 0")
+    @invariant("0 <= temperature, 0 < top_p <= 1, top_k >= 0, 0 <= min_p <= 1, finite penalties "
+               "with repetition_penalty > 0")
     def _sampling_ranges(self) -> str | None:
         ok = (self.temperature >= 0) & (self.top_p > 0) & (self.top_p <= 1) & (self.top_k >= 0)
+        ok &= (self.min_p >= 0) & (self.min_p <= 1) & (self.repetition_penalty > 0)
+        ok &= torch.isfinite(self.repetition_penalty) & torch.isfinite(self.frequency_penalty)
+        ok &= torch.isfinite(self.presence_penalty)
+        if self.logit_bias is not None:
+            ok &= torch.isfinite(self.logit_bias).all(dim=1)
         row = _first_bad_row(ok)
         return None if row is None else f"request {row} has out-of-range sampling parameters"
 
@@ -106,10 +122,20 @@ class PrefillInput(Schema):
     token_req: Int64[Tensor, "T"] = tensor(role=TOKEN, pad=Pad.index(REQUEST), doc="batch row of each token")
     select_index: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=Pad.index(TOKEN), doc="row in T of each request's last prompt token")
     seq_lens: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=1, doc="prompt lengths (committed after prefill)")
+    prompt_lens: Int64[Tensor, "B"] = tensor(
+        role=REQUEST, pad=1,
+        doc="the request's own prompt; the tokens after it are output it emitted before a retraction",
+    )
     remaining: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=1, doc="new tokens each request may still emit")
     forced_tokens: Int64[Tensor, "B"] = tensor(
         role=REQUEST, pad=-1, doc="-1: sample the first token; else emit this token (a resumed request's bonus)"
     )
+
+    @invariant("1 <= prompt_lens <= seq_lens")
+    def _prompt_within(self) -> str | None:
+        row = _first_bad_row((self.prompt_lens >= 1) & (self.prompt_lens <= self.seq_lens))
+        return None if row is None else (
+            f"request {row}: prompt_len {int(self.prompt_lens[row])}, seq_len {int(self.seq_lens[row])}")
 
     @invariant("select_index[b] is the last token of request b, at position seq_len - 1")
     def _select_last(self) -> str | None:
@@ -138,6 +164,13 @@ class DraftExtendInput(Schema):
     seq_lens: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=1, doc="committed length after this extend")
     bonus_tokens: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=0, doc="last emitted token, at position seq_len")
     remaining: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=1)
+    output_counts: Int32[Tensor, "B V"] | None = tensor(
+        role=REQUEST, pad=0, absent_is_pad=True, default=None,
+        doc="times each token was emitted, bonus token included (penalties: see DraftState)",
+    )
+    prompt_mask: Bool[Tensor, "B V"] | None = tensor(
+        role=REQUEST, pad=False, absent_is_pad=True, default=None, doc="the token occurs in the prompt",
+    )
     lead: int = value(
         default=0,
         doc="draft KV lead: 0 = row p carries token p+1 (EAGLE kinds); 1 = row p carries token p "
@@ -163,6 +196,16 @@ class PrefillResult(DraftExtendInput):
     """Prefill's output: the draft-extend input for the prompts plus the first sampled token."""
 
     first_logprobs: Float32[Tensor, "B"] | None = tensor(role=REQUEST, pad=0.0, default=None)
+    first_top_logprobs: Float32[Tensor, "B L"] | None = tensor(
+        role=REQUEST, pad=0.0, default=None, doc="the L largest logprobs of the first token's position")
+    first_top_ids: Int64[Tensor, "B L"] | None = tensor(role=REQUEST, pad=0, default=None)
+    prompt_logprobs: Float32[Tensor, "T"] | None = tensor(
+        role=TOKEN, pad=0.0, default=None,
+        doc="at the row of position p: logprob of the request's token p + 1 (0 on lead-1 bonus rows)",
+    )
+    prompt_top_logprobs: Float32[Tensor, "T Lp"] | None = tensor(
+        role=TOKEN, pad=0.0, default=None, doc="the Lp largest logprobs at each row's position")
+    prompt_top_ids: Int64[Tensor, "T Lp"] | None = tensor(role=TOKEN, pad=0, default=None)
     logits_finite: Bool[Tensor, "B"] = tensor(
         role=REQUEST, pad=True, doc="False where the target's logits for the first token held NaN or +inf (or only -inf)"
     )
@@ -182,9 +225,22 @@ class DraftState(Schema):
     topk_p: Float32[Tensor, "B K"] = tensor(role=REQUEST, pad=Pad.UNIFORM, doc="draft probabilities of the depth-1 candidates")
     topk_index: Int64[Tensor, "B K"] = tensor(role=REQUEST, pad=0, doc="depth-1 candidate tokens (target vocab)")
     hidden: Float[Tensor, "B Hd"] | None = tensor(role=REQUEST, pad=0.0, default=None, doc="draft hidden fed to step 0")
+    output_counts: Int32[Tensor, "B V"] | None = tensor(
+        role=REQUEST, pad=0, absent_is_pad=True, default=None,
+        doc="times each token was emitted, bonus token included: made by prefill and advanced by "
+            "finalize-tree-path and decode while a request of the batch uses penalties, else None "
+            "(exact for the requests that use them)",
+    )
+    prompt_mask: Bool[Tensor, "B V"] | None = tensor(
+        role=REQUEST, pad=False, absent_is_pad=True, default=None,
+        doc="the token occurs in the prompt (repetition penalty), with output_counts",
+    )
     bonus_logprobs: Float32[Tensor, "B"] | None = tensor(
         role=REQUEST, pad=0.0, per_step=True, default=None, doc="set by decode when asked"
     )
+    bonus_top_logprobs: Float32[Tensor, "B L"] | None = tensor(
+        role=REQUEST, pad=0.0, per_step=True, default=None, doc="set by decode: the L largest logprobs")
+    bonus_top_ids: Int64[Tensor, "B L"] | None = tensor(role=REQUEST, pad=0, per_step=True, default=None)
     emitted: Int64[Tensor, "B"] | None = tensor(
         role=REQUEST, pad=0, per_step=True, default=None,
         doc="set by decode: bonus_tokens, or NONFINITE_LOGITS where the target's logits held NaN or +inf",
@@ -297,6 +353,9 @@ class VerifyResult(Schema):
     predict: Int64[Tensor, "B*N"] = tensor(role=NODE, pad=0, doc="token emitted after each node if accepted")
     features: Float[Tensor, "B*N Hf"] = tensor(role=NODE, pad=0.0, doc="target features for draft-extend")
     logprobs: Float32[Tensor, "B*N"] | None = tensor(role=NODE, pad=0.0, default=None, doc="logprob of predict")
+    top_logprobs: Float32[Tensor, "B*N L"] | None = tensor(
+        role=NODE, pad=0.0, default=None, doc="the L largest logprobs after each node, most likely first")
+    top_logprob_ids: Int64[Tensor, "B*N L"] | None = tensor(role=NODE, pad=0, default=None)
     accept_index: Int64[Tensor, "B W"] = tensor(role=REQUEST, pad=Pad.index(NODE), doc="node rows of the accepted path, -1 padded")
     accept_lens: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=1, doc="accepted drafts + 1 (the bonus)")
     bonus_tokens: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=0, doc="the new bonus token")
@@ -396,6 +455,19 @@ class FinalizedPath(DraftExtendInput):
     accepted_predict: Int64[Tensor, "B*W"] = tensor(role=ACCEPTED, pad=0)
     accepted_features: Float[Tensor, "B*W Hf"] = tensor(role=ACCEPTED, pad=0.0)
     accepted_logprobs: Float32[Tensor, "B*W"] | None = tensor(role=ACCEPTED, pad=0.0, default=None)
+    accepted_top_logprobs: Float32[Tensor, "B*W L"] | None = tensor(role=ACCEPTED, pad=0.0, default=None)
+    accepted_top_logprob_ids: Int64[Tensor, "B*W L"] | None = tensor(role=ACCEPTED, pad=0, default=None)
+
+    @invariant("output_counts == the tree's output_counts + the emitted tokens (while penalties are on)")
+    def _counts_advance(self) -> str | None:
+        before = self.verified.proposal.draft.output_counts
+        if self.output_counts is None or before is None:
+            return None
+        tokens = self.emitted >= 0  # -1 pads and the non-finite marks are no tokens
+        where = self.emitted.clamp(0, before.shape[1] - 1)
+        added = torch.zeros_like(before).scatter_add(1, where, tokens.to(before.dtype))
+        row = _first_bad_row((self.output_counts == before + added).all(dim=1))
+        return None if row is None else f"request {row}: output_counts do not add the emitted {self.emitted[row].tolist()}"
 
     @invariant("seq_lens == seq_lens before verify + accept_lens")
     def _seq_lens_advance(self) -> str | None:

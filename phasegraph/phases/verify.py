@@ -17,6 +17,7 @@ from phasegraph.kernels.random import (
 from phasegraph.kernels.simulated_accept import verify_tree_simulated
 from phasegraph.kernels.tree_sampling import target_probs, verify_tree_sampling
 from phasegraph.kernels.verify_greedy import verify_tree_greedy
+from phasegraph.phases._common import logprobs_if_asked, min_p_if_used, processed_logits
 from phasegraph.phases.context import SpecContext
 from phasegraph.phases.schemas import TreeProposal, VerifyResult
 from phasegraph.statemachine import phase
@@ -31,6 +32,12 @@ def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
     tokens equal the target's argmax; sampled requests use lossless tree rejection sampling
     (Leviathan et al., arXiv 2211.17192, with the draft treated as deterministic), so the
     emitted tokens are distributed exactly as the target's.
+
+    Logit bias and penalties apply per node from its own ancestry: node j predicts the token
+    after the path root..j, so it is penalised with the request's output counts plus the tokens
+    drafted on that path (:func:`~phasegraph.kernels.penalties.apply_penalties`); min_p
+    processes each node's own row. Sampling stays lossless for the processed distributions.
+    Logprobs are the target's raw ones at every node (finalize compacts them along the path).
     """
     memory = ctx.memory
     draft_state = state.draft
@@ -51,20 +58,25 @@ def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
         tree_block_writes=True,  # node j of each row's N writes position seq_len + j
     )
     out = ctx.target.forward(state.draft_tokens, state.positions, attn, logits_index=None)
-    logits = out.logits  # [B*N, V]
-    if ctx.simulate_accept_drafts is not None:  # benchmark mode, labelled as such by the engine
+    raw = out.logits  # [B*N, V]
+    logits = processed_logits(ctx, params, raw, draft_state.output_counts, draft_state.prompt_mask,
+                              state.draft_tokens, state.tree_mask)
+    if ctx.simulate_accept_drafts is not None or ctx.greedy_only:
         greedy, finite, _ = argmax_finite(logits)  # [B*N] each
-        outcome = verify_tree_simulated(
-            state.draft_tokens, state.retrieve_next_token, greedy, S, ctx.simulate_accept_drafts,
-        )
-    elif ctx.greedy_only:
-        greedy, finite, _ = argmax_finite(logits)
-        outcome = verify_tree_greedy(
-            state.draft_tokens, state.retrieve_next_token, state.retrieve_next_sibling, greedy, S,
-        )
+        if logits is not raw:  # processed logits are clamped finite: the model's say what was not
+            finite = row_max_finite(raw)
+        if ctx.simulate_accept_drafts is not None:  # benchmark mode, labelled as such by the engine
+            outcome = verify_tree_simulated(
+                state.draft_tokens, state.retrieve_next_token, greedy, S, ctx.simulate_accept_drafts,
+            )
+        else:
+            outcome = verify_tree_greedy(
+                state.draft_tokens, state.retrieve_next_token, state.retrieve_next_sibling, greedy, S,
+            )
     else:
-        finite = row_max_finite(logits)  # [B*N]
-        probs = target_probs(logits, params.temperature, params.top_k, params.top_p, N)
+        finite = row_max_finite(raw)  # [B*N]
+        probs = target_probs(logits, params.temperature, params.top_k, params.top_p, N,
+                             min_p_if_used(ctx, params))
         # the coins that choose the token at position seq_len + d + 1 (after depth d)
         chosen = seq_lens[:, None] + 1 + torch.arange(S + 1, device=device)  # [B, S+1]
         coins = counter_uniform(params.seed, position_counter(chosen, PURPOSE_ACCEPT))
@@ -73,14 +85,14 @@ def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
             state.draft_tokens, state.retrieve_next_token, state.retrieve_next_sibling,
             probs, coins, bonus_coins, S,
         )
-    logprobs = None
-    if ctx.return_logprobs:
-        logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, outcome.predict[:, None])[:, 0]
+    lp = logprobs_if_asked(ctx, raw, outcome.predict)
     return VerifyResult(
         proposal=state,
         predict=outcome.predict,
         features=out.features,
-        logprobs=logprobs,
+        logprobs=lp.chosen,
+        top_logprobs=lp.top,
+        top_logprob_ids=lp.top_ids,
         accept_index=outcome.accept_index,
         accept_lens=outcome.accept_lens,
         bonus_tokens=fill_bonus_tokens(outcome.predict, outcome.accept_index, outcome.accept_lens),

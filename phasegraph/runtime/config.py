@@ -113,15 +113,40 @@ def _finite_number(name: str, v: object) -> float:
     return f
 
 
+# the most top logprobs a request may ask for per position (OpenAI's and vLLM's bound)
+MAX_LOGPROBS = 20
+# OpenAI's ranges of the frequency and presence penalties and of a logit bias
+PENALTY_RANGE, LOGIT_BIAS_RANGE = 2.0, 100.0
+
+
 @attrs.frozen
 class SamplingParams:
     """Per-request generation settings.
 
     ``temperature`` 0 is greedy (so is any below 1e-5). ``top_p`` in (0, 1], ``top_k`` 0 = off. Generation stops at
     ``max_new_tokens``, at an EOS token (unless ``ignore_eos``), at any of ``stop_token_ids``, or
-    when the text contains one of ``stop`` (the text is cut before it). ``logprobs`` asks for the
-    log-probability of every emitted token under the target. ``seed`` makes sampling
+    when the text contains one of ``stop`` (the text is cut before it). ``seed`` makes sampling
     reproducible whatever the batch (and across retraction).
+
+    Logprobs are ``log_softmax`` of the target's raw logits (before temperature, top-k/top-p,
+    min_p, bias and penalties), at the same positions whether or not the engine speculates.
+    ``logprobs``: False (or None) for none; True (or 0) for each emitted token's logprob
+    (``RequestOutput.logprobs``); an integer k in [1, 20] adds the k most likely tokens at each
+    generated position (``RequestOutput.top_logprobs``: (token id, logprob) pairs, most likely
+    first). ``prompt_logprobs``: None, or k in [0, 20] for the logprob of every prompt token
+    after the first and the k most likely tokens at each of those positions
+    (``RequestOutput.prompt_logprobs`` / ``prompt_top_logprobs``, entry 0 None).
+
+    Logit processing, in this order and before everything else (greedy decoding too):
+    ``logit_bias`` ({token id: bias in [-100, 100]}) is added to the logits; then
+    ``repetition_penalty`` (> 0, 1 = off; the CTRL / Hugging Face form) divides the positive and
+    multiplies the other logits of every token that occurs in the prompt or the output; then
+    ``frequency_penalty`` (in [-2, 2]) is subtracted once per time a token was emitted and
+    ``presence_penalty`` (in [-2, 2]) once if it was emitted at all (OpenAI's definitions, over
+    the output only). Under speculation each draft-tree node is penalised from its own
+    ancestry: the output so far plus the drafted tokens on its path. After temperature, top-k
+    and top-p, ``min_p`` (in [0, 1], 0 = off) keeps the tokens whose probability is at least
+    ``min_p`` times the most likely token's.
     """
 
     max_new_tokens: int = 64
@@ -131,8 +156,15 @@ class SamplingParams:
     stop: Sequence[str] = ()
     stop_token_ids: Sequence[int] = ()
     ignore_eos: bool = False
-    logprobs: bool = False
+    logprobs: bool | int | None = False
     seed: int | None = None
+    prompt_logprobs: int | None = None
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    # {token id: bias}; kept as (token id, bias) pairs in id order, so the params stay hashable
+    logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
 
     def __attrs_post_init__(self) -> None:
         m = self.max_new_tokens
@@ -160,9 +192,10 @@ class SamplingParams:
         seed = self.seed  # the per-request seed travels to the device as an int64
         if seed is not None and (not is_int(seed) or not INT64_MIN <= seed <= INT64_MAX):
             raise InvalidRequest(f"seed must be a 64-bit integer (in [-2**63, 2**63)) or None; got {seed!r}")
-        for name in ("ignore_eos", "logprobs"):  # a truthy string such as "no" would flip them
-            if not isinstance(getattr(self, name), bool):
-                raise InvalidRequest(f"{name} must be True or False; got {getattr(self, name)!r}")
+        if not isinstance(self.ignore_eos, bool):  # a truthy string such as "no" would flip it
+            raise InvalidRequest(f"ignore_eos must be True or False; got {self.ignore_eos!r}")
+        self._check_logprobs()
+        self._check_logit_processing()
         if 0 < t < GREEDY_BELOW:
             # logits / t overflows float32 for a tiny t (NaN probabilities, garbage tokens);
             # sampling that cold is greedy decoding in all but ties (as in vLLM)
@@ -170,9 +203,80 @@ class SamplingParams:
         object.__setattr__(self, "temperature", t)
         object.__setattr__(self, "top_p", p)
 
+    def _check_logprobs(self) -> None:
+        lp = self.logprobs
+        if lp is None:
+            lp = False
+        elif not isinstance(lp, bool) and (not is_int(lp) or not 0 <= lp <= MAX_LOGPROBS):
+            raise InvalidRequest(
+                f"logprobs must be True or False, or an integer in [0, {MAX_LOGPROBS}] (the top "
+                f"logprobs per generated position); got {lp!r}"
+            )
+        object.__setattr__(self, "logprobs", True if lp == 0 and not isinstance(lp, bool) else lp)
+        k = self.prompt_logprobs
+        if k is not None and (not is_int(k) or not 0 <= k <= MAX_LOGPROBS):
+            raise InvalidRequest(
+                f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (the top logprobs "
+                f"per prompt position); got {k!r}"
+            )
+
+    def _check_logit_processing(self) -> None:
+        m = _finite_number("min_p", self.min_p)
+        if not 0 <= m <= 1:
+            raise InvalidRequest(f"min_p must be in [0, 1] (0 = off); got {self.min_p!r}")
+        object.__setattr__(self, "min_p", m)
+        r = _finite_number("repetition_penalty", self.repetition_penalty)
+        if r <= 0:
+            raise InvalidRequest(f"repetition_penalty must be > 0 (1 = off); got {self.repetition_penalty!r}")
+        object.__setattr__(self, "repetition_penalty", r)
+        for name in ("frequency_penalty", "presence_penalty"):
+            f = _finite_number(name, getattr(self, name))
+            if not -PENALTY_RANGE <= f <= PENALTY_RANGE:
+                raise InvalidRequest(f"{name} must be in [-2, 2] (0 = off); got {getattr(self, name)!r}")
+            object.__setattr__(self, name, f)
+        object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def wants_logprobs(self) -> bool:
+        """The emitted tokens' logprobs are asked for."""
+        return self.logprobs is not False
+
+    @property
+    def top_logprobs(self) -> int:
+        """Top logprobs per generated position (0: none)."""
+        return 0 if isinstance(self.logprobs, bool) else self.logprobs
+
+    @property
+    def uses_penalties(self) -> bool:
+        """A logit bias or a penalty changes the logits."""
+        return (self.logit_bias is not None or self.repetition_penalty != 1.0
+                or self.frequency_penalty != 0.0 or self.presence_penalty != 0.0)
+
+
+def _logit_bias(bias: object) -> tuple[tuple[int, float], ...] | None:
+    """A logit bias as (token id, bias) pairs in id order (None for none), each checked."""
+    if bias is None:
+        return None
+    if isinstance(bias, Mapping):
+        pairs = list(bias.items())
+    elif isinstance(bias, tuple) and all(isinstance(p, tuple) and len(p) == 2 for p in bias):
+        pairs = list(bias)  # the form it is kept in
+    else:
+        raise InvalidRequest(f"logit_bias must be a mapping of token ids to biases; got {bias!r}")
+    for token, value in pairs:
+        if not is_int(token) or not 0 <= token <= INT64_MAX:
+            raise InvalidRequest(f"logit_bias keys must be token ids (non-negative integers); got {token!r}")
+        v = _finite_number(f"logit_bias[{token}]", value)
+        if not -LOGIT_BIAS_RANGE <= v <= LOGIT_BIAS_RANGE:
+            raise InvalidRequest(f"logit_bias[{token}] must be in [-100, 100]; got {value!r}")
+    ids = [t for t, _ in pairs]
+    if len(set(ids)) != len(ids):
+        raise InvalidRequest(f"logit_bias names a token twice: {sorted(ids)}")
+    return tuple(sorted((int(t), float(v)) for t, v in pairs)) or None
 
 
 # Upper bounds of the engine's sizes: far above any real setting (past them, Python ints
@@ -326,9 +430,15 @@ class RequestOutput:
     token_ids: list[int]  # generated tokens only
     text: str
     finish_reason: str | None  # "length" | "stop" | "abort" | "error" | None while running
-    logprobs: list[float] | None = None
+    logprobs: list[float] | None = None  # of each generated token (SamplingParams.logprobs)
     stats: RequestStats = attrs.field(factory=RequestStats)
     error: str | None = None  # what went wrong, with finish_reason "error"
+    # per generated position, the k most likely (token id, logprob), most likely first
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    # per prompt token: its logprob given the tokens before it (None for the first)
+    prompt_logprobs: list[float | None] | None = None
+    # per prompt token: the k most likely (token id, logprob) at its position (None for the first)
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -345,3 +455,5 @@ class RequestDelta:
     finish_reason: str | None
     error: str | None = None  # what went wrong, with finish_reason "error"
     accept_lengths: tuple[int, ...] = ()  # of the verify steps since the previous step()
+    logprobs: tuple[float, ...] | None = None  # of new_token_ids, where asked
+    top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None  # per new token, where asked

@@ -529,9 +529,14 @@ class GraphCapture:
         self.emulate = emulate
         self.enabled = enabled and (emulate or torch.cuda.is_available())
         self.pool = torch.cuda.graph_pool_handle() if self.enabled and not emulate else None
+        # every context flag that changes what a phase computes, or the shape of its outputs
         self.context_key: Callable[[Any], tuple] = lambda ctx: (
             bool(getattr(ctx, "greedy_only", False)),
             bool(getattr(ctx, "return_logprobs", False)),
+            int(getattr(ctx, "top_logprobs", 0)),
+            getattr(ctx, "prompt_logprobs", None),
+            bool(getattr(ctx, "penalties", False)),
+            bool(getattr(ctx, "min_p", False)),
         )
 
     def graph_key(self, state: Schema, ctx: Any, batch: int, bucket: int) -> tuple:

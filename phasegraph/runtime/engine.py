@@ -346,6 +346,11 @@ class Engine:
                 f"stop_token_ids {outside} are outside the vocabulary [0, {self.target.vocab_size}): "
                 "they can never be generated"
             )
+        outside = [t for t, _ in params.logit_bias or () if t >= self.target.vocab_size]
+        if outside:
+            raise InvalidRequest(
+                f"logit_bias names token ids {outside[:8]} outside the vocabulary [0, {self.target.vocab_size})"
+            )
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids += list(self.eos_token_ids)
@@ -405,10 +410,13 @@ class Engine:
         self._step_scheduler()
         deltas = []
         for rid, req in list(self._requests.items()):
-            tokens, text = req.take_delta()
+            tokens, text, logprobs, top = req.take_delta()
             if tokens or text or req.finish_reason is not None:
-                deltas.append(RequestDelta(rid, tuple(tokens), text, req.finish_reason, req.error,
-                                           tuple(req.take_accept_lengths())))
+                deltas.append(RequestDelta(
+                    rid, tuple(tokens), text, req.finish_reason, req.error, tuple(req.take_accept_lengths()),
+                    logprobs=None if logprobs is None else tuple(logprobs),
+                    top_logprobs=None if top is None else tuple(tuple(t) for t in top),
+                ))
             if req.status is Status.FINISHED:
                 del self._requests[rid]
         return deltas

@@ -94,7 +94,8 @@ class PrefillGraph:
             return self._eager("batch above the largest bucket (or empty)", state, ctx, extra)
         if tok_bucket is None:
             return self._eager("tokens above the largest token bucket", state, ctx, extra)
-        key = (req_bucket, tok_bucket, *self.runner.context_key(ctx), state.params.stop_ids.shape[1])
+        key = (req_bucket, tok_bucket, *self.runner.context_key(ctx), state.params.stop_ids.shape[1],
+               state.params.logit_bias is not None)
         cap = self.graphs.get(key)
         if cap is None and key not in self.warmed:
             self.warmed.add(key)
@@ -136,7 +137,9 @@ class PrefillGraph:
 # ---------------------------------------------------------------------- padding and slicing
 def padded_prefill_input(state: Schema, req_bucket: int, tok_bucket: int) -> Schema:
     """A new PrefillInput of ``req_bucket`` requests and ``tok_bucket`` tokens holding ``state``."""
-    def rows_of(x: torch.Tensor, role) -> torch.Tensor:
+    def rows_of(x: torch.Tensor | None, role) -> torch.Tensor | None:
+        if x is None:  # an optional field the batch does without
+            return None
         n = req_bucket if role == REQUEST else tok_bucket
         return torch.empty((n, *x.shape[1:]), dtype=x.dtype, device=x.device)
 
@@ -162,6 +165,8 @@ def copy_into_padded(static: Schema, state: Schema) -> None:
     for real, padded in ((state.params, static.params), (state, static)):
         for t in type(real).__schema__.tensors:
             x, rows = getattr(real, t.name), getattr(padded, t.name)
+            if x is None:  # absent from the graph's input too: its key says so
+                continue
             dsts.append(rows[: x.shape[0]])
             srcs.append(x)
             if t.name in _LAYOUT_FIELDS or rows.shape[0] == live[t.role]:

@@ -39,7 +39,12 @@ class Request:
         self.seed = seed
         self._decode = decode
         self.output: list[int] = []
-        self.logprobs: list[float] | None = [] if params.logprobs else None
+        self.logprobs: list[float] | None = [] if params.wants_logprobs else None
+        # per output token, the top_logprobs most likely (token id, logprob)
+        self.top_logprobs: list[list[tuple[int, float]]] | None = [] if params.top_logprobs else None
+        # set once, by the request's first prefill (a resumed request's prefill reports none)
+        self.prompt_logprobs: list[float | None] | None = None
+        self.prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
         self.status = Status.WAITING
         self.finish_reason: str | None = None
         self.error: str | None = None  # set with finish_reason "error"
@@ -69,16 +74,37 @@ class Request:
     def remaining(self) -> int:
         return self.budget - len(self.output)
 
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asks for prompt logprobs and has none yet (a resumed request had them already)."""
+        return self.params.prompt_logprobs is not None and self.prompt_logprobs is None
+
+    def set_prompt_logprobs(self, logprobs: Sequence[float], top: Sequence[Sequence[tuple[int, float]]] | None) -> None:
+        """Record the logprobs of prompt tokens 1.. (given the tokens before each) and, where
+        asked, the top ones at their positions; entry 0 (the first token) is None."""
+        self.prompt_logprobs = [None, *(float(x) for x in logprobs)]
+        k = self.params.prompt_logprobs or 0
+        self.prompt_top_logprobs = [None, *([[] for _ in logprobs] if top is None else [list(t[:k]) for t in top])]
+
     # -- appending
-    def append(self, tokens: Sequence[int], logprobs: Sequence[float] | None = None) -> None:
+    def append(
+        self,
+        tokens: Sequence[int],
+        logprobs: Sequence[float] | None = None,
+        top: Sequence[Sequence[tuple[int, float]]] | None = None,
+    ) -> None:
         """Append newly emitted tokens in order, stopping at a stop token, the budget or a stop
-        string; tokens after the stop are dropped."""
+        string; tokens after the stop are dropped. ``logprobs`` and ``top`` (the batch's top
+        logprobs per token, cut here to the request's own number) go along with them."""
+        k = self.params.top_logprobs
         for i, tok in enumerate(tokens):
             if self.finish_reason is not None:
                 break
             self.output.append(int(tok))
             if self.logprobs is not None and logprobs is not None:
                 self.logprobs.append(float(logprobs[i]))
+            if self.top_logprobs is not None and top is not None:
+                self.top_logprobs.append(list(top[i][:k]))
             if tok in self._stop_set:
                 self.finish("stop")
             elif len(self.output) >= self.budget:
@@ -108,6 +134,8 @@ class Request:
             self.output.pop()
             if self.logprobs:
                 self.logprobs.pop()
+            if self.top_logprobs:
+                self.top_logprobs.pop()
         self._text, self._text_tokens = text[:cut], len(self.output)
         self.finish_reason = "stop"  # wins over a budget reached in the same step
 
@@ -129,15 +157,19 @@ class Request:
         )
 
     # -- reporting
-    def take_delta(self) -> tuple[list[int], str]:
-        """Tokens and text produced since the last call.
+    def take_delta(self) -> tuple[list[int], str, list[float] | None, list[list[tuple[int, float]]] | None]:
+        """Tokens, text, and the tokens' logprobs and top logprobs (None where not asked for)
+        produced since the last call.
 
         While the request runs, the text is held back where it may still change: a trailing
         partial UTF-8 character (decoded as U+FFFD) and a tail that could be the start of a
         stop string (the final text is cut before the stop string, so text streamed earlier
         must never include a piece of it). The streamed pieces add up to the final text."""
-        new_tokens = self.output[self._reported_tokens :]
+        start = self._reported_tokens
+        new_tokens = self.output[start:]
         self._reported_tokens = len(self.output)
+        new_logprobs = None if self.logprobs is None else self.logprobs[start:]
+        new_top = None if self.top_logprobs is None else self.top_logprobs[start:]
         text = self.text
         if self.finish_reason is None:
             text = text.rstrip("\ufffd")
@@ -150,7 +182,7 @@ class Request:
                 common += 1
             done = done[:common]
         self._reported_text = text
-        return new_tokens, text[len(done) :]
+        return new_tokens, text[len(done) :], new_logprobs, new_top
 
     def take_accept_lengths(self) -> list[int]:
         """Accept lengths of the verify steps since the last call."""
@@ -168,6 +200,9 @@ class Request:
             logprobs=None if self.logprobs is None else list(self.logprobs),
             stats=self.stats,
             error=self.error,
+            top_logprobs=None if self.top_logprobs is None else [list(t) for t in self.top_logprobs],
+            prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
+            prompt_top_logprobs=None if self.prompt_top_logprobs is None else list(self.prompt_top_logprobs),
         )
 
 

@@ -75,6 +75,8 @@ class InFlight:
     logprobs: torch.Tensor | None  # [B, W] or [B]
     ready: torch.cuda.Event | None  # recorded after the copy to the host (None on the CPU)
     speculative: bool
+    top_logprobs: torch.Tensor | None = None  # [B, W, L] or [B, L]: the batch's top logprobs
+    top_ids: torch.Tensor | None = None  # their token ids
 
 
 class Scheduler:
@@ -215,14 +217,33 @@ class Scheduler:
         for i, r in enumerate(reqs):
             if r.stop_ids:
                 stop[i, : len(r.stop_ids)] = torch.tensor(r.stop_ids, dtype=torch.int64)
+
+        def floats(name: str) -> torch.Tensor:
+            return torch.tensor([getattr(r.params, name) for r in reqs], dtype=torch.float32, device=dev)
+
         return BatchParams(
             req_pool_idx=torch.tensor([r.row for r in reqs], dtype=torch.int64, device=dev),
-            temperature=torch.tensor([r.params.temperature for r in reqs], dtype=torch.float32, device=dev),
-            top_p=torch.tensor([r.params.top_p for r in reqs], dtype=torch.float32, device=dev),
+            temperature=floats("temperature"),
+            top_p=floats("top_p"),
             top_k=torch.tensor([r.params.top_k for r in reqs], dtype=torch.int64, device=dev),
             stop_ids=stop.to(dev),
             seed=torch.tensor([r.seed for r in reqs], dtype=torch.int64, device=dev),
+            min_p=floats("min_p"),
+            repetition_penalty=floats("repetition_penalty"),
+            frequency_penalty=floats("frequency_penalty"),
+            presence_penalty=floats("presence_penalty"),
+            logit_bias=self._logit_bias(reqs),
         )
+
+    def _logit_bias(self, reqs: list[Request]) -> torch.Tensor | None:
+        """The batch's logit biases as a dense [B, V] table, None where no request has one."""
+        if all(r.params.logit_bias is None for r in reqs):
+            return None
+        table = torch.zeros(len(reqs), self.ctx.target.vocab_size, dtype=torch.float32)
+        for i, r in enumerate(reqs):
+            for token, bias in r.params.logit_bias or ():
+                table[i, token] = bias
+        return table.to(self.device)
 
     def _prefill(self, reqs: list[Request]) -> None:
         """Prefill new and resumed requests together and merge them into the running batch.
@@ -236,6 +257,7 @@ class Scheduler:
         dev = self.device
         prompts = [r.tokens_to_prefill() for r in reqs]
         resumed = [r.resuming for r in reqs]
+        prompt_rows = [r.needs_prompt_logprobs for r in reqs]
         lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
         token_req = torch.repeat_interleave(torch.arange(len(reqs)), lens)
         starts = torch.cumsum(lens, 0) - lens
@@ -247,6 +269,7 @@ class Scheduler:
             token_req=token_req.to(dev),
             select_index=(torch.cumsum(lens, 0) - 1).to(dev),
             seq_lens=lens.to(dev),
+            prompt_lens=torch.tensor([len(r.prompt) for r in reqs], dtype=torch.int64, device=dev),
             # the bonus token counts against the budget once: a resumed request's is emitted
             remaining=torch.tensor(
                 [r.remaining + int(res) for r, res in zip(reqs, resumed, strict=True)],
@@ -257,7 +280,7 @@ class Scheduler:
                 dtype=torch.int64, device=dev,
             ),
         )
-        self._set_flags(reqs)
+        self._set_flags(reqs, prompt_logprobs=[r for r, want in zip(reqs, prompt_rows, strict=True) if want])
         self._prefill_batches += 1
         m = Machine(self.graph, name=f"prefill-{self._prefill_batches}", trace=self.trace, validate=self.validate)
         result = self._run(m, "prefill-extend", reqs, state=inp)
@@ -266,15 +289,35 @@ class Scheduler:
         first = result.bonus_tokens.tolist()
         finite = result.logits_finite.tolist()
         first_lp = result.first_logprobs.tolist() if result.first_logprobs is not None else None
+        first_top = _top_pairs(result.first_top_logprobs, result.first_top_ids)
+        if any(prompt_rows):
+            self._record_prompt_logprobs(reqs, prompts, prompt_rows, result)
         for i, (req, prompt) in enumerate(zip(reqs, prompts, strict=True)):
             req.status = Status.RUNNING
             req.seq_len = len(prompt)
             if not finite[i]:
                 req.fail_nonfinite()  # leaves the batch with the finished ones (step)
             elif not resumed[i]:
-                req.append([first[i]], None if first_lp is None else [first_lp[i]])
+                req.append([first[i]], None if first_lp is None else [first_lp[i]],
+                           None if first_top is None else [first_top[i]])
         self._run(self.machine, "merge", self.running + reqs, other=new_state)
         self.running.extend(reqs)
+
+    def _record_prompt_logprobs(self, reqs: list[Request], prompts: list[list[int]], wanted: list[bool],
+                                result) -> None:
+        """Hand each request that asked its prompt logprobs: row p of its prefilled rows holds
+        the logprob of its token p + 1 (a lead-1 layout has one more row per request before
+        it). Resumed requests had theirs at their first prefill and are not asked again."""
+        lps = result.prompt_logprobs.tolist()
+        top = _top_pairs(result.prompt_top_logprobs, result.prompt_top_ids)
+        start = 0
+        for i, (req, prompt) in enumerate(zip(reqs, prompts, strict=True)):
+            first_row = start + (i if result.lead else 0)
+            start += len(prompt)
+            if not wanted[i]:
+                continue
+            rows = slice(first_row, first_row + len(req.prompt) - 1)  # predicting tokens 1..P-1
+            req.set_prompt_logprobs(lps[rows], None if top is None else top[rows])
 
     # ------------------------------------------------------------------ memory
     def _pages_short(self) -> bool:
@@ -325,9 +368,17 @@ class Scheduler:
             self.waiting.appendleft(req)
 
     # ------------------------------------------------------------------ iteration
-    def _set_flags(self, reqs: list[Request]) -> None:
-        self.ctx.greedy_only = all(r.params.greedy for r in reqs)
-        self.ctx.return_logprobs = any(r.params.logprobs for r in reqs)
+    def _set_flags(self, reqs: list[Request], prompt_logprobs: list[Request] = ()) -> None:
+        """The context flags of a batch: what its requests use, so that the phases skip what
+        none does (each is part of the CUDA-graph key). ``prompt_logprobs``: the requests of a
+        prefill batch whose prompt logprobs are due."""
+        ctx = self.ctx
+        ctx.greedy_only = all(r.params.greedy for r in reqs)
+        ctx.return_logprobs = any(r.params.wants_logprobs for r in reqs)
+        ctx.top_logprobs = max((r.params.top_logprobs for r in reqs), default=0)
+        ctx.prompt_logprobs = max((r.params.prompt_logprobs for r in prompt_logprobs), default=None)
+        ctx.penalties = any(r.params.uses_penalties for r in reqs)
+        ctx.min_p = any(r.params.min_p > 0 for r in reqs)
 
     def _issue(self) -> InFlight:
         """Queue one iteration of the running batch and an asynchronous copy of what it emits
@@ -339,6 +390,7 @@ class Scheduler:
             state = self._run(m, "decode", batch)
             tokens = state.emitted  # [B]: one token each, NONFINITE_LOGITS where it is garbage
             lps = state.bonus_logprobs  # [B] or None
+            top, top_ids = state.bonus_top_logprobs, state.bonus_top_ids  # [B, L] or None
         else:
             self._run(m, "draft", batch)
             self._run(m, "verify", batch)
@@ -346,14 +398,18 @@ class Scheduler:
             self._run(m, "draft-extend", batch)
             # [B, W], -1 (DRAFT_NONFINITE: the draft was not finite) past accept_lens, NONFINITE_LOGITS
             tokens = path.emitted
-            lps = None if path.accepted_logprobs is None else path.accepted_logprobs.view(len(batch), -1)
+            B, W = tokens.shape
+            lps = None if path.accepted_logprobs is None else path.accepted_logprobs.view(B, W)
+            top, top_ids = path.accepted_top_logprobs, path.accepted_top_logprob_ids  # [B*W, L] or None
+            if top is not None:
+                top, top_ids = top.view(B, W, -1), top_ids.view(B, W, -1)
         ready = None
         if tokens.device.type == "cuda":
             tokens = self.host_buffers.copy(tokens)
-            lps = None if lps is None else self.host_buffers.copy(lps)
+            lps, top, top_ids = (None if x is None else self.host_buffers.copy(x) for x in (lps, top, top_ids))
             ready = torch.cuda.Event()
             ready.record()
-        return InFlight(batch, tokens, lps, ready, self.speculative)
+        return InFlight(batch, tokens, lps, ready, self.speculative, top, top_ids)
 
     def _collect(self, done: InFlight) -> set[Request]:
         """**The one host synchronisation of an iteration**: wait for its copy to the host and
@@ -363,21 +419,26 @@ class Scheduler:
             done.ready.synchronize()
         packed = done.tokens.tolist()
         lps = None if done.logprobs is None else done.logprobs.tolist()
+        top = None if done.top_logprobs is None else (done.top_logprobs.tolist(), done.top_ids.tolist())
         if done.ready is not None:  # read: its pinned buffers may take the next copies
-            self.host_buffers.give_back(done.tokens, done.logprobs)
+            self.host_buffers.give_back(done.tokens, done.logprobs, done.top_logprobs, done.top_ids)
         touched = set()
         for i, req in enumerate(done.batch):
             if req.status is not Status.RUNNING or req.finish_reason is not None:
                 continue
             row = packed[i] if done.speculative else packed[i : i + 1]
             row_lps = None if lps is None else (lps[i] if done.speculative else lps[i : i + 1])
+            row_top = None
+            if top is not None and req.top_logprobs is not None:  # (id, logprob) pairs per token
+                values, ids = (x[i] if done.speculative else x[i : i + 1] for x in top)
+                row_top = [list(zip(t_ids, t_values, strict=True)) for t_ids, t_values in zip(ids, values, strict=True)]
             n = sum(1 for t in row if t >= 0)  # accept_lens[i]: -1 pads the rest
             failed = NONFINITE_LOGITS in row
             if done.speculative and not failed:
                 req.stats.accept_lengths.append(n)
                 if DRAFT_NONFINITE in row:
                     self._note_nonfinite_draft(req)
-            req.append(row[:n], None if row_lps is None else row_lps[:n])
+            req.append(row[:n], None if row_lps is None else row_lps[:n], None if row_top is None else row_top[:n])
             req.seq_len += n
             if failed:
                 req.fail_nonfinite()  # the tokens before the bad one stay
@@ -426,10 +487,12 @@ class Scheduler:
         dev = self.device
         K = self.ctx.tree.topk if self.speculative and self.ctx.draft is not None else 0
         z = torch.zeros(0, dtype=torch.int64, device=dev)
+        f = torch.zeros(0, device=dev)
         return DraftState(
             params=BatchParams(
-                req_pool_idx=z, temperature=torch.zeros(0, device=dev), top_p=torch.ones(0, device=dev),
+                req_pool_idx=z, temperature=f, top_p=torch.ones(0, device=dev),
                 top_k=z, stop_ids=torch.zeros(0, 1, dtype=torch.int64, device=dev), seed=z,
+                min_p=f, repetition_penalty=torch.ones(0, device=dev), frequency_penalty=f, presence_penalty=f,
             ),
             seq_lens=z, bonus_tokens=z, remaining=z,
             topk_p=torch.zeros(0, K, device=dev), topk_index=torch.zeros(0, K, dtype=torch.int64, device=dev),
@@ -463,6 +526,7 @@ class Scheduler:
             remaining = state.remaining.tolist()
             for i, r in enumerate(self.running):
                 problems += self._check_running(r, rows[i], seq[i], bonus[i], remaining[i])
+            problems += self._check_penalty_state(state)
         held = sorted(r.row for r in self.running if r.row is not None)
         in_use = self.kv.table.rows_in_use()
         if held != in_use:
@@ -475,6 +539,28 @@ class Scheduler:
                 )
         if problems:
             raise SchedulerInvariantError(problems)
+
+    def _check_penalty_state(self, state: DraftState) -> list[str]:
+        """The device's penalty state of every running request that uses penalties: its output
+        counts are its output's (bonus token included), its prompt mask its prompt's."""
+        users = [(i, r) for i, r in enumerate(self.running) if r.params.uses_penalties]
+        if not users:
+            return []
+        if state.output_counts is None or state.prompt_mask is None:
+            return [f"{users[0][1].request_id} uses penalties but the batch carries no output counts"]
+        p = []
+        vocab = state.output_counts.shape[1]
+        for i, r in users:
+            want = torch.bincount(torch.tensor(r.output, dtype=torch.int64), minlength=vocab)
+            got = state.output_counts[i].cpu().to(torch.int64)
+            if not torch.equal(got, want):
+                diff = (got != want).nonzero()[:, 0].tolist()[:8]
+                p.append(f"{r.request_id}: device output counts differ from its output at tokens {diff}")
+            prompt = torch.zeros(vocab, dtype=torch.bool)
+            prompt[torch.tensor(r.prompt, dtype=torch.int64)] = True
+            if not torch.equal(state.prompt_mask[i].cpu(), prompt):
+                p.append(f"{r.request_id}: device prompt mask differs from its prompt")
+        return p
 
     def _check_running(self, r: Request, row: int, seq: int, bonus: int, remaining: int) -> list[str]:
         p = []
@@ -497,6 +583,13 @@ class Scheduler:
             if owned < r.seq_len:
                 p.append(f"{r.request_id}: row {r.row} owns {owned} KV slots < seq_len {r.seq_len}")
         return p
+
+
+def _top_pairs(values: torch.Tensor | None, ids: torch.Tensor | None) -> list[list[tuple[int, float]]] | None:
+    """Rows of top logprobs [R, L] and their ids as (token id, logprob) pairs per row."""
+    if values is None:
+        return None
+    return [list(zip(i, v, strict=True)) for i, v in zip(ids.tolist(), values.tolist(), strict=True)]
 
 
 class PinnedBuffers:

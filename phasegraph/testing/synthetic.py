@@ -29,6 +29,10 @@ def batch_params(B: int, *, start_row: int = 1, device: str = "cpu", stop_width:
         top_k=torch.zeros(B, dtype=torch.int64, device=device),
         stop_ids=torch.full((B, stop_width), -1, dtype=torch.int64, device=device),
         seed=torch.arange(B, dtype=torch.int64, device=device),
+        min_p=torch.zeros(B, device=device),
+        repetition_penalty=torch.ones(B, device=device),
+        frequency_penalty=torch.zeros(B, device=device),
+        presence_penalty=torch.zeros(B, device=device),
     )
 
 
@@ -45,6 +49,7 @@ def prefill_input(prompt_lens: list[int], *, vocab: int = 32, device: str = "cpu
         token_req=token_req,
         select_index=torch.cumsum(lens, 0) - 1,
         seq_lens=lens,
+        prompt_lens=lens,
         remaining=torch.full((B,), 16, device=device),
         forced_tokens=torch.full((B,), -1, dtype=torch.int64, device=device),
     )

@@ -112,6 +112,8 @@ BAD_REQUESTS = {
     "string-prompt-no-tokenizer": ("hello", lambda: greedy(4), InvalidRequest, ["tokenizer", "token ids"]),
     "not-a-prompt": (42, lambda: greedy(4), InvalidRequest, ["int"]),
     "stop-id-outside-vocab": ([1, 2], lambda: greedy(4, stop_token_ids=[VOCAB + 3]), InvalidRequest, ["stop_token_ids", str(VOCAB + 3)]),
+    "logit-bias-outside-vocab": ([1, 2], lambda: greedy(4, logit_bias={2: 1.0, VOCAB: -5.0}), InvalidRequest,
+                                 ["logit_bias", str(VOCAB), "vocabulary"]),
     # was: the stop strings silently never matched (no tokenizer to decode the text with)
     "stop-string-no-tokenizer": ([1, 2], lambda: greedy(4, stop=["foo"]), InvalidRequest,
                                  ["stop strings ['foo'] need a tokenizer", "stop_token_ids"]),
@@ -158,6 +160,26 @@ BAD_PARAMS = {
     # any non-empty string is truthy: ignore_eos="no" ignored EOS
     "ignore-eos-string": (dict(ignore_eos="no"), ["ignore_eos", "True or False"]),
     "logprobs-string": (dict(logprobs="yes"), ["logprobs", "True or False"]),
+    "logprobs-above-20": (dict(logprobs=21), ["logprobs", "[0, 20]", "got 21"]),
+    "logprobs-negative": (dict(logprobs=-1), ["logprobs", "[0, 20]"]),
+    "logprobs-float": (dict(logprobs=2.5), ["logprobs", "got 2.5"]),
+    "prompt-logprobs-above-20": (dict(prompt_logprobs=21), ["prompt_logprobs", "[0, 20]"]),
+    "prompt-logprobs-bool": (dict(prompt_logprobs=True), ["prompt_logprobs", "got True"]),
+    "min-p-above-one": (dict(min_p=1.5), ["min_p", "[0, 1]"]),
+    "min-p-nan": (dict(min_p=math.nan), ["min_p", "finite"]),
+    "repetition-zero": (dict(repetition_penalty=0.0), ["repetition_penalty", "> 0"]),
+    "repetition-inf": (dict(repetition_penalty=math.inf), ["repetition_penalty", "finite"]),
+    "repetition-nan": (dict(repetition_penalty=math.nan), ["repetition_penalty", "finite"]),
+    "frequency-above-two": (dict(frequency_penalty=2.5), ["frequency_penalty", "[-2, 2]"]),
+    "frequency-minus-inf": (dict(frequency_penalty=-math.inf), ["frequency_penalty", "finite"]),
+    "presence-below-minus-two": (dict(presence_penalty=-3), ["presence_penalty", "[-2, 2]"]),
+    "presence-nan": (dict(presence_penalty=math.nan), ["presence_penalty", "finite"]),
+    "presence-string": (dict(presence_penalty="0.5"), ["presence_penalty", "number"]),
+    "logit-bias-nan": (dict(logit_bias={3: math.nan}), ["logit_bias[3]", "finite"]),
+    "logit-bias-above-100": (dict(logit_bias={3: 101}), ["logit_bias[3]", "[-100, 100]"]),
+    "logit-bias-negative-id": (dict(logit_bias={-1: 1.0}), ["logit_bias", "token ids"]),
+    "logit-bias-float-id": (dict(logit_bias={1.5: 1.0}), ["logit_bias", "token ids"]),
+    "logit-bias-not-a-mapping": (dict(logit_bias=[3, 1.0]), ["logit_bias", "mapping"]),
 }
 
 

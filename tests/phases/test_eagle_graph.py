@@ -103,7 +103,7 @@ def test_every_node_field_of_verify_result_has_a_compacted_counterpart():
     have = {t.name for t in FinalizedPath.__schema__.tensors}
     for name in node_fields(VerifyResult):
         assert accepted_name(name) in have
-    assert set(node_fields(VerifyResult)) == {"predict", "features", "logprobs"}
+    assert set(node_fields(VerifyResult)) == {"predict", "features", "logprobs", "top_logprobs", "top_logprob_ids"}
 
 
 def test_a_new_side_output_gets_a_compacted_field_without_code_changes():

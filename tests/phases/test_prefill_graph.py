@@ -89,14 +89,16 @@ def test_padded_tokens_belong_to_the_sink_row():
     """Padded tokens are owned by padded request B, whose page-table row is the reserved row 0;
     they sit at positions 0.. of their own sequence; every padded request selects the last one."""
     params_kw = dict(temperature=torch.zeros(2), top_p=torch.ones(2), top_k=torch.zeros(2, dtype=torch.int64),
-                     stop_ids=torch.full((2, 1), -1), seed=torch.tensor([7, 8]))
+                     stop_ids=torch.full((2, 1), -1), seed=torch.tensor([7, 8]), min_p=torch.zeros(2),
+                     repetition_penalty=torch.ones(2), frequency_penalty=torch.zeros(2),
+                     presence_penalty=torch.zeros(2))
     from phasegraph.phases.schemas import BatchParams
 
     real = PrefillInput(
         params=BatchParams(req_pool_idx=torch.tensor([3, 5]), **params_kw),
         input_ids=torch.tensor([11, 12, 13, 21, 22]), positions=torch.tensor([0, 1, 2, 0, 1]),
         token_req=torch.tensor([0, 0, 0, 1, 1]), select_index=torch.tensor([2, 4]), seq_lens=torch.tensor([3, 2]),
-        remaining=torch.tensor([9, 9]), forced_tokens=torch.tensor([-1, -1]),
+        prompt_lens=torch.tensor([3, 2]), remaining=torch.tensor([9, 9]), forced_tokens=torch.tensor([-1, -1]),
     )
     padded = padded_prefill_input(real, req_bucket=4, tok_bucket=8)
     assert padded.input_ids.tolist() == [11, 12, 13, 21, 22, 0, 0, 0]

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import attrs
 import pytest
 
 import phasegraph
@@ -43,6 +44,20 @@ def test_sampling_params_stop_token_ids_fit_int64():
     with pytest.raises(InvalidRequest, match=r"stop_token_ids must be non-negative integers below 2\*\*63"):
         SamplingParams(stop_token_ids=[2**63])
     assert SamplingParams(stop_token_ids=[2**63 - 1]).stop_token_ids == (2**63 - 1,)
+
+
+def test_sampling_params_logprobs_and_logit_controls_are_normalised():
+    assert SamplingParams(logprobs=0).logprobs is True  # the chosen token's only (vLLM's 0)
+    assert SamplingParams(logprobs=None).wants_logprobs is False
+    sp = SamplingParams(logprobs=20, prompt_logprobs=0, logit_bias={7: 1, 3: -2.5})
+    assert (sp.wants_logprobs, sp.top_logprobs, sp.prompt_logprobs) == (True, 20, 0)
+    assert sp.logit_bias == ((3, -2.5), (7, 1.0)) and sp.uses_penalties
+    again = attrs.evolve(sp, seed=3)  # the stored pairs are taken as they are
+    assert again.logit_bias == sp.logit_bias and hash(again) != hash(sp)
+    assert SamplingParams(logit_bias={}).logit_bias is None and not SamplingParams(logit_bias={}).uses_penalties
+    assert not SamplingParams(min_p=0.3).uses_penalties and SamplingParams(presence_penalty=-2).uses_penalties
+    with pytest.raises(InvalidRequest, match="logit_bias names a token twice"):
+        SamplingParams(logit_bias=((1, 0.5), (1, 0.25)))
 
 
 @pytest.fixture
