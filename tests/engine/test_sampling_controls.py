@@ -185,6 +185,33 @@ def test_penalty_state_survives_retraction(bundle, method, spec, page_size, pool
     assert_all_free(tight)
 
 
+@pytest.mark.parametrize("case", ["none", "self-tree"])
+def test_a_forced_retraction_resumes_with_the_counts_of_the_unretracted_run(bundle, case):
+    """Retracted after 8 tokens, the request is prefilled again from its prompt and output: its
+    device counts are then those of the unretracted run at the same length, and it ends with
+    the same output, greedy and sampled."""
+    method, draft, spec = ("none", None, {}) if case == "none" else SPECULATIVE[case]
+    prompt = list(bundle.prompts[2])
+    for params in (_greedy(**CONTROLS[0]),
+                   SamplingParams(max_new_tokens=NEW, temperature=0.8, seed=9, ignore_eos=True, **CONTROLS[1])):
+        want = engine_for(bundle, method, draft=draft, **spec).generate(prompt, params)[0].token_ids
+        eng = engine_for(bundle, method, draft=draft, check_every_step=True, **spec)
+        eng.add_request("r", prompt, params)
+        req = eng._requests["r"]  # the request itself: its output once it has left the engine
+        while len(req.output) < 8:
+            eng.step()
+        assert eng.retract("r")
+        eng.step()  # resumes: prefilled again, then one more iteration
+        state = eng.scheduler.machine.state
+        n = len(req.output)
+        assert state.output_counts[0].tolist() == torch.bincount(torch.tensor(want[:n]), minlength=VOCAB).tolist()
+        assert state.prompt_mask[0].nonzero()[:, 0].tolist() == sorted(set(prompt))
+        while eng.has_unfinished():
+            eng.step()
+        assert req.output == want and req.stats.retractions == 1
+        assert_all_free(eng)
+
+
 def test_prefill_graphs_carry_the_controls_and_prompt_logprobs(bundle, alone):
     """Prefill replayed from emulated graphs (padded requests and tokens): the count state it
     makes, the biased first token and the prompt logprobs are those of an eager prefill."""
