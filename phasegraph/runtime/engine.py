@@ -13,7 +13,7 @@ import itertools
 import math
 import operator
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -437,8 +437,14 @@ class Engine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         progress: bool = False,
+        should_stop: Callable[[], bool] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the prompts' order.
+
+        ``should_stop`` is asked between scheduling steps (e.g. whether Ctrl-C was pressed);
+        once it answers True, the iteration in flight is collected and every request still
+        running ends with finish reason ``"abort"``, keeping every token it has: the outputs
+        come back as usual.
 
         Every prompt and parameter set is checked before any work starts, so one bad prompt
         raises :class:`InvalidRequest` without running (or harming) the others. A request that
@@ -475,6 +481,9 @@ class Engine:
             # scheduler steps without the streaming deltas of step(): nobody reads this batch's
             # text before it ends; requests added through add_request keep theirs for step()
             while any(r.status is not Status.FINISHED for r in reqs):
+                if should_stop is not None and should_stop():
+                    self._stop(reqs)
+                    break
                 before = sum(len(r.output) for r in reqs)
                 self._step_scheduler()
                 if bar is not None:
@@ -489,6 +498,14 @@ class Engine:
         if any(o.finish_reason == "error" for o in outputs):
             raise RequestFailed(outputs)
         return outputs
+
+    def _stop(self, reqs: Sequence[Request]) -> None:
+        """End ``reqs`` now: collect the iteration in flight (its tokens were computed), then
+        abort every request it did not finish."""
+        self.scheduler.drain()
+        for req in reqs:
+            if req.status is not Status.FINISHED:
+                self.abort(req.request_id)
 
     # ------------------------------------------------------------------ introspection
     @property

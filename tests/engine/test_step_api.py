@@ -239,3 +239,30 @@ def test_check_reports_every_broken_invariant(engine_root):
     while engine.has_unfinished():
         engine.step()
     assert_all_free(engine)
+
+
+@pytest.mark.parametrize("config", ["baseline", "eagle3-tree"])
+def test_generate_stopped_between_steps_keeps_every_token(engine_root, config):
+    """``generate(should_stop=...)``, as Ctrl-C in ``phasegraph generate`` uses it: the requests
+    still running (or waiting) end with "abort" holding a prefix of their full output, one that
+    already finished keeps its own, and the engine is left clean for the next call."""
+    method, spec, page = CONFIGS[config]
+    bundle = arch_bundle(engine_root, "mistral")
+    p = make_prompts([5, 12, 3], seed=4)
+    params = [SamplingParams(max_new_tokens=40, ignore_eos=True), SamplingParams(max_new_tokens=2, ignore_eos=True),
+              SamplingParams(max_new_tokens=40, ignore_eos=True)]
+    engine = engine_for(bundle, method, page_size=page, max_batch_size=2, **spec)
+    full = engine.generate(p, params)
+    asked = []
+
+    def after_four_steps() -> bool:
+        asked.append(None)
+        return len(asked) > 4
+
+    outs = engine.generate(p, params, should_stop=after_four_steps)
+    assert [o.finish_reason for o in outs] == ["abort", "length", "abort"]
+    assert 0 < len(outs[0].token_ids) < 40 and outs[0].token_ids == full[0].token_ids[: len(outs[0].token_ids)]
+    assert outs[1].token_ids == full[1].token_ids
+    assert outs[2].token_ids == full[2].token_ids[: len(outs[2].token_ids)]
+    assert_all_free(engine)
+    assert [o.token_ids for o in engine.generate(p, params)] == [o.token_ids for o in full]
