@@ -106,8 +106,8 @@ def add_parser(sub) -> None:
     p.add_argument("--draft-dtype", help="the draft's precision (default: --dtype); it moves the "
                    "acceptance length, never the output")
     p.add_argument("--threads", type=int, metavar="N",
-                   help="torch's CPU threads (default: the engine's, 1: the fastest on a busy machine "
-                        "for models this library runs on a CPU); ignored on a GPU")
+                   help="torch's CPU threads (default: the engine's, 1, the fastest on a busy machine); "
+                        "ignored on a GPU")
     p.add_argument("--trace", metavar="FILE", help="save the phase trace (Chrome-trace JSON) to FILE (default: none)")
     p.add_argument("--no-progress", action="store_true", help="never show a progress bar (default: shown "
                    f"from --max-new-tokens {PROGRESS_MIN_TOKENS} on)")
