@@ -401,14 +401,18 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestDelta]:
-        """Run one scheduling step; returns what each affected request produced."""
+        """Run one scheduling step; returns what each affected request produced. A request's
+        last delta has its finish reason and its whole :class:`RequestOutput` (``output``)."""
         self._step_scheduler()
         deltas = []
         for rid, req in list(self._requests.items()):
             tokens, text = req.take_delta()
             if tokens or text or req.finish_reason is not None:
+                # the new tokens are the output's tail, and logprobs run parallel to the output
+                logprobs = None if req.logprobs is None else tuple(req.logprobs[len(req.logprobs) - len(tokens):])
+                output = req.to_output() if req.status is Status.FINISHED else None
                 deltas.append(RequestDelta(rid, tuple(tokens), text, req.finish_reason, req.error,
-                                           tuple(req.take_accept_lengths())))
+                                           tuple(req.take_accept_lengths()), logprobs, output))
             if req.status is Status.FINISHED:
                 del self._requests[rid]
         return deltas
