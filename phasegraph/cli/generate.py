@@ -20,7 +20,14 @@ import sys
 import time
 import warnings
 
-from phasegraph.cli.common import CliError, require_name, writable_file
+from phasegraph.cli.common import (
+    CliError,
+    add_model_options,
+    load_engine,
+    model_spec,
+    require_name,
+    writable_file,
+)
 
 PROGRESS_MIN_TOKENS = 32  # show a progress bar from this many new tokens on
 
@@ -31,32 +38,17 @@ def add_parser(sub) -> None:
         help="generate a completion with a target model (and a draft for speculative decoding)",
         description="Generate one completion; speculative when a draft is given.",
     )
-    p.add_argument("--target", required=True, metavar="DIR", help="target checkpoint directory")
-    p.add_argument("--draft", metavar="DIR", help="draft checkpoint directory")
-    p.add_argument(
-        "--method", metavar="METHOD",
-        help="none | eagle | eagle3 | mtp | standalone (default: eagle3 with --draft, else none)",
-    )
+    add_model_options(p)
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", help="prompt text (needs the target's tokenizer)")
     prompt.add_argument("--prompt-ids", metavar="IDS", help="prompt token ids, e.g. '1,2,3'")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
-    # the draft's options default to None, so that one given beside --method none is refused
-    p.add_argument("--topk", type=int, metavar="K", help="draft tree branching (default 1 = chain)")
-    p.add_argument("--num-steps", type=int, metavar="S", help="draft tree depth (default 3)")
-    p.add_argument("--num-draft-tokens", type=int, metavar="N", help="tree nodes verified, root included")
-    p.add_argument("--page-size", type=int, default=1, metavar="P")
-    p.add_argument("--kv-pool-tokens", type=int, metavar="N", help="KV pool size in tokens")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P")
     p.add_argument("--top-k", type=int, default=0, metavar="K")
     p.add_argument("--seed", type=int, metavar="S")
     p.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
-    p.add_argument("--device", default="auto", help="cpu | cuda | auto (default)")
-    p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: bfloat16 on GPU, float32 on CPU)")
-    p.add_argument("--draft-dtype", help="the draft's precision (default: --dtype); it moves the "
-                   "acceptance length, never the output")
     p.add_argument("--trace", metavar="FILE", help="save the phase trace (Chrome-trace JSON) to FILE")
     p.add_argument("--no-progress", action="store_true", help="never show a progress bar")
     p.set_defaults(func=run_generate)
@@ -83,25 +75,12 @@ def _write_output(engine, out) -> None:
 
 
 def run_generate(args: argparse.Namespace) -> int:
-    from phasegraph.runtime.config import SamplingParams, SpecConfig
-    from phasegraph.runtime.engine import Engine
+    from phasegraph.runtime.config import SamplingParams
     from phasegraph.runtime.errors import NonFiniteDraftWarning, RequestFailed
 
-    for option, path, kind in (("--target", args.target, "directory"), ("--draft", args.draft, "directory"),
-                               ("--trace", args.trace, "file")):
-        require_name(option, path, kind)
-    method = args.method or ("eagle3" if args.draft else "none")
-    draft_options = {"--draft": args.draft, "--draft-dtype": args.draft_dtype, "--topk": args.topk,
-                     "--num-steps": args.num_steps, "--num-draft-tokens": args.num_draft_tokens}
-    if method == "none" and (given := [o for o, v in draft_options.items() if v is not None]):
-        # the baseline has no draft: these would be silently ignored
-        raise CliError(f"{', '.join(given)} {'was' if len(given) == 1 else 'were'} given with --method none: "
-                       f"pass a speculative --method or drop {', '.join(given)}")
-    tree = {k: v for k, v in (("topk", args.topk), ("num_steps", args.num_steps),
-                              ("num_draft_tokens", args.num_draft_tokens)) if v is not None}
-    spec = SpecConfig(method="none") if method == "none" else SpecConfig(method=method, **tree)
-    if spec.speculative and not args.draft:
-        raise CliError(f"--method {method} needs --draft DIR")
+    require_name("--trace", args.trace, "file")
+    spec = model_spec(args)
+    method = spec.method
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
@@ -109,10 +88,7 @@ def run_generate(args: argparse.Namespace) -> int:
     prompt = _prompt(args)
     if args.trace:  # fail before the run, not after it
         writable_file(args.trace, "--trace")
-    engine = Engine.from_pretrained(
-        args.target, args.draft, spec=spec, device=args.device, dtype=args.dtype,
-        draft_dtype=args.draft_dtype, page_size=args.page_size, kv_pool_tokens=args.kv_pool_tokens, trace=bool(args.trace),
-    )
+    engine = load_engine(args, spec, trace=bool(args.trace))
     if isinstance(prompt, str) and engine.tokenizer is None:
         raise CliError(f"--target {args.target} has no tokenizer, so --prompt TEXT cannot be encoded: "
                        "pass the prompt's token ids with --prompt-ids (e.g. --prompt-ids 1,2,3)")
