@@ -16,6 +16,7 @@ _LAZY = {
     "ServingStats": "phasegraph.serving.async_engine",
     "QueueFull": "phasegraph.serving.errors",
     "EngineClosed": "phasegraph.serving.errors",
+    "create_app": "phasegraph.serving.app",
 }
 
 __all__ = list(_LAZY)

@@ -22,3 +22,19 @@ class EngineClosed(PhasegraphRuntimeError):
     """The :class:`~phasegraph.serving.AsyncEngine` was closed, or its step loop stopped on an
     unexpected error (then ``__cause__`` holds that error): it takes no more requests."""
 
+
+class APIError(PhasegraphRuntimeError):
+    """A request the HTTP server answers with an error: its status, and the fields of OpenAI's
+    error body (``{"error": {"message", "type", "param", "code"}}``)."""
+
+    def __init__(self, status: int, message: str, *, type: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
