@@ -323,7 +323,7 @@ def tuned_table(result) -> tuple:
                 cfg = cfg_of(f["best"])  # the prologue moved the optimum
         if cfg.split_k > 1 and FUSED_KINDS.get(e["shape"]) != "silu":
             fused_ok = False  # a split-K rule runs the norm kernel, then the product
-        rules.append(lin._Rule(e["m"], (e["n"], e["n"]), (e["k"], e["k"]), cfg, plain, fused_ok))
+        rules.append(lin.SkinnyRule(e["m"], (e["n"], e["n"]), (e["k"], e["k"]), cfg, plain, fused_ok))
     return tuple(rules) + tuple(r for r in table_of_dtype() if r.n_range == lin._ANY)
 
 

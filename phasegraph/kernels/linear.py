@@ -43,8 +43,6 @@ differently during capture.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
@@ -63,6 +61,7 @@ from phasegraph.kernels._dispatch import (
 from phasegraph.kernels.activation import silu_mul, silu_mul_reference, swiglu
 from phasegraph.kernels.rms_norm import add_rms_norm, add_rms_norm_reference
 from phasegraph.kernels.split_sum import SplitSum
+from phasegraph.kernels.tile_tables import SkinnyConfig, SkinnyRule
 from phasegraph.kernels.tiled_linear import tiled_config, tiled_linear_triton
 
 MAX_M = 16  # the kernel's largest row tile (tl.dot needs >= 16 rows; padded rows are masked)
@@ -153,35 +152,6 @@ def silu_mul_linear_reference(
 # Triton
 
 
-class SkinnyConfig(NamedTuple):
-    """Launch shape of the skinny product (one program per ``block_n`` output columns)."""
-
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    dot: bool  # tl.dot on a 16-row tile (else a broadcast multiply-sum over next_pow2(M) rows)
-    swap: bool = False  # with dot: W is the left operand (acc [BLOCK_N, 16]); else x is
-    pdl: bool = False  # programmatic dependent launch even where PHASEGRAPH_PDL turns it off
-    # (bench_linear's PDL rows); otherwise the setting decides, as for every kernel (_dispatch)
-    precision: str = "ieee"  # a float32 tl.dot: "ieee" (FMA units) or "tf32x3" (three TF32
-    # tensor-core products per tile, hi*hi + hi*lo + lo*hi: float32-level error); half dtypes
-    # ignore it
-    split_k: int = 1  # > 1: K in that many slices, one program each (more programs in flight for
-    # few output columns); the last slice of a column block to finish sums the partials in slice
-    # order (deterministic); plain products and the silu prologue (elementwise, so a slice needs
-    # only its own columns of gate and up), not the norm (row statistics over the whole K)
-
-
-class _Rule(NamedTuple):
-    m_max: int  # rows this rule covers (from the previous rule's m_max + 1)
-    n_range: tuple[int, int]  # [lo, hi] inclusive
-    k_range: tuple[int, int]
-    config: SkinnyConfig
-    plain: bool  # Triton for `linear` (else cuBLAS)
-    fused: bool  # Triton for the fused prologue forms (else norm/silu kernel + cuBLAS)
-
-
 _ANY = (1, 1 << 40)
 _K_WHOLE = (1, 4096)  # K fits one tile of the multiply-sum form
 _K_LONG = (4097, 1 << 40)
@@ -221,27 +191,27 @@ def _shape(n: int, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
 # 6.4, head qkv 4.6 vs 5.2 (multiply-sums), gate_up 5.1 vs 5.4 and lm_head 6.3 vs 6.8 (wgmma,
 # W on the left); 5 rows on tl.dot tiles. The 1-row forms are the general rule's; at 4-5 rows
 # the norm / silu kernel + the product beat the fused prologues (gate_up+norm 6.7 vs 7.9 us).
-_BF16_PAIR_RULES: tuple[_Rule, ...] = (
-    _Rule(4, *_shape(768, 768), SkinnyConfig(2, 1024, 4, 3, dot=False), True, False),  # o
-    _Rule(5, *_shape(768, 768), SkinnyConfig(32, 256, 4, 3, dot=True), True, False),
-    _Rule(4, *_shape(768, 2304), SkinnyConfig(4, 512, 4, 3, dot=False), True, False),  # head fc
-    _Rule(5, *_shape(768, 2304), SkinnyConfig(32, 256, 4, 4, dot=True), True, False),
-    _Rule(4, *_shape(768, 2560), SkinnyConfig(4, 512, 4, 3, dot=False), True, False),  # down
-    _Rule(5, *_shape(768, 2560), SkinnyConfig(16, 512, 4, 3, dot=True), True, False),
-    _Rule(4, *_shape(1280, 1536), SkinnyConfig(4, 512, 4, 3, dot=False), True, False),  # qkv
-    _Rule(5, *_shape(1280, 1536), SkinnyConfig(16, 512, 4, 3, dot=True), True, False),
-    _Rule(5, *_shape(5120, 768), SkinnyConfig(64, 128, 4, 4, dot=True, swap=True), True, False),
-    _Rule(5, *_shape(8192, 768), SkinnyConfig(64, 128, 4, 4, dot=True, swap=True), True, False),
+_BF16_PAIR_RULES: tuple[SkinnyRule, ...] = (
+    SkinnyRule(4, *_shape(768, 768), SkinnyConfig(2, 1024, 4, 3, dot=False), True, False),  # o
+    SkinnyRule(5, *_shape(768, 768), SkinnyConfig(32, 256, 4, 3, dot=True), True, False),
+    SkinnyRule(4, *_shape(768, 2304), SkinnyConfig(4, 512, 4, 3, dot=False), True, False),  # head fc
+    SkinnyRule(5, *_shape(768, 2304), SkinnyConfig(32, 256, 4, 4, dot=True), True, False),
+    SkinnyRule(4, *_shape(768, 2560), SkinnyConfig(4, 512, 4, 3, dot=False), True, False),  # down
+    SkinnyRule(5, *_shape(768, 2560), SkinnyConfig(16, 512, 4, 3, dot=True), True, False),
+    SkinnyRule(4, *_shape(1280, 1536), SkinnyConfig(4, 512, 4, 3, dot=False), True, False),  # qkv
+    SkinnyRule(5, *_shape(1280, 1536), SkinnyConfig(16, 512, 4, 3, dot=True), True, False),
+    SkinnyRule(5, *_shape(5120, 768), SkinnyConfig(64, 128, 4, 4, dot=True, swap=True), True, False),
+    SkinnyRule(5, *_shape(8192, 768), SkinnyConfig(64, 128, 4, 4, dot=True, swap=True), True, False),
 )
-CONFIGS: tuple[_Rule, ...] = (
-    _Rule(1, _ANY, _K_WHOLE, _GEMV_WHOLE_K, True, True),
+CONFIGS: tuple[SkinnyRule, ...] = (
+    SkinnyRule(1, _ANY, _K_WHOLE, _GEMV_WHOLE_K, True, True),
     *_BF16_PAIR_RULES,
-    _Rule(4, _VOCAB_WIDE, _K_WHOLE, _DOT_WIDE, True, False),
-    _Rule(16, _VOCAB_WIDE, _ANY, _DOT, False, False),
-    _Rule(1, _ANY, _K_LONG, _GEMV_LOOP, True, True),
-    _Rule(16, *_QKV_8B, _DOT_WIDE, True, False),
-    _Rule(16, *_GATE_UP_8B, _DOT_WIDE_K128, True, False),
-    _Rule(16, _ANY, _ANY, _DOT, True, False),  # o and down of the 8B model; the default
+    SkinnyRule(4, _VOCAB_WIDE, _K_WHOLE, _DOT_WIDE, True, False),
+    SkinnyRule(16, _VOCAB_WIDE, _ANY, _DOT, False, False),
+    SkinnyRule(1, _ANY, _K_LONG, _GEMV_LOOP, True, True),
+    SkinnyRule(16, *_QKV_8B, _DOT_WIDE, True, False),
+    SkinnyRule(16, *_GATE_UP_8B, _DOT_WIDE_K128, True, False),
+    SkinnyRule(16, _ANY, _ANY, _DOT, True, False),  # o and down of the 8B model; the default
 )
 
 
@@ -279,32 +249,32 @@ _N_VOCAB = (8192, 1 << 40)
 _FP32_TF32X3_SPLIT = {s: _FP32_TF32X3._replace(split_k=s) for s in (2, 4, 8)}
 
 
-_FP32_PAIR_RULES: tuple[_Rule, ...] = (
-    _Rule(4, *_shape(768, 768), SkinnyConfig(2, 1024, 4, 3, dot=False), True, False),  # o
-    _Rule(16, *_shape(768, 768), _FP32_TF32X3_SPLIT[4], True, False),
-    _Rule(4, *_shape(768, 2304), SkinnyConfig(4, 512, 4, 3, dot=False), True, False),  # head fc
-    _Rule(16, *_shape(768, 2304), _FP32_TF32X3_SPLIT[8], True, False),
-    _Rule(4, *_shape(768, 2560), SkinnyConfig(4, 512, 4, 3, dot=False), True, True),  # down
-    _Rule(16, *_shape(768, 2560), _FP32_TF32X3_SPLIT[8], True, False),
-    _Rule(4, *_shape(1280, 768), SkinnyConfig(8, 256, 4, 3, dot=False), True, True),  # qkv
-    _Rule(16, *_shape(1280, 768), _FP32_TF32X3_SPLIT[8], True, False),
-    _Rule(4, *_shape(1280, 1536), SkinnyConfig(4, 512, 4, 3, dot=False), True, False),  # head qkv
-    _Rule(16, *_shape(1280, 1536), _FP32_TF32X3_SPLIT[8], True, False),
-    _Rule(4, *_shape(5120, 768), SkinnyConfig(8, 256, 4, 3, dot=False), False, False),  # gate_up
-    _Rule(16, *_shape(5120, 768), _FP32_TF32X3_SPLIT[2], True, False),
-    _Rule(4, *_shape(8192, 768), _FP32_TF32X3_SPLIT[2], True, False),  # lm_head
-    _Rule(16, *_shape(8192, 768), _FP32_TF32X3, True, False),
+_FP32_PAIR_RULES: tuple[SkinnyRule, ...] = (
+    SkinnyRule(4, *_shape(768, 768), SkinnyConfig(2, 1024, 4, 3, dot=False), True, False),  # o
+    SkinnyRule(16, *_shape(768, 768), _FP32_TF32X3_SPLIT[4], True, False),
+    SkinnyRule(4, *_shape(768, 2304), SkinnyConfig(4, 512, 4, 3, dot=False), True, False),  # head fc
+    SkinnyRule(16, *_shape(768, 2304), _FP32_TF32X3_SPLIT[8], True, False),
+    SkinnyRule(4, *_shape(768, 2560), SkinnyConfig(4, 512, 4, 3, dot=False), True, True),  # down
+    SkinnyRule(16, *_shape(768, 2560), _FP32_TF32X3_SPLIT[8], True, False),
+    SkinnyRule(4, *_shape(1280, 768), SkinnyConfig(8, 256, 4, 3, dot=False), True, True),  # qkv
+    SkinnyRule(16, *_shape(1280, 768), _FP32_TF32X3_SPLIT[8], True, False),
+    SkinnyRule(4, *_shape(1280, 1536), SkinnyConfig(4, 512, 4, 3, dot=False), True, False),  # head qkv
+    SkinnyRule(16, *_shape(1280, 1536), _FP32_TF32X3_SPLIT[8], True, False),
+    SkinnyRule(4, *_shape(5120, 768), SkinnyConfig(8, 256, 4, 3, dot=False), False, False),  # gate_up
+    SkinnyRule(16, *_shape(5120, 768), _FP32_TF32X3_SPLIT[2], True, False),
+    SkinnyRule(4, *_shape(8192, 768), _FP32_TF32X3_SPLIT[2], True, False),  # lm_head
+    SkinnyRule(16, *_shape(8192, 768), _FP32_TF32X3, True, False),
 )
-FP32_CONFIGS: tuple[_Rule, ...] = (
-    _Rule(1, _ANY, _K_WHOLE, _FP32_GEMV_WHOLE_K, True, True),
+FP32_CONFIGS: tuple[SkinnyRule, ...] = (
+    SkinnyRule(1, _ANY, _K_WHOLE, _FP32_GEMV_WHOLE_K, True, True),
     *_FP32_PAIR_RULES,
-    _Rule(4, _N_VOCAB, _K_SHORT, _FP32_TF32X3, True, False),
-    _Rule(4, _N_WIDE, _ANY, _FP32_GEMV4, False, False),
-    _Rule(4, _ANY, _K_SHORT, _FP32_GEMV_WHOLE_K, True, True),
-    _Rule(4, _ANY, _K_WHOLE, _FP32_GEMV4, True, True),
-    _Rule(16, _N_WIDE, _K_SHORT, _FP32_TF32X3, True, False),
-    _Rule(16, _ANY, _K_SHORT, _FP32_GEMV16, True, False),
-    _Rule(16, _ANY, _K_WHOLE, _FP32_GEMV16_LONG_K, True, False),
+    SkinnyRule(4, _N_VOCAB, _K_SHORT, _FP32_TF32X3, True, False),
+    SkinnyRule(4, _N_WIDE, _ANY, _FP32_GEMV4, False, False),
+    SkinnyRule(4, _ANY, _K_SHORT, _FP32_GEMV_WHOLE_K, True, True),
+    SkinnyRule(4, _ANY, _K_WHOLE, _FP32_GEMV4, True, True),
+    SkinnyRule(16, _N_WIDE, _K_SHORT, _FP32_TF32X3, True, False),
+    SkinnyRule(16, _ANY, _K_SHORT, _FP32_GEMV16, True, False),
+    SkinnyRule(16, _ANY, _K_WHOLE, _FP32_GEMV16_LONG_K, True, False),
 )
 
 
@@ -315,9 +285,9 @@ FP32_CONFIGS: tuple[_Rule, ...] = (
 # 77.7 against 90.9); the row statistics are computed once per program, and on the faster memory
 # the per-row pass shows. The 8B decode step: 4.59 -> 4.06 ms of GPU work.
 _GEMV_WHOLE_K_2 = SkinnyConfig(2, 4096, 4, 1, dot=False)
-_H200_RULES: tuple[_Rule, ...] = (
-    _Rule(1, *_QKV_8B, _GEMV_WHOLE_K_2, True, True),
-    _Rule(1, *_GATE_UP_8B, _GEMV_WHOLE_K_2, True, True),
+_H200_RULES: tuple[SkinnyRule, ...] = (
+    SkinnyRule(1, *_QKV_8B, _GEMV_WHOLE_K_2, True, True),
+    SkinnyRule(1, *_GATE_UP_8B, _GEMV_WHOLE_K_2, True, True),
 )
 # At two to four rows (an 8B chain's verify and draft-extend) the H200 wants other tiles too.
 # Measured by `benchmarks/bench_linear.py --ms 4` on an H200 (2026-11-26), time per
@@ -327,13 +297,13 @@ _H200_RULES: tuple[_Rule, ...] = (
 # tau = 4): 5.55 -> 5.44 ms of GPU work, decode unchanged (two rounds with the
 # shipped table before and after). They go after every one-row rule, since a rule covers every M
 # up to its m_max.
-_H200_FOUR_ROW_RULES: tuple[_Rule, ...] = (
-    _Rule(4, *_QKV_8B, _DOT, True, False),
-    _Rule(4, *_GATE_UP_8B, _DOT_WIDE_K128, False, False),
-    _Rule(4, (4096, 4096), (14336, 14336), _DOT_WIDE._replace(split_k=2), True, False),  # down
+_H200_FOUR_ROW_RULES: tuple[SkinnyRule, ...] = (
+    SkinnyRule(4, *_QKV_8B, _DOT, True, False),
+    SkinnyRule(4, *_GATE_UP_8B, _DOT_WIDE_K128, False, False),
+    SkinnyRule(4, (4096, 4096), (14336, 14336), _DOT_WIDE._replace(split_k=2), True, False),  # down
 )
 _AFTER_ONE_ROW_RULES = 1 + max(i for i, rule in enumerate(CONFIGS) if rule.m_max == 1)
-H200_CONFIGS: tuple[_Rule, ...] = (
+H200_CONFIGS: tuple[SkinnyRule, ...] = (
     *_H200_RULES, *CONFIGS[:_AFTER_ONE_ROW_RULES], *_H200_FOUR_ROW_RULES,
     *CONFIGS[_AFTER_ONE_ROW_RULES:],
 )
@@ -363,12 +333,12 @@ def _is_h200(device: torch.device | None) -> bool:
     return _H200_BY_DEVICE[index]
 
 
-def _table(dtype: torch.dtype, device: torch.device | None = None) -> tuple[_Rule, ...]:
+def _table(dtype: torch.dtype, device: torch.device | None = None) -> tuple[SkinnyRule, ...]:
     return globals()[gpu_table_name(dtype, device)]
 
 
 def _lookup(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
-            device: torch.device | None = None) -> _Rule | None:
+            device: torch.device | None = None) -> SkinnyRule | None:
     for rule in _table(dtype, device):
         if m <= rule.m_max and rule.n_range[0] <= n <= rule.n_range[1] \
                 and rule.k_range[0] <= k <= rule.k_range[1]:

@@ -27,39 +27,19 @@ from autotuning, so nothing is timed or compiled differently during capture.
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 import torch.nn.functional as F
 
 from phasegraph.kernels._dispatch import cdiv, jit, pdl_enter, pdl_options, tl, use_triton
 from phasegraph.kernels.split_sum import SplitSum, total_triton
+from phasegraph.kernels.tile_tables import TileConfig, TileRule
 
 MIN_M, MAX_M = 17, 512  # rows the table covers (the skinny kernel takes 1-16)
 
 
-class TileConfig(NamedTuple):
-    """Launch shape of the tiled product."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    split_k: int = 1  # K in that many slices, one program each, partials summed in slice order
-
-
-class _TileRule(NamedTuple):
-    m_range: tuple[int, int]  # rows, [lo, hi] inclusive
-    n_range: tuple[int, int]
-    k_range: tuple[int, int]
-    summed: TileConfig | None  # for a caller that needs the sum (None: cuBLAS keeps it)
-    deferred: TileConfig | None  # for a caller that takes a SplitSum (``defer``)
-
-
 def _r(m_lo: int, m_hi: int, n: int, k: int, summed: TileConfig | None,
-       deferred: TileConfig | None = None) -> _TileRule:
-    return _TileRule((m_lo, m_hi), (n, n), (k, k), summed, deferred or summed)
+       deferred: TileConfig | None = None) -> TileRule:
+    return TileRule((m_lo, m_hi), (n, n), (k, k), summed, deferred or summed)
 
 
 _T = TileConfig
@@ -75,7 +55,7 @@ _T = TileConfig
 # batch 1. Alone they beat the skinny kernel's deferred o (3.6 -> 3.2 us) and gate_up (10.0 ->
 # 7.9) with 8 K slices, but the norm and SwiGLU then read 8 slices,
 # and the tree iteration lost 5.7 % (0.751 -> 0.793 ms).
-FP32_TILE_CONFIGS: tuple[_TileRule, ...] = (
+FP32_TILE_CONFIGS: tuple[TileRule, ...] = (
     # target qkv
     _r(17, 32, 1280, 768, _T(32, 64, 64, 4, 3, 8)),  # 32: 10.5 -> 6.9
     _r(33, 64, 1280, 768, _T(64, 32, 64, 4, 3, 8)),  # 40: 12.3 -> 7.0; 64: 12.1 -> 7.2
