@@ -9,7 +9,7 @@ o 4096x4096, gate_up 28672x4096, down 4096x14336, at M = 1, 4, 16 token rows. ``
 pair``: those of the bench-pair target (hidden 768, 4 kv heads, MLP 2560, vocabulary 8192) and
 of its EAGLE-3 head (fc 768x2304, qkv 1280x1536), which run in float32 in `phasegraph bench`
 part 1 (``--dtype float32``: the multiply-sum tiles, the three-pass TF32 ``tl.dot`` tiles and
-their split-K forms against cuBLAS; linear.py's ``FP32_CONFIGS`` comes from these sweeps).
+their split-K forms against cuBLAS; the float32 rules of the tables come from these sweeps).
 
 Timing: every op runs inside a captured CUDA graph, ``ROUNDS`` rounds over ``COPIES`` weight
 copies (so L2, 50-60 MB, never serves the weights), and the replay time over the launches is
@@ -32,10 +32,13 @@ The short table is printed last; ``--out`` writes everything as JSON (bench_line
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import multiprocessing
 import os
 import sys
+import tempfile
 import time
 
 import torch
@@ -44,6 +47,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from phasegraph.kernels import linear as lin  # noqa: E402
+from phasegraph.kernels import tile_tables  # noqa: E402
 from phasegraph.kernels.activation import silu_mul_triton  # noqa: E402
 from phasegraph.kernels.rms_norm import add_rms_norm_triton  # noqa: E402
 
@@ -323,18 +327,36 @@ def tuned_table(result) -> tuple:
                 cfg = cfg_of(f["best"])  # the prologue moved the optimum
         if cfg.split_k > 1 and FUSED_KINDS.get(e["shape"]) != "silu":
             fused_ok = False  # a split-K rule runs the norm kernel, then the product
-        rules.append(lin.SkinnyRule(e["m"], (e["n"], e["n"]), (e["k"], e["k"]), cfg, plain, fused_ok))
-    return tuple(rules) + tuple(r for r in table_of_dtype() if r.n_range == lin._ANY)
+        rules.append(tile_tables.SkinnyRule(e["m"], (e["n"], e["n"]), (e["k"], e["k"]), cfg, plain,
+                                            fused_ok))
+    return tuple(rules) + tuple(r for r in table_of_dtype() if r.n_range == tile_tables.ANY)
 
 
 def table_of_dtype() -> tuple:
-    """linear.py's table for this run's dtype and GPU (CONFIGS, H200_CONFIGS on an H200, or
-    FP32_CONFIGS for float32)."""
-    return getattr(lin, lin.gpu_table_name(DTYPE))
+    """The skinny product's rules for this run's dtype on this GPU (its file in
+    phasegraph/kernels/configs/, else generic.json)."""
+    return tile_tables.tables_for().skinny(DTYPE)
 
 
-def set_table(rules: tuple) -> None:
-    setattr(lin, lin.gpu_table_name(DTYPE), rules)
+@contextlib.contextmanager
+def table_in_use(rules: tuple):
+    """Inside the block the library reads ``rules`` for this run's dtype: a temporary file with
+    the GPU's other tables, named by PHASEGRAPH_TILE_TABLE."""
+    tables = tile_tables.tables_for()
+    field = "skinny_float32" if DTYPE == torch.float32 else "skinny_half"
+    before = os.environ.get(tile_tables.ENV_VAR)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "table.json")
+        tile_tables.write_tables(path, dataclasses.replace(tables, **{field: tuple(rules)}))
+        os.environ[tile_tables.ENV_VAR] = path
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(tile_tables.ENV_VAR)
+            else:
+                os.environ[tile_tables.ENV_VAR] = before
+            tile_tables.clear_cache()
 
 
 def layer_step(cases, m, h, attn_out):
@@ -481,7 +503,6 @@ def main() -> None:
     # sequence, the fused one with linear.py's table, and with the table tuned by this run
     tuned = tuned_table(result) if not args.quick else table_of_dtype()
     result["tuned_table"] = [r._asdict() for r in tuned]
-    table = table_of_dtype()
     layers = [m for m in ms if all((s, m) in cases for s in SHAPES)]
     for m in layers:
         h = torch.randn(m, cases["qkv", m].k, generator=gen).to(DTYPE).to(DEVICE)
@@ -490,11 +511,8 @@ def main() -> None:
         row = {"m": m, "bytes": layer_bytes, "old_us": time_graph(old) * 1e6,
                "table_us": time_graph(new) * 1e6}
         if not args.quick:
-            set_table(tuned)
-            try:
+            with table_in_use(tuned):
                 row["tuned_us"] = time_graph(new) * 1e6
-            finally:
-                set_table(table)
         result["layer"].append(row)
         print(f"layer M={m:2d}: {row}", flush=True)
     save()
@@ -515,13 +533,11 @@ def main() -> None:
             h = torch.randn(m, cases["qkv", m].k, generator=gen).to(DTYPE).to(DEVICE)
             attn_out = torch.randn(m, cases["o", m].k, generator=gen).to(DTYPE).to(DEVICE)
             _, new, _ = layer_step(cases, m, h, attn_out)
-            set_table(with_pdl(tuned))
             try:
-                row["tuned_pdl_us"] = time_graph(new) * 1e6
+                with table_in_use(with_pdl(tuned)):
+                    row["tuned_pdl_us"] = time_graph(new) * 1e6
             except Exception as exc:  # noqa: BLE001
                 row["tuned_pdl_error"] = repr(exc)[:300]
-            finally:
-                set_table(table)
         save()
 
     def pct(nbytes, us):

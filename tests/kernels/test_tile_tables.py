@@ -1,6 +1,8 @@
-"""The tuned launch tables of the skinny and the tiled products, on the CPU: on an H100 and an
-H200 (by name; nothing runs on them) they pick, for a grid of (m, n, k, dtype), what they picked
-when the tables were recorded in tile_picks.json."""
+"""The launch tables of the skinny and the tiled products (phasegraph/kernels/configs/, read by
+tile_tables.py), on the CPU: on an H100 and an H200 (by name; nothing runs on them) they pick,
+for a grid of (m, n, k, dtype), what the Python tables they replaced picked (tile_picks.json);
+the files ship in the package, a GPU without a file reads generic.json, PHASEGRAPH_TILE_TABLE
+names another file, and a bad file is refused with its name and the bad entry."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from phasegraph.kernels import KernelSettingError, _dispatch, check_kernel_settings
 from phasegraph.kernels import linear as lin
 from phasegraph.kernels import tile_tables as tt
 from phasegraph.kernels import tiled_linear as tiled
@@ -21,12 +24,19 @@ H100, H200 = "NVIDIA H100 80GB HBM3", "NVIDIA H200"
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
+@pytest.fixture(autouse=True)
+def _fresh_cache():
+    """Every test reads the files (and the monkeypatched GPU names) anew."""
+    tt.clear_cache()
+    yield
+    tt.clear_cache()
+
+
 @pytest.fixture
 def gpus(monkeypatch):
     """cuda:0 answers to the H100's name, cuda:1 to the H200's."""
     names = (H100, H200)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: names[index])
-    monkeypatch.setattr(lin, "_H200_BY_DEVICE", {})
     return {name: torch.device("cuda", i) for i, name in enumerate(names)}
 
 
@@ -40,21 +50,19 @@ def test_the_skinny_tables_pick_the_recorded_configs(gpus):
         assert (None if got is None else [got.plain, got.fused]) == rule, where
 
 
-def test_the_tiled_table_picks_the_recorded_tiles():
-    for m, n, k, defer, tile in PICKS["tiled"]:
-        got = tiled.pick_tile(m, n, k, defer)
-        assert (None if got is None else list(got)) == tile, (m, n, k, defer)
+def test_the_tiled_tables_pick_the_recorded_tiles(gpus):
+    for device in gpus.values():
+        for m, n, k, defer, tile in PICKS["tiled"]:
+            got = tiled.pick_tile(m, n, k, defer, device)
+            assert (None if got is None else list(got)) == tile, (device, m, n, k, defer)
 
 
-def test_the_files_hold_the_literal_tables_rule_for_rule():
+def test_the_generic_file_holds_the_h100_rules_that_are_not_for_one_shape():
     h100 = tt.read_tables(tt.shipped_file("NVIDIA_H100_80GB_HBM3.json"))
-    h200 = tt.read_tables(tt.shipped_file("NVIDIA_H200.json"))
     generic = tt.read_tables(tt.shipped_file(tt.GENERIC))
-    assert (h100.skinny_half, h100.skinny_float32) == (lin.CONFIGS, lin.FP32_CONFIGS)
-    assert (h200.skinny_half, h200.skinny_float32) == (lin.H200_CONFIGS, lin.FP32_CONFIGS)
-    assert h100.tiled_float32 == h200.tiled_float32 == tiled.FP32_TILE_CONFIGS
-    for table in ("skinny_half", "skinny_float32", "tiled_float32"):
+    for table in tt.TABLES:
         assert getattr(generic, table) == tuple(r for r in getattr(h100, table) if not _one_shape(r))
+    assert generic.tiled_float32 == ()  # cuBLAS keeps 17..512 float32 rows on an unknown GPU
 
 
 def _one_shape(rule) -> bool:
@@ -65,14 +73,6 @@ def _one_shape(rule) -> bool:
 # The files and their loader
 
 SHIPPED = ("NVIDIA_H100_80GB_HBM3.json", "NVIDIA_H200.json", tt.GENERIC)
-
-
-@pytest.fixture(autouse=True)
-def _fresh_cache():
-    """Every test reads the files (and the monkeypatched GPU names) anew."""
-    tt.clear_cache()
-    yield
-    tt.clear_cache()
 
 
 def test_the_files_ship_in_the_package_and_read_back_as_written():
@@ -204,3 +204,18 @@ def test_a_good_file_reads_as_its_entries(tmp_path):
     tile = tt.TileConfig(32, 64, 64, 4, 3)
     assert tables.tiled_float32 == (tt.TileRule((17, 32), (1280, 1280), (768, 768), tile, tile),)
     assert tables.path == str(path) and tables.sources["tiled_float32"] == "a test"
+
+
+def test_an_engine_refuses_a_bad_file_before_any_launch(monkeypatch, tmp_path):
+    """check_kernel_settings (which Engine calls) reads the tables where Triton kernels will
+    launch, so a bad PHASEGRAPH_TILE_TABLE is a KernelSettingError naming the file up front."""
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(_with(skinny_half=[_config(block_k=100)])))
+    monkeypatch.setenv(tt.ENV_VAR, str(path))
+    check_kernel_settings(torch.device("cpu"))  # the references run: no table is read
+    monkeypatch.setattr(_dispatch, "HAS_TRITON", True)  # as where Triton is installed
+    monkeypatch.setenv(_dispatch.ENV_VAR, "triton")
+    with pytest.raises(KernelSettingError, match=re.escape(str(path)) + r": skinny_half rule 1: config\.block_k"):
+        check_kernel_settings(torch.device("cpu"))
+    monkeypatch.delenv(tt.ENV_VAR)
+    check_kernel_settings(torch.device("cpu"))
