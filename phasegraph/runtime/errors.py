@@ -116,6 +116,12 @@ class DraftMismatch(PhasegraphRuntimeError, ValueError):
     """A draft head whose hidden size, feature width or vocabulary does not fit the target."""
 
 
+class UnsupportedDraftLayout(DraftMismatch):
+    """A draft checkpoint in a public layout, or with a value of one of its switches, that the
+    runtime does not implement; the message names the key and its value. Raised before any
+    weight is read, so that no head loads and computes something else than its reference."""
+
+
 class NoForwardContext(PhasegraphRuntimeError, RuntimeError):
     """The phasegraph attention function ran outside ``forward_context(...)``."""
 
