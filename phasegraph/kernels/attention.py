@@ -52,6 +52,11 @@ class AttentionMetadata:
     # KV write + attention may run as one kernel that writes, in every program, the tree-block
     # keys it reads (kernels/rope_attention.py); tests/engine/test_one_query_per_row.py checks it.
     tree_block_writes: bool = False
+    # Sliding-window attention (Mistral, Qwen2): query t reads prefix positions from
+    # window_lo[t] on, i.e. the window's tokens ending at its own position (window_of builds
+    # it from the query positions). The tree block is not windowed: the engine keeps every
+    # draft path shorter than the window, so a node's ancestors always lie inside it.
+    window_lo: torch.Tensor | None = None  # [T] int64, or None: the whole prefix
 
     def __attrs_post_init__(self) -> None:
         # The one-launch kernel reads no tree block and takes each token's own key at kv_len - 1:
@@ -60,6 +65,17 @@ class AttentionMetadata:
             raise ValueError("AttentionMetadata: one_query_per_row promises that each token reads its row's "
                              f"prefix only, but extra_mask holds a tree block of {self.extra_mask.shape[1]} "
                              "nodes; drop the promise or the block")
+
+
+def window_of(meta: AttentionMetadata, positions: torch.Tensor, window: int) -> AttentionMetadata:
+    """``meta`` for a sliding-window layer: the query at position ``p`` reads the prefix
+    positions ``> p - window`` (transformers' ``sliding_window_overlay``: ``window`` tokens, its
+    own included). Positions are logical positions of the row: the target's KV row ``p`` and a
+    standalone draft's hold the token at position ``p``. Computed on the device from the
+    positions, so a CUDA graph captures it."""
+    if window < 1:
+        raise ValueError(f"sliding window must be >= 1, got {window}")
+    return attrs.evolve(meta, window_lo=positions.to(torch.int64) - (window - 1))
 
 
 # Upper bound on gathered key elements per chunk of queries (keeps the reference's memory bounded
@@ -83,13 +99,16 @@ def write_kv_reference(
 def attention_allowed_mask(meta: AttentionMetadata, length: int) -> torch.Tensor:
     """``[T, length]`` bool: which logical positions of its row each query attends.
 
-    Position ``l`` is allowed when ``l < kv_len[t]`` (the prefix) or when
+    Position ``l`` is allowed when ``window_lo[t] <= l < kv_len[t]`` (the prefix, the whole of
+    it without a window) or when
     ``0 <= l - kv_len[t] < E`` and ``extra_mask[t, l - kv_len[t]]`` (the tree block).
     """
     device = meta.kv_len.device
     pos = torch.arange(length, device=device, dtype=torch.int64)  # [L]
     kv_len = meta.kv_len[:, None]  # [T, 1]
     allowed = pos[None, :] < kv_len  # [T, L]
+    if meta.window_lo is not None:
+        allowed = allowed & (pos[None, :] >= meta.window_lo[:, None])
     extra = meta.extra_mask
     if extra is not None and extra.shape[1] > 0:
         num_extra = extra.shape[1]

@@ -615,6 +615,16 @@ def _check_config_fits(config: EngineConfig, target, draft) -> None:
         raise InvalidConfig(f"eos_token_ids must be a list of token ids in [0, {target.vocab_size}); "
                             f"got {list(eos) if isinstance(eos, tuple) else eos!r}")
     tree = config.spec.tree()
+    if tree is not None:
+        # The tree block is not windowed (AttentionMetadata.window_lo): a node at depth d reads
+        # ancestors up to d positions back, which must lie inside every window.
+        for name, model in (("target", target), ("draft", getattr(draft, "model", draft))):
+            window = getattr(model, "sliding_window", None)
+            if isinstance(window, int) and tree.num_steps >= window:
+                raise InvalidConfig(
+                    f"SpecConfig.num_steps={tree.num_steps} reaches past the {name}'s sliding window "
+                    f"of {window} tokens: use num_steps < {window}"
+                )
     draft_vocab = getattr(draft, "vocab_size", None)
     if tree is not None and isinstance(draft_vocab, int) and tree.topk > draft_vocab:
         raise InvalidConfig(

@@ -108,8 +108,8 @@ class FeatureDraft(abc.ABC):
             raise RuntimeError(f"{type(self).__name__}.attach_kv(pool) must be called first")
         return self.pool
 
-    def _context(self, attn: AttentionMetadata):
-        return forward_context(attn, self._attached_pool())
+    def _context(self, attn: AttentionMetadata, positions: torch.Tensor | None = None):
+        return forward_context(attn, self._attached_pool(), positions=positions)
 
     def _rope(
         self, like: torch.Tensor, positions: torch.Tensor

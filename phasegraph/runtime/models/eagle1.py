@@ -144,7 +144,7 @@ class Eagle1Draft(FeatureDraft):
             embeds = head.embedding_layernorm(embeds)
         out = head.projection(torch.cat([embeds, hidden.to(self.dtype)], dim=-1))  # [T, H]
         position_embeddings = self._rope(out, positions)
-        with self._context(attn):
+        with self._context(attn, positions):
             for layer in head.decoder_layers:
                 out = run_decoder_layer(layer, out, position_embeddings, positions)  # [T, H]
         rows = self._rows(out, logits_index)  # [R, H]

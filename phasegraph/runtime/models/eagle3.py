@@ -329,7 +329,7 @@ class Eagle3Draft(FeatureDraft):
         x = torch.cat([first.input_layernorm(embeds), normed_h], dim=-1)  # [T, 2Hd]
         residual = normed_h if head.layout.norm_before_residual else h  # vLLM's two orders
         position_embeddings = self._rope(x, positions)
-        with self._context(attn):
+        with self._context(attn, positions):
             attn_out, _ = first.self_attn(
                 hidden_states=x[None], position_embeddings=position_embeddings, attention_mask=None
             )  # [1, T, Hd]

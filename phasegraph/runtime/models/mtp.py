@@ -137,7 +137,7 @@ class MTPDraft(FeatureDraft):
         embeds = self.embed_at(input_ids, positions)  # [T, H]
         prev = hidden.to(self.dtype)  # [T, H]
         position_embeddings = self._rope(embeds, positions)
-        with self._context(attn):
+        with self._context(attn, positions):
             if from_target:
                 out = first = self._layer(0, embeds, prev, position_embeddings, positions)
                 for index in range(1, self.num_layers):
