@@ -112,6 +112,12 @@ class CheckpointMismatch(PhasegraphRuntimeError, ValueError):
         super().__init__("\n".join(lines))
 
 
+class GGUFConversionError(PhasegraphRuntimeError, RuntimeError):
+    """A ``.gguf`` file could not be converted to a Hugging Face directory: the optional
+    dependencies are missing (``pip install phasegraph[gguf]``), the file is not GGUF, or
+    transformers' GGUF reader does not know its architecture or quantization."""
+
+
 class DraftMismatch(PhasegraphRuntimeError, ValueError):
     """A draft head whose hidden size, feature width or vocabulary does not fit the target."""
 
