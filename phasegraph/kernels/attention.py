@@ -262,7 +262,7 @@ def write_kv_triton(
 
 @jit
 def _attend_tiles(
-    lo, hi, m_i, l_i, acc, q, kv_len_m, tree_word, member_m, valid_m, tok_m, offs_d, d_ok,
+    lo, hi, m_i, l_i, acc, q, kv_len_m, lo_m, tree_word, member_m, valid_m, tok_m, offs_d, d_ok,
     table_row, max_pages, k_ptr, v_ptr, extra_ptr, kv_head, scale_log2,
     stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_pp, stride_et, stride_ee,
     NUM_EXTRA: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -290,7 +290,8 @@ def _attend_tiles(
         else:
             qk = tl.dot(q, k)  # [M, N] f32
 
-        allowed = pos[None, :] < kv_len_m[:, None]
+        # the prefix [lo_m, kv_len): lo_m is each query's window start (0 without a window)
+        allowed = (pos[None, :] < kv_len_m[:, None]) & (pos[None, :] >= lo_m[:, None])
         if HAS_EXTRA:
             rel = pos[None, :] - kv_len_m[:, None]  # [M, N] offset into the tree block
             in_tree = member_m[:, None] & (rel >= 0) & (rel < NUM_EXTRA)
@@ -350,7 +351,7 @@ def _merge_partial(run_m, run_l, run_acc, m, denom, acc):
 
 @jit
 def _attend_run(
-    lo, hi, run_end, q, kv_len_m, tree_word, member_m, valid_m, tok_m, offs_d, d_ok, table_row,
+    lo, hi, run_end, q, kv_len_m, lo_m, tree_word, member_m, valid_m, tok_m, offs_d, d_ok, table_row,
     max_pages, k_ptr, v_ptr, extra_ptr, kv_head, scale_log2,
     stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_pp, stride_et, stride_ee,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, NUM_EXTRA: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -370,7 +371,7 @@ def _attend_run(
         run_acc = acc
         for c in range(0, tl.cdiv(run_end, CHUNK)):
             m_c, l_c, acc_c = _attend_tiles(
-                c * CHUNK, tl.minimum(c * CHUNK + CHUNK, run_end), m_i, l_i, acc, q, kv_len_m,
+                c * CHUNK, tl.minimum(c * CHUNK + CHUNK, run_end), m_i, l_i, acc, q, kv_len_m, lo_m,
                 tree_word, member_m, valid_m, tok_m, offs_d, d_ok, table_row, max_pages, k_ptr,
                 v_ptr, extra_ptr, kv_head, scale_log2, stride_ks, stride_kh, stride_kd,
                 stride_vs, stride_vh, stride_vd, stride_pp, stride_et, stride_ee,
@@ -380,7 +381,7 @@ def _attend_run(
         m_i, l_i, acc = run_m, run_l, run_acc
     else:
         m_i, l_i, acc = _attend_tiles(
-            lo, hi, m_i, l_i, acc, q, kv_len_m, tree_word, member_m, valid_m, tok_m, offs_d,
+            lo, hi, m_i, l_i, acc, q, kv_len_m, lo_m, tree_word, member_m, valid_m, tok_m, offs_d,
             d_ok, table_row, max_pages, k_ptr, v_ptr, extra_ptr, kv_head, scale_log2,
             stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_pp,
             stride_et, stride_ee, NUM_EXTRA, PAGE_SIZE, BLOCK_N, HAS_EXTRA, UPCAST, SPLIT_P,
@@ -409,6 +410,17 @@ def _store_run(
                  mask=valid_m[:, None])
         tl.store(part_max_ptr + part, m_i, mask=valid_m)
         tl.store(part_sum_ptr + part, l_i, mask=valid_m)
+
+
+@jit
+def window_starts(window_lo_ptr, tok_m, member_m, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Each query row's first prefix position (``AttentionMetadata.window_lo``; 0 without a
+    window): positions below it are masked as positions past kv_len are."""
+    if HAS_WINDOW:
+        lo_m = tl.load(window_lo_ptr + tok_m, mask=member_m, other=0).to(tl.int64)
+    else:
+        lo_m = tl.zeros([BLOCK_M], tl.int64)
+    return lo_m
 
 
 @jit
@@ -509,6 +521,7 @@ def _paged_attention_kernel(
     query_row_ptr,  # [T] i64
     kv_len_ptr,  # [T] i64
     extra_ptr,  # [T, E] u8 tree block (any tensor when HAS_EXTRA is false)
+    window_lo_ptr,  # [T] i64 window starts (any tensor when HAS_WINDOW is false)
     num_tokens,
     max_pages,
     scale_log2,  # f32, softmax scale * log2(e)
@@ -539,6 +552,7 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HAS_EXTRA: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,  # fp32 or mixed dtypes: fp32 tiles and full-precision products
     SPLIT_P: tl.constexpr,  # bf16: P.V as (P_hi + P_lo).V, two bf16 products
     CHUNK: tl.constexpr,  # > 0: fixed chunks of CHUNK positions merged in order (fp32)
@@ -574,8 +588,9 @@ def _paged_attention_kernel(
         q = q.to(tl.float32)
 
     table_row = page_table_ptr + row * stride_pr
+    lo_m = window_starts(window_lo_ptr, tok_m, member_m, HAS_WINDOW, BLOCK_M)
     m_i, l_i, acc = _attend_run(
-        lo, hi, run_end, q, kv_len_m, tree_word, member_m, valid_m, tok_m, offs_d, d_ok, table_row,
+        lo, hi, run_end, q, kv_len_m, lo_m, tree_word, member_m, valid_m, tok_m, offs_d, d_ok, table_row,
         max_pages, k_ptr, v_ptr, extra_ptr, kv_head, scale_log2, stride_ks, stride_kh, stride_kd,
         stride_vs, stride_vh, stride_vd, stride_pp, stride_et, stride_ee, BLOCK_M, BLOCK_D,
         NUM_EXTRA, PAGE_SIZE, BLOCK_N, HAS_EXTRA, UPCAST, SPLIT_P, CHUNK, NUM_SPLITS,
@@ -754,6 +769,7 @@ def paged_attention_triton(
     _paged_attention_kernel[(num_tokens, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_max, part_sum,
         page_table, query_row, kv_len, extra_arg,
+        kv_len if meta.window_lo is None else meta.window_lo.contiguous(),
         num_tokens, max_pages, float(scale) * math.log2(math.e),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         *page_table.stride(),
@@ -769,6 +785,7 @@ def paged_attention_triton(
         BLOCK_D=block_d,
         NUM_SPLITS=num_splits,
         HAS_EXTRA=has_extra,
+        HAS_WINDOW=meta.window_lo is not None,
         UPCAST=upcast,
         SPLIT_P=split_p,
         CHUNK=chunk,

@@ -45,13 +45,13 @@ def prompts():
     return [torch.randint(1, 96, (n,), generator=gen).tolist() for n in (30, 41, 33)]
 
 
-def hf_greedy(directory, prompt_list):
+def hf_greedy(directory, prompt_list, new_tokens=NEW_TOKENS):
     model = AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval()
     out = []
     for p in prompt_list:
         ids = torch.tensor([p])
-        seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                             min_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0)
+        seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                             min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
         out.append(seq[0, len(p):].tolist())
     return out
 
