@@ -252,7 +252,7 @@ def write_standalone_draft(
 PUBLIC_DRAFT_LAYOUTS = {
     # name: what it reproduces
     "eagle1-llama3": "Yuhuili's EAGLE-1 LLaMA-3 heads: bias false, no fc.bias",
-    "eagle1-bias": "EAGLE-1 (cnets1) with fc.bias, bias absent (the loader's default: true)",
+    "eagle1-bias": "EAGLE-1 (cnets1) with fc.bias, bias absent (default true), .bin + embedding",
     "eagle1-qwen2": "EAGLE-1 Qwen2 heads: qkv_bias true (q/k/v biases, o_proj none)",
     "eagle3-fc_norm": "EAGLE 3.1 (SpecForge / vLLM): fc_norm and norm_output true",
     "eagle3-norm_before_residual": "vLLM / speculators: norm_before_residual true",
@@ -341,6 +341,8 @@ def write_public_draft(directory: str | Path, target: str | Path, layout: str, *
         if cfg.get("bias", True):
             t.add("fc.bias", ht)
         t.decoder_layer("layers.0", cfg, in_dim=ht, input_norm=False, qkv_bias=qwen)
+        if layout == "eagle1-bias":  # SafeAILab's v1 files: pytorch_model.bin with the embedding
+            t.state["embed_tokens.weight"] = _target_tensors(target)["model.embed_tokens.weight"].clone()
     elif family == "eagle3":
         hd = 48 if layout == "eagle3-wide" else ht
         draft_vocab = vocab if layout == "eagle3-no-lm_head" else vocab // 2
@@ -421,7 +423,7 @@ def write_public_draft(directory: str | Path, target: str | Path, layout: str, *
         t.add(f"{prefix}.shared_head.norm.weight", ht, norm=True)
         t.add(f"{prefix}.shared_head.head.weight", vocab, ht)
     (directory / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True))
-    _save_tensors(directory, t.state)
+    _save_tensors(directory, t.state, fmt="bin" if layout == "eagle1-bias" else "safetensors")
     return directory
 
 

@@ -102,11 +102,17 @@ class Ref:
         return self.after_attention(prefix, x + self.attention(prefix, normed, pos))
 
 
+def tensors_of(directory) -> dict:
+    if (directory / "pytorch_model.bin").is_file():
+        return torch.load(directory / "pytorch_model.bin", weights_only=True)
+    return load_file(str(directory / "model.safetensors"))
+
+
 def reference(layout: str, directory, target: HFTarget):
     """``rows -> (logits [n, V or Vd], next hidden [n, H])`` of the layout's reference code."""
     raw = json.loads((directory / "config.json").read_text())
     cfg = raw.get("transformer_layer_config", raw)
-    ref = Ref(load_file(str(directory / "model.safetensors")), cfg, cfg["rms_norm_eps"])
+    ref = Ref(tensors_of(directory), cfg, cfg["rms_norm_eps"])
     target_embed = target.embed_tokens.weight.double()
     target_head = target.lm_head.weight.double()
     w = ref.w
@@ -120,7 +126,7 @@ def reference(layout: str, directory, target: HFTarget):
 
         def eagle1(rows):
             pos, tokens = rows_of(rows)
-            e = target_embed[tokens]
+            e = w.get("embed_tokens.weight", target_embed)[tokens]  # the checkpoint's wins
             if spec:
                 e = ref.norm("embedding_layernorm", e)
             x = ref.lin("fusion_fc" if spec else "fc", torch.cat([e, torch.stack([r.vec.double() for r in rows])], -1))
@@ -205,8 +211,20 @@ def test_layout_computes_what_its_reference_computes(tmp_path, target_dir, qwen2
 
 
 def test_a_copied_embedding_is_dropped_and_a_distinct_one_used(tmp_path, target_dir):
-    _, _, copied = load("speculators-eagle3", tmp_path, target_dir)
-    assert not hasattr(copied.head, "embed_tokens")  # the target's copy: one table, not two
+    for layout in ("speculators-eagle3", "eagle1-bias"):
+        _, _, copied = load(layout, tmp_path, target_dir)
+        assert not hasattr(copied.head, "embed_tokens")  # the target's copy: one table, not two
+    directory = write_public_draft(tmp_path / "own", target_dir, "eagle1-bias")
+    state = torch.load(directory / "pytorch_model.bin", weights_only=True)
+    state["embed_tokens.weight"] = state["embed_tokens.weight"] * 0.5  # trained further
+    torch.save(state, directory / "pytorch_model.bin")
+    target = HFTarget.from_pretrained(target_dir, feature_mode="last")
+    draft = load_draft(directory, target)
+    assert draft.embedding is draft.head.embed_tokens
+    hist = run_scenario(draft, target, page_size=4)
+    want_logits, _ = reference("eagle1-bias", directory, target)(hist[0])
+    row = next(r for r in hist[0] if r.logits is not None)
+    torch.testing.assert_close(row.logits.double(), want_logits[hist[0].index(row)], atol=ATOL, rtol=0)
     _, target, wide = load("eagle3-wide", tmp_path, target_dir)
     assert wide.embedding is wide.head.embed_tokens and wide.hidden_size == 48 != target.hidden_size
 

@@ -28,7 +28,9 @@ Switches of ``config.json`` (read as the reference reads them):
 
 Checkpoint (cnets1): ``fc.weight [H, 2H]``, ``fc.bias [H]`` (with ``bias``),
 ``layers.{i}.self_attn.{q,k,v,o}_proj.weight``, ``layers.{i}.mlp.{gate,up,down}_proj.weight``,
-``layers.{i}.post_attention_layernorm.weight`` (``embed_tokens.weight`` accepted and ignored).
+``layers.{i}.post_attention_layernorm.weight``, and often ``embed_tokens.weight``: EAGLE's
+loader (``load_state_dict(strict=False)`` after copying the target's embedding) lets it win, so
+it is used where it differs from the target's and dropped where it is a copy.
 Speculators: ``fusion_fc.*`` for ``fc.*``, ``transformer.*`` for ``layers.0.*``, plus
 ``embedding_layernorm.weight`` and ``pre_lm_head_layernorm.weight`` with ``layernorms``.
 """
@@ -85,7 +87,8 @@ def eagle1_layer(config: LlamaConfig, index: int, layout: Eagle1Layout) -> Llama
 class Eagle1Head(nn.Module):
     """The EAGLE-1 weights: ``fc`` and the decoder layers, named as the checkpoint names them."""
 
-    def __init__(self, config: LlamaConfig, layout: Eagle1Layout | None = None) -> None:
+    def __init__(self, config: LlamaConfig, layout: Eagle1Layout | None = None, *,
+                 with_embed: bool = False) -> None:
         super().__init__()
         self.layout = layout = layout or Eagle1Layout()
         hidden = config.hidden_size
@@ -100,6 +103,8 @@ class Eagle1Head(nn.Module):
         if layout.layernorms:
             self.embedding_layernorm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
             self.pre_lm_head_layernorm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
+        if with_embed:  # EAGLE's loader lets the checkpoint's embedding replace the target's
+            self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
 
     @property
     def projection(self) -> nn.Linear:
@@ -124,7 +129,12 @@ class Eagle1Draft(FeatureDraft):
 
     @classmethod
     def build_head(cls, config: LlamaConfig, raw: dict, checkpoint) -> Eagle1Head:
-        return Eagle1Head(config, Eagle1Layout.of(raw, str(checkpoint.directory)))
+        return Eagle1Head(config, Eagle1Layout.of(raw, str(checkpoint.directory)),
+                          with_embed="embed_tokens.weight" in checkpoint.shapes)
+
+    @classmethod
+    def ignored_keys(cls, config, raw, checkpoint) -> dict[str, tuple[int, ...]]:
+        return {}  # an embed_tokens.weight the checkpoint holds is the head's own (Eagle1Head)
 
     @torch.no_grad()
     def forward(
