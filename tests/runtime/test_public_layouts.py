@@ -185,18 +185,27 @@ def reference(layout: str, directory, target: HFTarget):
 # -- every layout: loads, parity with the reference, lossless in the engine ------------------------
 
 
-def load(layout, tmp_path, target_dir):
+def load(layout, tmp_path, target_dir, **options):
     directory = write_public_draft(tmp_path / layout, target_dir, layout)
     kind = kind_of(layout)
     assert draft_kind(directory) == kind
     target = HFTarget.from_pretrained(target_dir, feature_mode=FEATURES[kind])
-    return directory, target, load_draft(directory, target)
+    return directory, target, load_draft(directory, target, **options)
 
 
-@pytest.mark.parametrize("layout", list(PUBLIC_DRAFT_LAYOUTS))
-def test_layout_computes_what_its_reference_computes(tmp_path, target_dir, qwen2_target_dir, layout):
+EAGLE3_LAYOUTS = [name for name in PUBLIC_DRAFT_LAYOUTS if kind_of(name) == "eagle3"]
+# (layout, adapter options): every layout with its default path, and the EAGLE-3 ones the fused
+# path runs by default once more through transformers' modules
+PATHS = [(name, {}) for name in PUBLIC_DRAFT_LAYOUTS] + [(name, {"fused": False}) for name in EAGLE3_LAYOUTS]
+
+
+@pytest.mark.parametrize(("layout", "options"), PATHS, ids=[f"{n}-{'modules' if o else 'default'}" for n, o in PATHS])
+def test_layout_computes_what_its_reference_computes(tmp_path, target_dir, qwen2_target_dir, layout, options):
     base = qwen2_target_dir if layout == "eagle1-qwen2" else target_dir
-    directory, target, draft = load(layout, tmp_path, base)
+    directory, target, draft = load(layout, tmp_path, base, **options)
+    if kind_of(layout) == "eagle3":  # which layouts the fused path takes, and which it leaves
+        plain = layout in ("eagle3-norm_before_residual", "eagle3-wide", "speculators-eagle3")
+        assert (draft.fused_layer is not None) == (plain and not options)
     hist = run_scenario(draft, target, page_size=4)
     naive = reference(layout, directory, target)
     checked = 0
