@@ -1,4 +1,5 @@
-"""Chained multi-token-prediction (MTP) draft layers.
+"""Chained multi-token-prediction (MTP) draft layers, and the public next-n layer
+(:class:`NextNDraft`, DeepSeek-V3 / MiMo style, at the end of this module).
 
 Checkpoint layout (phasegraph's own; ``n`` = ``config.json`` ``num_hidden_layers`` MTP layers,
 Llama keys otherwise, ``H`` = target hidden = draft hidden)::
@@ -22,6 +23,8 @@ Semantics (``DraftModel.forward``):
 """
 
 from __future__ import annotations
+
+import importlib
 
 import torch
 from torch import nn
@@ -222,8 +225,6 @@ class NextNHead(nn.Module):
 
     def __init__(self, raw: dict, index: int, with_embed: bool) -> None:
         super().__init__()
-        import importlib
-
         config = nextn_layer_config(raw)
         family = raw["model_type"]
         module = importlib.import_module(f"transformers.models.{family}.modeling_{family}")
