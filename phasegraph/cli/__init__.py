@@ -13,12 +13,12 @@ import sys
 from collections.abc import Sequence
 
 from phasegraph.bench.common import BenchError
-from phasegraph.cli import bench, demo, generate, graph, serve
+from phasegraph.cli import bench, demo, generate, graph, import_gguf, serve
 from phasegraph.cli.common import CliError, Parser
 from phasegraph.runtime.errors import PhasegraphRuntimeError
 from phasegraph.statemachine import PhaseGraphError
 
-COMMANDS = (graph, demo, generate, serve, bench)  # in the order `phasegraph --help` lists them
+COMMANDS = (graph, demo, generate, serve, bench, import_gguf)  # in the order `phasegraph --help` lists them
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -46,6 +46,7 @@ from phasegraph.runtime.graph_runner import GraphRunner
 from phasegraph.runtime.kv_pool import KVCacheManager
 from phasegraph.runtime.memory import PhaseMemory
 from phasegraph.runtime.models.drafts import draft_kind, load_draft
+from phasegraph.runtime.models.gguf import convert_gguf, is_gguf
 from phasegraph.runtime.models.loading import load_tokenizer, read_json_object
 from phasegraph.runtime.models.target import HFTarget
 from phasegraph.runtime.prefill_graph import token_buckets_for
@@ -248,7 +249,7 @@ class Engine:
         **kwargs,
     ) -> Engine:
         """Load a target directory (config.json + safetensors, sharded or not, plus its
-        tokenizer if present) and, for speculative methods, a draft directory in that method's
+        tokenizer if present), or a ``.gguf`` file (converted once, :func:`convert_gguf`) and, for speculative methods, a draft directory in that method's
         public checkpoint layout. Without ``spec``, a draft directory selects the method it
         holds (:func:`~phasegraph.runtime.models.drafts.draft_kind`) with its default shape; a
         ``spec`` whose method is another kind than the directory's raises :class:`DraftMismatch`.
@@ -280,6 +281,8 @@ class Engine:
         dt = resolve_dtype(dtype, dev)
         draft_dt = dt if draft_dtype is None else resolve_dtype(draft_dtype, dev, "draft_dtype")
         target_path = Path(target_dir)
+        if is_gguf(target_path):  # converted once into the user cache dir (models/gguf.py)
+            target_path = convert_gguf(target_path)
         target = HFTarget.from_pretrained(target_path, dtype=dt, device=dev, feature_mode=FEATURE_MODE[spec.method])
         draft = None
         if spec.speculative:
@@ -619,6 +622,16 @@ def _check_config_fits(config: EngineConfig, target, draft) -> None:
         raise InvalidConfig(f"eos_token_ids must be a list of token ids in [0, {target.vocab_size}); "
                             f"got {list(eos) if isinstance(eos, tuple) else eos!r}")
     tree = config.spec.tree()
+    if tree is not None:
+        # The tree block is not windowed (AttentionMetadata.window_lo): a node at depth d reads
+        # ancestors up to d positions back, which must lie inside every window.
+        for name, model in (("target", target), ("draft", getattr(draft, "model", draft))):
+            window = getattr(model, "sliding_window", None)
+            if isinstance(window, int) and tree.num_steps >= window:
+                raise InvalidConfig(
+                    f"SpecConfig.num_steps={tree.num_steps} reaches past the {name}'s sliding window "
+                    f"of {window} tokens: use num_steps < {window}"
+                )
     draft_vocab = getattr(draft, "vocab_size", None)
     if tree is not None and isinstance(draft_vocab, int) and tree.topk > draft_vocab:
         raise InvalidConfig(
