@@ -1,5 +1,6 @@
-"""The ``phasegraph`` command: ``graph``, ``demo``, ``generate`` and ``bench``, one module each
-in this package (``python -m phasegraph.train``'s command is :mod:`phasegraph.cli.train`).
+"""The ``phasegraph`` command: ``graph``, ``demo``, ``generate``, ``serve``, ``bench`` and
+``import-gguf``, one module each in this package (``python -m phasegraph.train``'s command is
+:mod:`phasegraph.cli.train`).
 
 Every failure a user can cause ends with a one-line ``phasegraph: error: ...`` on stderr and
 exit status 2, never a traceback. This package is the only place that prints, parses
