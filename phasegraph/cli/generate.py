@@ -31,7 +31,14 @@ import time
 import warnings
 from pathlib import Path
 
-from phasegraph.cli.common import CliError, require_at_least, require_name, writable_file
+from phasegraph.cli.common import (
+    CliError,
+    add_model_options,
+    load_engine,
+    model_spec,
+    require_name,
+    writable_file,
+)
 
 PROGRESS_MIN_TOKENS = 32  # show a progress bar from this many new tokens on
 INTERRUPTED = 130  # the exit status of a run stopped by Ctrl-C (128 + SIGINT), as the shell's
@@ -66,12 +73,7 @@ def add_parser(sub) -> None:
         description="Generate a completion of each prompt; speculative when a draft is given. "
                     "Ctrl-C stops the run and prints what was generated so far (exit status 130).",
     )
-    p.add_argument("--target", required=True, metavar="DIR", help="target checkpoint directory (Hugging Face format)")
-    p.add_argument("--draft", metavar="DIR", help="draft checkpoint directory (default: none, the target alone)")
-    p.add_argument(
-        "--method", metavar="METHOD",
-        help="none | eagle | eagle3 | mtp | standalone (default: the kind of draft --draft holds, else none)",
-    )
+    add_model_options(p)
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", action="append", metavar="TEXT",
                         help="prompt text, '-' to read it from stdin (needs the target's tokenizer); "
@@ -82,14 +84,6 @@ def add_parser(sub) -> None:
                         help="prompt token ids, e.g. '1,2,3'; repeat it for a batch")
     p.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
                    help="new tokens per prompt at most (default: %(default)s)")
-    # the draft's options default to None, so that one given beside --method none is refused
-    p.add_argument("--topk", type=int, metavar="K", help="draft tree branching (default: 1, a chain)")
-    p.add_argument("--num-steps", type=int, metavar="S", help="draft tree depth (default: 3)")
-    p.add_argument("--num-draft-tokens", type=int, metavar="N",
-                   help="tree nodes verified, root included (default: S+1 for a chain, else min(K*S, 16)+1)")
-    p.add_argument("--page-size", type=int, default=1, metavar="P", help="KV cache tokens per page (default: %(default)s)")
-    p.add_argument("--kv-pool-tokens", type=int, metavar="N",
-                   help="KV pool size in tokens (default: half the free GPU memory; 32768 on a CPU)")
     p.add_argument("--temperature", type=float, default=0.0, metavar="T",
                    help="sampling temperature (default: %(default)s, greedy)")
     p.add_argument("--top-p", type=float, default=1.0, metavar="P",
@@ -101,13 +95,6 @@ def add_parser(sub) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop when the text holds STR (repeatable; default: none)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token (default: stop)")
-    p.add_argument("--device", default="auto", help="cpu | cuda | auto (default: %(default)s, a GPU when one answers)")
-    p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: bfloat16 on GPU, float32 on CPU)")
-    p.add_argument("--draft-dtype", help="the draft's precision (default: --dtype); it moves the "
-                   "acceptance length, never the output")
-    p.add_argument("--threads", type=int, metavar="N",
-                   help="torch's CPU threads (default: the engine's, 1, the fastest on a busy machine); "
-                        "ignored on a GPU")
     p.add_argument("--trace", metavar="FILE", help="save the phase trace (Chrome-trace JSON) to FILE (default: none)")
     p.add_argument("--no-progress", action="store_true", help="never show a progress bar (default: shown "
                    f"from --max-new-tokens {PROGRESS_MIN_TOKENS} on)")
@@ -157,19 +144,6 @@ def _prompts(args: argparse.Namespace) -> list[str | list[int]]:
     if args.prompt.count("-") > 1:
         raise CliError("--prompt - reads stdin, which holds one prompt: give it once")
     return [_stdin_prompt() if text == "-" else text for text in args.prompt]
-
-
-def _method(args: argparse.Namespace) -> str:
-    """``--method``, else the kind of draft ``--draft`` holds, else none."""
-    if args.method or not args.draft:
-        return args.method or "none"
-    from phasegraph.runtime.models.drafts import draft_kind
-
-    kind = draft_kind(args.draft)
-    if kind is None:
-        raise CliError(f"cannot tell which kind of draft --draft {args.draft} holds (its config and tensor "
-                       "names fit none of eagle, eagle3, mtp, standalone): pass --method")
-    return kind
 
 
 class _CtrlC:
@@ -257,27 +231,12 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from phasegraph.runtime.config import SamplingParams, SpecConfig
-    from phasegraph.runtime.engine import Engine
+    from phasegraph.runtime.config import SamplingParams
     from phasegraph.runtime.errors import NonFiniteDraftWarning, RequestFailed
 
-    for option, path, kind in (("--target", args.target, "directory"), ("--draft", args.draft, "directory"),
-                               ("--trace", args.trace, "file")):
-        require_name(option, path, kind)
-    if args.threads is not None:
-        require_at_least("--threads", args.threads, 1)
-    method = _method(args)
-    draft_options = {"--draft": args.draft, "--draft-dtype": args.draft_dtype, "--topk": args.topk,
-                     "--num-steps": args.num_steps, "--num-draft-tokens": args.num_draft_tokens}
-    if method == "none" and (given := [o for o, v in draft_options.items() if v is not None]):
-        # the baseline has no draft: these would be silently ignored
-        raise CliError(f"{', '.join(given)} {'was' if len(given) == 1 else 'were'} given with --method none: "
-                       f"pass a speculative --method or drop {', '.join(given)}")
-    tree = {k: v for k, v in (("topk", args.topk), ("num_steps", args.num_steps),
-                              ("num_draft_tokens", args.num_draft_tokens)) if v is not None}
-    spec = SpecConfig(method="none") if method == "none" else SpecConfig(method=method, **tree)
-    if spec.speculative and not args.draft:
-        raise CliError(f"--method {method} needs --draft DIR")
+    require_name("--trace", args.trace, "file")
+    spec = model_spec(args)
+    method = spec.method
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
@@ -285,11 +244,7 @@ def _generate(args: argparse.Namespace) -> int:
     prompts = _prompts(args)
     if args.trace:  # fail before the run, not after it
         writable_file(args.trace, "--trace")
-    threads = {} if args.threads is None else {"num_threads": args.threads}
-    engine = Engine.from_pretrained(
-        args.target, args.draft, spec=spec, device=args.device, dtype=args.dtype, draft_dtype=args.draft_dtype,
-        page_size=args.page_size, kv_pool_tokens=args.kv_pool_tokens, trace=bool(args.trace), **threads,
-    )
+    engine = load_engine(args, spec, trace=bool(args.trace))
     if engine.tokenizer is None:
         if any(isinstance(p, str) for p in prompts):
             raise CliError(f"--target {args.target} has no tokenizer, so --prompt TEXT cannot be encoded: "

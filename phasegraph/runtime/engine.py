@@ -46,6 +46,7 @@ from phasegraph.runtime.graph_runner import GraphRunner
 from phasegraph.runtime.kv_pool import KVCacheManager
 from phasegraph.runtime.memory import PhaseMemory
 from phasegraph.runtime.models.drafts import draft_kind, load_draft
+from phasegraph.runtime.models.gguf import convert_gguf, is_gguf
 from phasegraph.runtime.models.loading import load_tokenizer, read_json_object
 from phasegraph.runtime.models.target import HFTarget
 from phasegraph.runtime.prefill_graph import token_buckets_for
@@ -248,7 +249,7 @@ class Engine:
         **kwargs,
     ) -> Engine:
         """Load a target directory (config.json + safetensors, sharded or not, plus its
-        tokenizer if present) and, for speculative methods, a draft directory in that method's
+        tokenizer if present), or a ``.gguf`` file (converted once, :func:`convert_gguf`) and, for speculative methods, a draft directory in that method's
         public checkpoint layout. Without ``spec``, a draft directory selects the method it
         holds (:func:`~phasegraph.runtime.models.drafts.draft_kind`) with its default shape; a
         ``spec`` whose method is another kind than the directory's raises :class:`DraftMismatch`.
@@ -280,6 +281,8 @@ class Engine:
         dt = resolve_dtype(dtype, dev)
         draft_dt = dt if draft_dtype is None else resolve_dtype(draft_dtype, dev, "draft_dtype")
         target_path = Path(target_dir)
+        if is_gguf(target_path):  # converted once into the user cache dir (models/gguf.py)
+            target_path = convert_gguf(target_path)
         target = HFTarget.from_pretrained(target_path, dtype=dt, device=dev, feature_mode=FEATURE_MODE[spec.method])
         draft = None
         if spec.speculative:
@@ -401,14 +404,18 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestDelta]:
-        """Run one scheduling step; returns what each affected request produced."""
+        """Run one scheduling step; returns what each affected request produced. A request's
+        last delta has its finish reason and its whole :class:`RequestOutput` (``output``)."""
         self._step_scheduler()
         deltas = []
         for rid, req in list(self._requests.items()):
             tokens, text = req.take_delta()
             if tokens or text or req.finish_reason is not None:
+                # the new tokens are the output's tail, and logprobs run parallel to the output
+                logprobs = None if req.logprobs is None else tuple(req.logprobs[len(req.logprobs) - len(tokens):])
+                output = req.to_output() if req.status is Status.FINISHED else None
                 deltas.append(RequestDelta(rid, tuple(tokens), text, req.finish_reason, req.error,
-                                           tuple(req.take_accept_lengths())))
+                                           tuple(req.take_accept_lengths()), logprobs, output))
             if req.status is Status.FINISHED:
                 del self._requests[rid]
         return deltas
@@ -632,6 +639,16 @@ def _check_config_fits(config: EngineConfig, target, draft) -> None:
         raise InvalidConfig(f"eos_token_ids must be a list of token ids in [0, {target.vocab_size}); "
                             f"got {list(eos) if isinstance(eos, tuple) else eos!r}")
     tree = config.spec.tree()
+    if tree is not None:
+        # The tree block is not windowed (AttentionMetadata.window_lo): a node at depth d reads
+        # ancestors up to d positions back, which must lie inside every window.
+        for name, model in (("target", target), ("draft", getattr(draft, "model", draft))):
+            window = getattr(model, "sliding_window", None)
+            if isinstance(window, int) and tree.num_steps >= window:
+                raise InvalidConfig(
+                    f"SpecConfig.num_steps={tree.num_steps} reaches past the {name}'s sliding window "
+                    f"of {window} tokens: use num_steps < {window}"
+                )
     draft_vocab = getattr(draft, "vocab_size", None)
     if tree is not None and isinstance(draft_vocab, int) and tree.topk > draft_vocab:
         raise InvalidConfig(

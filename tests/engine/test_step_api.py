@@ -142,6 +142,34 @@ def test_generate_among_step_level_requests_and_reused_ids(engine_root):
     assert_all_free(engine)
 
 
+def test_deltas_carry_logprobs_the_final_output_and_phase_times(engine_root):
+    """The deltas' logprobs add up to the output's; the last delta holds the whole output (its
+    statistics included); the scheduler's ``on_phase`` hook sees every phase it runs."""
+    engine = engine_for(arch_bundle(engine_root, "llama"), "eagle3", topk=2, num_steps=2)
+    seen = defaultdict(float)
+    engine.scheduler.on_phase = lambda phase, seconds, reqs: seen.__setitem__(phase, seen[phase] + seconds)
+    p = make_prompts([7], seed=4)[0]
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, seed=3, logprobs=True, ignore_eos=True)
+    want = engine.generate([p], params)[0]
+    seen.clear()
+    engine.add_request("r", p, params)
+    deltas = []
+    while engine.has_unfinished():
+        deltas += engine.step()
+    assert [d.output is None for d in deltas] == [True] * (len(deltas) - 1) + [False]
+    last = deltas[-1].output
+    assert last.token_ids == want.token_ids and last.logprobs == want.logprobs
+    assert last.stats.accept_lengths == want.stats.accept_lengths
+    assert [t for d in deltas for t in d.new_token_ids] == want.token_ids
+    assert [lp for d in deltas for lp in d.logprobs] == want.logprobs
+    assert [n for d in deltas for n in d.accept_lengths] == want.stats.accept_lengths
+    assert {"prefill-extend", "draft", "verify", "draft-extend", "filter"} <= set(seen)
+    assert seen.keys() == last.stats.phase_time_s.keys()  # one request: its phases are the engine's
+    assert all(seen[k] == pytest.approx(last.stats.phase_time_s[k]) for k in seen)
+    engine.add_request("q", p, SamplingParams(max_new_tokens=3))
+    assert all(d.logprobs is None for d in engine.step())  # none asked for
+
+
 def test_the_public_names_are_what_the_engine_hands_out(engine_root):
     """``phasegraph.RequestDelta`` / ``RequestOutput`` (lazy top-level names) are the types of
     what ``step()`` and ``generate()`` return, for users' annotations and isinstance checks."""
