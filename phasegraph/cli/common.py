@@ -75,8 +75,10 @@ def writable_file(path: str, option: str) -> Path:
 
 def add_model_options(p: argparse.ArgumentParser) -> None:
     """The options that choose and load a target and its draft (``generate``, ``serve``)."""
-    p.add_argument("--target", required=True, metavar="DIR", help="target checkpoint directory (Hugging Face format)")
-    p.add_argument("--draft", metavar="DIR", help="draft checkpoint directory (default: none, the target alone)")
+    p.add_argument("--target", metavar="DIR", help="target checkpoint directory, Hugging Face format (default: "
+                   "the embedded demo pair's target)")
+    p.add_argument("--draft", metavar="DIR", help="draft checkpoint directory (default: the embedded pair's "
+                   "EAGLE-3 head when --target is not given and --method is not none; else none)")
     p.add_argument(
         "--method", metavar="METHOD",
         help="none | eagle | eagle3 | mtp | standalone (default: the kind of draft --draft holds, else none)",
@@ -118,6 +120,12 @@ def model_spec(args: argparse.Namespace):
 
     for option, path in (("--target", args.target), ("--draft", args.draft)):
         require_name(option, path, "directory")
+    if args.target is None:  # the embedded pair, whole unless the target alone is asked for
+        from phasegraph.demo import demo_pair_dir
+
+        args.target = str(demo_pair_dir() / "target")
+        if args.draft is None and args.method != "none":
+            args.draft = str(demo_pair_dir() / "eagle3")
     if args.threads is not None:
         require_at_least("--threads", args.threads, 1)
     method = draft_method(args)

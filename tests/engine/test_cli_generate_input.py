@@ -32,7 +32,7 @@ def _generate_parser():
 
 
 def test_every_generate_option_has_help_and_says_its_default(capsys):
-    no_default = {"help", "target", "prompt", "prompt_file", "prompt_ids"}  # required, or the prompt itself
+    no_default = {"help", "prompt", "prompt_file", "prompt_ids"}  # required, or the prompt itself
     for action in _generate_parser()._actions:
         assert action.help, f"{action.option_strings} has no help"
         if action.dest not in no_default:
@@ -131,6 +131,22 @@ def test_a_draft_directory_selects_its_method(engine_root, capsys):
     out, err = capsys.readouterr()
     assert out.split() == [str(t) for t in bundle.reference[1]]
     assert err.splitlines()[-1].startswith("[mtp] mean acceptance length: ")  # after transformers' loading bar
+
+
+def test_without_target_the_embedded_pair_runs_speculatively_or_its_target_alone(capsys):
+    from phasegraph.demo import demo_pair_dir
+
+    pair = demo_pair_dir()
+    argv = ["generate", "--prompt", PROMPT, "--max-new-tokens", "16", "--device", "cpu", "--no-progress"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    want = Engine.from_pretrained(pair / "target", device="cpu").generate(PROMPT, SamplingParams(max_new_tokens=16))[0]
+    assert out == want.text + "\n"  # speculation is lossless
+    assert err.splitlines()[-1].startswith("[eagle3] mean acceptance length: ")
+    assert main([*argv, "--method", "none"]) == 0
+    out, err = capsys.readouterr()
+    assert out == want.text + "\n"
+    assert err.splitlines()[-1].startswith("[none] mean acceptance length: n/a")
 
 
 def test_a_draft_directory_of_no_known_kind_asks_for_method(engine_root, tmp_path, capsys):
