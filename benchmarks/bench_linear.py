@@ -2,6 +2,7 @@
 
     python benchmarks/bench_linear.py [--out DIR] [--quick] [--ms 1,4,16]
     python benchmarks/bench_linear.py --dtype float32 --shape-set pair --ms 4,16 --no-pdl
+    python benchmarks/bench_linear.py --ms 1,4,16 --write-table   # into this GPU's table file
 
 Shapes: the four weight products of a Llama-3-8B-shaped layer (bf16): qkv 6144x4096,
 o 4096x4096, gate_up 28672x4096, down 4096x14336, at M = 1, 4, 16 token rows. ``--shape-set
@@ -9,7 +10,7 @@ o 4096x4096, gate_up 28672x4096, down 4096x14336, at M = 1, 4, 16 token rows. ``
 pair``: those of the bench-pair target (hidden 768, 4 kv heads, MLP 2560, vocabulary 8192) and
 of its EAGLE-3 head (fc 768x2304, qkv 1280x1536), which run in float32 in `phasegraph bench`
 part 1 (``--dtype float32``: the multiply-sum tiles, the three-pass TF32 ``tl.dot`` tiles and
-their split-K forms against cuBLAS; linear.py's ``FP32_CONFIGS`` comes from these sweeps).
+their split-K forms against cuBLAS; the float32 rules of the tables come from these sweeps).
 
 Timing: every op runs inside a captured CUDA graph, ``ROUNDS`` rounds over ``COPIES`` weight
 copies (so L2, 50-60 MB, never serves the weights), and the replay time over the launches is
@@ -27,27 +28,36 @@ Parts:
   current sequence against the fused one.
 
 The short table is printed last; ``--out`` writes everything as JSON (bench_linear.json).
+``--write-table`` writes the rules the sweep implies (per shape and M the fastest config, where
+it beats cuBLAS) into this GPU's file in ``phasegraph/kernels/configs/`` (a new file starts from
+``generic.json``), for the run's dtype and shapes only; every other rule stays where it is.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import json
 import multiprocessing
 import os
 import sys
+import tempfile
 import time
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
 
 from phasegraph.kernels import linear as lin  # noqa: E402
+from phasegraph.kernels import tile_tables  # noqa: E402
 from phasegraph.kernels.activation import silu_mul_triton  # noqa: E402
 from phasegraph.kernels.rms_norm import add_rms_norm_triton  # noqa: E402
 
 DEVICE = torch.device("cuda")
+CONFIG_DIR = os.path.join(REPO, "phasegraph", "kernels", "configs")  # the checkout's table files
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 # read at import so that the spawned compile workers use it too (main() sets it from --dtype)
 DTYPE = DTYPES[os.environ.get("BENCH_LINEAR_DTYPE", "bfloat16")]
@@ -304,9 +314,9 @@ def cfg_of(row) -> lin.SkinnyConfig:
 FUSED_KINDS = {"qkv": "norm", "gate_up": "norm", "down": "silu"}
 
 
-def tuned_table(result) -> tuple:
-    """Rules for linear.CONFIGS from this run: per shape and M bucket the fastest config, Triton
-    where it beats cuBLAS (plain) or the two-kernel sequence (fused)."""
+def tuned_rules(result) -> tuple:
+    """This run's rules: per swept shape and M the fastest config, Triton where it beats cuBLAS
+    (plain) or the two-kernel sequence (fused); each takes its shape's rows up to that M."""
     fused = {(e["shape"], e["m"]): e for e in result["fused"]}
     rules = []
     for e in sorted(result["sweep"], key=lambda e: (e["n"], e["k"], e["m"])):
@@ -321,20 +331,83 @@ def tuned_table(result) -> tuple:
             fused_ok = f["best"]["us"] < unfused  # against the faster two-kernel sequence
             if fused_ok and f["best"]["us"] < f["fused"][0].get("us", float("inf")) * 0.98:
                 cfg = cfg_of(f["best"])  # the prologue moved the optimum
-        if cfg.split_k > 1 and FUSED_KINDS.get(e["shape"]) != "silu":
-            fused_ok = False  # a split-K rule runs the norm kernel, then the product
-        rules.append(lin._Rule(e["m"], (e["n"], e["n"]), (e["k"], e["k"]), cfg, plain, fused_ok))
-    return tuple(rules) + tuple(r for r in table_of_dtype() if r.n_range == lin._ANY)
+        if cfg.split_k > 1:  # `fused` covers both prologues, and the norm takes no split-K: the
+            fused_ok = False  # norm / silu kernel runs, then the split product
+        rules.append(tile_tables.SkinnyRule(e["m"], (e["n"], e["n"]), (e["k"], e["k"]), cfg, plain,
+                                            fused_ok))
+    return tuple(rules)
+
+
+def merge_rules(table: tuple, new: tuple) -> tuple:
+    """``table`` with the rules of ``new`` (each for one shape, rows up to its m_max) in place:
+    a rule of the same shape and m_max is replaced where it stands; else the new rule goes just
+    before the rule that takes its m_max rows today, so it also takes the rows below that shared
+    that rule, and no others (first match wins). A rule that would pick what the table picks
+    already is left out."""
+    table = list(table)
+    for rule in new:
+        n, k = rule.n_range[0], rule.k_range[0]
+        key = (rule.m_max, rule.n_range, rule.k_range)
+        same = next((i for i, r in enumerate(table) if (r.m_max, r.n_range, r.k_range) == key), None)
+        if same is not None:
+            table[same] = rule
+            continue
+        now = tile_tables.match_skinny(table, rule.m_max, n, k)
+        if now is not None and now[3:] == rule[3:]:  # the same config, plain and fused
+            continue
+        table.insert(len(table) if now is None else table.index(now), rule)
+    return tuple(table)
+
+
+def tuned_table(result) -> tuple:
+    """This GPU's table for the run's dtype with this run's rules merged in (what
+    ``--write-table`` writes)."""
+    return merge_rules(table_of_dtype(), tuned_rules(result))
+
+
+def write_table(result, path: str, command: str, dtype: torch.dtype | None = None):
+    """Write this run's rules into the table file at ``path`` (a new file starts from
+    generic.json): the table of ``dtype`` (the run's) gets them, and its source names the
+    command; every other rule and table stays as it is. Returns the tables written."""
+    dtype = dtype or DTYPE
+    seed = path if os.path.exists(path) else os.path.join(CONFIG_DIR, tile_tables.GENERIC)
+    tables = tile_tables.read_tables(seed)
+    field = "skinny_float32" if dtype == torch.float32 else "skinny_half"
+    note = f"{command} on an {result['device']}"
+    source = tables.sources[field]
+    if note not in source:
+        source = f"{source}; the rules of the shapes swept by {note}"
+    merged = merge_rules(getattr(tables, field), tuned_rules(result))
+    tables = dataclasses.replace(tables, **{field: merged}, sources={**tables.sources, field: source})
+    tile_tables.write_tables(path, tables)
+    return tables
 
 
 def table_of_dtype() -> tuple:
-    """linear.py's table for this run's dtype and GPU (CONFIGS, H200_CONFIGS on an H200, or
-    FP32_CONFIGS for float32)."""
-    return getattr(lin, lin.gpu_table_name(DTYPE))
+    """The skinny product's rules for this run's dtype on this GPU (its file in
+    phasegraph/kernels/configs/, else generic.json)."""
+    return tile_tables.tables_for().skinny(DTYPE)
 
 
-def set_table(rules: tuple) -> None:
-    setattr(lin, lin.gpu_table_name(DTYPE), rules)
+@contextlib.contextmanager
+def table_in_use(rules: tuple):
+    """Inside the block the library reads ``rules`` for this run's dtype: a temporary file with
+    the GPU's other tables, named by PHASEGRAPH_TILE_TABLE."""
+    tables = tile_tables.tables_for()
+    field = "skinny_float32" if DTYPE == torch.float32 else "skinny_half"
+    before = os.environ.get(tile_tables.ENV_VAR)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "table.json")
+        tile_tables.write_tables(path, dataclasses.replace(tables, **{field: tuple(rules)}))
+        os.environ[tile_tables.ENV_VAR] = path
+        try:
+            yield
+        finally:
+            if before is None:
+                os.environ.pop(tile_tables.ENV_VAR)
+            else:
+                os.environ[tile_tables.ENV_VAR] = before
+            tile_tables.clear_cache()
 
 
 def layer_step(cases, m, h, attn_out):
@@ -370,7 +443,12 @@ def main() -> None:
     parser.add_argument("--shape-set", choices=sorted(SHAPE_SETS), default="8b")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16")
     parser.add_argument("--no-pdl", action="store_true", help="skip the PDL measurements")
+    parser.add_argument("--write-table", nargs="?", const="", metavar="PATH",
+                        help="write this run's rules for its dtype and shapes into this GPU's "
+                             "table file in phasegraph/kernels/configs/ (or PATH), other rules kept")
     args = parser.parse_args()
+    if args.quick and args.write_table is not None:
+        parser.error("--write-table needs the sweep (not --quick)")
     global DTYPE, COPIES
     DTYPE = DTYPES[args.dtype]
     if args.shape_set == "pair":
@@ -481,7 +559,13 @@ def main() -> None:
     # sequence, the fused one with linear.py's table, and with the table tuned by this run
     tuned = tuned_table(result) if not args.quick else table_of_dtype()
     result["tuned_table"] = [r._asdict() for r in tuned]
-    table = table_of_dtype()
+    if args.write_table is not None:
+        path = args.write_table or os.path.join(CONFIG_DIR, tile_tables.file_name(name))
+        command = (f"benchmarks/bench_linear.py --dtype {args.dtype} --shape-set {args.shape_set} "
+                   f"--ms {args.ms}" + (f" --shapes {args.shapes}" if args.shapes else ""))
+        write_table(result, path, command)
+        result["table_file"] = path
+        print(f"wrote {path}", flush=True)
     layers = [m for m in ms if all((s, m) in cases for s in SHAPES)]
     for m in layers:
         h = torch.randn(m, cases["qkv", m].k, generator=gen).to(DTYPE).to(DEVICE)
@@ -490,11 +574,8 @@ def main() -> None:
         row = {"m": m, "bytes": layer_bytes, "old_us": time_graph(old) * 1e6,
                "table_us": time_graph(new) * 1e6}
         if not args.quick:
-            set_table(tuned)
-            try:
+            with table_in_use(tuned):
                 row["tuned_us"] = time_graph(new) * 1e6
-            finally:
-                set_table(table)
         result["layer"].append(row)
         print(f"layer M={m:2d}: {row}", flush=True)
     save()
@@ -515,13 +596,11 @@ def main() -> None:
             h = torch.randn(m, cases["qkv", m].k, generator=gen).to(DTYPE).to(DEVICE)
             attn_out = torch.randn(m, cases["o", m].k, generator=gen).to(DTYPE).to(DEVICE)
             _, new, _ = layer_step(cases, m, h, attn_out)
-            set_table(with_pdl(tuned))
             try:
-                row["tuned_pdl_us"] = time_graph(new) * 1e6
+                with table_in_use(with_pdl(tuned)):
+                    row["tuned_pdl_us"] = time_graph(new) * 1e6
             except Exception as exc:  # noqa: BLE001
                 row["tuned_pdl_error"] = repr(exc)[:300]
-            finally:
-                set_table(table)
         save()
 
     def pct(nbytes, us):

@@ -1,8 +1,8 @@
 """phasegraph: EAGLE-style speculative decoding as an explicit, typed state graph of phases.
 
-The public API (``Engine``, ``EngineConfig``, ``SpecConfig``, ``SamplingParams``, ``RequestOutput``,
-``RequestDelta``, ``RequestFailed``, ``NonFiniteDraftWarning``) is imported lazily, so that
-``import phasegraph`` (and the pytest plugin) does not pull in torch.
+The public API (``Engine``, ``AsyncEngine``, ``EngineConfig``, ``SpecConfig``, ``SamplingParams``,
+``RequestOutput``, ``RequestDelta``, ``RequestFailed``, ``NonFiniteDraftWarning``) is imported
+lazily, so that ``import phasegraph`` (and the pytest plugin) does not pull in torch.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ __version__ = "0.1.0"
 
 _LAZY = {
     "Engine": "phasegraph.runtime.engine",
+    "AsyncEngine": "phasegraph.serving.async_engine",  # an Engine for asyncio: stream, cancel, bounded queue
     "SpecConfig": "phasegraph.runtime.config",
     "EngineConfig": "phasegraph.runtime.config",  # every Engine option, checked when made
     "SamplingParams": "phasegraph.runtime.config",

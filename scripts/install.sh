@@ -1,13 +1,18 @@
 #!/usr/bin/env bash
 # Install phasegraph into ./.venv (created if missing).
 #   scripts/install.sh        the package (runs `phasegraph demo`, `phasegraph graph`, ...)
-#   scripts/install.sh test   the package plus the test tools
+#   scripts/install.sh serve  the package plus the HTTP server of `phasegraph serve`
+#   scripts/install.sh test   the package plus the test tools (and the server's packages)
 # torch: where no NVIDIA GPU answers, the CPU build of torch 2.13.0: a wheel already on disk where
 # pip's find-links hold one (our machines: seconds), else from PyTorch's CPU index (PyPI's Linux
 # wheel is the multi-GB CUDA build); with a GPU, the default CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 extra="${1:-}"
+case "$extra" in
+    ""|test|serve) ;;
+    *) echo "usage: scripts/install.sh [test|serve]" >&2; exit 2 ;;
+esac
 py="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$py" -m venv .venv
 . .venv/bin/activate
@@ -20,6 +25,6 @@ else
         || python -m pip install -q --no-deps "$torch_spec" --index-url https://download.pytorch.org/whl/cpu
 fi
 target="."
-[ "$extra" = "test" ] && target=".[test]"
+[ -n "$extra" ] && target=".[$extra]"
 python -m pip install -q "$torch_spec" -e "$target"
 echo "phasegraph installed in $(pwd)/.venv ($(python -c 'import torch; print("torch", torch.__version__)'))"

@@ -1,5 +1,6 @@
-"""The ``phasegraph`` command: ``graph``, ``demo``, ``generate`` and ``bench``, one module each
-in this package (``python -m phasegraph.train``'s command is :mod:`phasegraph.cli.train`).
+"""The ``phasegraph`` command: ``graph``, ``demo``, ``generate``, ``serve``, ``bench`` and
+``import-gguf``, one module each in this package (``python -m phasegraph.train``'s command is
+:mod:`phasegraph.cli.train`).
 
 Every failure a user can cause ends with a one-line ``phasegraph: error: ...`` on stderr and
 exit status 2, never a traceback. This package is the only place that prints, parses
@@ -13,12 +14,12 @@ import sys
 from collections.abc import Sequence
 
 from phasegraph.bench.common import BenchError
-from phasegraph.cli import bench, demo, generate, graph
+from phasegraph.cli import bench, demo, generate, graph, import_gguf, serve
 from phasegraph.cli.common import CliError, Parser
 from phasegraph.runtime.errors import PhasegraphRuntimeError
 from phasegraph.statemachine import PhaseGraphError
 
-COMMANDS = (graph, demo, generate, bench)  # in the order `phasegraph --help` lists them
+COMMANDS = (graph, demo, generate, serve, bench, import_gguf)  # in the order `phasegraph --help` lists them
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,8 +9,6 @@ import os
 import signal
 import sys
 
-from tqdm.auto import tqdm
-
 from phasegraph.bench.common import (
     SCALE_CONFIGS,
     BenchRun,
@@ -23,9 +21,6 @@ from phasegraph.bench.common import (
     training_preset,
     untrainable_pair_dir,
 )
-from phasegraph.bench.pair import measure_trained_pair
-from phasegraph.bench.report import write_outputs
-from phasegraph.bench.scale import measure_scale
 from phasegraph.cli.common import CliError, require_at_least, require_name
 
 # Training budget of the full run: a cap, not a target. The bench-pair preset trains in ~180 s
@@ -66,6 +61,8 @@ WARM_WORKER = (sys.executable, "-m", "phasegraph.cli.bench_warmup")
 
 def _say(text: str) -> None:
     """A line of the run's progress (above any progress bar) or its closing table, on stdout."""
+    from tqdm.auto import tqdm  # here: every command imports this module, and tqdm takes ~0.1 s
+
     tqdm.write(text)
     sys.stdout.flush()
 
@@ -199,6 +196,11 @@ def _resolve_args(args: argparse.Namespace) -> argparse.Namespace:
 def run_bench(args: argparse.Namespace) -> int:
     """The subcommand: estimate, run the parts asked for, write the outputs; the exit status."""
     import torch
+
+    # here, not at the top: every command imports this module (phasegraph graph prints at once)
+    from phasegraph.bench.pair import measure_trained_pair
+    from phasegraph.bench.report import write_outputs
+    from phasegraph.bench.scale import measure_scale
 
     args = _resolve_args(args)
     if 1 in args.parts_list:  # before anything runs or --out is made, --dry-run included

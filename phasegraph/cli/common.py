@@ -1,5 +1,6 @@
 """What every command shares: the user-facing error, the argument parser that reports usage
-errors in one line, and the checks of file and number options made before any work."""
+errors in one line, the checks of file and number options made before any work, and the options
+that load a model pair (``generate`` and ``serve``)."""
 
 from __future__ import annotations
 
@@ -70,3 +71,86 @@ def writable_file(path: str, option: str) -> Path:
     if not existed:
         file.unlink(missing_ok=True)
     return file
+
+
+def add_model_options(p: argparse.ArgumentParser) -> None:
+    """The options that choose and load a target and its draft (``generate``, ``serve``)."""
+    p.add_argument("--target", metavar="DIR", help="target checkpoint directory, Hugging Face format (default: "
+                   "the embedded demo pair's target)")
+    p.add_argument("--draft", metavar="DIR", help="draft checkpoint directory (default: the embedded pair's "
+                   "EAGLE-3 head when --target is not given and --method is not none; else none)")
+    p.add_argument(
+        "--method", metavar="METHOD",
+        help="none | eagle | eagle3 | mtp | standalone (default: the kind of draft --draft holds, else none)",
+    )
+    # the draft's options default to None, so that one given beside --method none is refused
+    p.add_argument("--topk", type=int, metavar="K", help="draft tree branching (default: 1, a chain)")
+    p.add_argument("--num-steps", type=int, metavar="S", help="draft tree depth (default: 3)")
+    p.add_argument("--num-draft-tokens", type=int, metavar="N",
+                   help="tree nodes verified, root included (default: S+1 for a chain, else min(K*S, 16)+1)")
+    p.add_argument("--page-size", type=int, default=1, metavar="P", help="KV cache tokens per page (default: %(default)s)")
+    p.add_argument("--kv-pool-tokens", type=int, metavar="N",
+                   help="KV pool size in tokens (default: half the free GPU memory; 32768 on a CPU)")
+    p.add_argument("--device", default="auto", help="cpu | cuda | auto (default: %(default)s, a GPU when one answers)")
+    p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--draft-dtype", help="the draft's precision (default: --dtype); it moves the "
+                   "acceptance length, never the output")
+    p.add_argument("--threads", type=int, metavar="N",
+                   help="torch's CPU threads (default: the engine's, 1, the fastest on a busy machine); "
+                        "ignored on a GPU")
+
+
+def draft_method(args: argparse.Namespace) -> str:
+    """``--method``, else the kind of draft ``--draft`` holds, else none."""
+    if args.method or not args.draft:
+        return args.method or "none"
+    from phasegraph.runtime.models.drafts import draft_kind
+
+    kind = draft_kind(args.draft)
+    if kind is None:
+        raise CliError(f"cannot tell which kind of draft --draft {args.draft} holds (its config and tensor "
+                       "names fit none of eagle, eagle3, mtp, standalone): pass --method")
+    return kind
+
+
+def model_spec(args: argparse.Namespace):
+    """The SpecConfig the model options ask for, checked before anything loads: a
+    :class:`CliError` for a draft option that the method would ignore or a draft it lacks."""
+    from phasegraph.runtime.config import SpecConfig
+
+    for option, path in (("--target", args.target), ("--draft", args.draft)):
+        require_name(option, path, "directory")
+    if args.target is None:  # the embedded pair, whole unless the target alone is asked for
+        from phasegraph.demo import demo_pair_dir
+
+        args.target = str(demo_pair_dir() / "target")
+        if args.draft is None and args.method != "none":
+            args.draft = str(demo_pair_dir() / "eagle3")
+    if args.threads is not None:
+        require_at_least("--threads", args.threads, 1)
+    method = draft_method(args)
+    draft_options = {"--draft": args.draft, "--draft-dtype": args.draft_dtype, "--topk": args.topk,
+                     "--num-steps": args.num_steps, "--num-draft-tokens": args.num_draft_tokens}
+    if method == "none" and (given := [o for o, v in draft_options.items() if v is not None]):
+        # the baseline has no draft: these would be silently ignored
+        raise CliError(f"{', '.join(given)} {'was' if len(given) == 1 else 'were'} given with --method none: "
+                       f"pass a speculative --method or drop {', '.join(given)}")
+    tree = {k: v for k, v in (("topk", args.topk), ("num_steps", args.num_steps),
+                              ("num_draft_tokens", args.num_draft_tokens)) if v is not None}
+    spec = SpecConfig(method="none") if method == "none" else SpecConfig(method=method, **tree)
+    if spec.speculative and not args.draft:
+        raise CliError(f"--method {method} needs --draft DIR")
+    return spec
+
+
+def load_engine(args: argparse.Namespace, spec, **options):
+    """The Engine the model options describe, with ``spec`` (from :func:`model_spec`) and any
+    further EngineConfig ``options``."""
+    from phasegraph.runtime.engine import Engine
+
+    if args.threads is not None:
+        options["num_threads"] = args.threads
+    return Engine.from_pretrained(
+        args.target, args.draft, spec=spec, device=args.device, dtype=args.dtype,
+        draft_dtype=args.draft_dtype, page_size=args.page_size, kv_pool_tokens=args.kv_pool_tokens, **options,
+    )

@@ -1,14 +1,15 @@
 """``phasegraph demo``: speculative decoding on the embedded model pair, with nothing to download.
 
 The pair and its held-out prompts are :mod:`phasegraph.demo`'s. The demo completes held-out
-standard-library code, then prints the completions, the mean acceptance length τ of chain and
-tree drafting, tokens/s against the same engine without speculation, and a summary of the phase
-flow.
+standard-library code, then prints completions (each prompt exactly as given, a marker line,
+then what the model added), the mean acceptance length τ of chain and tree drafting, tokens/s
+against the same engine without speculation, and a summary of the phase flow.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -89,9 +90,8 @@ def run_demo(args: argparse.Namespace) -> int:
     tree = _run("EAGLE-3 tree (K=4, S=4, N=16)", DEMO_TREE, prompts, params, device, trace=True)
 
     for i, out in enumerate(tree["outs"][: args.show]):
-        print(f"\n--- completion {i + 1} ---")
-        print(prompts[i].rstrip()[-300:], end="")
-        print("\033[32m" + out.text + "\033[0m" if args.color else out.text)
+        print()
+        show_completion(i + 1, prompts[i], out.text, args.color)
     same = all(a.token_ids == b.token_ids for r in (chain, tree) for a, b in zip(base["outs"], r["outs"], strict=True))
     print("\n=== speed ===")
     print(f"{'configuration':<32}{'tokens/s':>10}{'tau':>8}{'speedup':>9}")
@@ -123,6 +123,17 @@ def run_demo(args: argparse.Namespace) -> int:
         graph_file.write_bytes(render_bytes(EAGLE_GRAPH, graph_fmt, trace))
         print(f"\nwrote the phase graph with this run's trace to {graph_file} ({graph_fmt})")
     return 0 if same else 1
+
+
+def show_completion(number: int, prompt: str, completion: str, color: bool = False) -> None:
+    """The prompt exactly as the model read it, its final newline kept, then a marker line, then
+    the completion: the boundary stays visible (the completion alone is coloured with ``color``)."""
+    sys.stdout.write(f"--- prompt {number} ---\n{prompt}")
+    if prompt.endswith("\n"):
+        print(f"--- completion {number} ---")
+    else:  # the marker needs a line of its own; say that the completion goes on the same line
+        print(f"\n--- completion {number} (continues the prompt's last line) ---")
+    print("\033[32m" + completion + "\033[0m" if color else completion)
 
 
 def _graph_output(path: str) -> tuple[Path, str]:

@@ -1,132 +1,193 @@
-"""``phasegraph generate``: one completion from the command line.
+"""``phasegraph generate``: completions from the command line.
 
 ::
 
-    phasegraph generate --target DIR [--draft DIR --method eagle3] --prompt "def fib(n):"
+    phasegraph generate --target DIR [--draft DIR [--method M]] --prompt "def fib(n):"
+        [--prompt TEXT ... | --prompt-file FILE ... | --prompt - (stdin) | --prompt-ids IDS ...]
         [--max-new-tokens N] [--topk K --num-steps S --num-draft-tokens N] [--page-size P]
-        [--temperature T --top-p P --top-k K --seed S] [--stop STR ...] [--trace FILE]
+        [--temperature T --top-p P --top-k K --seed S] [--stop STR ...] [--threads N] [--trace FILE]
 
-Prints the completion on stdout; a progress bar (for long generations) and the statistics
-(mean acceptance length, tokens, time) on stderr. ``--trace FILE`` saves the run's phase trace
-as Chrome-trace JSON, which ``phasegraph graph --trace FILE`` overlays on the drawn graph.
-Every error the runtime raises on purpose ends as one ``phasegraph: error: ...`` line and exit
-status 2 (:func:`phasegraph.cli.main`).
+Prints the completion on stdout (several prompts: each completion under a ``--- completion i of
+n ---`` line, in the prompts' order); a progress bar (for long generations) and the statistics
+(mean acceptance length, tokens, time) on stderr. Without ``--method``, a ``--draft`` directory
+selects the kind of draft it holds. ``--trace FILE`` saves the run's phase trace as Chrome-trace
+JSON, which ``phasegraph graph --trace FILE`` overlays on the drawn graph.
+
+Ctrl-C stops the run between two engine steps: what was generated so far is printed, the
+summary says ``interrupted after N tokens`` and the exit status is 130 (a second Ctrl-C quits at
+once). Every error the runtime raises on purpose ends as one ``phasegraph: error: ...`` line and
+exit status 2 (:func:`phasegraph.cli.main`), naming the command's flags, not the library's
+parameters.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import signal
 import sys
+import threading
 import time
 import warnings
+from pathlib import Path
 
-from phasegraph.cli.common import CliError, require_name, writable_file
+from phasegraph.cli.common import (
+    CliError,
+    add_model_options,
+    load_engine,
+    model_spec,
+    require_name,
+    writable_file,
+)
 
 PROGRESS_MIN_TOKENS = 32  # show a progress bar from this many new tokens on
+INTERRUPTED = 130  # the exit status of a run stopped by Ctrl-C (128 + SIGINT), as the shell's
+
+# The library's messages name its parameters; this command's user knows only its flags.
+FLAG_OF_PARAMETER = {
+    "method": "--method", "num_steps": "--num-steps", "topk": "--topk", "num_draft_tokens": "--num-draft-tokens",
+    "max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
+    "seed": "--seed", "stop": "--stop", "page_size": "--page-size", "kv_pool_tokens": "--kv-pool-tokens",
+    "num_threads": "--threads", "dtype": "--dtype", "draft_dtype": "--draft-dtype",
+}
+# renamed anywhere: names no prose uses ("SpecConfig.topk", "max_new_tokens", "topk=4")
+_PARAMETER = re.compile(
+    r"\bSpecConfig\.(\w+)|(?<![\w-])(" + "|".join(n for n in FLAG_OF_PARAMETER if "_" in n or n == "topk") + r")\b"
+)
+# renamed only where a message starts with them ("temperature must be >= 0"): they are words too
+_LEADING_WORD = re.compile(r"^(method|temperature|seed|stop|dtype)(?= must\b)")
+
+
+def flag_names(message: str) -> str:
+    """``message`` with the library's parameter names turned into this command's flags."""
+    message = message.removeprefix("SpecConfig: ")
+    message = re.sub(r" (?:\(or None: [^)]*\)|or None)(?=;)", "", message)  # a flag cannot be None
+    message = _PARAMETER.sub(lambda m: FLAG_OF_PARAMETER.get(m[1] or m[2], m[0]), message)
+    return _LEADING_WORD.sub(lambda m: FLAG_OF_PARAMETER[m[1]], message)
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser(
         "generate",
-        help="generate a completion with a target model (and a draft for speculative decoding)",
-        description="Generate one completion; speculative when a draft is given.",
+        help="generate completions with a target model (and a draft for speculative decoding)",
+        description="Generate a completion of each prompt; speculative when a draft is given. "
+                    "Ctrl-C stops the run and prints what was generated so far (exit status 130).",
     )
-    p.add_argument("--target", required=True, metavar="DIR", help="target checkpoint directory")
-    p.add_argument("--draft", metavar="DIR", help="draft checkpoint directory")
-    p.add_argument(
-        "--method", metavar="METHOD",
-        help="none | eagle | eagle3 | mtp | standalone (default: eagle3 with --draft, else none)",
-    )
+    add_model_options(p)
     prompt = p.add_mutually_exclusive_group(required=True)
-    prompt.add_argument("--prompt", help="prompt text (needs the target's tokenizer)")
-    prompt.add_argument("--prompt-ids", metavar="IDS", help="prompt token ids, e.g. '1,2,3'")
-    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N")
-    # the draft's options default to None, so that one given beside --method none is refused
-    p.add_argument("--topk", type=int, metavar="K", help="draft tree branching (default 1 = chain)")
-    p.add_argument("--num-steps", type=int, metavar="S", help="draft tree depth (default 3)")
-    p.add_argument("--num-draft-tokens", type=int, metavar="N", help="tree nodes verified, root included")
-    p.add_argument("--page-size", type=int, default=1, metavar="P")
-    p.add_argument("--kv-pool-tokens", type=int, metavar="N", help="KV pool size in tokens")
-    p.add_argument("--temperature", type=float, default=0.0, metavar="T", help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0, metavar="P")
-    p.add_argument("--top-k", type=int, default=0, metavar="K")
-    p.add_argument("--seed", type=int, metavar="S")
-    p.add_argument("--stop", action="append", default=[], metavar="STR", help="stop string (repeatable)")
-    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token")
-    p.add_argument("--device", default="auto", help="cpu | cuda | auto (default)")
-    p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: bfloat16 on GPU, float32 on CPU)")
-    p.add_argument("--draft-dtype", help="the draft's precision (default: --dtype); it moves the "
-                   "acceptance length, never the output")
-    p.add_argument("--trace", metavar="FILE", help="save the phase trace (Chrome-trace JSON) to FILE")
-    p.add_argument("--no-progress", action="store_true", help="never show a progress bar")
+    prompt.add_argument("--prompt", action="append", metavar="TEXT",
+                        help="prompt text, '-' to read it from stdin (needs the target's tokenizer); "
+                             "repeat it for a batch")
+    prompt.add_argument("--prompt-file", action="append", metavar="FILE",
+                        help="read the prompt from FILE (UTF-8, taken exactly); repeat it for a batch")
+    prompt.add_argument("--prompt-ids", action="append", metavar="IDS",
+                        help="prompt token ids, e.g. '1,2,3'; repeat it for a batch")
+    p.add_argument("--max-new-tokens", type=int, default=64, metavar="N",
+                   help="new tokens per prompt at most (default: %(default)s)")
+    p.add_argument("--temperature", type=float, default=0.0, metavar="T",
+                   help="sampling temperature (default: %(default)s, greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, metavar="P",
+                   help="sample from the smallest set of tokens holding this probability (default: %(default)s, all)")
+    p.add_argument("--top-k", type=int, default=0, metavar="K",
+                   help="sample from the K likeliest tokens (default: %(default)s, off)")
+    p.add_argument("--seed", type=int, metavar="S",
+                   help="sampling seed, the same tokens in any batch (default: one per request, from the engine's seed)")
+    p.add_argument("--stop", action="append", default=[], metavar="STR",
+                   help="stop when the text holds STR (repeatable; default: none)")
+    p.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token (default: stop)")
+    p.add_argument("--trace", metavar="FILE", help="save the phase trace (Chrome-trace JSON) to FILE (default: none)")
+    p.add_argument("--no-progress", action="store_true", help="never show a progress bar (default: shown "
+                   f"from --max-new-tokens {PROGRESS_MIN_TOKENS} on)")
     p.set_defaults(func=run_generate)
 
 
-def _prompt(args: argparse.Namespace):
-    if args.prompt is not None:
-        return args.prompt
+def _token_ids(text: str) -> list[int]:
     try:
-        ids = [int(t) for t in args.prompt_ids.replace(",", " ").split()]
+        ids = [int(t) for t in text.replace(",", " ").split()]
     except ValueError:
-        raise CliError(f"--prompt-ids must be integers separated by commas or spaces; got {args.prompt_ids!r}") from None
+        raise CliError(f"--prompt-ids must be integers separated by commas or spaces; got {text!r}") from None
     if not ids:
         raise CliError("--prompt-ids is empty")
     return ids
 
 
-def _write_output(engine, out) -> None:
-    if engine.tokenizer is not None:
-        sys.stdout.write(out.text + "\n")
-    else:
-        sys.stdout.write(" ".join(map(str, out.token_ids)) + "\n")
+def _prompt_file(path: str) -> str:
+    require_name("--prompt-file", path, "file")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CliError(f"--prompt-file {path}: no such file") from None
+    except IsADirectoryError:
+        raise CliError(f"--prompt-file {path}: is a directory, not a file") from None
+    except UnicodeDecodeError:
+        raise CliError(f"--prompt-file {path}: is not UTF-8 text") from None
+    except OSError as exc:
+        raise CliError(f"--prompt-file {path}: cannot be read ({exc.strerror or exc})") from None
+    if not text:
+        raise CliError(f"--prompt-file {path} is empty")
+    return text
+
+
+def _stdin_prompt() -> str:
+    text = sys.stdin.read()
+    if not text:
+        raise CliError("--prompt - read an empty prompt from stdin")
+    return text
+
+
+def _prompts(args: argparse.Namespace) -> list[str | list[int]]:
+    """Every prompt, in the order given (one option kind per run: argparse sees to that)."""
+    if args.prompt_ids:
+        return [_token_ids(ids) for ids in args.prompt_ids]
+    if args.prompt_file:
+        return [_prompt_file(path) for path in args.prompt_file]
+    if args.prompt.count("-") > 1:
+        raise CliError("--prompt - reads stdin, which holds one prompt: give it once")
+    return [_stdin_prompt() if text == "-" else text for text in args.prompt]
+
+
+class _CtrlC:
+    """Ctrl-C while the engine generates: the first one asks it to stop between two steps (so the
+    output holds every token generated, and no step is cut in half); a second one raises
+    KeyboardInterrupt at once. Only the main thread may set a signal handler; elsewhere Ctrl-C
+    keeps Python's behaviour."""
+
+    def __init__(self) -> None:
+        self.pressed = False
+        self._installed = False
+        self._previous = None
+
+    def __enter__(self) -> _CtrlC:
+        # a process started with SIGINT ignored (a shell's background job) keeps ignoring it
+        if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is not signal.SIG_IGN:
+            self._previous = signal.signal(signal.SIGINT, self._on_sigint)
+            self._installed = True
+        return self
+
+    def _on_sigint(self, signum, frame) -> None:
+        if self.pressed:
+            raise KeyboardInterrupt
+        self.pressed = True
+
+    def __exit__(self, *exc) -> None:
+        if self._installed:
+            signal.signal(signal.SIGINT, self._previous)
+
+    def asked(self) -> bool:
+        return self.pressed
+
+
+def _write_outputs(engine, outs) -> None:
+    for i, out in enumerate(outs, 1):
+        if len(outs) > 1:
+            sys.stdout.write(f"--- completion {i} of {len(outs)} ---\n")
+        text = out.text if engine.tokenizer is not None else " ".join(map(str, out.token_ids))
+        sys.stdout.write(text + "\n")
     sys.stdout.flush()
 
 
-def run_generate(args: argparse.Namespace) -> int:
-    from phasegraph.runtime.config import SamplingParams, SpecConfig
-    from phasegraph.runtime.engine import Engine
-    from phasegraph.runtime.errors import NonFiniteDraftWarning, RequestFailed
-
-    for option, path, kind in (("--target", args.target, "directory"), ("--draft", args.draft, "directory"),
-                               ("--trace", args.trace, "file")):
-        require_name(option, path, kind)
-    method = args.method or ("eagle3" if args.draft else "none")
-    draft_options = {"--draft": args.draft, "--draft-dtype": args.draft_dtype, "--topk": args.topk,
-                     "--num-steps": args.num_steps, "--num-draft-tokens": args.num_draft_tokens}
-    if method == "none" and (given := [o for o, v in draft_options.items() if v is not None]):
-        # the baseline has no draft: these would be silently ignored
-        raise CliError(f"{', '.join(given)} {'was' if len(given) == 1 else 'were'} given with --method none: "
-                       f"pass a speculative --method or drop {', '.join(given)}")
-    tree = {k: v for k, v in (("topk", args.topk), ("num_steps", args.num_steps),
-                              ("num_draft_tokens", args.num_draft_tokens)) if v is not None}
-    spec = SpecConfig(method="none") if method == "none" else SpecConfig(method=method, **tree)
-    if spec.speculative and not args.draft:
-        raise CliError(f"--method {method} needs --draft DIR")
-    params = SamplingParams(
-        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
-        top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
-    )
-    prompt = _prompt(args)
-    if args.trace:  # fail before the run, not after it
-        writable_file(args.trace, "--trace")
-    engine = Engine.from_pretrained(
-        args.target, args.draft, spec=spec, device=args.device, dtype=args.dtype,
-        draft_dtype=args.draft_dtype, page_size=args.page_size, kv_pool_tokens=args.kv_pool_tokens, trace=bool(args.trace),
-    )
-    if isinstance(prompt, str) and engine.tokenizer is None:
-        raise CliError(f"--target {args.target} has no tokenizer, so --prompt TEXT cannot be encoded: "
-                       "pass the prompt's token ids with --prompt-ids (e.g. --prompt-ids 1,2,3)")
-    progress = not args.no_progress and args.max_new_tokens >= PROGRESS_MIN_TOKENS
-    start = time.perf_counter()
-    try:
-        with warnings.catch_warnings():  # the summary line below says it, in one line
-            warnings.simplefilter("ignore", NonFiniteDraftWarning)
-            out = engine.generate([prompt], params, progress=progress)[0]
-    except RequestFailed as exc:  # show what came before the failure, then the error
-        _write_output(engine, exc.outputs[0])
-        raise CliError(str(exc)) from None
-    seconds = time.perf_counter() - start
-    _write_output(engine, out)
+def _summary(engine, out, method: str, max_new_tokens: int, stopped: bool) -> tuple[str, str]:
+    """(what one request's statistics say, how it ended)."""
     tau = out.stats.mean_accept_length
     accept = (
         f"mean acceptance length: {tau:.2f} over {len(out.stats.accept_lengths)} verify steps"
@@ -135,18 +196,74 @@ def run_generate(args: argparse.Namespace) -> int:
     if out.stats.nonfinite_drafts:
         accept += (f" (in {out.stats.nonfinite_drafts} of them the draft's logits were not finite, "
                    "so verify rejected its drafts: check the draft's weights and dtype)")
-    rate = len(out.token_ids) / seconds if seconds > 0 else float("inf")
-    capped = ""
-    if out.finish_reason == "length" and len(out.token_ids) < args.max_new_tokens:
-        capped = (f" (the model's context of {engine.max_context} tokens holds the "
-                  f"{len(out.prompt_token_ids)}-token prompt and {len(out.token_ids)} new ones, "
-                  f"not the {args.max_new_tokens} asked for)")
-    print(
-        f"[{method}] {accept}; {len(out.token_ids)} tokens in {seconds:.2f} s ({rate:.1f} tok/s), "
-        f"finish reason: {out.finish_reason}{capped}",
-        file=sys.stderr,
+    if stopped and out.finish_reason == "abort":
+        return accept, f"interrupted after {len(out.token_ids)} tokens"
+    ending = f"finish reason: {out.finish_reason}"
+    if out.finish_reason == "length" and len(out.token_ids) < max_new_tokens:
+        ending += (f" (the model's context of {engine.max_context} tokens holds the "
+                   f"{len(out.prompt_token_ids)}-token prompt and {len(out.token_ids)} new ones, "
+                   f"not the {max_new_tokens} asked for)")
+    return accept, ending
+
+
+def _print_summary(engine, outs, method: str, args: argparse.Namespace, seconds: float, stopped: bool) -> None:
+    total = sum(len(o.token_ids) for o in outs)
+    rate = total / seconds if seconds > 0 else float("inf")
+    timing = f"{total} tokens in {seconds:.2f} s ({rate:.1f} tok/s)"
+    if len(outs) == 1:
+        accept, ending = _summary(engine, outs[0], method, args.max_new_tokens, stopped)
+        print(f"[{method}] {accept}; {timing}, {ending}", file=sys.stderr)
+        return
+    for i, out in enumerate(outs, 1):
+        accept, ending = _summary(engine, out, method, args.max_new_tokens, stopped)
+        print(f"completion {i}: {accept}; {len(out.token_ids)} tokens, {ending}", file=sys.stderr)
+    ending = f", interrupted after {total} tokens" if stopped else ""
+    print(f"[{method}] {len(outs)} prompts: {timing}{ending}", file=sys.stderr)
+
+
+def run_generate(args: argparse.Namespace) -> int:
+    from phasegraph.runtime.errors import InvalidConfig, InvalidRequest
+
+    try:
+        return _generate(args)
+    except (InvalidConfig, InvalidRequest) as exc:
+        raise CliError(flag_names(str(exc))) from None
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from phasegraph.runtime.config import SamplingParams
+    from phasegraph.runtime.errors import NonFiniteDraftWarning, RequestFailed
+
+    require_name("--trace", args.trace, "file")
+    spec = model_spec(args)
+    method = spec.method
+    params = SamplingParams(
+        max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+        top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
     )
+    prompts = _prompts(args)
+    if args.trace:  # fail before the run, not after it
+        writable_file(args.trace, "--trace")
+    engine = load_engine(args, spec, trace=bool(args.trace))
+    if engine.tokenizer is None:
+        if any(isinstance(p, str) for p in prompts):
+            raise CliError(f"--target {args.target} has no tokenizer, so --prompt TEXT cannot be encoded: "
+                           "pass the prompt's token ids with --prompt-ids (e.g. --prompt-ids 1,2,3)")
+        if args.stop:
+            raise CliError(f"--stop needs the target's tokenizer to match text, and --target {args.target} has none")
+    progress = not args.no_progress and args.max_new_tokens >= PROGRESS_MIN_TOKENS
+    start = time.perf_counter()
+    try:
+        with warnings.catch_warnings(), _CtrlC() as ctrl_c:  # the summary line says it, in one line
+            warnings.simplefilter("ignore", NonFiniteDraftWarning)
+            outs = engine.generate(prompts, params, progress=progress, should_stop=ctrl_c.asked)
+    except RequestFailed as exc:  # show what came before the failure, then the error
+        _write_outputs(engine, exc.outputs)
+        raise CliError(str(exc)) from None
+    seconds = time.perf_counter() - start
+    _write_outputs(engine, outs)
+    _print_summary(engine, outs, method, args, seconds, ctrl_c.pressed)
     if args.trace:
         path = engine.save_trace(args.trace)
         print(f"wrote the phase trace to {path} (draw it: phasegraph graph --trace {path})", file=sys.stderr)
-    return 0
+    return INTERRUPTED if ctrl_c.pressed else 0

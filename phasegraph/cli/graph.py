@@ -1,5 +1,9 @@
 """``phasegraph graph``: the declared EAGLE phase graph as text, Mermaid, DOT, SVG or PNG,
-optionally overlaid with a saved trace."""
+optionally overlaid with a saved trace.
+
+It draws the graph's torch-free outline (:mod:`phasegraph.phases.outline`, from which the
+checked graph is built too), so it never imports torch: text is printed at once.
+"""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ from phasegraph.statemachine.render import FORMATS
 
 
 def run_graph(args: argparse.Namespace) -> int:
-    from phasegraph.phases import EAGLE_GRAPH
+    from phasegraph.phases.outline import EAGLE_OUTLINE
     from phasegraph.statemachine import Trace
     from phasegraph.statemachine.render import BINARY_FORMATS, render_bytes
 
@@ -22,10 +26,10 @@ def run_graph(args: argparse.Namespace) -> int:
     if args.out:
         writable_file(args.out, "--out")
     trace = Trace.load_chrome(args.trace) if args.trace else None
-    data = render_bytes(EAGLE_GRAPH, fmt, trace)
+    data = render_bytes(EAGLE_OUTLINE, fmt, trace)
     if args.out:
         Path(args.out).write_bytes(data)
-        print(f"wrote {fmt} of phase graph {EAGLE_GRAPH.name!r} to {args.out}")
+        print(f"wrote {fmt} of phase graph {EAGLE_OUTLINE.name!r} to {args.out}")
     elif fmt in BINARY_FORMATS and fmt == "png" and sys.stdout.isatty():
         raise CliError("--format png writes binary data: pass --out FILE")
     else:

@@ -42,6 +42,8 @@ import os
 
 import torch
 
+from phasegraph.kernels.tile_tables import TileTableError, tables_for
+
 try:  # Triton ships with CUDA builds of torch; CPU-only installs may lack it.
     import triton
     import triton.language as tl
@@ -67,7 +69,8 @@ _NO_TRITON = (f"{ENV_VAR}=triton, but triton cannot be imported (unset it, or se
 
 class KernelSettingError(ValueError):
     """A kernel setting (``PHASEGRAPH_KERNELS``, ``PHASEGRAPH_PDL``,
-    ``PHASEGRAPH_EARLY_WEIGHTS``) with an unknown value, or one this machine cannot honour."""
+    ``PHASEGRAPH_EARLY_WEIGHTS``, ``PHASEGRAPH_TILE_TABLE``) with an unknown value, or one this
+    machine cannot honour."""
 
 
 def kernel_mode() -> str:
@@ -178,6 +181,10 @@ def check_kernel_settings(device: torch.device) -> None:
         if device.type == "cuda":
             index = device.index if device.index is not None else torch.cuda.current_device()
         _pdl_options(os.environ.get(PDL_ENV_VAR, "auto"), _INTERPRETED, index)
+        try:  # the launch tables the products will read
+            tables_for(device)
+        except TileTableError as exc:
+            raise KernelSettingError(str(exc)) from None
 
 
 def next_pow2(n: int) -> int:

@@ -52,6 +52,11 @@ class AttentionMetadata:
     # KV write + attention may run as one kernel that writes, in every program, the tree-block
     # keys it reads (kernels/rope_attention.py); tests/engine/test_one_query_per_row.py checks it.
     tree_block_writes: bool = False
+    # Sliding-window attention (Mistral, Qwen2): query t reads prefix positions from
+    # window_lo[t] on, i.e. the window's tokens ending at its own position (window_of builds
+    # it from the query positions). The tree block is not windowed: the engine keeps every
+    # draft path shorter than the window, so a node's ancestors always lie inside it.
+    window_lo: torch.Tensor | None = None  # [T] int64, or None: the whole prefix
 
     def __attrs_post_init__(self) -> None:
         # The one-launch kernel reads no tree block and takes each token's own key at kv_len - 1:
@@ -60,6 +65,17 @@ class AttentionMetadata:
             raise ValueError("AttentionMetadata: one_query_per_row promises that each token reads its row's "
                              f"prefix only, but extra_mask holds a tree block of {self.extra_mask.shape[1]} "
                              "nodes; drop the promise or the block")
+
+
+def window_of(meta: AttentionMetadata, positions: torch.Tensor, window: int) -> AttentionMetadata:
+    """``meta`` for a sliding-window layer: the query at position ``p`` reads the prefix
+    positions ``> p - window`` (transformers' ``sliding_window_overlay``: ``window`` tokens, its
+    own included). Positions are logical positions of the row: the target's KV row ``p`` and a
+    standalone draft's hold the token at position ``p``. Computed on the device from the
+    positions, so a CUDA graph captures it."""
+    if window < 1:
+        raise ValueError(f"sliding window must be >= 1, got {window}")
+    return attrs.evolve(meta, window_lo=positions.to(torch.int64) - (window - 1))
 
 
 # Upper bound on gathered key elements per chunk of queries (keeps the reference's memory bounded
@@ -83,13 +99,16 @@ def write_kv_reference(
 def attention_allowed_mask(meta: AttentionMetadata, length: int) -> torch.Tensor:
     """``[T, length]`` bool: which logical positions of its row each query attends.
 
-    Position ``l`` is allowed when ``l < kv_len[t]`` (the prefix) or when
+    Position ``l`` is allowed when ``window_lo[t] <= l < kv_len[t]`` (the prefix, the whole of
+    it without a window) or when
     ``0 <= l - kv_len[t] < E`` and ``extra_mask[t, l - kv_len[t]]`` (the tree block).
     """
     device = meta.kv_len.device
     pos = torch.arange(length, device=device, dtype=torch.int64)  # [L]
     kv_len = meta.kv_len[:, None]  # [T, 1]
     allowed = pos[None, :] < kv_len  # [T, L]
+    if meta.window_lo is not None:
+        allowed = allowed & (pos[None, :] >= meta.window_lo[:, None])
     extra = meta.extra_mask
     if extra is not None and extra.shape[1] > 0:
         num_extra = extra.shape[1]
@@ -243,7 +262,7 @@ def write_kv_triton(
 
 @jit
 def _attend_tiles(
-    lo, hi, m_i, l_i, acc, q, kv_len_m, tree_word, member_m, valid_m, tok_m, offs_d, d_ok,
+    lo, hi, m_i, l_i, acc, q, kv_len_m, lo_m, tree_word, member_m, valid_m, tok_m, offs_d, d_ok,
     table_row, max_pages, k_ptr, v_ptr, extra_ptr, kv_head, scale_log2,
     stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_pp, stride_et, stride_ee,
     NUM_EXTRA: tl.constexpr, PAGE_SIZE: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -271,7 +290,8 @@ def _attend_tiles(
         else:
             qk = tl.dot(q, k)  # [M, N] f32
 
-        allowed = pos[None, :] < kv_len_m[:, None]
+        # the prefix [lo_m, kv_len): lo_m is each query's window start (0 without a window)
+        allowed = (pos[None, :] < kv_len_m[:, None]) & (pos[None, :] >= lo_m[:, None])
         if HAS_EXTRA:
             rel = pos[None, :] - kv_len_m[:, None]  # [M, N] offset into the tree block
             in_tree = member_m[:, None] & (rel >= 0) & (rel < NUM_EXTRA)
@@ -331,7 +351,7 @@ def _merge_partial(run_m, run_l, run_acc, m, denom, acc):
 
 @jit
 def _attend_run(
-    lo, hi, run_end, q, kv_len_m, tree_word, member_m, valid_m, tok_m, offs_d, d_ok, table_row,
+    lo, hi, run_end, q, kv_len_m, lo_m, tree_word, member_m, valid_m, tok_m, offs_d, d_ok, table_row,
     max_pages, k_ptr, v_ptr, extra_ptr, kv_head, scale_log2,
     stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_pp, stride_et, stride_ee,
     BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, NUM_EXTRA: tl.constexpr, PAGE_SIZE: tl.constexpr,
@@ -351,7 +371,7 @@ def _attend_run(
         run_acc = acc
         for c in range(0, tl.cdiv(run_end, CHUNK)):
             m_c, l_c, acc_c = _attend_tiles(
-                c * CHUNK, tl.minimum(c * CHUNK + CHUNK, run_end), m_i, l_i, acc, q, kv_len_m,
+                c * CHUNK, tl.minimum(c * CHUNK + CHUNK, run_end), m_i, l_i, acc, q, kv_len_m, lo_m,
                 tree_word, member_m, valid_m, tok_m, offs_d, d_ok, table_row, max_pages, k_ptr,
                 v_ptr, extra_ptr, kv_head, scale_log2, stride_ks, stride_kh, stride_kd,
                 stride_vs, stride_vh, stride_vd, stride_pp, stride_et, stride_ee,
@@ -361,7 +381,7 @@ def _attend_run(
         m_i, l_i, acc = run_m, run_l, run_acc
     else:
         m_i, l_i, acc = _attend_tiles(
-            lo, hi, m_i, l_i, acc, q, kv_len_m, tree_word, member_m, valid_m, tok_m, offs_d,
+            lo, hi, m_i, l_i, acc, q, kv_len_m, lo_m, tree_word, member_m, valid_m, tok_m, offs_d,
             d_ok, table_row, max_pages, k_ptr, v_ptr, extra_ptr, kv_head, scale_log2,
             stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_pp,
             stride_et, stride_ee, NUM_EXTRA, PAGE_SIZE, BLOCK_N, HAS_EXTRA, UPCAST, SPLIT_P,
@@ -390,6 +410,17 @@ def _store_run(
                  mask=valid_m[:, None])
         tl.store(part_max_ptr + part, m_i, mask=valid_m)
         tl.store(part_sum_ptr + part, l_i, mask=valid_m)
+
+
+@jit
+def window_starts(window_lo_ptr, tok_m, member_m, HAS_WINDOW: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Each query row's first prefix position (``AttentionMetadata.window_lo``; 0 without a
+    window): positions below it are masked as positions past kv_len are."""
+    if HAS_WINDOW:
+        lo_m = tl.load(window_lo_ptr + tok_m, mask=member_m, other=0).to(tl.int64)
+    else:
+        lo_m = tl.zeros([BLOCK_M], tl.int64)
+    return lo_m
 
 
 @jit
@@ -490,6 +521,7 @@ def _paged_attention_kernel(
     query_row_ptr,  # [T] i64
     kv_len_ptr,  # [T] i64
     extra_ptr,  # [T, E] u8 tree block (any tensor when HAS_EXTRA is false)
+    window_lo_ptr,  # [T] i64 window starts (any tensor when HAS_WINDOW is false)
     num_tokens,
     max_pages,
     scale_log2,  # f32, softmax scale * log2(e)
@@ -520,6 +552,7 @@ def _paged_attention_kernel(
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
     HAS_EXTRA: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     UPCAST: tl.constexpr,  # fp32 or mixed dtypes: fp32 tiles and full-precision products
     SPLIT_P: tl.constexpr,  # bf16: P.V as (P_hi + P_lo).V, two bf16 products
     CHUNK: tl.constexpr,  # > 0: fixed chunks of CHUNK positions merged in order (fp32)
@@ -555,8 +588,9 @@ def _paged_attention_kernel(
         q = q.to(tl.float32)
 
     table_row = page_table_ptr + row * stride_pr
+    lo_m = window_starts(window_lo_ptr, tok_m, member_m, HAS_WINDOW, BLOCK_M)
     m_i, l_i, acc = _attend_run(
-        lo, hi, run_end, q, kv_len_m, tree_word, member_m, valid_m, tok_m, offs_d, d_ok, table_row,
+        lo, hi, run_end, q, kv_len_m, lo_m, tree_word, member_m, valid_m, tok_m, offs_d, d_ok, table_row,
         max_pages, k_ptr, v_ptr, extra_ptr, kv_head, scale_log2, stride_ks, stride_kh, stride_kd,
         stride_vs, stride_vh, stride_vd, stride_pp, stride_et, stride_ee, BLOCK_M, BLOCK_D,
         NUM_EXTRA, PAGE_SIZE, BLOCK_N, HAS_EXTRA, UPCAST, SPLIT_P, CHUNK, NUM_SPLITS,
@@ -735,6 +769,7 @@ def paged_attention_triton(
     _paged_attention_kernel[(num_tokens, num_kv_heads, num_splits)](
         q, k_cache, v_cache, out, part_acc, part_max, part_sum,
         page_table, query_row, kv_len, extra_arg,
+        kv_len if meta.window_lo is None else meta.window_lo.contiguous(),
         num_tokens, max_pages, float(scale) * math.log2(math.e),
         *q.stride(), *k_cache.stride(), *v_cache.stride(), *out.stride(),
         *page_table.stride(),
@@ -750,6 +785,7 @@ def paged_attention_triton(
         BLOCK_D=block_d,
         NUM_SPLITS=num_splits,
         HAS_EXTRA=has_extra,
+        HAS_WINDOW=meta.window_lo is not None,
         UPCAST=upcast,
         SPLIT_P=split_p,
         CHUNK=chunk,

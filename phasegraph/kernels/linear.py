@@ -11,9 +11,11 @@ programs of a column block take slices of K: each stores its partial, and the la
 (an atomic counter) sums the partials in slice order, so the result never depends on arrival
 order and a CUDA-graph replay equals the eager call bit for bit either way. The counters are one
 buffer per device, so split-K products must not run on two streams of a device at once (the
-engine issues every product on one stream); the float32 rules of the bench pair's shapes and the H200's 4-row 8B down product use it. Two forms: a broadcast multiply-sum over up to 16 rows (at one row, with K <= 4096, one weight row
-per program and the whole K in one load is fastest) and a ``tl.dot`` on a 16-row tile (padded
-rows masked; cp.async-pipelined weight tiles, wgmma when W is the left operand).
+engine issues every product on one stream); the float32 rules of the bench pair's shapes and
+the H200's 4-row 8B down product use it. Two forms: a broadcast multiply-sum over up to 16 rows
+(at one row, with K <= 4096, one weight row per program and the whole K in one load is fastest)
+and a ``tl.dot`` on a 16-row tile (padded rows masked; cp.async-pipelined weight tiles, wgmma
+when W is the left operand).
 
 Two prologues ride on the product's operand load, so the standalone kernels before the qkv,
 gate_up and down products of a decoder layer disappear for small M:
@@ -26,15 +28,15 @@ gate_up and down products of a decoder layer disappear for small M:
   :func:`~phasegraph.kernels.activation.silu_mul_reference`), then the product.
 
 Dispatch (the kernel-module convention of ``_dispatch.py``): the Triton kernel runs on CUDA for
-M <= :data:`MAX_M` rows and contiguous inputs where its table (measured against cuBLAS by
-``benchmarks/bench_linear.py``) says it wins. bf16/fp16 (:data:`CONFIGS`; on an H200
-:data:`H200_CONFIGS`, the 8B shapes' tiles at one row and at 2..4 rows retuned for its faster
-memory): every product up to 16
-rows, the fused prologues at one row (at 2..16 rows the norm / silu kernel runs, then the Triton
-product). float32 (:data:`FP32_CONFIGS`): K <= 4096, IEEE multiply-sums, except the wide products
-at 2..16 rows (gate_up, lm_head), which run a three-pass TF32 ``tl.dot`` (float32-level error) or
-stay with cuBLAS; longer K stays with cuBLAS. float32 products of 17..512 rows run the
-three-pass TF32 tiles of :mod:`~phasegraph.kernels.tiled_linear` where its table has a rule.
+M <= :data:`MAX_M` rows and contiguous inputs where the device's table says it wins: one file per
+GPU name in ``phasegraph/kernels/configs/``, measured against cuBLAS by
+``benchmarks/bench_linear.py`` (:mod:`~phasegraph.kernels.tile_tables` reads it; a GPU without
+a file reads ``generic.json``). bf16/fp16: every product up to 16 rows, the fused prologues at
+one row (at 2..16 rows the norm / silu kernel runs, then the Triton product). float32: K <= 4096,
+IEEE multiply-sums, except the wide products at 2..16 rows, which run a three-pass TF32
+``tl.dot`` (float32-level error) or stay with cuBLAS; longer K stays with cuBLAS. float32
+products of 17..512 rows run the three-pass TF32 tiles of
+:mod:`~phasegraph.kernels.tiled_linear` where its table has a rule.
 Otherwise the public names run exactly the ops they replace (``F.linear``; ``add_rms_norm`` then
 ``F.linear``; ``silu_mul`` then ``F.linear``), so CPU and large-M numbers are unchanged.
 The block shapes come from a fixed table, never from autotuning, so nothing is timed or compiled
@@ -42,8 +44,6 @@ differently during capture.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -63,11 +63,12 @@ from phasegraph.kernels._dispatch import (
 from phasegraph.kernels.activation import silu_mul, silu_mul_reference, swiglu
 from phasegraph.kernels.rms_norm import add_rms_norm, add_rms_norm_reference
 from phasegraph.kernels.split_sum import SplitSum
+from phasegraph.kernels.tile_tables import SkinnyConfig, SkinnyRule, match_skinny, tables_for
 from phasegraph.kernels.tiled_linear import tiled_config, tiled_linear_triton
 
 MAX_M = 16  # the kernel's largest row tile (tl.dot needs >= 16 rows; padded rows are masked)
 HALF_DTYPES = (torch.bfloat16, torch.float16)
-TRITON_DTYPES = (*HALF_DTYPES, torch.float32)  # float32 where FP32_CONFIGS has a rule
+TRITON_DTYPES = (*HALF_DTYPES, torch.float32)  # float32 where its table has a rule
 
 _NONE, _RMS_NORM, _SILU_MUL = 0, 1, 2  # prologue kinds
 
@@ -153,227 +154,31 @@ def silu_mul_linear_reference(
 # Triton
 
 
-class SkinnyConfig(NamedTuple):
-    """Launch shape of the skinny product (one program per ``block_n`` output columns)."""
-
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    dot: bool  # tl.dot on a 16-row tile (else a broadcast multiply-sum over next_pow2(M) rows)
-    swap: bool = False  # with dot: W is the left operand (acc [BLOCK_N, 16]); else x is
-    pdl: bool = False  # programmatic dependent launch even where PHASEGRAPH_PDL turns it off
-    # (bench_linear's PDL rows); otherwise the setting decides, as for every kernel (_dispatch)
-    precision: str = "ieee"  # a float32 tl.dot: "ieee" (FMA units) or "tf32x3" (three TF32
-    # tensor-core products per tile, hi*hi + hi*lo + lo*hi: float32-level error); half dtypes
-    # ignore it
-    split_k: int = 1  # > 1: K in that many slices, one program each (more programs in flight for
-    # few output columns); the last slice of a column block to finish sums the partials in slice
-    # order (deterministic); plain products and the silu prologue (elementwise, so a slice needs
-    # only its own columns of gate and up), not the norm (row statistics over the whole K)
-
-
-class _Rule(NamedTuple):
-    m_max: int  # rows this rule covers (from the previous rule's m_max + 1)
-    n_range: tuple[int, int]  # [lo, hi] inclusive
-    k_range: tuple[int, int]
-    config: SkinnyConfig
-    plain: bool  # Triton for `linear` (else cuBLAS)
-    fused: bool  # Triton for the fused prologue forms (else norm/silu kernel + cuBLAS)
-
-
-_ANY = (1, 1 << 40)
-_K_WHOLE = (1, 4096)  # K fits one tile of the multiply-sum form
-_K_LONG = (4097, 1 << 40)
-_GEMV_WHOLE_K = SkinnyConfig(1, 4096, 4, 1, dot=False)  # one weight row per program, K at once
-_GEMV_LOOP = SkinnyConfig(16, 512, 4, 3, dot=False)  # 16 rows, K in 512-chunks, 3 deep
+# The launch tables (phasegraph/kernels/configs/, one file per GPU; tile_tables.py reads them)
+# come from benchmarks/bench_linear.py. What their rules say, and why:
+# - one row: a multiply-sum with one weight row per program and the whole K in one load (K <=
+#   4096); for longer K a 512-wide loop, since the whole-K tile repeats the prologue per row.
+# - 2..16 rows: tl.dot on a 16-row tile, wide products as wgmma tiles with W the left operand.
+#   Fused prologues are off there: on that form they were slower than the norm / silu kernel
+#   followed by the Triton product.
+# - float32: an IEEE tl.dot runs on FMA units (half cuBLAS's speed), hence multiply-sums; the
+#   three-pass TF32 dot wins only where N gives it enough 32-wide programs; K > 4096 is cuBLAS's.
+# - split-K: products with few column blocks (the bench pair's 768- and 1280-wide ones) leave
+#   most SMs idle; slicing K puts more programs in flight.
+# - a vocabulary-wide lm_head (N >= 65536) stays with cuBLAS at 5..16 rows (not measured there).
+# - an H200's one-row norm prologue takes two weight rows per program: each program computes the
+#   row statistics once, and on its faster memory that pass per weight row shows.
+# Where no rule answers, these defaults (the general rules' forms):
+_GEMV_LOOP = SkinnyConfig(16, 512, 4, 3, dot=False)  # 16 weight rows, K in 512-chunks, 3 deep
 _DOT = SkinnyConfig(32, 256, 4, 4, dot=True)
-_DOT_WIDE = SkinnyConfig(64, 256, 4, 3, dot=True, swap=True)  # wgmma, W as the left operand
-_DOT_WIDE_K128 = SkinnyConfig(64, 128, 4, 4, dot=True, swap=True)
-_QKV_8B, _GATE_UP_8B = ((6144, 6144), (4096, 4096)), ((28672, 28672), (4096, 4096))
-# Measured by benchmarks/bench_linear.py (bf16, H100 80GB HBM3; time per op in a CUDA graph against
-# cuBLAS, and against the norm / silu kernel + cuBLAS). First match wins.
-# - M = 1: the multiply-sum form beats cuBLAS on every 8B shape (qkv 18.2 vs 20.6 us, o 12.8 vs
-#   16.5, gate_up 76.1 vs 85.8, down 41.1 vs 44.5) and so do the fused prologues (qkv+norm 20.1
-#   vs 22.5, gate_up+norm 77.7 vs 84.4, down+silu 41.0 vs 46.3). With K > 4096 the whole-K tile
-#   is as fast plain but repeats the prologue per weight row (down+silu 60 us), hence the loop.
-# - M = 2..16: tl.dot on a 16-row tile beats cuBLAS by 1-2.5 us per product, but the fused
-#   prologues on that form were slower than a separate norm / silu kernel (qkv+norm 29 vs 24,
-#   down+silu 204 vs 47 us at M = 4), so `fused` is off there: the norm / silu kernel runs,
-#   then the Triton product.
-# - N >= 65536 (a target's lm_head over a 128k vocabulary): at M = 1 the whole-K multiply-sum
-#   streams 128256 x 4096 in 331 us against cuBLAS's 372 (105.7 vs 94.2 % of the copy
-#   bandwidth; `benchmarks/bench_linear.py --shape-set 8b-vocab --ms 1`, H100, 2026-11-24); at
-#   M = 2..4 (a chain's verify) the wgmma tile W-left, 64 x 256, 341 us against 371 (`--ms 4`);
-#   at M = 5..16 cuBLAS keeps it (not measured against the Triton tiles at that width).
-_VOCAB_WIDE = (65536, 1 << 40)
-
-
-def _shape(n: int, k: int) -> tuple[tuple[int, int], tuple[int, int]]:
-    return (n, n), (k, k)
-
-
-# The bench pair's EAGLE-3 head in bfloat16 beside its float32 target (`phasegraph bench
-# --draft-dtype bfloat16`): a draft step runs 4 rows (K beams) and draft-extend 5 (the accepted
-# path) at batch 1. Measured by `benchmarks/bench_linear.py --dtype
-# bfloat16 --shape-set pair --ms 1,4,5` (H100, 2026-11-24), us per op in a
-# CUDA graph, best Triton tile vs cuBLAS: 4 rows o 3.0 vs 4.0, head fc 4.7 vs 6.1, down 4.7 vs
-# 6.4, head qkv 4.6 vs 5.2 (multiply-sums), gate_up 5.1 vs 5.4 and lm_head 6.3 vs 6.8 (wgmma,
-# W on the left); 5 rows on tl.dot tiles. The 1-row forms are the general rule's; at 4-5 rows
-# the norm / silu kernel + the product beat the fused prologues (gate_up+norm 6.7 vs 7.9 us).
-_BF16_PAIR_RULES: tuple[_Rule, ...] = (
-    _Rule(4, *_shape(768, 768), SkinnyConfig(2, 1024, 4, 3, dot=False), True, False),  # o
-    _Rule(5, *_shape(768, 768), SkinnyConfig(32, 256, 4, 3, dot=True), True, False),
-    _Rule(4, *_shape(768, 2304), SkinnyConfig(4, 512, 4, 3, dot=False), True, False),  # head fc
-    _Rule(5, *_shape(768, 2304), SkinnyConfig(32, 256, 4, 4, dot=True), True, False),
-    _Rule(4, *_shape(768, 2560), SkinnyConfig(4, 512, 4, 3, dot=False), True, False),  # down
-    _Rule(5, *_shape(768, 2560), SkinnyConfig(16, 512, 4, 3, dot=True), True, False),
-    _Rule(4, *_shape(1280, 1536), SkinnyConfig(4, 512, 4, 3, dot=False), True, False),  # qkv
-    _Rule(5, *_shape(1280, 1536), SkinnyConfig(16, 512, 4, 3, dot=True), True, False),
-    _Rule(5, *_shape(5120, 768), SkinnyConfig(64, 128, 4, 4, dot=True, swap=True), True, False),
-    _Rule(5, *_shape(8192, 768), SkinnyConfig(64, 128, 4, 4, dot=True, swap=True), True, False),
-)
-CONFIGS: tuple[_Rule, ...] = (
-    _Rule(1, _ANY, _K_WHOLE, _GEMV_WHOLE_K, True, True),
-    *_BF16_PAIR_RULES,
-    _Rule(4, _VOCAB_WIDE, _K_WHOLE, _DOT_WIDE, True, False),
-    _Rule(16, _VOCAB_WIDE, _ANY, _DOT, False, False),
-    _Rule(1, _ANY, _K_LONG, _GEMV_LOOP, True, True),
-    _Rule(16, *_QKV_8B, _DOT_WIDE, True, False),
-    _Rule(16, *_GATE_UP_8B, _DOT_WIDE_K128, True, False),
-    _Rule(16, _ANY, _ANY, _DOT, True, False),  # o and down of the 8B model; the default
-)
-
-
 _FP32_GEMV_WHOLE_K = SkinnyConfig(2, 4096, 4, 1, dot=False)  # two weight rows, K at once
 _FP32_GEMV4 = SkinnyConfig(4, 512, 4, 3, dot=False)  # [4, 4, 512] sums, 3 deep
 _FP32_GEMV16 = SkinnyConfig(8, 64, 4, 3, dot=False)  # [16, 8, 64] sums, 3 deep
-_FP32_GEMV16_LONG_K = SkinnyConfig(4, 256, 8, 2, dot=False)
-_FP32_TF32X3 = SkinnyConfig(32, 64, 4, 3, dot=True, precision="tf32x3")
-_K_SHORT = (1, 1024)
-_N_WIDE = (4096, 1 << 40)
-_N_VOCAB = (8192, 1 << 40)
-# float32. An IEEE tl.dot runs on FMA units (2x slower than cuBLAS); "tf32x3" runs it on tensor
-# cores in three TF32 passes, within 2-5e-7 of float64 like IEEE sums (bench_linear rel_err). It
-# wins only where N gives it enough 32-wide programs. Measured by `benchmarks/bench_linear.py --dtype
-# float32 --shape-set pair` (H100; the bench pair's target: hidden 768, qkv 1280, MLP 2560,
-# vocabulary 8192, and its EAGLE-3 head: fc 768x2304, qkv 1280x1536), time
-# per op in a CUDA graph, Triton vs cuBLAS:
-# - M = 1: qkv 3.3 vs 4.1 us, o 2.7 vs 3.9, gate_up 6.9 vs 8.1, down 4.8 vs 5.3; fused
-#   prologues qkv+norm 3.6 vs 5.4, gate_up+norm 7.5 vs 9.8, down+silu 5.3 vs 6.6;
-# - M = 2..4: qkv 4.1 vs 5.3, o 3.3 vs 5.2, down 5.7 vs 13.0, head fc 5.6 vs 11.9, head qkv
-#   5.7 vs 9.3 (multiply-sum); lm_head 12.7 vs 14.2 (tf32x3); gate_up 10.1 vs 9.2 stays with
-#   cuBLAS; fused qkv+norm 6.0 and down+silu 6.6 vs 6.7 and 14.7 for norm / silu + cuBLAS;
-# - M = 5..16: qkv 7.9 vs 13.1, o 6.8 vs 9.8, down 13.2 vs 19.2, head fc 12.4 vs 18.3
-#   (multiply-sum); gate_up 11.4 vs 16.7 and lm_head 12.7 vs 26.6 (tf32x3); the fused
-#   prologues were slower than the norm / silu kernel + the Triton product.
-#
-# The bench pair's own shapes (one N and K each) have exact rules from the split-K sweep of
-# 2026-11-24 (`benchmarks/bench_linear.py --dtype float32 --shape-set pair --ms 4,16`, H100):
-# at 5..16 rows a three-pass TF32 tl.dot with K split over 2..8 programs per column block (the narrow
-# products have only 24-40 blocks of 32 columns otherwise) beats the multiply-sums: qkv 5.9 us
-# (cuBLAS 13.0), o 5.3 (9.7), gate_up 10.4 (16.6), down 8.1 (18.9), head fc 7.8 (18.3), head qkv
-# 7.6 (21.0); a target layer's products at 16 rows 44.9 -> 35.7 us. On whole steps (bench
-# pair, batch 1) the tree iteration's GPU work went 1.152 -> 1.035 ms, chain 0.824 -> 0.815,
-# decode unchanged.
-_FP32_TF32X3_SPLIT = {s: _FP32_TF32X3._replace(split_k=s) for s in (2, 4, 8)}
-
-
-_FP32_PAIR_RULES: tuple[_Rule, ...] = (
-    _Rule(4, *_shape(768, 768), SkinnyConfig(2, 1024, 4, 3, dot=False), True, False),  # o
-    _Rule(16, *_shape(768, 768), _FP32_TF32X3_SPLIT[4], True, False),
-    _Rule(4, *_shape(768, 2304), SkinnyConfig(4, 512, 4, 3, dot=False), True, False),  # head fc
-    _Rule(16, *_shape(768, 2304), _FP32_TF32X3_SPLIT[8], True, False),
-    _Rule(4, *_shape(768, 2560), SkinnyConfig(4, 512, 4, 3, dot=False), True, True),  # down
-    _Rule(16, *_shape(768, 2560), _FP32_TF32X3_SPLIT[8], True, False),
-    _Rule(4, *_shape(1280, 768), SkinnyConfig(8, 256, 4, 3, dot=False), True, True),  # qkv
-    _Rule(16, *_shape(1280, 768), _FP32_TF32X3_SPLIT[8], True, False),
-    _Rule(4, *_shape(1280, 1536), SkinnyConfig(4, 512, 4, 3, dot=False), True, False),  # head qkv
-    _Rule(16, *_shape(1280, 1536), _FP32_TF32X3_SPLIT[8], True, False),
-    _Rule(4, *_shape(5120, 768), SkinnyConfig(8, 256, 4, 3, dot=False), False, False),  # gate_up
-    _Rule(16, *_shape(5120, 768), _FP32_TF32X3_SPLIT[2], True, False),
-    _Rule(4, *_shape(8192, 768), _FP32_TF32X3_SPLIT[2], True, False),  # lm_head
-    _Rule(16, *_shape(8192, 768), _FP32_TF32X3, True, False),
-)
-FP32_CONFIGS: tuple[_Rule, ...] = (
-    _Rule(1, _ANY, _K_WHOLE, _FP32_GEMV_WHOLE_K, True, True),
-    *_FP32_PAIR_RULES,
-    _Rule(4, _N_VOCAB, _K_SHORT, _FP32_TF32X3, True, False),
-    _Rule(4, _N_WIDE, _ANY, _FP32_GEMV4, False, False),
-    _Rule(4, _ANY, _K_SHORT, _FP32_GEMV_WHOLE_K, True, True),
-    _Rule(4, _ANY, _K_WHOLE, _FP32_GEMV4, True, True),
-    _Rule(16, _N_WIDE, _K_SHORT, _FP32_TF32X3, True, False),
-    _Rule(16, _ANY, _K_SHORT, _FP32_GEMV16, True, False),
-    _Rule(16, _ANY, _K_WHOLE, _FP32_GEMV16_LONG_K, True, False),
-)
-
-
-# The same products on an H200 (HBM3e: ~4.2 TB/s of copy bandwidth against the H100's ~3.0, the
-# same SMs). Measured by `benchmarks/bench_linear.py --ms 1` on an H200 (2026-11-25):
-# the norm prologue at one row wants two weight rows per program there (qkv+norm 14.6 against
-# 16.5 us with one, gate_up+norm 55.2 against 64.6), where the H100 wants one (20.2 against 24.5,
-# 77.7 against 90.9); the row statistics are computed once per program, and on the faster memory
-# the per-row pass shows. The 8B decode step: 4.59 -> 4.06 ms of GPU work.
-_GEMV_WHOLE_K_2 = SkinnyConfig(2, 4096, 4, 1, dot=False)
-_H200_RULES: tuple[_Rule, ...] = (
-    _Rule(1, *_QKV_8B, _GEMV_WHOLE_K_2, True, True),
-    _Rule(1, *_GATE_UP_8B, _GEMV_WHOLE_K_2, True, True),
-)
-# At two to four rows (an 8B chain's verify and draft-extend) the H200 wants other tiles too.
-# Measured by `benchmarks/bench_linear.py --ms 4` on an H200 (2026-11-26), time per
-# op in a CUDA graph: qkv 14.7 us on the 16-row dot tile against 16.2 on the wide wgmma one;
-# gate_up 55.0 on cuBLAS against 56.0 on the best Triton tile; down 29.9 with K in two slices
-# (float32 partials, summed in slice order) against 31.0. The 8B chain iteration (SIMULATED
-# tau = 4): 5.55 -> 5.44 ms of GPU work, decode unchanged (two rounds with the
-# shipped table before and after). They go after every one-row rule, since a rule covers every M
-# up to its m_max.
-_H200_FOUR_ROW_RULES: tuple[_Rule, ...] = (
-    _Rule(4, *_QKV_8B, _DOT, True, False),
-    _Rule(4, *_GATE_UP_8B, _DOT_WIDE_K128, False, False),
-    _Rule(4, (4096, 4096), (14336, 14336), _DOT_WIDE._replace(split_k=2), True, False),  # down
-)
-_AFTER_ONE_ROW_RULES = 1 + max(i for i, rule in enumerate(CONFIGS) if rule.m_max == 1)
-H200_CONFIGS: tuple[_Rule, ...] = (
-    *_H200_RULES, *CONFIGS[:_AFTER_ONE_ROW_RULES], *_H200_FOUR_ROW_RULES,
-    *CONFIGS[_AFTER_ONE_ROW_RULES:],
-)
-
-
-def gpu_table_name(dtype: torch.dtype, device: torch.device | None = None) -> str:
-    """The name of the rule table this module reads for ``dtype`` on ``device`` (``None``: the
-    current CUDA device, if any): ``FP32_CONFIGS``, ``H200_CONFIGS`` or ``CONFIGS``."""
-    if dtype == torch.float32:
-        return "FP32_CONFIGS"
-    return "H200_CONFIGS" if _is_h200(device) else "CONFIGS"
-
-
-_H200_BY_DEVICE: dict[int, bool] = {}
-
-
-def _is_h200(device: torch.device | None) -> bool:
-    if device is None:
-        if not torch.cuda.is_available():
-            return False
-        device = torch.device("cuda", torch.cuda.current_device())
-    if device.type != "cuda":
-        return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _H200_BY_DEVICE:
-        _H200_BY_DEVICE[index] = "H200" in torch.cuda.get_device_name(index)
-    return _H200_BY_DEVICE[index]
-
-
-def _table(dtype: torch.dtype, device: torch.device | None = None) -> tuple[_Rule, ...]:
-    return globals()[gpu_table_name(dtype, device)]
 
 
 def _lookup(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,
-            device: torch.device | None = None) -> _Rule | None:
-    for rule in _table(dtype, device):
-        if m <= rule.m_max and rule.n_range[0] <= n <= rule.n_range[1] \
-                and rule.k_range[0] <= k <= rule.k_range[1]:
-            return rule
-    return None
+            device: torch.device | None = None) -> SkinnyRule | None:
+    return match_skinny(tables_for(device).skinny(dtype), m, n, k)
 
 
 def pick_config(m: int, n: int, k: int, dtype: torch.dtype = torch.bfloat16,

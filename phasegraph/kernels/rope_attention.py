@@ -61,6 +61,7 @@ from phasegraph.kernels.attention import (
     split_buffers,
     split_range,
     tile_tokens,
+    window_starts,
 )
 from phasegraph.kernels.rotary import _rotate, rotary_write_kv, rotary_write_kv_reference
 
@@ -140,6 +141,7 @@ def _rope_attention_kernel(
     page_table_ptr,  # [R, max_pages] i64
     query_row_ptr,  # [T] i64, every token its own row
     kv_len_ptr,  # [T] i64, the token's own position + 1 (0: padding)
+    window_lo_ptr,  # [T] i64 window starts (any tensor when HAS_WINDOW is false)
     max_pages,
     scale_log2,  # f32, softmax scale * log2(e)
     stride_qkv,
@@ -169,6 +171,7 @@ def _rope_attention_kernel(
     SPLIT_P: tl.constexpr,
     CHUNK: tl.constexpr,  # > 0: fixed chunks of CHUNK positions merged in order (fp32)
     INDEXED: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
@@ -235,9 +238,10 @@ def _rope_attention_kernel(
     d_ok = offs_d < HEAD_DIM
     tok_m = tl.zeros([BLOCK_M], tl.int64) + t
     kv_len_m = tl.zeros([BLOCK_M], tl.int64) + kv_len
+    lo_m = window_starts(window_lo_ptr, tok_m, valid_m, HAS_WINDOW, BLOCK_M)
     no_tree = tl.zeros([BLOCK_M], tl.int64)
     m_i, l_i, acc = _attend_run(
-        lo, hi, kv_len, q, kv_len_m, no_tree, valid_m, valid_m, tok_m, offs_d, d_ok,
+        lo, hi, kv_len, q, kv_len_m, lo_m, no_tree, valid_m, valid_m, tok_m, offs_d, d_ok,
         page_table_ptr + row * stride_pr, max_pages, k_ptr, v_ptr, k_ptr, kv_head, scale_log2,
         stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_pp, 0, 0,
         BLOCK_M, HEAD_DIM, 0, PAGE_SIZE, BLOCK_N, False, UPCAST, SPLIT_P, CHUNK, NUM_SPLITS,
@@ -279,6 +283,7 @@ def _rope_tree_attention_kernel(
     query_row_ptr,  # [T] i64
     kv_len_ptr,  # [T] i64, the row's prefix (one value per row)
     extra_ptr,  # [T, E] u8 tree block
+    window_lo_ptr,  # [T] i64 window starts (any tensor when HAS_WINDOW is false)
     num_tokens,
     max_pages,
     scale_log2,  # f32, softmax scale * log2(e)
@@ -314,6 +319,7 @@ def _rope_tree_attention_kernel(
     CHUNK: tl.constexpr,
     INDEXED: tl.constexpr,
     RUN_GRID: tl.constexpr,  # grid axis 0 over aligned blocks of BLOCK_T tokens (E % BLOCK_T == 0)
+    HAS_WINDOW: tl.constexpr,
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
@@ -382,8 +388,9 @@ def _rope_tree_attention_kernel(
         q = q.to(tl.float32)
     offs_d = tl.arange(0, HEAD_DIM)
     d_ok = offs_d < HEAD_DIM
+    lo_m = window_starts(window_lo_ptr, tok_m, member_m, HAS_WINDOW, BLOCK_M)
     m_i, l_i, acc = _attend_run(
-        lo, hi, run_end, q, kv_len_m, tree_word, member_m, valid_m, tok_m, offs_d, d_ok,
+        lo, hi, run_end, q, kv_len_m, lo_m, tree_word, member_m, valid_m, tok_m, offs_d, d_ok,
         page_table_ptr + row * stride_pr, max_pages, k_ptr, v_ptr, extra_ptr, kv_head, scale_log2,
         stride_ks, stride_kh, stride_kd, stride_vs, stride_vh, stride_vd, stride_pp, stride_et,
         stride_ee, BLOCK_M, HEAD_DIM, NUM_EXTRA, PAGE_SIZE, BLOCK_N, True, UPCAST, SPLIT_P, CHUNK,
@@ -462,7 +469,8 @@ def rope_tree_attention_triton(
     _rope_tree_attention_kernel[grid](
         qkv, cos, sin, rope_rows.contiguous() if indexed else slots, slots, k_cache, v_cache,
         out, part_acc, part_max, part_sum, meta.page_table, meta.query_row.contiguous(), kv_len,
-        extra_bytes, num_tokens, max_pages, float(scale) * math.log2(math.e),
+        extra_bytes, kv_len if meta.window_lo is None else meta.window_lo.contiguous(),
+        num_tokens, max_pages, float(scale) * math.log2(math.e),
         qkv.stride(0), cos.stride(0), sin.stride(0),
         *k_cache.stride(), *v_cache.stride(), *out.stride(), *meta.page_table.stride(),
         *extra_bytes.stride(),
@@ -484,6 +492,7 @@ def rope_tree_attention_triton(
         CHUNK=chunk,
         INDEXED=indexed,
         RUN_GRID=run_grid,
+        HAS_WINDOW=meta.window_lo is not None,
         num_warps=TREE_NUM_WARPS,
         num_stages=num_stages, **pdl_options(), **({"maxnreg": TREE_MAXNREG} if TREE_MAXNREG else {}),
     )
@@ -545,7 +554,9 @@ def rope_paged_attention_triton(
     _rope_attention_kernel[(num_tokens, num_kv_heads, num_splits)](
         qkv, cos, sin, rope_rows.contiguous() if indexed else slots, slots, k_cache, v_cache,
         out, part_acc, part_max, part_sum, meta.page_table, meta.query_row.contiguous(),
-        meta.kv_len.contiguous(), max_pages, float(scale) * math.log2(math.e),
+        meta.kv_len.contiguous(),
+        meta.kv_len.contiguous() if meta.window_lo is None else meta.window_lo.contiguous(),
+        max_pages, float(scale) * math.log2(math.e),
         qkv.stride(0), cos.stride(0), sin.stride(0),
         *k_cache.stride(), *v_cache.stride(), *out.stride(), *meta.page_table.stride(),
         NUM_HEADS=num_heads,
@@ -561,6 +572,7 @@ def rope_paged_attention_triton(
         SPLIT_P=not upcast and qkv.dtype == torch.bfloat16,
         CHUNK=chunk,
         INDEXED=indexed,
+        HAS_WINDOW=meta.window_lo is not None,
         num_warps=4,
         num_stages=1 if upcast else 2,
         **pdl_options(early=False),  # one wave spread over the SMs (docstring)

@@ -18,119 +18,44 @@ With ``split_k`` > 1 every slice stores a float32 partial: a consumer that takes
 total_triton` sums them in slice order. Either way the result never depends on which program
 ran first, so a CUDA-graph replay equals the eager call bit for bit.
 
-Dispatch: :func:`tiled_config` names the tile where :data:`FP32_TILE_CONFIGS` (measured against
-cuBLAS per product, then on whole steps) has a
-rule; :func:`phasegraph.kernels.linear.linear` runs it then, and ``F.linear`` (the reference)
-everywhere else above 16 rows. Tiles come from a fixed table, never
-from autotuning, so nothing is timed or compiled differently during capture.
+Dispatch: :func:`tiled_config` names the tile where the device's table (the ``tiled_float32``
+table of its file in ``phasegraph/kernels/configs/``, measured against cuBLAS per product, then
+on whole steps; :mod:`~phasegraph.kernels.tile_tables` reads it) has a rule;
+:func:`phasegraph.kernels.linear.linear` runs it then, and ``F.linear`` (the reference)
+everywhere else above 16 rows. Tiles come from a fixed table, never from autotuning, so nothing
+is timed or compiled differently during capture.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
 
 from phasegraph.kernels._dispatch import cdiv, jit, pdl_enter, pdl_options, tl, use_triton
 from phasegraph.kernels.split_sum import SplitSum, total_triton
+from phasegraph.kernels.tile_tables import TileConfig, match_tile, tables_for
 
 MIN_M, MAX_M = 17, 512  # rows the table covers (the skinny kernel takes 1-16)
 
 
-class TileConfig(NamedTuple):
-    """Launch shape of the tiled product."""
-
-    block_m: int
-    block_n: int
-    block_k: int
-    num_warps: int
-    num_stages: int
-    split_k: int = 1  # K in that many slices, one program each, partials summed in slice order
+# The table (phasegraph/kernels/configs/, one file per GPU; tile_tables.py reads it) has rules
+# only for the bench pair's shapes; other shapes stay with cuBLAS (not measured). A deferred
+# tile's consumer (the norm after o and down, SwiGLU after gate_up) sums the slices as it reads.
+# It starts at 17 rows: at 16, alone its tiles beat the skinny kernel's deferred products, but
+# the norm and SwiGLU then read 8 slices and the tree iteration lost.
 
 
-class _TileRule(NamedTuple):
-    m_range: tuple[int, int]  # rows, [lo, hi] inclusive
-    n_range: tuple[int, int]
-    k_range: tuple[int, int]
-    summed: TileConfig | None  # for a caller that needs the sum (None: cuBLAS keeps it)
-    deferred: TileConfig | None  # for a caller that takes a SplitSum (``defer``)
-
-
-def _r(m_lo: int, m_hi: int, n: int, k: int, summed: TileConfig | None,
-       deferred: TileConfig | None = None) -> _TileRule:
-    return _TileRule((m_lo, m_hi), (n, n), (k, k), summed, deferred or summed)
-
-
-_T = TileConfig
-# The bench pair's shapes (target: hidden 768, qkv 1280, MLP 2560, vocabulary 8192; EAGLE-3
-# head: fc 768 x 2304, qkv 1280 x 1536), picked by a sweep against cuBLAS (H100,
-# 2026-11-25): per row range, the tile with the least time over the row
-# counts timed in it, where it beats cuBLAS at each. Comments: row count, cuBLAS -> best tile,
-# us per product in a CUDA graph with weights from memory (a deferred product's time leaves out
-# what its consumer spends reading the slices). First match wins; other shapes stay with cuBLAS
-# (not measured). On whole steps (H100, GPU time per step against
-# cuBLAS): baseline at batch 32 -14.2 %, chain S=3 at batch 8 / 32 -17.4 / -16.3 %, tree K=4
-# S=4 N=16 -15.7 / -20.6 %, batch 1 unchanged. Not here: 16-row tiles for the tree's verify at
-# batch 1. Alone they beat the skinny kernel's deferred o (3.6 -> 3.2 us) and gate_up (10.0 ->
-# 7.9) with 8 K slices, but the norm and SwiGLU then read 8 slices,
-# and the tree iteration lost 5.7 % (0.751 -> 0.793 ms).
-FP32_TILE_CONFIGS: tuple[_TileRule, ...] = (
-    # target qkv
-    _r(17, 32, 1280, 768, _T(32, 64, 64, 4, 3, 8)),  # 32: 10.5 -> 6.9
-    _r(33, 64, 1280, 768, _T(64, 32, 64, 4, 3, 8)),  # 40: 12.3 -> 7.0; 64: 12.1 -> 7.2
-    _r(65, 128, 1280, 768, _T(64, 32, 64, 4, 3, 4)),  # 128: 13.8 -> 9.2
-    _r(129, 256, 1280, 768, _T(64, 64, 32, 4, 3, 4)),  # 160: 16.9 -> 10.7; 256: 20.5 -> 14.1
-    _r(257, 512, 1280, 768, _T(64, 64, 32, 4, 3, 2)),  # 512: 33.0 -> 22.5
-    # target o (deferred: the norm after it sums the slices)
-    _r(17, 32, 768, 768, _T(64, 32, 64, 4, 3, 4), _T(32, 64, 32, 4, 3, 8)),  # 32: 9.8 -> 4.0
-    _r(33, 64, 768, 768, _T(64, 32, 64, 4, 3, 4), _T(64, 32, 32, 4, 3, 8)),  # 40: 10.1 -> 4.1; 64: 10.2 -> 4.2
-    _r(65, 128, 768, 768, _T(64, 32, 32, 4, 3, 8), _T(64, 64, 32, 4, 3, 8)),  # 128: 12.3 -> 5.7
-    _r(129, 256, 768, 768, _T(64, 32, 64, 4, 3, 4), _T(64, 64, 32, 4, 3, 8)),  # 160: 13.1 -> 6.7; 256: 15.2 -> 7.4
-    _r(257, 512, 768, 768, _T(64, 64, 32, 4, 3, 4)),  # 512: 21.7 -> 11.5
-    # target gate_up (deferred: SwiGLU sums the slices)
-    _r(17, 32, 5120, 768, _T(32, 64, 32, 4, 3, 4)),  # 32: 16.9 -> 10.9
-    _r(33, 64, 5120, 768, _T(64, 64, 32, 4, 3, 4)),  # 40: 21.2 -> 12.2; 64: 20.5 -> 12.7
-    _r(65, 128, 5120, 768, _T(64, 32, 64, 4, 3, 1), _T(128, 64, 32, 8, 3, 4)),  # 128: 33.8 -> 21.2
-    _r(129, 256, 5120, 768, _T(64, 32, 64, 4, 3, 1), _T(128, 64, 32, 8, 3, 4)),  # 160: 46.7 -> 27.0; 256: 53.9 -> 33.7
-    _r(257, 512, 5120, 768, _T(128, 64, 32, 8, 3, 2)),  # 512: 105.6 -> 60.4
-    # target down (deferred: the norm after it sums the slices)
-    _r(17, 32, 768, 2560, _T(32, 64, 64, 4, 3, 8)),  # 32: 15.3 -> 8.6
-    _r(33, 64, 768, 2560, _T(64, 32, 64, 4, 3, 8)),  # 40: 18.1 -> 8.9; 64: 17.9 -> 8.8
-    _r(65, 128, 768, 2560, _T(64, 32, 64, 4, 3, 8)),  # 128: 21.2 -> 11.1
-    _r(129, 256, 768, 2560, _T(64, 64, 32, 4, 3, 8)),  # 160: 27.2 -> 16.7; 256: 32.1 -> 17.6
-    _r(257, 512, 768, 2560, _T(64, 64, 32, 4, 3, 4), _T(128, 64, 32, 8, 3, 8)),  # 512: 53.1 -> 31.8
-    # lm_head
-    _r(17, 32, 8192, 768, _T(32, 128, 32, 4, 3, 4)),  # 32: 25.1 -> 14.8
-    _r(33, 64, 8192, 768, _T(64, 64, 64, 4, 3, 2)),  # 40: 26.4 -> 18.5; 64: 27.2 -> 18.9
-    _r(65, 128, 8192, 768, _T(128, 64, 64, 8, 3, 1)),  # 128: 45.0 -> 25.2
-    _r(129, 256, 8192, 768, _T(128, 128, 64, 8, 3, 1)),  # 160: 63.6 -> 38.6; 256: 74.8 -> 40.6
-    _r(257, 512, 8192, 768, _T(128, 128, 64, 8, 3, 1)),  # 512: 130.1 -> 79.2
-    # EAGLE-3 head fc
-    _r(17, 32, 768, 2304, _T(32, 64, 32, 4, 3, 8)),  # 32: 14.4 -> 10.3
-    _r(33, 64, 768, 2304, _T(64, 32, 64, 4, 3, 8)),  # 40: 16.9 -> 10.9; 64: 17.2 -> 10.9
-    _r(65, 128, 768, 2304, _T(64, 32, 32, 4, 3, 8)),  # 128: 20.0 -> 13.4
-    _r(129, 256, 768, 2304, _T(64, 64, 32, 4, 3, 8)),  # 160: 25.2 -> 17.5; 256: 29.7 -> 18.4
-    _r(257, 512, 768, 2304, _T(64, 64, 32, 4, 3, 4)),  # 512: 49.1 -> 31.3
-    # EAGLE-3 head qkv
-    _r(17, 32, 1280, 1536, _T(64, 32, 64, 4, 3, 8)),  # 32: 13.7 -> 10.1
-    _r(33, 64, 1280, 1536, _T(64, 32, 64, 4, 3, 8)),  # 40: 15.5 -> 10.2; 64: 15.6 -> 10.4
-    _r(65, 128, 1280, 1536, _T(64, 64, 32, 4, 3, 8)),  # 128: 20.8 -> 14.0
-    _r(129, 256, 1280, 1536, _T(64, 64, 32, 4, 3, 4)),  # 160: 27.3 -> 16.6; 256: 31.8 -> 22.9
-    _r(257, 512, 1280, 1536, _T(128, 64, 32, 8, 3, 8)),  # 512: 54.5 -> 39.5
-)
-
-
-def pick_tile(m: int, n: int, k: int, defer: bool = False) -> TileConfig | None:
-    """The table's tile for ``m`` rows of an ``[n, k]`` float32 weight (``defer``: for a caller
-    that takes a :class:`SplitSum`), or None where cuBLAS keeps the product."""
+def pick_tile(m: int, n: int, k: int, defer: bool = False,
+              device: torch.device | None = None) -> TileConfig | None:
+    """The table's tile for ``m`` rows of an ``[n, k]`` float32 weight on ``device`` (``None``:
+    the current CUDA device, if any; ``defer``: for a caller that takes a :class:`SplitSum`), or
+    None where cuBLAS keeps the product."""
     if not MIN_M <= m <= MAX_M:
         return None
-    for rule in FP32_TILE_CONFIGS:
-        if rule.m_range[0] <= m <= rule.m_range[1] and rule.n_range[0] <= n <= rule.n_range[1] \
-                and rule.k_range[0] <= k <= rule.k_range[1]:
-            return rule.deferred if defer else rule.summed
-    return None
+    rule = match_tile(tables_for(device).tiled_float32, m, n, k)
+    if rule is None:
+        return None
+    return rule.deferred if defer else rule.summed
 
 
 def tiled_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -142,7 +67,7 @@ def tiled_config(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
         return None
     if any(t is not None and (t.dtype != x.dtype or not t.is_contiguous()) for t in (x, weight, bias)):
         return None
-    return pick_tile(x.shape[0], weight.shape[0], weight.shape[1], defer)
+    return pick_tile(x.shape[0], weight.shape[0], weight.shape[1], defer, x.device)
 
 
 @jit(do_not_specialize=["M"])

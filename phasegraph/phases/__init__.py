@@ -1,44 +1,32 @@
-"""The speculative phases: schemas, one pure function per phase, and the declared EAGLE graph."""
+"""The speculative phases: schemas, one pure function per phase, and the declared EAGLE graph.
 
-from phasegraph.phases.context import SpecContext, TreeShape, check_tree_shape
-from phasegraph.phases.eagle import EAGLE_GRAPH, build_eagle_graph
-from phasegraph.phases.schemas import (
-    ACCEPTED,
-    NODE,
-    REQUEST,
-    TOKEN,
-    BatchParams,
-    DraftExtendInput,
-    DraftState,
-    FinalizedPath,
-    PrefillInput,
-    PrefillResult,
-    RowSelection,
-    TreeProposal,
-    VerifyResult,
-    finalized_schema_for,
-    node_fields,
-)
+The names below are imported lazily, so that :mod:`phasegraph.phases.outline` (the graph's
+declaration, which ``phasegraph graph`` draws) can be imported without torch.
+"""
 
-__all__ = [
-    "ACCEPTED",
-    "EAGLE_GRAPH",
-    "NODE",
-    "REQUEST",
-    "TOKEN",
-    "BatchParams",
-    "DraftExtendInput",
-    "DraftState",
-    "FinalizedPath",
-    "PrefillInput",
-    "PrefillResult",
-    "RowSelection",
-    "SpecContext",
-    "TreeProposal",
-    "TreeShape",
-    "VerifyResult",
-    "build_eagle_graph",
-    "check_tree_shape",
-    "finalized_schema_for",
-    "node_fields",
-]
+from __future__ import annotations
+
+import importlib
+
+_LAZY = {
+    "SpecContext": "phasegraph.phases.context",
+    "TreeShape": "phasegraph.phases.context",
+    "check_tree_shape": "phasegraph.phases.context",
+    "EAGLE_GRAPH": "phasegraph.phases.eagle",
+    "build_eagle_graph": "phasegraph.phases.eagle",
+    **dict.fromkeys(
+        ("ACCEPTED", "NODE", "REQUEST", "TOKEN", "BatchParams", "DraftExtendInput", "DraftState",
+         "FinalizedPath", "PrefillInput", "PrefillResult", "RowSelection", "TreeProposal", "VerifyResult",
+         "finalized_schema_for", "node_fields"),
+        "phasegraph.phases.schemas",
+    ),
+}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str):
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'phasegraph.phases' has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

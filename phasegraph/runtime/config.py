@@ -455,5 +455,8 @@ class RequestDelta:
     finish_reason: str | None
     error: str | None = None  # what went wrong, with finish_reason "error"
     accept_lengths: tuple[int, ...] = ()  # of the verify steps since the previous step()
-    logprobs: tuple[float, ...] | None = None  # of new_token_ids, where asked
+    logprobs: tuple[float, ...] | None = None  # of new_token_ids, where the request asked for them
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None  # per new token, where asked
+    # the whole result (statistics included) on the request's last delta, which carries the
+    # finish reason: the engine forgets a request once it has reported it finished
+    output: RequestOutput | None = None

@@ -13,7 +13,7 @@ import itertools
 import math
 import operator
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import attrs
@@ -46,6 +46,7 @@ from phasegraph.runtime.graph_runner import GraphRunner
 from phasegraph.runtime.kv_pool import KVCacheManager
 from phasegraph.runtime.memory import PhaseMemory
 from phasegraph.runtime.models.drafts import draft_kind, load_draft
+from phasegraph.runtime.models.gguf import convert_gguf, is_gguf
 from phasegraph.runtime.models.loading import load_tokenizer, read_json_object
 from phasegraph.runtime.models.target import HFTarget
 from phasegraph.runtime.prefill_graph import token_buckets_for
@@ -248,7 +249,7 @@ class Engine:
         **kwargs,
     ) -> Engine:
         """Load a target directory (config.json + safetensors, sharded or not, plus its
-        tokenizer if present) and, for speculative methods, a draft directory in that method's
+        tokenizer if present), or a ``.gguf`` file (converted once, :func:`convert_gguf`) and, for speculative methods, a draft directory in that method's
         public checkpoint layout. Without ``spec``, a draft directory selects the method it
         holds (:func:`~phasegraph.runtime.models.drafts.draft_kind`) with its default shape; a
         ``spec`` whose method is another kind than the directory's raises :class:`DraftMismatch`.
@@ -280,6 +281,8 @@ class Engine:
         dt = resolve_dtype(dtype, dev)
         draft_dt = dt if draft_dtype is None else resolve_dtype(draft_dtype, dev, "draft_dtype")
         target_path = Path(target_dir)
+        if is_gguf(target_path):  # converted once into the user cache dir (models/gguf.py)
+            target_path = convert_gguf(target_path)
         target = HFTarget.from_pretrained(target_path, dtype=dt, device=dev, feature_mode=FEATURE_MODE[spec.method])
         draft = None
         if spec.speculative:
@@ -406,16 +409,19 @@ class Engine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[RequestDelta]:
-        """Run one scheduling step; returns what each affected request produced."""
+        """Run one scheduling step; returns what each affected request produced. A request's
+        last delta has its finish reason and its whole :class:`RequestOutput` (``output``)."""
         self._step_scheduler()
         deltas = []
         for rid, req in list(self._requests.items()):
             tokens, text, logprobs, top = req.take_delta()
             if tokens or text or req.finish_reason is not None:
+                output = req.to_output() if req.status is Status.FINISHED else None
                 deltas.append(RequestDelta(
                     rid, tuple(tokens), text, req.finish_reason, req.error, tuple(req.take_accept_lengths()),
                     logprobs=None if logprobs is None else tuple(logprobs),
                     top_logprobs=None if top is None else tuple(tuple(t) for t in top),
+                    output=output,
                 ))
             if req.status is Status.FINISHED:
                 del self._requests[rid]
@@ -445,8 +451,14 @@ class Engine:
         params: SamplingParams | Sequence[SamplingParams] | None = None,
         *,
         progress: bool = False,
+        should_stop: Callable[[], bool] | None = None,
     ) -> list[RequestOutput]:
         """Generate for every prompt; outputs come back in the prompts' order.
+
+        ``should_stop`` is asked between scheduling steps (e.g. whether Ctrl-C was pressed);
+        once it answers True, the iteration in flight is collected and every request still
+        running ends with finish reason ``"abort"``, keeping every token it has: the outputs
+        come back as usual.
 
         Every prompt and parameter set is checked before any work starts, so one bad prompt
         raises :class:`InvalidRequest` without running (or harming) the others. A request that
@@ -483,6 +495,9 @@ class Engine:
             # scheduler steps without the streaming deltas of step(): nobody reads this batch's
             # text before it ends; requests added through add_request keep theirs for step()
             while any(r.status is not Status.FINISHED for r in reqs):
+                if should_stop is not None and should_stop():
+                    self._stop(reqs)
+                    break
                 before = sum(len(r.output) for r in reqs)
                 self._step_scheduler()
                 if bar is not None:
@@ -497,6 +512,14 @@ class Engine:
         if any(o.finish_reason == "error" for o in outputs):
             raise RequestFailed(outputs)
         return outputs
+
+    def _stop(self, reqs: Sequence[Request]) -> None:
+        """End ``reqs`` now: collect the iteration in flight (its tokens were computed), then
+        abort every request it did not finish."""
+        self.scheduler.drain()
+        for req in reqs:
+            if req.status is not Status.FINISHED:
+                self.abort(req.request_id)
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -623,6 +646,16 @@ def _check_config_fits(config: EngineConfig, target, draft) -> None:
         raise InvalidConfig(f"eos_token_ids must be a list of token ids in [0, {target.vocab_size}); "
                             f"got {list(eos) if isinstance(eos, tuple) else eos!r}")
     tree = config.spec.tree()
+    if tree is not None:
+        # The tree block is not windowed (AttentionMetadata.window_lo): a node at depth d reads
+        # ancestors up to d positions back, which must lie inside every window.
+        for name, model in (("target", target), ("draft", getattr(draft, "model", draft))):
+            window = getattr(model, "sliding_window", None)
+            if isinstance(window, int) and tree.num_steps >= window:
+                raise InvalidConfig(
+                    f"SpecConfig.num_steps={tree.num_steps} reaches past the {name}'s sliding window "
+                    f"of {window} tokens: use num_steps < {window}"
+                )
     draft_vocab = getattr(draft, "vocab_size", None)
     if tree is not None and isinstance(draft_vocab, int) and tree.topk > draft_vocab:
         raise InvalidConfig(

@@ -112,8 +112,20 @@ class CheckpointMismatch(PhasegraphRuntimeError, ValueError):
         super().__init__("\n".join(lines))
 
 
+class GGUFConversionError(PhasegraphRuntimeError, RuntimeError):
+    """A ``.gguf`` file could not be converted to a Hugging Face directory: the optional
+    dependencies are missing (``pip install phasegraph[gguf]``), the file is not GGUF, or
+    transformers' GGUF reader does not know its architecture or quantization."""
+
+
 class DraftMismatch(PhasegraphRuntimeError, ValueError):
     """A draft head whose hidden size, feature width or vocabulary does not fit the target."""
+
+
+class UnsupportedDraftLayout(DraftMismatch):
+    """A draft checkpoint in a public layout, or with a value of one of its switches, that the
+    runtime does not implement; the message names the key and its value. Raised before any
+    weight is read, so that no head loads and computes something else than its reference."""
 
 
 class NoForwardContext(PhasegraphRuntimeError, RuntimeError):

@@ -116,6 +116,7 @@ class Scheduler:
         self.num_retractions = 0
         self._prefill_batches = 0
         self._warned_nonfinite_draft = False
+        # called after every phase with its name, host wall time and batch (serving metrics)
         self.on_phase: Callable[[str, float, list[Request]], None] | None = None
 
     # ------------------------------------------------------------------ requests in and out
@@ -481,6 +482,8 @@ class Scheduler:
         seconds = time.perf_counter() - start
         for r in reqs:
             r.stats.phase_time_s[phase] = r.stats.phase_time_s.get(phase, 0.0) + seconds
+        if self.on_phase is not None:
+            self.on_phase(phase, seconds, reqs)
         return out
 
     def _empty_state(self) -> DraftState:

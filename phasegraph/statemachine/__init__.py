@@ -25,6 +25,7 @@ from phasegraph.statemachine.modes import (
     set_validation_mode,
     validation_mode,
 )
+from phasegraph.statemachine.outline import GraphOutline, PhaseOutline
 from phasegraph.statemachine.phase import PhaseSpec, phase
 from phasegraph.statemachine.schema import (
     Pad,
@@ -46,11 +47,13 @@ __all__ = [
     "InvalidSchema",
     "InvalidValidationMode",
     "InvariantViolation",
+    "GraphOutline",
     "Machine",
     "PaddingViolation",
     "PhaseContractViolation",
     "PhaseGraph",
     "PhaseGraphError",
+    "PhaseOutline",
     "PhaseSpec",
     "RendererUnavailable",
     "Pad",

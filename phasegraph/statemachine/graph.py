@@ -10,6 +10,9 @@ offending phase or field):
 - ``no_dead_ends``: every phase has an outgoing edge unless declared terminal (terminals have none);
 - ``schema_compatible``: on every edge, the source's output schema satisfies the target's input.
 
+:meth:`PhaseGraph.from_outline` builds a graph from a torch-free :class:`GraphOutline` (its
+names, edges and summaries), checking that each phase's name and schemas are the outline's.
+
 Before the rules, the arguments themselves are checked: phases must be :class:`PhaseSpec` (made
 with :func:`phase`), edges ``(source, target)`` pairs of phase names, the entry a phase name;
 anything else raises :class:`InvalidPhaseGraph` with its findings under ``"declaration"`` (no
@@ -20,9 +23,11 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
 
+import attrs
 import networkx as nx
 
 from phasegraph.statemachine.errors import InvalidPhaseGraph, RendererUnavailable
+from phasegraph.statemachine.outline import GraphOutline, PhaseOutline
 from phasegraph.statemachine.phase import PhaseSpec
 from phasegraph.statemachine.render import render, render_bytes
 from phasegraph.statemachine.schema import schema_satisfies
@@ -183,6 +188,36 @@ class PhaseGraph:
         }
         self._successors[None] = (entry,)
         self._successor_sets = {k: frozenset(v) for k, v in self._successors.items()}
+
+    @classmethod
+    def from_outline(
+        cls, outline: GraphOutline, phases: Sequence[PhaseSpec], *, skip_rules: Iterable[str] = ()
+    ) -> PhaseGraph:
+        """The graph ``outline`` declares (its name, entry, terminals and edges), with ``phases``
+        in the outline's order, each given the outline's summary. Every phase the outline names
+        must be given once, with the schemas it names, and no other: anything else raises
+        :class:`InvalidPhaseGraph` with its findings under ``"outline"``."""
+        given = {p.name: p for p in phases if isinstance(p, PhaseSpec)}
+        if len(given) != len(phases):  # not PhaseSpecs, or a name twice: the constructor says which
+            return cls(outline.name, phases, outline.edges, outline.entry, outline.terminals, skip_rules=skip_rules)
+        declared = {o.name: o for o in outline.phases}
+        problems = [f"phase {n!r} is in the outline but was not given" for n in declared if n not in given]
+        problems += [f"phase {n!r} was given but is not in the outline" for n in given if n not in declared]
+        for name in declared.keys() & given.keys():
+            o, p = declared[name], given[name]
+            for side, drawn, actual in (("input", o.input, p.input), ("output", o.output, p.output)):
+                if drawn != actual.__name__:
+                    problems.append(f"phase {name!r}: the outline names {side} {drawn}, the phase has {actual.__name__}")
+        if problems:
+            raise InvalidPhaseGraph(outline.name, {"outline": problems})
+        ordered = [attrs.evolve(given[o.name], summary=o.summary) for o in outline.phases]
+        return cls(outline.name, ordered, outline.edges, outline.entry, outline.terminals, skip_rules=skip_rules)
+
+    def outline(self) -> GraphOutline:
+        """What a drawing shows of this graph; edges in their declared order."""
+        phases = tuple(PhaseOutline(p.name, p.input.__name__, p.output.__name__, p.summary) for p in self._phase_list)
+        edges = tuple(dict.fromkeys(e for e in self._edge_list if self.nx.has_edge(*e)))
+        return GraphOutline(self.name, self.entry, phases, edges, self.terminals)
 
     # -- queries used on the hot path
     def allowed(self, current: str | None) -> tuple[str, ...]:

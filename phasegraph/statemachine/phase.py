@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 
 from phasegraph.statemachine.errors import InvalidPhase, InvalidSchema
+from phasegraph.statemachine.outline import first_sentence
 from phasegraph.statemachine.schema import Schema
 
 
@@ -45,6 +46,8 @@ class PhaseSpec:
     ``fn(state, ctx, **extra)`` must return a new ``output`` instance and never mutate ``state``
     (strict mode checks this). ``extra_inputs`` names further schema-typed arguments the phase
     takes (e.g. merge's second ``DraftState``); they are validated like the main input.
+    ``summary`` is the one line a drawing of the graph shows (default: the docstring's first
+    sentence).
     """
 
     name: str
@@ -53,6 +56,7 @@ class PhaseSpec:
     fn: Callable[..., Any]
     doc: str = ""
     extra_inputs: Mapping[str, type[Schema]] = attrs.field(factory=dict)
+    summary: str = attrs.field(default=attrs.Factory(lambda self: first_sentence(self.doc), takes_self=True))
 
     def __attrs_post_init__(self) -> None:
         _check_declaration(self.name, self.input, self.output, self.extra_inputs)
@@ -73,11 +77,6 @@ class PhaseSpec:
 
     def __call__(self, state: Any, ctx: Any = None, **extra: Any) -> Any:
         return self.fn(state, ctx, **extra)
-
-    @property
-    def summary(self) -> str:
-        """First line of the docstring."""
-        return self.doc.strip().splitlines()[0] if self.doc.strip() else ""
 
 
 def _annotated(fn: Callable[..., Any]) -> tuple[Any, Any, dict[str, Any]] | None:

@@ -9,14 +9,13 @@ from __future__ import annotations
 
 import shutil
 import subprocess
-from collections.abc import Collection, Iterator, Mapping
 from typing import Protocol
 
 import attrs
 import networkx as nx
 
 from phasegraph.statemachine.errors import PhaseGraphError, RendererUnavailable
-from phasegraph.statemachine.phase import PhaseSpec
+from phasegraph.statemachine.outline import GraphOutline
 from phasegraph.statemachine.trace import EdgeStats, Trace
 
 TEXT_FORMATS = ("text", "mermaid", "dot")
@@ -25,18 +24,11 @@ FORMATS = TEXT_FORMATS + BINARY_FORMATS
 
 
 class Drawable(Protocol):
-    """What a renderer reads of a graph (:class:`~phasegraph.statemachine.PhaseGraph` is one):
-    the graph module draws itself through this one, so this one does not import it."""
+    """What a renderer draws: anything with an outline (a
+    :class:`~phasegraph.statemachine.PhaseGraph`, or a :class:`GraphOutline` itself, which a
+    command can draw without importing the phases' modules)."""
 
-    name: str
-    entry: str
-    terminals: Collection[str]
-    phases: Mapping[str, PhaseSpec]
-
-    @property
-    def edges(self) -> tuple[tuple[str, str], ...]: ...
-
-    def __iter__(self) -> Iterator[PhaseSpec]: ...
+    def outline(self) -> GraphOutline: ...
 
 
 @attrs.frozen
@@ -69,38 +61,40 @@ class GraphView:
 
 def describe(graph: Drawable, trace: Trace | None = None) -> GraphView:
     """The intermediate representation every renderer consumes."""
+    outline = graph.outline()
+    names = {p.name for p in outline.phases}
     stats = trace.edge_stats() if trace is not None else {}
-    unknown = sorted({n for edge in stats for n in edge if n is not None and n not in graph.phases})
+    unknown = sorted({n for edge in stats for n in edge if n is not None and n not in names})
     if unknown:
         raise PhaseGraphError(
-            f"the trace names phases {unknown} that graph {graph.name!r} does not declare"
+            f"the trace names phases {unknown} that graph {outline.name!r} does not declare"
         )
-    declared = set(graph.edges) | {(None, graph.entry)}
+    declared = set(outline.edges) | {(None, outline.entry)}
     undeclared = sorted(f"{a or '(start)'} -> {b}" for a, b in stats if (a, b) not in declared)
     if undeclared:
         raise PhaseGraphError(
-            f"the trace took transitions {undeclared} that graph {graph.name!r} does not declare"
+            f"the trace took transitions {undeclared} that graph {outline.name!r} does not declare"
         )
     visits: dict[str, list[EdgeStats]] = {}
     for (_, target), s in stats.items():
         visits.setdefault(target, []).append(s)
     nodes = []
-    for p in graph:
+    for p in outline.phases:
         vs = visits.get(p.name)
         count = sum(s.count for s in vs) if vs else (0 if trace is not None else None)
         mean = (sum(s.total_s for s in vs) / count) if vs else None
         nodes.append(
             NodeView(
-                p.name, p.input.__name__, p.output.__name__, p.summary,
-                p.name == graph.entry, p.name in graph.terminals, count, mean,
+                p.name, p.input, p.output, p.summary,
+                p.name == outline.entry, p.name in outline.terminals, count, mean,
             )
         )
-    edges = [EdgeView(a, b, stats.get((a, b))) for a, b in graph.edges]
+    edges = [EdgeView(a, b, stats.get((a, b))) for a, b in outline.edges]
     if trace is not None:
-        entry_stats = stats.get((None, graph.entry))
+        entry_stats = stats.get((None, outline.entry))
         if entry_stats is not None:
-            edges.insert(0, EdgeView("(start)", graph.entry, entry_stats))
-    return GraphView(graph.name, graph.entry, tuple(nodes), tuple(edges), trace is not None)
+            edges.insert(0, EdgeView("(start)", outline.entry, entry_stats))
+    return GraphView(outline.name, outline.entry, tuple(nodes), tuple(edges), trace is not None)
 
 
 def _fmt_time(seconds: float | None) -> str:

@@ -6,6 +6,8 @@ from __future__ import annotations
 import pytest
 
 from phasegraph.cli import main
+from phasegraph.cli.demo import show_completion
+from phasegraph.demo import demo_prompts
 
 
 def test_a_short_demo_prints_identical_outputs_and_writes_its_graph(tmp_path, capsys):
@@ -17,6 +19,13 @@ def test_a_short_demo_prints_identical_outputs_and_writes_its_graph(tmp_path, ca
     assert "1 held-out stdlib prompts, 8 new tokens each" in out
     assert "greedy outputs identical to the baseline: yes" in out
     assert out.count("--- completion") == 1
+    # the prompt exactly, its final newline kept, then the marker, then the completion
+    (prompt,) = demo_prompts(1)
+    assert prompt.endswith("\n")
+    shown = out.split("--- prompt 1 ---\n", 1)[1]
+    assert shown.startswith(prompt + "--- completion 1 ---\n")
+    completion = shown[len(prompt + "--- completion 1 ---\n"):].split("\n=== speed ===", 1)[0]
+    assert completion.strip(), "no completion shown after the marker"
     text = graph.read_text()
     assert text.startswith(("flowchart", "graph", "stateDiagram")) and "verify" in text
     assert f"wrote the phase graph with this run's trace to {graph} (mermaid)" in out
@@ -123,3 +132,13 @@ def test_the_demo_warms_up_before_it_times(monkeypatch, device, warm_up):
     result = demo._run("x", {"method": "none"}, ["a", "b", "c"], SamplingParams(max_new_tokens=64), device)
     assert engine.calls == [warm_up, (["a", "b", "c"], 64)]
     assert result["tokens"] == 3
+
+
+@pytest.mark.parametrize(("prompt", "shown"), [
+    # the final newline was stripped: "def f(transport, sock):" + "    x = 1" read as one broken line
+    ("def f(transport, sock):\n", "--- prompt 2 ---\ndef f(transport, sock):\n--- completion 2 ---\n    x = 1\n"),
+    ("x = f(a,", "--- prompt 2 ---\nx = f(a,\n--- completion 2 (continues the prompt's last line) ---\n    x = 1\n"),
+])
+def test_a_completion_is_shown_after_its_whole_prompt_and_a_marker(capsys, prompt, shown):
+    show_completion(2, prompt, "    x = 1")
+    assert capsys.readouterr().out == shown

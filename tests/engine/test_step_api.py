@@ -142,6 +142,34 @@ def test_generate_among_step_level_requests_and_reused_ids(engine_root):
     assert_all_free(engine)
 
 
+def test_deltas_carry_logprobs_the_final_output_and_phase_times(engine_root):
+    """The deltas' logprobs add up to the output's; the last delta holds the whole output (its
+    statistics included); the scheduler's ``on_phase`` hook sees every phase it runs."""
+    engine = engine_for(arch_bundle(engine_root, "llama"), "eagle3", topk=2, num_steps=2)
+    seen = defaultdict(float)
+    engine.scheduler.on_phase = lambda phase, seconds, reqs: seen.__setitem__(phase, seen[phase] + seconds)
+    p = make_prompts([7], seed=4)[0]
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, seed=3, logprobs=True, ignore_eos=True)
+    want = engine.generate([p], params)[0]
+    seen.clear()
+    engine.add_request("r", p, params)
+    deltas = []
+    while engine.has_unfinished():
+        deltas += engine.step()
+    assert [d.output is None for d in deltas] == [True] * (len(deltas) - 1) + [False]
+    last = deltas[-1].output
+    assert last.token_ids == want.token_ids and last.logprobs == want.logprobs
+    assert last.stats.accept_lengths == want.stats.accept_lengths
+    assert [t for d in deltas for t in d.new_token_ids] == want.token_ids
+    assert [lp for d in deltas for lp in d.logprobs] == want.logprobs
+    assert [n for d in deltas for n in d.accept_lengths] == want.stats.accept_lengths
+    assert {"prefill-extend", "draft", "verify", "draft-extend", "filter"} <= set(seen)
+    assert seen.keys() == last.stats.phase_time_s.keys()  # one request: its phases are the engine's
+    assert all(seen[k] == pytest.approx(last.stats.phase_time_s[k]) for k in seen)
+    engine.add_request("q", p, SamplingParams(max_new_tokens=3))
+    assert all(d.logprobs is None for d in engine.step())  # none asked for
+
+
 def test_the_public_names_are_what_the_engine_hands_out(engine_root):
     """``phasegraph.RequestDelta`` / ``RequestOutput`` (lazy top-level names) are the types of
     what ``step()`` and ``generate()`` return, for users' annotations and isinstance checks."""
@@ -239,3 +267,30 @@ def test_check_reports_every_broken_invariant(engine_root):
     while engine.has_unfinished():
         engine.step()
     assert_all_free(engine)
+
+
+@pytest.mark.parametrize("config", ["baseline", "eagle3-tree"])
+def test_generate_stopped_between_steps_keeps_every_token(engine_root, config):
+    """``generate(should_stop=...)``, as Ctrl-C in ``phasegraph generate`` uses it: the requests
+    still running (or waiting) end with "abort" holding a prefix of their full output, one that
+    already finished keeps its own, and the engine is left clean for the next call."""
+    method, spec, page = CONFIGS[config]
+    bundle = arch_bundle(engine_root, "mistral")
+    p = make_prompts([5, 12, 3], seed=4)
+    params = [SamplingParams(max_new_tokens=40, ignore_eos=True), SamplingParams(max_new_tokens=2, ignore_eos=True),
+              SamplingParams(max_new_tokens=40, ignore_eos=True)]
+    engine = engine_for(bundle, method, page_size=page, max_batch_size=2, **spec)
+    full = engine.generate(p, params)
+    asked = []
+
+    def after_four_steps() -> bool:
+        asked.append(None)
+        return len(asked) > 4
+
+    outs = engine.generate(p, params, should_stop=after_four_steps)
+    assert [o.finish_reason for o in outs] == ["abort", "length", "abort"]
+    assert 0 < len(outs[0].token_ids) < 40 and outs[0].token_ids == full[0].token_ids[: len(outs[0].token_ids)]
+    assert outs[1].token_ids == full[1].token_ids
+    assert outs[2].token_ids == full[2].token_ids[: len(outs[2].token_ids)]
+    assert_all_free(engine)
+    assert [o.token_ids for o in engine.generate(p, params)] == [o.token_ids for o in full]

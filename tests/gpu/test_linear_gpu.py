@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phasegraph.kernels import _dispatch
+from phasegraph.kernels import _dispatch, tile_tables
 from phasegraph.kernels import linear as lin
 from tests.gpu.test_triton_kernels import INTERPRET, ON_GPU, assert_equal, rel_err, run_triton
 
@@ -35,7 +35,7 @@ GEMV16_CONFIGS = [C(8, 64, 4, 1, False), C(4, 128, 4, 3, False)]  # M <= 16: [16
 def _configs(m: int):
     if m > 4:
         return CONFIGS + GEMV16_CONFIGS
-    # K in one tile; two weight rows per program: the H200's 8B qkv and gate_up (H200_CONFIGS)
+    # K in one tile; two weight rows per program: the H200's 8B qkv and gate_up (its table)
     whole_k = [C(4, 4096, 4, 1, False), C(2, 4096, 4, 1, False)] if m == 1 and ON_GPU else []
     return CONFIGS + GEMV_CONFIGS + whole_k
 
@@ -144,7 +144,9 @@ def _check_split_product(got, want, cfg, product, *args):
             assert_equal(got, captured, f"replay {_ids(cfg)}")
 
 
-H200_DOWN_4ROWS = next(r.config for r in lin._H200_FOUR_ROW_RULES if r.config.split_k > 1)
+H200_DOWN_4ROWS = next(  # the only split-K rule of the H200's half-precision table
+    r.config for r in tile_tables.read_tables(tile_tables.shipped_file("NVIDIA_H200.json")).skinny_half
+    if r.config.split_k > 1)
 
 
 @pytest.mark.parametrize("rows", [2, 4])
@@ -342,10 +344,13 @@ def _check_deferred_consumers(device, gen, x, w, b, cfg, summed_here):
 
 
 @pytest.mark.gpu
-def test_deferred_products_of_a_pair_verify_layer_equal_the_summed_ones():
+def test_deferred_products_of_a_pair_verify_layer_equal_the_summed_ones(monkeypatch):
     """The float32 table splits K for the bench pair's 16-row verify products; through the public
     dispatchers (o -> norm -> gate_up -> SwiGLU -> down -> norm, as run_fused_decoder runs them)
-    the deferred chain equals the one whose products sum their own slices, bit for bit."""
+    the deferred chain equals the one whose products sum their own slices, bit for bit. The
+    H100's table, on whatever GPU runs it (a GPU without a file of its own has no split-K rules)."""
+    h100 = tile_tables.shipped_file("NVIDIA_H100_80GB_HBM3.json")
+    monkeypatch.setenv(tile_tables.ENV_VAR, str(h100))
     from phasegraph.kernels.rms_norm import add_rms_norm
     from phasegraph.kernels.split_sum import SplitSum
 

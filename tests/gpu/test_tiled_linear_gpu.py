@@ -9,10 +9,13 @@ graph replay equals the eager call bit for bit. Same modes as test_triton_kernel
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
 from phasegraph.kernels import linear as lin
+from phasegraph.kernels import tile_tables
 from phasegraph.kernels import tiled_linear as tiled
 from phasegraph.kernels.split_sum import SplitSum, total_triton
 from tests.gpu.test_triton_kernels import INTERPRET, ON_GPU, assert_equal, run_triton
@@ -88,13 +91,16 @@ def test_total_triton_equals_the_reference(device, gen):
         assert_equal(x.total(), run_triton(device, total_triton, x), f"{slices} slices")
 
 
-def test_linear_dispatches_float32_rows_to_the_table(device, gen, monkeypatch):
+def test_linear_dispatches_float32_rows_to_the_table(device, gen, monkeypatch, tmp_path):
     """``linear`` runs the tile where the table has a rule (17-512 float32 rows), F.linear
     elsewhere; ``defer`` picks the rule's deferred tile."""
     n, k = SHAPES[0]
     summed, deferred = T(32, 64, 32, 4, 3, 1), T(64, 64, 32, 4, 3, 2)
-    rule = tiled._r(tiled.MIN_M, tiled.MAX_M, n, k, summed, deferred)
-    monkeypatch.setattr(tiled, "FP32_TILE_CONFIGS", (rule,))
+    rule = tile_tables.TileRule((tiled.MIN_M, tiled.MAX_M), (n, n), (k, k), summed, deferred)
+    path = tmp_path / "table.json"  # the device's skinny rules, this one tiled rule
+    own = tile_tables.tables_for(torch.device(device))
+    tile_tables.write_tables(path, dataclasses.replace(own, tiled_float32=(rule,)))
+    monkeypatch.setenv(tile_tables.ENV_VAR, str(path))
     monkeypatch.setenv("PHASEGRAPH_KERNELS", "triton")  # CPU tensors too, in the interpreter
     launched = []
     real = tiled.tiled_linear_triton

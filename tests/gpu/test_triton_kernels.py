@@ -16,6 +16,7 @@ import contextlib
 import importlib
 import os
 
+import attrs
 import pytest
 import torch
 
@@ -122,12 +123,14 @@ def _attention_sizes():
     return dict(kv_heads=2, group=4, head_dim=32, max_kv=40)
 
 
-def check_attention(device, gen, *, layout, batch, topk, page_size, dtype, **kernel_kw):
+def check_attention(device, gen, *, layout, batch, topk, page_size, dtype, window=None, **kernel_kw):
     sizes = _attention_sizes()
     q, k, v, meta = cases.attention_case(
         gen, device, layout=layout, batch=batch, topk=topk, page_size=page_size, dtype=dtype,
         **sizes,
     )
+    if window is not None:  # each query reads its prefix from kv_len - window on (sliding window)
+        meta = attrs.evolve(meta, window_lo=meta.kv_len - window)
     scale = sizes["head_dim"] ** -0.5
     if not ON_GPU:
         kernel_kw.setdefault("block_n", 16)  # several tiles per row in the small interpreter case
@@ -168,6 +171,19 @@ def test_paged_attention(device, gen, dtype, layout, batch, topk, page_size):
     check_attention(
         device, gen, layout=layout, batch=batch, topk=topk, page_size=page_size, dtype=dtype
     )
+
+
+@pytest.mark.parametrize("window", [1, 5])
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("layout", cases.ATTENTION_LAYOUTS)
+@pytest.mark.parametrize("dtype", ATTN_DTYPES, ids=lambda d: str(d)[6:])
+def test_paged_attention_sliding_window(device, gen, dtype, layout, page_size, window):
+    """A window start per query (AttentionMetadata.window_lo) masks the prefix below it as the
+    reference does; the tree block stays visible; window 1 leaves one prefix key (or none)."""
+    check_attention(device, gen, layout=layout, batch=3, topk=2, page_size=page_size, dtype=dtype,
+                    window=window)
+    check_attention(device, gen, layout=layout, batch=3, topk=2, page_size=page_size, dtype=dtype,
+                    window=window, num_splits=2)
 
 
 @pytest.mark.parametrize("layout", cases.ATTENTION_LAYOUTS)

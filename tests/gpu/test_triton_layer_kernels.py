@@ -297,7 +297,8 @@ def _one_launch_and_two(device, one_launch, qkv, heads, cos, sin, k_cache, v_cac
 @pytest.mark.parametrize("layout", ["decode", "draft"])
 @pytest.mark.parametrize("batch", (1, 7, 48) if ON_GPU else (1, 5))
 @pytest.mark.parametrize("tables", [True, False], ids=["tables", "rows"])
-def test_rope_paged_attention_equals_rotary_then_attention(device, gen, dtype, layout, batch, tables):
+@pytest.mark.parametrize("window", [None, 6], ids=["full", "window"])
+def test_rope_paged_attention_equals_rotary_then_attention(device, gen, dtype, layout, batch, tables, window):
     """One launch (rotary + KV write + attention, one query per row) against the two kernels it
     replaces: the same key and value in the pool, bit for bit; the same attention output bit for
     bit in float32 (its exactness path) and within bf16 rounding otherwise (the split count may
@@ -321,6 +322,7 @@ def test_rope_paged_attention_equals_rotary_then_attention(device, gen, dtype, l
     meta = attention.AttentionMetadata(
         write_slots=slots, page_table=meta.page_table, query_row=meta.query_row,
         kv_len=meta.kv_len, extra_mask=None, page_size=page_size, one_query_per_row=True,
+        window_lo=None if window is None else meta.kv_len - window,  # the token's own key is in
     )
     qkv, cos, sin, rows = _rope_inputs(gen, device, dtype, meta, heads, kv_heads, head_dim,
                                        (meta.kv_len - 1).clamp(min=0), tables)
@@ -460,7 +462,9 @@ def _tree_block_slots(meta, nodes: int) -> torch.Tensor:
 @pytest.mark.parametrize(("topk", "nodes"), [(1, 3), (4, 9), (4, 16), (40, 81)],
                          ids=["k1n3", "k4n9", "k4n16", "k40n81"])  # 81 > 64: the byte-gather path
 @pytest.mark.parametrize("tables", [True, False], ids=["tables", "rows"])
-def test_rope_tree_attention_equals_rotary_then_attention(device, gen, dtype, batch, topk, nodes, tables):
+@pytest.mark.parametrize("window", [None, 6], ids=["full", "window"])
+def test_rope_tree_attention_equals_rotary_then_attention(device, gen, dtype, batch, topk, nodes, tables,
+                                                          window):
     """A verify in one launch (rotary + tree-block KV write + attention) against the two kernels
     it replaces, bit for bit: the pool's keys and values and the attention output, in both
     dtypes (the same tiles and splits), with a padded request as a CUDA-graph bucket adds, the
@@ -487,7 +491,8 @@ def test_rope_tree_attention_equals_rotary_then_attention(device, gen, dtype, ba
         tree_block_writes=True,
     )
     slots = _tree_block_slots(meta, nodes)
-    meta = attrs.evolve(meta, write_slots=slots)
+    meta = attrs.evolve(meta, write_slots=slots,
+                        window_lo=None if window is None else meta.kv_len - window)
     # NaN in every node's slot: a program that read a node before writing it would show it
     k_cache[slots[slots >= 0]] = float("nan")
     v_cache[slots[slots >= 0]] = float("nan")

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from phasegraph.kernels import linear as lin
+from phasegraph.kernels import tile_tables
 from phasegraph.kernels._dispatch import ENV_VAR
 from phasegraph.kernels.activation import silu_mul, silu_mul_reference
 from phasegraph.kernels.rms_norm import add_rms_norm, add_rms_norm_reference
@@ -111,41 +112,61 @@ def test_triton_wrappers_refuse_what_the_kernel_cannot_take():
         lin.add_rms_norm_linear_triton(x[:4], residual[:4], norm_w.float(), 1e-5, w)
 
 
-def test_an_h200_takes_its_own_tiles_for_the_8b_shapes(monkeypatch):
+C = lin.SkinnyConfig
+GEMV_WHOLE_K = C(1, 4096, 4, 1, dot=False)  # one weight row per program, K at once
+DOT = C(32, 256, 4, 4, dot=True)
+DOT_WIDE = C(64, 256, 4, 3, dot=True, swap=True)  # wgmma, W as the left operand
+H100_FILE = str(tile_tables.shipped_file("NVIDIA_H100_80GB_HBM3.json"))
+
+
+@pytest.fixture
+def fresh_tables():
+    tile_tables.clear_cache()
+    yield
+    tile_tables.clear_cache()
+
+
+def test_an_h200_takes_its_own_tiles_for_the_8b_shapes(monkeypatch, fresh_tables):
     """The GPU's name picks the table: on an H200 the one-row qkv and gate_up products of the 8B
     shape (norm prologue fused) stream two weight rows per program, and at 2..4 rows qkv takes
-    the 16-row dot tile, gate_up cuBLAS and down two K slices; every other product, and every
-    product on other GPUs, keeps the shipped tiles; float32 has one table."""
+    the 16-row dot tile, gate_up cuBLAS and down two K slices; every other product keeps the
+    H100's tiles; float32 has one table on both; other devices read the generic file."""
     names = {0: "NVIDIA H200", 1: "NVIDIA H100 80GB HBM3"}
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: names[index])
-    monkeypatch.setattr(lin, "_H200_BY_DEVICE", {})
     h200, h100, cpu = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
     bf = torch.bfloat16
-    assert lin.gpu_table_name(bf, h200) == "H200_CONFIGS"
-    assert lin.gpu_table_name(bf, h100) == lin.gpu_table_name(bf, cpu) == "CONFIGS"
-    assert lin.gpu_table_name(torch.float32, h200) == "FP32_CONFIGS"
+    assert tile_tables.table_file(h200).name == "NVIDIA_H200.json"
+    assert tile_tables.table_file(h100).name == "NVIDIA_H100_80GB_HBM3.json"
+    assert tile_tables.table_file(cpu).name == tile_tables.GENERIC
+    tables = {d: tile_tables.tables_for(d) for d in (h200, h100)}
+    assert tables[h200].skinny(torch.float32) == tables[h100].skinny(torch.float32)
     for n in (6144, 28672):
         rule = lin._lookup(1, n, 4096, bf, h200)
         assert rule.config == lin.SkinnyConfig(2, 4096, 4, 1, dot=False) and rule.fused and rule.plain
-        assert lin._lookup(1, n, 4096, bf, h100).config == lin._GEMV_WHOLE_K
-        assert lin._lookup(1, n, 4096, bf, cpu).config == lin._GEMV_WHOLE_K
+        assert lin._lookup(1, n, 4096, bf, h100).config == GEMV_WHOLE_K
+        assert lin._lookup(1, n, 4096, bf, cpu).config == GEMV_WHOLE_K
     for m in (2, 3, 4):
         qkv, gate_up, down = (lin._lookup(m, n, k, bf, h200)
                               for n, k in [(6144, 4096), (28672, 4096), (4096, 14336)])
-        assert qkv.config == lin._DOT and qkv.plain and not qkv.fused
+        assert qkv.config == DOT and qkv.plain and not qkv.fused
         assert not gate_up.plain and not gate_up.fused  # cuBLAS after the norm kernel
-        assert down.config == lin._DOT_WIDE._replace(split_k=2) and down.plain and not down.fused
-        assert lin._lookup(m, 6144, 4096, bf, h100).config == lin._DOT_WIDE
+        assert down.config == DOT_WIDE._replace(split_k=2) and down.plain and not down.fused
+        assert lin._lookup(m, 6144, 4096, bf, h100).config == DOT_WIDE
         assert lin._lookup(m, 4096, 14336, bf, h100).config.split_k == 1
     for m, n, k in [(1, 4096, 4096), (1, 4096, 14336), (4, 4096, 4096), (5, 6144, 4096),
                     (16, 28672, 4096), (5, 4096, 14336), (1, 128256, 8192), (4, 128256, 4096),
                     (1, 40, 96), (4, 40, 96)]:
         assert lin._lookup(m, n, k, bf, h200) == lin._lookup(m, n, k, bf, h100), (m, n, k)
-    h200_only = lin._H200_RULES + lin._H200_FOUR_ROW_RULES
-    assert tuple(r for r in lin.H200_CONFIGS if r not in h200_only) == lin.CONFIGS  # same order
+    h200_rules, h100_rules = tables[h200].skinny(bf), tables[h100].skinny(bf)
+    h200_only = [r for r in h200_rules if r not in h100_rules]
+    eight_b = {((6144, 6144), (4096, 4096)), ((28672, 28672), (4096, 4096)),
+               ((4096, 4096), (14336, 14336))}
+    assert len(h200_only) == 5 and all((r.n_range, r.k_range) in eight_b for r in h200_only)
+    assert tuple(r for r in h200_rules if r not in h200_only) == h100_rules  # same order
 
 
-def test_config_table_covers_every_row_count():
+def test_config_table_covers_every_row_count(monkeypatch, fresh_tables):
+    monkeypatch.setenv(tile_tables.ENV_VAR, H100_FILE)  # the H100's rules, on any machine
     for m in range(1, lin.MAX_M + 1):
         for n, k in [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336), (40, 96)]:
             cfg = lin.pick_config(m, n, k)
@@ -153,10 +174,10 @@ def test_config_table_covers_every_row_count():
             assert cfg.dot or m <= 4, (m, n, k, cfg)  # the multiply-sum form takes <= 4 rows
             assert cfg.block_n >= 1 and cfg.block_k >= 16 and cfg.num_warps in (1, 2, 4, 8, 16)
     assert lin._lookup(lin.MAX_M, 40, 96) is not None  # small unknown shapes: a default rule
-    # a 128k-vocabulary lm_head: the whole-K multiply-sum at one row (331 vs 372 us on an H100),
-    # the wgmma tile at 2..4 rows (341 vs 371), cuBLAS at 5..16 rows and wherever K is longer
-    assert lin._lookup(1, 128256, 4096).config == lin._GEMV_WHOLE_K
-    assert lin._lookup(4, 128256, 4096).config == lin._DOT_WIDE
+    # a 128k-vocabulary lm_head: the whole-K multiply-sum at one row, the wgmma tile at 2..4
+    # rows, cuBLAS at 5..16 rows and wherever K is longer
+    assert lin._lookup(1, 128256, 4096).config == GEMV_WHOLE_K
+    assert lin._lookup(4, 128256, 4096).config == DOT_WIDE
     assert lin._lookup(4, 128256, 4096).plain is True
     assert lin._lookup(16, 128256, 4096).plain is False
     assert lin._lookup(1, 128256, 8192).plain is False
@@ -173,11 +194,16 @@ def test_config_table_covers_every_row_count():
     assert lin._lookup(8, 768, 2560, torch.float32).config.split_k == 8  # the pair's down
     # shapes outside the pair's keep the general rules
     assert lin._lookup(8, 1024, 768, torch.float32).config == lin._FP32_GEMV16
-    assert lin._lookup(8, 768, 3072, torch.float32).config == lin._FP32_GEMV16_LONG_K
+    assert lin._lookup(8, 768, 3072, torch.float32).config == C(4, 256, 8, 2, dot=False)
     assert lin._lookup(8, 4096, 14336, torch.float32) is None  # long K: cuBLAS
-    for rule in lin.FP32_CONFIGS:  # half-precision tiles never leak into the float32 table
+
+
+@pytest.mark.parametrize("name", ["NVIDIA_H100_80GB_HBM3.json", "NVIDIA_H200.json", tile_tables.GENERIC])
+def test_every_shipped_table_keeps_split_k_off_the_fused_forms(name):
+    tables = tile_tables.read_tables(tile_tables.shipped_file(name))
+    for rule in tables.skinny_float32:  # half-precision tiles never leak into the float32 table
         assert rule.config.precision in ("ieee", "tf32x3")
-    for rule in lin.CONFIGS + lin.FP32_CONFIGS:  # split-K takes plain products only
+    for rule in tables.skinny_half + tables.skinny_float32:  # split-K takes plain products only
         assert rule.config.split_k >= 1 and not (rule.config.split_k > 1 and rule.fused), rule
 
 

@@ -13,14 +13,23 @@ import torch
 import torch.nn.functional as F
 
 from phasegraph.kernels import linear as lin
+from phasegraph.kernels import tile_tables
 from phasegraph.kernels import tiled_linear as tiled
 
 PAIR_SHAPES = [(1280, 768), (768, 768), (5120, 768), (768, 2560), (8192, 768), (768, 2304), (1280, 1536)]
+MEASURED = ("NVIDIA_H100_80GB_HBM3.json", "NVIDIA_H200.json")  # the files with tiled rules
 
 
-def test_table_rows_cover_17_to_512_once_per_shape():
+@pytest.fixture(autouse=True)
+def _h100_table(monkeypatch):
+    """Every device reads the H100's tables, on any machine."""
+    monkeypatch.setenv(tile_tables.ENV_VAR, str(tile_tables.shipped_file(MEASURED[0])))
+
+
+@pytest.mark.parametrize("name", MEASURED)
+def test_table_rows_cover_17_to_512_once_per_shape(name):
     ranges = defaultdict(list)
-    for rule in tiled.FP32_TILE_CONFIGS:
+    for rule in tile_tables.read_tables(tile_tables.shipped_file(name)).tiled_float32:
         assert rule.n_range[0] == rule.n_range[1] and rule.k_range[0] == rule.k_range[1], rule
         ranges[(rule.n_range[0], rule.k_range[0])].append(rule.m_range)
         for cfg in (rule.summed, rule.deferred):
@@ -54,6 +63,7 @@ def test_tiled_config_answers_only_for_float32_rows_triton_runs(monkeypatch):
     x, w = torch.randn(128, 768), torch.randn(768, 768)
     assert tiled.tiled_config(x, w, None) is None  # a CPU tensor: the reference
     monkeypatch.setattr(tiled, "use_triton", lambda t: True)  # as on CUDA (CI has no Triton)
+    assert tiled.pick_tile(128, 768, 768) is not None
     assert tiled.tiled_config(x, w, None) == tiled.pick_tile(128, 768, 768)
     assert tiled.tiled_config(x, w, None, defer=True) == tiled.pick_tile(128, 768, 768, defer=True)
     assert tiled.tiled_config(x.bfloat16(), w.bfloat16(), None) is None

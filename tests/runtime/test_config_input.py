@@ -81,9 +81,9 @@ def _generate(capsys, *args: str) -> str:
 
 
 @pytest.mark.parametrize(("option", "message"), [
-    ("--num-steps", f"SpecConfig.num_steps must be an integer in [1, 64]; got {HUGE}"),
-    ("--topk", f"SpecConfig.topk must be an integer in [1, 128]; got {HUGE}"),
-    ("--num-draft-tokens", f"SpecConfig.num_draft_tokens must be at most 1024; got {HUGE}"),
+    ("--num-steps", f"--num-steps must be an integer in [1, 64]; got {HUGE}"),
+    ("--topk", f"--topk must be an integer in [1, 128]; got {HUGE}"),
+    ("--num-draft-tokens", f"--num-draft-tokens must be at most 1024; got {HUGE}"),
 ])
 def test_generate_refuses_huge_tree_options(capsys, no_engine, option, message):
     err = _generate(capsys, "--method", "eagle3", "--draft", str(DEMO / "eagle3"), option, str(HUGE))

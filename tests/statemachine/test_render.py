@@ -233,3 +233,44 @@ def test_cli_graph_refuses_an_empty_file_name(option, capsys):
     captured = capsys.readouterr()
     assert captured.err == f"phasegraph: error: {option} needs a file name, got an empty one\n"
     assert captured.out == ""
+
+
+GRAPH_WITHOUT_TORCH = """
+import sys, time
+from phasegraph.cli import main
+status = main(["graph", "--format", "text"])
+assert status == 0, status
+assert "torch" not in sys.modules, "phasegraph graph imported torch"
+print(f"\\nseconds since start: {time.time() - START:.3f}")
+"""
+
+
+def test_cli_graph_text_imports_no_torch_and_prints_at_once():
+    """Was 3.4 s, nearly all of it torch's import, to print a static graph; well under 0.5 s
+    on an idle machine now (the bound here is loose: test machines are busy)."""
+    import subprocess
+    import sys
+    import time
+
+    start = time.time()
+    code = f"START = {start!r}\n" + GRAPH_WITHOUT_TORCH
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=False)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.startswith("phase graph 'eagle' (entry: prefill-extend)")
+    seconds = float(proc.stdout.rsplit("seconds since start: ", 1)[1])
+    assert seconds < 3.0, f"phasegraph graph took {seconds:.2f} s"
+
+
+def test_cli_graph_describes_each_phase_in_one_whole_line(capsys):
+    """Retract's description stopped mid-sentence ("... and the page-table"), and others carried
+    citations and reST markup; each is now its phase's declared summary, one whole sentence."""
+    from phasegraph.phases.outline import EAGLE_OUTLINE
+
+    assert main(["graph"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for phase in EAGLE_OUTLINE.phases:
+        row = next(i for i, line in enumerate(lines) if line.startswith(f"  {phase.name} "))
+        assert lines[row + 1].strip() == phase.summary
+        assert phase.summary.endswith(".") and "``" not in phase.summary and "#" not in phase.summary
+        assert "arXiv" not in phase.summary
+    assert "they resume later with the same output." in next(line for line in lines if "Free the KV pages" in line)

@@ -30,7 +30,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from phasegraph.kernels.attention import AttentionMetadata, paged_attention, write_kv
+from phasegraph.kernels.attention import AttentionMetadata, paged_attention, window_of, write_kv
 from phasegraph.runtime.errors import NoForwardContext
 from phasegraph.runtime.kv_pool import KVPool
 
@@ -44,6 +44,7 @@ class ForwardContext:
     meta: AttentionMetadata
     pool: KVPool
     layer_map: tuple[int, ...] | None = None  # module.layer_idx -> pool layer; None = identity
+    positions: torch.Tensor | None = None  # [T] int64: what a sliding-window layer masks by
 
     def pool_layer(self, layer_idx: int) -> int:
         layer = layer_idx if self.layer_map is None else self.layer_map[layer_idx]
@@ -60,10 +61,14 @@ _STACK: list[ForwardContext] = []
 
 @contextmanager
 def forward_context(
-    meta: AttentionMetadata, pool: KVPool, layer_map: Sequence[int] | None = None
+    meta: AttentionMetadata,
+    pool: KVPool,
+    layer_map: Sequence[int] | None = None,
+    positions: torch.Tensor | None = None,
 ) -> Iterator[ForwardContext]:
-    """Make ``meta``/``pool`` current for the attention layers run inside the block."""
-    ctx = ForwardContext(meta, pool, tuple(layer_map) if layer_map is not None else None)
+    """Make ``meta``/``pool`` current for the attention layers run inside the block;
+    ``positions`` (the query tokens' positions) let sliding-window layers mask by them."""
+    ctx = ForwardContext(meta, pool, tuple(layer_map) if layer_map is not None else None, positions)
     _STACK.append(ctx)
     try:
         yield ctx
@@ -92,9 +97,10 @@ def phasegraph_attention(
 ) -> tuple[torch.Tensor, None]:  # ([1, T, H, D], None), the layout sdpa_attention_forward returns
     """Write this layer's K/V into the pool, then paged attention over the pool.
 
-    ``attention_mask`` is ignored (the metadata says what each query reads); so are
-    ``sliding_window`` and ``dropout`` (inference only; sliding-window models are exact while
-    the context is shorter than the window).
+    ``attention_mask`` is ignored (the metadata says what each query reads), and so is
+    ``dropout`` (inference only). ``sliding_window`` (Mistral and Qwen2 layers pass it) narrows
+    each query's prefix to the window ending at its position (:func:`window_of`), which needs
+    the positions in the forward context.
     """
     if kwargs.get("softcap") is not None:
         raise NotImplementedError("the phasegraph attention does not implement logit softcapping")
@@ -109,7 +115,16 @@ def phasegraph_attention(
         k_cache, v_cache, ctx.meta.write_slots, key[0].transpose(0, 1), value[0].transpose(0, 1)
     )
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = paged_attention(query[0].transpose(0, 1), k_cache, v_cache, ctx.meta, scale)  # [T,H,D]
+    meta = ctx.meta
+    window = kwargs.get("sliding_window")
+    if window is not None:
+        if ctx.positions is None:
+            raise NoForwardContext(
+                f"layer {module.layer_idx} attends a sliding window of {window} tokens, but the "
+                "forward context holds no positions: pass forward_context(..., positions=...)"
+            )
+        meta = window_of(meta, ctx.positions, int(window))
+    out = paged_attention(query[0].transpose(0, 1), k_cache, v_cache, meta, scale)  # [T,H,D]
     return out.unsqueeze(0), None
 
 

@@ -22,6 +22,7 @@ from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.runtime.errors import DraftMismatch
 from phasegraph.runtime.kv_pool import KVPool, KVSpec, check_pool_fits
 from phasegraph.runtime.models.attention_backend import ATTN_IMPLEMENTATION, forward_context
+from phasegraph.runtime.models.draft_layouts import flat_config
 from phasegraph.runtime.models.loading import (
     Checkpoint,
     check_model_parts,
@@ -107,16 +108,33 @@ class FeatureDraft(abc.ABC):
             raise RuntimeError(f"{type(self).__name__}.attach_kv(pool) must be called first")
         return self.pool
 
-    def _context(self, attn: AttentionMetadata):
-        return forward_context(attn, self._attached_pool())
+    def _context(self, attn: AttentionMetadata, positions: torch.Tensor | None = None):
+        return forward_context(attn, self._attached_pool(), positions=positions)
 
     def _rope(
         self, like: torch.Tensor, positions: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:  # cos, sin: [1, T, D]
         return self.rotary(like, positions[None])
 
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T, Ht]
-        return embed(self.target.embed_tokens, input_ids)
+    @property
+    def embedding(self) -> torch.nn.Module:
+        """The head's own ``embed_tokens`` where its checkpoint carries one that differs from
+        the target's (the reference loaders let the checkpoint's win), else the target's."""
+        own = getattr(self.head, "embed_tokens", None)
+        return own if own is not None else self.target.embed_tokens
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T, H]
+        return embed(self.embedding, input_ids)
+
+    def drop_copied_embedding(self) -> None:
+        """Free the head's ``embed_tokens`` where it is a copy of the target's (what most
+        trainers save): the same numbers, without a second vocabulary-sized table."""
+        own = getattr(self.head, "embed_tokens", None)
+        if own is None:
+            return
+        theirs = self.target.embed_tokens.weight
+        if own.weight.shape == theirs.shape and torch.equal(own.weight.to(theirs.dtype), theirs):
+            del self.head.embed_tokens
 
     @staticmethod
     def _rows(x: torch.Tensor, logits_index: torch.Tensor | None) -> torch.Tensor:
@@ -140,15 +158,17 @@ class FeatureDraft(abc.ABC):
         ``model.safetensors`` (or ``pytorch_model.bin``); every key checked against the head.
         ``options`` go to the adapter (EAGLE-3's ``fused``)."""
         where = str(directory)
-        raw = read_config(directory)
+        raw = flat_config(read_config(directory), where)
         config = draft_config(directory, raw)
         cls.check_config(where, config, raw, target)
         checkpoint = Checkpoint(directory, allow_bin=True)
+        cls.check_layout(where, config, raw, checkpoint, target)
         with building(device or target.device, init=False):
             head = cls.build_head(config, raw, checkpoint)
-        load_into_module(head, checkpoint, allowed_extra=cls.ignored_keys(config))
+        load_into_module(head, checkpoint, allowed_extra=cls.ignored_keys(config, raw, checkpoint))
         head.to(resolve_dtype(dtype) if dtype is not None else target.dtype)
         draft = cls(target, config, head, **options)
+        draft.drop_copied_embedding()
         draft.check_loaded(where)
         return draft
 
@@ -159,12 +179,22 @@ class FeatureDraft(abc.ABC):
         check_fits_target(where, config, target, feature_size=config.hidden_size)
 
     @classmethod
+    def check_layout(
+        cls, where: str, config: LlamaConfig, raw: dict, checkpoint: Checkpoint, target: HFTarget
+    ) -> None:
+        """Raise :class:`DraftMismatch` where the checkpoint's tensor names and the config
+        disagree on the head's layout (names read, no weight yet). Nothing by default."""
+        return None
+
+    @classmethod
     @abc.abstractmethod
     def build_head(cls, config: LlamaConfig, raw: dict, checkpoint: Checkpoint) -> torch.nn.Module:
         """The kind's head module with the checkpoint's layout (weights not loaded yet)."""
 
     @classmethod
-    def ignored_keys(cls, config: LlamaConfig) -> dict[str, tuple[int, ...]]:
+    def ignored_keys(
+        cls, config: LlamaConfig, raw: dict, checkpoint: Checkpoint
+    ) -> dict[str, tuple[int, ...]]:
         """Checkpoint tensors the head accepts and does not use: some trainers save the
         target's embedding beside the head (the target's own is used)."""
         return {"embed_tokens.weight": (config.vocab_size, config.hidden_size)}

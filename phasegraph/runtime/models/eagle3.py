@@ -1,41 +1,57 @@
-"""EAGLE-3 draft head (SafeAILab/EAGLE ``eagle/model/cnets.py`` checkpoint layout).
+"""EAGLE-3 draft head, in the public layouts of SafeAILab/EAGLE (``cnets.py``), SpecForge,
+vLLM (``llama_eagle3.py``) and vllm-project/speculators (flattened by ``draft_layouts``).
 
-Math, per token (``Hd`` draft hidden, ``Ht`` target hidden, which must be equal here because the
-target's embedding feeds the head)::
+Math, per token (``Hd`` draft hidden, ``Ht`` target hidden)::
 
-    e  = target_embed(token)                                  [Hd]
-    h  = fc(feature [3*Ht])   if from_target  else hidden     [Hd]
-    x  = concat(input_layernorm(e), hidden_norm(h))           [2*Hd]
-    h1 = h + o_proj(attn(q/k/v_proj(x)))                      RoPE at ``positions``
-    out = h1 + mlp(post_attention_layernorm(h1))              -> next hidden
-    logits = lm_head(norm(out))                               [Vd], the draft vocabulary
+    f  = input_norm(feature [3*Ht])                 ``norm_before_fc`` only
+    f  = concat(fc_norm_i(f_i) for the 3 chunks)    ``fc_norm`` only (EAGLE 3.1)
+    h  = fc(f)   if from_target  else hidden        [Hd]
+    e  = embed(token)                               the head's own embed_tokens where it
+                                                    differs from the target's, else the target's
+    x  = concat(input_layernorm(e), hidden_norm(h)) [2*Hd]
+    r  = hidden_norm(h) if norm_before_residual else h
+    h1 = r + o_proj(attn(q/k/v_proj(x)))            RoPE at ``positions``
+    out = h1 + mlp(post_attention_layernorm(h1))
+    out = layer_i(out)  for i = 1..n-1              plain pre-norm Llama layers (multi-layer heads)
+    logits = lm_head(norm(out))                     [Vd]; the target's lm_head where the
+                                                    checkpoint has none
+    next hidden = norm(out) if norm_output else out
 
 ``to_target_ids(d) = d + d2t[d]`` when the checkpoint carries ``d2t`` (always when
 ``draft_vocab_size < vocab_size``), identity otherwise.
 
-Checkpoint (``model.safetensors`` or ``pytorch_model.bin``): ``fc.weight [Hd, 3*Ht]``,
-``midlayer.self_attn.{q,k,v}_proj.weight [*, 2*Hd]``, ``midlayer.self_attn.o_proj.weight``,
-``midlayer.mlp.{gate,up,down}_proj.weight``,
-``midlayer.{hidden_norm,input_layernorm,post_attention_layernorm}.weight``, ``norm.weight``,
-``lm_head.weight [Vd, Hd]``, ``d2t [Vd] int64``, ``t2d [V] bool`` (optional, unused). An
-``embed_tokens.weight [V, Hd]`` some trainers save is accepted and ignored (the target's
-embedding is used, as in the reference). ``config.json``: Llama keys + ``draft_vocab_size``
-(+ optional ``target_hidden_size``).
+Checkpoint (``model.safetensors`` or ``pytorch_model.bin``): ``fc.weight [Hd, 3*Ht]``, the
+decoder layers under ``midlayer.`` (one layer), ``midlayers.{i}.`` or ``layers.{i}.`` (the
+first with ``self_attn.{q,k,v}_proj.weight [*, 2*Hd]`` and ``hidden_norm``), ``norm.weight``,
+``lm_head.weight [Vd, Hd]`` (optional), ``d2t [Vd] int64``, ``t2d [V] bool`` (optional,
+unused), ``embed_tokens.weight [V, Hd]`` (optional; required where ``Hd != Ht``),
+``input_norm.weight [3*Ht]`` and ``fc_norm.{0,1,2}.weight [Ht]`` with their switches.
+``config.json``: Llama keys + ``draft_vocab_size`` (+ ``target_hidden_size``, the switches).
+``num_hidden_layers`` must count the layers the checkpoint holds; a switch whose value is not
+implemented (``bias: true``, ``use_aux_hidden_state: false``, ``num_aux_hidden_states`` other
+than 3) raises :class:`UnsupportedDraftLayout`.
 """
 
 from __future__ import annotations
 
+import attrs
 import torch
 from torch import nn
 from transformers import LlamaConfig
-from transformers.models.llama.modeling_llama import LlamaAttention, LlamaMLP, LlamaRMSNorm
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaMLP,
+    LlamaRMSNorm,
+)
 
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.linear import add_rms_norm_linear, linear, silu_mul_linear
 from phasegraph.kernels.rms_norm import rms_norm_concat
 from phasegraph.phases.protocols import DraftOutput
-from phasegraph.runtime.errors import UnsupportedModel
-from phasegraph.runtime.models.draft_base import FeatureDraft, check_fits_target, require
+from phasegraph.runtime.errors import UnsupportedDraftLayout, UnsupportedModel
+from phasegraph.runtime.models.draft_base import FeatureDraft, require, run_decoder_layer
+from phasegraph.runtime.models.draft_layouts import layer_indices, require_layers, switch
 from phasegraph.runtime.models.fused_decoder import FusedLayer, fuse_layer, unfusable_config_reason
 from phasegraph.runtime.models.rotary_table import RotaryTable
 from phasegraph.runtime.models.take_rows import lookup_table, take_rows
@@ -60,8 +76,60 @@ class Eagle3Midlayer(nn.Module):
         self.post_attention_layernorm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
 
 
+@attrs.frozen
+class Eagle3Layout:
+    """What an EAGLE-3 config and its tensor names say about the head (see the module doc)."""
+
+    prefix: str = "midlayer"  # "midlayer" (one layer) | "midlayers" | "layers"
+    num_layers: int = 1
+    fc_norm: bool = False
+    norm_before_fc: bool = False
+    norm_before_residual: bool = False
+    norm_output: bool = False
+    own_lm_head: bool = True
+    own_embed: bool = False
+
+    @classmethod
+    def of(cls, raw: dict, config: LlamaConfig, keys: list[str], where: str) -> Eagle3Layout:
+        single = any(k.startswith("midlayer.") for k in keys)
+        lists = {p: layer_indices(keys, p) for p in ("midlayers", "layers")}
+        found = [p for p, ids in lists.items() if ids] + (["midlayer"] if single else [])
+        if len(found) != 1:
+            raise UnsupportedDraftLayout(
+                f"{where}: an EAGLE-3 head holds its decoder layers under one of midlayer.*, "
+                f"midlayers.{{i}}.*, layers.{{i}}.*; this checkpoint holds {found or 'none'}"
+            )
+        prefix = found[0]
+        require_layers([0] if single else lists[prefix], config.num_hidden_layers, prefix, where)
+        eagle_config = raw.get("eagle_config") if isinstance(raw.get("eagle_config"), dict) else {}
+        switch(eagle_config, "use_aux_hidden_state", True, where, supported=(True,))
+        aux = raw.get("num_aux_hidden_states")
+        if aux is not None and aux != 3:
+            raise UnsupportedDraftLayout(
+                f"{where}: num_aux_hidden_states {aux!r} is not supported (the target provides 3)"
+            )
+        # SGLang reads ``bias`` as an fc bias, vLLM as an o_proj bias: no reading is safe
+        switch(raw, "bias", False, where, supported=(False,))
+        return cls(
+            prefix=prefix,
+            num_layers=config.num_hidden_layers,
+            fc_norm=switch(raw, "fc_norm", False, where),
+            norm_before_fc=switch(eagle_config, "norm_before_fc", switch(raw, "norm_before_fc", False, where), where),
+            norm_before_residual=switch(raw, "norm_before_residual", False, where),
+            norm_output=switch(raw, "norm_output", False, where),
+            own_lm_head="lm_head.weight" in keys,
+            own_embed="embed_tokens.weight" in keys,
+        )
+
+    @property
+    def plain(self) -> bool:
+        """The EAGLE reference's head: one layer, no extra norms, its own lm_head."""
+        return (self.num_layers == 1 and not self.fc_norm and not self.norm_before_fc
+                and not self.norm_output and self.own_lm_head)
+
+
 class Eagle3Head(nn.Module):
-    """The EAGLE-3 weights, named as in the public checkpoints."""
+    """The EAGLE-3 weights, named as in the public checkpoints of ``layout``."""
 
     def __init__(
         self,
@@ -71,17 +139,52 @@ class Eagle3Head(nn.Module):
         draft_vocab_size: int,
         with_d2t: bool,
         with_t2d: bool,
+        layout: Eagle3Layout | None = None,
     ) -> None:
         super().__init__()
-        hidden = config.hidden_size
+        self.layout = layout = layout or Eagle3Layout()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        if layout.norm_before_fc:
+            self.input_norm = LlamaRMSNorm(3 * target_hidden_size, eps=eps)
+        if layout.fc_norm:
+            self.fc_norm = nn.ModuleList([LlamaRMSNorm(target_hidden_size, eps=eps) for _ in range(3)])
         self.fc = nn.Linear(3 * target_hidden_size, hidden, bias=False)
-        self.midlayer = Eagle3Midlayer(config)
-        self.norm = LlamaRMSNorm(hidden, eps=config.rms_norm_eps)
-        self.lm_head = nn.Linear(hidden, draft_vocab_size, bias=False)
+        layers = [Eagle3Midlayer(config)] + [
+            LlamaDecoderLayer(config, layer_idx=i) for i in range(1, layout.num_layers)
+        ]
+        if layout.prefix == "midlayer":
+            self.midlayer = layers[0]
+        else:
+            setattr(self, layout.prefix, nn.ModuleList(layers))
+        self.norm = LlamaRMSNorm(hidden, eps=eps)
+        if layout.own_lm_head:
+            self.lm_head = nn.Linear(hidden, draft_vocab_size, bias=False)
+        if layout.own_embed:
+            self.embed_tokens = nn.Embedding(config.vocab_size, hidden)
         if with_d2t:
             self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.int64))
         if with_t2d:
             self.register_buffer("t2d", torch.zeros(config.vocab_size, dtype=torch.bool))
+
+    @property
+    def decoder_layers(self) -> list[nn.Module]:
+        if self.layout.prefix == "midlayer":
+            return [self.midlayer]
+        return list(getattr(self, self.layout.prefix))
+
+    @property
+    def first_layer(self) -> Eagle3Midlayer:
+        return self.decoder_layers[0]
+
+    def fuse_features(self, feature: torch.Tensor) -> torch.Tensor:  # [T, 3Ht] -> [T, Hd]
+        """``fc`` of the target features, after ``norm_before_fc`` (one norm over the three)
+        and ``fc_norm`` (one norm per feature), in the order vLLM applies them."""
+        if self.layout.norm_before_fc:
+            feature = self.input_norm(feature)
+        if self.layout.fc_norm:
+            chunks = feature.chunk(3, dim=-1)
+            feature = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], -1)
+        return self.fc(feature)
 
 
 def eagle3_dims(config: LlamaConfig) -> tuple[int, int]:
@@ -105,18 +208,20 @@ class Eagle3Draft(FeatureDraft):
     def __init__(
         self, target: HFTarget, config: LlamaConfig, head: Eagle3Head, fused: bool | None = None
     ) -> None:
-        super().__init__(target, config, head, num_pool_layers=1)
+        super().__init__(target, config, head, num_pool_layers=head.layout.num_layers)
         self.target_hidden_size, self.vocab_size = eagle3_dims(config)  # vocab_size = Vd
         self.d2t: torch.Tensor | None = getattr(head, "d2t", None)  # [Vd] int64
         self.fused_layer: FusedLayer | None = None
         self.fused_reason: str | None = "switched off (fused=False)"
         if fused is not False:
-            self.fused_reason = unfusable_config_reason(config)
+            self.fused_reason = unfusable_config_reason(config) or (
+                None if head.layout.plain else f"the head's layout ({head.layout}) has no fused path"
+            )
             if self.fused_reason is not None and fused:
                 raise UnsupportedModel(f"the fused EAGLE-3 path cannot run this head: {self.fused_reason}")
             if self.fused_reason is None:
                 with torch.no_grad():
-                    self.fused_layer = fuse_layer(head.midlayer, config)
+                    self.fused_layer = fuse_layer(head.first_layer, config)
 
     @classmethod
     def check_config(cls, where: str, config: LlamaConfig, raw: dict, target: HFTarget) -> None:
@@ -125,10 +230,41 @@ class Eagle3Draft(FeatureDraft):
             draft_vocab <= config.vocab_size,
             f"{where}: draft_vocab_size {draft_vocab} > vocab_size {config.vocab_size}",
         )
-        check_fits_target(where, config, target, feature_size=3 * target_hidden)
+        require(
+            config.vocab_size == target.vocab_size,
+            f"{where}: draft vocab_size {config.vocab_size} != target vocab_size {target.vocab_size}",
+        )
+        require(
+            target_hidden == target.hidden_size and target.feature_size == 3 * target_hidden,
+            f"{where}: the head consumes features of width {3 * target_hidden} "
+            f"(target_hidden_size {target_hidden}), but the target provides "
+            f"{target.feature_size} (feature_mode={target.feature_mode!r}, hidden_size "
+            f"{target.hidden_size})",
+        )
         layers = declared_eagle3_layers(raw, target.num_layers, where)
         if layers is not None:
             target.use_feature_layers(layers)
+
+    @classmethod
+    def check_layout(cls, where, config, raw, checkpoint, target) -> None:
+        layout = Eagle3Layout.of(raw, config, checkpoint.keys(), where)
+        _, draft_vocab = eagle3_dims(config)
+        if not layout.own_lm_head:  # SGLang's and vLLM's loaders then take the target's lm_head
+            require(
+                draft_vocab == config.vocab_size and "d2t" not in checkpoint.shapes
+                and config.hidden_size == target.hidden_size,
+                f"{where}: the head has no lm_head.weight, so it uses the target's, which needs "
+                f"draft_vocab_size == vocab_size, no d2t and the target's hidden_size "
+                f"({draft_vocab}, {config.vocab_size}, hidden_size {config.hidden_size} vs "
+                f"{target.hidden_size})",
+            )
+        if config.hidden_size != target.hidden_size:
+            require(
+                layout.own_embed,
+                f"{where}: draft hidden_size {config.hidden_size} != target hidden_size "
+                f"{target.hidden_size}, so the head needs its own embed_tokens.weight "
+                f"[{config.vocab_size}, {config.hidden_size}], which the checkpoint lacks",
+            )
 
     @classmethod
     def build_head(cls, config: LlamaConfig, raw: dict, checkpoint) -> Eagle3Head:
@@ -139,7 +275,12 @@ class Eagle3Draft(FeatureDraft):
             draft_vocab_size=draft_vocab,
             with_d2t=draft_vocab < config.vocab_size or "d2t" in checkpoint.shapes,
             with_t2d="t2d" in checkpoint.shapes,
+            layout=Eagle3Layout.of(raw, config, checkpoint.keys(), str(checkpoint.directory)),
         )
+
+    @classmethod
+    def ignored_keys(cls, config, raw, checkpoint) -> dict[str, tuple[int, ...]]:
+        return {}  # an embed_tokens.weight the checkpoint holds is the head's own (Eagle3Layout)
 
     def check_loaded(self, where: str) -> None:
         self.check_d2t(where)
@@ -181,30 +322,41 @@ class Eagle3Draft(FeatureDraft):
         if self.fused_layer is not None:
             return self._forward_fused(input_ids, hidden, positions, attn, from_target, logits_index)
         head: Eagle3Head = self.head
-        mid = head.midlayer
+        first, *rest = head.decoder_layers
         embeds = self._embed(input_ids).to(self.dtype)  # [T, Hd]
-        h = head.fc(hidden.to(self.dtype)) if from_target else hidden  # [T, Hd]
-        x = torch.cat([mid.input_layernorm(embeds), mid.hidden_norm(h)], dim=-1)  # [T, 2Hd]
+        h = head.fuse_features(hidden.to(self.dtype)) if from_target else hidden  # [T, Hd]
+        normed_h = first.hidden_norm(h)  # [T, Hd]
+        x = torch.cat([first.input_layernorm(embeds), normed_h], dim=-1)  # [T, 2Hd]
+        residual = normed_h if head.layout.norm_before_residual else h  # vLLM's two orders
         position_embeddings = self._rope(x, positions)
-        with self._context(attn):
-            attn_out, _ = mid.self_attn(
+        with self._context(attn, positions):
+            attn_out, _ = first.self_attn(
                 hidden_states=x[None], position_embeddings=position_embeddings, attention_mask=None
             )  # [1, T, Hd]
-        h1 = h + attn_out[0]  # [T, Hd]
-        out = h1 + mid.mlp(mid.post_attention_layernorm(h1))  # [T, Hd]
+            h1 = residual + attn_out[0]  # [T, Hd]
+            out = h1 + first.mlp(first.post_attention_layernorm(h1))  # [T, Hd]
+            for layer in rest:  # plain pre-norm layers over the hidden alone
+                out = run_decoder_layer(layer, out, position_embeddings, positions)
         rows = self._rows(out, logits_index)  # [R, Hd]
-        logits = head.lm_head(head.norm(rows))  # [R, Vd], head dtype
+        normed = head.norm(rows)  # [R, Hd]
+        if head.layout.own_lm_head:
+            logits = head.lm_head(normed)  # [R, Vd], head dtype
+        else:
+            logits = self.target.lm_head(normed.to(self.target.dtype)).float()  # [R, V]
+        if head.layout.norm_output:  # the next step is fed the normed hidden (vLLM norm_output)
+            out = head.norm(out)
+            rows = normed
         return DraftOutput(logits=logits, hidden=out, hidden_rows=None if logits_index is None else rows)
 
     def _forward_fused(self, input_ids, hidden, positions, attn, from_target, logits_index) -> DraftOutput:
         """The same math as the modules path, through the fused kernels (one token: the norm
         is the prologue of the next product, so ``norm -> lm_head`` is one kernel)."""
         head: Eagle3Head = self.head
-        mid, layer = head.midlayer, self.fused_layer
+        mid, layer = head.first_layer, self.fused_layer
         pool = self._attached_pool()
         h = (linear(hidden.to(self.dtype), head.fc.weight, head.fc.bias, static_weight=True)
              if from_target else hidden)  # [T, Hd]
-        table = lookup_table(self.target.embed_tokens)
+        table = lookup_table(self.embedding)
         if table is not None:  # the lookup and its cast to the head's dtype inside the norm kernel
             embeds, rows = table, input_ids  # [V, Hd], [T]
         else:
@@ -215,6 +367,8 @@ class Eagle3Draft(FeatureDraft):
         )
         cos, sin, rope_rows = RotaryTable.of(self.rotary).lookup(x, positions, attn)
         attn_out = layer.attention(x, cos, sin, pool.k[0], pool.v[0], attn, rope_rows)  # [T, Hd]
+        if head.layout.norm_before_residual:  # the residual is hidden_norm(h), x's second half
+            h = x[:, self.hidden_size:].contiguous()
         # h1 = h + attn_out; gate_up = post_attention_layernorm(h1) @ gate_up
         gate_up, h1 = add_rms_norm_linear(
             attn_out, h, layer.post_norm, layer.eps, layer.gate_up_weight, layer.gate_up_bias,

@@ -35,7 +35,7 @@ from __future__ import annotations
 import attrs
 import torch
 
-from phasegraph.kernels.attention import AttentionMetadata, paged_attention
+from phasegraph.kernels.attention import AttentionMetadata, paged_attention, window_of
 from phasegraph.kernels.linear import add_rms_norm_linear, linear, silu_mul_linear
 from phasegraph.kernels.rms_norm import add_rms_norm
 from phasegraph.kernels.rope_attention import rope_paged_attention
@@ -86,6 +86,7 @@ class FusedLayer:
     scaling: float
     q_norm: torch.nn.Module | None = None  # Qwen3: RMSNorm over each head before rotary
     k_norm: torch.nn.Module | None = None
+    sliding_window: int | None = None  # Mistral / Qwen2 sliding-window layers (layer_window)
 
     def attention(
         self,
@@ -187,7 +188,20 @@ def fuse_layer(layer: torch.nn.Module, config) -> FusedLayer:
         scaling=float(getattr(attn, "scaling", head_dim**-0.5)),
         q_norm=q_norm,
         k_norm=k_norm,
+        sliding_window=layer_window(layer, config),
     )
+
+
+def layer_window(layer: torch.nn.Module, config) -> int | None:
+    """The sliding window transformers' module of ``layer`` passes to its attention function:
+    Qwen2/Qwen3 attention modules hold theirs (None on full-attention layers), Mistral's passes
+    ``config.sliding_window`` from every layer."""
+    attn = layer.self_attn
+    if hasattr(attn, "sliding_window"):
+        return attn.sliding_window
+    if getattr(config, "model_type", None) == "mistral":
+        return getattr(config, "sliding_window", None)
+    return None
 
 
 def unfusable_config_reason(config) -> str | None:
@@ -254,11 +268,18 @@ def run_fused_decoder(
     cos, sin, rope_rows = RotaryTable.of(inner.rotary_emb).lookup(hidden, positions, meta)
     residual: torch.Tensor | None = None
     captured: dict[int, torch.Tensor] = {}
+    windowed: dict[int, AttentionMetadata] = {}  # one metadata per distinct window
     for idx, layer in enumerate(layers):
         qkv, residual = layer.norm_qkv(hidden, residual)
         if idx in capture_layers:
             captured[idx] = residual  # the hidden state entering layer idx
-        hidden = layer.attention_from_qkv(qkv, cos, sin, k_caches[idx], v_caches[idx], meta, rope_rows,
+        layer_meta = meta
+        if layer.sliding_window is not None:
+            window = layer.sliding_window
+            if window not in windowed:
+                windowed[window] = window_of(meta, positions, window)
+            layer_meta = windowed[window]
+        hidden = layer.attention_from_qkv(qkv, cos, sin, k_caches[idx], v_caches[idx], layer_meta, rope_rows,
                                           defer=True)
         hidden, residual = layer.norm_mlp(hidden, residual, defer=True)
     final = inner.norm

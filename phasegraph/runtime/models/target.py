@@ -24,7 +24,7 @@ from phasegraph.phases.protocols import TargetOutput
 from phasegraph.runtime.errors import DraftMismatch, UnsupportedModel
 from phasegraph.runtime.kv_pool import KVPool, KVSpec, check_pool_fits
 from phasegraph.runtime.models.attention_backend import ATTN_IMPLEMENTATION, forward_context
-from phasegraph.runtime.models.fused_decoder import fuse_decoder, run_fused_decoder
+from phasegraph.runtime.models.fused_decoder import fuse_decoder, layer_window, run_fused_decoder
 from phasegraph.runtime.models.loading import (
     Checkpoint,
     check_model_parts,
@@ -159,8 +159,11 @@ class HFTarget:
     ``"none"`` (``[T, 0]``, standalone drafts). Wrapping a loaded model switches it to the
     ``"phasegraph"`` attention implementation. Call :meth:`attach_kv` before :meth:`forward`.
 
-    Sliding-window layers (Mistral ``sliding_window``, Qwen ``use_sliding_window``) are attended
-    in full: exact while the context stays within ``sliding_window`` tokens.
+    Sliding-window layers (Mistral ``sliding_window``, Qwen2/Qwen3 ``use_sliding_window`` from
+    ``max_window_layers`` on) attend the window ending at each token, on both paths: the
+    attention function reads the window transformers' module passes, the fused path the one
+    :func:`~phasegraph.runtime.models.fused_decoder.layer_window` reads from the same module.
+    :attr:`sliding_window` is the narrowest window of any layer (None: none).
 
     ``fused``: run the layers through :mod:`~phasegraph.runtime.models.fused_decoder` (merged
     projections, fused norm / rotary / activation kernels; the default where the layers allow
@@ -199,9 +202,8 @@ class HFTarget:
             head_dim=head_dim_of(config),
             dtype=self.dtype,
         )
-        window = getattr(config, "sliding_window", None)
-        uses_window = getattr(config, "use_sliding_window", True)
-        self.sliding_window: int | None = window if (window and uses_window) else None
+        windows = [w for layer in model.model.layers if (w := layer_window(layer, config)) is not None]
+        self.sliding_window: int | None = min(windows) if windows else None
         self.pool: KVPool | None = None
         self.fused_layers = None
         self.fused_reason: str | None = "switched off (fused=False)"
@@ -267,7 +269,7 @@ class HFTarget:
         position_ids = positions[None]  # [1, T]
         position_embeddings = inner.rotary_emb(hidden, position_ids)  # (cos, sin) [1, T, D]
         captured: dict[int, torch.Tensor] = {}
-        with forward_context(attn, self.pool):
+        with forward_context(attn, self.pool, positions=positions):
             for idx, layer in enumerate(inner.layers[: self.num_layers]):
                 if idx in self.feature_layers:
                     captured[idx] = hidden[0]  # residual input of layer idx, [T, Ht]

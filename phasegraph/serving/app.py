@@ -1,0 +1,338 @@
+"""The OpenAI-compatible HTTP server over an :class:`AsyncEngine`: :func:`create_app` builds the
+FastAPI application that ``phasegraph serve`` runs with uvicorn.
+
+Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream over
+server-sent events with ``"stream": true``), ``GET /v1/models``, ``GET /health``,
+``GET /metrics`` (Prometheus). Every error is OpenAI's error body
+(``{"error": {"message", "type", "param", "code"}}``): 400 for a bad request (a body that does
+not validate included), 404 for an unknown model or path, 429 when the queue is full (with
+``on_full="429"``), 503 once the engine is closed, 500 (no traceback) for a request that failed
+while it ran or for a bug. See docs/serving.md.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from phasegraph.runtime.config import RequestOutput, SamplingParams
+from phasegraph.runtime.errors import InvalidConfig, InvalidRequest
+from phasegraph.serving import openai_api as api
+from phasegraph.serving.async_engine import AsyncEngine, RequestStream
+from phasegraph.serving.errors import APIError, EngineClosed, QueueFull
+from phasegraph.serving.metrics import ServerMetrics
+
+ON_FULL = ("429", "wait")
+
+
+def create_app(
+    aengine: AsyncEngine,
+    *,
+    model_name: str = "phasegraph",
+    on_full: str = "429",
+    chat_template: str | None = None,
+) -> FastAPI:
+    """The server's FastAPI application over ``aengine`` (which the caller closes).
+
+    ``model_name``: the model id requests name and ``/v1/models`` lists. ``on_full``: what a
+    request meets when ``aengine``'s queue is full: ``"429"`` (an error, retry later) or
+    ``"wait"`` (it waits for room, unless its client leaves). ``chat_template``: a Jinja chat
+    template used instead of the tokenizer's (without either, chat requests get a 400)."""
+    if not isinstance(aengine, AsyncEngine):
+        raise InvalidConfig(f"create_app serves an AsyncEngine; got {type(aengine).__name__}")
+    if on_full not in ON_FULL:
+        raise InvalidConfig(f"on_full must be one of {', '.join(ON_FULL)}; got {on_full!r}")
+    if not isinstance(model_name, str) or not model_name:
+        raise InvalidConfig(f"model_name must be a non-empty string; got {model_name!r}")
+    server = _Server(aengine, model_name, on_full == "wait", chat_template)
+    app = FastAPI(title="phasegraph", docs_url=None, redoc_url=None, openapi_url=None)
+    app.state.phasegraph = server
+
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        headers = {"Retry-After": "1"} if exc.status == 429 else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(InvalidRequest)
+    async def invalid_request(request: Request, exc: InvalidRequest) -> JSONResponse:
+        # SamplingParams' own checks (a stop string "", a seed past 64 bits, ...)
+        return await api_error(request, APIError(400, str(exc)))
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return await api_error(request, _validation_error(exc))
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return await api_error(request, APIError(exc.status_code, str(exc.detail), type=kind))
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception) -> JSONResponse:
+        # a bug: the client gets its name, never a traceback (the server's log has that)
+        error = APIError(500, f"internal error ({type(exc).__name__})", type="server_error")
+        return await api_error(request, error)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if not aengine.is_running:
+            failure = aengine.failure
+            why = f"the engine's step loop stopped: {failure!r}" if failure else "the engine is closed"
+            return await api_error(None, APIError(503, why, type="server_error", code="engine_closed"))
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def models() -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{
+            "id": model_name, "object": "model", "created": server.created, "owned_by": "phasegraph",
+            "max_model_len": aengine.max_context,
+        }]})
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/completions")
+    async def completions(body: api.CompletionRequest, request: Request) -> Response:
+        server.check_model(body.model)
+        params = api.completion_params(body)
+        prompt = api.completion_prompt(body)
+        return await server.respond(request, body, prompt, params, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: api.ChatRequest, request: Request) -> Response:
+        server.check_model(body.model)
+        params = api.chat_params(body, aengine.max_context)
+        prompt = api.chat_prompt(aengine.tokenizer, body.messages, server.chat_template)
+        return await server.respond(request, body, prompt, params, chat=True)
+
+    return app
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """A body that does not validate, as one 400 naming the first field at fault."""
+    errors = exc.errors()
+    first = errors[0] if errors else {"loc": (), "msg": "invalid request body", "type": ""}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = loc[0] if loc else None
+    if first.get("type") == "extra_forbidden":
+        message = f"Unrecognized request argument supplied: {param}"
+    elif first.get("type") == "json_invalid":
+        message = f"the request body is not valid JSON: {first.get('msg')}"
+        param = None
+    elif first.get("type") == "missing":
+        message = f"{param}: a required field is missing"
+    else:
+        message = f"{'.'.join(loc) or 'body'}: {first.get('msg')}"
+    more = len(errors) - 1
+    if more > 0 and first.get("type") != "extra_forbidden":
+        message += f" (and {more} more problem{'s' if more > 1 else ''} with the body)"
+    return APIError(400, message, param=param)
+
+
+class _Server:
+    """What the routes share: the engine, the settings and the metrics."""
+
+    def __init__(self, aengine: AsyncEngine, model_name: str, wait: bool, chat_template: str | None):
+        self.aengine = aengine
+        self.model_name = model_name
+        self.wait = wait
+        self.chat_template = chat_template
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(aengine)
+
+    def check_model(self, model: str) -> None:
+        if model != self.model_name:
+            raise APIError(404, f"The model {model!r} does not exist: this server serves {self.model_name!r}",
+                           type="not_found_error", param="model", code="model_not_found")
+
+    async def respond(self, request: Request, body, prompt, params: SamplingParams, *, chat: bool) -> Response:
+        arrived = time.perf_counter()
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        stream = await _unless_disconnected(request, self._add(rid, prompt, params, chat))
+        if stream is None:  # the client left while the request waited for room
+            return Response(status_code=499)
+        if body.stream:
+            include_usage = body.stream_options is not None and body.stream_options.include_usage
+            events = self._events(stream, rid, arrived, chat, include_usage)
+            return _EventStream(events, on_close=stream.cancel)
+        out = await _unless_disconnected(request, self._collect(stream, arrived))
+        if out is None:
+            return Response(status_code=499)
+        return JSONResponse(self._whole(out, rid, chat))
+
+    async def _add(self, rid: str, prompt, params: SamplingParams, chat: bool) -> RequestStream:
+        try:
+            # a chat prompt is framed by its template already: no special tokens added again
+            return await self.aengine.add_request(prompt, params, request_id=rid, wait=self.wait,
+                                                  add_special_tokens=not chat)
+        except InvalidRequest as exc:
+            raise APIError(400, str(exc)) from None
+        except QueueFull as exc:
+            raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
+        except EngineClosed as exc:
+            raise APIError(503, str(exc), type="server_error", code="engine_closed") from None
+
+    async def _collect(self, stream: RequestStream, arrived: float) -> RequestOutput:
+        first = None
+        try:
+            async for delta in stream:
+                if first is None and delta.new_token_ids:
+                    first = time.perf_counter()
+                    self.metrics.time_to_first_token.observe(first - arrived)
+        except EngineClosed as exc:
+            raise APIError(503, str(exc), type="server_error", code="engine_closed") from None
+        finally:
+            stream.cancel()
+        out = stream.output
+        _raise_unfinished(out)
+        self.metrics.request_latency.observe(time.perf_counter() - arrived)
+        return out
+
+    def _whole(self, out: RequestOutput, rid: str, chat: bool) -> dict:
+        tokenizer = self.aengine.tokenizer
+        tokens = api.token_texts(tokenizer, out.token_ids) if out.logprobs is not None else []
+        choice: dict = {"index": 0, "finish_reason": api.FINISH_REASONS[out.finish_reason]}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": out.text}
+            choice["logprobs"] = api.chat_logprobs(tokens, out.logprobs)
+        else:
+            choice["text"] = out.text
+            choice["logprobs"] = api.completion_logprobs(tokens, out.logprobs)
+        return {
+            "id": rid, "object": "chat.completion" if chat else "text_completion",
+            "created": int(time.time()), "model": self.model_name, "choices": [choice],
+            "usage": api.usage(out), "phasegraph": api.extension(out),
+        }
+
+    async def _events(self, stream: RequestStream, rid: str, arrived: float, chat: bool,
+                      include_usage: bool) -> AsyncIterator[str]:
+        """The stream's server-sent events: one chunk per delta (every token of one engine step),
+        whose ``phasegraph`` field has that step's token ids and accept lengths; then the usage
+        chunk if asked for, and ``[DONE]``."""
+        tokenizer = self.aengine.tokenizer
+        created = int(time.time())
+        head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                "created": created, "model": self.model_name}
+        last = None
+        offset = 0
+        try:
+            if chat:  # OpenAI's first chat chunk opens the assistant's message
+                yield _event({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                                    "logprobs": None, "finish_reason": None}]})
+            async for delta in stream:
+                if delta.new_token_ids:
+                    now = time.perf_counter()
+                    metric = self.metrics.time_to_first_token if last is None else self.metrics.inter_token
+                    metric.observe(now - (arrived if last is None else last))
+                    last = now
+                # a request that fails (or is aborted by a closing engine) sends the tokens it
+                # made before the end, then the error event
+                ended = delta.finish_reason in ("error", "abort")
+                if ended and not delta.new_token_ids and not delta.new_text:
+                    _raise_unfinished(stream.output)
+                tokens = api.token_texts(tokenizer, delta.new_token_ids) if delta.logprobs is not None else []
+                reason = None if ended or delta.finish_reason is None else api.FINISH_REASONS[delta.finish_reason]
+                choice: dict = {"index": 0, "finish_reason": reason}
+                if chat:
+                    choice["delta"] = {"content": delta.new_text} if delta.new_text or reason is None else {}
+                    choice["logprobs"] = api.chat_logprobs(tokens, delta.logprobs)
+                else:
+                    choice["text"] = delta.new_text
+                    choice["logprobs"] = api.completion_logprobs(tokens, delta.logprobs, offset)
+                offset += len(delta.new_text)
+                yield _event({**head, "choices": [choice], "phasegraph": {
+                    "token_ids": list(delta.new_token_ids), "accept_lengths": list(delta.accept_lengths)}})
+                if ended:
+                    _raise_unfinished(stream.output)
+            out = stream.output
+            self.metrics.request_latency.observe(time.perf_counter() - arrived)
+            if include_usage:
+                yield _event({**head, "choices": [], "usage": api.usage(out), "phasegraph": api.extension(out)})
+        except (APIError, EngineClosed) as exc:
+            error = exc if isinstance(exc, APIError) else APIError(503, str(exc), type="server_error",
+                                                                   code="engine_closed")
+            yield _event(error.body())
+        finally:
+            stream.cancel()
+        yield "data: [DONE]\n\n"
+
+
+def _raise_unfinished(out: RequestOutput) -> None:
+    """A request that ended without finishing: an error while it ran, or the engine closing."""
+    if out.finish_reason == "error":
+        raise APIError(500, f"the request failed while it ran: {out.error}", type="server_error",
+                       code="request_failed")
+    if out.finish_reason == "abort":
+        raise APIError(503, "the server is shutting down: the request was aborted", type="server_error",
+                       code="engine_closed")
+
+
+def _event(data: dict) -> str:
+    return f"data: {json.dumps(data, separators=(',', ':'))}\n\n"
+
+
+async def _until_disconnected(receive: Callable) -> None:
+    """Returns when the client has gone (the request's body is read by then, so the next ASGI
+    message can only be the disconnect)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _unless_disconnected(request: Request, work):
+    """``work``'s result, or None if the client leaves first (``work`` is then cancelled, which
+    aborts the request it runs)."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_until_disconnected(request.receive))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not task.done():
+            task.cancel()
+        await asyncio.gather(task, watch, return_exceptions=True)
+    if task.cancelled():
+        return None
+    return task.result()
+
+
+class _EventStream(StreamingResponse):
+    """Server-sent events that end their request as soon as the client leaves: the disconnect
+    is watched while the stream waits for tokens (not only noticed at the next write), and the
+    request is aborted however the response ends."""
+
+    def __init__(self, events: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(events, media_type="text/event-stream",
+                         headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        self._on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        sending = asyncio.ensure_future(self._send_all(send))
+        watch = asyncio.ensure_future(_until_disconnected(receive))
+        try:
+            await asyncio.wait({sending, watch}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            self._on_close()
+            for task in (sending, watch):
+                task.cancel()
+            await asyncio.gather(sending, watch, return_exceptions=True)
+            await self.body_iterator.aclose()
+        if sending.done() and not sending.cancelled() and sending.exception() is not None:
+            raise sending.exception()
+
+    async def _send_all(self, send) -> None:
+        try:
+            await self.stream_response(send)
+        except OSError:  # the client left mid-write (uvicorn's ClientDisconnected)
+            return

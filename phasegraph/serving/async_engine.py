@@ -1,0 +1,535 @@
+"""AsyncEngine: an :class:`~phasegraph.runtime.engine.Engine` driven by one background thread,
+for asyncio programs (the HTTP server of :mod:`phasegraph.serving.app` among them).
+
+::
+
+    async with AsyncEngine(engine, max_queue=64) as aengine:
+        async for delta in aengine.stream("def fib(n):", SamplingParams(max_new_tokens=32)):
+            print(delta.new_text, end="")
+        out = await aengine.generate("def fib(n):")  # a RequestOutput
+
+The Engine is not thread-safe, so every call to it happens on the AsyncEngine's thread: its step
+loop, the requests added and aborted, and the functions given to :meth:`AsyncEngine.call`. The
+event loop only puts commands on a queue and reads deltas from per-request queues, so it never
+waits for a model step. A consumer that stops reading (a cancelled task, a closed stream, a
+client gone) aborts its request, and the engine thread frees its KV before its next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import itertools
+import queue
+import threading
+import weakref
+from collections import defaultdict, deque
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+import attrs
+
+from phasegraph.runtime.config import RequestDelta, RequestOutput, SamplingParams, is_int
+from phasegraph.runtime.engine import Engine
+from phasegraph.runtime.errors import InvalidConfig, InvalidRequest, RequestFailed
+from phasegraph.serving import DEFAULT_MAX_QUEUE
+from phasegraph.serving.errors import EngineClosed, QueueFull
+
+
+@attrs.frozen
+class ServingStats:
+    """A snapshot of an :class:`AsyncEngine` (:meth:`AsyncEngine.stats`); the counts are totals
+    since it started, the rest as of the engine's last step."""
+
+    queued: int  # requests the bounded queue holds: added and not yet finished
+    max_queue: int
+    waiting: int  # requests in the engine's scheduler waiting for admission
+    running: int  # requests in the engine's running batch
+    kv_free_pages: int
+    kv_total_pages: int  # pages the KV allocator can hand out
+    steps: int  # engine steps run
+    generated_tokens: int  # tokens emitted, also those of requests whose consumer left
+    prompt_tokens: int  # of the finished requests
+    rejected: int  # requests refused with QueueFull
+    finished: dict[str, int]  # finished requests by finish reason
+    accept_lengths: dict[int, int]  # verify steps by accept length (speculative methods)
+    phase_seconds: dict[str, float]  # host wall time per phase (Scheduler.on_phase)
+    phase_runs: dict[str, int]  # runs per phase
+
+
+@attrs.define
+class _Add:
+    request_id: str
+    prompt: Any
+    params: SamplingParams
+    add_special_tokens: bool
+    loop: asyncio.AbstractEventLoop
+    deltas: asyncio.Queue
+    done: concurrent.futures.Future
+
+
+@attrs.define
+class _Abort:
+    request_id: str
+
+
+@attrs.define
+class _Call:
+    fn: Callable[[Engine], Any]
+    done: concurrent.futures.Future
+
+
+_CLOSE = object()
+
+
+def _deliver(items: list[tuple[asyncio.Queue, Any]]) -> None:
+    """On a consumer's event loop: hand one step's deltas to their requests' queues."""
+    for deltas, item in items:
+        deltas.put_nowait(item)
+
+
+class RequestStream:
+    """One request's deltas, as an async iterator (``async for delta in stream``), from
+    :meth:`AsyncEngine.add_request`. The last delta has the finish reason and the whole output,
+    also kept as :attr:`output`. Dropping the stream unfinished aborts the request."""
+
+    def __init__(self, aengine: AsyncEngine, request_id: str, deltas: asyncio.Queue) -> None:
+        self.request_id = request_id
+        self.output: RequestOutput | None = None  # set by the last delta
+        self._deltas = deltas
+        self._done = False
+        # a stream garbage-collected unread still holds KV on the engine: abort it then
+        self._finalizer = weakref.finalize(self, aengine._abort_soon, request_id)
+        self._abort_soon = aengine._abort_soon
+
+    @property
+    def finished(self) -> bool:
+        return self._done
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> RequestDelta:
+        if self._done:
+            raise StopAsyncIteration
+        item = await self._deltas.get()
+        if isinstance(item, BaseException):  # the engine's step loop stopped
+            self._end()
+            raise item
+        if item.output is not None:
+            self.output = item.output
+            self._end()
+        return item
+
+    def _end(self) -> None:
+        self._done = True
+        self._finalizer.detach()
+
+    def cancel(self) -> None:
+        """Abort the request unless it has finished; returns at once (the engine thread frees
+        its KV before its next step; the stream then ends with finish reason ``"abort"``)."""
+        if not self._done:
+            self._abort_soon(self.request_id)
+
+    async def aclose(self) -> None:
+        """Abort the request unless it has finished, and wait until the engine has let it go
+        (its KV is free when this returns)."""
+        self.cancel()
+        try:
+            while not self._done:
+                await self.__anext__()
+        except EngineClosed:
+            pass
+
+
+class AsyncEngine:
+    """An :class:`~phasegraph.runtime.engine.Engine` behind one background thread (see the
+    module's docstring). It owns the engine from now on: touch the engine only through
+    :meth:`call`. Build a long-running engine with ``trace=False``: a trace keeps every phase
+    transition it ever ran.
+
+    ``max_queue`` bounds the requests added and not finished (waiting or running): past it,
+    :meth:`add_request` raises :class:`~phasegraph.serving.errors.QueueFull`, or with
+    ``wait=True`` waits for room. Close it with :meth:`close` / :meth:`aclose` or ``async with``:
+    requests still pending are aborted and the thread is joined.
+    """
+
+    def __init__(self, engine: Engine, *, max_queue: int = DEFAULT_MAX_QUEUE) -> None:
+        if not isinstance(engine, Engine):
+            raise InvalidConfig(f"AsyncEngine wraps an Engine; got {type(engine).__name__}")
+        if not is_int(max_queue) or max_queue < 1:
+            raise InvalidConfig(f"max_queue must be an integer >= 1; got {max_queue!r}")
+        self.engine = engine
+        self.max_queue = max_queue
+        self._ids = itertools.count()
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._lock = threading.Lock()  # the fields below it, shared by the loop(s) and the thread
+        self._closed = False
+        self._failure: BaseException | None = None
+        self._queued = 0
+        self._waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = deque()
+        self._rejected = 0
+        self._stats_lock = threading.Lock()  # the counters the engine thread keeps
+        self._steps = 0
+        self._tokens = 0
+        self._prompt_tokens = 0
+        self._finished: dict[str, int] = defaultdict(int)
+        self._accepts: dict[int, int] = defaultdict(int)
+        self._phase_seconds: dict[str, float] = defaultdict(float)
+        self._phase_runs: dict[str, int] = defaultdict(int)
+        self._waiting = self._running = 0
+        self._kv_free = engine.kv.num_free_pages
+        # engine-thread state: each request's (loop, delta queue), and whether to step once more
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._flush = False
+        self._previous_on_phase = engine.scheduler.on_phase  # given back when the thread ends
+        engine.scheduler.on_phase = self._on_phase
+        self._thread = threading.Thread(target=self._main, name="phasegraph-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ what the engine serves
+    @property
+    def tokenizer(self):
+        """The target's tokenizer (None where it ships none); safe to read from any thread for
+        decoding and chat templates."""
+        return self.engine.tokenizer
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    @property
+    def is_running(self) -> bool:
+        """Takes requests: not closed, and its step loop has not stopped on an error."""
+        return not self._closed and self._thread.is_alive()
+
+    @property
+    def failure(self) -> BaseException | None:
+        """The unexpected error that stopped the step loop, if one did."""
+        return self._failure
+
+    # ------------------------------------------------------------------ requests
+    async def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        wait: bool = False,
+        add_special_tokens: bool = True,
+    ) -> RequestStream:
+        """Queue a request and return its :class:`RequestStream` once the engine has taken it.
+
+        Bad input raises :class:`~phasegraph.runtime.errors.InvalidRequest` here, and nothing
+        of it runs or touches another request. A full queue raises :class:`QueueFull`, or with
+        ``wait=True`` waits for room. ``add_special_tokens=False`` encodes a text prompt without
+        the tokenizer's special tokens (for a prompt a chat template already framed)."""
+        if request_id is not None and not isinstance(request_id, str):
+            raise InvalidRequest(f"a request id is a string; got {type(request_id).__name__} {request_id!r}")
+        if not isinstance(add_special_tokens, bool):
+            raise InvalidRequest(f"add_special_tokens must be True or False; got {add_special_tokens!r}")
+        params = SamplingParams() if params is None else params
+        loop = asyncio.get_running_loop()
+        await self._acquire(loop, wait)
+        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
+        deltas: asyncio.Queue = asyncio.Queue()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            self._send(_Add(rid, prompt, params, add_special_tokens, loop, deltas, done))
+        except EngineClosed:
+            self._release()
+            raise
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            self._abort_soon(rid)  # the engine may take it after all: let it go again at once
+            raise
+        return RequestStream(self, rid, deltas)
+
+    async def stream(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        wait: bool = False,
+        add_special_tokens: bool = True,
+    ) -> AsyncIterator[RequestDelta]:
+        """``async for delta in aengine.stream(prompt, params)``: the request's deltas (their
+        ``new_text`` add up to its text), the last with its finish reason and whole ``output``.
+        Leaving the loop early, or the consuming task's cancellation, aborts the request.
+        Errors as :meth:`add_request`; a request that fails while it runs ends with finish
+        reason ``"error"`` (and ``delta.error``)."""
+        stream = await self.add_request(prompt, params, request_id=request_id, wait=wait,
+                                        add_special_tokens=add_special_tokens)
+        try:
+            async for delta in stream:
+                yield delta
+        finally:
+            stream.cancel()
+
+    async def generate(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        wait: bool = False,
+        add_special_tokens: bool = True,
+    ) -> RequestOutput:
+        """The request's whole :class:`RequestOutput`. Errors as :meth:`add_request`; a request
+        that fails while it runs raises :class:`RequestFailed` (its output in ``.outputs``), one
+        that :meth:`close` aborted raises :class:`EngineClosed`."""
+        stream = await self.add_request(prompt, params, request_id=request_id, wait=wait,
+                                        add_special_tokens=add_special_tokens)
+        try:
+            async for _ in stream:
+                pass
+        finally:
+            stream.cancel()
+        out = stream.output
+        if out.finish_reason == "error":
+            raise RequestFailed([out])
+        if out.finish_reason == "abort" and self._closed:
+            raise EngineClosed(f"the engine was closed while request {out.request_id} ran")
+        return out
+
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """``fn(engine)`` run on the engine thread between two steps (after every command sent
+        before it), its result or exception returned here: the one safe way to read or change
+        the engine while the AsyncEngine runs (``engine.check()``, its KV pool, ...)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(_Call(fn, done))
+        return await asyncio.wrap_future(done)
+
+    def stats(self) -> ServingStats:
+        with self._lock:
+            queued, rejected = self._queued, self._rejected
+        with self._stats_lock:
+            return ServingStats(
+                queued=queued, max_queue=self.max_queue, waiting=self._waiting, running=self._running,
+                kv_free_pages=self._kv_free, kv_total_pages=self.engine.kv.allocator.total,
+                steps=self._steps, generated_tokens=self._tokens, prompt_tokens=self._prompt_tokens,
+                rejected=rejected,
+                finished=dict(self._finished), accept_lengths=dict(self._accepts),
+                phase_seconds=dict(self._phase_seconds), phase_runs=dict(self._phase_runs),
+            )
+
+    # ------------------------------------------------------------------ shutting down
+    def close(self, timeout: float | None = None) -> None:
+        """Abort every pending request (their streams end with finish reason ``"abort"``;
+        callers waiting for room get :class:`EngineClosed`) and join the thread. Blocks while
+        the engine finishes its step and reports the aborts; idempotent."""
+        if threading.current_thread() is self._thread:
+            raise InvalidConfig("AsyncEngine.close() cannot be called from its own engine thread")
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._commands.put(_CLOSE)
+            waiters, self._waiters = list(self._waiters), deque()
+        for loop, fut in waiters:
+            _call_soon(loop, _fail_waiter, fut, EngineClosed("the engine was closed"))
+        self._thread.join(timeout)
+
+    async def aclose(self) -> None:
+        """:meth:`close` without blocking the event loop."""
+        await asyncio.to_thread(self.close)
+
+    async def __aenter__(self) -> AsyncEngine:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.aclose()
+
+    # ------------------------------------------------------------------ the bounded queue
+    async def _acquire(self, loop: asyncio.AbstractEventLoop, wait: bool) -> None:
+        with self._lock:
+            self._check_open()
+            if self._queued < self.max_queue and not self._waiters:
+                self._queued += 1
+                return
+            if not wait:
+                self._rejected += 1
+                raise QueueFull(self.max_queue)
+            fut = loop.create_future()
+            entry = (loop, fut)
+            self._waiters.append(entry)
+        try:
+            await fut  # _release hands its slot over
+        except asyncio.CancelledError:
+            with self._lock:
+                if entry in self._waiters:  # no slot was handed over
+                    self._waiters.remove(entry)
+                    raise
+            if fut.done() and not fut.cancelled() and fut.exception() is None:
+                self._release()  # handed over just as the wait was cancelled
+            raise
+
+    def _release(self) -> None:
+        """A request left the queue: its slot goes to the first caller waiting, if any."""
+        with self._lock:
+            while self._waiters:
+                loop, fut = self._waiters.popleft()
+                if _call_soon(loop, self._hand_over, fut):
+                    return
+            self._queued -= 1
+
+    def _hand_over(self, fut: asyncio.Future) -> None:
+        if fut.done():  # its caller stopped waiting: the slot goes on
+            self._release()
+        else:
+            fut.set_result(None)
+
+    def _check_open(self) -> None:
+        if self._failure is not None:
+            raise EngineClosed(f"the engine's step loop stopped: {self._failure!r}") from self._failure
+        if self._closed:
+            raise EngineClosed("the engine was closed")
+
+    def _send(self, command) -> None:
+        with self._lock:  # nothing is sent after _CLOSE, so every command gets an answer
+            self._check_open()
+            self._commands.put(command)
+
+    def _abort_soon(self, request_id: str) -> None:
+        with self._lock:
+            if not self._closed and self._failure is None:
+                self._commands.put(_Abort(request_id))
+
+    # ------------------------------------------------------------------ the engine thread
+    def _main(self) -> None:
+        engine = self.engine
+        try:
+            if engine.device.type == "cuda":  # CUDA's current device is per thread
+                import torch
+
+                torch.cuda.set_device(engine.device)
+            while True:
+                commands = self._take(block=not (engine.has_unfinished() or self._flush))
+                closing = False
+                for command in commands:
+                    if command is _CLOSE:  # always the last command: none is sent after it
+                        closing = True
+                    else:
+                        self._apply(command)
+                if closing:
+                    for rid in list(self._sinks):
+                        engine.abort(rid)
+                    self._step()  # reports the aborts
+                    while engine.has_unfinished():
+                        self._step()
+                    return
+                if self._flush or engine.has_unfinished():
+                    self._flush = False
+                    self._step()
+        except BaseException as exc:  # noqa: BLE001 - every consumer must hear of it
+            self._fail(exc)
+        finally:
+            engine.scheduler.on_phase = self._previous_on_phase
+
+    def _take(self, block: bool) -> list:
+        commands = [self._commands.get()] if block else []
+        while True:
+            try:
+                commands.append(self._commands.get_nowait())
+            except queue.Empty:
+                return commands
+
+    def _apply(self, command) -> None:
+        engine = self.engine
+        if isinstance(command, _Abort):
+            if command.request_id in self._sinks:
+                engine.abort(command.request_id)
+                self._flush = True  # the step that reports the abort, even with nothing else to run
+        elif isinstance(command, _Call):
+            if command.done.set_running_or_notify_cancel():
+                try:
+                    command.done.set_result(command.fn(engine))
+                except Exception as exc:  # noqa: BLE001 - the caller's function: its error is its caller's
+                    command.done.set_exception(exc)
+        else:
+            if not command.done.set_running_or_notify_cancel():  # its caller stopped waiting
+                self._release()
+                return
+            try:
+                prompt = command.prompt
+                if isinstance(prompt, str) and not command.add_special_tokens and engine.tokenizer is not None:
+                    prompt = list(engine.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+                engine.add_request(command.request_id, prompt, command.params)
+            except Exception as exc:  # noqa: BLE001 - InvalidRequest, or whatever the tokenizer raised
+                self._release()
+                command.done.set_exception(exc)
+                return
+            self._sinks[command.request_id] = (command.loop, command.deltas)
+            command.done.set_result(None)
+
+    def _step(self) -> None:
+        engine = self.engine
+        deltas = engine.step()
+        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+        finished = []
+        for delta in deltas:
+            sink = self._sinks.get(delta.request_id)
+            if sink is not None:
+                by_loop[sink[0]].append((sink[1], delta))
+                if delta.output is not None:
+                    finished.append(delta)
+                    del self._sinks[delta.request_id]
+        with self._stats_lock:
+            self._steps += 1
+            for delta in deltas:
+                self._tokens += len(delta.new_token_ids)
+                for n in delta.accept_lengths:
+                    self._accepts[n] += 1
+            for delta in finished:
+                self._finished[delta.finish_reason] += 1
+                self._prompt_tokens += len(delta.output.prompt_token_ids)
+            self._waiting, self._running = len(engine.scheduler.waiting), len(engine.scheduler.running)
+            self._kv_free = engine.kv.num_free_pages
+        for _ in finished:
+            self._release()
+        for loop, items in by_loop.items():
+            if not _call_soon(loop, _deliver, items):  # that loop is closed, nobody reads them
+                for _, delta in items:
+                    if delta.output is None:
+                        engine.abort(delta.request_id)
+                        self._flush = True
+
+    def _on_phase(self, phase: str, seconds: float, reqs) -> None:
+        with self._stats_lock:
+            self._phase_seconds[phase] += seconds
+            self._phase_runs[phase] += 1
+
+    def _fail(self, exc: BaseException) -> None:
+        """The step loop stopped on an unexpected error: every consumer, waiting caller and
+        pending command gets :class:`EngineClosed` caused by it."""
+        with self._lock:
+            self._failure = exc
+            self._closed = True
+            waiters, self._waiters = list(self._waiters), deque()
+            pending = self._take(block=False)
+        error = EngineClosed(f"the engine's step loop stopped: {exc!r}")
+        error.__cause__ = exc
+        for loop, fut in waiters:
+            _call_soon(loop, _fail_waiter, fut, error)
+        for command in pending:
+            done = getattr(command, "done", None)
+            if done is not None and done.set_running_or_notify_cancel():
+                done.set_exception(error)
+        for loop, deltas in self._sinks.values():
+            _call_soon(loop, _deliver, [(deltas, error)])
+        self._sinks.clear()
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
+    """``fn(*args)`` on ``loop``'s thread; False when that loop is closed (nobody to tell)."""
+    try:
+        loop.call_soon_threadsafe(fn, *args)
+    except RuntimeError:
+        return False
+    return True
+
+
+def _fail_waiter(fut: asyncio.Future, error: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(error)

@@ -1,0 +1,92 @@
+"""Shared pieces of the serving tests: the demo engine, a real uvicorn server on a free port of
+127.0.0.1, offline references, and a target whose logits turn NaN past a position."""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+import uvicorn
+
+from phasegraph.demo import DEMO_CHAIN, demo_pair_dir
+from phasegraph.phases.protocols import TargetOutput
+from phasegraph.runtime.config import SamplingParams, SpecConfig
+from phasegraph.runtime.engine import Engine
+
+# short code prompts the demo pair (trained on the Python standard library) continues sensibly
+PROMPTS = [
+    "def fib(n):", "class Stack:", "import os\n", "for i in range(10):", "def __init__(self, name):",
+    "    return self.", "with open(path) as f:", "if __name__ == '__main__':", "try:\n    import",
+    "def read(self, size=-1):", "class Error(Exception):", "    def close(self):", "x = [",
+    "def _check(value):", "    raise ValueError(", "from collections import",
+]
+# a small chat template (the demo tokenizer ships none), used as the tokenizer's or the server's
+CHAT_TEMPLATE = (
+    "{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}def answer():\n{% endif %}"
+)
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(max_new_tokens=max_tokens, temperature=0.0, **kw)
+
+
+def demo_engine(**options) -> Engine:
+    pair = demo_pair_dir()
+    options.setdefault("kv_pool_tokens", 8192)
+    return Engine.from_pretrained(pair / "target", pair / "eagle3", spec=SpecConfig(**DEMO_CHAIN), device="cpu",
+                                  dtype="float32", trace=False, **options)
+
+
+def assert_all_free(engine: Engine) -> None:
+    """No request left and every KV page and page-table row back (call with the engine idle:
+    its AsyncEngine closed, or through ``AsyncEngine.call``)."""
+    engine.check()
+    assert not engine.has_unfinished()
+    assert engine.kv.num_free_pages == engine.kv.allocator.total, "KV pages leaked"
+    assert engine.kv.table.rows_in_use() == [], "page-table rows leaked"
+
+
+def chat_ids(engine: Engine, messages: list[dict], template: str = CHAT_TEMPLATE) -> list[int]:
+    """The prompt a chat request becomes: the template's text, encoded without special tokens."""
+    text = engine.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                                add_generation_prompt=True)
+    return list(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+@contextlib.contextmanager
+def running_server(app, timeout_s: float = 30.0):
+    """``app`` served by uvicorn in a thread, on a free port of 127.0.0.1; yields its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))  # bound here, so no other process can take the port meanwhile
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            raise RuntimeError("the test server did not start")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout_s)
+        sock.close()
+
+
+def poison_target(monkeypatch, engine: Engine, at: int) -> None:
+    """The target's logits are NaN at every position >= ``at`` (an overflowing model), so a
+    request that gets there fails with finish reason "error"."""
+    real = engine.target.forward
+
+    def forward(input_ids, positions, attn, logits_index=None) -> TargetOutput:
+        out = real(input_ids, positions, attn, logits_index)
+        rows = positions if logits_index is None else positions[logits_index]
+        return TargetOutput(logits=out.logits.masked_fill((rows >= at)[:, None], float("nan")),
+                            features=out.features)
+
+    monkeypatch.setattr(engine.target, "forward", forward)

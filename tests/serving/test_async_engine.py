@@ -1,0 +1,262 @@
+"""AsyncEngine over the demo pair: streams equal the offline Engine's outputs; a cancelled
+consumer frees its KV at once; the bounded queue refuses (QueueFull) or waits; close() aborts
+what is pending and joins the thread; bad input and a failing request harm no other request; a
+crashed step loop reaches every consumer."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+import pytest
+
+import phasegraph
+from phasegraph.runtime.errors import (
+    InvalidConfig,
+    InvalidRequest,
+    PhasegraphRuntimeError,
+    RequestFailed,
+)
+from phasegraph.serving import AsyncEngine, EngineClosed, QueueFull
+
+from .support import PROMPTS, assert_all_free, greedy, poison_target
+
+LONG = greedy(400, ignore_eos=True)  # runs for many steps: a request still running when looked at
+
+
+def _free(engine) -> tuple[int, int, bool]:
+    engine.check()
+    return engine.kv.num_free_pages, engine.kv.allocator.total, engine.has_unfinished()
+
+
+async def _first_delta(stream):
+    async for delta in stream:
+        if delta.new_token_ids:
+            return delta
+    raise AssertionError("the stream ended before its first token")
+
+
+def test_streams_and_generate_equal_the_offline_engine(idle_engine):
+    engine = idle_engine
+    prompts = PROMPTS[:3]
+    want = engine.generate(prompts, greedy(12))
+
+    async def consume(aengine, prompt):
+        text, tokens, deltas = "", [], []
+        async for delta in aengine.stream(prompt, greedy(12)):
+            text += delta.new_text
+            tokens += delta.new_token_ids
+            deltas.append(delta)
+        return text, tokens, deltas
+
+    async def main():
+        async with AsyncEngine(engine) as aengine:
+            streamed = await asyncio.gather(*(consume(aengine, p) for p in prompts))
+            whole = await aengine.generate(prompts[0], greedy(12))
+            return streamed, whole, aengine.stats()
+
+    streamed, whole, stats = asyncio.run(main())
+    for (text, tokens, deltas), ref in zip(streamed, want, strict=True):
+        assert text == ref.text and tokens == ref.token_ids
+        last = deltas[-1]
+        assert last.finish_reason == ref.finish_reason and last.output.token_ids == ref.token_ids
+        assert [n for d in deltas for n in d.accept_lengths] == ref.stats.accept_lengths
+    assert whole.token_ids == want[0].token_ids and whole.text == want[0].text
+    assert phasegraph.AsyncEngine is AsyncEngine  # the lazy top-level name
+    assert stats.queued == 0 and stats.kv_free_pages == stats.kv_total_pages
+    assert stats.generated_tokens == sum(len(r.token_ids) for r in want) + len(want[0].token_ids)
+    assert stats.finished == {r.finish_reason: 4 for r in want[:1]}
+    assert sum(stats.accept_lengths.values()) == sum(len(r.stats.accept_lengths) for r in want) + len(
+        want[0].stats.accept_lengths)
+    assert {"prefill-extend", "draft", "verify", "draft-extend"} <= set(stats.phase_seconds)
+
+
+def test_a_cancelled_consumer_frees_its_kv_at_once(idle_engine):
+    engine = idle_engine
+
+    async def main():
+        async with AsyncEngine(engine) as aengine:
+            # a consuming task cancelled mid-stream
+            started = asyncio.Event()
+
+            async def consume():
+                async for delta in aengine.stream(PROMPTS[0], LONG):
+                    if delta.new_token_ids:
+                        started.set()
+
+            task = asyncio.create_task(consume())
+            await started.wait()
+            used = await aengine.call(lambda e: e.kv.allocator.total - e.kv.num_free_pages)
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            # the abort was sent before this call: the engine thread ran it first
+            after_cancel = await aengine.call(_free)
+            # a consumer that leaves its loop early and closes the stream
+            async with contextlib.aclosing(aengine.stream(PROMPTS[1], LONG)) as stream:
+                async for _ in stream:
+                    break
+            after_break = await aengine.call(_free)
+            # RequestStream.aclose() returns once the engine has let the request go
+            handle = await aengine.add_request(PROMPTS[2], LONG)
+            await _first_delta(handle)
+            await handle.aclose()
+            after_aclose = await aengine.call(_free)
+            return used, after_cancel, after_break, after_aclose, handle, aengine.stats()
+
+    used, after_cancel, after_break, after_aclose, handle, stats = asyncio.run(main())
+    assert used > 0
+    for free, total, unfinished in (after_cancel, after_break, after_aclose):
+        assert free == total and not unfinished
+    assert handle.output.finish_reason == "abort" and 0 < len(handle.output.token_ids) < 400
+    assert stats.finished == {"abort": 3} and stats.queued == 0
+    assert stats.generated_tokens < 3 * 400
+
+
+def test_the_bounded_queue_refuses_or_waits(idle_engine):
+    engine = idle_engine
+    want = engine.generate([PROMPTS[3]], greedy(8))[0]
+
+    async def main():
+        async with AsyncEngine(engine, max_queue=2) as aengine:
+            a = await aengine.add_request(PROMPTS[0], LONG)
+            b = await aengine.add_request(PROMPTS[1], LONG)
+            with pytest.raises(QueueFull) as full:
+                await aengine.add_request(PROMPTS[3], greedy(8))
+            assert isinstance(full.value, PhasegraphRuntimeError) and full.value.max_queue == 2
+            # a caller that waits for room, and one that gives up waiting (no slot may leak)
+            waiting = asyncio.create_task(aengine.generate(PROMPTS[3], greedy(8), wait=True))
+            quitter = asyncio.create_task(aengine.generate(PROMPTS[4], greedy(8), wait=True))
+            await asyncio.sleep(0.2)
+            assert not waiting.done() and aengine.stats().queued == 2
+            quitter.cancel()
+            await a.aclose()  # its slot goes to the first caller still waiting
+            out = await waiting
+            await b.aclose()
+            with pytest.raises(asyncio.CancelledError):
+                await quitter
+            return out, aengine.stats()
+
+    out, stats = asyncio.run(main())
+    assert out.token_ids == want.token_ids
+    assert stats.rejected == 1 and stats.queued == 0
+    assert stats.finished == {"abort": 2, "length": 1}
+
+
+def test_close_aborts_what_is_pending_and_joins_the_thread(idle_engine):
+    engine = idle_engine
+
+    async def main():
+        aengine = AsyncEngine(engine, max_queue=3)
+        streams = [await aengine.add_request(p, LONG) for p in PROMPTS[:2]]
+        whole = asyncio.create_task(aengine.generate(PROMPTS[2], LONG))
+        waiter = asyncio.create_task(aengine.generate(PROMPTS[3], LONG, wait=True))
+        await _first_delta(streams[0])
+        await asyncio.sleep(0.05)
+        await aengine.aclose()
+        ends = []
+        for stream in streams:
+            async for delta in stream:
+                ends.append(delta.finish_reason)
+        with pytest.raises(EngineClosed):
+            await whole
+        with pytest.raises(EngineClosed):
+            await waiter
+        with pytest.raises(EngineClosed):
+            await aengine.add_request(PROMPTS[0])
+        aengine.close()  # idempotent
+        return aengine, [s.output.finish_reason for s in streams], ends
+
+    aengine, reasons, ends = asyncio.run(main())
+    assert reasons == ["abort", "abort"] and ends[-1] == "abort"
+    assert not aengine.is_running and not aengine._thread.is_alive()
+    assert aengine.stats().finished == {"abort": 3}
+    assert_all_free(engine)
+
+
+def test_bad_input_is_raised_to_its_caller_and_harms_no_other_request(idle_engine):
+    engine = idle_engine
+    want = engine.generate([PROMPTS[5]], greedy(16))[0]
+    vocab = engine.target.vocab_size
+    bad = [
+        ("", None, "empty"),
+        ([], None, "empty"),
+        ([1, vocab + 5], None, "outside the vocabulary"),
+        (PROMPTS[0], "not params", "SamplingParams"),
+        (3.5, None, "a string or a list of token ids"),
+        ([1] * (engine.max_context + 1), None, "context"),
+    ]
+
+    async def main():
+        async with AsyncEngine(engine, max_queue=2) as aengine:
+            stream = await aengine.add_request(PROMPTS[5], greedy(16), request_id="good")
+            with pytest.raises(InvalidRequest, match="already in use"):
+                await aengine.generate(PROMPTS[0], request_id="good")
+            errors = []
+            for prompt, params, _ in bad:
+                with pytest.raises(InvalidRequest) as err:
+                    async for _ in aengine.stream(prompt, params):
+                        pass
+                errors.append(str(err.value))
+            with pytest.raises(InvalidRequest, match="request id"):
+                await aengine.generate(PROMPTS[0], request_id=7)
+            tokens = [t async for d in stream for t in d.new_token_ids]
+            return errors, tokens, aengine.stats()
+
+    errors, tokens, stats = asyncio.run(main())
+    for message, (_, _, words) in zip(errors, bad, strict=True):
+        assert words in message
+    assert tokens == want.token_ids
+    assert stats.queued == 0 and stats.finished == {"length": 1}  # refused requests held no slot
+    with pytest.raises(InvalidConfig):
+        AsyncEngine(engine, max_queue=0)
+    with pytest.raises(InvalidConfig):
+        AsyncEngine("no engine")
+
+
+def test_a_request_failing_mid_run_reaches_its_consumer_and_no_other(idle_engine, monkeypatch):
+    engine = idle_engine
+    short = engine.tokenizer(PROMPTS[0])["input_ids"]
+    long = engine.tokenizer(PROMPTS[4] * 6)["input_ids"]
+    clean, clean_long = engine.generate([short, long], greedy(8))
+    poison_target(monkeypatch, engine, at=len(long) + 3)  # only the long prompt's request gets there
+
+    async def main():
+        async with AsyncEngine(engine) as aengine:
+            good = asyncio.create_task(aengine.generate(short, greedy(8)))
+            deltas = [d async for d in aengine.stream(long, greedy(8))]
+            with pytest.raises(RequestFailed) as failed:
+                await aengine.generate(long, greedy(8))
+            return deltas, await good, failed.value
+
+    deltas, good, failed = asyncio.run(main())
+    last = deltas[-1]
+    assert last.finish_reason == "error" and "not finite" in last.error
+    # the logits at positions len(long) .. len(long) + 2 were clean: they chose 4 tokens
+    assert last.output.error == last.error and last.output.token_ids == clean_long.token_ids[:4]
+    assert failed.outputs[0].finish_reason == "error"
+    assert good.token_ids == clean.token_ids
+
+
+def test_a_crashed_step_loop_reaches_every_consumer(idle_engine, monkeypatch):
+    engine = idle_engine
+
+    def broken_step():
+        raise RuntimeError("injected step failure")
+
+    async def main():
+        aengine = AsyncEngine(engine)
+        monkeypatch.setattr(engine, "step", broken_step)
+        with pytest.raises(EngineClosed) as err:
+            await aengine.generate(PROMPTS[0], greedy(4), request_id="crash")
+        with pytest.raises(EngineClosed):
+            await aengine.add_request(PROMPTS[0])
+        return aengine, err.value
+
+    aengine, error = asyncio.run(main())
+    assert isinstance(error.__cause__, RuntimeError) and "injected" in str(error)
+    assert not aengine.is_running and isinstance(aengine.failure, RuntimeError)
+    aengine.close()  # after a crash too
+    monkeypatch.undo()
+    engine.abort("crash")  # the request the crashed loop left in the engine
+    engine.step()

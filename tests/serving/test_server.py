@@ -1,0 +1,350 @@
+"""The OpenAI-compatible server, started for real on 127.0.0.1 and driven by the official
+``openai`` client (and httpx for what that client will not send): completions and chat
+(the template applied), streaming and not, equal to the offline Engine; the sampling fields;
+OpenAI-style errors with status 400 (never a 500 with a traceback); 429 or waiting when the
+queue is full; a request failing mid-run; disconnects; /v1/models, /health and /metrics."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import httpx
+import openai
+import pytest
+
+from phasegraph.runtime.config import SamplingParams
+from phasegraph.runtime.errors import InvalidConfig
+from phasegraph.serving import AsyncEngine, create_app
+
+from .support import (
+    CHAT_TEMPLATE,
+    PROMPTS,
+    assert_all_free,
+    chat_ids,
+    greedy,
+    poison_target,
+    running_server,
+)
+
+MODEL = "demo"
+MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Add two numbers."}]
+
+
+@contextlib.contextmanager
+def serving(engine, **options):
+    """The engine behind an AsyncEngine and a real server; yields (base URL, AsyncEngine) and
+    leaves the engine idle with every page free."""
+    max_queue = options.pop("max_queue", 64)
+    aengine = AsyncEngine(engine, max_queue=max_queue)
+    try:
+        with running_server(create_app(aengine, model_name=MODEL, **options)) as url:
+            yield url, aengine
+    finally:
+        aengine.close()
+    assert_all_free(engine)
+
+
+def client(url: str) -> openai.OpenAI:
+    # no retries: a 429 must reach the test, not be retried away
+    return openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture
+def server(engine):
+    with serving(engine) as (url, aengine):
+        yield url, aengine
+
+
+def test_completions_equal_the_offline_engine(engine, server):
+    url, _ = server
+    want = engine.generate(PROMPTS[:2], greedy(16))
+    api = client(url)
+    whole = api.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0)
+    choice = whole.choices[0]
+    assert choice.text == want[0].text and choice.finish_reason == want[0].finish_reason
+    assert whole.usage.prompt_tokens == len(want[0].prompt_token_ids)
+    assert whole.usage.completion_tokens == len(want[0].token_ids)
+    assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
+    ext = whole.model_extra["phasegraph"]
+    assert ext["token_ids"] == want[0].token_ids and ext["accept_lengths"] == want[0].stats.accept_lengths
+    assert ext["mean_accept_length"] == pytest.approx(want[0].stats.mean_accept_length)
+    # token ids as the prompt, streamed, with the usage chunk OpenAI sends last
+    chunks = list(api.completions.create(model=MODEL, prompt=want[1].prompt_token_ids, max_tokens=16, temperature=0,
+                                         stream=True, stream_options={"include_usage": True}))
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    tokens = [t for c in chunks if c.choices for t in c.model_extra["phasegraph"]["token_ids"]]
+    assert text == want[1].text and tokens == want[1].token_ids
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want[1].finish_reason
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want[1].token_ids)
+    accepts = [n for c in chunks if c.choices for n in c.model_extra["phasegraph"]["accept_lengths"]]
+    assert accepts == want[1].stats.accept_lengths
+
+
+def test_chat_applies_the_tokenizers_template(engine, server, monkeypatch):
+    url, _ = server
+    api = client(url)
+    with pytest.raises(openai.BadRequestError) as err:  # the demo tokenizer ships no template
+        api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
+    assert err.value.body["code"] == "no_chat_template" and "--chat-template" in err.value.body["message"]
+    monkeypatch.setattr(engine.tokenizer, "chat_template", CHAT_TEMPLATE, raising=False)
+    ids = chat_ids(engine, MESSAGES)
+    want = engine.generate([ids], greedy(12))[0]
+    whole = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
+    assert whole.choices[0].message.role == "assistant"
+    assert whole.choices[0].message.content == want.text
+    assert whole.usage.prompt_tokens == len(ids) and whole.usage.completion_tokens == len(want.token_ids)
+    chunks = list(api.chat.completions.create(model=MODEL, messages=MESSAGES, max_completion_tokens=12,
+                                              temperature=0, stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == want.text
+    assert chunks[-1].choices[0].finish_reason == want.finish_reason
+    # content as a list of text parts renders the same
+    parts = [{**m, "content": [{"type": "text", "text": m["content"]}]} for m in MESSAGES]
+    again = api.chat.completions.create(model=MODEL, messages=parts, max_tokens=12, temperature=0)
+    assert again.choices[0].message.content == want.text
+
+
+def test_sampling_fields_map_to_sampling_params(engine, server):
+    url, _ = server
+    api = client(url)
+    prompt = PROMPTS[2]
+    # seeded sampling with top_p and top_k is reproducible whatever the batch
+    sampled = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, top_k=40, seed=7)
+    stop = greedy(24, stop=("\n",))
+    with_lp = greedy(8, logprobs=True)
+    want_sampled, want_stop, want_lp = (engine.generate([prompt], p)[0] for p in (sampled, stop, with_lp))
+    out = api.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0.8, top_p=0.9, seed=7,
+                                 extra_body={"top_k": 40})
+    assert out.choices[0].text == want_sampled.text
+    out = api.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop="\n")
+    assert out.choices[0].text == want_stop.text and out.choices[0].finish_reason == want_stop.finish_reason
+    out = api.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0, stop=["\n", "zzz"])
+    assert out.choices[0].text == want_stop.text
+    out = api.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=0)
+    lp = out.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(want_lp.logprobs) and "".join(lp.tokens) == want_lp.text
+    chunks = list(api.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, logprobs=0,
+                                         stream=True))
+    streamed = [x for c in chunks for x in c.choices[0].logprobs.token_logprobs]
+    assert streamed == pytest.approx(want_lp.logprobs)
+
+
+def test_chat_logprobs(engine, server, monkeypatch):
+    url, _ = server
+    monkeypatch.setattr(engine.tokenizer, "chat_template", CHAT_TEMPLATE, raising=False)
+    want = engine.generate([chat_ids(engine, MESSAGES)], greedy(6, logprobs=True))[0]
+    out = client(url).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
+                                              logprobs=True)
+    content = out.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx(want.logprobs)
+    assert "".join(c.token for c in content) == want.text
+
+
+BAD_BODIES = [
+    # (path, body, param the error names, words in its message)
+    ("completions", {"n": 2}, "n", "n=1"),
+    ("completions", {"temperature": -1}, "temperature", "greater than or equal to 0"),
+    ("completions", {"temperature": "hot"}, "temperature", "number"),
+    ("completions", {"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ("completions", {"max_tokens": True}, "max_tokens", "integer"),
+    ("completions", {"top_p": 0}, "top_p", "greater than 0"),
+    ("completions", {"frobnicate": 1}, "frobnicate", "Unrecognized request argument"),
+    ("completions", {"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+    ("completions", {"prompt": []}, "prompt", "empty"),
+    ("completions", {"prompt": [1, 999999]}, None, "outside the vocabulary"),
+    ("completions", {"logprobs": 3}, "logprobs", "logprobs=0"),
+    ("completions", {"echo": True}, "echo", "not supported"),
+    ("completions", {"stop": [""]}, None, "stop"),
+    ("completions", {"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ("completions", {"seed": 2**70}, None, "seed"),
+    ("completions", {"model": None}, "model", "string"),
+    ("chat/completions", {"messages": []}, "messages", "at least 1"),
+    ("chat/completions", {"messages": [{"role": "wizard", "content": "x"}]}, "messages", "role"),
+    ("chat/completions", {"response_format": {"type": "json_object"}}, "response_format", "json_schema"),
+    ("chat/completions", {"top_logprobs": 2}, "top_logprobs", "alternatives"),
+    ("chat/completions", {"n": 3}, "n", "n=1"),
+]
+
+
+def _body(path: str, change: dict) -> dict:
+    base = {"model": MODEL, "max_tokens": 4, "temperature": 0}
+    base.update({"prompt": PROMPTS[0]} if path == "completions" else {"messages": MESSAGES})
+    base.update(change)
+    return base
+
+
+def _assert_openai_error(response: httpx.Response, status: int) -> dict:
+    assert response.status_code == status, response.text
+    assert "Traceback" not in response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+@pytest.mark.parametrize(("path", "change", "param", "words"), BAD_BODIES,
+                         ids=[f"{p}-{next(iter(c))}" for p, c, _, _ in BAD_BODIES])
+def test_a_bad_request_is_an_openai_error_400(server, path, change, param, words):
+    url, _ = server
+    error = _assert_openai_error(httpx.post(f"{url}/v1/{path}", json=_body(path, change)), 400)
+    assert error["type"] == "invalid_request_error"
+    assert error["param"] == param and words in error["message"]
+
+
+def test_other_errors_are_openai_errors_too(server):
+    url, aengine = server
+    api = client(url)
+    with pytest.raises(openai.BadRequestError) as err:  # through the official client
+        api.completions.create(model=MODEL, prompt="x", max_tokens=4, n=2)
+    assert err.value.status_code == 400 and err.value.body["param"] == "n"
+    with pytest.raises(openai.NotFoundError) as err:
+        api.completions.create(model="gpt-4", prompt="x", max_tokens=4)
+    assert err.value.body["code"] == "model_not_found"
+    error = _assert_openai_error(httpx.post(f"{url}/v1/completions", content=b"{not json",
+                                            headers={"content-type": "application/json"}), 400)
+    assert "not valid JSON" in error["message"]
+    _assert_openai_error(httpx.post(f"{url}/v1/completions", json=[1, 2]), 400)
+    _assert_openai_error(httpx.get(f"{url}/v1/nothing-here"), 404)
+    _assert_openai_error(httpx.get(f"{url}/v1/completions"), 405)
+    # none of it reached the engine, and the server still serves
+    assert aengine.stats().queued == 0
+    assert api.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0).usage.completion_tokens
+
+
+def test_models_health_and_metrics(engine, server):
+    url, _ = server
+    models = client(url).models.list()
+    assert [m.id for m in models.data] == [MODEL]
+    assert httpx.get(f"{url}/health").json() == {"status": "ok"}
+    client(url).completions.create(model=MODEL, prompt=PROMPTS[6], max_tokens=6, temperature=0)
+    list(client(url).completions.create(model=MODEL, prompt=PROMPTS[6], max_tokens=6, temperature=0, stream=True))
+    text = httpx.get(f"{url}/metrics").text
+    values = {}
+    for line in text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    assert values["phasegraph_generation_tokens_total"] >= 12
+    assert values["phasegraph_prompt_tokens_total"] > 0
+    assert values["phasegraph_accept_length_count"] > 0
+    assert values['phasegraph_accept_length_bucket{le="+Inf"}'] == values["phasegraph_accept_length_count"]
+    assert values['phasegraph_phase_seconds_total{phase="verify"}'] > 0
+    assert values['phasegraph_phase_runs_total{phase="verify"}'] > 0
+    assert values["phasegraph_kv_pages_total"] == engine.kv.allocator.total
+    assert values["phasegraph_kv_pages_used"] == 0  # everything finished
+    assert values['phasegraph_queue_depth{state="waiting"}'] == 0
+    assert values["phasegraph_queue_capacity"] == 64
+    assert values["phasegraph_time_to_first_token_seconds_count"] >= 2
+    assert values["phasegraph_inter_token_latency_seconds_count"] >= 1
+    assert values['phasegraph_requests_finished_total{finish_reason="length"}'] >= 2
+    assert "cache" not in text  # no prefix cache yet, so no made-up hit rate
+
+
+def test_over_capacity_is_429_or_waits(engine):
+    want = engine.generate([PROMPTS[7]], greedy(6))[0]
+    long = {"max_tokens": 400, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    for on_full in ("429", "wait"):
+        with serving(engine, max_queue=2, on_full=on_full) as (url, aengine):
+            api = client(url)
+            busy = [api.completions.create(model=MODEL, prompt=p, stream=True, **long) for p in PROMPTS[:2]]
+            for stream in busy:
+                next(iter(stream))  # both are in the engine now
+            if on_full == "429":
+                with pytest.raises(openai.RateLimitError) as err:
+                    api.completions.create(model=MODEL, prompt=PROMPTS[7], max_tokens=6, temperature=0)
+                assert err.value.status_code == 429 and err.value.body["code"] == "queue_full"
+                assert err.value.response.headers["retry-after"] == "1"
+                assert aengine.stats().rejected == 1
+                busy[0].close()
+                _wait_until(lambda: aengine.stats().queued == 1)
+            else:
+                # a client that leaves while its request waits for room: the request is dropped
+                with pytest.raises(httpx.ReadTimeout):
+                    httpx.post(f"{url}/v1/completions", json=_body("completions", {}), timeout=0.5)
+                result = {}
+
+                def wait_for_room(api=api, result=result):
+                    result["out"] = api.completions.create(model=MODEL, prompt=PROMPTS[7], max_tokens=6,
+                                                           temperature=0)
+
+                waiter = threading.Thread(target=wait_for_room)
+                waiter.start()
+                time.sleep(0.3)
+                assert "out" not in result and aengine.stats().queued == 2  # it waits for room
+                busy[0].close()  # the client leaves: its slot goes to the waiting request
+                waiter.join(60)
+                assert aengine.stats().rejected == 0
+            out = api.completions.create(model=MODEL, prompt=PROMPTS[7], max_tokens=6, temperature=0)
+            assert out.choices[0].text == want.text
+            if on_full == "wait":
+                assert result["out"].choices[0].text == want.text
+            busy[1].close()
+            _wait_until(lambda: aengine.stats().queued == 0)
+            # the busy two aborted by their clients; the refused and the dropped requests never ran
+            assert aengine.stats().finished == {"abort": 2, "length": 2 if on_full == "wait" else 1}
+
+
+def test_a_request_failing_mid_run_is_a_500_with_the_reason(engine, monkeypatch):
+    long = PROMPTS[4] * 6
+    at = len(engine.tokenizer(long)["input_ids"]) + 3
+    want = engine.generate([PROMPTS[0]], greedy(6))[0]
+    poison_target(monkeypatch, engine, at)
+    with serving(engine) as (url, _):
+        response = httpx.post(f"{url}/v1/completions", json=_body("completions", {"prompt": long, "max_tokens": 8}))
+        error = _assert_openai_error(response, 500)
+        assert error["type"] == "server_error" and error["code"] == "request_failed"
+        assert "not finite" in error["message"]
+        api = client(url)
+        with pytest.raises(openai.APIError, match="not finite"):
+            for _ in api.completions.create(model=MODEL, prompt=long, max_tokens=8, temperature=0, stream=True):
+                pass
+        # the other requests go on
+        assert api.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0).choices[0].text == want.text
+
+
+def test_a_client_that_leaves_aborts_its_request(engine):
+    with serving(engine) as (url, aengine):
+        long = _body("completions", {"max_tokens": 400, "ignore_eos": True})
+        # streaming: the client reads two chunks and hangs up
+        with httpx.stream("POST", f"{url}/v1/completions", json={**long, "stream": True}) as response:
+            lines = response.iter_lines()
+            assert next(lines).startswith("data: ")
+        _wait_until(lambda: aengine.stats().queued == 0)
+        # not streaming: the client gives up waiting for the whole response
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{url}/v1/completions", json=long, timeout=0.5)
+        _wait_until(lambda: aengine.stats().queued == 0)
+        stats = aengine.stats()
+        assert stats.finished == {"abort": 2} and stats.generated_tokens < 2 * 400
+
+
+def test_create_app_refuses_bad_settings(engine):
+    aengine = AsyncEngine(engine)
+    try:
+        with pytest.raises(InvalidConfig, match="on_full"):
+            create_app(aengine, on_full="drop")
+        with pytest.raises(InvalidConfig, match="model_name"):
+            create_app(aengine, model_name="")
+        with pytest.raises(InvalidConfig, match="AsyncEngine"):
+            create_app(engine)
+    finally:
+        aengine.close()
+
+
+def test_health_is_503_once_the_engine_is_closed(engine):
+    aengine = AsyncEngine(engine)
+    with running_server(create_app(aengine, model_name=MODEL)) as url:
+        assert httpx.get(f"{url}/health").status_code == 200
+        aengine.close()
+        error = _assert_openai_error(httpx.get(f"{url}/health"), 503)
+        assert error["code"] == "engine_closed"
+        error = _assert_openai_error(httpx.post(f"{url}/v1/completions", json=_body("completions", {})), 503)
+        assert error["code"] == "engine_closed"
+
+
+def _wait_until(condition, timeout_s: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
