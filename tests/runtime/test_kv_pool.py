@@ -1,4 +1,7 @@
-"""PageAllocator, RequestTable, KVCacheManager: unit tests and a stateful accounting fuzz."""
+"""PageAllocator, RequestTable, KVCacheManager: unit tests and a stateful accounting fuzz.
+
+phasegraph.runtime.errors.is_out_of_memory: the one test of "memory ran out" that the engine's
+KV allocation, the bench's warm-up and ``python -m phasegraph.train`` share."""
 
 from __future__ import annotations
 
@@ -17,6 +20,7 @@ from phasegraph.runtime.errors import (
     OutOfKVPages,
     OutOfRequestRows,
     RequestTooLong,
+    is_out_of_memory,
 )
 from phasegraph.runtime.kv_pool import KVCacheManager, KVPool, KVSpec, PageAllocator
 
@@ -268,3 +272,23 @@ TestKVAccounting.settings = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+
+
+@pytest.mark.parametrize("exc", [
+    MemoryError(),
+    torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB."),
+    RuntimeError("CUDA error: out of memory"),  # a CUDA call's own, e.g. a graph's instantiation
+    RuntimeError("[enforce fail at alloc_cpu.cpp:127] DefaultCPUAllocator: can't allocate memory: "
+                 "you tried to allocate 103079215104 bytes."),
+])
+def test_memory_that_ran_out_is_recognised(exc):
+    assert is_out_of_memory(exc)
+
+
+@pytest.mark.parametrize("exc", [
+    RuntimeError("boom"),
+    RuntimeError("expected scalar type Float but found BFloat16"),
+    ValueError("out of range"),
+])
+def test_other_errors_are_not_taken_for_running_out_of_memory(exc):
+    assert not is_out_of_memory(exc)

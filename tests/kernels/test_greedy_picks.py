@@ -1,12 +1,17 @@
 """phasegraph.kernels.softmax_top1 on the CPU: the reference is softmax + max (what chain drafts
 computed before), the public name dispatches to it off CUDA, and bad input fails by name. The
-Triton kernel is compared in tests/gpu/test_triton_layer_kernels.py (GPU, or the interpreter)."""
+Triton kernel is compared in tests/gpu/test_triton_layer_kernels.py (GPU, or the interpreter).
+
+phasegraph.kernels.argmax.argmax_finite on the CPU (its reference): torch.argmax's index,
+whether each row's maximum is finite, and the pick the host reads. The Triton kernels are
+compared in tests/gpu/test_triton_layer_kernels.py."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
+from phasegraph.kernels.argmax import NONFINITE_LOGITS, argmax_finite
 from phasegraph.kernels.softmax_top1 import softmax_top1
 from phasegraph.phases._common import topk_of_logits
 
@@ -41,3 +46,18 @@ def test_chain_drafts_take_the_top_token_and_trees_the_top_k_of_the_softmax():
 def test_bad_input_fails_by_name(bad, match):
     with pytest.raises(ValueError, match=match):
         softmax_top1(bad)
+
+
+def test_greedy_pick_flags_rows_whose_maximum_is_not_finite():
+    nan, inf = float("nan"), float("inf")
+    logits = torch.tensor([
+        [0.5, 2.0, -1.0],  # finite
+        [0.5, nan, 9.0],  # a NaN
+        [0.5, inf, 1.0],  # +inf
+        [-inf, -inf, -inf],  # nothing finite
+        [-inf, 3.0, -inf],  # masked entries are fine
+    ])
+    pick = argmax_finite(logits)
+    assert pick.tokens.tolist() == logits.argmax(dim=-1).tolist()
+    assert pick.finite.tolist() == [True, False, False, False, True]
+    assert pick.emitted.tolist() == [1, NONFINITE_LOGITS, NONFINITE_LOGITS, NONFINITE_LOGITS, 1]

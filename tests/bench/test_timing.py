@@ -1,10 +1,24 @@
-"""phasegraph.bench.common.timed_call: the wall time of one call, with the heap frozen."""
+"""What the bench's timings rest on: ``timed_call`` (one call's wall time, the heap frozen),
+profiler sessions that leave CUPTI detached (TEARDOWN_CUPTI=1, so rows timed after another row's
+GPU-busy probe pay no profiler cost), and ``profile_pair_host.py --sites`` (a step's device
+launches by phasegraph source line, one call into phasegraph/kernels counting once)."""
 
 import gc
+import os
+import re
 
 import pytest
+import torch
 
-from phasegraph.bench.common import timed_call
+from phasegraph import SpecConfig
+from phasegraph.bench.common import (
+    CUPTI_TEARDOWN_VAR,
+    detach_cupti_after_profiling,
+    load_bench_scale,
+    timed_call,
+)
+from phasegraph.runtime.engine import Engine
+from tests.bench.scripts import load_bench_script
 
 
 def test_returns_the_result_and_counts_collections_inside_the_call():
@@ -91,3 +105,67 @@ def test_repeated_timing_keeps_the_median_run_and_its_trace(monkeypatch):
     warm, wall, outs, _, captured = common.warm_then_time(SimpleNamespace(), engine, [["a"], ["b"]], None, repeats=3)
     assert wall == 0.2 and len(engine.trace) == 3  # the third run's wall time and transitions
     assert warm == ["out-['a']", "out-['b']"] and outs == [["out-['a']"], ["out-['b']"]] and captured == 0
+
+
+def test_sets_teardown_when_the_environment_is_silent(monkeypatch):
+    monkeypatch.delenv(CUPTI_TEARDOWN_VAR, raising=False)  # monkeypatch restores it afterwards
+    detach_cupti_after_profiling()
+    assert os.environ[CUPTI_TEARDOWN_VAR] == "1"
+
+
+def test_keeps_what_the_user_set(monkeypatch):
+    monkeypatch.setenv(CUPTI_TEARDOWN_VAR, "0")
+    detach_cupti_after_profiling()
+    assert os.environ[CUPTI_TEARDOWN_VAR] == "0"
+
+
+def test_the_gpu_busy_probe_sets_it_before_its_session(monkeypatch):
+    """bench_scale.gpu_busy_seconds (part 1's and part 2's probe) opens its profiler session only
+    once teardown is set."""
+    monkeypatch.delenv(CUPTI_TEARDOWN_VAR, raising=False)
+    seen = []
+
+    class FakeProfile:
+        def __init__(self, **kwargs):
+            pass
+
+        def __enter__(self):
+            seen.append(os.environ.get(CUPTI_TEARDOWN_VAR))
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def events(self):
+            return []
+
+    monkeypatch.setattr("torch.profiler.profile", FakeProfile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    calls = []
+    busy, activities = load_bench_scale().gpu_busy_seconds(lambda: calls.append(1), 3)
+    assert seen == ["1"]
+    assert len(calls) == 3
+    assert (busy, activities) == (0.0, 0)
+
+
+def _script():
+    return load_bench_script("profile_pair_host")
+
+
+def test_a_decode_step_is_mapped_to_its_kernel_calls_and_phase_lines():
+    script = _script()
+    target, _ = script.build_pair(torch.float32, "cpu")
+    base = type(target)(target.model, feature_mode="none")
+    engine = Engine(base, None, spec=SpecConfig(method="none"), max_batch_size=1, kv_pool_tokens=2048,
+                    max_context=1024, cuda_graphs=False, trace=False)
+    table = script.launch_sites(engine, 1, steps=2)
+    counts = {m.group(2): float(m.group(1)) for m in re.finditer(r"^\s+([\d.]+)x  (.+)$", table, re.MULTILINE)}
+    layers = target.model.config.num_hidden_layers
+    # one call per layer, although each CPU reference runs several ops (a decode step's rotary,
+    # KV write and attention are one kernel module call: rope_attention)
+    assert counts["phasegraph/kernels/rope_attention.py:rope_paged_attention (kernel call)"] == layers
+    assert not any("rotary.py" in site or "attention.py:paged_attention" in site for site in counts)
+    assert counts["phasegraph/kernels/linear.py:silu_mul_linear (kernel call)"] == layers
+    assert any(site.startswith("phasegraph/phases/decode.py:") for site in counts)
+    total = float(re.search(r"launches per step \(eager; a kernel-module call counts once\): (\d+)", table).group(1))
+    assert len(counts) < 150 and total == round(sum(counts.values()))  # every site listed, and summed
