@@ -5,10 +5,13 @@ Scenario per draft kind and page size: two requests; draft-extend over the promp
 (from_target=False, step 0 and 1) of one query per request. The naive side recomputes every row
 in float64 from the head's weights with dense attention over the same rows (no pool, no
 transformers modules).
-"""
+
+One loader for every draft kind: the kind is told from the checkpoint, and a method that
+names another kind is refused before any weight is read."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -17,7 +20,11 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from phasegraph.phases.protocols import DraftModel
+from phasegraph.runtime.config import SpecConfig
+from phasegraph.runtime.engine import Engine
+from phasegraph.runtime.errors import DraftMismatch, InvalidConfig
 from phasegraph.runtime.kv_pool import KVCacheManager
+from phasegraph.runtime.models.drafts import DRAFT_CLASSES, draft_kind, load_draft
 from phasegraph.runtime.models.eagle1 import Eagle1Draft
 from phasegraph.runtime.models.eagle3 import Eagle3Draft
 from phasegraph.runtime.models.mtp import MTPDraft
@@ -31,6 +38,7 @@ from phasegraph.testing.checkpoints import (
     write_standalone_draft,
 )
 
+from ..engine.support import DRAFT_KINDS, arch_bundle
 from .pg_runtime_helpers import (
     assert_conforms,
     linear,
@@ -371,3 +379,49 @@ def test_a_head_built_in_code_attends_over_the_paged_pool(tmp_path, target_dir):
     head.midlayer.self_attn.config = foreign
     with pytest.raises(DraftMismatch, match="uses attention 'eager', not the paged 'phasegraph'"):
         Eagle3Draft(target, LlamaConfig(**raw), head)
+
+
+@pytest.fixture(scope="module")
+def bundle(tmp_path_factory):
+    return arch_bundle(tmp_path_factory.mktemp("kinds"), "llama")
+
+
+@pytest.mark.parametrize("kind", DRAFT_KINDS)
+def test_each_kind_is_told_from_its_checkpoint_and_loads(bundle, kind):
+    assert draft_kind(bundle.drafts[kind]) == kind
+    target = HFTarget.from_pretrained(bundle.target, feature_mode={"eagle3": "eagle3", "standalone": "none"}.get(kind, "last"))
+    assert type(load_draft(bundle.drafts[kind], target)) is DRAFT_CLASSES[kind]
+
+
+def test_the_target_itself_is_a_standalone_draft(bundle):
+    assert draft_kind(bundle.drafts["self"]) == "standalone"
+
+
+def test_a_method_that_names_another_kind_is_refused_by_name(bundle):
+    target = HFTarget.from_pretrained(bundle.target)
+    with pytest.raises(DraftMismatch, match=r"holds an EAGLE-3 head \(method 'eagle3'\), not what method 'eagle' loads"):
+        load_draft(bundle.drafts["eagle3"], target, "eagle")
+
+
+def test_an_unknown_layout_asks_for_the_method(bundle, tmp_path):
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "config.json").write_text(json.dumps({"hidden_size": 32, "vocab_size": 96}))
+    import torch
+    from safetensors.torch import save_file
+
+    save_file({"weird.weight": torch.zeros(2, 2)}, str(odd / "model.safetensors"))
+    assert draft_kind(odd) is None
+    with pytest.raises(DraftMismatch, match="cannot tell which kind of draft"):
+        load_draft(odd, HFTarget.from_pretrained(bundle.target))
+    with pytest.raises(InvalidConfig, match=r"pass spec=SpecConfig\(method=\.\.\.\)"):
+        Engine.from_pretrained(bundle.target, odd)
+
+
+@pytest.mark.parametrize("kind", ["eagle3", "standalone"])
+def test_engine_from_pretrained_picks_the_method_the_draft_holds(bundle, kind):
+    draft = bundle.drafts["self" if kind == "standalone" else kind]
+    engine = Engine.from_pretrained(bundle.target, draft, kv_pool_tokens=2048, dtype="float32")
+    assert engine.spec == SpecConfig(method=kind)
+    with pytest.raises(DraftMismatch, match="not what method 'mtp' loads"):
+        Engine.from_pretrained(bundle.target, draft, spec=SpecConfig(method="mtp"), kv_pool_tokens=2048)
