@@ -352,6 +352,10 @@ class EngineConfig:
     CPU, set process-wide when the engine is built: 1 by default, the fastest on a busy machine
     (a decode step's small products gain little from more threads, and waiting threads lose
     their core to any other load); None leaves torch's setting alone. Ignored on a GPU.
+    ``tensor_parallel_size``: ranks the target is split over (``Engine.from_pretrained`` starts
+    the others itself, or joins a ``torchrun`` group; docs/parallel.md). ``tp_timeout_s``: how
+    long a rank waits in a collective before :class:`WorkerDied`. ``tp_check``: all-reduce a
+    checksum of the emitted tokens after every step, :class:`RankDivergence` where ranks differ.
     """
 
     spec: SpecConfig = attrs.field(default=None, converter=as_spec)
@@ -372,6 +376,9 @@ class EngineConfig:
     simulate_accept_length: int | None = None
     overlap: bool | None = attrs.field(default=None, validator=_switch(None))
     num_threads: int | None = attrs.field(default=1, validator=_count(1024, "torch's own setting"))
+    tensor_parallel_size: int = attrs.field(default=1, validator=_count(64))
+    tp_timeout_s: float = 60.0
+    tp_check: bool = attrs.field(default=False, validator=_switch())
 
     def __attrs_post_init__(self) -> None:
         if self.validate is not None:
@@ -381,6 +388,9 @@ class EngineConfig:
                 ValidationMode.parse(self.validate)
             except ValueError as exc:
                 raise InvalidConfig(f"validate: {exc}") from None
+        if isinstance(self.tp_timeout_s, bool) or not isinstance(self.tp_timeout_s, (int, float)) \
+                or not self.tp_timeout_s > 0:
+            raise InvalidConfig(f"tp_timeout_s must be a positive number of seconds; got {self.tp_timeout_s!r}")
         if not is_int(self.seed):
             raise InvalidConfig(f"seed must be an integer; got {self.seed!r}")
         buckets = self.graph_buckets

@@ -13,6 +13,7 @@ import itertools
 import math
 import operator
 import os
+import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
@@ -22,6 +23,7 @@ import torch
 from phasegraph.kernels import KernelSettingError, check_kernel_settings
 from phasegraph.phases import EAGLE_GRAPH, SpecContext
 from phasegraph.phases.context import tokens_per_iteration
+from phasegraph.runtime import tensor_parallel
 from phasegraph.runtime.config import (
     MAX_KV_TOKENS,
     EngineConfig,
@@ -130,6 +132,13 @@ class Engine:
         config = _engine_config(config, options)
         _check_models(config, target, draft)
         self.config = config
+        self.tp = getattr(target, "tp", None)  # a TensorParallelGroup: this rank's place
+        tp_size = 1 if self.tp is None else self.tp.world_size
+        if tp_size != config.tensor_parallel_size:
+            raise InvalidConfig(
+                f"tensor_parallel_size={config.tensor_parallel_size}, but the target is split over {tp_size} "
+                "rank(s): Engine.from_pretrained(..., tensor_parallel_size=N) loads and splits it"
+            )
         spec = config.spec
         self.target = target
         self.draft = draft if spec.speculative else None
@@ -173,6 +182,8 @@ class Engine:
         smallest request; :class:`InvalidConfig` where they do not fit in memory."""
         config, page_size = self.config, self.config.page_size
         kv_tokens = config.kv_pool_tokens or self._default_pool_tokens()
+        if self.tp is not None:  # each rank sizes its own pool: every scheduler must see the same
+            kv_tokens = self.tp.min_int(kv_tokens)
         num_pages = math.ceil(kv_tokens / page_size) + 1  # + the reserved page 0
         max_pages = math.ceil((self.max_context + self.kv_lookahead) / page_size) + 1
         try:
@@ -280,10 +291,33 @@ class Engine:
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, dev)
         draft_dt = dt if draft_dtype is None else resolve_dtype(draft_dtype, dev, "draft_dtype")
+        group = None
+        tp_size = kwargs.get("tensor_parallel_size", 1)
+        if tp_size != 1:
+            # a bad option raises here, before any rank starts
+            _engine_config(None, dict(kwargs, spec=spec, page_size=page_size, kv_pool_tokens=kv_pool_tokens))
+            load = (target_dir, draft_dir, dict(spec=spec, device=device, dtype=dtype, draft_dtype=draft_dtype,
+                                                page_size=page_size, kv_pool_tokens=kv_pool_tokens, **kwargs))
+            group = _tp_group(tp_size, dev, kwargs.get("tp_timeout_s", 60.0), load)
+        try:
+            return cls._load(target_dir, draft_dir, spec, dev if group is None else group.device, dt, draft_dt,
+                             group, page_size=page_size, kv_pool_tokens=kv_pool_tokens, **kwargs)
+        except BaseException:
+            if group is not None and group.sends:
+                group.close()
+            raise
+
+    @classmethod
+    def _load(cls, target_dir, draft_dir, spec: SpecConfig, dev: torch.device, dt: torch.dtype,
+              draft_dt: torch.dtype, group, **kwargs) -> Engine:
         target_path = Path(target_dir)
         if is_gguf(target_path):  # converted once into the user cache dir (models/gguf.py)
             target_path = convert_gguf(target_path)
-        target = HFTarget.from_pretrained(target_path, dtype=dt, device=dev, feature_mode=FEATURE_MODE[spec.method])
+        # a split target is read whole on the CPU and only its slice moved to the device
+        target = HFTarget.from_pretrained(target_path, dtype=dt, device=dev if group is None else "cpu",
+                                          feature_mode=FEATURE_MODE[spec.method])
+        if group is not None:
+            tensor_parallel.shard_target(target, group)
         draft = None
         if spec.speculative:
             if draft_dir is None:
@@ -293,8 +327,7 @@ class Engine:
         if spec.method == "standalone":
             _check_draft_tokenizer(Path(draft_dir), tokenizer)
         kwargs.setdefault("eos_token_ids", _eos_ids(target, target_path, tokenizer))
-        return cls(target, draft, spec=spec, tokenizer=tokenizer, page_size=page_size,
-                   kv_pool_tokens=kv_pool_tokens, **kwargs)
+        return cls(target, draft, spec=spec, tokenizer=tokenizer, **kwargs)
 
     def _kv_capacity(self) -> int:
         """KV tokens one request may hold: the pool less the tree-branch pages it also takes."""
@@ -314,11 +347,15 @@ class Engine:
         self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None
     ) -> None:
         """Queue a request. Bad input raises :class:`InvalidRequest` and changes nothing."""
-        req = self._make_request(request_id, prompt, params or SamplingParams())
-        self._requests[request_id] = req
+        self._admit(self._make_request(request_id, prompt, params or SamplingParams()))
+
+    def _admit(self, req: Request) -> None:
+        if self.tp is not None and self.tp.sends:  # the workers build the same request
+            self.tp.send("add", req.request_id, req.prompt, req.params, req.seed)
+        self._requests[req.request_id] = req
         self.scheduler.add(req)
 
-    def _make_request(self, request_id: str, prompt, params: SamplingParams) -> Request:
+    def _make_request(self, request_id: str, prompt, params: SamplingParams, seed: int | None = None) -> Request:
         if not isinstance(params, SamplingParams):
             raise InvalidRequest(f"params must be a SamplingParams; got {type(params).__name__}")
         _check_request_id(request_id)
@@ -357,7 +394,8 @@ class Engine:
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids += list(self.eos_token_ids)
-        seed = params.seed if params.seed is not None else hash((self._seed, next(self._counter))) & 0x7FFFFFFF
+        if seed is None:
+            seed = params.seed if params.seed is not None else hash((self._seed, next(self._counter))) & 0x7FFFFFFF
         decode = None
         if self.tokenizer is not None:
             tok = self.tokenizer
@@ -403,6 +441,7 @@ class Engine:
         req = self._requests.get(request_id)
         if req is None or req.status is Status.FINISHED:
             return False
+        self._tp_send("abort", request_id)
         return self.scheduler.abort(request_id)
 
     def has_unfinished(self) -> bool:
@@ -428,15 +467,19 @@ class Engine:
         return deltas
 
     def _step_scheduler(self) -> None:
+        self._tp_send("step")
         self._attach_pools()
         self.scheduler.step()
         if self.check_every_step:
             self._check_requests()
+        if self.tp is not None and self.config.tp_check:
+            tensor_parallel.check_divergence(self.tp, [r.output for r in (*self.scheduler.running, *self.scheduler.waiting)])
 
     def retract(self, request_id: str) -> bool:
         """Force a running request out of the batch (it is requeued and resumes with the same
         output). Returns False when the request is not running."""
         _check_request_id(request_id)
+        self._tp_send("retract", request_id)
         self.scheduler.drain()  # it may have finished in the iteration in flight
         for req in self.scheduler.running:
             if req.request_id == request_id:
@@ -484,8 +527,7 @@ class Engine:
             base = next(self._counter)
         reqs = [self._make_request(f"gen-{base}-{i}", p, sp) for i, (p, sp) in enumerate(zip(prompts, plist, strict=True))]
         for req in reqs:
-            self._requests[req.request_id] = req
-            self.scheduler.add(req)
+            self._admit(req)
         bar = None
         if progress:
             from tqdm.auto import tqdm
@@ -516,10 +558,51 @@ class Engine:
     def _stop(self, reqs: Sequence[Request]) -> None:
         """End ``reqs`` now: collect the iteration in flight (its tokens were computed), then
         abort every request it did not finish."""
+        self._tp_send("drain")
         self.scheduler.drain()
         for req in reqs:
             if req.status is not Status.FINISHED:
                 self.abort(req.request_id)
+
+    # ------------------------------------------------------------------ tensor parallelism
+    def _tp_send(self, *command) -> None:
+        """Hand one scheduling call to the workers this engine started (no-op otherwise)."""
+        if self.tp is not None and self.tp.sends:
+            self.tp.send(*command)
+
+    def shutdown(self) -> None:
+        """Stop the ranks this engine started (bounded; idempotent). An engine without tensor
+        parallelism has nothing to stop."""
+        if self.tp is not None and self.tp.sends:
+            self.tp.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def _serve_leader(self, commands) -> None:
+        """A started worker: run the leader's scheduling calls in order until it shuts down."""
+        while (command := tensor_parallel.next_command(commands)) is not None:
+            op, args = command[0], command[1:]
+            if op == "shutdown":
+                return
+            if op == "add":
+                request_id, prompt, params, seed = args
+                req = self._make_request(request_id, prompt, params, seed)
+                self._requests[request_id] = req
+                self.scheduler.add(req)
+            elif op == "step":
+                self._step_scheduler()
+                for rid in [rid for rid, r in self._requests.items() if r.status is Status.FINISHED]:
+                    del self._requests[rid]
+            elif op == "abort":
+                self.abort(*args)
+            elif op == "retract":
+                self.retract(*args)
+            elif op == "drain":
+                self.scheduler.drain()
 
     # ------------------------------------------------------------------ introspection
     @property
@@ -683,3 +766,30 @@ def _check_draft_tokenizer(draft_dir: Path, tokenizer) -> None:
             f"{len(differ)} token id(s) name other tokens (id {i} is {draft_tokens[i]!r} for the draft, "
             f"{target_tokens[i]!r} for the target); a standalone draft must share the target's tokenizer"
         )
+
+
+def _tp_group(world_size: int, dev: torch.device, timeout_s: float, load: tuple):
+    """This process's tensor-parallel group: the one it already is in (a started worker, or
+    torchrun's), else a new one whose other ranks it starts now."""
+    group = tensor_parallel.current_group(world_size, dev, timeout_s)
+    if group is not None:
+        return group
+    return tensor_parallel.launch(world_size, dev, timeout_s, _tp_worker, load)
+
+
+def _tp_worker(rank: int, world_size: int, init_method: str, device_type: str, timeout_s: float, load: tuple,
+               commands, errors) -> None:
+    """A started rank's process: join the group, load the same engine (validation off), run the
+    leader's calls; report a failure's traceback to the leader and exit."""
+    try:
+        tensor_parallel.start_worker(rank, world_size, init_method, device_type, timeout_s)
+        target_dir, draft_dir, options = load
+        options = dict(options, validate="off", trace=False)
+        engine = Engine.from_pretrained(target_dir, draft_dir, **options)
+        engine._serve_leader(commands)
+    except BaseException:  # noqa: BLE001 - everything goes back to the leader
+        errors.put(f"rank {rank}: " + traceback.format_exc())
+        errors.close()
+        errors.join_thread()
+        os._exit(1)
+    os._exit(0)

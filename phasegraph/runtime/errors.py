@@ -178,3 +178,27 @@ class SchedulerInvariantError(PhasegraphRuntimeError):
         super().__init__(
             "scheduler invariants violated:\n" + "\n".join(f"  - {p}" for p in self.problems)
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensor parallelism
+
+
+class TensorParallelError(PhasegraphRuntimeError, RuntimeError):
+    """A tensor-parallel engine's ranks cannot go on together."""
+
+
+class WorkerDied(TensorParallelError):
+    """A rank of a tensor-parallel engine exited, failed, or stopped answering a collective
+    within ``tp_timeout_s``; ``rank`` is the rank that died where it is known, ``detail`` what
+    it reported (its traceback) or what the collective raised."""
+
+    def __init__(self, message: str, rank: int | None = None, detail: str | None = None) -> None:
+        super().__init__(message if not detail else f"{message}\n{detail}")
+        self.rank = rank
+        self.detail = detail
+
+
+class RankDivergence(TensorParallelError):
+    """``tp_check=True``: the ranks' emitted tokens differ after a step (their checksums
+    disagree), which the same seeded counters and identical logits should make impossible."""

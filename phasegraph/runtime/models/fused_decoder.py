@@ -259,10 +259,13 @@ def run_fused_decoder(
     k_caches: list[torch.Tensor],  # per layer [slots, Hkv, D]
     v_caches: list[torch.Tensor],
     capture_layers: tuple[int, ...] = (),
+    all_reduce=None,  # tensor parallel: sums [T, H] over the ranks in place
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # ([T, H] after the final norm, {layer: [T, H]})
     """Every decoder layer, then the final norm; also the residual input of ``capture_layers``.
     Split-K products whose next kernel is a norm or SwiGLU hand on their slices unsummed
-    (:mod:`phasegraph.kernels.split_sum`: the same bits, one reduction pass less)."""
+    (:mod:`phasegraph.kernels.split_sum`: the same bits, one reduction pass less).
+    ``all_reduce``: the layers are a rank's row-parallel slices (runtime/tensor_parallel.py), so
+    the ``o`` and ``down`` products are partial sums, summed over the ranks before the norms."""
     inner = model.model
     hidden = embed(inner.embed_tokens, input_ids)  # [T, H]
     cos, sin, rope_rows = RotaryTable.of(inner.rotary_emb).lookup(hidden, positions, meta)
@@ -280,8 +283,12 @@ def run_fused_decoder(
                 windowed[window] = window_of(meta, positions, window)
             layer_meta = windowed[window]
         hidden = layer.attention_from_qkv(qkv, cos, sin, k_caches[idx], v_caches[idx], layer_meta, rope_rows,
-                                          defer=True)
+                                          defer=all_reduce is None)
+        if all_reduce is not None:
+            hidden = all_reduce(hidden)
         hidden, residual = layer.norm_mlp(hidden, residual, defer=True)
+        if all_reduce is not None:
+            hidden = all_reduce(hidden.total() if isinstance(hidden, SplitSum) else hidden)
     final = inner.norm
     out, _ = add_rms_norm(hidden, residual, final.weight, float(final.variance_epsilon))
     return out, captured

@@ -205,6 +205,7 @@ class HFTarget:
         windows = [w for layer in model.model.layers if (w := layer_window(layer, config)) is not None]
         self.sliding_window: int | None = min(windows) if windows else None
         self.pool: KVPool | None = None
+        self.tp = None  # a TensorParallelGroup once runtime/tensor_parallel.py sharded the layers
         self.fused_layers = None
         self.fused_reason: str | None = "switched off (fused=False)"
         if fused is not False:
@@ -262,6 +263,7 @@ class HFTarget:
             hidden, captured = run_fused_decoder(
                 self.model, self.fused_layers, input_ids, positions, attn,
                 self.pool.k, self.pool.v, self.feature_layers,
+                all_reduce=None if self.tp is None else self.tp.all_reduce_,
             )
             return hidden, self._features(hidden, captured)
         inner = self.model.model

@@ -1,0 +1,369 @@
+"""Tensor parallelism of the target over torch.distributed (Megatron-LM, Shoeybi et al. 2019).
+
+Each rank holds a slice of every decoder layer: the merged qkv product by head group and the
+merged gate_up product by intermediate block (column parallel), ``o`` and ``down`` by the
+matching input columns (row parallel), so a layer needs one all-reduce after ``o`` and one after
+``down``. The embedding, the final norm and the lm_head are replicated: every rank computes the
+same logits from the same all-reduced hidden state, so sampling (counter-based coins,
+:mod:`phasegraph.kernels.random`) picks the same tokens on every rank without another
+collective. Each rank's KV pool holds only its kv heads; where the tensor-parallel size does not
+divide the kv heads (but is a multiple of them) a kv head is replicated on the ranks whose query
+heads read it.
+
+Three ways a rank comes to be:
+
+- ``leader``: an ordinary process built ``Engine.from_pretrained(..., tensor_parallel_size=N)``;
+  it started ranks 1..N-1 itself (:func:`launch`) and sends them each scheduling call through a
+  queue, so user code does not change.
+- ``worker``: a process :func:`launch` started; it runs the leader's calls in order.
+- ``spmd``: every rank runs the same program (``torchrun --nproc-per-node N``); nothing is sent.
+"""
+
+from __future__ import annotations
+
+import datetime
+import multiprocessing
+import os
+import queue
+import socket
+import threading
+from collections.abc import Callable
+
+import attrs
+import torch
+import torch.distributed as dist
+
+from phasegraph.runtime.errors import InvalidConfig, RankDivergence, UnsupportedModel, WorkerDied
+from phasegraph.runtime.models.fused_decoder import FusedLayer
+
+# NVLink multicast (NVLS) must stay off on shared hosts: a program that uses it can take the
+# host's GPUs out of service. Set before NCCL starts, inherited by the ranks we start.
+_NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+_POLL_S = 0.5  # how often a waiting worker looks whether its leader still lives
+
+
+@attrs.define(eq=False)
+class TensorParallelGroup:
+    """This process's rank in a tensor-parallel engine, and the collectives the target uses."""
+
+    rank: int
+    world_size: int
+    backend: str  # "gloo" (CPU) or "nccl" (GPU)
+    device: torch.device
+    timeout_s: float
+    mode: str  # "leader", "worker" or "spmd"
+    workers: list = attrs.field(factory=list)  # leader: the started processes, rank order
+    commands: list = attrs.field(factory=list)  # leader: one queue per worker
+    errors: object = None  # leader: the queue a failing worker writes its traceback to
+    closed: bool = False
+
+    @property
+    def sends(self) -> bool:
+        """Whether this rank sends the scheduling calls (the leader of started workers)."""
+        return self.mode == "leader"
+
+    # -- collectives ---------------------------------------------------------------------------
+
+    def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] summed over ranks, in place
+        """Sum ``x`` over the ranks in place (capturable in a CUDA graph with NCCL)."""
+        try:
+            dist.all_reduce(x)
+        except (RuntimeError, ValueError) as exc:  # gloo: peer closed; a timeout; NCCL errors
+            raise self.died(f"an all-reduce failed on rank {self.rank}: {exc}") from None
+        return x
+
+    def min_int(self, value: int) -> int:
+        """The smallest of every rank's ``value`` (pool sizes: every rank must agree)."""
+        t = torch.tensor([value], dtype=torch.int64, device=self.device)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MIN)
+        except (RuntimeError, ValueError) as exc:
+            raise self.died(f"a collective failed on rank {self.rank}: {exc}") from None
+        return int(t.item())
+
+    def check_same(self, checksum: int, what: str) -> None:
+        """:class:`RankDivergence` unless every rank passed the same ``checksum``."""
+        t = torch.tensor([checksum, -checksum], dtype=torch.int64, device=self.device)
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        except (RuntimeError, ValueError) as exc:
+            raise self.died(f"the divergence check failed on rank {self.rank}: {exc}") from None
+        high, low = int(t[0]), -int(t[1])
+        if high != low:
+            raise RankDivergence(
+                f"the tensor-parallel ranks diverged: {what} checksums range over [{low}, {high}] "
+                f"(rank {self.rank} has {checksum})"
+            )
+
+    # -- the leader's workers ------------------------------------------------------------------
+
+    def died(self, message: str) -> WorkerDied:
+        """The error to raise: names a worker that exited, with what it reported."""
+        detail = self._worker_report()
+        for rank, proc in enumerate(self.workers, start=1):
+            if proc.exitcode is not None:
+                return WorkerDied(f"tensor-parallel rank {rank} exited (code {proc.exitcode}); {message}",
+                                  rank, detail)
+        return WorkerDied(message, None, detail)
+
+    def _worker_report(self) -> str | None:
+        if self.errors is None:
+            return None
+        try:
+            return self.errors.get(timeout=0.2)
+        except (queue.Empty, OSError, ValueError):
+            return None
+
+    def check_workers(self) -> None:
+        """:class:`WorkerDied` if a started worker is no longer alive."""
+        for rank, proc in enumerate(self.workers, start=1):
+            if not proc.is_alive():
+                raise WorkerDied(f"tensor-parallel rank {rank} exited (code {proc.exitcode})", rank,
+                                 self._worker_report())
+
+    def send(self, *command) -> None:
+        """Queue one scheduling call for every worker (leader only)."""
+        if self.closed:
+            raise WorkerDied("this tensor-parallel engine was shut down")
+        self.check_workers()
+        for q in self.commands:
+            q.put(command)
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the workers (bounded: a worker that does not exit in time is killed) and leave
+        the process group."""
+        if self.closed:
+            return
+        self.closed = True
+        for q in self.commands:
+            try:
+                q.put(("shutdown",))
+            except (OSError, ValueError):
+                pass
+        for proc in self.workers:
+            proc.join(timeout_s)
+            if proc.is_alive():
+                proc.kill()
+                proc.join(timeout_s)
+        _leave_group(timeout_s)
+
+
+def _leave_group(timeout_s: float) -> None:
+    """``destroy_process_group`` in a thread joined with a timeout: it was seen to hang at exit
+    with NCCL, and shutting an engine down must stay bounded."""
+    if not dist.is_initialized():
+        return
+    done = threading.Thread(target=dist.destroy_process_group, daemon=True)
+    done.start()
+    done.join(timeout_s)
+
+
+def backend_for(device: torch.device) -> str:
+    return "nccl" if device.type == "cuda" else "gloo"
+
+
+def rank_device(device: torch.device, local_rank: int) -> torch.device:
+    """A GPU rank uses GPU ``local_rank``; a CPU rank the CPU."""
+    if device.type == "cuda":
+        if local_rank >= torch.cuda.device_count():
+            raise InvalidConfig(f"tensor-parallel rank {local_rank} needs GPU {local_rank}, but this machine has "
+                                f"{torch.cuda.device_count()}")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def current_group(world_size: int, device: torch.device, timeout_s: float) -> TensorParallelGroup | None:
+    """This process's group where it already is a rank (a started worker, or SPMD under torchrun
+    with ``WORLD_SIZE`` set); None where it must start its own workers."""
+    if dist.is_initialized():
+        if dist.get_world_size() != world_size:
+            raise InvalidConfig(f"tensor_parallel_size={world_size}, but this process group has "
+                                f"{dist.get_world_size()} ranks")
+        mode = _WORKER_MODE.get("mode", "spmd")
+        local = int(os.environ.get("LOCAL_RANK", dist.get_rank()))
+        return TensorParallelGroup(dist.get_rank(), world_size, dist.get_backend(), rank_device(device, local),
+                                   timeout_s, mode)
+    if "WORLD_SIZE" in os.environ and "RANK" in os.environ:  # torchrun: every rank runs this code
+        if int(os.environ["WORLD_SIZE"]) != world_size:
+            raise InvalidConfig(f"tensor_parallel_size={world_size}, but torchrun started "
+                                f"{os.environ['WORLD_SIZE']} ranks")
+        local = int(os.environ.get("LOCAL_RANK", os.environ["RANK"]))
+        dev = rank_device(device, local)
+        for key, value in _NO_MULTICAST.items():
+            os.environ.setdefault(key, value)
+        dist.init_process_group(backend_for(dev), timeout=datetime.timedelta(seconds=timeout_s),
+                                device_id=dev if dev.type == "cuda" else None)
+        return TensorParallelGroup(dist.get_rank(), world_size, backend_for(dev), dev, timeout_s, "spmd")
+    return None
+
+
+_WORKER_MODE: dict[str, str] = {}
+
+
+def launch(
+    world_size: int,
+    device: torch.device,
+    timeout_s: float,
+    worker: Callable,
+    load: tuple,
+) -> TensorParallelGroup:
+    """Start ranks 1..world_size-1 as processes running ``worker(rank, world_size, init_method,
+    device, timeout_s, load, commands, errors)`` and join them as rank 0."""
+    for key, value in _NO_MULTICAST.items():
+        os.environ.setdefault(key, value)
+    if device.type == "cuda" and torch.cuda.device_count() < world_size:
+        raise InvalidConfig(f"tensor_parallel_size={world_size} needs {world_size} GPUs; this machine has "
+                            f"{torch.cuda.device_count()}")
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_method = f"tcp://127.0.0.1:{port}"
+    ctx = multiprocessing.get_context("spawn")
+    errors = ctx.Queue()
+    commands, workers = [], []
+    for rank in range(1, world_size):
+        q = ctx.Queue()
+        proc = ctx.Process(target=worker, args=(rank, world_size, init_method, device.type, timeout_s, load, q, errors),
+                           daemon=True, name=f"phasegraph-tp-rank{rank}")
+        proc.start()
+        commands.append(q)
+        workers.append(proc)
+    dev = rank_device(device, 0)
+    group = TensorParallelGroup(0, world_size, backend_for(dev), dev, timeout_s, "leader", workers, commands, errors)
+    # joined in a thread, so that a worker that dies while it starts (a bad checkpoint, an
+    # import error) is reported now rather than when the join times out
+    outcome: list[BaseException | None] = []
+
+    def join() -> None:
+        try:
+            init_rank(0, world_size, init_method, dev, timeout_s)
+            outcome.append(None)
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
+            outcome.append(exc)
+
+    joiner = threading.Thread(target=join, daemon=True)
+    joiner.start()
+    while joiner.is_alive() and all(proc.exitcode is None for proc in workers):
+        joiner.join(_POLL_S)
+    if not outcome or outcome[0] is not None:
+        failure = group.died(f"the tensor-parallel ranks could not join: {outcome[0] if outcome else 'a rank exited'}")
+        group.closed = True
+        for proc in workers:
+            proc.kill()
+        raise failure
+    return group
+
+
+def init_rank(rank: int, world_size: int, init_method: str, device: torch.device, timeout_s: float) -> None:
+    dist.init_process_group(backend_for(device), init_method=init_method, rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s),
+                            device_id=device if device.type == "cuda" else None)
+
+
+def start_worker(rank: int, world_size: int, init_method: str, device_type: str, timeout_s: float) -> None:
+    """Join the leader's group as ``rank`` (in a process :func:`launch` started)."""
+    _WORKER_MODE["mode"] = "worker"
+    dev = rank_device(torch.device(device_type), rank)
+    init_rank(rank, world_size, init_method, dev, timeout_s)
+
+
+def next_command(commands) -> tuple | None:
+    """The leader's next call; None once the leader is gone (the worker then exits)."""
+    parent = multiprocessing.parent_process()
+    while True:
+        try:
+            return commands.get(timeout=_POLL_S)
+        except queue.Empty:
+            if parent is not None and not parent.is_alive():
+                return None
+
+
+# -- sharding -----------------------------------------------------------------------------------
+
+
+def head_split(num_heads: int, num_kv_heads: int, rank: int, world_size: int) -> tuple[int, int, int, int]:
+    """(first query head, query heads, first kv head, kv heads) of ``rank``: query heads split
+    evenly; kv heads too where ``world_size`` divides them, else each rank takes the one kv head
+    its query heads share (``world_size`` a multiple of the kv heads)."""
+    if num_heads % world_size:
+        raise UnsupportedModel(f"tensor_parallel_size={world_size} does not divide the {num_heads} attention heads")
+    q_n = num_heads // world_size
+    if num_kv_heads % world_size == 0:
+        kv_n = num_kv_heads // world_size
+        return rank * q_n, q_n, rank * kv_n, kv_n
+    if world_size % num_kv_heads:
+        raise UnsupportedModel(f"tensor_parallel_size={world_size} neither divides nor is a multiple of the "
+                               f"{num_kv_heads} kv heads")
+    return rank * q_n, q_n, rank * q_n // (num_heads // num_kv_heads), 1
+
+
+def _rows(w: torch.Tensor | None, spans: list[tuple[int, int]], device) -> torch.Tensor | None:
+    if w is None:
+        return None
+    return torch.cat([w[a:b] for a, b in spans], dim=0).to(device).contiguous()
+
+
+def shard_layer(layer: FusedLayer, rank: int, world_size: int, device: torch.device) -> FusedLayer:
+    """``rank``'s slice of one fused decoder layer, on ``device``."""
+    hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
+    q0, qn, k0, kn = head_split(hq, hkv, rank, world_size)
+    qkv = [(q0 * d, (q0 + qn) * d), ((hq + k0) * d, (hq + k0 + kn) * d),
+           ((hq + hkv + k0) * d, (hq + hkv + k0 + kn) * d)]
+    inter = layer.gate_up_weight.shape[0] // 2
+    if inter % world_size:
+        raise UnsupportedModel(f"tensor_parallel_size={world_size} does not divide the intermediate size {inter}")
+    i0, i_n = rank * inter // world_size, inter // world_size
+    gate_up = [(i0, i0 + i_n), (inter + i0, inter + i0 + i_n)]
+    # row-parallel biases are added once, by rank 0, before the sum
+    first = rank == 0
+
+    def cols(w, a, b):
+        return w[:, a:b].to(device).contiguous()
+
+    def move(m):
+        return None if m is None else m.to(device)
+
+    return attrs.evolve(
+        layer,
+        input_norm=layer.input_norm.to(device), post_norm=layer.post_norm.to(device),
+        qkv_weight=_rows(layer.qkv_weight, qkv, device),  # [(qn + 2kn) D, H]
+        qkv_bias=_rows(layer.qkv_bias, qkv, device),
+        o_weight=cols(layer.o_weight, q0 * d, (q0 + qn) * d),  # [H, qn D]
+        o_bias=layer.o_bias.to(device) if first and layer.o_bias is not None else None,
+        gate_up_weight=_rows(layer.gate_up_weight, gate_up, device),  # [2 I/N, H]
+        gate_up_bias=_rows(layer.gate_up_bias, gate_up, device),
+        down_weight=cols(layer.down_weight, i0, i0 + i_n),  # [H, I/N]
+        down_bias=layer.down_bias.to(device) if first and layer.down_bias is not None else None,
+        num_heads=qn, num_kv_heads=kn, q_norm=move(layer.q_norm), k_norm=move(layer.k_norm),
+    )
+
+
+def check_divergence(group: TensorParallelGroup, token_lists) -> None:
+    """All-reduce a checksum of the tokens every request emitted so far (``tp_check=True``)."""
+    total = 0
+    for tokens in token_lists:
+        for i, t in enumerate(tokens):
+            total = (total + (i + 1) * (int(t) + 1) * 1_000_003) % (1 << 61)
+    group.check_same(total, "emitted-token")
+
+
+def shard_target(target, group: TensorParallelGroup) -> None:
+    """Make ``target`` (an HFTarget loaded whole, on the CPU) ``group.rank``'s slice on
+    ``group.device``: fused layers sharded, everything else (embedding, final norm, lm_head,
+    rotary) replicated there, the modules' own decoder layers dropped (the whole model's
+    weights are freed once the caller lets go of them)."""
+    if target.fused_layers is None:
+        raise UnsupportedModel(f"tensor parallelism runs the fused decoder path, which this target cannot take: "
+                               f"{target.fused_reason}")
+    rank, world, device = group.rank, group.world_size, group.device
+    with torch.no_grad():
+        layers = [shard_layer(layer, rank, world, device) for layer in target.fused_layers]
+    inner = target.model.model
+    inner.layers = torch.nn.ModuleList()  # the whole layers' weights; the fused slices replace them
+    target.model.__dict__.pop("_phasegraph_fused_layers", None)
+    target.model.to(device)
+    target.fused_layers = layers
+    target.device = device
+    target.kv_spec = attrs.evolve(target.kv_spec, num_kv_heads=layers[0].num_kv_heads)
+    target.tp = group
