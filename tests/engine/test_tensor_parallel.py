@@ -1,0 +1,214 @@
+"""Tensor parallelism on the CPU: gloo, two ranks, tiny float32 models.
+
+The engine starts rank 1 itself (``tensor_parallel_size=2``) and must produce exactly the tokens
+of the same engine at TP=1, with and without speculation (EAGLE-3 and standalone drafts, chain
+and tree), at page size 1 and 16, with retraction forced by a tight KV pool, greedy and seeded
+sampling alike; ``tp_check=True`` compares the ranks' tokens after every step. A rank that dies
+raises :class:`WorkerDied` in the caller, within the collectives' timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from phasegraph.runtime.config import SamplingParams, SpecConfig
+from phasegraph.runtime.engine import Engine
+from phasegraph.runtime.errors import InvalidConfig, RankDivergence, UnsupportedModel, WorkerDied
+from phasegraph.runtime.tensor_parallel import head_split
+from phasegraph.testing.checkpoints import write_hf_target
+
+from .support import make_prompts, small_config, write_arch
+
+N_REQUESTS = 8
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """The llama target (2 query heads, 1 kv head: the kv head is replicated on both ranks)
+    with its drafts."""
+    return write_arch(tmp_path_factory.mktemp("tp-llama"), "llama")
+
+
+def _workload():
+    prompts = make_prompts(N_REQUESTS, seed=21)
+    params = []
+    for i in range(N_REQUESTS):
+        budget = 10 + (5 * i) % 13
+        if i % 2:
+            params.append(SamplingParams(max_new_tokens=budget, temperature=0.8, top_p=0.9, seed=500 + i,
+                                         ignore_eos=True))
+        else:
+            params.append(SamplingParams(max_new_tokens=budget, ignore_eos=True))
+    return prompts, params
+
+
+CASES = {
+    # name: (method, spec kwargs, page size, pool tokens: a tight pool forces retraction)
+    "none-P16-retract": ("none", {}, 16, 112),
+    "eagle3-tree-P1-retract": ("eagle3", dict(topk=2, num_steps=3, num_draft_tokens=6), 1, 96),
+    "eagle3-chain-P16": ("eagle3", dict(topk=1, num_steps=3), 16, 4096),
+    "standalone-tree-P16-retract": ("standalone", dict(topk=2, num_steps=2, num_draft_tokens=4), 16, 128),
+    "standalone-chain-P1": ("standalone", dict(topk=1, num_steps=3), 1, 4096),
+}
+
+
+def _engine(target, drafts, method, spec, page_size, pool, **kw) -> Engine:
+    config = SpecConfig(method="none") if method == "none" else SpecConfig(method=method, **spec)
+    draft = None if method == "none" else drafts[method]
+    return Engine.from_pretrained(target, draft, spec=config, page_size=page_size, kv_pool_tokens=pool,
+                                  dtype="float32", max_batch_size=N_REQUESTS, **kw)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_tp2_outputs_equal_tp1(pair, case):
+    target, drafts = pair
+    method, spec, page_size, pool = CASES[case]
+    prompts, params = _workload()
+    one = _engine(target, drafts, method, spec, page_size, pool)
+    want = one.generate(prompts, params)
+    with _engine(target, drafts, method, spec, page_size, pool, tensor_parallel_size=2, tp_check=True,
+                 check_every_step=True) as two:
+        assert two.target.kv_spec.num_kv_heads == 1  # 1 kv head: replicated, not split
+        got = two.generate(prompts, params)
+        if pool < 4096:
+            assert two.num_retractions >= 1, "the pool is not tight enough to retract"
+            assert two.num_retractions == one.num_retractions
+        two.check()
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.token_ids == w.token_ids, f"request {i} differs at TP=2"
+        assert g.stats.accept_lengths == w.stats.accept_lengths
+
+
+def test_tp2_step_api_abort_and_retract(pair):
+    """The step API drives the worker too: abort and a forced retraction mid-run."""
+    target, drafts = pair
+    spec = dict(topk=2, num_steps=3, num_draft_tokens=6)
+    prompts, params = _workload()
+    one = _engine(target, drafts, "eagle3", spec, 1, 4096)
+    want = one.generate(prompts[:3], params[:3])
+    with _engine(target, drafts, "eagle3", spec, 1, 4096, tensor_parallel_size=2, tp_check=True) as two:
+        for i in range(3):
+            two.add_request(f"r{i}", prompts[i], params[i])
+        two.add_request("gone", prompts[3], params[3])
+        got = {f"r{i}": [] for i in range(3)}
+        steps = 0
+        while two.has_unfinished():
+            for delta in two.step():
+                if delta.request_id in got:
+                    got[delta.request_id] += delta.new_token_ids
+            steps += 1
+            if steps == 2:
+                assert two.abort("gone")
+                assert two.retract("r1")
+        two.check()
+    assert [got[f"r{i}"] for i in range(3)] == [w.token_ids for w in want]
+
+
+def test_tp2_splits_kv_heads_where_they_divide(tmp_path):
+    """4 query heads and 2 kv heads: each rank holds one kv head and two query heads."""
+    values = small_config("llama") | dict(num_attention_heads=4, num_key_value_heads=2, hidden_size=32)
+    target = write_hf_target(tmp_path / "t", "llama", **values)
+    prompts = make_prompts(3, seed=4)
+    params = SamplingParams(max_new_tokens=16, ignore_eos=True)
+    want = Engine.from_pretrained(target, dtype="float32").generate(prompts, params)
+    with Engine.from_pretrained(target, dtype="float32", page_size=16, tensor_parallel_size=2) as two:
+        assert two.target.kv_spec.num_kv_heads == 1
+        assert two.target.fused_layers[0].num_heads == 2
+        got = two.generate(prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+
+
+def test_killed_worker_raises_worker_died(pair):
+    target, _ = pair
+    two = Engine.from_pretrained(target, dtype="float32", tensor_parallel_size=2, tp_timeout_s=20)
+    try:
+        two.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
+        (worker,) = two.tp.workers
+        os.kill(worker.pid, signal.SIGKILL)
+        worker.join(10)
+        start = time.monotonic()
+        with pytest.raises(WorkerDied, match="rank 1 exited") as info:
+            two.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
+        assert info.value.rank == 1
+        # a collective with the dead rank fails too, within the timeout, never hangs
+        with pytest.raises(WorkerDied):
+            two.tp.all_reduce_(torch.ones(4))
+        assert time.monotonic() - start < 20
+    finally:
+        two.shutdown()
+    with pytest.raises(WorkerDied, match="shut down"):
+        two.generate([[1, 2, 3]], SamplingParams(max_new_tokens=4))
+
+
+def test_worker_that_fails_to_load_reports_its_error(pair, tmp_path):
+    """Rank 1 cannot read a checkpoint that rank 0 read: the caller gets rank 1's traceback."""
+    target, _ = pair
+
+    class Vanishing(os.PathLike):  # rank 1 is handed a path that does not exist
+        def __fspath__(self):
+            return str(target) if os.getpid() == leader else str(tmp_path / "missing")
+
+        def __reduce__(self):
+            return (str, (str(tmp_path / "missing"),))
+
+    leader = os.getpid()
+    with pytest.raises(WorkerDied, match="rank 1") as info:
+        Engine.from_pretrained(Vanishing(), dtype="float32", tensor_parallel_size=2, tp_timeout_s=30)
+    assert "missing" in str(info.value)
+
+
+def test_head_split():
+    assert head_split(8, 4, 1, 2) == (4, 4, 2, 2)  # kv heads split
+    assert head_split(8, 2, 3, 4) == (6, 2, 1, 1)  # kv heads split, one each
+    assert head_split(8, 1, 1, 2) == (4, 4, 0, 1)  # one kv head, replicated
+    assert head_split(8, 2, 3, 8) == (3, 1, 0, 1)  # query heads 0..3 read kv head 0
+    assert head_split(8, 2, 4, 8) == (4, 1, 1, 1)
+    with pytest.raises(UnsupportedModel):
+        head_split(6, 6, 0, 4)  # 4 divides neither the query heads nor is a multiple of the kv heads
+
+
+def test_tp_options_are_checked(pair):
+    target, _ = pair
+    with pytest.raises(InvalidConfig, match="tp_timeout_s"):
+        Engine.from_pretrained(target, tensor_parallel_size=2, tp_timeout_s=0)
+    with pytest.raises(InvalidConfig, match="tensor_parallel_size"):
+        Engine.from_pretrained(target, tensor_parallel_size=0)
+    loaded = Engine.from_pretrained(target, dtype="float32")
+    with pytest.raises(InvalidConfig, match="from_pretrained"):
+        Engine(loaded.target, tensor_parallel_size=2)
+
+
+def _diverging_rank(rank: int, port: int) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    from phasegraph.runtime.tensor_parallel import TensorParallelGroup
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=datetime.timedelta(seconds=30))
+    group = TensorParallelGroup(rank, 2, "gloo", torch.device("cpu"), 30, "spmd")
+    group.check_same(7, "equal")  # the same everywhere: passes
+    try:
+        group.check_same(7 + rank, "emitted-token")
+    except RankDivergence as exc:
+        if "[7, 8]" not in str(exc):
+            raise
+    else:
+        raise AssertionError("diverging checksums were not noticed")
+
+
+def test_check_same_raises_rank_divergence():
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_diverging_rank, args=(port,), nprocs=2, join=True)
