@@ -95,6 +95,10 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--draft-dtype", help="the draft's precision (default: --dtype); it moves the "
                    "acceptance length, never the output")
+    p.add_argument("--tp", type=int, default=1, metavar="N",
+                   help="split the target over N ranks (tensor parallelism): under torchrun --nproc-per-node N "
+                        "every rank runs this command, else this process starts the other ranks "
+                        "(default: %(default)s)")
     p.add_argument("--threads", type=int, metavar="N",
                    help="torch's CPU threads (default: the engine's, 1, the fastest on a busy machine); "
                         "ignored on a GPU")
@@ -150,6 +154,8 @@ def load_engine(args: argparse.Namespace, spec, **options):
 
     if args.threads is not None:
         options["num_threads"] = args.threads
+    if args.tp != 1:
+        options["tensor_parallel_size"] = args.tp
     return Engine.from_pretrained(
         args.target, args.draft, spec=spec, device=args.device, dtype=args.dtype,
         draft_dtype=args.draft_dtype, page_size=args.page_size, kv_pool_tokens=args.kv_pool_tokens, **options,

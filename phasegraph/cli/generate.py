@@ -251,16 +251,23 @@ def _generate(args: argparse.Namespace) -> int:
                            "pass the prompt's token ids with --prompt-ids (e.g. --prompt-ids 1,2,3)")
         if args.stop:
             raise CliError(f"--stop needs the target's tokenizer to match text, and --target {args.target} has none")
-    progress = not args.no_progress and args.max_new_tokens >= PROGRESS_MIN_TOKENS
+    # under torchrun every rank runs this command: rank 0 speaks, and Ctrl-C (which may reach
+    # the ranks at different steps) is left to torchrun, since the ranks must stop together
+    spmd = engine.tp is not None and engine.tp.mode == "spmd"
+    quiet = spmd and engine.tp.rank != 0
+    progress = not args.no_progress and args.max_new_tokens >= PROGRESS_MIN_TOKENS and not quiet
     start = time.perf_counter()
     try:
-        with warnings.catch_warnings(), _CtrlC() as ctrl_c:  # the summary line says it, in one line
+        with engine, warnings.catch_warnings(), _CtrlC() as ctrl_c:  # the summary line says it, in one line
             warnings.simplefilter("ignore", NonFiniteDraftWarning)
-            outs = engine.generate(prompts, params, progress=progress, should_stop=ctrl_c.asked)
+            outs = engine.generate(prompts, params, progress=progress, should_stop=None if spmd else ctrl_c.asked)
     except RequestFailed as exc:  # show what came before the failure, then the error
-        _write_outputs(engine, exc.outputs)
+        if not quiet:
+            _write_outputs(engine, exc.outputs)
         raise CliError(str(exc)) from None
     seconds = time.perf_counter() - start
+    if quiet:
+        return 0
     _write_outputs(engine, outs)
     _print_summary(engine, outs, method, args, seconds, ctrl_c.pressed)
     if args.trace:

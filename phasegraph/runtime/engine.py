@@ -571,9 +571,9 @@ class Engine:
             self.tp.send(*command)
 
     def shutdown(self) -> None:
-        """Stop the ranks this engine started (bounded; idempotent). An engine without tensor
-        parallelism has nothing to stop."""
-        if self.tp is not None and self.tp.sends:
+        """Stop the ranks this engine started, or leave torchrun's group (bounded; idempotent).
+        An engine without tensor parallelism has nothing to stop."""
+        if self.tp is not None and self.tp.mode != "worker":
             self.tp.close()
 
     def __enter__(self) -> Engine:

@@ -212,3 +212,26 @@ def test_check_same_raises_rank_divergence():
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     mp.spawn(_diverging_rank, args=(port,), nprocs=2, join=True)
+
+
+def test_torchrun_spmd_generate_equals_tp1(pair, capsys):
+    """``torchrun --nproc-per-node 2 -m phasegraph generate --tp 2``: every rank runs the command
+    (SPMD, nothing sent between ranks), rank 0 alone prints, the tokens are TP=1's."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from phasegraph.cli import main
+
+    target, drafts = pair
+    args = ["generate", "--device", "cpu", "--target", str(target), "--draft", str(drafts["eagle3"]),
+            "--topk", "2", "--num-steps", "3", "--prompt-ids", "1,2,3", "--prompt-ids", "5,6,7,8",
+            "--max-new-tokens", "14", "--ignore-eos"]
+    assert main(args) == 0
+    want = capsys.readouterr().out
+    torchrun = Path(sys.executable).with_name("torchrun")
+    run = subprocess.run([str(torchrun), "--nproc-per-node", "2", "-m", "phasegraph", *args, "--tp", "2"],
+                         capture_output=True, text=True, timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout == want  # once: rank 1 prints nothing
+    assert want.count("completion") == 2
