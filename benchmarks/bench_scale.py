@@ -81,15 +81,17 @@ def build_eagle3_head(target, draft_vocab: int = 32000):
 
     from phasegraph.runtime.models.eagle3 import Eagle3Draft, Eagle3Head
 
+    t = target.config  # the head's layer has the target's shape (the 8B's, or the 70B's for bench_tp)
     cfg = LlamaConfig(
-        hidden_size=4096, intermediate_size=14336, num_hidden_layers=1, num_attention_heads=32,
-        num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0, max_position_embeddings=4096,
-        rms_norm_eps=1e-5,
+        hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_hidden_layers=1,
+        num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
+        vocab_size=t.vocab_size, rope_theta=500000.0, max_position_embeddings=4096, rms_norm_eps=1e-5,
     )
     cfg.draft_vocab_size = draft_vocab
-    cfg.target_hidden_size = 4096
+    cfg.target_hidden_size = t.hidden_size
     with torch.device("cuda"):
-        head = Eagle3Head(cfg, target_hidden_size=4096, draft_vocab_size=draft_vocab, with_d2t=True, with_t2d=False)
+        head = Eagle3Head(cfg, target_hidden_size=t.hidden_size, draft_vocab_size=draft_vocab, with_d2t=True,
+                          with_t2d=False)
     fill_random_weights(head)
     if getattr(head, "d2t", None) is not None:
         head.d2t.zero_()

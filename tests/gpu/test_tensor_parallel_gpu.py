@@ -16,7 +16,11 @@ import torch
 
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
-from phasegraph.testing.checkpoints import write_eagle3_draft, write_hf_target, write_standalone_draft
+from phasegraph.testing.checkpoints import (
+    write_eagle3_draft,
+    write_hf_target,
+    write_standalone_draft,
+)
 
 pytestmark = [
     pytest.mark.gpu,

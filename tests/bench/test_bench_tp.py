@@ -1,0 +1,63 @@
+"""benchmarks/bench_tp.py on the CPU: the random slice builder and the goals' arithmetic (the
+GPU runs happen on the device machine)."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from phasegraph.runtime.config import SamplingParams, SpecConfig
+from phasegraph.runtime.engine import Engine
+from phasegraph.runtime.tensor_parallel import TensorParallelGroup
+
+from .scripts import load_bench_script
+
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256)
+
+
+def test_random_target_builds_every_layer_and_runs(monkeypatch):
+    bench = load_bench_script("bench_tp")
+    monkeypatch.setitem(bench.SHAPES, "tiny", TINY)
+    target = bench.random_target("tiny", None, device="cpu")
+    assert target.num_layers == len(target.fused_layers) == 3
+    assert target.kv_spec.num_layers == 3 and target.kv_spec.num_kv_heads == 2
+    assert target.fused_layers[0].qkv_weight is not target.fused_layers[1].qkv_weight
+    layer = target.fused_layers[0]
+    per_layer = sum(t.numel() for t in (layer.input_norm, layer.post_norm, layer.qkv_weight, layer.o_weight,
+                                        layer.gate_up_weight, layer.down_weight))
+    assert bench.rank_weight_bytes(target) == 4 * (3 * per_layer + 64 + 256 * 64)
+    engine = Engine(bench._baseline_view(target), spec=SpecConfig(method="none"), kv_pool_tokens=512)
+    out = engine.generate([[1, 2, 3]], SamplingParams(max_new_tokens=5, ignore_eos=True))
+    assert len(out[0].token_ids) == 5
+
+
+def test_random_target_slices_per_rank(monkeypatch):
+    bench = load_bench_script("bench_tp")
+    monkeypatch.setitem(bench.SHAPES, "tiny", TINY)
+    group = TensorParallelGroup(1, 2, "gloo", torch.device("cpu"), 10.0, "spmd")
+    target = bench.random_target("tiny", group, device="cpu")
+    layer = target.fused_layers[2]
+    assert layer.num_heads == 2 and layer.num_kv_heads == 1
+    assert layer.qkv_weight.shape == (4 * 16, 64) and layer.o_weight.shape == (64, 32)
+    assert layer.gate_up_weight.shape == (128, 64) and layer.down_weight.shape == (64, 64)
+    assert target.kv_spec.num_kv_heads == 1 and target.tp is group
+
+
+def test_report_marks_the_goals(tmp_path):
+    bench = load_bench_script("bench_tp")
+    parts = [
+        {"shape": "70B", "tp": 2, "baseline": [{"batch": 1, "decode_step_s": 0.02, "share_of_bound": 0.83,
+                                                "all_reduce_s": 0.0028}],
+         "spec": [{"tau_simulated": 4, "batch": 1, "eta": 0.7}]},
+        {"shape": "8B", "tp": 2, "baseline": [{"batch": 1, "decode_step_s": 0.003}], "spec": []},
+    ]
+    (tmp_path / "tp2.json").write_text(json.dumps({"parts": parts}))
+    (tmp_path / "tp1.json").write_text(json.dumps({"parts": [
+        {"shape": "8B", "tp": 1, "baseline": [{"batch": 1, "decode_step_s": 0.005}], "spec": []}]}))
+    assert bench.main(["--report", str(tmp_path)]) == 0
+    lines = (tmp_path / "goals.txt").read_text().splitlines()
+    assert lines[0].startswith("70B TP=2 batch-1 decode step 20.00 ms = 83.0 %") and lines[0].count("NOT MET") == 0
+    assert lines[1].endswith("NOT MET")  # η 0.70 < 0.75
+    assert "= 0.600 (goal <= 0.62): MET" in lines[2]
