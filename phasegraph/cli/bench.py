@@ -8,6 +8,7 @@ import math
 import os
 import signal
 import sys
+from pathlib import Path
 
 from phasegraph.bench.common import (
     SCALE_CONFIGS,
@@ -202,6 +203,11 @@ def run_bench(args: argparse.Namespace) -> int:
     from phasegraph.bench.report import write_outputs
     from phasegraph.bench.scale import measure_scale
 
+    if args.tp is not None:  # the tensor-parallel bench: its own runs (phasegraph/bench/tp.py)
+        from phasegraph.bench.tp import run_tp_bench
+
+        require_at_least("--tp", args.tp, 2)
+        return run_tp_bench(args.tp, Path(args.out), ["--new-tokens", str(args.scale_new_tokens or 64)], _say)
     args = _resolve_args(args)
     if 1 in args.parts_list:  # before anything runs or --out is made, --dry-run included
         pair = pair_path(args)
@@ -263,6 +269,9 @@ def add_parser(sub) -> None:
                     "Writes bench.json, bench.md, tokens_per_s.png and eta_vs_tau.png into --out.",
     )
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
+    p.add_argument("--tp", type=int, metavar="N",
+                   help="instead of parts 1 and 2: tensor parallelism, the 8B shape at TP=1 and TP=N and the 70B "
+                        "shape at TP=N under torchrun (benchmarks/bench_tp.py; N GPUs)")
     p.add_argument("--pair", metavar="DIR",
                    help="trained pair (target/, eagle3/ and, for the standalone and assisted rows, "
                         "draft/): reused if present, else trained into it when missing or empty "

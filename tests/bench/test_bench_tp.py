@@ -61,3 +61,24 @@ def test_report_marks_the_goals(tmp_path):
     assert lines[0].startswith("70B TP=2 batch-1 decode step 20.00 ms = 83.0 %") and lines[0].count("NOT MET") == 0
     assert lines[1].endswith("NOT MET")  # η 0.70 < 0.75
     assert "= 0.600 (goal <= 0.62): MET" in lines[2]
+
+
+def test_phasegraph_bench_tp_runs_tp1_then_torchrun_then_report(monkeypatch, tmp_path):
+    """``phasegraph bench --tp 2``: the three runs in order, multicast off in their environment."""
+    import subprocess
+
+    from phasegraph.cli import main
+
+    calls = []
+
+    def fake_run(cmd, env, check):
+        calls.append((cmd, env))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    assert main(["bench", "--tp", "2", "--out", str(tmp_path / "o")]) == 0
+    (one, _), (two, env), (rep, _) = calls
+    assert one[-6:] == ["--tp", "1", "--out", str(tmp_path / "o"), "--new-tokens", "64"]
+    assert two[0].endswith("torchrun") and two[1:3] == ["--nproc-per-node", "2"] and "--tp" in two
+    assert rep[-2:] == ["--report", str(tmp_path / "o")]
+    assert env["NCCL_NVLS_ENABLE"] == "0"

@@ -54,6 +54,7 @@ CASES = {
     "eagle3-chain-P16": ("eagle3", dict(topk=1, num_steps=3), 16, 4096),
     "standalone-tree-P16-retract": ("standalone", dict(topk=2, num_steps=2, num_draft_tokens=4), 16, 128),
     "standalone-chain-P1": ("standalone", dict(topk=1, num_steps=3), 1, 4096),
+    "mtp-chain-P1": ("mtp", dict(topk=1, num_steps=2), 1, 4096),  # the last-hidden features (EAGLE-1 too)
 }
 
 
