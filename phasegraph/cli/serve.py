@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import os
 import signal
 import socket
 import sys
@@ -102,6 +103,8 @@ def run_serve(args: argparse.Namespace) -> int:
             raise CliError(f"--chat-template {args.chat_template}: cannot be read ({exc.strerror or exc})") from None
     model_name = args.model_name or Path(args.target).resolve().name
     sock = _listen(args.host, args.port)
+    if args.tp != 1 and "WORLD_SIZE" in os.environ:  # every rank would serve HTTP, each its own requests
+        raise CliError("serve --tp starts the other ranks itself: run it without torchrun")
     try:
         # no trace: a server runs for days, and a trace keeps every phase transition
         engine = load_engine(args, spec, trace=False, max_batch_size=args.max_batch_size)
