@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
@@ -37,6 +38,11 @@ def pair(tmp_path_factory):
     """8 query heads and 2 kv heads: one kv head and 4 query heads per rank."""
     root = tmp_path_factory.mktemp("tp-gpu")
     target = write_hf_target(root / "target", "llama", seed=11, **TARGET)
+    # sharper logits (as the single-GPU suite's target): rounding moves fewer near-ties
+    path = target / "model.safetensors"
+    state = load_file(str(path))
+    state["lm_head.weight"] *= 4.0
+    save_file(state, str(path), metadata={"format": "pt"})
     drafts = {
         "eagle3": write_eagle3_draft(root / "eagle3", target),
         "standalone": write_standalone_draft(root / "standalone", target),
