@@ -1,7 +1,8 @@
 """phasegraph: EAGLE-style speculative decoding as an explicit, typed state graph of phases.
 
 The public API (``Engine``, ``AsyncEngine``, ``EngineConfig``, ``SpecConfig``, ``SamplingParams``,
-``RequestOutput``, ``RequestDelta``, ``RequestFailed``, ``NonFiniteDraftWarning``) is imported
+``RequestOutput``, ``RequestDelta``, ``RequestFailed``, ``NonFiniteDraftWarning``, ``WorkerDied``,
+``RankDivergence``) is imported
 lazily, so that ``import phasegraph`` (and the pytest plugin) does not pull in torch.
 """
 
@@ -19,6 +20,8 @@ _LAZY = {
     "RequestDelta": "phasegraph.runtime.config",  # what Engine.step() returns, one per request
     "RequestFailed": "phasegraph.runtime.errors",  # Engine.generate: a request ended with an error
     "NonFiniteDraftWarning": "phasegraph.runtime.errors",  # the draft's logits were NaN or infinite
+    "WorkerDied": "phasegraph.runtime.errors",  # a tensor-parallel rank exited or stopped answering
+    "RankDivergence": "phasegraph.runtime.errors",  # tp_check: the ranks' tokens differ
 }
 
 __all__ = ["__version__", *_LAZY]
