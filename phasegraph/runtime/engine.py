@@ -587,6 +587,7 @@ class Engine:
         while (command := tensor_parallel.next_command(commands)) is not None:
             op, args = command[0], command[1:]
             if op == "shutdown":
+                tensor_parallel.leave_group_as_worker()
                 return
             if op == "add":
                 request_id, prompt, params, seed = args

@@ -33,7 +33,13 @@ import attrs
 import torch
 import torch.distributed as dist
 
-from phasegraph.runtime.errors import InvalidConfig, RankDivergence, UnsupportedModel, WorkerDied
+from phasegraph.runtime.errors import (
+    InvalidConfig,
+    RankDivergence,
+    TensorParallelError,
+    UnsupportedModel,
+    WorkerDied,
+)
 from phasegraph.runtime.models.fused_decoder import FusedLayer
 
 # NVLink multicast (NVLS) must stay off on shared hosts: a program that uses it can take the
@@ -140,22 +146,31 @@ class TensorParallelGroup:
                 q.put(("shutdown",))
             except (OSError, ValueError):
                 pass
+        # the workers leave the group at the same time (NCCL's teardown is collective)
+        left = _leave_group(timeout_s)
         for proc in self.workers:
             proc.join(timeout_s)
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout_s)
-        _leave_group(timeout_s)
+        if left and self.mode == "leader":
+            _LAUNCHED["open"] = False
 
 
-def _leave_group(timeout_s: float) -> None:
+def _leave_group(timeout_s: float) -> bool:
     """``destroy_process_group`` in a thread joined with a timeout: it was seen to hang at exit
-    with NCCL, and shutting an engine down must stay bounded."""
+    with NCCL, and shutting an engine down must stay bounded. Whether the group was left."""
     if not dist.is_initialized():
-        return
+        return True
     done = threading.Thread(target=dist.destroy_process_group, daemon=True)
     done.start()
     done.join(timeout_s)
+    return not done.is_alive()
+
+
+def leave_group_as_worker(timeout_s: float = 10.0) -> None:
+    """A started worker leaves the group when the leader shuts down (both sides at once)."""
+    _leave_group(timeout_s)
 
 
 def backend_for(device: torch.device) -> str:
@@ -177,6 +192,11 @@ def current_group(world_size: int, device: torch.device, timeout_s: float) -> Te
     """This process's group where it already is a rank (a started worker, or SPMD under torchrun
     with ``WORLD_SIZE`` set); None where it must start its own workers."""
     if dist.is_initialized():
+        if _LAUNCHED["open"]:  # this process led an engine whose group outlived its shutdown
+            raise TensorParallelError(
+                "the process group of an earlier tensor-parallel engine of this process is still open (its "
+                "shutdown did not finish in time): start the new engine in a fresh process"
+            )
         if dist.get_world_size() != world_size:
             raise InvalidConfig(f"tensor_parallel_size={world_size}, but this process group has "
                                 f"{dist.get_world_size()} ranks")
@@ -199,6 +219,7 @@ def current_group(world_size: int, device: torch.device, timeout_s: float) -> Te
 
 
 _WORKER_MODE: dict[str, str] = {}
+_LAUNCHED = {"open": False}  # whether a group this process started as leader is still open
 
 
 def launch(
@@ -252,6 +273,7 @@ def launch(
         for proc in workers:
             proc.kill()
         raise failure
+    _LAUNCHED["open"] = True
     return group
 
 
