@@ -330,6 +330,9 @@ def _token_ids(value):
     return value
 
 
+TP_ALL_REDUCES = ("nccl", "symm_mem")
+
+
 @attrs.frozen
 class EngineConfig:
     """Every option of an :class:`~phasegraph.runtime.engine.Engine`, each checked when the
@@ -356,6 +359,8 @@ class EngineConfig:
     the others itself, or joins a ``torchrun`` group; docs/parallel.md). ``tp_timeout_s``: how
     long a rank waits in a collective before :class:`WorkerDied`. ``tp_check``: all-reduce a
     checksum of the emitted tokens after every step, :class:`RankDivergence` where ranks differ.
+    ``tp_all_reduce``: ``"nccl"``, or ``"symm_mem"`` (GPUs: messages up to 8 MiB through torch's
+    symmetric memory, one-shot over NVLink; larger ones through NCCL).
     """
 
     spec: SpecConfig = attrs.field(default=None, converter=as_spec)
@@ -379,6 +384,7 @@ class EngineConfig:
     tensor_parallel_size: int = attrs.field(default=1, validator=_count(64))
     tp_timeout_s: float = 60.0
     tp_check: bool = attrs.field(default=False, validator=_switch())
+    tp_all_reduce: str = "nccl"
 
     def __attrs_post_init__(self) -> None:
         if self.validate is not None:
@@ -391,6 +397,8 @@ class EngineConfig:
         if isinstance(self.tp_timeout_s, bool) or not isinstance(self.tp_timeout_s, (int, float)) \
                 or not self.tp_timeout_s > 0:
             raise InvalidConfig(f"tp_timeout_s must be a positive number of seconds; got {self.tp_timeout_s!r}")
+        if self.tp_all_reduce not in TP_ALL_REDUCES:
+            raise InvalidConfig(f"tp_all_reduce must be one of {', '.join(TP_ALL_REDUCES)}; got {self.tp_all_reduce!r}")
         if not is_int(self.seed):
             raise InvalidConfig(f"seed must be an integer; got {self.seed!r}")
         buckets = self.graph_buckets

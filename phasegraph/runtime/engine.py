@@ -139,6 +139,10 @@ class Engine:
                 f"tensor_parallel_size={config.tensor_parallel_size}, but the target is split over {tp_size} "
                 "rank(s): Engine.from_pretrained(..., tensor_parallel_size=N) loads and splits it"
             )
+        if config.tp_all_reduce == "symm_mem":
+            if self.tp is None:
+                raise InvalidConfig("tp_all_reduce='symm_mem' applies to a target split over several ranks")
+            self.tp.enable_symmetric_memory(8 << 20, target.dtype)
         spec = config.spec
         self.target = target
         self.draft = draft if spec.speculative else None

@@ -62,6 +62,9 @@ class TensorParallelGroup:
     commands: list = attrs.field(factory=list)  # leader: one queue per worker
     errors: object = None  # leader: the queue a failing worker writes its traceback to
     closed: bool = False
+    symm: list = attrs.field(factory=list)  # tp_all_reduce="symm_mem": two symmetric buffers, flat
+    symm_parity: int = 0  # which of them the next all-reduce uses
+    symm_group: str | None = None
 
     @property
     def sends(self) -> bool:
@@ -72,11 +75,53 @@ class TensorParallelGroup:
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] summed over ranks, in place
         """Sum ``x`` over the ranks in place (capturable in a CUDA graph with NCCL)."""
+        if self.symm and x.dtype == self.symm[0].dtype and x.numel() <= self.symm[0].numel() and x.is_cuda:
+            return self._symm_all_reduce_(x)
         try:
             dist.all_reduce(x)
         except (RuntimeError, ValueError) as exc:  # gloo: peer closed; a timeout; NCCL errors
             raise self.died(f"an all-reduce failed on rank {self.rank}: {exc}") from None
         return x
+
+    def enable_symmetric_memory(self, max_bytes: int, dtype: torch.dtype) -> None:
+        """Small all-reduces through torch's symmetric memory (one-shot: every rank reads its
+        peers' buffers over NVLink, no multicast) instead of NCCL, whose launch latency
+        dominates a decode step's small messages. A collective: every rank calls it."""
+        if self.symm:
+            return
+        if self.device.type != "cuda":
+            raise InvalidConfig("tp_all_reduce='symm_mem' needs CUDA devices")
+        import torch.distributed._symmetric_memory as symm_mem
+
+        name = dist.group.WORLD.group_name
+        enable = getattr(symm_mem, "enable_symm_mem_for_group", None)
+        if enable is not None:  # needed by older torch, a no-op later
+            enable(name)
+        count = max_bytes // torch.empty((), dtype=dtype).element_size()
+        for _ in range(2):
+            buf = symm_mem.empty(count, dtype=dtype, device=self.device)
+            symm_mem.rendezvous(buf, name)
+            self.symm.append(buf)
+        self.symm_group = name
+
+    def _symm_all_reduce_(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] in place
+        # Two buffers used in turn: a rank refills one only after every peer entered the
+        # all-reduce after the one that read it (each starts with a barrier). A forward has
+        # an even number of all-reduces and starts on buffer 0 (start_forward), so this holds
+        # across forwards too, whichever graphs replay in whichever order.
+        buf = self.symm[self.symm_parity][: x.numel()]
+        self.symm_parity ^= 1
+        buf.copy_(x.reshape(-1))
+        ops = torch.ops.symm_mem
+        if hasattr(ops, "one_shot_all_reduce_out"):
+            ops.one_shot_all_reduce_out(buf, "sum", self.symm_group, x.view(-1))
+        else:
+            x.copy_(ops.one_shot_all_reduce(buf, "sum", self.symm_group).view_as(x))
+        return x
+
+    def start_forward(self) -> None:
+        """A forward begins: its first all-reduce uses symmetric buffer 0."""
+        self.symm_parity = 0
 
     def min_int(self, value: int) -> int:
         """The smallest of every rank's ``value`` (pool sizes: every rank must agree)."""

@@ -236,3 +236,13 @@ def test_torchrun_spmd_generate_equals_tp1(pair, capsys):
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout == want  # once: rank 1 prints nothing
     assert want.count("completion") == 2
+
+
+def test_symmetric_memory_all_reduce_is_refused_without_gpus(pair):
+    target, _ = pair
+    with pytest.raises(InvalidConfig, match="tp_all_reduce must be one of nccl, symm_mem"):
+        Engine.from_pretrained(target, tp_all_reduce="nvls")
+    with pytest.raises(InvalidConfig, match="several ranks"):
+        Engine.from_pretrained(target, dtype="float32", tp_all_reduce="symm_mem")
+    with pytest.raises(InvalidConfig, match="needs CUDA devices"):
+        Engine.from_pretrained(target, dtype="float32", tensor_parallel_size=2, tp_all_reduce="symm_mem")

@@ -111,3 +111,17 @@ def test_tp2_bf16_mostly_equals_tp1(pair):
         got = [o.token_ids for o in two.generate(prompts, params)]
     same = sum(a == b for a, b in zip(got, want, strict=True))
     assert same >= 0.95 * len(prompts), f"{same}/64 identical"
+
+
+@pytest.mark.parametrize("case", ["none-P16-retract", "eagle3-tree-P1-retract"])
+def test_tp2_symmetric_memory_all_reduce_equals_tp1(pair, case):
+    """tp_all_reduce="symm_mem": the small all-reduces through torch's symmetric memory (one-shot,
+    no multicast), captured in the graphs; the tokens are TP=1's."""
+    method, draft, spec, page_size, pool = CASES[case]
+    prompts, params = _workload()
+    want = _engine(pair, method, draft, spec, page_size, pool).generate(prompts, params)
+    with _engine(pair, method, draft, spec, page_size, pool, tensor_parallel_size=2, tp_check=True,
+                 tp_all_reduce="symm_mem") as two:
+        got = two.generate(prompts, params)
+        assert two.tp.symm, "the symmetric buffers were not set up"
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]

@@ -260,6 +260,8 @@ class HFTarget:
         if self.pool is None:
             raise RuntimeError("HFTarget.attach_kv(pool) must be called before forward")
         if self.fused_layers is not None:
+            if self.tp is not None:
+                self.tp.start_forward()
             hidden, captured = run_fused_decoder(
                 self.model, self.fused_layers, input_ids, positions, attn,
                 self.pool.k, self.pool.v, self.feature_layers,
