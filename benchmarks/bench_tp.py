@@ -164,7 +164,9 @@ def _free() -> None:
     torch.cuda.empty_cache()
 
 
-def measure_shape(shape: str, group, bs, args, log) -> dict:
+def measure_shape(shape: str, group, bs, args, log, out: dict, save) -> None:
+    """Fill ``out`` with ``shape``'s rows, calling ``save()`` after every group of rows (a run cut
+    short keeps what it measured)."""
     from phasegraph import Engine, SpecConfig
 
     tp = 1 if group is None else group.world_size
@@ -175,15 +177,15 @@ def measure_shape(shape: str, group, bs, args, log) -> dict:
     head = bs.build_eagle3_head(target)
     bw = bs.copy_bandwidth()
     wbytes = rank_weight_bytes(target)
-    out = {"shape": shape, "tp": tp, "layers": target.num_layers, "weight_bytes_per_gpu": wbytes,
-           "copy_bandwidth_Bps": bw, "bound_s": wbytes / bw, "prompt_tokens": args.prompt_tokens,
-           "new_tokens": args.new_tokens, "baseline": [], "spec": []}
+    out.update({"shape": shape, "tp": tp, "layers": target.num_layers, "weight_bytes_per_gpu": wbytes,
+                "copy_bandwidth_Bps": bw, "bound_s": wbytes / bw, "prompt_tokens": args.prompt_tokens,
+                "new_tokens": args.new_tokens, "baseline": [], "spec": []})
     log(f"{shape} TP={tp}: {wbytes / 1e9:.1f} GB a GPU, bound {1e3 * wbytes / bw:.2f} ms at {bw / 1e12:.2f} TB/s")
     g = torch.Generator().manual_seed(0)
     prompts = torch.randint(0, target.vocab_size, (max(batches), args.prompt_tokens), generator=g).tolist()
     engine_kw = dict(max_batch_size=max(batches), kv_pool_tokens=max(batches) * (args.prompt_tokens + args.new_tokens
                                                                                  + 128),
-                     max_context=1024, cuda_graphs=True, validate="off", trace=False, tensor_parallel_size=tp)
+                     max_context=1024, validate="off", trace=False, tensor_parallel_size=tp)
     base = Engine(_baseline_view(target), spec=SpecConfig(method="none"), **engine_kw)
     base_tps = {}
     for b in batches:
@@ -193,6 +195,7 @@ def measure_shape(shape: str, group, bs, args, log) -> dict:
         row.update(timed_generate(base, prompts[:b], args.new_tokens))
         base_tps[b] = row["tokens_per_s"]
         out["baseline"].append(row)
+        save()
         ar = "" if row["all_reduce_s"] is None else f", all-reduces {1e3 * row['all_reduce_s']:.2f} ms"
         log(f"  baseline batch {b:>3}: step {1e3 * step:.2f} ms ({100 * row['share_of_bound']:.0f} % of the bound"
             f"{ar}), {row['tokens_per_s']:.1f} tok/s")
@@ -200,6 +203,7 @@ def measure_shape(shape: str, group, bs, args, log) -> dict:
     _free()
     if group is not None and args.symm_mem:
         out["baseline_symm_mem"] = _symm_rows(group, target, batches, bs, args, engine_kw, out["bound_s"], log)
+        save()
     for name, spec_kw in configs.items():
         for tau in taus:
             engine = Engine(target, head, spec=SpecConfig(**spec_kw), simulate_accept_length=tau, **engine_kw)
@@ -210,6 +214,7 @@ def measure_shape(shape: str, group, bs, args, log) -> dict:
                 row["eta"] = row["speedup"] / row["tau_measured"]
                 row["iteration_s"] = row["seconds"] / max(1, row["iterations"] or 1)
                 out["spec"].append(row)
+                save()
                 log(f"  {name} SIMULATED τ={tau} batch {b:>3}: {row['tokens_per_s']:.1f} tok/s, speedup "
                     f"{row['speedup']:.2f}, η {row['eta']:.2f}, {1e3 * row['iteration_s']:.2f} ms an iteration "
                     "(wall, prefill included)")
@@ -217,7 +222,6 @@ def measure_shape(shape: str, group, bs, args, log) -> dict:
             _free()
     del head, target
     _free()
-    return out
 
 
 def _symm_rows(group, target, batches, bs, args, engine_kw, bound, log) -> list[dict]:
@@ -330,21 +334,26 @@ def main(argv=None) -> int:
             print(f"--tp {args.tp} runs under torchrun --nproc-per-node {args.tp}", file=sys.stderr)
             return 2
     rank = 0 if group is None else group.rank
-    shapes = args.shapes or (["8B"] if args.tp == 1 else ["8B", "70B"])
+    shapes = args.shapes or (["8B"] if args.tp == 1 else ["70B", "8B"])  # the 70B goals first
 
     def log(line: str) -> None:
         if rank == 0:
             print(line, flush=True)
 
     bs = _bench_scale()
-    parts = []
+    parts: list[dict] = []
     args.out.mkdir(parents=True, exist_ok=True)
-    for shape in shapes:
-        parts.append(measure_shape(shape, group, bs, args, log))
-        if rank == 0:  # after every shape: a run cut short keeps what it measured
+
+    def save() -> None:
+        if rank == 0:
             (args.out / f"tp{args.tp}.json").write_text(json.dumps(
                 {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "tp": args.tp,
-                 "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE",)}, "parts": parts}, indent=1))
+                 "env": {k: os.environ.get(k) for k in ("NCCL_NVLS_ENABLE",)},
+                 "parts": [p for p in parts if "shape" in p]}, indent=1))
+
+    for shape in shapes:
+        parts.append({})
+        measure_shape(shape, group, bs, args, log, parts[-1], save)
     if group is not None:
         group.close()
     if rank == 0:

@@ -82,3 +82,50 @@ def test_phasegraph_bench_tp_runs_tp1_then_torchrun_then_report(monkeypatch, tmp
     assert two[0].endswith("torchrun") and two[1:3] == ["--nproc-per-node", "2"] and "--tp" in two
     assert rep[-2:] == ["--report", str(tmp_path / "o")]
     assert env["NCCL_NVLS_ENABLE"] == "0"
+
+
+def _cpu_eagle3_head(target):
+    """bench_scale's EAGLE-3 head builder, on the CPU in float32 (it builds on CUDA in bf16)."""
+    from transformers import LlamaConfig
+
+    from phasegraph.bench.common import fill_random_weights
+    from phasegraph.runtime.models.attention_backend import ATTN_IMPLEMENTATION
+    from phasegraph.runtime.models.eagle3 import Eagle3Draft, Eagle3Head
+
+    t = target.config
+    cfg = LlamaConfig(hidden_size=t.hidden_size, intermediate_size=t.intermediate_size, num_hidden_layers=1,
+                      num_attention_heads=t.num_attention_heads, num_key_value_heads=t.num_key_value_heads,
+                      vocab_size=t.vocab_size, max_position_embeddings=1024)
+    cfg.draft_vocab_size, cfg.target_hidden_size = 64, t.hidden_size
+    cfg._attn_implementation = ATTN_IMPLEMENTATION
+    head = Eagle3Head(cfg, target_hidden_size=t.hidden_size, draft_vocab_size=64, with_d2t=True, with_t2d=False)
+    fill_random_weights(head)
+    head.d2t.zero_()
+    return Eagle3Draft(target, cfg, head)
+
+
+def test_measure_shape_fills_every_row_on_the_cpu(monkeypatch, tmp_path):
+    """The whole row flow at TP=1 with the GPU probes stubbed: baseline rows, then chain and tree
+    at simulated τ=4, each saved as it is measured."""
+    import types
+
+    bench = load_bench_script("bench_tp")
+    monkeypatch.setitem(bench.SHAPES, "8B", TINY)  # the 8B rows' flow, on the tiny shape
+    monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda *a: None)
+    real = bench.random_target
+    monkeypatch.setattr(bench, "random_target", lambda shape, group, layers: real(shape, group, layers, "cpu"))
+    bs = types.SimpleNamespace(build_eagle3_head=_cpu_eagle3_head, copy_bandwidth=lambda: 1e10,
+                               decode_step_time=lambda engine, b, context: 0.002)
+    args = types.SimpleNamespace(batches_8b=[1, 3], batches_70b=[1], taus_70b=[4], layers=None, prompt_tokens=8,
+                                 new_tokens=33, symm_mem=False)
+    saved = []
+    out: dict = {}
+    bench.measure_shape("8B", None, bs, args, lambda line: None, out, lambda: saved.append(len(out["spec"])))
+    assert [r["batch"] for r in out["baseline"]] == [1, 3]
+    assert out["baseline"][0]["share_of_bound"] == out["bound_s"] / 0.002
+    assert [(r["config"], r["batch"]) for r in out["spec"]] == [
+        ("chain S=3", 1), ("chain S=3", 3), ("tree K=4 S=4 N=16", 1), ("tree K=4 S=4 N=16", 3)]
+    for row in out["spec"]:
+        assert row["tau_measured"] > 2  # simulated: several drafts accepted per iteration
+        assert row["eta"] == row["speedup"] / row["tau_measured"]
+    assert saved == [0, 0, 1, 2, 3, 4]
