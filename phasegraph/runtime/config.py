@@ -331,6 +331,9 @@ def _token_ids(value):
 
 
 TP_ALL_REDUCES = ("nccl", "symm_mem")
+# long enough for ranks that load a large checkpoint at different speeds to meet at the first
+# collective; a dead rank is noticed sooner (the liveness check, or gloo's closed connection)
+DEFAULT_TP_TIMEOUT_S = 300.0
 
 
 @attrs.frozen
@@ -382,7 +385,7 @@ class EngineConfig:
     overlap: bool | None = attrs.field(default=None, validator=_switch(None))
     num_threads: int | None = attrs.field(default=1, validator=_count(1024, "torch's own setting"))
     tensor_parallel_size: int = attrs.field(default=1, validator=_count(64))
-    tp_timeout_s: float = 60.0
+    tp_timeout_s: float = DEFAULT_TP_TIMEOUT_S
     tp_check: bool = attrs.field(default=False, validator=_switch())
     tp_all_reduce: str = "nccl"
 

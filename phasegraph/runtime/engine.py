@@ -25,6 +25,7 @@ from phasegraph.phases import EAGLE_GRAPH, SpecContext
 from phasegraph.phases.context import tokens_per_iteration
 from phasegraph.runtime import tensor_parallel
 from phasegraph.runtime.config import (
+    DEFAULT_TP_TIMEOUT_S,
     MAX_KV_TOKENS,
     EngineConfig,
     RequestDelta,
@@ -302,7 +303,7 @@ class Engine:
             _engine_config(None, dict(kwargs, spec=spec, page_size=page_size, kv_pool_tokens=kv_pool_tokens))
             load = (target_dir, draft_dir, dict(spec=spec, device=device, dtype=dtype, draft_dtype=draft_dtype,
                                                 page_size=page_size, kv_pool_tokens=kv_pool_tokens, **kwargs))
-            group = _tp_group(tp_size, dev, kwargs.get("tp_timeout_s", 60.0), load)
+            group = _tp_group(tp_size, dev, kwargs.get("tp_timeout_s", DEFAULT_TP_TIMEOUT_S), load)
         try:
             return cls._load(target_dir, draft_dir, spec, dev if group is None else group.device, dt, draft_dt,
                              group, page_size=page_size, kv_pool_tokens=kv_pool_tokens, **kwargs)
