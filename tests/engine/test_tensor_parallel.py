@@ -18,11 +18,12 @@ import torch
 
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
-from phasegraph.runtime.errors import InvalidConfig, RankDivergence, UnsupportedModel, WorkerDied
+from phasegraph.runtime.errors import InvalidConfig, UnsupportedModel, WorkerDied
 from phasegraph.runtime.tensor_parallel import head_split
 from phasegraph.testing.checkpoints import write_hf_target
 
 from .support import make_prompts, small_config, write_arch
+from .tp_ranks import diverging_rank
 
 N_REQUESTS = 8
 
@@ -184,26 +185,6 @@ def test_tp_options_are_checked(pair):
         Engine(loaded.target, tensor_parallel_size=2)
 
 
-def _diverging_rank(rank: int, port: int) -> None:
-    import datetime
-
-    import torch.distributed as dist
-
-    from phasegraph.runtime.tensor_parallel import TensorParallelGroup
-
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
-                            timeout=datetime.timedelta(seconds=30))
-    group = TensorParallelGroup(rank, 2, "gloo", torch.device("cpu"), 30, "spmd")
-    group.check_same(7, "equal")  # the same everywhere: passes
-    try:
-        group.check_same(7 + rank, "emitted-token")
-    except RankDivergence as exc:
-        if "[7, 8]" not in str(exc):
-            raise
-    else:
-        raise AssertionError("diverging checksums were not noticed")
-
-
 def test_check_same_raises_rank_divergence():
     import socket
 
@@ -212,7 +193,7 @@ def test_check_same_raises_rank_divergence():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    mp.spawn(_diverging_rank, args=(port,), nprocs=2, join=True)
+    mp.spawn(diverging_rank, args=(port,), nprocs=2, join=True)
 
 
 def test_torchrun_spmd_generate_equals_tp1(pair, capsys):
