@@ -1,5 +1,6 @@
 """Mixture-of-experts targets (Qwen3-MoE, Mixtral) through transformers' modules: which experts
-each layer's router chose, and an experts implementation a CUDA graph can capture.
+each layer's router chose, and an experts implementation a CUDA graph can capture
+(:func:`capture_experts`; eager calls keep transformers' own choice).
 
 The routed experts are read from each MoE layer's router (``mlp.gate``) by a forward hook that
 exists only for the forward that asks for them (:func:`recording_routes`). Recent transformers
@@ -13,10 +14,6 @@ import contextlib
 from collections.abc import Iterator
 
 import torch
-
-# transformers' experts implementations that run without a host synchronisation ("eager"
-# loops over ``nonzero()`` of the hit experts, which a CUDA graph cannot capture), best first
-CAPTURE_SAFE_EXPERTS = ("grouped_mm", "batched_mm")
 
 
 def moe_block(layer: torch.nn.Module) -> torch.nn.Module | None:
@@ -71,21 +68,31 @@ def recording_routes(routers: tuple[torch.nn.Module, ...], top_k: int) -> Iterat
             handle.remove()
 
 
-def use_capture_safe_experts(model: torch.nn.Module) -> str | None:
-    """Switch a model whose experts run transformers' ``"eager"`` loop to an implementation
-    without host synchronisation; returns why CUDA graphs cannot capture its layers (None: they
-    can)."""
-    current = getattr(model.config, "_experts_implementation", None)
-    setter = getattr(model, "set_experts_implementation", None)
-    if current in CAPTURE_SAFE_EXPERTS:
-        return None
-    if setter is None:
-        return ("this transformers version runs the experts in a loop over the experts hit, which "
-                "synchronises with the host")
-    for name in CAPTURE_SAFE_EXPERTS:
-        try:
-            setter(name)
-        except (ValueError, ImportError, RuntimeError):
-            continue
-        return None
-    return f"no experts implementation of {CAPTURE_SAFE_EXPERTS} is available"
+def capture_experts(model: torch.nn.Module) -> tuple[str | None, str | None]:
+    """The experts implementation to capture the layers of ``model`` with, and why none can be
+    (one of the two is None).
+
+    transformers' ``"eager"`` experts loop over ``nonzero()`` of the experts hit, and torch's
+    grouped product outside its bfloat16 fast path loops over the group offsets on the host:
+    both synchronise, which a capture refuses. ``"batched_mm"`` gathers each token's experts'
+    weights and never synchronises; bfloat16 keeps ``"grouped_mm"``, whose fast path does not
+    either and does not copy the weights per token."""
+    if getattr(model, "set_experts_implementation", None) is None:
+        return None, ("this transformers version runs the experts in a loop over the experts hit, "
+                      "which synchronises with the host")
+    dtype = next(model.parameters()).dtype
+    return ("grouped_mm" if dtype == torch.bfloat16 else "batched_mm"), None
+
+
+@contextlib.contextmanager
+def experts_implementation(model: torch.nn.Module, name: str) -> Iterator[None]:
+    """``model``'s experts run transformers' implementation ``name`` inside the block."""
+    previous = getattr(model.config, "_experts_implementation", None)
+    if previous == name:
+        yield
+        return
+    model.set_experts_implementation(name)
+    try:
+        yield
+    finally:
+        model.set_experts_implementation(previous)

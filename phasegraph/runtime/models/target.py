@@ -33,10 +33,11 @@ from phasegraph.runtime.models.loading import (
     read_config,
 )
 from phasegraph.runtime.models.moe import (
+    capture_experts,
+    experts_implementation,
     experts_per_token,
     moe_routers,
     recording_routes,
-    use_capture_safe_experts,
 )
 from phasegraph.runtime.models.take_rows import take_rows
 
@@ -175,9 +176,10 @@ class HFTarget:
     projections, fused norm / rotary / activation kernels; the default where the layers allow
     it, :attr:`fused_reason` says why not otherwise) or through transformers' modules (False).
 
-    Mixture-of-experts targets (Qwen3-MoE, Mixtral) run transformers' modules, with an experts
-    implementation CUDA graphs can capture where transformers has one (:attr:`capture_reason`
-    says why not otherwise); ``forward(..., routed_experts=True)`` also returns the experts
+    Mixture-of-experts targets (Qwen3-MoE, Mixtral) run transformers' modules; a CUDA-graph
+    capture runs their experts through an implementation without host synchronisation
+    (:attr:`capture_experts`; :attr:`capture_reason` says why none where transformers has none).
+    ``forward(..., routed_experts=True)`` also returns the experts
     each MoE layer chose for every token (:attr:`num_moe_layers`, :attr:`experts_per_token`).
     """
 
@@ -219,7 +221,9 @@ class HFTarget:
         self.routers = moe_routers(model)
         self.num_moe_layers: int = len(self.routers)
         self.experts_per_token: int = experts_per_token(config) if self.routers else 0
-        self.capture_reason: str | None = use_capture_safe_experts(model) if self.routers else None
+        # the experts implementation a CUDA-graph capture runs (eager calls keep transformers'),
+        # or why the layers cannot be captured
+        self.capture_experts, self.capture_reason = capture_experts(model) if self.routers else (None, None)
         self.fused_layers = None
         self.fused_reason: str | None = "switched off (fused=False)"
         if fused is not False:
@@ -288,7 +292,10 @@ class HFTarget:
         captured: dict[int, torch.Tensor] = {}
         recording = (contextlib.nullcontext([]) if routes is None
                      else recording_routes(self.routers, self.experts_per_token))
-        with forward_context(attn, self.pool, positions=positions), recording as chosen:
+        experts = contextlib.nullcontext()
+        if self.capture_experts is not None and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            experts = experts_implementation(self.model, self.capture_experts)
+        with forward_context(attn, self.pool, positions=positions), recording as chosen, experts:
             for idx, layer in enumerate(inner.layers[: self.num_layers]):
                 if idx in self.feature_layers:
                     captured[idx] = hidden[0]  # residual input of layer idx, [T, Ht]
