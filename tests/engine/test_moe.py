@@ -20,6 +20,7 @@ from phasegraph.phases import finalize_tree_path as finalize_module
 from phasegraph.runtime.errors import InvalidRequest
 from phasegraph.statemachine import InvariantViolation
 
+from ..runtime.test_target_parity import hf_routed_experts as hf_router_rows
 from .support import MOE_ARCHS, NEW_TOKENS, arch_bundle, assert_all_free, engine_for, greedy
 
 SHAPES = {"chain": dict(topk=1, num_steps=3), "tree": dict(topk=4, num_steps=3, num_draft_tokens=8)}
@@ -34,13 +35,8 @@ def _hf_model(target):
 
 
 def hf_routed_experts(target, ids: list[int]) -> list[list[list[int]]]:
-    """Per row of ``ids``, the experts each MoE layer of transformers' model chooses (top-k of the
-    softmax of its router logits), [len(ids)][M][k]."""
-    model = _hf_model(target)
-    with torch.no_grad():
-        logits = model(torch.tensor([ids]), output_router_logits=True).router_logits
-    k = model.config.num_experts_per_tok
-    return torch.stack([torch.softmax(x.float(), dim=-1).topk(k, dim=-1).indices for x in logits], dim=1).tolist()
+    """Per row of ``ids``, the experts each MoE layer of transformers' model chooses, [len(ids)][M][k]."""
+    return hf_router_rows(_hf_model(target), ids).tolist()
 
 
 def _alone(bundle, page_size: int = 1):
@@ -115,6 +111,23 @@ def test_speculation_reports_the_routed_experts_of_the_target_alone(
     if cuda_graphs:
         assert sum(s.get("replays", 0) for s in engine.graph_runner.stats().values()) > 0
     assert_all_free(engine)
+
+
+@pytest.mark.parametrize(("kind", "shape"), [("none", None), ("self", "tree"), ("eagle3", "tree"), ("self", "chain")])
+def test_sampled_requests_report_the_routers_of_the_rows_that_gave_their_tokens(engine_root, kind, shape):
+    """Sampled outputs differ between runs, so each is checked against transformers' routers over
+    its own sequence: token i's experts are those of row len(prompt) - 1 + i."""
+    bundle = arch_bundle(engine_root, "qwen3_moe")
+    method = {"none": "none", "self": "standalone", "eagle3": "eagle3"}[kind]
+    engine = engine_for(bundle, method, draft=None if kind == "none" else kind, page_size=4,
+                        **({} if shape is None else SHAPES[shape]))
+    params = [greedy(return_routed_experts=True, temperature=0.9, top_k=20, seed=40 + i) for i in range(4)]
+    outs = engine.generate([list(p) for p in bundle.prompts], params)
+    for p, o in zip(bundle.prompts, outs, strict=True):
+        rows = hf_routed_experts(bundle.target, list(p) + o.token_ids)
+        assert o.routed_experts == rows[len(p) - 1 : len(p) - 1 + len(o.token_ids)]
+    if kind == "self":
+        assert max(n for o in outs for n in o.stats.accept_lengths) >= 3
 
 
 def test_step_deltas_carry_the_routed_experts_through_forced_retraction_and_overlap(engine_root):

@@ -241,6 +241,14 @@ def test_moe_routes_of_plain_logits_and_of_the_capture_implementation(tmp_path, 
         AutoModelForCausalLM.from_pretrained(str(directory), dtype=torch.float32).eval(), toks.tolist()))
 
 
+def test_mixtral_passes_its_sliding_window_to_every_layer(tmp_path):
+    """Mixtral's attention passes ``config.sliding_window`` as Mistral's does: the target knows it
+    (the engine keeps every tree inside it)."""
+    target = HFTarget.from_pretrained(write_hf_target(tmp_path / "t", "mixtral", num_hidden_layers=2,
+                                                      sliding_window=8))
+    assert target.sliding_window == 8
+
+
 def test_a_dense_target_refuses_to_route(tmp_path):
     target = HFTarget.from_pretrained(write_hf_target(tmp_path / "t", "llama", num_hidden_layers=2))
     assert target.num_moe_layers == 0 and target.capture_experts is None
