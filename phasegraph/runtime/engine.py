@@ -212,11 +212,14 @@ class Engine:
         token bucket (phasegraph/runtime/prefill_graph.py); off by default."""
         config = self.config
         cuda_graphs = self.device.type == "cuda" if config.cuda_graphs is None else config.cuda_graphs
-        # an MoE target whose experts synchronise with the host cannot be captured
-        capture_reason = getattr(self.target, "capture_reason", None)
-        if capture_reason is not None and cuda_graphs is True:
+        # MoE layers whose experts synchronise with the host cannot be captured (a standalone
+        # draft wraps its model as a target)
+        reasons = [(name, why) for name, model in (("target", self.target), ("draft", getattr(self.draft, "model", None)))
+                   if (why := getattr(model, "capture_reason", None)) is not None]
+        if reasons and cuda_graphs is True:
             if config.cuda_graphs is True:
-                raise InvalidConfig(f"cuda_graphs=True cannot capture this target's layers: {capture_reason}")
+                name, why = reasons[0]
+                raise InvalidConfig(f"cuda_graphs=True cannot capture the {name}'s layers: {why}")
             cuda_graphs = False
         if not cuda_graphs:
             if config.prefill_graphs:

@@ -214,3 +214,20 @@ def test_return_routed_experts_must_be_a_bool():
 
     with pytest.raises(InvalidRequest, match="return_routed_experts must be True or False"):
         SamplingParams(return_routed_experts="yes")
+
+
+def test_layers_that_cannot_be_captured_refuse_cuda_graphs(engine_root, monkeypatch):
+    """A transformers without the experts interface loops over the experts hit on the host:
+    cuda_graphs=True is refused naming why (emulated graphs, which capture nothing, still run)."""
+    from phasegraph.runtime.errors import InvalidConfig
+    from phasegraph.runtime.models import target as target_module
+
+    monkeypatch.setattr(target_module, "capture_experts", lambda model: (None, "no experts interface"))
+    bundle = arch_bundle(engine_root, "mixtral")
+    with pytest.raises(InvalidConfig, match="cannot capture the target's layers: no experts interface"):
+        engine_for(bundle, "none", cuda_graphs=True)
+    with pytest.raises(InvalidConfig, match="cannot capture the target's layers"):
+        engine_for(bundle, "standalone", draft="self", cuda_graphs=True, **SHAPES["chain"])
+    engine = engine_for(bundle, "none", cuda_graphs="emulate")
+    assert engine.target.capture_reason == "no experts interface"
+    assert engine.generate([list(bundle.prompts[0])], greedy())[0].token_ids == list(bundle.reference[0])
