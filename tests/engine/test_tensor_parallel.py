@@ -227,3 +227,13 @@ def test_symmetric_memory_all_reduce_is_refused_without_gpus(pair):
         Engine.from_pretrained(target, dtype="float32", tp_all_reduce="symm_mem")
     with pytest.raises(InvalidConfig, match="needs CUDA devices"):
         Engine.from_pretrained(target, dtype="float32", tensor_parallel_size=2, tp_all_reduce="symm_mem")
+
+
+def test_moe_target_is_refused_by_name(tmp_path):
+    """Routed experts take no fused path, which tensor parallelism splits: UnsupportedModel, and
+    the started rank is stopped."""
+    values = small_config("llama") | dict(num_attention_heads=2, num_key_value_heads=2, num_local_experts=4,
+                                          num_experts_per_tok=2)
+    target = write_hf_target(tmp_path / "moe", "mixtral", **values)
+    with pytest.raises(UnsupportedModel, match="fused decoder path"):
+        Engine.from_pretrained(target, dtype="float32", tensor_parallel_size=2)
