@@ -609,7 +609,7 @@ class Engine:
         while (command := tensor_parallel.next_command(commands)) is not None:
             op, args = command[0], command[1:]
             if op == "shutdown":
-                tensor_parallel.leave_group_as_worker()
+                self.tp.close()  # meets the leader's close, then leaves the group
                 return
             if op == "add":
                 request_id, prompt, params, seed = args

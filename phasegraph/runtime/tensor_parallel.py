@@ -191,7 +191,14 @@ class TensorParallelGroup:
                 q.put(("shutdown",))
             except (OSError, ValueError):
                 pass
-        # the workers leave the group at the same time (NCCL's teardown is collective)
+        # every rank meets here first (the workers once they read "shutdown"), so no rank
+        # leaves while another's last collective is still in flight; not with a dead rank, whose
+        # collective would only time out
+        if all(proc.is_alive() for proc in self.workers):
+            try:
+                self.min_int(0)
+            except WorkerDied:
+                pass
         left = _leave_group(timeout_s)
         for proc in self.workers:
             proc.join(timeout_s)
@@ -203,19 +210,21 @@ class TensorParallelGroup:
 
 
 def _leave_group(timeout_s: float) -> bool:
-    """``destroy_process_group`` in a thread joined with a timeout: it was seen to hang at exit
-    with NCCL, and shutting an engine down must stay bounded. Whether the group was left."""
+    """Leave the process group, in a thread joined with a timeout (shutting an engine down must
+    stay bounded); whether it was left. NCCL's orderly teardown (``destroy_process_group``)
+    was seen to hang at exit, so an NCCL group is aborted instead where torch offers it
+    (``_abort_process_group``, experimental): the engine is done with it either way."""
     if not dist.is_initialized():
         return True
-    done = threading.Thread(target=dist.destroy_process_group, daemon=True)
+    leave = dist.destroy_process_group
+    abort = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    if dist.get_backend() == "nccl" and abort is not None:
+        leave = abort
+    done = threading.Thread(target=leave, daemon=True)
     done.start()
     done.join(timeout_s)
     return not done.is_alive()
 
-
-def leave_group_as_worker(timeout_s: float = 10.0) -> None:
-    """A started worker leaves the group when the leader shuts down (both sides at once)."""
-    _leave_group(timeout_s)
 
 
 def backend_for(device: torch.device) -> str:
