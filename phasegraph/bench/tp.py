@@ -1,5 +1,5 @@
-"""``phasegraph bench --tp N``: benchmarks/bench_tp.py at TP=1 on one GPU, then under
-``torchrun --nproc-per-node N`` at TP=N, then the goals side by side (``goals.txt``)."""
+"""``phasegraph bench --tp N``: benchmarks/bench_tp.py under ``torchrun --nproc-per-node N`` at
+TP=N, then at TP=1 on one GPU, then the goals side by side (``goals.txt``)."""
 
 from __future__ import annotations
 
@@ -16,14 +16,15 @@ NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"
 
 
 def commands(tp: int, out: Path, extra: list[str]) -> list[list[str]]:
-    """The runs, in order: TP=1 (the 8B shape), TP=N (8B and 70B), the report."""
+    """The runs, in order: TP=N (70B, then 8B: the goals that need most GPUs first), TP=1 (the
+    8B shape), the report."""
     script = REPO_ROOT / "benchmarks" / "bench_tp.py"
     if not script.exists():
         raise BenchError(f"{script} is missing: run `phasegraph bench --tp` from a phasegraph checkout")
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
     return [
-        [sys.executable, str(script), "--tp", "1", "--out", str(out), *extra],
         [torchrun, "--nproc-per-node", str(tp), str(script), "--tp", str(tp), "--out", str(out), *extra],
+        [sys.executable, str(script), "--tp", "1", "--out", str(out), *extra],
         [sys.executable, str(script), "--report", str(out)],
     ]
 

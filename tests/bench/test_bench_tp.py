@@ -63,8 +63,9 @@ def test_report_marks_the_goals(tmp_path):
     assert "= 0.600 (goal <= 0.62): MET" in lines[2]
 
 
-def test_phasegraph_bench_tp_runs_tp1_then_torchrun_then_report(monkeypatch, tmp_path):
-    """``phasegraph bench --tp 2``: the three runs in order, multicast off in their environment."""
+def test_phasegraph_bench_tp_runs_torchrun_then_tp1_then_report(monkeypatch, tmp_path):
+    """``phasegraph bench --tp 2``: the three runs in order (TP=2 first: the 70B goals), multicast
+    off in their environment."""
     import subprocess
 
     from phasegraph.cli import main
@@ -77,7 +78,7 @@ def test_phasegraph_bench_tp_runs_tp1_then_torchrun_then_report(monkeypatch, tmp
 
     monkeypatch.setattr(subprocess, "run", fake_run)
     assert main(["bench", "--tp", "2", "--out", str(tmp_path / "o")]) == 0
-    (one, _), (two, env), (rep, _) = calls
+    (two, env), (one, _), (rep, _) = calls
     assert one[-6:] == ["--tp", "1", "--out", str(tmp_path / "o"), "--new-tokens", "64"]
     assert two[0].endswith("torchrun") and two[1:3] == ["--nproc-per-node", "2"] and "--tp" in two
     assert rep[-2:] == ["--report", str(tmp_path / "o")]
