@@ -352,6 +352,10 @@ class EngineConfig:
     CPU, set process-wide when the engine is built: 1 by default, the fastest on a busy machine
     (a decode step's small products gain little from more threads, and waiting threads lose
     their core to any other load); None leaves torch's setting alone. Ignored on a GPU.
+    ``prefix_cache``: share the KV of common prompt prefixes between requests (a radix tree
+    over KV pages, ``runtime/prefix_cache.py``); off by default, so that a request's output
+    never depends on the requests served before it (``docs/serving.md`` says why;
+    ``phasegraph serve`` turns it on).
     """
 
     spec: SpecConfig = attrs.field(default=None, converter=as_spec)
@@ -372,6 +376,7 @@ class EngineConfig:
     simulate_accept_length: int | None = None
     overlap: bool | None = attrs.field(default=None, validator=_switch(None))
     num_threads: int | None = attrs.field(default=1, validator=_count(1024, "torch's own setting"))
+    prefix_cache: bool = attrs.field(default=False, validator=_switch())
 
     def __attrs_post_init__(self) -> None:
         if self.validate is not None:
@@ -411,6 +416,7 @@ class RequestStats:
     phase_time_s: dict[str, float] = attrs.field(factory=dict)  # wall time of the batches it was in
     retractions: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of prefilled (every prefill)
     nonfinite_drafts: int = 0  # verify steps whose draft logits were NaN or infinite (their drafts rejected)
 
     @property
