@@ -338,9 +338,9 @@ class KVCacheManager:
             max_reqs, self.topk, self.region_len, dtype=torch.int64, device=self.device
         )  # [max_reqs, K, R]
         self.region_owned: list[list[int]] = [[] for _ in range(max_reqs)]
-        # lead 0: a cached page's last draft row depends on the token after the page
+        # lead 0: a page's draft KV depends on the token after the page
         self.prefix_cache = (
-            RadixCache(page_size, check_next_token=draft is not None and draft_lead == 0) if prefix_cache else None
+            RadixCache(page_size, shift=int(draft is not None and draft_lead == 0)) if prefix_cache else None
         )
         self.lock_node: list[Node | None] = [None] * max_reqs  # the cache node each row borrows up to
         self.cache_stats = PrefixCacheStats()
@@ -399,11 +399,10 @@ class KVCacheManager:
             return
         self.table.check_row(row)
         P = self.page_size
-        full = min(num_valid, len(self.table.owned[row]) * P) // P
+        full = min(num_valid, len(self.table.owned[row]) * P, len(tokens) - cache.shift) // P
         if full == 0:
             return
-        next_token = tokens[full * P] if full * P < len(tokens) else None
-        node, taken = cache.insert(tokens[: full * P], self.table.owned[row][:full], next_token)
+        node, taken = cache.insert(tokens[: full * P + cache.shift], self.table.owned[row][:full])
         self.table.borrowed[row] |= taken
         cache.lock(node)
         if self.lock_node[row] is not None:

@@ -8,11 +8,12 @@ ancestors are never evicted; unlocked ones are evicted least recently used first
 when the pool runs short (SGLang's RadixAttention, arXiv 2312.07104, §3).
 
 The draft's KV lead (docs/internals.md, "The draft's KV lead"): with lead 0 draft row p carries
-token p+1, so a page's last draft row was computed with the token *after* the page. Within a
-node that token is the node's own next key token; for a node's last page it is ``next_token``
-(the token the inserting sequence had there, None when unknown). A page is reused only where
-that token is the request's own, so the draft rows a request reuses are exactly the ones its own
-prefill would have written. Lead 1 (standalone) and no draft need no such check.
+token p+1, so page j's KV depends on the tokens up to position ``(j+1)*P`` included, one past
+the page. The tree then keys page j by the tokens ``j*P+1 .. (j+1)*P`` (the sequence shifted by
+one) under a root per first token: two sequences that part right after a page keep one copy of
+that page each, each with the draft rows its own continuation needs, and a request reuses
+exactly the KV its own prefill would have written. Lead 1 (standalone) and no draft key pages by
+their own tokens.
 
 Host-side bookkeeping only: no tensor is touched here.
 """
@@ -29,16 +30,15 @@ import attrs
 class Node:
     """A run of pages of the tree (see the module doc)."""
 
-    __slots__ = ("key", "pages", "children", "parent", "lock", "last_used", "next_token")
+    __slots__ = ("key", "pages", "children", "parent", "lock", "last_used")
 
-    def __init__(self, key: tuple[int, ...], pages: list[int], parent: Node | None, next_token: int | None):
-        self.key = key  # tokens, len(pages) * page_size of them
+    def __init__(self, key: tuple[int, ...], pages: list[int], parent: Node | None):
+        self.key = key  # len(pages) * page_size tokens: the pages' own, or shifted by one (lead 0)
         self.pages = pages
-        self.children: dict[tuple[int, ...], Node] = {}  # by the tokens of the child's first page
-        self.parent = parent
+        self.children: dict[tuple[int, ...], Node] = {}  # by the key of the child's first page
+        self.parent = parent  # None for a root
         self.lock = 0  # requests whose borrowed prefix runs through this node
         self.last_used = 0
-        self.next_token = next_token  # lead 0: the token the last page's last draft row was computed with
 
 
 @attrs.frozen
@@ -47,77 +47,78 @@ class PrefixMatch:
 
     length: int  # tokens served from the cache, a multiple of the page size
     pages: tuple[int, ...]  # the pages that hold them, in order
-    node: Node  # the deepest node of the match (the root when nothing matched)
+    node: Node  # the deepest node of the match (a root when nothing matched)
     unlocked_pages: int  # pages of the match that are evictable now (locking takes them out)
 
 
 class RadixCache:
     """The tree, its page accounting and LRU eviction.
 
-    ``check_next_token``: the draft's KV lead is 0 (reuse a page only where the token after it
-    is the request's own)."""
+    ``shift``: 1 where the draft's KV lead is 0 (a page's KV depends on the token after it), else
+    0."""
 
-    def __init__(self, page_size: int, *, check_next_token: bool) -> None:
+    def __init__(self, page_size: int, *, shift: int) -> None:
+        if shift not in (0, 1):
+            raise ValueError(f"shift must be 0 or 1, got {shift}")
         self.page_size = page_size
-        self.check_next_token = check_next_token
-        self.root = Node((), [], None, None)
-        self.root.lock = 1  # never evicted
+        self.shift = shift
+        self.roots: dict[int | None, Node] = {}  # by the first token (shift 1), else one, None
         self._clock = itertools.count(1)
         self.num_pages = 0  # pages the tree owns
         self.evictable_pages = 0  # of them, in unlocked nodes
 
+    def _root(self, tokens: Sequence[int], create: bool) -> tuple[Node | None, tuple[int, ...]]:
+        """The root ``tokens`` live under, and their key sequence (page j: key ``[j*P, (j+1)*P)``)."""
+        first = tokens[0] if self.shift and len(tokens) else None
+        root = self.roots.get(first)
+        if root is None and create:
+            root = self.roots[first] = Node((), [], None)
+        return root, tuple(tokens[self.shift :])
+
     # -- lookups ------------------------------------------------------------------------------
 
     def match(self, tokens: Sequence[int], limit: int) -> PrefixMatch:
-        """The longest prefix of ``tokens`` of at most ``limit`` tokens whose pages can be
-        reused. A node the match ends inside is split there, so that a lock covers exactly
-        the matched pages."""
+        """The longest cached prefix of ``tokens`` of at most ``limit`` tokens (``limit <
+        len(tokens)``). A node the match ends inside is split there, so that a lock covers
+        exactly the matched pages."""
         P = self.page_size
-        node, length, pages, unlocked = self.root, 0, [], 0
+        root, key = self._root(tokens, create=False)
+        if root is None:
+            return PrefixMatch(0, (), Node((), [], None), 0)
+        node, length, pages, unlocked = root, 0, [], 0
+        limit = min(limit, len(key))
         while length + P <= limit:
-            child = node.children.get(tuple(tokens[length : length + P]))
+            child = node.children.get(key[length : length + P])
             if child is None:
                 break
-            usable = 0
-            for j in range(len(child.pages)):
-                start = length + j * P
-                if start + P > limit or tuple(child.key[j * P : (j + 1) * P]) != tuple(tokens[start : start + P]):
-                    break
-                if self.check_next_token and not self._next_ok(child, j, tokens, start + P):
-                    break
-                usable = j + 1
-            if usable == 0:
-                break
-            partial = usable < len(child.pages)
+            same = 1
+            while (same < len(child.pages) and length + (same + 1) * P <= limit
+                   and child.key[same * P : (same + 1) * P] == key[length + same * P : length + (same + 1) * P]):
+                same += 1
+            partial = same < len(child.pages)
             if partial:
-                child = self._split(child, usable)
+                child = self._split(child, same)
             child.last_used = next(self._clock)
             pages += child.pages
             unlocked += len(child.pages) if child.lock == 0 else 0
-            length += usable * P
+            length += same * P
             node = child
             if partial:
                 break
         return PrefixMatch(length, tuple(pages), node, unlocked)
 
-    def _next_ok(self, node: Node, j: int, tokens: Sequence[int], at: int) -> bool:
-        """Page ``j`` of ``node``'s last draft row was computed with ``tokens[at]``."""
-        end = (j + 1) * self.page_size
-        nxt = node.key[end] if end < len(node.key) else node.next_token
-        return at < len(tokens) and nxt == tokens[at]
-
     # -- locks --------------------------------------------------------------------------------
 
     def lock(self, node: Node) -> None:
         """A request borrows the path from the root to ``node``."""
-        while node is not None and node is not self.root:
+        while node.parent is not None:
             if node.lock == 0:
                 self.evictable_pages -= len(node.pages)
             node.lock += 1
             node = node.parent
 
     def unlock(self, node: Node) -> None:
-        while node is not None and node is not self.root:
+        while node.parent is not None:
             node.lock -= 1
             if node.lock == 0:
                 self.evictable_pages += len(node.pages)
@@ -125,31 +126,31 @@ class RadixCache:
 
     # -- insertion and eviction ---------------------------------------------------------------
 
-    def insert(self, tokens: Sequence[int], pages: Sequence[int], next_token: int | None) -> tuple[Node, set[int]]:
-        """Add the prefix ``tokens`` (``len(pages) * P`` of them) held by ``pages``; the tree
-        takes the pages of the positions it did not hold yet. Returns the deepest node of the
-        path and the pages taken (the caller frees its other pages, except those it borrowed
-        from the tree: those are the tree's own pages of their positions). ``next_token``: the
-        token after ``tokens`` in the inserting sequence (lead 0: its last draft row's)."""
+    def insert(self, tokens: Sequence[int], pages: Sequence[int]) -> tuple[Node, set[int]]:
+        """Add the KV held by ``pages`` of the sequence ``tokens`` (``len(pages) * P`` tokens,
+        and with ``shift`` 1 the token after them); the tree takes the pages of positions it
+        did not hold yet. Returns the deepest node of the path and the pages taken (the caller
+        frees its other pages, except those it borrowed from the tree: those are the tree's own
+        pages of their positions)."""
         P = self.page_size
-        if len(tokens) != len(pages) * P:
-            raise ValueError(f"{len(tokens)} tokens do not fill {len(pages)} pages of {P}")
-        node, at, taken = self.root, 0, set()
+        if len(tokens) != len(pages) * P + self.shift:
+            raise ValueError(f"{len(tokens)} tokens do not fill {len(pages)} pages of {P} (+{self.shift})")
+        root, key = self._root(tokens, create=True)
+        node, at, taken = root, 0, set()
         stamp = next(self._clock)
-        while at < len(tokens):
-            first = tuple(tokens[at : at + P])
-            child = node.children.get(first)
+        while at < len(key):
+            child = node.children.get(key[at : at + P])
             if child is None:
-                new = Node(tuple(tokens[at:]), list(pages[at // P :]), node, next_token)
+                new = Node(key[at:], list(pages[at // P :]), node)
                 new.last_used = stamp
-                node.children[first] = new
+                node.children[new.key[:P]] = new
                 self.num_pages += len(new.pages)
                 self.evictable_pages += len(new.pages)
                 taken.update(new.pages)
                 return new, taken
             same = 1
-            while (same < len(child.pages) and at + (same + 1) * P <= len(tokens)
-                   and child.key[same * P : (same + 1) * P] == tuple(tokens[at + same * P : at + (same + 1) * P])):
+            while (same < len(child.pages) and at + (same + 1) * P <= len(key)
+                   and child.key[same * P : (same + 1) * P] == key[at + same * P : at + (same + 1) * P]):
                 same += 1
             if same < len(child.pages):
                 child = self._split(child, same)
@@ -163,7 +164,7 @@ class RadixCache:
         object itself stays the lower part, so the locks requests hold on it stay valid."""
         P = self.page_size
         cut = pages * P
-        upper = Node(node.key[:cut], node.pages[:pages], node.parent, node.key[cut])
+        upper = Node(node.key[:cut], node.pages[:pages], node.parent)
         upper.lock, upper.last_used = node.lock, node.last_used
         node.parent.children[node.key[:P]] = upper
         node.key, node.pages, node.parent = node.key[cut:], node.pages[pages:], upper
@@ -183,8 +184,9 @@ class RadixCache:
             self.evictable_pages -= len(leaf.pages)
             parent = leaf.parent
             del parent.children[leaf.key[: self.page_size]]
-            if parent is not self.root and not parent.children and parent.lock == 0:
+            if parent.parent is not None and not parent.children and parent.lock == 0:
                 heapq.heappush(leaves, (parent.last_used, id(parent), parent))
+        self.roots = {first: root for first, root in self.roots.items() if root.children}
         return freed
 
     def clear(self) -> list[int]:
@@ -194,7 +196,7 @@ class RadixCache:
     # -- accounting ---------------------------------------------------------------------------
 
     def _nodes(self) -> list[Node]:
-        out, stack = [], list(self.root.children.values())
+        out, stack = [], [c for root in self.roots.values() for c in root.children.values()]
         while stack:
             node = stack.pop()
             out.append(node)
@@ -208,7 +210,7 @@ class RadixCache:
     def path_pages(self, node: Node) -> list[int]:
         """The pages from the root down to ``node``, in order."""
         runs = []
-        while node is not None and node is not self.root:
+        while node.parent is not None:
             runs.append(node.pages)
             node = node.parent
         return [p for run in reversed(runs) for p in run]
@@ -220,7 +222,7 @@ class RadixCache:
         P = self.page_size
         want = {id(n): 0 for n in nodes}
         for node in locks:
-            while node is not self.root:
+            while node.parent is not None:
                 if id(node) not in want:
                     problems.append("a request holds a lock on a node that is not in the tree")
                     break
