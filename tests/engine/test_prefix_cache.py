@@ -12,7 +12,7 @@ import pytest
 
 from phasegraph.runtime.config import SamplingParams
 
-from .support import arch_bundle, assert_all_free, engine_for, make_prompts
+from .support import arch_bundle, assert_all_free, engine_for, greedy, make_prompts
 
 HEAD = 40  # tokens every prompt of the first wave starts with
 
@@ -53,6 +53,7 @@ CASES = {
     "eagle1-tree-P4": ("eagle", dict(topk=2, num_steps=3), 4, {}),
     "standalone-chain-P16": ("standalone", dict(topk=1, num_steps=3), 16, {}),
     "standalone-tree-P1": ("standalone", dict(topk=2, num_steps=3, num_draft_tokens=6), 1, {}),
+    "eagle3-tree-P4-overlap": ("eagle3", dict(topk=2, num_steps=3, num_draft_tokens=6), 4, dict(overlap=True)),
 }
 
 
@@ -107,3 +108,25 @@ def test_a_tight_pool_retracts_and_evicts_without_changing_outputs(engine_root, 
     assert_all_free(tight)
     tight.clear_prefix_cache()
     assert tight.kv.allocator.num_free == tight.kv.allocator.total
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_an_aborted_request_leaves_its_committed_kv_to_the_next(engine_root, overlap):
+    bundle = arch_bundle(engine_root, "llama")
+    prompt = make_prompts([30], seed=9)[0]
+    spec = dict(topk=2, num_steps=3, num_draft_tokens=6)
+    engine = engine_for(bundle, "eagle3", prefix_cache=True, overlap=overlap, check_every_step=True, **spec)
+    engine.add_request("first", prompt, SamplingParams(max_new_tokens=40, ignore_eos=True))
+    emitted = []
+    for _ in range(4):  # an iteration may be in flight when it is aborted
+        emitted += [t for d in engine.step() for t in d.new_token_ids]
+    assert engine.abort("first") and len(emitted) > 4
+    while engine.has_unfinished():
+        engine.step()
+    # the prompt and what it emitted: all but the last token are its committed KV
+    follow = prompt + emitted
+    want = engine_for(bundle, "eagle3", **spec).generate([follow], greedy(12))[0]
+    got = engine.generate([follow], greedy(12))[0]
+    assert got.token_ids == want.token_ids
+    assert got.stats.cached_tokens == len(follow) - 1
+    assert_all_free(engine)
