@@ -96,15 +96,16 @@ def settings_from(args) -> ServeSettings:
 
 
 def serve_pair(args) -> tuple[Path, str]:
-    """The pair to serve: ``--pair`` (or OUT/pair) where it holds one, else the embedded pair."""
-    from phasegraph.demo import demo_pair_dir
+    """The pair to serve: ``--pair`` (or OUT/pair) where it holds one, else the embedded pair
+    (the package data phasegraph.demo serves; bench and demo are one layer, neither imports the other)."""
+    from importlib import resources
 
     pair = Path(args.pair) if args.pair else Path(args.out) / "pair"
     if has_pair(pair):
         return pair, str(pair)
     if args.pair:
         raise BenchError(f"--pair {args.pair}: no target/ and eagle3/ checkpoints there")
-    return demo_pair_dir(), "the embedded demo pair"
+    return Path(str(resources.files("phasegraph") / "data" / "demo_pair")), "the embedded demo pair"
 
 
 def measure_serving(args, log=print) -> dict:
@@ -131,11 +132,11 @@ def measure_serving(args, log=print) -> dict:
 def _prompts(pair: Path, s: ServeSettings) -> list[list[int]]:
     """Held-out standard-library prompts as token ids, each its last ``prompt_tokens`` tokens
     (distinct prompts: the prefix cache then serves none of them)."""
-    from phasegraph.demo import demo_prompts
     from phasegraph.runtime.models.loading import load_tokenizer
+    from phasegraph.train.corpus import heldout_prompts
 
     tok = load_tokenizer(pair / "target")
-    texts = demo_prompts(max(s.requests, 8), max_lines=40)
+    texts = [p.text for p in heldout_prompts(max_lines=40, min_lines=8, max_prompts=max(s.requests, 8))]
     ids = [list(tok(t)["input_ids"])[-s.prompt_tokens :] for t in texts]
     return [ids[i % len(ids)] for i in range(s.requests)]
 
