@@ -361,7 +361,7 @@ class Scheduler:
         start = 0
         for i, (req, prompt) in enumerate(zip(reqs, prompts, strict=True)):
             first_row = start + (i if result.lead else 0)
-            start += len(prompt)
+            start += len(prompt) - req.cached_len  # the rows it prefilled
             if not wanted[i]:
                 continue
             rows = slice(first_row, first_row + len(req.prompt) - 1)  # predicting tokens 1..P-1

@@ -27,8 +27,8 @@ def _waves():
         if i % 3 == 1:
             params.append(SamplingParams(max_new_tokens=budget, temperature=0.9, top_p=0.95, seed=70 + i,
                                          ignore_eos=True, logprobs=True))
-        else:
-            params.append(SamplingParams(max_new_tokens=budget, ignore_eos=True))
+        else:  # one asks for prompt logprobs: it prefills every prompt token beside cached ones
+            params.append(SamplingParams(max_new_tokens=budget, ignore_eos=True, prompt_logprobs=2 if i == 5 else None))
     return first, params
 
 
@@ -72,6 +72,10 @@ def test_outputs_equal_without_the_cache(engine_root, case):
         assert (g.logprobs is None) == (w.logprobs is None)
         if g.logprobs is not None:
             assert g.logprobs == pytest.approx(w.logprobs, abs=1e-4)
+        assert (g.prompt_logprobs is None) == (w.prompt_logprobs is None) == (i != 5)
+        if g.prompt_logprobs is not None:
+            assert g.prompt_logprobs[1:] == pytest.approx(w.prompt_logprobs[1:], abs=1e-4)
+    assert got[5].stats.cached_tokens == 0
     stats = cached.prefix_cache_stats()
     # the shared head (page-aligned) of 8 of the first wave, and each second-wave prompt's
     # first-wave sequence
