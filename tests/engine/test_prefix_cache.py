@@ -51,6 +51,8 @@ CASES = {
     "eagle3-tree-P1-graphs": ("eagle3", dict(topk=4, num_steps=3, num_draft_tokens=8), 1,
                               dict(cuda_graphs="emulate")),
     "eagle1-tree-P4": ("eagle", dict(topk=2, num_steps=3), 4, {}),
+    "eagle3-chain-P16-prefill-graphs": ("eagle3", dict(topk=1, num_steps=3), 16,
+                                        dict(cuda_graphs="emulate", prefill_graphs=True)),
     "standalone-chain-P16": ("standalone", dict(topk=1, num_steps=3), 16, {}),
     "standalone-tree-P1": ("standalone", dict(topk=2, num_steps=3, num_draft_tokens=6), 1, {}),
     "eagle3-tree-P4-overlap": ("eagle3", dict(topk=2, num_steps=3, num_draft_tokens=6), 4, dict(overlap=True)),
