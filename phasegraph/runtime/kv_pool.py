@@ -33,6 +33,10 @@ RESERVED_PAGE = 0
 RESERVED_ROW = 0
 
 
+# An eviction frees at least this share of the pool (1/64): see KVCacheManager._make_room.
+EVICT_SHARE = 64
+
+
 @attrs.define
 class PrefixCacheStats:
     """What the prefix cache served: prompt tokens prefilled against those read from it."""
@@ -421,7 +425,9 @@ class KVCacheManager:
         """Evict cached pages until ``num_pages`` are free (as many as can go)."""
         short = num_pages - self.allocator.num_free
         if short > 0 and self.prefix_cache is not None:
-            evicted = self.prefix_cache.evict(short)
+            # a few pages more than asked: eviction walks the whole tree, and with a pool full
+            # of cached pages every iteration that grows a row would otherwise walk it again
+            evicted = self.prefix_cache.evict(max(short, self.allocator.total // EVICT_SHARE))
             self.allocator.free(evicted)
             self.cache_stats.evicted_pages += len(evicted)
 

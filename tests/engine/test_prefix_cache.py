@@ -51,6 +51,7 @@ CASES = {
     "eagle3-tree-P1-graphs": ("eagle3", dict(topk=4, num_steps=3, num_draft_tokens=8), 1,
                               dict(cuda_graphs="emulate")),
     "eagle1-tree-P4": ("eagle", dict(topk=2, num_steps=3), 4, {}),
+    "mtp-chain-P1": ("mtp", dict(topk=1, num_steps=2), 1, {}),
     "eagle3-chain-P16-prefill-graphs": ("eagle3", dict(topk=1, num_steps=3), 16,
                                         dict(cuda_graphs="emulate", prefill_graphs=True)),
     "standalone-chain-P16": ("standalone", dict(topk=1, num_steps=3), 16, {}),
