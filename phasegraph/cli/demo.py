@@ -1,9 +1,11 @@
-"""``phasegraph demo``: speculative decoding on the embedded model pair, with nothing to download.
+"""``phasegraph demo``: speculative decoding on an embedded model, with nothing to download.
 
-The pair and its held-out prompts are :mod:`phasegraph.demo`'s. The demo completes held-out
-standard-library code, then prints completions (each prompt exactly as given, a marker line,
-then what the model added), the mean acceptance length τ of chain and tree drafting, tokens/s
-against the same engine without speculation, and a summary of the phase flow.
+The models and their held-out prompts are :mod:`phasegraph.demo`'s: the embedded pair completes
+held-out standard-library code; SmolLM2-135M-Instruct (``--model smollm2``) answers HumanEval's
+held-out problems through its chat template, one request at a time. The demo prints completions
+(each prompt exactly as given, a marker line, then what the model added), the mean acceptance
+length τ of chain and tree drafting, tokens/s against the same engine without speculation, and
+a summary of the phase flow.
 """
 
 from __future__ import annotations
@@ -20,23 +22,36 @@ from phasegraph.cli.common import (
     require_name,
     writable_file,
 )
-from phasegraph.demo import DEMO_CHAIN, DEMO_KV_TOKENS, DEMO_TREE, demo_pair_dir, demo_prompts
+from phasegraph.demo import (
+    DEFAULT_MODEL,
+    DEMO_CHAIN,
+    DEMO_KV_TOKENS,
+    DEMO_MODELS,
+    DEMO_TREE,
+    demo_pair_dir,
+    demo_prompts,
+    smollm2_head_dir,
+)
+
+# SmolLM2 runs one request at a time: its prompts are ~150-250 tokens, so a small pool holds one
+SMOLLM2_KV_TOKENS = 4096
 
 
-def _engine(spec_kwargs: dict, device: str | None, trace: bool):
+def _engine(model: dict, spec_kwargs: dict, device: str | None, trace: bool):
     from phasegraph import Engine, SpecConfig
 
-    pair = demo_pair_dir()
     spec = SpecConfig(**spec_kwargs)
-    draft = pair / "eagle3" if spec.speculative else None
+    draft = model["head"] if spec.speculative else None
     return Engine.from_pretrained(
-        pair / "target", draft, spec=spec, device=device, dtype="float32" if device == "cpu" else None,
-        max_batch_size=16, trace=trace, kv_pool_tokens=DEMO_KV_TOKENS,
+        model["target"], draft, spec=spec, device=device, dtype="float32" if device == "cpu" else None,
+        max_batch_size=16, trace=trace, kv_pool_tokens=model["kv_tokens"],
     )
 
 
-def _run(label: str, spec_kwargs: dict, prompts, params, device, trace=False):
-    engine = _engine(spec_kwargs, device, trace)
+def _run(label: str, spec_kwargs: dict, prompts, params, device, trace=False, model=None, one_at_a_time=False):
+    model = model or {"target": demo_pair_dir() / "target", "head": demo_pair_dir() / "eagle3",
+                      "kv_tokens": DEMO_KV_TOKENS}
+    engine = _engine(model, spec_kwargs, device, trace)
     # warm up: on a GPU, the very run timed below, so that every Triton kernel is compiled and
     # every CUDA graph bucket (the batch shrinks as requests finish) captured before the clock
     # starts (a short warm-up left both in the timed run: speculation then read 0.2-0.3x);
@@ -48,7 +63,10 @@ def _run(label: str, spec_kwargs: dict, prompts, params, device, trace=False):
     if engine.trace is not None:
         engine.trace.clear()
     start = time.perf_counter()
-    outs = engine.generate(prompts, params)
+    if one_at_a_time:  # latency: each request alone, as a chat user waits for it
+        outs = [engine.generate([p], params)[0] for p in prompts]
+    else:
+        outs = engine.generate(prompts, params)
     seconds = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
     lens = [n for o in outs for n in o.stats.accept_lengths]
@@ -65,10 +83,19 @@ def run_demo(args: argparse.Namespace) -> int:
     from phasegraph.runtime.engine import resolve_device
     from phasegraph.statemachine import PhaseGraphError
 
-    if not (demo_pair_dir() / "target" / "config.json").exists():
+    smol = args.model == "smollm2"
+    if args.head is not None and not smol:
+        raise CliError("--head is for --model smollm2 (the embedded pair has its own head)")
+    if not smol and not (demo_pair_dir() / "target" / "config.json").exists():
         raise PhaseGraphError(
             f"the embedded model pair is missing from {demo_pair_dir()}; reinstall phasegraph "
             "or train one with `python -m phasegraph.train demo-pair --out DIR`"
+        )
+    head = Path(args.head) if args.head is not None else smollm2_head_dir()
+    if smol and not (head / "config.json").is_file():
+        raise CliError(
+            f"no SmolLM2 head in {head}: train one with `python -m phasegraph.train smollm2 --out DIR` "
+            "and pass --head DIR/eagle3" if args.head is None else f"--head {args.head}: no config.json there"
         )
     require_name("--graph", args.graph, "file")
     graph_file, graph_fmt = _graph_output(args.graph) if args.graph else (None, None)
@@ -80,26 +107,38 @@ def run_demo(args: argparse.Namespace) -> int:
     device = torch_device.type
     if device == "cpu":
         torch.set_num_threads(max(1, args.threads))
-    prompts = demo_prompts(args.prompts)
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
+    if smol:
+        model, requests, prompts = _smollm2(head, args.prompts)
+        shown, what = requests, "held-out HumanEval problems through the chat template, one at a time"
+    else:
+        model, prompts = None, demo_prompts(args.prompts)
+        shown, what = prompts, "held-out stdlib prompts"
     fewer = f" (asked for {args.prompts}; the held-out set has {len(prompts)})" if len(prompts) < args.prompts else ""
-    print(f"phasegraph demo: embedded pair on {device}, {len(prompts)} held-out stdlib prompts{fewer}, "
+    name = "SmolLM2-135M-Instruct + its EAGLE-3 head" if smol else "embedded pair"
+    print(f"phasegraph demo: {name} on {device}, {len(prompts)} {what}{fewer}, "
           f"{args.max_new_tokens} new tokens each, greedy")
-    base = _run("baseline (target alone)", {"method": "none"}, prompts, params, device)
-    chain = _run("EAGLE-3 chain (S=3)", DEMO_CHAIN, prompts, params, device)
-    tree = _run("EAGLE-3 tree (K=4, S=4, N=16)", DEMO_TREE, prompts, params, device, trace=True)
+    runs = {"model": model, "one_at_a_time": smol}
+    base = _run("baseline (target alone)", {"method": "none"}, prompts, params, device, **runs)
+    chain = _run("EAGLE-3 chain (S=3)", DEMO_CHAIN, prompts, params, device, **runs)
+    tree = _run("EAGLE-3 tree (K=4, S=4, N=16)", DEMO_TREE, prompts, params, device, trace=True, **runs)
 
     for i, out in enumerate(tree["outs"][: args.show]):
         print()
-        show_completion(i + 1, prompts[i], out.text, args.color)
+        show_completion(i + 1, shown[i] + ("\n" if smol else ""), out.text, args.color)
     same = all(a.token_ids == b.token_ids for r in (chain, tree) for a, b in zip(base["outs"], r["outs"], strict=True))
     print("\n=== speed ===")
     print(f"{'configuration':<32}{'tokens/s':>10}{'tau':>8}{'speedup':>9}")
     for r in (base, chain, tree):
         tau = f"{r['tau']:.2f}" if r["tau"] is not None else "-"
         print(f"{r['label']:<32}{r['tok_s']:>10.1f}{tau:>8}{r['tok_s'] / base['tok_s']:>8.2f}x")
+    best = max((chain, tree), key=lambda r: r["tok_s"])
+    print(f"best speculative configuration: {best['label']}, {best['tok_s'] / base['tok_s']:.2f}x the baseline's tokens/s")
     print(f"greedy outputs identical to the baseline: {'yes' if same else 'NO'}")
-    if device == "cpu":
+    if smol:
+        print("note: one request at a time, the setting speculation is for: a verify reads the\n"
+              "      weights once for all its tokens, where the baseline reads them once per token.")
+    elif device == "cpu":
         print("note: on a CPU a forward's cost grows with every token it processes, so verifying a\n"
               "      tree costs several decode steps and speculation cannot pay on a model this small;\n"
               "      on a GPU a step's cost hardly grows with its tokens, and this pair decodes\n"
@@ -123,6 +162,25 @@ def run_demo(args: argparse.Namespace) -> int:
         graph_file.write_bytes(render_bytes(EAGLE_GRAPH, graph_fmt, trace))
         print(f"\nwrote the phase graph with this run's trace to {graph_file} ({graph_fmt})")
     return 0 if same else 1
+
+
+def _smollm2(head: Path, count: int):
+    """The SmolLM2 model (converted from its GGUF on the first run) and the held-out requests,
+    as text and as chat-template token ids. A missing package raises ``MissingPromptSource``,
+    which the CLI prints as its one error line."""
+    from phasegraph.demo import smollm2_prompts, smollm2_target
+    from phasegraph.runtime.models.gguf import DONE_MARKER, cache_key, cache_root
+    from phasegraph.runtime.models.loading import load_tokenizer
+    from phasegraph.train.distill import smollm2_gguf
+    from phasegraph.train.prompts import chat_ids
+
+    requests = smollm2_prompts(count)
+    if not (cache_root() / cache_key(smollm2_gguf()) / DONE_MARKER).is_file():
+        print("converting SmolLM2-135M-Instruct's GGUF once (cached for later runs) ...", flush=True)
+    target = smollm2_target()
+    tok = load_tokenizer(target)
+    prompts = [chat_ids(tok, r) for r in requests]
+    return {"target": target, "head": head, "kv_tokens": SMOLLM2_KV_TOKENS}, requests, prompts
 
 
 def show_completion(number: int, prompt: str, completion: str, color: bool = False) -> None:
@@ -151,7 +209,11 @@ def _graph_output(path: str) -> tuple[Path, str]:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("demo", help="speculative decoding on the embedded model pair (no download)")
+    p = sub.add_parser("demo", help="speculative decoding on an embedded model (no download)")
+    p.add_argument("--model", default=DEFAULT_MODEL, choices=DEMO_MODELS,
+                   help=f"pair: the embedded 7.7M pair; smollm2: SmolLM2-135M-Instruct with its head "
+                   f"(needs scripts/install.sh real) (default {DEFAULT_MODEL})")
+    p.add_argument("--head", metavar="DIR", help="--model smollm2: an EAGLE-3 head directory in place of the embedded one")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--prompts", type=int, default=4, help="held-out stdlib prompts (default 4)")
     p.add_argument("--max-new-tokens", type=int, default=64)

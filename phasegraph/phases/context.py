@@ -82,6 +82,7 @@ class SpecContext:
     prompt_logprobs: int | None = None  # None: no request asks for prompt logprobs; else the most top ones
     penalties: bool = False  # a request uses logit_bias or a penalty (off: no count state, no pass)
     min_p: bool = False  # a request uses min_p
+    return_routed_experts: bool = False  # a request asks for the experts its tokens were routed to
     # Benchmark mode only: verify accepts this many drafts per step whatever they are (greedy
     # requests); outputs are then not the target's. None = real verification.
     simulate_accept_drafts: int | None = None

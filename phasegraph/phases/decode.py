@@ -10,6 +10,7 @@ from phasegraph.phases._common import (
     logprobs_if_asked,
     min_p_if_used,
     processed_logits,
+    target_forward,
 )
 from phasegraph.phases.context import SpecContext
 from phasegraph.phases.schemas import DraftState
@@ -24,7 +25,7 @@ def decode(state: DraftState, ctx: SpecContext) -> DraftState:
     # token b is request b, at position seq_len (rows of distinct requests)
     attn = causal_extend_metadata(ctx.memory, params.req_pool_idx, None, state.seq_lens,
                                   one_query_per_row=True)
-    out = ctx.target.forward(state.bonus_tokens, state.seq_lens, attn, logits_index=None)
+    out = target_forward(ctx, state.bonus_tokens, state.seq_lens, attn)
     raw = out.logits  # [B, V]
     logits = processed_logits(ctx, params, raw, state.output_counts, state.prompt_mask)
     coins = counter_uniform(params.seed, position_counter(state.seq_lens + 1, PURPOSE_SAMPLE))  # [B]
@@ -44,5 +45,6 @@ def decode(state: DraftState, ctx: SpecContext) -> DraftState:
         bonus_logprobs=lp.chosen,
         bonus_top_logprobs=lp.top,
         bonus_top_ids=lp.top_ids,
+        bonus_routed_experts=out.routed_experts,  # [B, M, Ke] where asked: row b gave nxt[b]
         emitted=emitted,  # what the host appends: nxt, or NONFINITE_LOGITS
     )

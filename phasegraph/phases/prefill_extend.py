@@ -13,6 +13,7 @@ from phasegraph.phases._common import (
     logprobs_if_asked,
     min_p_if_used,
     processed_logits,
+    target_forward,
 )
 from phasegraph.phases.context import SpecContext
 from phasegraph.phases.schemas import PrefillInput, PrefillResult
@@ -32,13 +33,14 @@ def prefill_extend(state: PrefillInput, ctx: SpecContext) -> PrefillResult:
     Where a request uses penalties the phase makes the batch's count state (prompt presence and
     the counts of its output, :func:`prefill_token_counts`), penalises the first token's logits
     with it and counts the first token. Where a request asks for prompt logprobs the target
-    scores every row, and row p's logprob is that of the token after position p.
+    scores every row, and row p's logprob is that of the token after position p. Routed
+    experts (where asked) are those of each request's last prompt row.
     """
     params = state.params
     attn = causal_extend_metadata(ctx.memory, params.req_pool_idx, state.token_req, state.positions)
     every_row = ctx.prompt_logprobs is not None
-    out = ctx.target.forward(state.input_ids, state.positions, attn,
-                             logits_index=None if every_row else state.select_index)
+    out = target_forward(ctx, state.input_ids, state.positions, attn,
+                         None if every_row else state.select_index)
     raw = out.logits[state.select_index] if every_row else out.logits  # [B, V]
     counts = prompt = None
     if ctx.penalties:
@@ -52,6 +54,7 @@ def prefill_extend(state: PrefillInput, ctx: SpecContext) -> PrefillResult:
     if counts is not None:
         counts = count_tokens(counts, first)
     first_lp = logprobs_if_asked(ctx, raw, first)
+    routed = None if out.routed_experts is None else out.routed_experts[state.select_index]  # [B, M, Ke]
     lead = ctx.kv_lead
     # row p <- token p+1 (the wrap-around rows are overwritten by each request's first token)
     next_ids = state.input_ids.roll(-1).index_copy(0, state.select_index, first)
@@ -83,6 +86,7 @@ def prefill_extend(state: PrefillInput, ctx: SpecContext) -> PrefillResult:
         prompt_top_logprobs=None if prompt_lp is None else prompt_lp.top,
         prompt_top_ids=None if prompt_lp is None else prompt_lp.top_ids,
         logits_finite=finite,
+        first_routed_experts=routed,
     )
 
 

@@ -18,6 +18,9 @@ from phasegraph.kernels.attention import AttentionMetadata
 class TargetOutput:
     logits: torch.Tensor  # [R, V] float32, rows chosen by ``logits_index``
     features: torch.Tensor  # [T, Hf] what the draft consumes (empty [T, 0] for standalone)
+    # [T, M, k] int64: the experts each of the M MoE layers chose for every token (layer order),
+    # where the forward was asked for them (``routed_experts=True``); else None
+    routed_experts: torch.Tensor | None = None
 
 
 @attrs.frozen(eq=False)
@@ -40,6 +43,8 @@ class TargetModel(Protocol):
         positions: torch.Tensor,  # [T] int64
         attn: AttentionMetadata,
         logits_index: torch.Tensor | None = None,  # [R] int64, None = every row
+        *,
+        routed_experts: bool = False,  # only passed (True) to an MoE target, when asked
     ) -> TargetOutput: ...
 
 

@@ -9,7 +9,8 @@ mergeable. Symbolic dims (see ``docs/internals.md``):
   (= num_steps + 1); ``D`` draft forwards per iteration (= num_steps - 1);
 - ``Hd`` draft hidden size; ``Hf`` target feature width handed to the draft; ``Z`` stop ids;
 - ``V`` the target's vocabulary; ``L`` top logprobs per generated position, ``Lp`` per prompt
-  position (the most any request of the batch asks for).
+  position (the most any request of the batch asks for);
+- ``M`` MoE layers of the target, ``Ke`` experts each token is routed to per MoE layer.
 
 Roles: ``REQUEST`` fields have one row per request (``[B, ...]``), ``NODE`` fields one row per
 tree node (``[B*N, ...]``, request-major), ``ACCEPTED`` fields one row per accepted-path slot
@@ -209,6 +210,9 @@ class PrefillResult(DraftExtendInput):
     logits_finite: Bool[Tensor, "B"] = tensor(
         role=REQUEST, pad=True, doc="False where the target's logits for the first token held NaN or +inf (or only -inf)"
     )
+    first_routed_experts: Int64[Tensor, "B M Ke"] | None = tensor(
+        role=REQUEST, pad=0, default=None,
+        doc="the experts each MoE layer chose at the last prompt row (whose logits gave the first token)")
 
 
 # ----------------------------------------------------------------------------- draft state
@@ -241,6 +245,9 @@ class DraftState(Schema):
     bonus_top_logprobs: Float32[Tensor, "B L"] | None = tensor(
         role=REQUEST, pad=0.0, per_step=True, default=None, doc="set by decode: the L largest logprobs")
     bonus_top_ids: Int64[Tensor, "B L"] | None = tensor(role=REQUEST, pad=0, per_step=True, default=None)
+    bonus_routed_experts: Int64[Tensor, "B M Ke"] | None = tensor(
+        role=REQUEST, pad=0, per_step=True, default=None,
+        doc="set by decode when asked: the experts each MoE layer chose at the row whose logits gave bonus_tokens")
     emitted: Int64[Tensor, "B"] | None = tensor(
         role=REQUEST, pad=0, per_step=True, default=None,
         doc="set by decode: bonus_tokens, or NONFINITE_LOGITS where the target's logits held NaN or +inf",
@@ -356,6 +363,8 @@ class VerifyResult(Schema):
     top_logprobs: Float32[Tensor, "B*N L"] | None = tensor(
         role=NODE, pad=0.0, default=None, doc="the L largest logprobs after each node, most likely first")
     top_logprob_ids: Int64[Tensor, "B*N L"] | None = tensor(role=NODE, pad=0, default=None)
+    routed_experts: Int64[Tensor, "B*N M Ke"] | None = tensor(
+        role=NODE, pad=0, default=None, doc="the experts each MoE layer chose at each node's row (gave its predict)")
     accept_index: Int64[Tensor, "B W"] = tensor(role=REQUEST, pad=Pad.index(NODE), doc="node rows of the accepted path, -1 padded")
     accept_lens: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=1, doc="accepted drafts + 1 (the bonus)")
     bonus_tokens: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=0, doc="the new bonus token")
@@ -457,6 +466,7 @@ class FinalizedPath(DraftExtendInput):
     accepted_logprobs: Float32[Tensor, "B*W"] | None = tensor(role=ACCEPTED, pad=0.0, default=None)
     accepted_top_logprobs: Float32[Tensor, "B*W L"] | None = tensor(role=ACCEPTED, pad=0.0, default=None)
     accepted_top_logprob_ids: Int64[Tensor, "B*W L"] | None = tensor(role=ACCEPTED, pad=0, default=None)
+    accepted_routed_experts: Int64[Tensor, "B*W M Ke"] | None = tensor(role=ACCEPTED, pad=0, default=None)
 
     @invariant("output_counts == the tree's output_counts + the emitted tokens (while penalties are on)")
     def _counts_advance(self) -> str | None:

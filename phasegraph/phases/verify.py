@@ -17,7 +17,12 @@ from phasegraph.kernels.random import (
 from phasegraph.kernels.simulated_accept import verify_tree_simulated
 from phasegraph.kernels.tree_sampling import target_probs, verify_tree_sampling
 from phasegraph.kernels.verify_greedy import verify_tree_greedy
-from phasegraph.phases._common import logprobs_if_asked, min_p_if_used, processed_logits
+from phasegraph.phases._common import (
+    logprobs_if_asked,
+    min_p_if_used,
+    processed_logits,
+    target_forward,
+)
 from phasegraph.phases.context import SpecContext
 from phasegraph.phases.schemas import TreeProposal, VerifyResult
 from phasegraph.statemachine import phase
@@ -37,7 +42,8 @@ def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
     after the path root..j, so it is penalised with the request's output counts plus the tokens
     drafted on that path (:func:`~phasegraph.kernels.penalties.apply_penalties`); min_p
     processes each node's own row. Sampling stays lossless for the processed distributions.
-    Logprobs are the target's raw ones at every node (finalize compacts them along the path).
+    Logprobs are the target's raw ones at every node, and routed experts (where asked) those of
+    every node's row, in node order: finalize compacts both along the path (SGLang #26866).
     """
     memory = ctx.memory
     draft_state = state.draft
@@ -57,7 +63,7 @@ def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
         page_size=memory.page_size,
         tree_block_writes=True,  # node j of each row's N writes position seq_len + j
     )
-    out = ctx.target.forward(state.draft_tokens, state.positions, attn, logits_index=None)
+    out = target_forward(ctx, state.draft_tokens, state.positions, attn)
     raw = out.logits  # [B*N, V]
     logits = processed_logits(ctx, params, raw, draft_state.output_counts, draft_state.prompt_mask,
                               state.draft_tokens, state.tree_mask)
@@ -93,6 +99,7 @@ def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
         logprobs=lp.chosen,
         top_logprobs=lp.top,
         top_logprob_ids=lp.top_ids,
+        routed_experts=out.routed_experts,  # [B*N, M, Ke] where asked
         accept_index=outcome.accept_index,
         accept_lens=outcome.accept_lens,
         bonus_tokens=fill_bonus_tokens(outcome.predict, outcome.accept_index, outcome.accept_lens),

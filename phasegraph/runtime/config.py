@@ -147,6 +147,11 @@ class SamplingParams:
     ancestry: the output so far plus the drafted tokens on its path. After temperature, top-k
     and top-p, ``min_p`` (in [0, 1], 0 = off) keeps the tokens whose probability is at least
     ``min_p`` times the most likely token's.
+
+    ``return_routed_experts`` (MoE targets only; a dense target refuses the request): for each
+    generated token, the expert ids each MoE layer chose at the forward row whose logits gave
+    that token (``RequestOutput.routed_experts``: one ``[num_moe_layers][k]`` list per token),
+    the same under speculation as without.
     """
 
     max_new_tokens: int = 64
@@ -165,6 +170,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     # {token id: bias}; kept as (token id, bias) pairs in id order, so the params stay hashable
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
+    return_routed_experts: bool = False
 
     def __attrs_post_init__(self) -> None:
         m = self.max_new_tokens
@@ -194,6 +200,8 @@ class SamplingParams:
             raise InvalidRequest(f"seed must be a 64-bit integer (in [-2**63, 2**63)) or None; got {seed!r}")
         if not isinstance(self.ignore_eos, bool):  # a truthy string such as "no" would flip it
             raise InvalidRequest(f"ignore_eos must be True or False; got {self.ignore_eos!r}")
+        if not isinstance(self.return_routed_experts, bool):
+            raise InvalidRequest(f"return_routed_experts must be True or False; got {self.return_routed_experts!r}")
         self._check_logprobs()
         self._check_logit_processing()
         if 0 < t < GREEDY_BELOW:
@@ -445,6 +453,8 @@ class RequestOutput:
     prompt_logprobs: list[float | None] | None = None
     # per prompt token: the k most likely (token id, logprob) at its position (None for the first)
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    # per generated token, the expert ids each MoE layer chose ([num_moe_layers][k]), where asked
+    routed_experts: list[list[list[int]]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -463,6 +473,8 @@ class RequestDelta:
     accept_lengths: tuple[int, ...] = ()  # of the verify steps since the previous step()
     logprobs: tuple[float, ...] | None = None  # of new_token_ids, where the request asked for them
     top_logprobs: tuple[tuple[tuple[int, float], ...], ...] | None = None  # per new token, where asked
+    # per new token, the expert ids each MoE layer chose, where asked (SamplingParams.return_routed_experts)
+    routed_experts: tuple[tuple[tuple[int, ...], ...], ...] | None = None
     # the whole result (statistics included) on the request's last delta, which carries the
     # finish reason: the engine forgets a request once it has reported it finished
     output: RequestOutput | None = None

@@ -537,6 +537,7 @@ class GraphCapture:
             getattr(ctx, "prompt_logprobs", None),
             bool(getattr(ctx, "penalties", False)),
             bool(getattr(ctx, "min_p", False)),
+            bool(getattr(ctx, "return_routed_experts", False)),
         )
 
     def graph_key(self, state: Schema, ctx: Any, batch: int, bucket: int) -> tuple:

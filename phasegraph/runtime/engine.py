@@ -214,6 +214,15 @@ class Engine:
         token bucket (phasegraph/runtime/prefill_graph.py); off by default."""
         config = self.config
         cuda_graphs = self.device.type == "cuda" if config.cuda_graphs is None else config.cuda_graphs
+        # MoE layers whose experts synchronise with the host cannot be captured (a standalone
+        # draft wraps its model as a target)
+        reasons = [(name, why) for name, model in (("target", self.target), ("draft", getattr(self.draft, "model", None)))
+                   if (why := getattr(model, "capture_reason", None)) is not None]
+        if reasons and cuda_graphs is True:
+            if config.cuda_graphs is True:
+                name, why = reasons[0]
+                raise InvalidConfig(f"cuda_graphs=True cannot capture the {name}'s layers: {why}")
+            cuda_graphs = False
         if not cuda_graphs:
             if config.prefill_graphs:
                 raise InvalidConfig("prefill_graphs=True needs CUDA graphs (cuda_graphs=True on a GPU, 'emulate' on the CPU)")
@@ -356,6 +365,11 @@ class Engine:
             raise InvalidRequest(
                 f"logit_bias names token ids {outside[:8]} outside the vocabulary [0, {self.target.vocab_size})"
             )
+        if params.return_routed_experts and not getattr(self.target, "num_moe_layers", 0):
+            raise InvalidRequest(
+                f"return_routed_experts=True needs a mixture-of-experts target; this "
+                f"{getattr(self.target.config, 'model_type', 'dense')} target routes no token to experts"
+            )
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids += list(self.eos_token_ids)
@@ -417,12 +431,15 @@ class Engine:
         deltas = []
         for rid, req in list(self._requests.items()):
             tokens, text, logprobs, top = req.take_delta()
+            experts = req.take_routed_experts()
             if tokens or text or req.finish_reason is not None:
                 output = req.to_output() if req.status is Status.FINISHED else None
                 deltas.append(RequestDelta(
                     rid, tuple(tokens), text, req.finish_reason, req.error, tuple(req.take_accept_lengths()),
                     logprobs=None if logprobs is None else tuple(logprobs),
                     top_logprobs=None if top is None else tuple(tuple(t) for t in top),
+                    routed_experts=None if experts is None else tuple(
+                        tuple(tuple(layer) for layer in t) for t in experts),
                     output=output,
                 ))
             if req.status is Status.FINISHED:

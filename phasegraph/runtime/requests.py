@@ -42,6 +42,8 @@ class Request:
         self.logprobs: list[float] | None = [] if params.wants_logprobs else None
         # per output token, the top_logprobs most likely (token id, logprob)
         self.top_logprobs: list[list[tuple[int, float]]] | None = [] if params.top_logprobs else None
+        # per output token, the expert ids each MoE layer chose ([num_moe_layers][k])
+        self.routed_experts: list[list[list[int]]] | None = [] if params.return_routed_experts else None
         # set once, by the request's first prefill (a resumed request's prefill reports none)
         self.prompt_logprobs: list[float | None] | None = None
         self.prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
@@ -56,6 +58,7 @@ class Request:
         self._reported_tokens = 0
         self._reported_text = ""
         self._reported_accepts = 0
+        self._reported_experts = 0
         self._stop_string_hit = False
         self.stats = RequestStats(prompt_tokens=len(self.prompt))
 
@@ -93,10 +96,12 @@ class Request:
         tokens: Sequence[int],
         logprobs: Sequence[float] | None = None,
         top: Sequence[Sequence[tuple[int, float]]] | None = None,
+        experts: Sequence[list[list[int]]] | None = None,
     ) -> None:
         """Append newly emitted tokens in order, stopping at a stop token, the budget or a stop
-        string; tokens after the stop are dropped. ``logprobs`` and ``top`` (the batch's top
-        logprobs per token, cut here to the request's own number) go along with them."""
+        string; tokens after the stop are dropped. ``logprobs``, ``top`` (the batch's top
+        logprobs per token, cut here to the request's own number) and ``experts`` (the routed
+        experts per token) go along with them."""
         k = self.params.top_logprobs
         for i, tok in enumerate(tokens):
             if self.finish_reason is not None:
@@ -106,6 +111,8 @@ class Request:
                 self.logprobs.append(float(logprobs[i]))
             if self.top_logprobs is not None and top is not None:
                 self.top_logprobs.append(list(top[i][:k]))
+            if self.routed_experts is not None and experts is not None:
+                self.routed_experts.append(experts[i])
             if tok in self._stop_set:
                 self.finish("stop")
             elif len(self.output) >= self.budget:
@@ -137,6 +144,8 @@ class Request:
                 self.logprobs.pop()
             if self.top_logprobs:
                 self.top_logprobs.pop()
+            if self.routed_experts:
+                self.routed_experts.pop()
         self._text, self._text_tokens = text[:cut], len(self.output)
         self.finish_reason = "stop"  # wins over a budget reached in the same step
 
@@ -185,6 +194,15 @@ class Request:
         self._reported_text = text
         return new_tokens, text[len(done) :], new_logprobs, new_top
 
+    def take_routed_experts(self) -> list[list[list[int]]] | None:
+        """The routed experts of the tokens since the last call (None where not asked for);
+        called beside :meth:`take_delta`, so they belong to the tokens it returned."""
+        if self.routed_experts is None:
+            return None
+        new = self.routed_experts[self._reported_experts :]
+        self._reported_experts += len(new)
+        return new
+
     def take_accept_lengths(self) -> list[int]:
         """Accept lengths of the verify steps since the last call."""
         new = self.stats.accept_lengths[self._reported_accepts :]
@@ -204,6 +222,7 @@ class Request:
             top_logprobs=None if self.top_logprobs is None else [list(t) for t in self.top_logprobs],
             prompt_logprobs=None if self.prompt_logprobs is None else list(self.prompt_logprobs),
             prompt_top_logprobs=None if self.prompt_top_logprobs is None else list(self.prompt_top_logprobs),
+            routed_experts=None if self.routed_experts is None else [[list(layer) for layer in t] for t in self.routed_experts],
         )
 
 

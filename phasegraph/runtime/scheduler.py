@@ -83,6 +83,7 @@ class InFlight:
     speculative: bool
     top_logprobs: torch.Tensor | None = None  # [B, W, L] or [B, L]: the batch's top logprobs
     top_ids: torch.Tensor | None = None  # their token ids
+    routed_experts: torch.Tensor | None = None  # [B, W, M, Ke] or [B, M, Ke]: where a request asks
 
 
 class Scheduler:
@@ -330,6 +331,7 @@ class Scheduler:
         finite = result.logits_finite.tolist()
         first_lp = result.first_logprobs.tolist() if result.first_logprobs is not None else None
         first_top = _top_pairs(result.first_top_logprobs, result.first_top_ids)
+        first_experts = None if result.first_routed_experts is None else result.first_routed_experts.tolist()
         if any(prompt_rows):
             self._record_prompt_logprobs(reqs, prompts, prompt_rows, result)
         for i, (req, prompt) in enumerate(zip(reqs, prompts, strict=True)):
@@ -344,7 +346,8 @@ class Scheduler:
                 continue
             if not resumed[i]:
                 req.append([first[i]], None if first_lp is None else [first_lp[i]],
-                           None if first_top is None else [first_top[i]])
+                           None if first_top is None else [first_top[i]],
+                           None if first_experts is None else [first_experts[i]])
             # the prompt's KV is shared while the request runs (its first token: what the lead-0
             # draft row of its last position was computed with)
             self.kv.cache_row(req.row, prompt + [first[i]], len(prompt))
@@ -428,6 +431,7 @@ class Scheduler:
         ctx.prompt_logprobs = max((r.params.prompt_logprobs for r in prompt_logprobs), default=None)
         ctx.penalties = any(r.params.uses_penalties for r in reqs)
         ctx.min_p = any(r.params.min_p > 0 for r in reqs)
+        ctx.return_routed_experts = any(r.params.return_routed_experts for r in reqs)
 
     def _issue(self) -> InFlight:
         """Queue one iteration of the running batch and an asynchronous copy of what it emits
@@ -440,6 +444,7 @@ class Scheduler:
             tokens = state.emitted  # [B]: one token each, NONFINITE_LOGITS where it is garbage
             lps = state.bonus_logprobs  # [B] or None
             top, top_ids = state.bonus_top_logprobs, state.bonus_top_ids  # [B, L] or None
+            experts = state.bonus_routed_experts  # [B, M, Ke] or None
         else:
             self._run(m, "draft", batch)
             self._run(m, "verify", batch)
@@ -452,13 +457,17 @@ class Scheduler:
             top, top_ids = path.accepted_top_logprobs, path.accepted_top_logprob_ids  # [B*W, L] or None
             if top is not None:
                 top, top_ids = top.view(B, W, -1), top_ids.view(B, W, -1)
+            experts = path.accepted_routed_experts  # [B*W, M, Ke] or None: compacted along the path
+            if experts is not None:
+                experts = experts.view(B, W, *experts.shape[1:])
         ready = None
         if tokens.device.type == "cuda":
             tokens = self.host_buffers.copy(tokens)
-            lps, top, top_ids = (None if x is None else self.host_buffers.copy(x) for x in (lps, top, top_ids))
+            lps, top, top_ids, experts = (None if x is None else self.host_buffers.copy(x)
+                                          for x in (lps, top, top_ids, experts))
             ready = torch.cuda.Event()
             ready.record()
-        return InFlight(batch, tokens, lps, ready, self.speculative, top, top_ids)
+        return InFlight(batch, tokens, lps, ready, self.speculative, top, top_ids, experts)
 
     def _collect(self, done: InFlight) -> set[Request]:
         """**The one host synchronisation of an iteration**: wait for its copy to the host and
@@ -469,8 +478,10 @@ class Scheduler:
         packed = done.tokens.tolist()
         lps = None if done.logprobs is None else done.logprobs.tolist()
         top = None if done.top_logprobs is None else (done.top_logprobs.tolist(), done.top_ids.tolist())
+        experts = None if done.routed_experts is None else done.routed_experts.tolist()
         if done.ready is not None:  # read: its pinned buffers may take the next copies
-            self.host_buffers.give_back(done.tokens, done.logprobs, done.top_logprobs, done.top_ids)
+            self.host_buffers.give_back(done.tokens, done.logprobs, done.top_logprobs, done.top_ids,
+                                        done.routed_experts)
         touched = set()
         for i, req in enumerate(done.batch):
             if req.status is not Status.RUNNING or req.finish_reason is not None:
@@ -481,13 +492,15 @@ class Scheduler:
             if top is not None and req.top_logprobs is not None:  # (id, logprob) pairs per token
                 values, ids = (x[i] if done.speculative else x[i : i + 1] for x in top)
                 row_top = [list(zip(t_ids, t_values, strict=True)) for t_ids, t_values in zip(ids, values, strict=True)]
+            row_experts = None if experts is None else (experts[i] if done.speculative else experts[i : i + 1])
             n = sum(1 for t in row if t >= 0)  # accept_lens[i]: -1 pads the rest
             failed = NONFINITE_LOGITS in row
             if done.speculative and not failed:
                 req.stats.accept_lengths.append(n)
                 if DRAFT_NONFINITE in row:
                     self._note_nonfinite_draft(req)
-            req.append(row[:n], None if row_lps is None else row_lps[:n], None if row_top is None else row_top[:n])
+            req.append(row[:n], None if row_lps is None else row_lps[:n], None if row_top is None else row_top[:n],
+                       None if row_experts is None else row_experts[:n])
             req.seq_len += n
             if failed:
                 req.fail_nonfinite()  # the tokens before the bad one stay

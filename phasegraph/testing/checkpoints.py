@@ -22,7 +22,14 @@ from phasegraph.runtime.models.eagle3 import Eagle3Head
 from phasegraph.runtime.models.loading import SAFETENSORS_FILE, SAFETENSORS_INDEX, TORCH_BIN_FILE
 from phasegraph.runtime.models.mtp import MTPHead
 
-TARGET_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+TARGET_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
+# mixture-of-experts defaults: few small experts, two per token; Qwen3-MoE's layer 1 stays dense
+# (``mlp_only_layers``) so that MoE layer indices and decoder layer indices differ
+MOE_DEFAULTS = {
+    "qwen3_moe": dict(head_dim=16, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[1]),
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2),
+}
 
 TINY = dict(
     hidden_size=64,
@@ -39,10 +46,11 @@ TINY = dict(
 
 
 def tiny_target_config(model_type: str = "llama", **overrides) -> PretrainedConfig:
-    """A small config of ``model_type`` (llama, qwen2, qwen3, mistral)."""
+    """A small config of ``model_type`` (llama, qwen2, qwen3, mistral, qwen3_moe, mixtral)."""
     values = dict(TINY)
     if model_type == "qwen3":
         values["head_dim"] = 16
+    values.update(MOE_DEFAULTS.get(model_type, {}))
     if model_type == "mistral":
         values["sliding_window"] = 4096  # wider than the tests' contexts unless they narrow it
     values.update(overrides)

@@ -14,6 +14,9 @@ from dataclasses import dataclass, field
 
 __all__ = [
     "CorpusSpec",
+    "DISTILL_PRESETS",
+    "DistillPreset",
+    "DistillSpec",
     "EvalSpec",
     "HeadSpec",
     "LMSpec",
@@ -233,6 +236,64 @@ _TINY = Preset(
 PRESETS: dict[str, Preset] = {p.name: p for p in (_DEMO, _BENCH, _TINY)}
 
 
+@dataclass(frozen=True)
+class DistillSpec:
+    """The self-distillation data: chat requests, and the frozen target's own responses to them
+    (one greedy, ``samples`` sampled), generated with phasegraph's Engine."""
+
+    stdlib_prompts: int = 4000  # requests from stdlib docstrings (besides HumanEval's train split)
+    max_prompt_tokens: int = 512  # longer rendered requests are skipped
+    max_new_tokens: int = 384
+    samples: int = 1  # sampled responses per request, besides the greedy one
+    temperature: float = 0.8
+    top_p: float = 0.95
+    batch_size: int = 256  # the generating engine's max_batch_size
+    valid_fraction: float = 0.02  # share of the sequences kept for validation only
+
+
+@dataclass(frozen=True)
+class DistillPreset:
+    """An EAGLE-3 head for an existing, frozen target (a HF directory or a GGUF file), trained on
+    the target's own responses; its held-out evaluation runs the Engine on HumanEval's held-out
+    problems (``eval`` gives the tree shapes and the tokens per problem)."""
+
+    name: str
+    distill: DistillSpec
+    head: HeadSpec
+    head_train: TrainSpec
+    eval: EvalSpec = field(default_factory=EvalSpec)
+    save_dtype: str = "bfloat16"
+
+
+# SmolLM2-135M-Instruct (576 wide, 30 layers, vocabulary 49152). A draft vocabulary of 6144 (an
+# eighth) keeps the head at 8.6M parameters, 16.6 MiB in bf16 with its maps. The target's
+# attention shape (9 heads, 3 KV heads). Steps are an upper bound: with a time budget the head
+# stage is fitted to what is left after generation.
+_SMOLLM2 = DistillPreset(
+    name="smollm2",
+    distill=DistillSpec(),
+    head=HeadSpec(intermediate_size=1536, num_kv_heads=3, draft_vocab_size=6144, unroll=5),
+    head_train=TrainSpec(
+        steps=3000, batch_size=16, seq_len=1023, lr=1e-3, warmup_steps=100, eval_every=250,
+        eval_windows=32,
+    ),
+    eval=EvalSpec(max_prompts=41, gen_tokens=128),
+)
+
+# The whole pipeline in seconds on a CPU, for a tiny target (the tests).
+_DISTILL_TINY = DistillPreset(
+    name="distill-tiny",
+    distill=DistillSpec(stdlib_prompts=24, max_prompt_tokens=200, max_new_tokens=24, samples=1,
+                        batch_size=16, valid_fraction=0.1),
+    head=HeadSpec(intermediate_size=64, draft_vocab_size=200, unroll=3),
+    head_train=TrainSpec(steps=20, batch_size=4, seq_len=63, lr=5e-3, warmup_steps=4,
+                         eval_every=10, eval_windows=4),
+    eval=EvalSpec(max_prompts=3, gen_tokens=16, tree_topk=2, tree_steps=2, tree_nodes=4),
+)
+
+DISTILL_PRESETS: dict[str, DistillPreset] = {p.name: p for p in (_SMOLLM2, _DISTILL_TINY)}
+
+
 class TrainInputError(ValueError):
     """A preset, override or run option the recipe refuses, named in its one-line message."""
 
@@ -268,7 +329,8 @@ POSITIVE_FIELDS = frozenset({
     "head_dim", "context", "rope_theta", "rms_norm_eps", "batch_size", "seq_len", "lr",
     "unroll", "eval_every", "eval_windows", "draft_vocab_size", "selfgen_prompt_len",
     "selfgen_batch", "loss_windows", "prompt_max_lines", "gen_tokens", "chain_steps",
-    "tree_topk", "tree_steps", "tree_nodes",
+    "tree_topk", "tree_steps", "tree_nodes", "max_prompt_tokens", "max_new_tokens",
+    "temperature", "top_p",
 })
 INT_LIMIT = 2**63  # counts past int64 overflow inside torch
 SAVE_DTYPES = ("bfloat16", "float16", "float32")
@@ -309,13 +371,14 @@ def _field_names(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls)]
 
 
-def apply_overrides(preset: Preset, overrides: list[str]) -> Preset:
+def apply_overrides(preset: Preset | DistillPreset, overrides: list[str]) -> Preset | DistillPreset:
     """Replace fields from ``section.field=value`` (or ``field=value`` for top-level fields);
     a bad override, or a result :func:`check_preset` refuses, is a :class:`TrainInputError`.
 
     >>> apply_overrides(PRESETS["tiny"], ["target_train.steps=3"]).target_train.steps
     3
     """
+    cls = type(preset)
     for item in overrides:
         key, sep, value = item.partition("=")
         key = key.strip()
@@ -325,20 +388,20 @@ def apply_overrides(preset: Preset, overrides: list[str]) -> Preset:
             raise TrainInputError(f"override {item!r} has no key: expected section.field=value")
         parts = key.split(".")
         if len(parts) == 1:
-            if key not in _field_names(Preset):
+            if key not in _field_names(cls):
                 raise TrainInputError(
                     f"unknown preset field {key!r} (top-level fields: "
-                    f"{', '.join(_field_names(Preset))})"
+                    f"{', '.join(_field_names(cls))})"
                 )
-            preset = dataclasses.replace(preset, **{key: _parsed(item, value, Preset, key)})
+            preset = dataclasses.replace(preset, **{key: _parsed(item, value, cls, key)})
             continue
         if len(parts) != 2:
             raise TrainInputError(f"override key {key!r} must be 'section.field'")
         section, name = parts
-        kind = _field_type(Preset, section)[0] if section in _field_names(Preset) else None
+        kind = _field_type(cls, section)[0] if section in _field_names(cls) else None
         if kind is None or not dataclasses.is_dataclass(kind):
-            sections = [n for n in _field_names(Preset)
-                        if dataclasses.is_dataclass(_field_type(Preset, n)[0])]
+            sections = [n for n in _field_names(cls)
+                        if dataclasses.is_dataclass(_field_type(cls, n)[0])]
             raise TrainInputError(
                 f"unknown preset field {key!r} (sections: {', '.join(sections)})"
             )
@@ -357,10 +420,13 @@ def apply_overrides(preset: Preset, overrides: list[str]) -> Preset:
     return preset
 
 
-def check_preset(preset: Preset) -> None:
+def check_preset(preset: Preset | DistillPreset) -> None:
     """A :class:`TrainInputError` naming every field that contradicts another, or that the
     recipe would refuse only deep inside a run (each field's own range is checked where an
     override is parsed)."""
+    if isinstance(preset, DistillPreset):
+        _check_distill_preset(preset)
+        return
     p, t, h, ht, ev = preset, preset.target, preset.head, preset.head_train, preset.eval
     bad = []
     if p.vocab_size < 257:
@@ -427,7 +493,32 @@ def check_preset(preset: Preset) -> None:
         raise TrainInputError(f"preset {p.name!r}: " + "; ".join(bad))
 
 
-def preset_to_dict(preset: Preset) -> dict:
+def _check_distill_preset(preset: DistillPreset) -> None:
+    d, h, ht, ev = preset.distill, preset.head, preset.head_train, preset.eval
+    bad = []
+    if not 0 < d.valid_fraction < 1:
+        bad.append(f"distill.valid_fraction {d.valid_fraction} must be between 0 and 1")
+    if d.top_p > 1:
+        bad.append(f"distill.top_p {d.top_p} must be at most 1")
+    if h.unroll > ht.seq_len:
+        bad.append(f"head.unroll {h.unroll} must be at most head_train.seq_len {ht.seq_len}")
+    if h.ttt_tokens not in TTT_TOKENS:
+        bad.append(f"head.ttt_tokens must be one of {', '.join(TTT_TOKENS)}, not {h.ttt_tokens!r}")
+    if h.selfgen_seqs:
+        bad.append("head.selfgen_seqs must be 0: the distilled head's data is all self-generated")
+    if ht.beta2 >= 1 or ht.min_lr_ratio > 1:
+        bad.append("head_train.beta2 must be below 1 and head_train.min_lr_ratio at most 1")
+    if preset.save_dtype not in SAVE_DTYPES:
+        bad.append(f"save_dtype must be one of {', '.join(SAVE_DTYPES)}, not {preset.save_dtype!r}")
+    most = max_tree_nodes(ev.tree_topk, ev.tree_steps)
+    if not 2 <= ev.tree_nodes <= most:
+        bad.append(f"eval.tree_nodes {ev.tree_nodes} must be between 2 and {most} for "
+                   f"tree_topk {ev.tree_topk}, tree_steps {ev.tree_steps}")
+    if bad:
+        raise TrainInputError(f"preset {preset.name!r}: " + "; ".join(bad))
+
+
+def preset_to_dict(preset: Preset | DistillPreset) -> dict:
     return dataclasses.asdict(preset)
 
 

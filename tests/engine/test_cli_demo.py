@@ -128,7 +128,7 @@ def test_the_demo_warms_up_before_it_times(monkeypatch, device, warm_up):
     from phasegraph import SamplingParams
 
     engine = _RecordingEngine()
-    monkeypatch.setattr(demo, "_engine", lambda spec, dev, trace: engine)
+    monkeypatch.setattr(demo, "_engine", lambda model, spec, dev, trace: engine)
     result = demo._run("x", {"method": "none"}, ["a", "b", "c"], SamplingParams(max_new_tokens=64), device)
     assert engine.calls == [warm_up, (["a", "b", "c"], 64)]
     assert result["tokens"] == 3

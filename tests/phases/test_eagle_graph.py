@@ -103,17 +103,18 @@ def test_every_node_field_of_verify_result_has_a_compacted_counterpart():
     have = {t.name for t in FinalizedPath.__schema__.tensors}
     for name in node_fields(VerifyResult):
         assert accepted_name(name) in have
-    assert set(node_fields(VerifyResult)) == {"predict", "features", "logprobs", "top_logprobs", "top_logprob_ids"}
+    assert set(node_fields(VerifyResult)) == {"predict", "features", "logprobs", "top_logprobs", "top_logprob_ids",
+                                              "routed_experts"}
 
 
 def test_a_new_side_output_gets_a_compacted_field_without_code_changes():
     @schema
     class VerifyWithExperts(VerifyResult):
-        routed_experts: Int64[torch.Tensor, "B*N E"] = tensor(role=NODE, pad=0)
+        expert_scores: Int64[torch.Tensor, "B*N E"] = tensor(role=NODE, pad=0)
 
     out_cls = finalized_schema_for(VerifyWithExperts)
     assert issubclass(out_cls, FinalizedPath)
-    spec = {t.name: t for t in out_cls.__schema__.tensors}["accepted_routed_experts"]
+    spec = {t.name: t for t in out_cls.__schema__.tensors}["accepted_expert_scores"]
     assert spec.dim_text == "B*W E" and spec.role.name == "accepted"
     assert finalized_schema_for(VerifyResult) is FinalizedPath
 

@@ -16,16 +16,16 @@ from phasegraph.testing import synthetic as syn
 
 @schema
 class VerifyWithExperts(VerifyResult):
-    """A verify result with a side output finalize has never heard of (SGLang #26866's routed experts)."""
+    """A verify result with a side output finalize has never heard of (as SGLang #26866's routed experts were)."""
 
-    routed_experts: Int64[torch.Tensor, "B*N E"] = tensor(role=NODE, pad=0)
+    expert_scores: Int64[torch.Tensor, "B*N E"] = tensor(role=NODE, pad=0)
 
 
 @schema
 class VerifyWithRolelessExperts(VerifyResult):
     """The same side output declared without its role: SGLang #26866's forgotten field."""
 
-    routed_experts: Int64[torch.Tensor, "B*N E"] = tensor()
+    expert_scores: Int64[torch.Tensor, "B*N E"] = tensor()
 
 
 def _setup(B=3, N=5, S=3, P=4, seq_len=6, accept=2):
@@ -53,12 +53,12 @@ def test_a_new_per_node_side_output_is_compacted_without_code_changes():
     result = VerifyWithExperts(**{f: getattr(base, f) for f in ("proposal", "predict", "features",
                                   "logprobs", "accept_index", "accept_lens", "bonus_tokens",
                                   "logits_finite")},
-                               routed_experts=experts)
+                               expert_scores=experts)
     out = finalize_tree_path(result, ctx)
     out.validate("strict")
     assert isinstance(out, FinalizedPath) and type(out) is not FinalizedPath
     W = result.accept_index.shape[1]
-    got = out.accepted_routed_experts.view(B, W, 2)
+    got = out.accepted_expert_scores.view(B, W, 2)
     for b in range(B):
         for i in range(int(out.accept_lens[b])):
             node = int(result.accept_index[b, i])
@@ -79,8 +79,8 @@ def test_a_per_node_side_output_without_the_node_role_is_refused_by_name():
     result = VerifyWithRolelessExperts(
         **{f: getattr(base, f) for f in ("proposal", "predict", "features", "logprobs",
                                          "accept_index", "accept_lens", "bonus_tokens", "logits_finite")},
-        routed_experts=torch.zeros(B * N, 2, dtype=torch.int64))
-    with pytest.raises(InvalidSchema, match=r"field 'routed_experts' has shape 'B\*N E', whose "
+        expert_scores=torch.zeros(B * N, 2, dtype=torch.int64))
+    with pytest.raises(InvalidSchema, match=r"field 'expert_scores' has shape 'B\*N E', whose "
                                             r"first dim 'B\*N' is the node role's: declare "
                                             r"tensor\(role=NODE\)") as err:
         finalize_tree_path(result, ctx)

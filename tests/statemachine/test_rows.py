@@ -65,7 +65,7 @@ def test_select_and_concat_keep_every_field_and_nested_params():
     d = d.replace(emitted=d.bonus_tokens.clone(), bonus_logprobs=torch.rand(4),
                   bonus_top_logprobs=torch.rand(4, 3), bonus_top_ids=torch.randint(0, 32, (4, 3)),
                   output_counts=torch.randint(0, 3, (4, 32), dtype=torch.int32),
-                  prompt_mask=torch.rand(4, 32) > 0.5)
+                  prompt_mask=torch.rand(4, 32) > 0.5, bonus_routed_experts=torch.randint(0, 8, (4, 2, 2)))
     picked = select_rows(d, torch.tensor([2, 0]))
     for t in DraftState.__schema__.tensors:
         assert torch.equal(getattr(picked, t.name), getattr(d, t.name)[[2, 0]]), t.name

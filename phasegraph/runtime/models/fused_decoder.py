@@ -199,7 +199,7 @@ def layer_window(layer: torch.nn.Module, config) -> int | None:
     attn = layer.self_attn
     if hasattr(attn, "sliding_window"):
         return attn.sliding_window
-    if getattr(config, "model_type", None) == "mistral":
+    if getattr(config, "model_type", None) in ("mistral", "mixtral"):  # both pass the config's
         return getattr(config, "sliding_window", None)
     return None
 
@@ -222,8 +222,10 @@ def unfusable_reason(model: torch.nn.Module) -> str | None:
     inner = model.model
     if not hasattr(inner, "rotary_emb") or not hasattr(inner.norm, "variance_epsilon"):
         return "no shared rotary module or RMSNorm final norm"
-    for layer in inner.layers:
+    for idx, layer in enumerate(inner.layers):
         attn, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if hasattr(mlp, "experts") or hasattr(layer, "block_sparse_moe"):
+            return f"layer {idx} is a mixture of experts (transformers' modules run it)"
         needed = [(attn, ("q_proj", "k_proj", "v_proj", "o_proj")),
                   (mlp, ("gate_proj", "up_proj", "down_proj")),
                   (layer, ("input_layernorm", "post_attention_layernorm"))]

@@ -32,9 +32,16 @@ from phasegraph.runtime.models.loading import (
     load_into_module,
     read_config,
 )
+from phasegraph.runtime.models.moe import (
+    capture_experts,
+    experts_implementation,
+    experts_per_token,
+    moe_routers,
+    recording_routes,
+)
 from phasegraph.runtime.models.take_rows import take_rows
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe", "mixtral")
 FEATURE_MODES = ("last", "eagle3", "none")
 
 
@@ -168,6 +175,12 @@ class HFTarget:
     ``fused``: run the layers through :mod:`~phasegraph.runtime.models.fused_decoder` (merged
     projections, fused norm / rotary / activation kernels; the default where the layers allow
     it, :attr:`fused_reason` says why not otherwise) or through transformers' modules (False).
+
+    Mixture-of-experts targets (Qwen3-MoE, Mixtral) run transformers' modules; a CUDA-graph
+    capture runs their experts through an implementation without host synchronisation
+    (:attr:`capture_experts`; :attr:`capture_reason` says why none where transformers has none).
+    ``forward(..., routed_experts=True)`` also returns the experts
+    each MoE layer chose for every token (:attr:`num_moe_layers`, :attr:`experts_per_token`).
     """
 
     def __init__(
@@ -205,6 +218,12 @@ class HFTarget:
         windows = [w for layer in model.model.layers if (w := layer_window(layer, config)) is not None]
         self.sliding_window: int | None = min(windows) if windows else None
         self.pool: KVPool | None = None
+        self.routers = moe_routers(model)
+        self.num_moe_layers: int = len(self.routers)
+        self.experts_per_token: int = experts_per_token(config) if self.routers else 0
+        # the experts implementation a CUDA-graph capture runs (eager calls keep transformers'),
+        # or why the layers cannot be captured
+        self.capture_experts, self.capture_reason = capture_experts(model) if self.routers else (None, None)
         self.fused_layers = None
         self.fused_reason: str | None = "switched off (fused=False)"
         if fused is not False:
@@ -254,8 +273,10 @@ class HFTarget:
         input_ids: torch.Tensor,  # [T] int64
         positions: torch.Tensor,  # [T] int64
         attn: AttentionMetadata,
+        routes: list[torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # ([T, Ht] after the final norm, [T, Hf])
-        """Run every decoder layer over the flattened tokens; write KV; return hidden, features."""
+        """Run every decoder layer over the flattened tokens; write KV; return hidden, features
+        (and append each MoE layer's chosen experts [T, k] to ``routes``)."""
         if self.pool is None:
             raise RuntimeError("HFTarget.attach_kv(pool) must be called before forward")
         if self.fused_layers is not None:
@@ -269,7 +290,12 @@ class HFTarget:
         position_ids = positions[None]  # [1, T]
         position_embeddings = inner.rotary_emb(hidden, position_ids)  # (cos, sin) [1, T, D]
         captured: dict[int, torch.Tensor] = {}
-        with forward_context(attn, self.pool, positions=positions):
+        recording = (contextlib.nullcontext([]) if routes is None
+                     else recording_routes(self.routers, self.experts_per_token))
+        experts = contextlib.nullcontext()
+        if self.capture_experts is not None and self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            experts = experts_implementation(self.model, self.capture_experts)
+        with forward_context(attn, self.pool, positions=positions), recording as chosen, experts:
             for idx, layer in enumerate(inner.layers[: self.num_layers]):
                 if idx in self.feature_layers:
                     captured[idx] = hidden[0]  # residual input of layer idx, [T, Ht]
@@ -280,6 +306,8 @@ class HFTarget:
                     position_embeddings=position_embeddings,
                 )
                 hidden = out[0] if isinstance(out, tuple) else out  # [1, T, Ht]
+        if routes is not None:
+            routes.extend(chosen)  # [T, k] per MoE layer
         hidden = inner.norm(hidden)[0]  # [T, Ht]
         return hidden, self._features(hidden, captured)
 
@@ -318,8 +346,22 @@ class HFTarget:
         positions: torch.Tensor,  # [T] int64
         attn: AttentionMetadata,
         logits_index: torch.Tensor | None = None,  # [R] int64, None = every row
+        *,
+        routed_experts: bool = False,
     ) -> TargetOutput:
-        hidden, features = self.hidden_states(input_ids, positions, attn)
-        return TargetOutput(logits=self.logits(hidden, logits_index), features=features)
+        """``routed_experts``: also return the experts every MoE layer chose for each token
+        ([T, num_moe_layers, k] int64, layer order)."""
+        if not routed_experts:
+            hidden, features = self.hidden_states(input_ids, positions, attn)
+            return TargetOutput(logits=self.logits(hidden, logits_index), features=features)
+        if not self.routers:
+            raise UnsupportedModel(f"routed experts were asked of a {self.config.model_type} target, which has no "
+                                   "mixture-of-experts layers")
+        routes: list[torch.Tensor] = []
+        hidden, features = self.hidden_states(input_ids, positions, attn, routes)
+        if len(routes) != self.num_moe_layers:  # a router called twice, or skipped, per forward
+            raise UnsupportedModel(f"{len(routes)} router calls in one forward of {self.num_moe_layers} MoE layers")
+        return TargetOutput(logits=self.logits(hidden, logits_index), features=features,
+                            routed_experts=torch.stack(routes, dim=1))  # [T, M, k]
 
     __call__ = forward
