@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU suite and the maintained benchmarks (benchmarks/README.md) in one device call, from the
 # repository root; each part's output is printed and kept under $OUT (default ./out).
-#   bash scripts/gpu_checks.sh [all|tests|scale|kernels|linear|steps|demo-pair ...]
+#   bash scripts/gpu_checks.sh [all|tests|scale|kernels|linear|steps|demo-pair|serve ...]
 #   all (the default): tests, then scale. The other parts take minutes each, so they run when named.
 # Exits non-zero when any part failed.
 set -uo pipefail
@@ -49,6 +49,11 @@ if wants steps; then  # GPU time by kernel: the 8B step and iteration, then the 
 fi
 if wants demo-pair; then  # the embedded pair's τ through the Engine (its README's figures)
   run demo-pair 300 python benchmarks/measure_acceptance.py phasegraph/data/demo_pair --device cuda
+fi
+
+if wants serve; then  # the server under Poisson arrivals, speculation on and off (needs the serve extra);
+  # SERVE_PAIR=DIR serves a trained pair (target/, eagle3/), else the embedded pair
+  run serve-bench 580 python -m phasegraph.cli bench --serve --out "$OUT/serve" ${SERVE_PAIR:+--pair "$SERVE_PAIR"}
 fi
 
 if ((${#failed[@]})); then

@@ -203,6 +203,8 @@ def run_bench(args: argparse.Namespace) -> int:
     from phasegraph.bench.report import write_outputs
     from phasegraph.bench.scale import measure_scale
 
+    if args.serve:
+        return run_serve_bench(args)
     if args.tp is not None:  # the tensor-parallel bench: its own runs (phasegraph/bench/tp.py)
         from phasegraph.bench.tp import run_tp_bench
 
@@ -259,6 +261,40 @@ def run_bench(args: argparse.Namespace) -> int:
         print("phasegraph bench: errors (the rows they hit are missing):\n  " + "\n  ".join(run.result["errors"]),
               file=sys.stderr)
     return 130 if interrupted else (1 if run.result.get("errors") else 0)
+
+
+SERVE_BENCH_PACKAGES = ("fastapi", "uvicorn", "prometheus_client", "httpx")
+
+
+def run_serve_bench(args: argparse.Namespace) -> int:
+    """``--serve``: the server under Poisson arrivals, speculation on and off (phasegraph.bench.serve)."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+
+    from phasegraph.bench.serve import (
+        measure_serving,
+        render_serve_markdown,
+        settings_from,
+        write_serve_outputs,
+    )
+
+    require_name("--out", args.out, "directory")
+    missing = [name for name in SERVE_BENCH_PACKAGES if importlib.util.find_spec(name) is None]
+    if missing:
+        raise CliError(f"phasegraph bench --serve needs {', '.join(missing)}: install the serve extra "
+                       "(pip install 'phasegraph[serve]', or scripts/install.sh serve)")
+    settings_from(args)  # bad options fail before anything loads
+    if args.device == "cpu" or not torch.cuda.is_available():
+        torch.set_num_threads(max(1, args.threads))
+    if args.dry_run:
+        print(f"phasegraph bench --serve: {settings_from(args)}")
+        return 0
+    result = measure_serving(args, log=_say)
+    write_serve_outputs(result, Path(args.out))
+    _say(render_serve_markdown(result))
+    return 0
 
 
 def add_parser(sub) -> None:
@@ -331,6 +367,14 @@ def add_parser(sub) -> None:
     p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     p.add_argument("--dry-run", action="store_true", help="print the plan and the time estimate, run nothing")
+    p.add_argument("--serve", action="store_true",
+                   help="instead of parts 1 and 2: the OpenAI-compatible server (in this process, on 127.0.0.1) "
+                        "under Poisson arrivals, EAGLE-3 chain against the target alone, on --pair where it "
+                        "holds a pair, else the embedded pair; writes serve_bench.json, serve_bench.md and "
+                        "serve_latency.png (--new-tokens, --prompt-tokens default 128 here; quick 12, 32)")
+    p.add_argument("--serve-rates", metavar="R,R,...", help="--serve: request rates per second (default 1,4,16,64; quick 2,8)")
+    p.add_argument("--serve-requests", type=int, metavar="N", help="--serve: requests per rate (default 64; quick 4)")
+    p.add_argument("--serve-max-batch", type=int, metavar="N", help="--serve: the engine's max batch (default 32; quick 4)")
     p.set_defaults(func=run_bench, argv=_argv())
 
 

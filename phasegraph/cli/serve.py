@@ -57,6 +57,9 @@ def add_parser(sub) -> None:
     p.add_argument("--chat-template", metavar="FILE",
                    help="a Jinja chat template for /v1/chat/completions instead of the tokenizer's")
     p.add_argument("--max-batch-size", type=int, default=32, metavar="N", help="requests run together (default 32)")
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="prefill every prompt whole: no KV shared between requests with a common prefix "
+                        "(the cache is on by default for serve; docs/serving.md)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (default info: one line per request)")
     p.set_defaults(func=run_serve)
@@ -107,7 +110,8 @@ def run_serve(args: argparse.Namespace) -> int:
         raise CliError("serve --tp starts the other ranks itself: run it without torchrun")
     try:
         # no trace: a server runs for days, and a trace keeps every phase transition
-        engine = load_engine(args, spec, trace=False, max_batch_size=args.max_batch_size)
+        engine = load_engine(args, spec, trace=False, max_batch_size=args.max_batch_size,
+                             prefix_cache=args.prefix_cache)
         with_draft = f" with {spec.method} drafts" if spec.speculative else ""
         aengine = AsyncEngine(engine, max_queue=args.max_queue)
         try:

@@ -372,6 +372,10 @@ class EngineConfig:
     checksum of the emitted tokens after every step, :class:`RankDivergence` where ranks differ.
     ``tp_all_reduce``: ``"nccl"``, or ``"symm_mem"`` (GPUs: messages up to 8 MiB through torch's
     symmetric memory, one-shot over NVLink; larger ones through NCCL).
+    ``prefix_cache``: share the KV of common prompt prefixes between requests (a radix tree
+    over KV pages, ``runtime/prefix_cache.py``); off by default, so that a request's output
+    never depends on the requests served before it (``docs/serving.md`` says why;
+    ``phasegraph serve`` turns it on).
     """
 
     spec: SpecConfig = attrs.field(default=None, converter=as_spec)
@@ -396,6 +400,7 @@ class EngineConfig:
     tp_timeout_s: float = DEFAULT_TP_TIMEOUT_S
     tp_check: bool = attrs.field(default=False, validator=_switch())
     tp_all_reduce: str = "nccl"
+    prefix_cache: bool = attrs.field(default=False, validator=_switch())
 
     def __attrs_post_init__(self) -> None:
         if self.validate is not None:
@@ -440,6 +445,7 @@ class RequestStats:
     phase_time_s: dict[str, float] = attrs.field(factory=dict)  # wall time of the batches it was in
     retractions: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens read from the prefix cache instead of prefilled (every prefill)
     nonfinite_drafts: int = 0  # verify steps whose draft logits were NaN or infinite (their drafts rejected)
 
     @property

@@ -46,7 +46,7 @@ from phasegraph.runtime.errors import (
     is_out_of_memory,
 )
 from phasegraph.runtime.graph_runner import GraphRunner
-from phasegraph.runtime.kv_pool import KVCacheManager
+from phasegraph.runtime.kv_pool import KVCacheManager, PrefixCacheStats
 from phasegraph.runtime.memory import PhaseMemory
 from phasegraph.runtime.models.drafts import draft_kind, load_draft
 from phasegraph.runtime.models.gguf import convert_gguf, is_gguf
@@ -202,6 +202,8 @@ class Engine:
                 topk=tree.topk if tree else 1,
                 num_steps=tree.num_steps if tree else 1,
                 device=self.device,
+                prefix_cache=config.prefix_cache,
+                draft_lead=self.draft.kv_lead if self.draft is not None else 0,
             )
         except (MemoryError, RuntimeError) as exc:  # torch.OutOfMemoryError is a RuntimeError
             if not is_out_of_memory(exc) and "alloc" not in str(exc):  # or another allocator refusal
@@ -655,6 +657,21 @@ class Engine:
                 problems.append(f"{rid}: {req.status.value} but in neither queue")
         if problems:
             raise SchedulerInvariantError(problems)
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """Prompt tokens prefilled and read from the prefix cache so far, and pages evicted."""
+        return self.kv.cache_stats
+
+    @property
+    def cached_pages(self) -> int:
+        """KV pages the prefix cache holds now (all free again after :meth:`clear_prefix_cache`
+        once no request runs)."""
+        return self.kv.cached_pages
+
+    def clear_prefix_cache(self) -> int:
+        """Free the cached pages no running request borrows; returns how many."""
+        self.scheduler.drain()
+        return self.kv.clear_prefix_cache()
 
     def save_trace(self, path: str | os.PathLike) -> Path:
         if self.trace is None:

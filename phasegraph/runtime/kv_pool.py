@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 import attrs
 import torch
@@ -27,9 +27,27 @@ from phasegraph.runtime.errors import (
     OutOfRequestRows,
     RequestTooLong,
 )
+from phasegraph.runtime.prefix_cache import Node, PrefixMatch, RadixCache
 
 RESERVED_PAGE = 0
 RESERVED_ROW = 0
+
+
+# An eviction frees at least this share of the pool (1/64): see KVCacheManager._make_room.
+EVICT_SHARE = 64
+
+
+@attrs.define
+class PrefixCacheStats:
+    """What the prefix cache served: prompt tokens prefilled against those read from it."""
+
+    prompt_tokens: int = 0  # tokens of every prefill (resumed requests' committed tokens too)
+    cached_tokens: int = 0  # of them, served from the cache
+    evicted_pages: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
 @attrs.frozen
@@ -165,6 +183,9 @@ class RequestTable:
         self.device = torch.device(device)
         self.req_to_page = torch.zeros(max_reqs, max_pages, dtype=torch.int64, device=self.device)
         self.owned: list[list[int]] = [[] for _ in range(max_reqs)]
+        # pages of each row the prefix cache owns (a cached prefix it reuses, or pages it gave
+        # the cache while it runs): never freed or trimmed by the row
+        self.borrowed: list[set[int]] = [set() for _ in range(max_reqs)]
         self._free_rows: list[int] = list(range(max_reqs - 1, RESERVED_ROW, -1))
         self._in_use = bytearray(max_reqs)
 
@@ -247,6 +268,8 @@ class RequestTable:
         self.check_row(row)
         keep = self.pages_for(num_tokens)
         extra = self.owned[row][keep:]
+        if self.borrowed[row].intersection(extra):
+            raise InvalidPageFree(f"row {row}: trimming to {num_tokens} tokens would free pages of the prefix cache")
         if not extra:
             return 0
         del self.owned[row][keep:]
@@ -254,12 +277,25 @@ class RequestTable:
         self.req_to_page[row, keep : keep + len(extra)].zero_()
         return len(extra)
 
-    def release(self, row: int) -> None:
-        """Free every page the row owns (over-allocation included); the row stays in use."""
+    def borrow(self, row: int, pages: Sequence[int]) -> None:
+        """Head the fresh ``row`` with ``pages`` of the prefix cache (never freed by the row)."""
         self.check_row(row)
         if self.owned[row]:
-            self.allocator.free(self.owned[row])
+            raise InvalidRow(f"request row {row} owns pages already; only a fresh row borrows a prefix")
+        if pages:
+            self.owned[row] = list(pages)
+            self.borrowed[row] = set(pages)
+            self.req_to_page[row, : len(pages)] = to_device(torch.tensor(pages, dtype=torch.int64), self.device)
+
+    def release(self, row: int) -> None:
+        """Free every page the row owns (over-allocation included) but those of the prefix
+        cache; the row stays in use."""
+        self.check_row(row)
+        if self.owned[row]:
+            borrowed = self.borrowed[row]
+            self.allocator.free([p for p in self.owned[row] if p not in borrowed])
             self.owned[row] = []
+            self.borrowed[row] = set()
             self.req_to_page[row].zero_()
 
     def free_row(self, row: int) -> None:
@@ -286,6 +322,8 @@ class KVCacheManager:
         topk: int = 1,
         num_steps: int = 1,
         device: torch.device | str = "cpu",
+        prefix_cache: bool = False,
+        draft_lead: int = 0,
     ) -> None:
         if page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {page_size}")
@@ -304,6 +342,12 @@ class KVCacheManager:
             max_reqs, self.topk, self.region_len, dtype=torch.int64, device=self.device
         )  # [max_reqs, K, R]
         self.region_owned: list[list[int]] = [[] for _ in range(max_reqs)]
+        # lead 0: a page's draft KV depends on the token after the page
+        self.prefix_cache = (
+            RadixCache(page_size, shift=int(draft is not None and draft_lead == 0)) if prefix_cache else None
+        )
+        self.lock_node: list[Node | None] = [None] * max_reqs  # the cache node each row borrows up to
+        self.cache_stats = PrefixCacheStats()
 
     # -- queries ------------------------------------------------------------------------------
 
@@ -313,33 +357,101 @@ class KVCacheManager:
 
     @property
     def num_free_pages(self) -> int:
-        return self.allocator.num_free
+        """Pages an allocation may take: the free ones and those the prefix cache may evict."""
+        return self.allocator.num_free + self.cached_evictable_pages
+
+    @property
+    def cached_pages(self) -> int:
+        """Pages the prefix cache owns (locked by running requests or evictable)."""
+        return 0 if self.prefix_cache is None else self.prefix_cache.num_pages
+
+    @property
+    def cached_evictable_pages(self) -> int:
+        return 0 if self.prefix_cache is None else self.prefix_cache.evictable_pages
 
     @property
     def pages_per_admission(self) -> int:
         """Region pages one admitted request holds besides its page-table row."""
         return self.topk * self.region_len
 
-    def pages_needed(self, num_tokens: int, row: int | None = None) -> int:
-        """Pages to allocate so ``row`` (or a new request) owns ``[0, num_tokens)``."""
+    def pages_needed(self, num_tokens: int, row: int | None = None, prefix: PrefixMatch | None = None) -> int:
+        """Pages to allocate so ``row`` (or a new request reusing ``prefix``) owns
+        ``[0, num_tokens)``. The pages a new request's prefix locks count too: they leave the
+        evictable pages :attr:`num_free_pages` counts."""
         if row is None:
-            return self.table.pages_for(num_tokens) + self.pages_per_admission
+            cached = 0 if prefix is None else len(prefix.pages) - prefix.unlocked_pages
+            return self.table.pages_for(num_tokens) - cached + self.pages_per_admission
         return max(0, self.table.pages_for(num_tokens) - len(self.table.owned[row]))
+
+    # -- prefix cache -------------------------------------------------------------------------
+
+    def match_prefix(self, tokens: Sequence[int]) -> PrefixMatch | None:
+        """The cached prefix a new request prefilling ``tokens`` reuses (None without a cache).
+        At least the last token is left to prefill: its logits give the first new token."""
+        if self.prefix_cache is None:
+            return None
+        return self.prefix_cache.match(tokens, len(tokens) - 1)
+
+    def cache_row(self, row: int, tokens: Sequence[int], num_valid: int) -> None:
+        """Give the prefix cache the KV of ``tokens[:num_valid]`` (its whole pages) that
+        ``row`` holds; ``tokens`` runs on past them where the sequence does (a lead-0 draft row
+        was computed with the token after it). The pages the cache takes stay in the row,
+        borrowed and locked until the row is released; the row's pages of positions the cache
+        held already stay the row's."""
+        cache = self.prefix_cache
+        if cache is None:
+            return
+        self.table.check_row(row)
+        P = self.page_size
+        full = min(num_valid, len(self.table.owned[row]) * P, len(tokens) - cache.shift) // P
+        if full == 0:
+            return
+        node, taken = cache.insert(tokens[: full * P + cache.shift], self.table.owned[row][:full])
+        self.table.borrowed[row] |= taken
+        cache.lock(node)
+        if self.lock_node[row] is not None:
+            cache.unlock(self.lock_node[row])
+        self.lock_node[row] = node
+
+    def clear_prefix_cache(self) -> int:
+        """Free every cached page no running request borrows; returns how many."""
+        if self.prefix_cache is None:
+            return 0
+        pages = self.prefix_cache.clear()
+        self.allocator.free(pages)
+        return len(pages)
+
+    def _make_room(self, num_pages: int) -> None:
+        """Evict cached pages until ``num_pages`` are free (as many as can go)."""
+        short = num_pages - self.allocator.num_free
+        if short > 0 and self.prefix_cache is not None:
+            # a few pages more than asked: eviction walks the whole tree, and with a pool full
+            # of cached pages every iteration that grows a row would otherwise walk it again
+            evicted = self.prefix_cache.evict(max(short, self.allocator.total // EVICT_SHARE))
+            self.allocator.free(evicted)
+            self.cache_stats.evicted_pages += len(evicted)
 
     # -- lifecycle ----------------------------------------------------------------------------
 
-    def admit(self, num_tokens: int) -> int:
-        """Take a request row, its branch regions and pages for ``[0, num_tokens)``.
+    def admit(self, num_tokens: int, prefix: PrefixMatch | None = None) -> int:
+        """Take a request row, its branch regions and pages for ``[0, num_tokens)``, the
+        first ``prefix.length`` of them the cached prefix ``prefix`` (:meth:`match_prefix`,
+        no cache change since).
 
         All-or-nothing: on :class:`OutOfKVPages`, :class:`OutOfRequestRows` or
         :class:`RequestTooLong` nothing stays allocated.
         """
         if num_tokens > self.table.max_tokens:
             raise RequestTooLong(num_tokens, self.table.max_tokens)
-        need = self.pages_needed(num_tokens)
-        if need > self.allocator.num_free:
-            raise OutOfKVPages(need, self.allocator.num_free)
+        need = self.pages_needed(num_tokens, prefix=prefix)
+        if need > self.num_free_pages:
+            raise OutOfKVPages(need, self.num_free_pages)
         row = self.table.alloc_row()
+        if prefix is not None and prefix.pages:
+            self.prefix_cache.lock(prefix.node)  # before any eviction
+            self.lock_node[row] = prefix.node
+            self.table.borrow(row, prefix.pages)
+        self._make_room(self.pages_needed(num_tokens, row) + self.pages_per_admission)
         if self.pages_per_admission:
             pages = self.allocator.alloc(self.pages_per_admission)  # [K*R]
             self.region_pages[row] = pages.view(self.topk, self.region_len).to(self.device)
@@ -348,9 +460,13 @@ class KVCacheManager:
         return row
 
     def ensure_capacity(self, row: int, num_tokens: int) -> None:
-        self.table.ensure_capacity(row, num_tokens)
+        self.ensure_capacity_many([row], [num_tokens])
 
     def ensure_capacity_many(self, rows: list[int], num_tokens: list[int], spare_tokens: int = 0) -> None:
+        """:meth:`RequestTable.ensure_capacity_many`, evicting cached pages where the free ones
+        are too few for the exact growth (spare pages never evict)."""
+        if self.prefix_cache is not None:
+            self._make_room(sum(self.pages_needed(n, r) for r, n in zip(rows, num_tokens, strict=True)))
         self.table.ensure_capacity_many(rows, num_tokens, spare_tokens)
 
     def trim(self, row: int, num_tokens: int) -> int:
@@ -365,6 +481,9 @@ class KVCacheManager:
             self.region_owned[row] = []
             self.region_pages[row].zero_()
         self.table.free_row(row)
+        if self.lock_node[row] is not None:
+            self.prefix_cache.unlock(self.lock_node[row])
+            self.lock_node[row] = None
 
     # -- accounting ---------------------------------------------------------------------------
 
@@ -380,9 +499,27 @@ class KVCacheManager:
         if RESERVED_PAGE in free_set:
             problems.append("reserved page 0 is in the free list")
         owner: dict[int, str] = {}
+        cached = self.prefix_cache.pages() if self.prefix_cache is not None else []
+        for page in cached:
+            if page in owner:
+                problems.append(f"page {page} is in the prefix cache twice")
+            owner[page] = "the prefix cache"
+            if page in free_set:
+                problems.append(f"page {page} of the prefix cache is also in the free list")
+        if self.prefix_cache is not None:
+            problems += self.prefix_cache.check([n for n in self.lock_node if n is not None])
         for row in range(self.table.max_reqs):
             in_use = self.table.is_in_use(row)
-            held = [(p, f"row {row}") for p in self.table.owned[row]]
+            borrowed = self.table.borrowed[row]
+            if not borrowed <= set(self.table.owned[row]):
+                problems.append(f"row {row} borrows pages it does not hold: {sorted(borrowed - set(self.table.owned[row]))}")
+            if borrowed and self.lock_node[row] is None:
+                problems.append(f"row {row} borrows cached pages without a lock")
+            elif borrowed and not borrowed <= set(self.prefix_cache.path_pages(self.lock_node[row])):
+                problems.append(f"row {row} borrows pages outside the cached path it locks")
+            if self.lock_node[row] is not None and not in_use:
+                problems.append(f"free row {row} holds a lock on the prefix cache")
+            held = [(p, f"row {row}") for p in self.table.owned[row] if p not in borrowed]
             held += [(p, f"region of row {row}") for p in self.region_owned[row]]
             if held and not in_use:
                 problems.append(f"free row {row} holds pages {[p for p, _ in held]}")
@@ -396,8 +533,8 @@ class KVCacheManager:
                 owner[page] = who
                 if page in free_set:
                     problems.append(f"page {page} owned by {who} is also in the free list")
-        n_owned = sum(
-            len(self.table.owned[r]) + len(self.region_owned[r])
+        n_owned = len(cached) + sum(
+            len(self.table.owned[r]) - len(self.table.borrowed[r]) + len(self.region_owned[r])
             for r in range(self.table.max_reqs)
         )
         if len(free) + n_owned != total:

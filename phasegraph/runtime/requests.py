@@ -52,6 +52,7 @@ class Request:
         self.error: str | None = None  # set with finish_reason "error"
         self.row: int | None = None  # page-table row while running
         self.seq_len = 0
+        self.cached_len = 0  # between admission and prefill: tokens read from the prefix cache
         self._text = ""  # decoded from output[:_text_tokens] (cut at a stop string once one is hit)
         self._text_tokens = 0
         self._reported_tokens = 0

@@ -52,6 +52,7 @@ from phasegraph.runtime.errors import (
     SchedulerInvariantError,
 )
 from phasegraph.runtime.kv_pool import KVCacheManager, to_device
+from phasegraph.runtime.prefix_cache import PrefixMatch
 from phasegraph.runtime.requests import Request, Status
 from phasegraph.statemachine import Machine, PhaseGraph, Trace
 
@@ -61,6 +62,11 @@ from phasegraph.statemachine import Machine, PhaseGraph, Trace
 # Under pressure the spare pages go back first (Scheduler._trim_spare), so admission and
 # retraction see the same free pages as with exact growth; while requests wait, growth is exact.
 KV_SPARE_TOKENS = 64
+
+# A waiting request that shares this many tokens past its cached prefix with a request admitted
+# in the same step waits one step and reads them from the prefix cache instead of prefilling
+# them again beside it (SGLang's in-batch prefix caching does the same).
+BATCH_SHARE_TOKENS = 32
 
 
 @attrs.define(eq=False)
@@ -196,21 +202,52 @@ class Scheduler:
         reserve = sum(self.kv.pages_needed(r.seq_len + ahead, r.row) for r in self.running)
         while self.waiting and len(self.running) + len(admitted) < self.max_batch_size:
             req = self.waiting[0]
-            need_tokens = len(req.tokens_to_prefill()) + self.tokens_per_iteration
-            if self.kv.pages_needed(need_tokens) + reserve > self.kv.num_free_pages:
+            tokens = req.tokens_to_prefill()
+            prefix = self._cached_prefix(req, tokens)
+            if prefix is not None and self._shares_with_batch(tokens, prefix.length, admitted):
+                break  # next step it reads the prefix the batch writes into the cache now
+            need_tokens = len(tokens) + self.tokens_per_iteration
+            if self.kv.pages_needed(need_tokens, prefix=prefix) + reserve > self.kv.num_free_pages:
                 self._trim_spare()  # spare pages go back before a request is turned away
-                if self.kv.pages_needed(need_tokens) + reserve > self.kv.num_free_pages:
+                if self.kv.pages_needed(need_tokens, prefix=prefix) + reserve > self.kv.num_free_pages:
                     break
             try:
-                req.row = self.kv.admit(need_tokens)
+                req.row = self.kv.admit(need_tokens, prefix)
             except OutOfKVPages:
                 break
+            req.cached_len = 0 if prefix is None else prefix.length
             self.waiting.popleft()
             admitted.append(req)
         if not admitted:
             return set()
         self._prefill(admitted)
         return set(admitted)
+
+    def _cached_prefix(self, req: Request, tokens: list[int]) -> PrefixMatch | None:
+        """The cached prefix ``req`` reuses; None without a cache, and for a request whose
+        prefill must see every prompt token: prompt logprobs score each one, and penalties
+        count them."""
+        if self.kv.prefix_cache is None or req.needs_prompt_logprobs or req.params.uses_penalties:
+            return None
+        return self.kv.match_prefix(tokens)
+
+    def _shares_with_batch(self, tokens: list[int], cached: int, batch: list[Request]) -> bool:
+        """A request admitted in this step prefills at least ``BATCH_SHARE_TOKENS`` of
+        ``tokens`` past their cached prefix: waiting one step reads them from the cache."""
+        want = cached + BATCH_SHARE_TOKENS
+        if want >= len(tokens):  # the last token is prefilled anyway
+            return False
+        return any(other.tokens_to_prefill()[:want] == tokens[:want] for other in batch)
+
+    def _cache_rows(self, reqs: list[Request]) -> None:
+        """Hand the prefix cache the committed KV of requests about to release their rows
+        (finished, aborted or retracted); not that of a request whose logits were not finite."""
+        if self.kv.prefix_cache is None:
+            return
+        for req in reqs:
+            if req.row is not None and req.finish_reason != "error":
+                tokens = req.prompt + req.output
+                self.kv.cache_row(req.row, tokens, min(req.seq_len, len(tokens) - 1))
 
     def _params(self, reqs: list[Request]) -> BatchParams:
         dev = self.device
@@ -258,19 +295,21 @@ class Scheduler:
         """
         dev = self.device
         prompts = [r.tokens_to_prefill() for r in reqs]
+        cached = torch.tensor([r.cached_len for r in reqs], dtype=torch.int64)  # read from the prefix cache
         resumed = [r.resuming for r in reqs]
         prompt_rows = [r.needs_prompt_logprobs for r in reqs]
-        lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64)
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.int64) - cached  # tokens prefilled
         token_req = torch.repeat_interleave(torch.arange(len(reqs)), lens)
         starts = torch.cumsum(lens, 0) - lens
-        positions = torch.arange(int(lens.sum())) - starts[token_req]
+        positions = torch.arange(int(lens.sum())) - starts[token_req] + cached[token_req]
         inp = PrefillInput(
             params=self._params(reqs),
-            input_ids=torch.tensor([t for p in prompts for t in p], dtype=torch.int64, device=dev),
+            input_ids=torch.tensor([t for r, p in zip(reqs, prompts, strict=True) for t in p[r.cached_len :]],
+                                   dtype=torch.int64, device=dev),
             positions=positions.to(dev),
             token_req=token_req.to(dev),
             select_index=(torch.cumsum(lens, 0) - 1).to(dev),
-            seq_lens=lens.to(dev),
+            seq_lens=(lens + cached).to(dev),
             prompt_lens=torch.tensor([len(r.prompt) for r in reqs], dtype=torch.int64, device=dev),
             # the bonus token counts against the budget once: a resumed request's is emitted
             remaining=torch.tensor(
@@ -298,12 +337,20 @@ class Scheduler:
         for i, (req, prompt) in enumerate(zip(reqs, prompts, strict=True)):
             req.status = Status.RUNNING
             req.seq_len = len(prompt)
+            req.stats.cached_tokens += req.cached_len
+            self.kv.cache_stats.prompt_tokens += len(prompt)
+            self.kv.cache_stats.cached_tokens += req.cached_len
+            req.cached_len = 0
             if not finite[i]:
                 req.fail_nonfinite()  # leaves the batch with the finished ones (step)
-            elif not resumed[i]:
+                continue
+            if not resumed[i]:
                 req.append([first[i]], None if first_lp is None else [first_lp[i]],
                            None if first_top is None else [first_top[i]],
                            None if first_experts is None else [first_experts[i]])
+            # the prompt's KV is shared while the request runs (its first token: what the lead-0
+            # draft row of its last position was computed with)
+            self.kv.cache_row(req.row, prompt + [first[i]], len(prompt))
         self._run(self.machine, "merge", self.running + reqs, other=new_state)
         self.running.extend(reqs)
 
@@ -317,7 +364,7 @@ class Scheduler:
         start = 0
         for i, (req, prompt) in enumerate(zip(reqs, prompts, strict=True)):
             first_row = start + (i if result.lead else 0)
-            start += len(prompt)
+            start += len(prompt) - req.cached_len  # the rows it prefilled
             if not wanted[i]:
                 continue
             rows = slice(first_row, first_row + len(req.prompt) - 1)  # predicting tokens 1..P-1
@@ -361,6 +408,7 @@ class Scheduler:
                 return
         ids = {id(v) for v in victims}
         rows = [i for i, r in enumerate(self.running) if id(r) in ids]
+        self._cache_rows(victims)  # a resumed request reads its own committed KV back
         self._run(self.machine, "retract", self.running, rows=self._selection(rows))
         self.running = [r for r in self.running if id(r) not in ids]
         for req in reversed(victims):
@@ -479,6 +527,7 @@ class Scheduler:
         if not done:
             return
         keep = [i for i, r in enumerate(self.running) if r.finish_reason is None]
+        self._cache_rows(done)
         self._run(self.machine, "filter", self.running, keep=self._selection(keep))
         self.running = [self.running[i] for i in keep]
         for req in done:

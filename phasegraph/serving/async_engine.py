@@ -55,6 +55,9 @@ class ServingStats:
     accept_lengths: dict[int, int]  # verify steps by accept length (speculative methods)
     phase_seconds: dict[str, float]  # host wall time per phase (Scheduler.on_phase)
     phase_runs: dict[str, int]  # runs per phase
+    prefill_tokens: int = 0  # tokens of every prefill (a resumed request's committed ones too)
+    cached_tokens: int = 0  # of them, read from the prefix cache
+    kv_cached_pages: int = 0  # pages the prefix cache holds (evictable ones count as free too)
 
 
 @attrs.define
@@ -179,6 +182,7 @@ class AsyncEngine:
         self._phase_runs: dict[str, int] = defaultdict(int)
         self._waiting = self._running = 0
         self._kv_free = engine.kv.num_free_pages
+        self._cache = (0, 0, 0)  # prefill tokens, of them cached, cached pages
         # engine-thread state: each request's (loop, delta queue), and whether to step once more
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._flush = False
@@ -313,6 +317,7 @@ class AsyncEngine:
                 rejected=rejected,
                 finished=dict(self._finished), accept_lengths=dict(self._accepts),
                 phase_seconds=dict(self._phase_seconds), phase_runs=dict(self._phase_runs),
+                prefill_tokens=self._cache[0], cached_tokens=self._cache[1], kv_cached_pages=self._cache[2],
             )
 
     # ------------------------------------------------------------------ shutting down
@@ -486,6 +491,8 @@ class AsyncEngine:
                 self._prompt_tokens += len(delta.output.prompt_token_ids)
             self._waiting, self._running = len(engine.scheduler.waiting), len(engine.scheduler.running)
             self._kv_free = engine.kv.num_free_pages
+            cache = engine.kv.cache_stats
+            self._cache = (cache.prompt_tokens, cache.cached_tokens, engine.kv.cached_pages)
         for _ in finished:
             self._release()
         for loop, items in by_loop.items():

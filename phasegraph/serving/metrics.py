@@ -1,6 +1,6 @@
 """Prometheus metrics of the server: the AsyncEngine's counters, read when scraped, and the
 latencies the HTTP layer measures. Every name starts with ``phasegraph_``; docs/serving.md
-lists them. Prefix caching is not built yet, so no cache hit rate is exported.
+lists them.
 """
 
 from __future__ import annotations
@@ -52,6 +52,14 @@ class EngineCollector:
                                 value=s.kv_total_pages - s.kv_free_pages)
         yield GaugeMetricFamily("phasegraph_kv_pages_total", "KV pages the allocator can hand out",
                                 value=s.kv_total_pages)
+        yield GaugeMetricFamily("phasegraph_kv_pages_cached", "KV pages the prefix cache holds (those no "
+                                "request borrows count as free: they are evicted when needed)", value=s.kv_cached_pages)
+        yield CounterMetricFamily("phasegraph_prefill_tokens", "Tokens of every prefill, cached ones included",
+                                  value=s.prefill_tokens)
+        yield CounterMetricFamily("phasegraph_prefix_cache_hit_tokens", "Prefill tokens read from the prefix "
+                                  "cache", value=s.cached_tokens)
+        yield GaugeMetricFamily("phasegraph_prefix_cache_hit_rate", "Share of prefill tokens read from the "
+                                "prefix cache since the start", value=s.cached_tokens / max(s.prefill_tokens, 1))
         depth = GaugeMetricFamily("phasegraph_queue_depth", "Requests in the engine, waiting or running",
                                   labels=["state"])
         depth.add_metric(["waiting"], s.waiting)

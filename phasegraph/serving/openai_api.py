@@ -194,7 +194,10 @@ FINISH_REASONS = {"stop": "stop", "length": "length"}
 
 def usage(out: RequestOutput) -> dict:
     prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
-    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+    # prompt tokens read from the prefix cache (a resumed request's second prefill may read more)
+    cached = min(out.stats.cached_tokens, prompt)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def extension(out: RequestOutput) -> dict:

@@ -1,7 +1,7 @@
 """Hypothesis stateful test of the engine, and a determinism property of seeded sampling.
 
 Each example draws an engine configuration (target alone, EAGLE-3 chain or tree; page size 1 or
-4; a KV pool small enough that retraction happens) and then a random sequence of step-level
+4; with or without the prefix cache; a KV pool small enough that retraction happens) and then a random sequence of step-level
 calls: add a request (random prompt, budget, greedy or seeded sampling, some stop token ids),
 step, abort, force a retraction. After every call ``engine.check()`` verifies the invariants
 (KV accounting, one queue per request, device state == host bookkeeping, ``seq_len == prompt +
@@ -75,7 +75,9 @@ def make_engine_machine(root: str):
             # (a wide integer spreads the examples evenly over the configurations, where
             # sampled_from would favour its first entries)
             self.spec, self.page_size = CONFIGS[choice % len(CONFIGS)]
-            self.engine = _engine(root, self.spec, self.page_size, kv_pool_tokens=POOL_TOKENS, check_every_step=True)
+            cache = bool(choice // len(CONFIGS) % 2)  # with the prefix cache in every other example
+            self.engine = _engine(root, self.spec, self.page_size, kv_pool_tokens=POOL_TOKENS, check_every_step=True,
+                                  prefix_cache=cache)
             self.requests = {}  # id -> (prompt, params)
             self.tokens = {}  # id -> streamed tokens
             self.finish = {}  # id -> finish reason streamed

@@ -23,6 +23,7 @@ from .support import (
     PROMPTS,
     assert_all_free,
     chat_ids,
+    demo_engine,
     greedy,
     poison_target,
     running_server,
@@ -238,7 +239,39 @@ def test_models_health_and_metrics(engine, server):
     assert values["phasegraph_time_to_first_token_seconds_count"] >= 2
     assert values["phasegraph_inter_token_latency_seconds_count"] >= 1
     assert values['phasegraph_requests_finished_total{finish_reason="length"}'] >= 2
-    assert "cache" not in text  # no prefix cache yet, so no made-up hit rate
+    # this engine runs without a prefix cache: every prefill token was computed
+    assert values["phasegraph_prefill_tokens_total"] >= values["phasegraph_prompt_tokens_total"]
+    assert values["phasegraph_prefix_cache_hit_tokens_total"] == 0
+    assert values["phasegraph_prefix_cache_hit_rate"] == 0 and values["phasegraph_kv_pages_cached"] == 0
+
+
+def _metric_values(url: str) -> dict[str, float]:
+    values = {}
+    for line in httpx.get(f"{url}/metrics").text.splitlines():
+        if line and not line.startswith("#"):
+            name, value = line.rsplit(" ", 1)
+            values[name] = float(value)
+    return values
+
+
+def test_metrics_report_the_prefix_cache_hit_rate():
+    engine = demo_engine(prefix_cache=True)
+    system = "".join(f"def helper_{i}(x):\n    return x + {i}\n\n" for i in range(8))
+    with serving(engine) as (url, _):
+        api = client(url)
+        outs = [api.completions.create(model=MODEL, prompt=system + tail, max_tokens=4, temperature=0)
+                for tail in ("def a(", "class B:", "import os")]
+        values = _metric_values(url)
+    prompt = sum(o.usage.prompt_tokens for o in outs)
+    shared = len(engine.tokenizer(system)["input_ids"]) - 1  # the second and third read it
+    assert values["phasegraph_prefill_tokens_total"] == prompt
+    assert values["phasegraph_prefix_cache_hit_tokens_total"] >= 2 * shared - 2
+    assert values["phasegraph_prefix_cache_hit_rate"] == pytest.approx(
+        values["phasegraph_prefix_cache_hit_tokens_total"] / prompt)
+    assert values["phasegraph_kv_pages_cached"] == engine.cached_pages > 0
+    assert [o.usage.prompt_tokens_details.cached_tokens for o in outs][0] == 0
+    assert sum(o.usage.prompt_tokens_details.cached_tokens for o in outs) == values["phasegraph_prefix_cache_hit_tokens_total"]
+    assert_all_free(engine)
 
 
 def test_over_capacity_is_429_or_waits(engine):
