@@ -45,6 +45,10 @@ from phasegraph.phases.schemas import REQUEST
 from phasegraph.statemachine import PhaseSpec, Schema
 from phasegraph.statemachine.rows import check_padding, padding_plan
 
+# A capture refuses unsafe CUDA calls from this thread only: another thread's (a process group's
+# watchdog polling its events, under tensor parallelism) would otherwise invalidate it at random.
+CAPTURE_ERROR_MODE = "thread_local"
+
 DEFAULT_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64)
 
 
@@ -510,7 +514,7 @@ class GraphedPhase:
         if self.idempotent:
             warm_up(lambda: self.spec.fn(static_in, ctx))
         graph = torch.cuda.CUDAGraph()
-        with no_garbage_collection(), torch.cuda.graph(graph, pool=self.runner.pool):
+        with no_garbage_collection(), torch.cuda.graph(graph, pool=self.runner.pool, capture_error_mode=CAPTURE_ERROR_MODE):
             static_out = self.spec.fn(static_in, ctx)
         cap = _Captured(graph, static_in, static_out, key)
         self.graphs[key] = cap

@@ -33,6 +33,7 @@ import attrs
 import torch
 
 from phasegraph.runtime.cuda_graphs import (
+    CAPTURE_ERROR_MODE,
     EmulatedGraph,
     GraphCapture,
     InputCopier,
@@ -125,7 +126,7 @@ class IterationGraph:
             warm_up(run_iteration)
             copy_into_static(static_in, state, batch, bucket)
             graph = torch.cuda.CUDAGraph()
-            with no_garbage_collection(), torch.cuda.graph(graph, pool=self.runner.pool):
+            with no_garbage_collection(), torch.cuda.graph(graph, pool=self.runner.pool, capture_error_mode=CAPTURE_ERROR_MODE):
                 static_outs = run_iteration()
         cap = _CapturedIteration(graph, static_in, static_outs)
         self.graphs[key] = cap

@@ -33,6 +33,7 @@ import torch
 
 from phasegraph.phases.schemas import REQUEST, TOKEN
 from phasegraph.runtime.cuda_graphs import (
+    CAPTURE_ERROR_MODE,
     EmulatedGraph,
     GraphCapture,
     foreach_copy,
@@ -120,7 +121,7 @@ class PrefillGraph:
             warm_up(lambda: self.spec.fn(static_in, ctx))
             copy_into_padded(static_in, state)
             graph = torch.cuda.CUDAGraph()
-            with no_garbage_collection(), torch.cuda.graph(graph, pool=self.runner.pool):
+            with no_garbage_collection(), torch.cuda.graph(graph, pool=self.runner.pool, capture_error_mode=CAPTURE_ERROR_MODE):
                 static_out = self.spec.fn(static_in, ctx)
         batch, tokens = state.seq_lens.shape[0], state.input_ids.shape[0]
         live = {REQUEST: batch, TOKEN: tokens}
