@@ -60,7 +60,7 @@ from phasegraph.train.prompts import (
 )
 from phasegraph.train.recipe import STAGING, check_run_options, prepare_out_dir
 
-__all__ = ["GENERATION_SHARE", "HEAD_BUDGET_MIB", "run_distill", "smollm2_gguf"]
+__all__ = ["GENERATION_SHARE", "HEAD_BUDGET_MIB", "heldout_eval", "lm_spec_of", "run_distill", "smollm2_gguf"]
 
 GENERATION_SHARE = 0.4  # of a time budget, from the start (conversion included)
 EVAL_RESERVE = 0.12  # of a time budget, kept for saving and the held-out evaluation
@@ -83,7 +83,8 @@ def smollm2_gguf() -> Path:
     return found[0]
 
 
-def _lm_spec(config) -> LMSpec:
+def lm_spec_of(config) -> LMSpec:
+    """The :class:`LMSpec` of a Hugging Face Llama-family config (the head is built from it)."""
     heads = config.num_attention_heads
     rope = getattr(config, "rope_parameters", None) or {}
     return LMSpec(
@@ -204,7 +205,7 @@ def _run(preset, out_dir, source, heldout, seed, device, time_budget_s, progress
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device)
     frozen = FrozenTarget(model)
     vocab = model.config.vocab_size
-    lm = _lm_spec(model.config)
+    lm = lm_spec_of(model.config)
     hs = preset.head
     if hs.draft_vocab_size is not None and hs.draft_vocab_size > vocab:
         raise TrainInputError(f"head.draft_vocab_size {hs.draft_vocab_size} must be at most the "

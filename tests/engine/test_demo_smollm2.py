@@ -45,7 +45,7 @@ def test_smollm2_demo_runs_with_a_head_of_the_real_shape(tmp_path, capsys, monke
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from phasegraph.demo import smollm2_target
-    from phasegraph.train.distill import _lm_spec
+    from phasegraph.train.distill import lm_spec_of
     from phasegraph.train.eagle3_head import save_eagle3_head
     from phasegraph.train.eagle3_train import build_head
     from phasegraph.train.presets import DISTILL_PRESETS
@@ -55,7 +55,7 @@ def test_smollm2_demo_runs_with_a_head_of_the_real_shape(tmp_path, capsys, monke
     config = AutoConfig.from_pretrained(str(target))
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
     stream = torch.arange(config.vocab_size)
-    head = build_head(DISTILL_PRESETS["smollm2"].head, _lm_spec(config), model, config.vocab_size, 2, 0, stream)
+    head = build_head(DISTILL_PRESETS["smollm2"].head, lm_spec_of(config), model, config.vocab_size, 2, 0, stream)
     save_eagle3_head(head, tmp_path / "eagle3", torch.bfloat16)
     capsys.readouterr()
     rc = main(["demo", "--model", "smollm2", "--head", str(tmp_path / "eagle3"), "--device", "cpu",
