@@ -60,7 +60,7 @@ from phasegraph.train.prompts import (
 )
 from phasegraph.train.recipe import STAGING, check_run_options, prepare_out_dir
 
-__all__ = ["GENERATION_SHARE", "HEAD_BUDGET_MIB", "heldout_eval", "lm_spec_of", "run_distill", "smollm2_gguf"]
+__all__ = ["GENERATION_SHARE", "HEAD_BUDGET_MIB", "fit_steps", "heldout_eval", "lm_spec_of", "run_distill", "smollm2_gguf"]
 
 GENERATION_SHARE = 0.4  # of a time budget, from the start (conversion included)
 EVAL_RESERVE = 0.12  # of a time budget, kept for saving and the held-out evaluation
@@ -214,7 +214,7 @@ def _run(preset, out_dir, source, heldout, seed, device, time_budget_s, progress
         head = build_head(hs, lm, model, vocab, eos, seed, responses)
         head.to(device)
         if end is not None:
-            ht = _fit_steps(head, frozen, train_stream, hs, ht, device,
+            ht = fit_steps(head, frozen, train_stream, hs, ht, device,
                             end - EVAL_RESERVE * time_budget_s - time.monotonic())
         head_log = train_head(head, frozen, train_stream, valid_stream, hs, ht, device, seed,
                               deadline=None if end is None else Deadline(
@@ -269,7 +269,7 @@ def _run(preset, out_dir, source, heldout, seed, device, time_budget_s, progress
     return report
 
 
-def _fit_steps(head, frozen, stream, hs, ht, device, seconds: float):
+def fit_steps(head, frozen, stream, hs, ht, device, seconds: float):
     """``ht`` with as many steps as ``seconds`` hold (at most its own), timed on a copy of the
     head: two steps to warm up, then three timed."""
     probe = copy.deepcopy(head)
@@ -295,6 +295,9 @@ def _fit_steps(head, frozen, stream, hs, ht, device, seconds: float):
     # validation passes take about one step's time per eval window batch; keep a tenth spare
     steps = int(0.9 * seconds / per_step) if seconds > 0 else 0
     steps = max(1, min(ht.steps, steps))
+    if steps == ht.steps:
+        return ht
+    # a shortened run keeps its warm-up to a tenth, so the cosine decay still has room
     return dataclasses.replace(ht, steps=steps, warmup_steps=min(ht.warmup_steps, max(1, steps // 10)))
 
 
