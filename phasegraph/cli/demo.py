@@ -99,6 +99,8 @@ def run_demo(args: argparse.Namespace) -> int:
         )
     require_name("--graph", args.graph, "file")
     graph_file, graph_fmt = _graph_output(args.graph) if args.graph else (None, None)
+    if args.prompts is None:  # SmolLM2 decodes ~10 tok/s on a 2-core CPU: two answers per run
+        args.prompts = 2 if smol else 4
     for option, value, least in (("--prompts", args.prompts, 1), ("--show", args.show, 0), ("--threads", args.threads, 1)):
         require_at_least(option, value, least)
     # a GPU asked for and missing, or a kernel setting it cannot honour: refused before the header
@@ -215,7 +217,8 @@ def add_parser(sub) -> None:
                    f"(needs scripts/install.sh real) (default {DEFAULT_MODEL})")
     p.add_argument("--head", metavar="DIR", help="--model smollm2: an EAGLE-3 head directory in place of the embedded one")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--prompts", type=int, default=4, help="held-out stdlib prompts (default 4)")
+    p.add_argument("--prompts", type=int, default=None,
+                   help="held-out prompts (default 4 with the pair, 2 with smollm2)")
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--show", type=int, default=2, help="completions to print (default 2)")
     p.add_argument("--threads", type=int, default=1, help="CPU threads (default 1: the models are small)")

@@ -60,7 +60,7 @@ from phasegraph.train.prompts import (
 )
 from phasegraph.train.recipe import STAGING, check_run_options, prepare_out_dir
 
-__all__ = ["GENERATION_SHARE", "HEAD_BUDGET_MIB", "run_distill", "smollm2_gguf"]
+__all__ = ["GENERATION_SHARE", "HEAD_BUDGET_MIB", "fit_steps", "heldout_eval", "lm_spec_of", "run_distill", "smollm2_gguf"]
 
 GENERATION_SHARE = 0.4  # of a time budget, from the start (conversion included)
 EVAL_RESERVE = 0.12  # of a time budget, kept for saving and the held-out evaluation
@@ -83,7 +83,8 @@ def smollm2_gguf() -> Path:
     return found[0]
 
 
-def _lm_spec(config) -> LMSpec:
+def lm_spec_of(config) -> LMSpec:
+    """The :class:`LMSpec` of a Hugging Face Llama-family config (the head is built from it)."""
     heads = config.num_attention_heads
     rope = getattr(config, "rope_parameters", None) or {}
     return LMSpec(
@@ -204,7 +205,7 @@ def _run(preset, out_dir, source, heldout, seed, device, time_budget_s, progress
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device)
     frozen = FrozenTarget(model)
     vocab = model.config.vocab_size
-    lm = _lm_spec(model.config)
+    lm = lm_spec_of(model.config)
     hs = preset.head
     if hs.draft_vocab_size is not None and hs.draft_vocab_size > vocab:
         raise TrainInputError(f"head.draft_vocab_size {hs.draft_vocab_size} must be at most the "
@@ -213,7 +214,7 @@ def _run(preset, out_dir, source, heldout, seed, device, time_budget_s, progress
         head = build_head(hs, lm, model, vocab, eos, seed, responses)
         head.to(device)
         if end is not None:
-            ht = _fit_steps(head, frozen, train_stream, hs, ht, device,
+            ht = fit_steps(head, frozen, train_stream, hs, ht, device,
                             end - EVAL_RESERVE * time_budget_s - time.monotonic())
         head_log = train_head(head, frozen, train_stream, valid_stream, hs, ht, device, seed,
                               deadline=None if end is None else Deadline(
@@ -268,7 +269,7 @@ def _run(preset, out_dir, source, heldout, seed, device, time_budget_s, progress
     return report
 
 
-def _fit_steps(head, frozen, stream, hs, ht, device, seconds: float):
+def fit_steps(head, frozen, stream, hs, ht, device, seconds: float):
     """``ht`` with as many steps as ``seconds`` hold (at most its own), timed on a copy of the
     head: two steps to warm up, then three timed."""
     probe = copy.deepcopy(head)
@@ -294,6 +295,9 @@ def _fit_steps(head, frozen, stream, hs, ht, device, seconds: float):
     # validation passes take about one step's time per eval window batch; keep a tenth spare
     steps = int(0.9 * seconds / per_step) if seconds > 0 else 0
     steps = max(1, min(ht.steps, steps))
+    if steps == ht.steps:
+        return ht
+    # a shortened run keeps its warm-up to a tenth, so the cosine decay still has room
     return dataclasses.replace(ht, steps=steps, warmup_steps=min(ht.warmup_steps, max(1, steps // 10)))
 
 

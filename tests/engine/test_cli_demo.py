@@ -19,7 +19,7 @@ from phasegraph.demo import demo_prompts
 
 def test_a_short_demo_prints_identical_outputs_and_writes_its_graph(tmp_path, capsys):
     graph = tmp_path / "flow.mmd"
-    rc = main(["demo", "--device", "cpu", "--prompts", "1", "--max-new-tokens", "8", "--show", "1",
+    rc = main(["demo", "--model", "pair", "--device", "cpu", "--prompts", "1", "--max-new-tokens", "8", "--show", "1",
                "--graph", str(graph)])
     out = capsys.readouterr().out
     assert rc == 0, out
@@ -55,7 +55,7 @@ def no_runs(monkeypatch):
 
 def test_more_prompts_than_the_held_out_set_says_so(no_runs, capsys):
     with pytest.raises(_Stopped):
-        main(["demo", "--device", "cpu", "--prompts", "100000"])
+        main(["demo", "--model", "pair", "--device", "cpu", "--prompts", "100000"])
     first = capsys.readouterr().out.splitlines()[0]
     assert "(asked for 100000; the held-out set has " in first
 
@@ -70,7 +70,7 @@ def test_more_prompts_than_the_held_out_set_says_so(no_runs, capsys):
     (["--graph", ""], "--graph needs a file name, got an empty one"),
 ])
 def test_bad_options_are_refused_before_any_run(no_runs, capsys, argv, message):
-    assert main(["demo", "--device", "cpu", *argv]) == 2
+    assert main(["demo", "--model", "pair", "--device", "cpu", *argv]) == 2
     assert message in capsys.readouterr().err
 
 
@@ -78,7 +78,7 @@ def test_a_picture_without_graphviz_is_refused_before_any_run(no_runs, monkeypat
     import phasegraph.statemachine.render as render
 
     monkeypatch.setattr(render, "graphviz_available", lambda: False)
-    assert main(["demo", "--device", "cpu", "--graph", str(tmp_path / "flow.svg")]) == 2
+    assert main(["demo", "--model", "pair", "--device", "cpu", "--graph", str(tmp_path / "flow.svg")]) == 2
     err = capsys.readouterr().err
     assert "a .svg file needs Graphviz's `dot` program" in err
     assert not (tmp_path / "flow.svg").exists()
@@ -89,7 +89,7 @@ def test_a_missing_gpu_is_refused_before_the_header(no_runs, monkeypatch, capsys
     import torch
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert main(["demo", "--device", "cuda"]) == 2
+    assert main(["demo", "--model", "pair", "--device", "cuda"]) == 2
     captured = capsys.readouterr()
     assert "device='cuda' was asked for but no CUDA GPU is available" in captured.err
     assert captured.out == ""
@@ -102,7 +102,7 @@ def test_a_kernel_setting_this_machine_cannot_honour_is_refused_before_the_heade
 
     monkeypatch.setattr(dispatch, "HAS_TRITON", False)
     monkeypatch.setenv("PHASEGRAPH_KERNELS", "triton")
-    assert main(["demo", "--device", "cpu"]) == 2
+    assert main(["demo", "--model", "pair", "--device", "cpu"]) == 2
     captured = capsys.readouterr()
     assert ("PHASEGRAPH_KERNELS=triton, but triton cannot be imported (unset it, or set it to auto "
             "or reference, to run the torch references)") in captured.err
@@ -184,7 +184,7 @@ def test_smollm2_demo_runs_with_a_head_of_the_real_shape(tmp_path, capsys, monke
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from phasegraph.demo import smollm2_target
-    from phasegraph.train.distill import _lm_spec
+    from phasegraph.train.distill import lm_spec_of
     from phasegraph.train.eagle3_head import save_eagle3_head
     from phasegraph.train.eagle3_train import build_head
     from phasegraph.train.presets import DISTILL_PRESETS
@@ -194,7 +194,7 @@ def test_smollm2_demo_runs_with_a_head_of_the_real_shape(tmp_path, capsys, monke
     config = AutoConfig.from_pretrained(str(target))
     model = AutoModelForCausalLM.from_pretrained(str(target), dtype=torch.float32)
     stream = torch.arange(config.vocab_size)
-    head = build_head(DISTILL_PRESETS["smollm2"].head, _lm_spec(config), model, config.vocab_size, 2, 0, stream)
+    head = build_head(DISTILL_PRESETS["smollm2"].head, lm_spec_of(config), model, config.vocab_size, 2, 0, stream)
     save_eagle3_head(head, tmp_path / "eagle3", torch.bfloat16)
     capsys.readouterr()
     rc = main(["demo", "--model", "smollm2", "--head", str(tmp_path / "eagle3"), "--device", "cpu",

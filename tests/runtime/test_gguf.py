@@ -141,6 +141,15 @@ def test_engine_loads_a_gguf_file_and_converts_it_once(tiny, tmp_path, monkeypat
     assert (cached / "model.safetensors").stat().st_mtime_ns == stamp
 
 
+def test_a_quiet_conversion_prints_nothing_and_a_loud_one_its_bars(tiny, tmp_path, capfd):
+    """Inside another command (the demo's first run) transformers' own bars stay off."""
+    _, path = tiny
+    convert_gguf(path, tmp_path / "quiet")
+    assert capfd.readouterr().err == ""
+    convert_gguf(path, tmp_path / "loud", progress=True)
+    assert "converting tiny-llama.gguf" in capfd.readouterr().err
+
+
 def test_not_a_gguf_file_is_refused_by_name(tmp_path):
     bad = tmp_path / "model.gguf"
     bad.write_bytes(b"PK\x03\x04 not gguf")

@@ -102,3 +102,25 @@ def test_distill_refuses_bad_input(chat_target, tmp_path, capsys):
         main(["distill-tiny", "--target", str(tmp_path / "missing"), "--out", str(tmp_path / "y"), "--device", "cpu"])
     assert "no such file" in capsys.readouterr().err
     assert not (tmp_path / "y").exists()
+
+
+def test_fit_steps_fits_the_head_stage_to_the_time_left(chat_target):
+    """Timed on a copy (the head itself is untouched): no time left is one step, ample time is
+    the preset's count, and the warm-up shrinks with a shortened run."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from phasegraph.train.distill import fit_steps, lm_spec_of
+    from phasegraph.train.eagle3_train import FrozenTarget, build_head
+
+    preset = DISTILL_PRESETS["distill-tiny"]
+    model = AutoModelForCausalLM.from_pretrained(str(chat_target), dtype=torch.float32)
+    stream = torch.randint(0, model.config.vocab_size, (2000,), generator=torch.Generator().manual_seed(0))
+    head = build_head(preset.head, lm_spec_of(model.config), model, model.config.vocab_size, 0, 0, stream)
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    frozen, cpu = FrozenTarget(model), torch.device("cpu")
+    none_left = fit_steps(head, frozen, stream, preset.head, preset.head_train, cpu, 0.0)
+    assert none_left.steps == 1 and none_left.warmup_steps == 1
+    ample = fit_steps(head, frozen, stream, preset.head, preset.head_train, cpu, 1e9)
+    assert ample == preset.head_train
+    assert all(torch.equal(before[k], v) for k, v in head.state_dict().items())

@@ -96,6 +96,32 @@ def _offline() -> Iterator[None]:
             os.environ["HF_HUB_OFFLINE"] = saved
 
 
+@contextlib.contextmanager
+def _hf_progress(progress: bool) -> Iterator[None]:
+    """transformers' own bars (dequantizing, loading weights) only with ``progress``: without
+    it a conversion inside another command (the demo's first run) prints nothing."""
+    import functools
+
+    import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers.utils import logging as hf_logging
+
+    was = hf_logging.is_progress_bar_enabled()
+    # the dequantizing loop calls tqdm directly, past transformers' own switch
+    bar = getattr(gguf_utils, "tqdm", None)
+    if not progress:
+        hf_logging.disable_progress_bar()
+        if bar is not None:
+            gguf_utils.tqdm = functools.partial(bar, disable=True)
+    try:
+        yield
+    finally:
+        if not progress:
+            if was:
+                hf_logging.enable_progress_bar()
+            if bar is not None:
+                gguf_utils.tqdm = bar
+
+
 def convert_gguf(
     path: str | os.PathLike, out_dir: str | os.PathLike | None = None, *, progress: bool = False
 ) -> Path:
@@ -117,7 +143,7 @@ def convert_gguf(
     staging = Path(tempfile.mkdtemp(prefix=".gguf-", dir=target.parent))
     steps = tqdm(total=3, desc=f"converting {path.name}", unit="step", disable=not progress)
     try:
-        with _offline():
+        with _offline(), _hf_progress(progress):
             model, tokenizer = _read(path, steps)
             steps.set_postfix_str("writing safetensors")
             _write_model(model, staging)
