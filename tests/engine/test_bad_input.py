@@ -33,8 +33,7 @@ from phasegraph.testing.checkpoints import (
     write_mtp_draft,
     write_standalone_draft,
 )
-
-from .support import (
+from tests.engine.support import (
     VOCAB,
     arch_bundle,
     assert_all_free,

@@ -10,8 +10,7 @@ import pytest
 from phasegraph.cli import main
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
-
-from .support import arch_bundle, text_bundle
+from tests.engine.support import arch_bundle, text_bundle
 
 PROMPT = "def fib(n):"
 

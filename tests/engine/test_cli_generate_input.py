@@ -20,8 +20,7 @@ from phasegraph.cli import build_parser, main
 from phasegraph.cli.generate import FLAG_OF_PARAMETER
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
-
-from .support import arch_bundle, text_bundle
+from tests.engine.support import arch_bundle, text_bundle
 
 PROMPT = "def fib(n):"
 

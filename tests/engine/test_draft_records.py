@@ -15,8 +15,7 @@ import pytest
 import torch
 
 from phasegraph.statemachine import Machine
-
-from .support import DRAFT_KINDS, arch_bundle, engine_for, greedy
+from tests.engine.support import DRAFT_KINDS, arch_bundle, engine_for, greedy
 
 SHAPES = {"chain": dict(topk=1, num_steps=3), "tree": dict(topk=4, num_steps=3, num_draft_tokens=8)}
 

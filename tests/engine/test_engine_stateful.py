@@ -23,8 +23,7 @@ from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
 from phasegraph.runtime.models.eagle3 import Eagle3Draft
 from phasegraph.runtime.models.target import HFTarget
-
-from .support import STRONG_TOKENS, VOCAB, arch_bundle, assert_all_free
+from tests.engine.support import STRONG_TOKENS, VOCAB, arch_bundle, assert_all_free
 
 SPECS = {  # drawn per example (listed most complex first: what Hypothesis shrinks towards last)
     "eagle3-tree": SpecConfig(method="eagle3", topk=2, num_steps=3, num_draft_tokens=5),

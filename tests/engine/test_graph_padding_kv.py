@@ -13,7 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from .support import arch_bundle, engine_for, greedy, make_prompts
+from tests.engine.support import arch_bundle, engine_for, greedy, make_prompts
 
 BUCKETS = (1, 2, 4, 8)
 

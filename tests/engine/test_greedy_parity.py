@@ -27,8 +27,7 @@ import torch
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
 from phasegraph.testing.checkpoints import write_hf_target
-
-from .support import (
+from tests.engine.support import (
     ARCHS,
     DRAFT_KINDS,
     NEW_TOKENS,

@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 
 from phasegraph.runtime import kv_pool
-
-from .support import arch_bundle, assert_all_free, engine_for, greedy, make_prompts
-from .test_retraction import N_REQUESTS, _workload
+from tests.engine.support import arch_bundle, assert_all_free, engine_for, greedy, make_prompts
+from tests.engine.test_retraction import N_REQUESTS, _workload
 
 
 def _count_table_writes(monkeypatch) -> list[int]:

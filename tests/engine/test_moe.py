@@ -19,9 +19,15 @@ import torch
 from phasegraph.phases import finalize_tree_path as finalize_module
 from phasegraph.runtime.errors import InvalidRequest
 from phasegraph.statemachine import InvariantViolation
-
-from ..runtime.test_target_parity import hf_routed_experts as hf_router_rows
-from .support import MOE_ARCHS, NEW_TOKENS, arch_bundle, assert_all_free, engine_for, greedy
+from tests.engine.support import (
+    MOE_ARCHS,
+    NEW_TOKENS,
+    arch_bundle,
+    assert_all_free,
+    engine_for,
+    greedy,
+)
+from tests.runtime.test_target_parity import hf_routed_experts as hf_router_rows
 
 SHAPES = {"chain": dict(topk=1, num_steps=3), "tree": dict(topk=4, num_steps=3, num_draft_tokens=8)}
 ROUTED = greedy(return_routed_experts=True)

@@ -29,8 +29,13 @@ from phasegraph.runtime.models.eagle3 import Eagle3Draft
 from phasegraph.runtime.models.target import HFTarget
 from phasegraph.statemachine import InvariantViolation
 from phasegraph.statemachine.modes import validation_mode
-
-from .support import arch_bundle, assert_all_free, engine_for, make_prompts, text_bundle
+from tests.engine.support import (
+    arch_bundle,
+    assert_all_free,
+    engine_for,
+    make_prompts,
+    text_bundle,
+)
 
 LONG, SHORT = 40, 5  # prompt lengths: the long request crosses POISON_AT, the short never does
 CLEAN_TOKENS = 6  # the long request's output tokens 0..5 come from logits at positions < 45

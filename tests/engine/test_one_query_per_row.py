@@ -25,8 +25,7 @@ import pytest
 
 from phasegraph.runtime.models import attention_backend, fused_decoder
 from phasegraph.testing.checkpoints import write_mtp_draft
-
-from .support import arch_bundle, assert_all_free, engine_for, greedy, make_prompts
+from tests.engine.support import arch_bundle, assert_all_free, engine_for, greedy, make_prompts
 
 
 def _slot(meta, row: int, pos: int) -> int:

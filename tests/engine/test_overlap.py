@@ -16,8 +16,13 @@ from __future__ import annotations
 import pytest
 
 from phasegraph.runtime.config import SamplingParams
-
-from .support import STRONG_TOKENS, arch_bundle, assert_all_free, engine_for, make_prompts
+from tests.engine.support import (
+    STRONG_TOKENS,
+    arch_bundle,
+    assert_all_free,
+    engine_for,
+    make_prompts,
+)
 
 CASES = {
     # name: (method, spec kwargs, page size, extra engine kwargs)

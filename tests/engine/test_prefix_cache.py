@@ -24,8 +24,7 @@ from phasegraph.demo import demo_pair_dir
 from phasegraph.runtime.errors import KVAccountingError, OutOfKVPages
 from phasegraph.runtime.kv_pool import KVCacheManager, KVSpec
 from phasegraph.runtime.prefix_cache import RadixCache
-
-from .support import arch_bundle, assert_all_free, engine_for, greedy, make_prompts
+from tests.engine.support import arch_bundle, assert_all_free, engine_for, greedy, make_prompts
 
 HEAD = 40  # tokens every prompt of the first wave starts with
 

@@ -12,8 +12,7 @@ from __future__ import annotations
 import pytest
 
 from phasegraph.runtime.config import SamplingParams
-
-from .support import arch_bundle, assert_all_free, engine_for, make_prompts
+from tests.engine.support import arch_bundle, assert_all_free, engine_for, make_prompts
 
 N_REQUESTS = 32
 

@@ -20,9 +20,8 @@ import pytest
 import torch
 
 from phasegraph.runtime.config import SamplingParams
-
-from .support import VOCAB, arch_bundle, assert_all_free, engine_for, make_prompts
-from .test_sampling_distribution import P_THRESHOLD, two_sample_pvalue
+from tests.engine.support import VOCAB, arch_bundle, assert_all_free, engine_for, make_prompts
+from tests.engine.test_sampling_distribution import P_THRESHOLD, two_sample_pvalue
 
 NEW = 24
 # greedy requests of one batch: several controls, one request with none

@@ -17,8 +17,7 @@ from __future__ import annotations
 import torch
 
 from phasegraph.runtime.config import SamplingParams
-
-from .support import VOCAB, arch_bundle, engine_for
+from tests.engine.support import VOCAB, arch_bundle, engine_for
 
 REQUESTS = 3000
 NEW_TOKENS = 4

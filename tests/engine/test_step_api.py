@@ -14,8 +14,7 @@ from collections import defaultdict
 import pytest
 
 from phasegraph.runtime.config import SamplingParams
-
-from .support import arch_bundle, assert_all_free, engine_for, make_prompts
+from tests.engine.support import arch_bundle, assert_all_free, engine_for, make_prompts
 
 CONFIGS = {
     "baseline": ("none", {}, 16),

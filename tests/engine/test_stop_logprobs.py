@@ -16,8 +16,7 @@ import torch
 
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
-
-from .support import assert_all_free, text_bundle
+from tests.engine.support import assert_all_free, text_bundle
 
 PROMPTS = ["def fib(n):", "hello", "the quick brown fox"]
 NEW = 40

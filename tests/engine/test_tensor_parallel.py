@@ -21,9 +21,8 @@ from phasegraph.runtime.engine import Engine
 from phasegraph.runtime.errors import InvalidConfig, UnsupportedModel, WorkerDied
 from phasegraph.runtime.tensor_parallel import head_split
 from phasegraph.testing.checkpoints import write_hf_target
-
-from .support import make_prompts, small_config, write_arch
-from .tp_ranks import diverging_rank
+from tests.engine.support import make_prompts, small_config, write_arch
+from tests.engine.tp_ranks import diverging_rank
 
 N_REQUESTS = 8
 

@@ -16,9 +16,8 @@ import pytest
 import torch
 
 from phasegraph.runtime.config import SamplingParams
-
-from .support import assert_all_free, text_bundle
-from .test_stop_logprobs import PROMPTS, _engine
+from tests.engine.support import assert_all_free, text_bundle
+from tests.engine.test_stop_logprobs import PROMPTS, _engine
 
 TOL = 1e-5  # float32, target alone against speculation
 HF_TOL = 1e-5  # against transformers' forward (another attention and matmul order: ~2e-6 here)

@@ -16,8 +16,7 @@ import pytest
 from phasegraph.phases.context import check_tree_shape
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
-
-from .test_cuda_graphs import _noisy_self_draft, _prompts, _reference, _target
+from tests.gpu.test_cuda_graphs import _noisy_self_draft, _prompts, _reference, _target
 
 pytestmark = pytest.mark.gpu
 

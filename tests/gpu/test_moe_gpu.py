@@ -20,8 +20,7 @@ import torch
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
 from phasegraph.testing.checkpoints import write_eagle3_draft, write_hf_target
-
-from ..engine.support import SMALL, hf_greedy, small_config
+from tests.engine.support import SMALL, hf_greedy, small_config
 
 pytestmark = pytest.mark.gpu
 

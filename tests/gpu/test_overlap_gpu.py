@@ -18,8 +18,7 @@ import torch
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
 from phasegraph.runtime.scheduler import Scheduler
-
-from .test_cuda_graphs import _noisy_self_draft, _prompts, _reference, _target
+from tests.gpu.test_cuda_graphs import _noisy_self_draft, _prompts, _reference, _target
 
 pytestmark = pytest.mark.gpu
 

@@ -15,8 +15,7 @@ import torch
 
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
-
-from .test_cuda_graphs import VOCAB, _noisy_self_draft, _reference, _target
+from tests.gpu.test_cuda_graphs import VOCAB, _noisy_self_draft, _reference, _target
 
 pytestmark = pytest.mark.gpu
 

@@ -34,8 +34,7 @@ from tests.engine.test_nonfinite_logits import (
     poison_draft,
     poisoned_forward,
 )
-
-from .test_cuda_graphs import _noisy_self_draft, _prompts, _target
+from tests.gpu.test_cuda_graphs import _noisy_self_draft, _prompts, _target
 
 pytestmark = pytest.mark.gpu
 

@@ -21,8 +21,7 @@ from phasegraph.testing.checkpoints import (
     write_hf_target,
     write_standalone_draft,
 )
-
-from ..runtime.test_sliding_window import SIZES, WINDOW, WINDOWED, hf_greedy
+from tests.runtime.test_sliding_window import SIZES, WINDOW, WINDOWED, hf_greedy
 
 pytestmark = pytest.mark.gpu
 

@@ -24,8 +24,7 @@ import torch
 
 from phasegraph.kernels import target_probs
 from phasegraph.kernels.penalties import apply_penalties, count_tokens
-
-from .test_tree_sampling import (
+from tests.kernels.test_tree_sampling import (
     LOGP,
     ROOT,
     TRIALS,

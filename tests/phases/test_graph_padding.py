@@ -19,8 +19,7 @@ from phasegraph.runtime.cuda_graphs import (
 from phasegraph.runtime.engine import Engine
 from phasegraph.testing import synthetic as syn
 from phasegraph.testing.drafters import NoisyOracleDraft
-
-from .lossless_support import prompts, reference, run_spec, tiny_target
+from tests.phases.lossless_support import prompts, reference, run_spec, tiny_target
 
 
 @pytest.mark.parametrize("batch", [1, 3, 5])

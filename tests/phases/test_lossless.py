@@ -20,8 +20,7 @@ from phasegraph.testing.drafters import (
     OracleDraft,
     RandomDraft,
 )
-
-from .lossless_support import NEW_TOKENS, run_spec
+from tests.phases.lossless_support import NEW_TOKENS, run_spec
 
 
 def _tree_configs():

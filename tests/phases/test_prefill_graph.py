@@ -23,8 +23,7 @@ from phasegraph.testing.checkpoints import (
     write_standalone_draft,
 )
 from phasegraph.testing.drafters import NoisyOracleDraft
-
-from .lossless_support import NEW_TOKENS, VOCAB, prompts, reference, tiny_target
+from tests.phases.lossless_support import NEW_TOKENS, VOCAB, prompts, reference, tiny_target
 
 
 def _generate_three_times(engine, ps, params):

@@ -17,8 +17,7 @@ from phasegraph.runtime.models.attention_backend import (
 )
 from phasegraph.runtime.models.target import HFTarget
 from phasegraph.testing.checkpoints import write_hf_target
-
-from .pg_runtime_helpers import causal_meta
+from tests.runtime.pg_runtime_helpers import causal_meta
 
 
 @pytest.fixture(scope="module")

@@ -112,8 +112,7 @@ def test_engine_options_are_one_checked_config():
     engine; a bad option is refused when the config is made, an unknown one by name."""
     from phasegraph import Engine, EngineConfig
     from phasegraph.runtime.errors import InvalidConfig
-
-    from ..phases.lossless_support import tiny_target
+    from tests.phases.lossless_support import tiny_target
 
     config = EngineConfig(max_batch_size=3, kv_pool_tokens=512, page_size=4)
     engine = Engine(tiny_target(), config=config)
@@ -133,8 +132,7 @@ def test_a_cpu_engine_runs_on_one_thread_unless_told_otherwise():
 
     from phasegraph import Engine
     from phasegraph.runtime.errors import InvalidConfig
-
-    from ..phases.lossless_support import tiny_target
+    from tests.phases.lossless_support import tiny_target
 
     before = torch.get_num_threads()
     try:

@@ -37,9 +37,8 @@ from phasegraph.testing.checkpoints import (
     write_mtp_draft,
     write_standalone_draft,
 )
-
-from ..engine.support import DRAFT_KINDS, arch_bundle
-from .pg_runtime_helpers import (
+from tests.engine.support import DRAFT_KINDS, arch_bundle
+from tests.runtime.pg_runtime_helpers import (
     assert_conforms,
     linear,
     make_meta,

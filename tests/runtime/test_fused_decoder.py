@@ -17,8 +17,7 @@ from phasegraph.runtime.kv_pool import KVCacheManager
 from phasegraph.runtime.models.fused_decoder import fuse_decoder
 from phasegraph.runtime.models.target import HFTarget
 from phasegraph.testing.checkpoints import write_hf_target
-
-from .pg_runtime_helpers import causal_meta
+from tests.runtime.pg_runtime_helpers import causal_meta
 
 
 def _model(tmp_path, model_type="llama", **kw):

@@ -18,8 +18,7 @@ from phasegraph.runtime.engine import Engine
 from phasegraph.runtime.errors import GGUFConversionError
 from phasegraph.runtime.models.gguf import DONE_MARKER, cache_key, convert_gguf
 from phasegraph.testing.checkpoints import write_hf_target
-
-from ..engine.support import write_tokenizer
+from tests.engine.support import write_tokenizer
 
 pytestmark = pytest.mark.skipif(
     importlib.util.find_spec("gguf") is None or importlib.util.find_spec("accelerate") is None,

@@ -17,8 +17,7 @@ from phasegraph.runtime.kv_pool import KVCacheManager
 from phasegraph.runtime.models.eagle3 import Eagle3Draft
 from phasegraph.runtime.models.target import HFTarget
 from phasegraph.testing.checkpoints import write_eagle3_draft, write_hf_target
-
-from .pg_runtime_helpers import causal_meta, make_meta
+from tests.runtime.pg_runtime_helpers import causal_meta, make_meta
 
 pytestmark = pytest.mark.gpu
 

@@ -30,9 +30,8 @@ from phasegraph.testing.checkpoints import (
     write_hf_target,
     write_public_draft,
 )
-
-from .pg_runtime_helpers import rms, rope
-from .test_drafts import run_scenario
+from tests.runtime.pg_runtime_helpers import rms, rope
+from tests.runtime.test_drafts import run_scenario
 
 ATOL = 1e-4
 KIND = {"eagle1": "eagle", "eagle3": "eagle3", "speculators": None, "nextn": "mtp"}

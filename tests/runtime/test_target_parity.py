@@ -22,8 +22,7 @@ from phasegraph.runtime.models.fused_decoder import fuse_decoder
 from phasegraph.runtime.models.moe import capture_experts, experts_implementation, router_choice
 from phasegraph.runtime.models.target import HFTarget, load_causal_lm
 from phasegraph.testing.checkpoints import TARGET_MODEL_TYPES, write_hf_target
-
-from .pg_runtime_helpers import assert_conforms, causal_meta, make_meta
+from tests.runtime.pg_runtime_helpers import assert_conforms, causal_meta, make_meta
 
 ATOL = 1e-4
 MOE_TYPES = ("qwen3_moe", "mixtral")

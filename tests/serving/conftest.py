@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from .support import assert_all_free, demo_engine
+from tests.serving.support import assert_all_free, demo_engine
 
 
 @pytest.fixture(scope="session")

@@ -18,8 +18,7 @@ from phasegraph.runtime.errors import (
     RequestFailed,
 )
 from phasegraph.serving import AsyncEngine, EngineClosed, QueueFull
-
-from .support import PROMPTS, assert_all_free, greedy, poison_target
+from tests.serving.support import PROMPTS, assert_all_free, greedy, poison_target
 
 LONG = greedy(400, ignore_eos=True)  # runs for many steps: a request still running when looked at
 

@@ -17,8 +17,7 @@ import pytest
 
 from phasegraph.cli import main
 from phasegraph.demo import demo_pair_dir
-
-from .support import CHAT_TEMPLATE, PROMPTS, chat_ids, greedy
+from tests.serving.support import CHAT_TEMPLATE, PROMPTS, chat_ids, greedy
 
 START_S = 120  # importing torch and loading the pair, on a busy 2-core CI machine
 

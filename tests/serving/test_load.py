@@ -18,8 +18,7 @@ import numpy as np
 import openai
 
 from phasegraph.serving import AsyncEngine, create_app
-
-from .support import PROMPTS, greedy, running_server
+from tests.serving.support import PROMPTS, greedy, running_server
 
 CLIENTS, REQUESTS_EACH = 64, 4
 MAX_TOKENS = (8, 12, 16)

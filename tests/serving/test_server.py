@@ -17,8 +17,7 @@ import pytest
 from phasegraph.runtime.config import SamplingParams
 from phasegraph.runtime.errors import InvalidConfig
 from phasegraph.serving import AsyncEngine, create_app
-
-from .support import (
+from tests.serving.support import (
     CHAT_TEMPLATE,
     PROMPTS,
     assert_all_free,

