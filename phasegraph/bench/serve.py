@@ -21,13 +21,10 @@ Writes serve_bench.json, serve_bench.md and serve_latency.png into --out.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import math
 import random
-import socket
 import statistics
-import threading
 import time
 from pathlib import Path
 
@@ -168,12 +165,13 @@ def _warm_up(engine, prompts, s: ServeSettings) -> None:
 
 def _measure_mode(engine, prompts, s: ServeSettings, log) -> dict:
     from phasegraph.serving import AsyncEngine, create_app
+    from phasegraph.serving.app import serve_in_thread
 
     bare = [_bare_step_seconds(engine, prompts[0], s) for _ in range(s.overhead_repeats)]
     aengine = AsyncEngine(engine, max_queue=max(256, s.requests))
     try:
         app = create_app(aengine, model_name=MODEL_NAME, on_full="wait")
-        with _server(app) as url:
+        with serve_in_thread(app) as url:
             served = [asyncio.run(_served_step_seconds(url, aengine, prompts[0], s)) for _ in range(s.overhead_repeats)]
             rows = []
             for rate in s.rates:
@@ -317,31 +315,6 @@ def evaluate_goals(result: dict) -> list[dict]:
         {"goal": f"asyncio + HTTP add <= {HTTP_OVERHEAD_GOAL:.0%} to a batch-1 step (worse mode)",
          "value": overhead, "met": overhead <= HTTP_OVERHEAD_GOAL},
     ]
-
-
-@contextlib.contextmanager
-def _server(app, timeout_s: float = 60.0):
-    """``app`` served by uvicorn in a thread on a free port of 127.0.0.1; yields its URL."""
-    import uvicorn
-
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout_s
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            sock.close()
-            raise BenchError("the benchmark's server did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout_s)
-        sock.close()
 
 
 # ------------------------------------------------------------------------------------ outputs

@@ -13,10 +13,13 @@ while it ran or for a bug. See docs/serving.md.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+import socket
+import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterator
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -28,7 +31,7 @@ from phasegraph.runtime.config import RequestOutput, SamplingParams
 from phasegraph.runtime.errors import InvalidConfig, InvalidRequest
 from phasegraph.serving import openai_api as api
 from phasegraph.serving.async_engine import AsyncEngine, RequestStream
-from phasegraph.serving.errors import APIError, EngineClosed, QueueFull
+from phasegraph.serving.errors import APIError, EngineClosed, QueueFull, ServerDidNotStart
 from phasegraph.serving.metrics import ServerMetrics
 
 ON_FULL = ("429", "wait")
@@ -336,3 +339,30 @@ class _EventStream(StreamingResponse):
             await self.stream_response(send)
         except OSError:  # the client left mid-write (uvicorn's ClientDisconnected)
             return
+
+
+@contextlib.contextmanager
+def serve_in_thread(app: FastAPI, timeout_s: float = 60.0) -> Iterator[str]:
+    """``app`` served by uvicorn in a daemon thread on a free port of 127.0.0.1 (benchmarks and
+    tests); yields its base URL and stops the server on exit. :class:`ServerDidNotStart` if it
+    has not started within ``timeout_s``."""
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.bind(("127.0.0.1", 0))  # bound here, so no other process can take the port meanwhile
+    port = sock.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + timeout_s
+    while not server.started:
+        if not thread.is_alive() or time.monotonic() > deadline:
+            sock.close()
+            raise ServerDidNotStart(f"the server on 127.0.0.1:{port} did not start within {timeout_s:g} s")
+        time.sleep(0.01)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout_s)
+        sock.close()

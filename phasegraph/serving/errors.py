@@ -38,3 +38,7 @@ class APIError(PhasegraphRuntimeError):
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class ServerDidNotStart(PhasegraphRuntimeError):
+    """:func:`~phasegraph.serving.app.serve_in_thread`'s server did not start in time."""

@@ -3,17 +3,11 @@
 
 from __future__ import annotations
 
-import contextlib
-import socket
-import threading
-import time
-
-import uvicorn
-
 from phasegraph.demo import DEMO_CHAIN, demo_pair_dir
 from phasegraph.phases.protocols import TargetOutput
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
+from phasegraph.serving.app import serve_in_thread
 
 # short code prompts the demo pair (trained on the Python standard library) continues sensibly
 PROMPTS = [
@@ -56,26 +50,9 @@ def chat_ids(engine: Engine, messages: list[dict], template: str = CHAT_TEMPLATE
     return list(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
-@contextlib.contextmanager
 def running_server(app, timeout_s: float = 30.0):
-    """``app`` served by uvicorn in a thread, on a free port of 127.0.0.1; yields its base URL."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.bind(("127.0.0.1", 0))  # bound here, so no other process can take the port meanwhile
-    port = sock.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + timeout_s
-    while not server.started:
-        if not thread.is_alive() or time.monotonic() > deadline:
-            raise RuntimeError("the test server did not start")
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        server.should_exit = True
-        thread.join(timeout_s)
-        sock.close()
+    """``app`` served on a free port of 127.0.0.1; yields its base URL."""
+    return serve_in_thread(app, timeout_s)
 
 
 def poison_target(monkeypatch, engine: Engine, at: int) -> None:
