@@ -16,7 +16,7 @@ as SGLang's and vLLM's benchmark modes do; outputs are not the target's):
 - the all-reduces of one step alone (2 per layer on ``[B, hidden]``, captured in a CUDA graph);
 - tokens/s of the baseline and of speculation at simulated τ, speedup and η = speedup / τ.
 
-Goals (issue 59): 70B TP=2 batch-1 decode step ≥ 80 % of the per-GPU bound; 70B chain S=3 at
+Goals: 70B TP=2 batch-1 decode step ≥ 80 % of the per-GPU bound; 70B chain S=3 at
 τ=4, batch 1: η ≥ 0.75; 8B TP=2 decode step ≤ 0.62× the TP=1 step.
 """
 

@@ -7,7 +7,7 @@ lookup, the boundary checks of the mode, the mutation check (strict) and the tra
 output carries its input's BatchParams, as decode and the speculative phases do; strict mode
 checks the invariants of a nested schema only where a phase built a new one (prefill, merge,
 filter, retract), which costs those transitions ~25 us more on a 2-core CPU.
-Goal (issue 2): strict <= 50 us, off <= 3 us per transition on the CPU machine.
+Goal: strict <= 50 us, off <= 3 us per transition on the CPU machine.
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ process. It measures:
   holds every token of one engine step (several under speculation), so its gap is shared
   evenly between its tokens: the per-token ITL a reader of the stream sees on average.
 
-Goals (issue 62): at the lowest rate, p50 ITL with speculation <= 0.6x without; at every rate,
+Goals: at the lowest rate, p50 ITL with speculation <= 0.6x without; at every rate,
 throughput with speculation >= without; the serving layers add <= 3 % to a batch-1 step.
 Writes serve_bench.json, serve_bench.md and serve_latency.png into --out.
 """
