@@ -45,6 +45,9 @@ TOKEN = Role("token", "T")
 
 Tensor = torch.Tensor
 
+# BatchParams.draft_cap of a request without a cap of its own (deeper than any tree)
+NO_DRAFT_CAP = 1 << 30
+
 
 def _first_bad_row(ok: Tensor) -> int | None:
     """Index of the first False in a 1-D bool tensor, or None (reads values: strict mode only)."""
@@ -83,6 +86,11 @@ class BatchParams(Schema):
         role=REQUEST, pad=0.0, absent_is_pad=True, default=None,
         doc="added to the target's logits; None where no request of the batch has a bias",
     )
+    draft_cap: Int64[Tensor, "B"] | None = tensor(
+        role=REQUEST, pad=NO_DRAFT_CAP, absent_is_pad=True, default=None,
+        doc="the most drafted tokens a request accepts per iteration (0: it does not speculate); "
+            "None where no request of the batch has a cap",
+    )
 
     @invariant("req_pool_idx >= 1 (row 0 is the reserved padding row)")
     def _rows_not_reserved(self) -> str | None:
@@ -98,7 +106,7 @@ class BatchParams(Schema):
         return None if i is None else f"row {int(rows[i])} is held by two requests"
 
     @invariant("0 <= temperature, 0 < top_p <= 1, top_k >= 0, 0 <= min_p <= 1, finite penalties "
-               "with repetition_penalty > 0")
+               "with repetition_penalty > 0, draft_cap >= 0")
     def _sampling_ranges(self) -> str | None:
         ok = (self.temperature >= 0) & (self.top_p > 0) & (self.top_p <= 1) & (self.top_k >= 0)
         ok &= (self.min_p >= 0) & (self.min_p <= 1) & (self.repetition_penalty > 0)
@@ -106,6 +114,8 @@ class BatchParams(Schema):
         ok &= torch.isfinite(self.presence_penalty)
         if self.logit_bias is not None:
             ok &= torch.isfinite(self.logit_bias).all(dim=1)
+        if self.draft_cap is not None:
+            ok &= self.draft_cap >= 0
         row = _first_bad_row(ok)
         return None if row is None else f"request {row} has out-of-range sampling parameters"
 

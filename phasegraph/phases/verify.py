@@ -44,6 +44,10 @@ def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
     processes each node's own row. Sampling stays lossless for the processed distributions.
     Logprobs are the target's raw ones at every node, and routed experts (where asked) those of
     every node's row, in node order: finalize compacts both along the path (SGLang #26866).
+
+    A request's ``draft_cap`` c (where the batch has caps) cuts the first-child links of its
+    nodes at depth >= c before verification, so no path accepts more than c drafts and the node
+    at depth c draws its token as if it had no children (c = 0: exactly one target token).
     """
     memory = ctx.memory
     draft_state = state.draft
@@ -63,6 +67,9 @@ def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
         page_size=memory.page_size,
         tree_block_writes=True,  # node j of each row's N writes position seq_len + j
     )
+    next_token = state.retrieve_next_token  # [B, N]
+    if params.draft_cap is not None:  # children below a request's cap are never tried
+        next_token = torch.where(state.depth < params.draft_cap[:, None], next_token, -1)
     out = target_forward(ctx, state.draft_tokens, state.positions, attn)
     raw = out.logits  # [B*N, V]
     logits = processed_logits(ctx, params, raw, draft_state.output_counts, draft_state.prompt_mask,
@@ -73,11 +80,11 @@ def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
             finite = row_max_finite(raw)
         if ctx.simulate_accept_drafts is not None:  # benchmark mode, labelled as such by the engine
             outcome = verify_tree_simulated(
-                state.draft_tokens, state.retrieve_next_token, greedy, S, ctx.simulate_accept_drafts,
+                state.draft_tokens, next_token, greedy, S, ctx.simulate_accept_drafts,
             )
         else:
             outcome = verify_tree_greedy(
-                state.draft_tokens, state.retrieve_next_token, state.retrieve_next_sibling, greedy, S,
+                state.draft_tokens, next_token, state.retrieve_next_sibling, greedy, S,
             )
     else:
         finite = row_max_finite(raw)  # [B*N]
@@ -88,7 +95,7 @@ def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
         coins = counter_uniform(params.seed, position_counter(chosen, PURPOSE_ACCEPT))
         bonus_coins = counter_uniform(params.seed, position_counter(chosen, PURPOSE_BONUS))
         outcome = verify_tree_sampling(
-            state.draft_tokens, state.retrieve_next_token, state.retrieve_next_sibling,
+            state.draft_tokens, next_token, state.retrieve_next_sibling,
             probs, coins, bonus_coins, S,
         )
     lp = logprobs_if_asked(ctx, raw, outcome.predict)

@@ -152,6 +152,11 @@ class SamplingParams:
     generated token, the expert ids each MoE layer chose at the forward row whose logits gave
     that token (``RequestOutput.routed_experts``: one ``[num_moe_layers][k]`` list per token),
     the same under speculation as without.
+
+    ``speculate``: False runs the request without drafts (one token per iteration, verified by
+    the target like any other) inside a speculative batch; ``max_draft_tokens`` (an integer
+    >= 0, None = the engine's shape) caps the drafted tokens it may accept per iteration. Either
+    way its output stays exactly the target's; without speculation both are ignored.
     """
 
     max_new_tokens: int = 64
@@ -171,6 +176,8 @@ class SamplingParams:
     # {token id: bias}; kept as (token id, bias) pairs in id order, so the params stay hashable
     logit_bias: Mapping[int, float] | tuple[tuple[int, float], ...] | None = None
     return_routed_experts: bool = False
+    speculate: bool = True
+    max_draft_tokens: int | None = None
 
     def __attrs_post_init__(self) -> None:
         m = self.max_new_tokens
@@ -204,6 +211,7 @@ class SamplingParams:
             raise InvalidRequest(f"return_routed_experts must be True or False; got {self.return_routed_experts!r}")
         self._check_logprobs()
         self._check_logit_processing()
+        self._check_speculation()
         if 0 < t < GREEDY_BELOW:
             # logits / t overflows float32 for a tiny t (NaN probabilities, garbage tokens);
             # sampling that cold is greedy decoding in all but ties (as in vLLM)
@@ -227,6 +235,21 @@ class SamplingParams:
                 f"prompt_logprobs must be None or an integer in [0, {MAX_LOGPROBS}] (the top logprobs "
                 f"per prompt position); got {k!r}"
             )
+
+    def _check_speculation(self) -> None:
+        if not isinstance(self.speculate, bool):
+            raise InvalidRequest(f"speculate must be True or False; got {self.speculate!r}")
+        cap = self.max_draft_tokens
+        if cap is not None and (not is_int(cap) or not 0 <= cap <= MAX_NUM_DRAFT_TOKENS):
+            raise InvalidRequest(
+                f"max_draft_tokens must be None or an integer in [0, {MAX_NUM_DRAFT_TOKENS}] (drafted tokens "
+                f"a request may accept per iteration); got {cap!r}"
+            )
+
+    @property
+    def draft_cap(self) -> int | None:
+        """The most drafted tokens this request accepts per iteration (None: no cap of its own)."""
+        return 0 if not self.speculate else self.max_draft_tokens
 
     def _check_logit_processing(self) -> None:
         m = _finite_number("min_p", self.min_p)

@@ -45,6 +45,7 @@ import torch
 from phasegraph.kernels.argmax import NONFINITE_LOGITS
 from phasegraph.kernels.commit_path import DRAFT_NONFINITE
 from phasegraph.phases import BatchParams, DraftState, PrefillInput, RowSelection, SpecContext
+from phasegraph.phases.schemas import NO_DRAFT_CAP
 from phasegraph.runtime.errors import (
     KVAccountingError,
     NonFiniteDraftWarning,
@@ -272,7 +273,16 @@ class Scheduler:
             frequency_penalty=floats("frequency_penalty"),
             presence_penalty=floats("presence_penalty"),
             logit_bias=self._logit_bias(reqs),
+            draft_cap=self._draft_caps(reqs),
         )
+
+    def _draft_caps(self, reqs: list[Request]) -> torch.Tensor | None:
+        """The batch's per-request draft caps [B], None where no request has one (or nothing
+        speculates)."""
+        caps = [r.params.draft_cap for r in reqs]
+        if not self.speculative or all(c is None for c in caps):
+            return None
+        return torch.tensor([NO_DRAFT_CAP if c is None else c for c in caps], dtype=torch.int64, device=self.device)
 
     def _logit_bias(self, reqs: list[Request]) -> torch.Tensor | None:
         """The batch's logit biases as a dense [B, V] table, None where no request has one."""
