@@ -28,7 +28,7 @@ class StreamOptions(_Body):
 
 class _SamplingFields(_Body):
     """The fields both endpoints share; phasegraph's own extensions (as in vLLM): ``top_k``,
-    ``ignore_eos``, ``stop_token_ids``."""
+    ``ignore_eos``, ``stop_token_ids``; and ``speculate``, ``max_draft_tokens``."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -46,6 +46,8 @@ class _SamplingFields(_Body):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
+    speculate: bool = True
+    max_draft_tokens: int | None = Field(default=None, ge=0)
 
 
 class CompletionRequest(_SamplingFields):
@@ -112,6 +114,8 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: bool
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
         seed=req.seed,
+        speculate=req.speculate,
+        max_draft_tokens=req.max_draft_tokens,
     )
 
 

@@ -113,3 +113,12 @@ def test_draft_cap_reads_both_controls():
     assert SamplingParams().draft_cap is None
     assert SamplingParams(speculate=False, max_draft_tokens=3).draft_cap == 0
     assert SamplingParams(max_draft_tokens=3).draft_cap == 3
+
+
+def test_the_http_api_carries_the_controls():
+    pytest.importorskip("pydantic")
+    from phasegraph.serving.openai_api import CompletionRequest, completion_params
+
+    params = completion_params(CompletionRequest(model="m", prompt="x", speculate=False, max_draft_tokens=2))
+    assert (params.speculate, params.max_draft_tokens, params.draft_cap) == (False, 2, 0)
+    assert completion_params(CompletionRequest(model="m", prompt="x")).draft_cap is None
