@@ -86,11 +86,12 @@ class Machine:
         return self.graph.is_allowed(self._phase, name)
 
     # -- running
-    def advance(self, name: str, ctx: Any = None, *, state: Any = None, **extra: Any) -> Any:
+    def advance(self, name: str, ctx: Any = None, *, state: Any = None, note: str = "", **extra: Any) -> Any:
         """Run phase ``name`` and return its output, which becomes the machine's state.
 
         Before the first phase, pass the entry phase's input as ``state``. ``extra`` carries the
-        phase's declared extra inputs (e.g. ``other=`` for merge).
+        phase's declared extra inputs (e.g. ``other=`` for merge). ``note`` is recorded with the
+        transition in the trace (what ran, e.g. a speculation shape); the phase never sees it.
         """
         graph = self.graph
         current = self._phase
@@ -155,7 +156,7 @@ class Machine:
         self._state = out
         if self.trace is not None or _trace.has_listeners():
             t = _trace.Transition(
-                self.name, current, name, start, end, out.batch_size, type(out).__name__
+                self.name, current, name, start, end, out.batch_size, type(out).__name__, note
             )
             if self.trace is not None:
                 self.trace.record(t)

@@ -41,6 +41,7 @@ class NodeView:
     terminal: bool
     visits: int | None = None
     mean_s: float | None = None
+    notes: tuple[tuple[str, int], ...] = ()  # the trace's notes of its runs, in order (run lengths)
 
 
 @attrs.frozen
@@ -87,6 +88,7 @@ def describe(graph: Drawable, trace: Trace | None = None) -> GraphView:
             NodeView(
                 p.name, p.input, p.output, p.summary,
                 p.name == outline.entry, p.name in outline.terminals, count, mean,
+                tuple(trace.notes(p.name)) if trace is not None else (),
             )
         )
     edges = [EdgeView(a, b, stats.get((a, b))) for a, b in outline.edges]
@@ -129,11 +131,28 @@ def to_text(view: GraphView) -> str:
         lines.append(f"  {n.name:<{width}}  {n.input} -> {n.output}{tag}{visit}")
         if n.summary:
             lines.append(f"  {'':<{width}}  {n.summary}")
+    noted = [n for n in view.nodes if n.notes]
+    if noted:
+        lines += ["", "notes (in order; ×count of consecutive runs):"]
+        for n in noted:
+            totals: dict[str, int] = {}
+            for note, count in n.notes:
+                totals[note] = totals.get(note, 0) + count
+            lines.append(f"  {n.name}: " + ", ".join(f"{k} ×{v}" for k, v in totals.items()))
+            lines.append(f"  {'':<{len(n.name)}}  " + _timeline(n.notes))
     lines += ["", "edges:"]
     for e in view.edges:
         label = _edge_label(e)
         lines.append(f"  {e.source} -> {e.target}" + (f"  ({label})" if label else ""))
     return "\n".join(lines) + "\n"
+
+
+def _timeline(runs: tuple[tuple[str, int], ...], most: int = 12) -> str:
+    """The runs as ``a ×3 → b ×10 → ...``, the first ``most`` and the count of the rest."""
+    parts = [f"{note} ×{count}" for note, count in runs[:most]]
+    if len(runs) > most:
+        parts.append(f"... {len(runs) - most} more")
+    return " → ".join(parts)
 
 
 def _mermaid_id(name: str) -> str:

@@ -28,6 +28,7 @@ class Transition:
     end_ns: int
     batch_size: int | None
     schema: str  # output schema name (plus dims when the machine validated them)
+    note: str = ""  # what the caller said about this run (e.g. the speculation shape it ran)
 
     @property
     def seconds(self) -> float:
@@ -108,6 +109,19 @@ class Trace:
             out[t.target] += t.seconds
         return dict(out)
 
+    def notes(self, phase: str) -> list[tuple[str, int]]:
+        """The notes of ``phase``'s runs in order, consecutive equal notes as one (note, count):
+        e.g. which speculation shape ran when."""
+        runs: list[tuple[str, int]] = []
+        for t in self.transitions:
+            if t.target != phase or not t.note:
+                continue
+            if runs and runs[-1][0] == t.note:
+                runs[-1] = (t.note, runs[-1][1] + 1)
+            else:
+                runs.append((t.note, 1))
+        return runs
+
     def always_followed_by(self, phase: str, successor: str) -> bool:
         """True when, per machine, every run of ``phase`` was directly followed by ``successor``
         (a trailing ``phase`` with nothing after it counts as not followed)."""
@@ -140,6 +154,7 @@ class Trace:
                         "batch_size": t.batch_size,
                         "schema": t.schema,
                         "machine": t.machine,
+                        **({"note": t.note} if t.note else {}),
                     },
                 }
             )
@@ -217,6 +232,7 @@ def _transition_of_event(i: int, e: object) -> Transition:
         ("args.from", args.get("from"), (str,), True),
         ("args.batch_size", args.get("batch_size"), (int,), True),
         ("args.schema", args.get("schema", ""), (str,), False),
+        ("args.note", args.get("note", ""), (str,), False),
     )
     for label, x, types, optional in checks:
         if not (x is None and optional) and (isinstance(x, bool) or not isinstance(x, types)):
@@ -231,4 +247,5 @@ def _transition_of_event(i: int, e: object) -> Transition:
         end_ns=int((ts + dur) * 1000),
         batch_size=args.get("batch_size"),
         schema=args.get("schema", ""),
+        note=args.get("note", ""),
     )

@@ -59,6 +59,37 @@ def test_overlay_shows_visits_and_times():
     assert '-->|"×2 ·' in mermaid
 
 
+def test_notes_are_kept_saved_and_shown_in_order(tmp_path):
+    """A caller's note (the speculation shape an iteration ran) travels with its transition,
+    through the Chrome JSON and back, and the text overlay prints each phase's notes in order."""
+    graph = syn.synthetic_eagle_graph()
+    trace = Trace()
+    m = Machine(graph, trace=trace)
+    ctx = syn.SyntheticContext()
+    m.advance("prefill-extend", ctx, state=syn.prefill_input([2]))
+    m.advance("draft-extend", ctx)
+    for note in ("tree", "tree", "chain", "tree"):
+        m.advance("draft", ctx, note=note)
+        for p in ("verify", "finalize-tree-path", "draft-extend"):
+            m.advance(p, ctx)
+    assert trace.notes("draft") == [("tree", 2), ("chain", 1), ("tree", 1)]
+    assert trace.notes("verify") == []
+    loaded = Trace.load_chrome(trace.save_chrome(tmp_path / "t.json"))
+    assert loaded.notes("draft") == trace.notes("draft")
+    text = render(graph, "text", loaded)
+    assert "  draft: tree ×3, chain ×1\n" in text
+    assert "tree ×2 → chain ×1 → tree ×1\n" in text
+    assert "notes" not in render(graph, "text", Trace())
+
+
+def test_a_note_that_is_not_text_is_refused(tmp_path):
+    path = tmp_path / "t.json"
+    event = {"name": "draft", "ph": "X", "ts": 0, "dur": 1, "args": {"note": 3}}
+    path.write_text(json.dumps({"traceEvents": [event]}))
+    with pytest.raises(PhaseGraphError, match="'args.note' must be a string"):
+        Trace.load_chrome(path)
+
+
 @pytest.mark.parametrize("fmt", ["svg", "png"])
 def test_binary_formats_need_graphviz(fmt):
     if graphviz_available():
