@@ -74,8 +74,11 @@ class SpecContext:
 
     target: TargetModel
     memory: KVMemory
-    tree: TreeShape | None  # None for the autoregressive baseline
+    tree: TreeShape | None  # None for the autoregressive baseline; the shape of this iteration
     draft: DraftModel | None = None
+    # candidates draft-extend keeps per request where iterations change shape (the largest K
+    # of the engine's shapes; a draft of a smaller K reads the first); None: tree.topk
+    draft_topk: int | None = None
     greedy_only: bool = False  # every request in the batch has temperature 0
     return_logprobs: bool = False  # a request asks for its tokens' logprobs
     top_logprobs: int = 0  # the most top logprobs per generated position a request asks for

@@ -20,7 +20,12 @@ from phasegraph.statemachine import phase
 @phase("decode")
 def decode(state: DraftState, ctx: SpecContext) -> DraftState:
     """Commit each request's bonus token at position ``seq_len`` and sample the next one (with
-    the batch's bias and penalties where a request uses them, then counting the new token)."""
+    the batch's bias and penalties where a request uses them, then counting the new token).
+
+    In a speculative engine an iteration without drafts runs this too: the draft state (top-k
+    candidates, hidden row) is carried unchanged, and the draft's KV gets no rows for the tokens
+    committed meanwhile: the next drafts start from older candidates, which verify rejects
+    where they do not fit (outputs stay exact; only acceptance suffers)."""
     params = state.params
     # token b is request b, at position seq_len (rows of distinct requests)
     attn = causal_extend_metadata(ctx.memory, params.req_pool_idx, None, state.seq_lens,
@@ -39,7 +44,7 @@ def decode(state: DraftState, ctx: SpecContext) -> DraftState:
         remaining=(state.remaining - 1).clamp(min=0),  # a finished row may run once more (overlap)
         topk_p=state.topk_p,
         topk_index=state.topk_index,
-        hidden=None,
+        hidden=state.hidden,  # a speculative engine's draft state rides along, unchanged
         output_counts=count_tokens(state.output_counts, emitted) if ctx.penalties else None,
         prompt_mask=state.prompt_mask if ctx.penalties else None,
         bonus_logprobs=lp.chosen,

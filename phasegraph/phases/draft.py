@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.build_tree import build_tree, select_tree_nodes
-from phasegraph.kernels.cache_slots import assign_draft_cache_locs, reorder_branches
+from phasegraph.kernels.cache_slots import (
+    assign_draft_cache_locs,
+    draft_region_pages,
+    reorder_branches,
+)
 from phasegraph.kernels.compact import move_kv
 from phasegraph.kernels.draft_expand import StepCandidates, expand_step
 from phasegraph.phases._common import draft_topk
@@ -28,6 +32,9 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
     the state where they lie; the branch layout kernel also gathers the requests' branch regions
     and repeats their hidden rows over the beams, and the branch reorder moves the hidden rows
     with the KV (no torch op of its own between the kernels).
+
+    A state that carries more candidates than K (an engine whose iterations change shape keeps
+    the largest K) drafts from its first K, the most likely; the branch regions likewise.
     """
     tree, memory, model = ctx.tree, ctx.memory, ctx.draft
     K, S, N = tree.topk, tree.num_steps, tree.num_draft_tokens
@@ -39,12 +46,19 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
     lead = ctx.kv_lead
     # [B] the draft's committed KV length; step i runs at base + i (no add kernel for EAGLE's 0)
     base = seq_lens + lead if lead else seq_lens
+    first_p, first_ids = state.topk_p, state.topk_index  # [B, K] each (K or more columns)
+    if first_p.shape[1] != K:  # sorted most likely first: the first K are this shape's top-K
+        first_p, first_ids = first_p[:, :K].contiguous(), first_ids[:, :K].contiguous()
     # step-0 beams: the state's top-k, candidates 0..K-1 (beam_cand None: ids 0..K-1)
-    beam_scores, beam_cand, beam_tokens = state.topk_p, None, state.topk_index  # [B, K] each
+    beam_scores, beam_cand, beam_tokens = first_p, None, first_ids  # [B, K] each
     table = StepCandidates.empty(B, K, S, device)  # [B, (S-1)*K*K], candidates K..C-1
 
+    regions = memory.draft_regions  # [max_reqs, K, R]
+    want = draft_region_pages(memory.page_size, S)
+    if regions.shape[1] != K or regions.shape[2] != want:  # sized for the largest shape
+        regions = regions[:, :K, :want].contiguous()
     # each request's branch regions, and its hidden row for every beam ([B*K, Hd] or None)
-    layout = assign_draft_cache_locs(memory.page_table, rows, base, memory.draft_regions,
+    layout = assign_draft_cache_locs(memory.page_table, rows, base, regions,
                                      memory.page_size, S, region_table=True, hidden=state.hidden)
     hidden = layout.beam_hidden
     draft_caches = memory.draft_caches()
@@ -80,7 +94,7 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
 
     nodes = select_tree_nodes(
         table.tokens, table.scores, table.parents, N,
-        first_tokens=state.topk_index, first_scores=state.topk_p,
+        first_tokens=first_ids, first_scores=first_p,
     )
     built = build_tree(state.bonus_tokens, nodes.tokens, nodes.parents, seq_lens)
     return TreeProposal(

@@ -34,7 +34,8 @@ def draft_extend(state: DraftExtendInput, ctx: SpecContext) -> DraftState:
         state.input_ids, state.features if ctx.draft.uses_features else None, state.positions, attn,
         from_target=True, step=0, logits_index=state.select_index,
     )
-    topk_p, topk_ids = draft_topk(ctx.draft, out.logits, ctx.tree.topk)  # [B, K], target vocabulary
+    k = ctx.draft_topk or ctx.tree.topk
+    topk_p, topk_ids = draft_topk(ctx.draft, out.logits, k)  # [B, K], target vocabulary
     hidden = None
     if ctx.draft.uses_features:  # [B, Hd], the rows the model already gathered for its logits
         hidden = out.hidden_rows if out.hidden_rows is not None else out.hidden[state.select_index]

@@ -16,10 +16,12 @@ from phasegraph.phases.merge import merge
 from phasegraph.phases.outline import EAGLE_OUTLINE, EDGES
 from phasegraph.phases.prefill_extend import prefill_extend
 from phasegraph.phases.retract import retract
+from phasegraph.phases.split import split
 from phasegraph.phases.verify import verify
 from phasegraph.statemachine import PhaseGraph
 
-FUNCTIONS = (prefill_extend, draft_extend, draft, verify, finalize_tree_path, decode, merge, filter_batch, retract)
+FUNCTIONS = (prefill_extend, draft_extend, draft, verify, finalize_tree_path, decode, merge, filter_batch, retract,
+             split)
 
 
 def build_eagle_graph() -> PhaseGraph:

@@ -5,7 +5,7 @@
     prefill-extend -> draft-extend -> DraftState
     DraftState -> draft -> verify -> finalize-tree-path -> draft-extend -> DraftState
     DraftState -> decode -> DraftState                      (target alone, the baseline)
-    DraftState -> merge | filter | retract -> DraftState    (scheduler operations)
+    DraftState -> merge | filter | retract | split -> DraftState    (scheduler operations)
 
 Only phases that output a :class:`DraftState` lead to the scheduler operations, so a verify
 result can never reach merge (SGLang #24859), and verify is always followed by finalize-tree-path,
@@ -44,11 +44,14 @@ PHASES = (
     PhaseOutline("retract", "DraftState", "DraftState",
                  "Free the KV pages of requests taken out of the batch; they resume later with "
                  "the same output."),
+    PhaseOutline("split", "DraftState", "DraftState",
+                 "Take some rows of the batch as a group of their own, keeping their KV: each "
+                 "group runs its own speculation shape, then the groups merge again."),
 )
 
 #: Phases that produce a DraftState, and the phases a DraftState may go to.
-DRAFT_STATE_SOURCES = ("draft-extend", "decode", "merge", "filter", "retract")
-DRAFT_STATE_TARGETS = ("draft", "decode", "merge", "filter", "retract")
+DRAFT_STATE_SOURCES = ("draft-extend", "decode", "merge", "filter", "retract", "split")
+DRAFT_STATE_TARGETS = ("draft", "decode", "merge", "filter", "retract", "split")
 
 EDGES = (
     ("prefill-extend", "draft-extend"),

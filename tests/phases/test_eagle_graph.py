@@ -28,7 +28,7 @@ from phasegraph.testing import synthetic as syn
 
 EXPECTED_PHASES = {
     "prefill-extend", "draft-extend", "draft", "verify", "finalize-tree-path",
-    "decode", "merge", "filter", "retract",
+    "decode", "merge", "filter", "retract", "split",
 }
 
 
@@ -37,7 +37,7 @@ def test_graph_declares_every_phase_of_the_design():
     assert EAGLE_GRAPH.entry == "prefill-extend"
     assert EAGLE_GRAPH.allowed("verify") == ("finalize-tree-path",)
     assert EAGLE_GRAPH.allowed("finalize-tree-path") == ("draft-extend",)
-    assert set(EAGLE_GRAPH.allowed("draft-extend")) == {"draft", "decode", "merge", "filter", "retract"}
+    assert set(EAGLE_GRAPH.allowed("draft-extend")) == {"draft", "decode", "merge", "filter", "retract", "split"}
 
 
 def _machine_at(phase_name: str) -> tuple[Machine, syn.SyntheticContext]:
@@ -96,6 +96,13 @@ def test_retract_frees_rows_and_keeps_the_rest():
     m, ctx = _machine_at("draft-extend")
     out = m.advance("retract", ctx, rows=syn.rows([0]))
     assert out.batch_size == 1 and ctx.memory.released == [1]
+    assert out.params.req_pool_idx.tolist() == [2]
+
+
+def test_split_keeps_rows_and_frees_nothing():
+    m, ctx = _machine_at("draft-extend")
+    out = m.advance("split", ctx, keep=syn.rows([1]))
+    assert out.batch_size == 1 and ctx.memory.released == []
     assert out.params.req_pool_idx.tolist() == [2]
 
 

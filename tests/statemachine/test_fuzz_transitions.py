@@ -43,9 +43,9 @@ class TransitionMachine(RuleBasedStateMachine):
             n = data.draw(st.integers(0, 3), label="merge size")
             self.next_row += 4
             return {"other": syn.draft_state(n, start_row=self.next_row)}
-        if name in ("filter", "retract"):
+        if name in ("filter", "retract", "split"):
             chosen = sorted(data.draw(st.sets(st.integers(0, max(B - 1, 0)), max_size=B), label="rows")) if B else []
-            return {"keep" if name == "filter" else "rows": syn.rows(chosen)}
+            return {"rows" if name == "retract" else "keep": syn.rows(chosen)}
         return {}
 
     @rule(data=st.data())
