@@ -12,6 +12,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import attrs
 
 from phasegraph.phases.context import TreeShape, check_tree_shape, num_tree_candidates
+from phasegraph.runtime.adaptive import CostTable
 from phasegraph.runtime.errors import InvalidConfig, InvalidRequest
 
 METHODS = ("none", "eagle", "eagle3", "mtp", "standalone")
@@ -34,16 +35,26 @@ class SpecConfig:
     Bounds (:class:`InvalidConfig` past them; published EAGLE trees stay far below, e.g. S <= 10,
     K <= 10, N <= 64): S <= 64, K <= 128, N <= 1024, and at most 32768 draft candidates
     K + (S-1)·K² per request, so the tree's tensors stay small ([B, candidates], [B, N, N]).
+
+    ``adaptive``: before each iteration choose among a few shapes (no drafts, chains, this
+    shape) the one with the most expected tokens per second, from costs measured per batch
+    size at start-up and each request's acceptance (docs/usage.md#adaptive-speculation). None
+    (the default): on for an engine on a GPU, or given ``EngineConfig.spec_costs``, without
+    tensor parallelism; True: also on a CPU (the costs are measured at start-up unless
+    ``spec_costs`` gives them); False: every iteration runs this shape.
     """
 
     method: str = "eagle3"
     num_steps: int = 3
     topk: int = 1
     num_draft_tokens: int | None = None
+    adaptive: bool | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.method not in METHODS:
             raise InvalidConfig(f"SpecConfig.method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        if self.adaptive is not None and not isinstance(self.adaptive, bool):
+            raise InvalidConfig(f"SpecConfig.adaptive must be True, False or None (auto); got {self.adaptive!r}")
         if self.method == "none":
             return
         for name, most in (("num_steps", MAX_NUM_STEPS), ("topk", MAX_TOPK)):
@@ -399,6 +410,9 @@ class EngineConfig:
     over KV pages, ``runtime/prefix_cache.py``); off by default, so that a request's output
     never depends on the requests served before it (``docs/serving.md`` says why;
     ``phasegraph serve`` turns it on).
+    ``spec_costs``: with adaptive speculation, the seconds per iteration of each shape by batch
+    size (a :class:`~phasegraph.runtime.adaptive.CostTable`, whose shapes are then the ones
+    the engine adapts over); None: measured at start-up.
     """
 
     spec: SpecConfig = attrs.field(default=None, converter=as_spec)
@@ -424,6 +438,7 @@ class EngineConfig:
     tp_check: bool = attrs.field(default=False, validator=_switch())
     tp_all_reduce: str = "nccl"
     prefix_cache: bool = attrs.field(default=False, validator=_switch())
+    spec_costs: CostTable | None = None
 
     def __attrs_post_init__(self) -> None:
         if self.validate is not None:
@@ -448,6 +463,8 @@ class EngineConfig:
             object.__setattr__(self, "graph_buckets", tuple(buckets))
         if self.graph_scope not in GRAPH_SCOPES:
             raise InvalidConfig(f"graph_scope must be one of {', '.join(GRAPH_SCOPES)}; got {self.graph_scope!r}")
+        if self.spec_costs is not None and not isinstance(self.spec_costs, CostTable):
+            raise InvalidConfig(f"spec_costs must be a CostTable or None; got {type(self.spec_costs).__name__}")
         accept = self.simulate_accept_length
         if accept is not None:
             tree = self.spec.tree()

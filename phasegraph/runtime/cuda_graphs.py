@@ -535,6 +535,7 @@ class GraphCapture:
         self.pool = torch.cuda.graph_pool_handle() if self.enabled and not emulate else None
         # every context flag that changes what a phase computes, or the shape of its outputs
         self.context_key: Callable[[Any], tuple] = lambda ctx: (
+            getattr(ctx, "tree", None),  # the iteration's shape (adaptive speculation changes it)
             bool(getattr(ctx, "greedy_only", False)),
             bool(getattr(ctx, "return_logprobs", False)),
             int(getattr(ctx, "top_logprobs", 0)),

@@ -13,6 +13,7 @@ import itertools
 import math
 import operator
 import os
+import time
 import traceback
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -24,6 +25,14 @@ from phasegraph.kernels import KernelSettingError, check_kernel_settings
 from phasegraph.phases import EAGLE_GRAPH, SpecContext
 from phasegraph.phases.context import tokens_per_iteration
 from phasegraph.runtime import tensor_parallel
+from phasegraph.runtime.adaptive import (
+    AdaptiveSpeculation,
+    CostTable,
+    Plan,
+    SpecShape,
+    default_shapes,
+    max_tokens_per_iteration,
+)
 from phasegraph.runtime.config import (
     DEFAULT_TP_TIMEOUT_S,
     MAX_KV_TOKENS,
@@ -57,6 +66,9 @@ from phasegraph.runtime.requests import Request, Status
 from phasegraph.runtime.scheduler import Scheduler
 from phasegraph.statemachine import Trace
 from phasegraph.statemachine.errors import one_line
+
+# the batch sizes measure_spec_costs times by default (those the bench sweeps), up to max_batch_size
+MEASURE_BATCHES = (1, 8, 32, 64)
 
 FEATURE_MODE = {"none": "none", "eagle": "last", "eagle3": "eagle3", "mtp": "last", "standalone": "none"}
 
@@ -155,15 +167,22 @@ class Engine:
         self.eos_token_ids = config.eos_token_ids
         self.max_context = int(config.max_context or getattr(target.config, "max_position_embeddings", 4096))
         tree = spec.tree()
-        self.tokens_per_iteration = tokens_per_iteration(tree, self.draft.kv_lead if self.draft is not None else 0)
+        self.spec_shapes = self._spec_shapes(tree)  # the shapes adaptive speculation picks from
+        lead = self.draft.kv_lead if self.draft is not None else 0
+        self.tokens_per_iteration = tokens_per_iteration(tree, lead)
+        if self.spec_shapes:
+            self.tokens_per_iteration = max_tokens_per_iteration(self.spec_shapes, lead)
         # overlap scheduling (default on a GPU): the device runs one iteration ahead of the
         # host, so a request may hold the tokens of one more iteration (see scheduler.py)
         self.overlap = self.device.type == "cuda" if config.overlap is None else config.overlap
-        self.kv_lookahead = self.tokens_per_iteration + ((tree.accept_width if tree else 1) if self.overlap else 0)
+        widest = max((sh.accept_width for sh in self.spec_shapes), default=tree.accept_width if tree else 1)
+        self.kv_lookahead = self.tokens_per_iteration + (widest if self.overlap else 0)
         self.page_size = config.page_size
         self._allocate_kv(tree)
         self._attach_pools()
         self.ctx = SpecContext(target=target, memory=PhaseMemory(self.kv), tree=tree, draft=self.draft)
+        if self.spec_shapes:  # draft-extend keeps the candidates of the widest shape
+            self.ctx.draft_topk = max(sh.topk for sh in self.spec_shapes)
         if config.simulate_accept_length is not None:
             # Benchmark mode: every verify accepts simulate_accept_length - 1 drafts whatever
             # they are, so outputs are not the target's; never compare them with a baseline.
@@ -181,6 +200,127 @@ class Engine:
         self._seed = config.seed
         self._counter = itertools.count()
         self._requests: dict[str, Request] = {}
+        if self.spec_shapes:
+            costs = config.spec_costs
+            if costs is None:
+                costs = self.measure_spec_costs()
+            self.scheduler.adaptive = AdaptiveSpeculation(costs)
+
+    def _spec_shapes(self, tree) -> tuple[SpecShape, ...]:
+        """The shapes of adaptive speculation (none where it is off): those of the given cost
+        table, else off, short chains and the configured shape."""
+        spec, config = self.spec, self.config
+        adaptive = spec.adaptive
+        if adaptive is None:  # auto: where costs are given, or measured on the GPU that runs
+            adaptive = spec.speculative and self.tp is None and (
+                self.device.type == "cuda" or config.spec_costs is not None)
+        if not adaptive:
+            if config.spec_costs is not None:
+                raise InvalidConfig("spec_costs was given but speculation is not adaptive: "
+                                    "pass SpecConfig(adaptive=True) or leave spec_costs out")
+            return ()
+        if not spec.speculative:
+            raise InvalidConfig("SpecConfig(adaptive=True) needs a speculative method (a draft)")
+        if self.tp is not None:
+            raise InvalidConfig("adaptive speculation with tensor parallelism is not supported: every rank "
+                                "would measure its own costs; pass SpecConfig(adaptive=False)")
+        shapes = config.spec_costs.shapes if config.spec_costs is not None else default_shapes(tree)
+        for shape in shapes:
+            if not shape.off:
+                _check_tree_fits(shape.tree, self.target, self.draft)
+        return tuple(shapes)
+    def measure_spec_costs(self, shapes: Sequence[SpecShape] | None = None, batches: Sequence[int] | None = None,
+                           *, warmup: int = 3, steps: int = 6) -> CostTable:
+        """Seconds per iteration of each shape (default: the engine's) at a few batch sizes
+        (default: 1, 8, 32, 64 up to ``max_batch_size``, and it), timed on requests of random
+        prompts with every shape forced in turn, and what running a batch as two groups adds
+        (``split_s``). The engine is left as it was: the requests are gone, the trace and the
+        prefix cache hold nothing of them, and no request's acceptance estimate saw them."""
+        shapes = tuple(shapes or self.spec_shapes)
+        if not shapes:
+            raise InvalidConfig("measure_spec_costs needs shapes: this engine does not speculate adaptively")
+        if self.has_unfinished():
+            raise InvalidConfig("measure_spec_costs runs on an idle engine: let its requests finish first")
+        if self.draft is None:
+            raise InvalidConfig("measure_spec_costs needs a speculative engine (a draft)")
+        lead = self.draft.kv_lead
+        wide = [sh.name for sh in shapes if sh.topk > self.kv.topk or sh.num_steps > self.kv.num_steps
+                or max_tokens_per_iteration([sh], lead) > self.scheduler.tokens_per_iteration]
+        if wide:  # the draft's branch regions and the KV lookahead were sized for the engine's shapes
+            raise InvalidConfig(f"shapes {wide} need more draft branches, steps or tree nodes than this engine "
+                                f"allocates (topk {self.kv.topk}, num_steps {self.kv.num_steps}, "
+                                f"{self.scheduler.tokens_per_iteration} positions per iteration)")
+        largest = self.config.max_batch_size
+        batches = tuple(sorted({b for b in (batches or MEASURE_BATCHES) if b <= largest} | ({largest} if batches is None else set())))
+        sched = self.scheduler
+        saved = sched.adaptive
+        sched.adaptive = AdaptiveSpeculation(CostTable(shapes, [1], [[1.0]] * len(shapes)), split=False)
+        prompt_len = 16
+        budget = (warmup + steps) * (len(shapes) + 1) * max(s.accept_width for s in shapes) + 8
+        budget = min(budget, self.max_context - prompt_len - 1)
+        seconds = [[0.0] * len(batches) for _ in shapes]
+        split_s = 0.0
+        gen = torch.Generator().manual_seed(0)
+        marks = len(self.trace) if self.trace is not None else 0
+        self._attach_pools()
+        saved_topk, self.ctx.draft_topk = self.ctx.draft_topk, self.kv.topk
+        try:
+            for j, b in enumerate(batches):
+                reqs = [Request(f"measure-{b}-{i}", torch.randint(0, self.target.vocab_size, (prompt_len,),
+                                                                  generator=gen).tolist(),
+                                SamplingParams(max_new_tokens=budget, ignore_eos=True), stop_ids=(),
+                                budget=budget, seed=i, decode=None) for i in range(b)]
+                for r in reqs:
+                    sched.add(r)
+                while sched.waiting:  # prefill
+                    sched.step()
+                for i, shape in enumerate(shapes):
+                    sched.adaptive.force = shape
+                    seconds[i][j] = self._time_steps(warmup, steps)
+                if b == batches[-1] and b >= 2 and len(shapes) > 1:
+                    split_s = self._time_split(shapes, seconds, j, b, warmup, steps)
+                sched.adaptive.force = None
+                for r in reqs:
+                    sched.abort(r.request_id)
+                sched.drain()
+        finally:
+            sched.adaptive = saved
+            self.ctx.draft_topk = saved_topk
+            if self.trace is not None:
+                del self.trace.transitions[marks:]
+            if self.kv.prefix_cache is not None:
+                self.kv.clear_prefix_cache()
+        return CostTable(shapes, batches, seconds, split_s)
+
+    def _time_steps(self, warmup: int, steps: int) -> float:
+        """Seconds per scheduling step, after ``warmup`` steps (graph capture among them)."""
+        sched = self.scheduler
+        for _ in range(warmup):
+            sched.step()
+        sched.drain()
+        _synchronize(self.device)
+        start = time.perf_counter()
+        for _ in range(steps):
+            sched.step()
+        sched.drain()
+        _synchronize(self.device)
+        return (time.perf_counter() - start) / steps
+
+    def _time_split(self, shapes, seconds, j: int, b: int, warmup: int, steps: int) -> float:
+        """What running a batch of ``b`` as two halves adds to the halves' own iterations (the
+        costliest shape kept, the cheapest held), from the costs just measured at ``b``."""
+        cheap = min(range(len(shapes)), key=lambda i: seconds[i][j])
+        dear = max(range(len(shapes)), key=lambda i: seconds[i][j])
+        half = b // 2
+        policy = self.scheduler.adaptive
+        policy.force = None
+        policy.fixed_plan = Plan(dear, tuple(range(b - half, b)), cheap)
+        try:
+            together = self._time_steps(warmup, steps)
+        finally:
+            policy.fixed_plan = None
+        alone = seconds[dear][j] * (b - half) / b + seconds[cheap][j] * half / b  # linear in the batch
+        return max(0.0, together - alone)
 
     def _allocate_kv(self, tree) -> None:
         """``self.kv``: the paged KV pools of the target and the draft, with room for the
@@ -199,8 +339,8 @@ class Engine:
                 max_pages_per_req=max_pages,
                 target=self.target.kv_spec,
                 draft=self.draft.kv_spec if self.draft is not None else None,
-                topk=tree.topk if tree else 1,
-                num_steps=tree.num_steps if tree else 1,
+                topk=max([tree.topk if tree else 1, *(sh.topk for sh in self.spec_shapes)]),
+                num_steps=max([tree.num_steps if tree else 1, *(sh.num_steps for sh in self.spec_shapes)]),
                 device=self.device,
                 prefix_cache=config.prefix_cache,
                 draft_lead=self.draft.kv_lead if self.draft is not None else 0,
@@ -679,6 +819,11 @@ class Engine:
         return self.trace.save_chrome(path)
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _as_token_id(t) -> int | None:
     """``t`` as a Python int if it is an integer (int, numpy or 0-d torch integer), else None."""
     if isinstance(t, bool):
@@ -770,17 +915,22 @@ def _check_config_fits(config: EngineConfig, target, draft) -> None:
                             f"got {list(eos) if isinstance(eos, tuple) else eos!r}")
     tree = config.spec.tree()
     if tree is not None:
-        # The tree block is not windowed (AttentionMetadata.window_lo): a node at depth d reads
-        # ancestors up to d positions back, which must lie inside every window.
-        for name, model in (("target", target), ("draft", getattr(draft, "model", draft))):
-            window = getattr(model, "sliding_window", None)
-            if isinstance(window, int) and tree.num_steps >= window:
-                raise InvalidConfig(
-                    f"SpecConfig.num_steps={tree.num_steps} reaches past the {name}'s sliding window "
-                    f"of {window} tokens: use num_steps < {window}"
-                )
+        _check_tree_fits(tree, target, draft)
+
+
+def _check_tree_fits(tree, target, draft) -> None:
+    """A tree shape the models can run: :class:`InvalidConfig` naming why not."""
+    # The tree block is not windowed (AttentionMetadata.window_lo): a node at depth d reads
+    # ancestors up to d positions back, which must lie inside every window.
+    for name, model in (("target", target), ("draft", getattr(draft, "model", draft))):
+        window = getattr(model, "sliding_window", None)
+        if isinstance(window, int) and tree.num_steps >= window:
+            raise InvalidConfig(
+                f"SpecConfig.num_steps={tree.num_steps} reaches past the {name}'s sliding window "
+                f"of {window} tokens: use num_steps < {window}"
+            )
     draft_vocab = getattr(draft, "vocab_size", None)
-    if tree is not None and isinstance(draft_vocab, int) and tree.topk > draft_vocab:
+    if isinstance(draft_vocab, int) and tree.topk > draft_vocab:
         raise InvalidConfig(
             f"SpecConfig.topk={tree.topk} exceeds the draft's vocabulary of {draft_vocab} tokens "
             "(each draft step keeps the top-k of it)"

@@ -29,6 +29,12 @@ iteration ahead of the host, which costs three things, all handled here:
 - host and device bookkeeping agree only after a drain (:meth:`Scheduler.drain`): ``check()``,
   retraction and a short pool drain first.
 
+With adaptive speculation (``adaptive``, :mod:`phasegraph.runtime.adaptive`) step 4 first asks
+the policy for the iteration's shape: no drafts (``decode``), a chain or a tree. Where the plan
+holds some requests to a cheaper shape, the batch runs as two groups (``split`` keeps each
+group's rows, a second machine runs the held group) merged back after the iteration; the
+running batch's order is then the first group's requests, then the held ones.
+
 The running batch's rows are always in the order of ``self.running``.
 """
 
@@ -46,6 +52,11 @@ from phasegraph.kernels.argmax import NONFINITE_LOGITS
 from phasegraph.kernels.commit_path import DRAFT_NONFINITE
 from phasegraph.phases import BatchParams, DraftState, PrefillInput, RowSelection, SpecContext
 from phasegraph.phases.schemas import NO_DRAFT_CAP
+from phasegraph.runtime.adaptive import (
+    AdaptiveSpeculation,
+    SpecShape,
+    max_tokens_per_iteration,
+)
 from phasegraph.runtime.errors import (
     KVAccountingError,
     NonFiniteDraftWarning,
@@ -85,6 +96,7 @@ class InFlight:
     top_logprobs: torch.Tensor | None = None  # [B, W, L] or [B, L]: the batch's top logprobs
     top_ids: torch.Tensor | None = None  # their token ids
     routed_experts: torch.Tensor | None = None  # [B, W, M, Ke] or [B, M, Ke]: where a request asks
+    shapes: list[SpecShape] | None = None  # adaptive speculation: the shape each row ran
 
 
 class Scheduler:
@@ -101,6 +113,7 @@ class Scheduler:
         check_every_step: bool = False,
         overlap: bool = False,
         spare_tokens: int = KV_SPARE_TOKENS,
+        adaptive: AdaptiveSpeculation | None = None,
     ):
         self.graph = graph
         self.ctx = ctx
@@ -111,8 +124,14 @@ class Scheduler:
         self.validate = validate
         self.check_every_step = check_every_step
         self.speculative = ctx.tree is not None
+        self.base_tree = ctx.tree  # the configured shape (prefill and decode run with it set)
+        self.adaptive = adaptive
         self.tokens_per_iteration = ctx.tokens_per_iteration
         self.commit_per_iteration = ctx.commit_per_iteration
+        if adaptive is not None:  # pages for the largest shape
+            self.tokens_per_iteration = max_tokens_per_iteration(adaptive.shapes, ctx.kv_lead)
+            self.commit_per_iteration = max(s.accept_width for s in adaptive.shapes)
+        self.issuing: list[Request] = []  # the requests whose rows the phases now run (in row order)
         self.overlap = overlap
         self.spare_tokens = spare_tokens
         self.in_flight: InFlight | None = None
@@ -304,6 +323,8 @@ class Scheduler:
         coins, depending on the drafts), prefill by plain sampling (other coins).
         """
         dev = self.device
+        self.ctx.tree = self.base_tree
+        self.issuing = reqs
         prompts = [r.tokens_to_prefill() for r in reqs]
         cached = torch.tensor([r.cached_len for r in reqs], dtype=torch.int64)  # read from the prefix cache
         resumed = [r.resuming for r in reqs]
@@ -448,28 +469,18 @@ class Scheduler:
         to the host; nothing here waits for the device."""
         batch = list(self.running)
         self._set_flags(batch)
-        m = self.machine
-        if not self.speculative:
-            state = self._run(m, "decode", batch)
-            tokens = state.emitted  # [B]: one token each, NONFINITE_LOGITS where it is garbage
-            lps = state.bonus_logprobs  # [B] or None
-            top, top_ids = state.bonus_top_logprobs, state.bonus_top_ids  # [B, L] or None
-            experts = state.bonus_routed_experts  # [B, M, Ke] or None
+        shapes = None
+        if self.adaptive is None:
+            out = self._iteration(self.machine, batch, None if not self.speculative else SpecShape.of(self.base_tree))
         else:
-            self._run(m, "draft", batch)
-            self._run(m, "verify", batch)
-            path = self._run(m, "finalize-tree-path", batch)
-            self._run(m, "draft-extend", batch)
-            # [B, W], -1 (DRAFT_NONFINITE: the draft was not finite) past accept_lens, NONFINITE_LOGITS
-            tokens = path.emitted
-            B, W = tokens.shape
-            lps = None if path.accepted_logprobs is None else path.accepted_logprobs.view(B, W)
-            top, top_ids = path.accepted_top_logprobs, path.accepted_top_logprob_ids  # [B*W, L] or None
-            if top is not None:
-                top, top_ids = top.view(B, W, -1), top_ids.view(B, W, -1)
-            experts = path.accepted_routed_experts  # [B*W, M, Ke] or None: compacted along the path
-            if experts is not None:
-                experts = experts.view(B, W, *experts.shape[1:])
+            plan = self.adaptive.plan(batch)
+            shape = self.adaptive.shapes[plan.shape]
+            if not plan.held:
+                out = self._iteration(self.machine, batch, shape, note=shape.name)
+                shapes = None if shape.off else [shape] * len(batch)
+            else:
+                batch, out, shapes = self._issue_split(batch, plan)
+        tokens, lps, top, top_ids, experts = out
         ready = None
         if tokens.device.type == "cuda":
             tokens = self.host_buffers.copy(tokens)
@@ -477,7 +488,64 @@ class Scheduler:
                                           for x in (lps, top, top_ids, experts))
             ready = torch.cuda.Event()
             ready.record()
-        return InFlight(batch, tokens, lps, ready, self.speculative, top, top_ids, experts)
+        return InFlight(batch, tokens, lps, ready, tokens.dim() == 2, top, top_ids, experts, shapes)
+
+    def _iteration(self, m: Machine, batch: list[Request], shape: SpecShape | None,
+                   note: str = "") -> tuple[torch.Tensor, ...]:
+        """Run one iteration of ``shape`` (None or off: decode) on machine ``m``, whose rows are
+        ``batch``; returns the device tensors the host reads: tokens [B] or [B, W] (-1 past
+        each accept length), logprobs, top logprobs and their ids, routed experts (or None)."""
+        self.issuing = batch
+        if shape is None or shape.off:
+            self.ctx.tree = self.base_tree  # decode ignores it; the graph key stays one
+            state = self._run(m, "decode", batch, note=note)
+            if self.adaptive is not None:
+                for r in batch:
+                    self.adaptive.ran_without_drafts(r)
+            # [B]: one token each, NONFINITE_LOGITS where it is garbage; [B] / [B, L] / [B, M, Ke] or None
+            return (state.emitted, state.bonus_logprobs, state.bonus_top_logprobs, state.bonus_top_ids,
+                    state.bonus_routed_experts)
+        self.ctx.tree = shape.tree
+        self._run(m, "draft", batch, note=note)
+        self._run(m, "verify", batch)
+        path = self._run(m, "finalize-tree-path", batch)
+        self._run(m, "draft-extend", batch)
+        # [B, W], -1 (DRAFT_NONFINITE: the draft was not finite) past accept_lens, NONFINITE_LOGITS
+        tokens = path.emitted
+        B, W = tokens.shape
+        lps = None if path.accepted_logprobs is None else path.accepted_logprobs.view(B, W)
+        top, top_ids = path.accepted_top_logprobs, path.accepted_top_logprob_ids  # [B*W, L] or None
+        if top is not None:
+            top, top_ids = top.view(B, W, -1), top_ids.view(B, W, -1)
+        experts = path.accepted_routed_experts  # [B*W, M, Ke] or None: compacted along the path
+        if experts is not None:
+            experts = experts.view(B, W, *experts.shape[1:])
+        return tokens, lps, top, top_ids, experts
+
+    def _issue_split(self, batch: list[Request], plan) -> tuple[list[Request], tuple, list[SpecShape]]:
+        """Run the plan's two groups apart: the kept rows on the running machine, the held ones
+        on a machine of their own, each in its shape; then merge them back (kept rows first).
+        Returns the new row order, the emitted tensors (W-wide, the groups' rows stacked) and
+        each row's shape."""
+        shapes = self.adaptive.shapes
+        held = set(plan.held)
+        kept_rows = [i for i in range(len(batch)) if i not in held]
+        held_rows = list(plan.held)
+        kept, holding = [batch[i] for i in kept_rows], [batch[i] for i in held_rows]
+        shape, held_shape = shapes[plan.shape], shapes[plan.held_shape]
+        side = Machine(self.graph, name="held", trace=self.trace, validate=self.validate)
+        side.reset(self.machine.phase, self.machine.state)
+        self._run(self.machine, "split", kept, note=plan.describe(shapes), keep=self._selection(kept_rows))
+        self._run(side, "split", holding, note=plan.describe(shapes), keep=self._selection(held_rows))
+        first = self._iteration(self.machine, kept, shape, note=shape.name)
+        second = self._iteration(side, holding, held_shape, note=held_shape.name)
+        order = kept + holding
+        self._run(self.machine, "merge", order, other=side.state)
+        self.running = order
+        W = max(shape.accept_width, held_shape.accept_width)
+        out = tuple(None if a is None else torch.cat([_widen(a, shape.off, W, fill), _widen(b, held_shape.off, W, fill)])
+                    for a, b, fill in zip(first, second, (-1, 0.0, 0.0, 0, 0), strict=True))
+        return order, out, [shape] * len(kept) + [held_shape] * len(holding)
 
     def _collect(self, done: InFlight) -> set[Request]:
         """**The one host synchronisation of an iteration**: wait for its copy to the host and
@@ -505,10 +573,13 @@ class Scheduler:
             row_experts = None if experts is None else (experts[i] if done.speculative else experts[i : i + 1])
             n = sum(1 for t in row if t >= 0)  # accept_lens[i]: -1 pads the rest
             failed = NONFINITE_LOGITS in row
-            if done.speculative and not failed:
+            shape = None if done.shapes is None else done.shapes[i]
+            if done.speculative and not failed and (shape is None or not shape.off):
                 req.stats.accept_lengths.append(n)
                 if DRAFT_NONFINITE in row:
                     self._note_nonfinite_draft(req)
+                elif shape is not None:
+                    self.adaptive.observe(req, shape, n)
             req.append(row[:n], None if row_lps is None else row_lps[:n], None if row_top is None else row_top[:n],
                        None if row_experts is None else row_experts[:n])
             req.seq_len += n
@@ -548,9 +619,9 @@ class Scheduler:
     def _selection(self, rows: list[int]) -> RowSelection:
         return RowSelection(rows=to_device(torch.tensor(rows, dtype=torch.int64), self.device))
 
-    def _run(self, machine: Machine, phase: str, reqs: list[Request], **kw):
+    def _run(self, machine: Machine, phase: str, reqs: list[Request], note: str = "", **kw):
         start = time.perf_counter()
-        out = machine.advance(phase, self.ctx, **kw)
+        out = machine.advance(phase, self.ctx, note=note, **kw)
         seconds = time.perf_counter() - start
         for r in reqs:
             r.stats.phase_time_s[phase] = r.stats.phase_time_s.get(phase, 0.0) + seconds
@@ -560,7 +631,7 @@ class Scheduler:
 
     def _empty_state(self) -> DraftState:
         dev = self.device
-        K = self.ctx.tree.topk if self.speculative and self.ctx.draft is not None else 0
+        K = (self.ctx.draft_topk or self.ctx.tree.topk) if self.speculative and self.ctx.draft is not None else 0
         z = torch.zeros(0, dtype=torch.int64, device=dev)
         f = torch.zeros(0, device=dev)
         return DraftState(
@@ -658,6 +729,17 @@ class Scheduler:
             if owned < r.seq_len:
                 p.append(f"{r.request_id}: row {r.row} owns {owned} KV slots < seq_len {r.seq_len}")
         return p
+
+
+def _widen(x: torch.Tensor, decoded: bool, width: int, fill) -> torch.Tensor:
+    """One group's output, ``[B, ...]`` of a decode or ``[B, W, ...]`` of an iteration, as
+    ``[B, width, ...]`` with ``fill`` in the added columns (-1 for tokens: none)."""
+    if decoded:
+        x = x.unsqueeze(1)
+    if x.shape[1] == width:
+        return x
+    pad = x.new_full((x.shape[0], width - x.shape[1], *x.shape[2:]), fill)
+    return torch.cat([x, pad], dim=1)
 
 
 def _top_pairs(values: torch.Tensor | None, ids: torch.Tensor | None) -> list[list[tuple[int, float]]] | None:

@@ -55,10 +55,17 @@ class _ScriptedDraft(abc.ABC):
     def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids
 
+    @property
+    def _width(self) -> int:
+        """Candidates a row ranks: the most any shape of the engine keeps."""
+        ctx = self.engine.ctx
+        return max(ctx.draft_topk or ctx.tree.topk, 1)
+
     def _owner_of_page_row(self, row: int):
         if row == 0:
             return None  # the reserved padding row
-        for req in self.engine._requests.values():
+        sched = self.engine.scheduler
+        for req in (*sched.issuing, *sched.running):  # those being prefilled, then the batch
             if req.row == row:
                 return req
         raise LookupError(f"no request holds page-table row {row}")
@@ -101,8 +108,9 @@ class _ScriptedDraft(abc.ABC):
         rows = list(range(input_ids.shape[0])) if logits_index is None else logits_index.tolist()
         pos = positions.tolist()
         qrow = attn.query_row.tolist()
-        running = self.engine.scheduler.running
-        K = self.engine.spec.topk
+        sched = self.engine.scheduler
+        running = sched.issuing or sched.running  # the rows the phases now run (a group, where split)
+        K = self.engine.ctx.tree.topk  # beams of this iteration's shape
         # CUDA-graph padding rows (page-table row 0, batch rows past the running batch) belong
         # to no request: they get token 0 as their "right" token.
         reqs = [
@@ -154,7 +162,7 @@ class OracleDraft(_ScriptedDraft):
     """Proposes the target's greedy continuation first, then arbitrary other tokens."""
 
     def score(self, keys, positions, true_tokens):
-        k = max(self.engine.spec.topk, 1)
+        k = self._width
         others = self._others(keys, positions, true_tokens, k - 1)
         return self._ranked(torch.cat([true_tokens[:, None], others], dim=1))
 
@@ -210,7 +218,7 @@ class AdversaryDraft(_ScriptedDraft):
     """Ranks K tokens first, none of them the right one; the right token gets probability 0."""
 
     def score(self, keys, positions, true_tokens):
-        k = max(self.engine.spec.topk, 1)
+        k = self._width
         logits = self._ranked(self._others(keys, positions, true_tokens, k))
         return logits.scatter(1, true_tokens[:, None], float("-inf"))
 
@@ -219,7 +227,7 @@ class RandomDraft(_ScriptedDraft):
     """Ranks K pseudo-random tokens (a function of request and position); right only by chance."""
 
     def score(self, keys, positions, true_tokens):
-        k = max(self.engine.spec.topk, 1)
+        k = self._width
         start = (counter_uniform(keys, positions * 4 + 3) * self.vocab_size).long()  # [R]
         return self._ranked((start[:, None] + torch.arange(k)) % self.vocab_size)
 
@@ -236,7 +244,7 @@ class NoisyOracleDraft(_ScriptedDraft):
         self.accept_rate = accept_rate
 
     def score(self, keys, positions, true_tokens):
-        k = max(self.engine.spec.topk, 1)
+        k = self._width
         u = counter_uniform(keys, positions * 4 + 2)  # [R]
         v = counter_uniform(keys, positions * 4 + 3)
         rank = torch.where(u < self.accept_rate, 0, 1 + (v * k).long().clamp(max=k - 1))

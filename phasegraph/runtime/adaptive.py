@@ -1,0 +1,405 @@
+"""Adaptive speculation: the shape of the next iteration, from measured costs and acceptance.
+
+A speculative engine runs each iteration in one of a few shapes (:class:`SpecShape`): ``off``
+(the target alone, one token per request), a chain of S drafts, or a tree (K, S, N). Which one
+yields the most tokens per second depends on the batch size (the cost of an iteration grows with
+the tokens it verifies, and at large batches faster than the tokens it gains) and on how often
+the draft is right. So, before each iteration, :func:`choose_plan` (a pure function of
+:class:`PolicyInputs`) picks the shape that maximises
+
+    expected tokens per iteration, summed over the batch / measured seconds per iteration
+
+from a :class:`CostTable` measured at engine start-up per batch size, and each request's online
+acceptance estimate (:class:`Acceptance`: a per-depth acceptance rate, the geometric model of
+Leviathan et al., arXiv 2211.17192, section 3.5, fitted per request and shape family). It may
+also hold some requests apart, to a cheaper shape or none, where running the batch as two
+groups costs less than the tokens it loses (a request whose draft is poor at a batch size where
+verifying its tree is not free). SGLang and vLLM adapt the draft length for the same reason.
+
+:class:`AdaptiveSpeculation` is what the scheduler asks each step; it keeps the estimates and
+re-plans when the batch changes and every few iterations.
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import weakref
+from collections.abc import Mapping, Sequence
+
+import attrs
+
+from phasegraph.phases.context import TreeShape, check_tree_shape, tokens_per_iteration
+from phasegraph.runtime.errors import InvalidConfig
+
+
+@attrs.frozen
+class SpecShape:
+    """One iteration's shape: ``num_steps`` 0 is ``off`` (no drafts), ``topk`` 1 a chain."""
+
+    topk: int = 1
+    num_steps: int = 0
+    num_draft_tokens: int = 0
+
+    def __attrs_post_init__(self) -> None:
+        values = (self.topk, self.num_steps, self.num_draft_tokens)
+        if any(not isinstance(v, int) or isinstance(v, bool) for v in values):
+            raise InvalidConfig(f"a speculation shape is three integers (topk, num_steps, num_draft_tokens); got {values}")
+        if self.num_steps == 0:
+            if values != (1, 0, 0):
+                raise InvalidConfig(f"the shape without drafts is SpecShape() (topk 1, num_steps 0, "
+                                    f"num_draft_tokens 0); got {values}")
+            return
+        problems = check_tree_shape(*values)
+        if problems:
+            raise InvalidConfig("speculation shape: " + "; ".join(problems))
+
+    @classmethod
+    def of(cls, tree: TreeShape | None) -> SpecShape:
+        return OFF if tree is None else cls(tree.topk, tree.num_steps, tree.num_draft_tokens)
+
+    @classmethod
+    def chain(cls, num_steps: int) -> SpecShape:
+        return cls(1, num_steps, num_steps + 1)
+
+    @property
+    def off(self) -> bool:
+        return self.num_steps == 0
+
+    @property
+    def family(self) -> str:
+        """``off``, ``chain`` or ``tree``: shapes of one family share an acceptance estimate."""
+        return "off" if self.off else ("chain" if self.topk == 1 else "tree")
+
+    @property
+    def tree(self) -> TreeShape | None:
+        return None if self.off else TreeShape(self.topk, self.num_steps, self.num_draft_tokens)
+
+    @property
+    def accept_width(self) -> int:
+        """The most tokens one iteration commits to a request (W = S + 1; 1 without drafts)."""
+        return self.num_steps + 1
+
+    @property
+    def name(self) -> str:
+        if self.off:
+            return "off"
+        if self.topk == 1 and self.num_draft_tokens == self.num_steps + 1:
+            return f"chain S={self.num_steps}"
+        return f"tree K={self.topk} S={self.num_steps} N={self.num_draft_tokens}"
+
+    def __str__(self) -> str:
+        return self.name
+
+
+OFF = SpecShape()
+
+
+def parse_shape(text: str) -> SpecShape:
+    """``off``, ``chain:S`` or ``tree:K,S,N`` (the command line's form) as a SpecShape."""
+    kind, _, rest = str(text).strip().partition(":")
+    try:
+        if kind == "off" and not rest:
+            return OFF
+        if kind == "chain":
+            return SpecShape.chain(int(rest))
+        if kind == "tree":
+            k, s, n = (int(x) for x in rest.split(","))
+            return SpecShape(k, s, n)
+    except ValueError:
+        pass
+    raise InvalidConfig(f"a speculation shape is off, chain:S or tree:K,S,N; got {text!r}")
+
+
+def default_shapes(tree: TreeShape) -> tuple[SpecShape, ...]:
+    """The shapes an engine configured with ``tree`` adapts over: off, a chain of 1, a chain
+    of up to 3 and the configured shape (few, so that graph capture and start-up measurement
+    stay cheap)."""
+    shapes = [OFF, SpecShape.chain(1), SpecShape.chain(min(3, tree.num_steps)), SpecShape.of(tree)]
+    return tuple(dict.fromkeys(shapes))
+
+
+def max_tokens_per_iteration(shapes: Sequence[SpecShape], kv_lead: int) -> int:
+    """KV positions past its committed length a request may write in one iteration of any shape."""
+    return max(tokens_per_iteration(s.tree, kv_lead) for s in shapes)
+
+
+# ------------------------------------------------------------------------------------ costs
+
+
+@attrs.frozen
+class CostTable:
+    """Seconds per iteration of each shape at a few batch sizes, linear between them.
+
+    ``seconds[i][j]``: shape ``shapes[i]`` at batch ``batches[j]`` (ascending). ``split_s``:
+    what running a batch as two groups adds to the two groups' own iterations. Measured at
+    engine start-up (:meth:`phasegraph.runtime.engine.Engine.measure_spec_costs`) or given
+    (``EngineConfig.spec_costs``), which also names the shapes the engine adapts over.
+    """
+
+    shapes: tuple[SpecShape, ...] = attrs.field(converter=tuple)
+    batches: tuple[int, ...] = attrs.field(converter=tuple)
+    seconds: tuple[tuple[float, ...], ...] = attrs.field(converter=lambda rows: tuple(map(tuple, rows)))
+    split_s: float = 0.0
+
+    def __attrs_post_init__(self) -> None:
+        if not self.shapes or any(not isinstance(s, SpecShape) for s in self.shapes):
+            raise InvalidConfig(f"CostTable.shapes must be a non-empty list of SpecShape; got {self.shapes!r}")
+        if len(set(self.shapes)) != len(self.shapes):
+            raise InvalidConfig(f"CostTable.shapes names a shape twice: {[s.name for s in self.shapes]}")
+        b = self.batches
+        if not b or any(not isinstance(x, int) or isinstance(x, bool) or x < 1 for x in b) or list(b) != sorted(set(b)):
+            raise InvalidConfig(f"CostTable.batches must be ascending distinct batch sizes >= 1; got {b!r}")
+        if len(self.seconds) != len(self.shapes) or any(len(row) != len(b) for row in self.seconds):
+            raise InvalidConfig(f"CostTable.seconds must hold one row per shape ({len(self.shapes)}) of one "
+                                f"value per batch size ({len(b)})")
+        for shape, row in zip(self.shapes, self.seconds, strict=True):
+            if any(not _positive(x) for x in row):
+                raise InvalidConfig(f"CostTable: the seconds of {shape.name} must be positive and finite; got {row}")
+        if isinstance(self.split_s, bool) or not isinstance(self.split_s, (int, float)) \
+                or not (math.isfinite(self.split_s) and self.split_s >= 0):
+            raise InvalidConfig(f"CostTable.split_s must be a number of seconds >= 0; got {self.split_s!r}")
+
+    def index(self, shape: SpecShape) -> int:
+        return self.shapes.index(shape)
+
+    def cost(self, shape: int, batch: int) -> float:
+        """Seconds of one iteration of ``shapes[shape]`` at ``batch`` requests: linear between
+        the measured batch sizes, the smallest's below them, and the last two's slope above."""
+        b, row = self.batches, self.seconds[shape]
+        if len(b) == 1 or batch <= b[0]:
+            return row[0]
+        j = min(bisect.bisect_left(b, batch), len(b) - 1)
+        lo, hi = b[j - 1], b[j]
+        return max(row[j - 1] + (row[j] - row[j - 1]) * (batch - lo) / (hi - lo), row[0] * 1e-3)
+
+    def to_dict(self) -> dict:
+        return {"shapes": [s.name for s in self.shapes], "batches": list(self.batches),
+                "seconds": [list(r) for r in self.seconds], "split_s": self.split_s}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> CostTable:
+        """The inverse of :meth:`to_dict` (shape names as :attr:`SpecShape.name` writes them)."""
+        try:
+            shapes = [_shape_of_name(n) for n in data["shapes"]]
+            return cls(shapes, data["batches"], data["seconds"], data.get("split_s", 0.0))
+        except (KeyError, TypeError) as exc:
+            raise InvalidConfig(f"not a cost table ({exc!s})") from None
+
+
+def _positive(x: object) -> bool:
+    return not isinstance(x, bool) and isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+
+
+def _shape_of_name(name: str) -> SpecShape:
+    if name == "off":
+        return OFF
+    words = dict(w.split("=") for w in name.split()[1:])
+    if name.startswith("chain "):
+        return SpecShape.chain(int(words["S"]))
+    if name.startswith("tree "):
+        return SpecShape(int(words["K"]), int(words["S"]), int(words["N"]))
+    raise InvalidConfig(f"unknown shape name {name!r}")
+
+
+# ------------------------------------------------------------------------------- acceptance
+
+# prior per-depth acceptance rates where nothing was observed yet; weight of the engine-wide
+# estimate in a request's own (in observations)
+PRIOR_RATE = {"chain": 0.75, "tree": 0.8}
+PRIOR_WEIGHT = 2.0
+# a tree's miss rate per depth against a chain's, where only one family was observed
+TREE_MISS = 0.7
+# observations fade by this factor each time a new one arrives (a request's acceptance drifts
+# with its text), and by HELD_DECAY per iteration it runs without drafts, so that a held request
+# drifts back to the engine-wide estimate and is tried again
+DECAY = 0.9
+HELD_DECAY = 0.97
+
+
+@attrs.define
+class Acceptance:
+    """Per-depth acceptance of one request (or the engine), per shape family: a depth is a
+    trial, an accepted draft a hit (a path that stops before the shape's depth adds one miss)."""
+
+    hits: dict[str, float] = attrs.field(factory=dict)
+    tries: dict[str, float] = attrs.field(factory=dict)
+    stale: bool = False  # ran without drafts since its last draft-extend: the next drafts are old
+    decay: float = DECAY
+
+    def observe(self, family: str, depth: int, accepted: int) -> None:
+        """One iteration that drafted ``depth`` tokens on a path and accepted ``accepted``."""
+        if depth <= 0:
+            return
+        accepted = max(0, min(accepted, depth))
+        self.hits[family] = self.hits.get(family, 0.0) * self.decay + accepted
+        self.tries[family] = self.tries.get(family, 0.0) * self.decay + accepted + (accepted < depth)
+
+    def fade(self, factor: float) -> None:
+        for d in (self.hits, self.tries):
+            for k in d:
+                d[k] *= factor
+
+    def rate(self, family: str, prior: float) -> float:
+        """The per-depth acceptance rate, the engine's ``prior`` weighing PRIOR_WEIGHT trials."""
+        return (self.hits.get(family, 0.0) + PRIOR_WEIGHT * prior) / (self.tries.get(family, 0.0) + PRIOR_WEIGHT)
+
+    def observed(self, family: str) -> bool:
+        return self.tries.get(family, 0.0) > 0
+
+
+def expected_tokens(rate: float, depth: int) -> float:
+    """Tokens an iteration emits with ``depth`` drafts each accepted with probability ``rate``
+    given its parent (the bonus included): 1 + rate + ... + rate**depth."""
+    if depth <= 0:
+        return 1.0
+    if rate >= 1.0:
+        return depth + 1.0
+    return (1.0 - rate ** (depth + 1)) / (1.0 - rate)
+
+
+# ---------------------------------------------------------------------------------- policy
+
+
+@attrs.frozen
+class PolicyInputs:
+    """What the policy sees: the costs, and per request (row) the tokens each shape is expected
+    to emit for it per iteration (1 for ``off``; a request's draft cap already applied)."""
+
+    costs: CostTable
+    expected: tuple[tuple[float, ...], ...] = attrs.field(converter=lambda rows: tuple(map(tuple, rows)))
+    split: bool = True  # may the batch run as two groups
+
+    def __attrs_post_init__(self) -> None:
+        n = len(self.costs.shapes)
+        if any(len(row) != n for row in self.expected):
+            raise InvalidConfig(f"PolicyInputs.expected: every row needs one value per shape ({n})")
+
+
+@attrs.frozen
+class Plan:
+    """The policy's choice: the batch runs ``shape`` (an index into the cost table's shapes),
+    except the rows ``held``, which run apart in ``held_shape``."""
+
+    shape: int
+    held: tuple[int, ...] = ()
+    held_shape: int | None = None
+    tokens_per_s: float = 0.0
+
+    def describe(self, shapes: Sequence[SpecShape]) -> str:
+        text = shapes[self.shape].name
+        if self.held:
+            text += f" | {len(self.held)} held: {shapes[self.held_shape].name}"
+        return text
+
+
+def choose_plan(inputs: PolicyInputs) -> Plan:
+    """The plan with the most expected tokens per second: every shape for the whole batch, and
+    with ``split`` every shape with the rows that gain least from it held to a cheaper one."""
+    costs, rows = inputs.costs, inputs.expected
+    B, shapes = len(rows), costs.shapes
+    best = Plan(0, tokens_per_s=-1.0)
+    if B == 0:
+        return best
+    totals = [sum(r[i] for r in rows) for i in range(len(shapes))]
+    for i in range(len(shapes)):
+        rate = totals[i] / costs.cost(i, B)
+        if rate > best.tokens_per_s:
+            best = Plan(i, tokens_per_s=rate)
+    if not inputs.split or B < 2:
+        return best
+    # cost of each shape at every group size 1..B-1, computed once
+    at = [[0.0] + [costs.cost(i, k) for k in range(1, B)] for i in range(len(shapes))]
+    for a in range(len(shapes)):
+        for h in range(len(shapes)):
+            if h == a or at[h][B - 1] >= at[a][B - 1]:
+                continue  # a group is held to a cheaper shape only
+            gain = sorted(range(B), key=lambda r, a=a, h=h: rows[r][a] - rows[r][h], reverse=True)
+            kept = 0.0
+            held = totals[h]
+            for k in range(1, B):  # the k rows that gain most run shape a, the rest shape h
+                r = gain[k - 1]
+                kept += rows[r][a]
+                held -= rows[r][h]
+                rate = (kept + held) / (at[a][k] + at[h][B - k] + costs.split_s)
+                if rate > best.tokens_per_s:
+                    best = Plan(a, tuple(sorted(gain[k:])), h, rate)
+    return best
+
+
+class AdaptiveSpeculation:
+    """The scheduler's policy state: the cost table, every request's acceptance, the plan of
+    the current batch (re-chosen when the batch changes and every ``replan_every`` iterations)."""
+
+    def __init__(self, costs: CostTable, *, split: bool = True, replan_every: int = 8):
+        self.costs = costs
+        self.shapes = costs.shapes
+        self.split = split
+        self.replan_every = replan_every
+        self.force: SpecShape | None = None  # run this shape, whatever the policy says (measurement)
+        self.fixed_plan: Plan | None = None  # or this plan (measurement of a split)
+        self.engine_wide = Acceptance(decay=0.98)
+        self._requests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+        self._last: tuple | None = None  # (batch key, plan, iterations since chosen)
+        self.plans = 0  # plans chosen (not reused)
+
+    def acceptance(self, req) -> Acceptance:
+        a = self._requests.get(req)
+        if a is None:
+            a = self._requests[req] = Acceptance()
+        return a
+
+    def family_rate(self, family: str) -> float:
+        """The engine-wide per-depth acceptance of a family (from the other family, or a prior,
+        where it was never observed)."""
+        e = self.engine_wide
+        if e.observed(family):
+            return e.rate(family, PRIOR_RATE[family])
+        other = "tree" if family == "chain" else "chain"
+        if not e.observed(other):
+            return PRIOR_RATE[family]
+        r = e.rate(other, PRIOR_RATE[other])
+        miss = (1 - r) * TREE_MISS if family == "tree" else (1 - r) / TREE_MISS
+        return min(max(1 - miss, 0.01), 0.99)
+
+    def expected(self, req) -> tuple[float, ...]:
+        """Tokens each shape is expected to emit for ``req`` per iteration."""
+        a = self.acceptance(req)
+        cap = req.params.draft_cap
+        rates = {f: a.rate(f, self.family_rate(f)) for f in ("chain", "tree")}
+        out = []
+        for s in self.shapes:
+            depth = s.num_steps if cap is None else min(s.num_steps, cap)
+            out.append(1.0 if s.off else expected_tokens(rates[s.family], depth))
+        return tuple(out)
+
+    def plan(self, batch: Sequence) -> Plan:
+        if self.force is not None:
+            return Plan(self.shapes.index(self.force))
+        if self.fixed_plan is not None:
+            return self.fixed_plan
+        key = tuple(map(id, batch))
+        if self._last is not None and self._last[0] == key and self._last[2] < self.replan_every:
+            self._last = (key, self._last[1], self._last[2] + 1)
+            return self._last[1]
+        plan = choose_plan(PolicyInputs(self.costs, [self.expected(r) for r in batch], self.split))
+        self._last = (key, plan, 1)
+        self.plans += 1
+        return plan
+
+    def observe(self, req, shape: SpecShape, accept_length: int) -> None:
+        """A verify of ``shape`` accepted ``accept_length`` tokens (bonus included) for ``req``."""
+        a = self.acceptance(req)
+        if a.stale:  # drafted from before the iterations it ran without drafts
+            a.stale = False
+            return
+        cap = req.params.draft_cap
+        depth = shape.num_steps if cap is None else min(shape.num_steps, cap)
+        a.observe(shape.family, depth, accept_length - 1)
+        self.engine_wide.observe(shape.family, depth, accept_length - 1)
+
+    def ran_without_drafts(self, req) -> None:
+        """``req`` ran an iteration without drafts: its draft state is old, its estimate fades."""
+        a = self.acceptance(req)
+        a.stale = True
+        a.fade(HELD_DECAY)

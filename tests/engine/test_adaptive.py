@@ -1,0 +1,170 @@
+"""Adaptive speculation through the engine (injected cost tables, scripted and real drafts).
+
+- Lossless: greedy outputs equal the target's whatever shapes the policy picks (chains, trees,
+  no drafts, a batch run as two groups), for every page size, eager and with emulated graphs,
+  with every invariant checked after each step.
+- The shape follows the batch size as the cost table says (the trace's notes show which shape
+  ran when, and ``phasegraph graph --trace`` prints them), and the policy leaves speculation
+  where the draft is never right.
+- A mixed batch splits: requests that do not speculate are held to decode while the others run
+  their chain, and merge back in order.
+- Start-up measurement (CPU): a table of every shape, the engine left idle and clean.
+- Bad combinations are refused by name.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from phasegraph.cli.graph import run_graph
+from phasegraph.runtime.adaptive import OFF, CostTable, SpecShape
+from phasegraph.runtime.config import SamplingParams, SpecConfig
+from phasegraph.runtime.engine import Engine
+from phasegraph.runtime.errors import InvalidConfig
+from phasegraph.testing.drafters import AdversaryDraft, NoisyOracleDraft, OracleDraft
+from tests.engine.support import assert_all_free
+from tests.phases.lossless_support import NEW_TOKENS, VOCAB, prompts, reference, tiny_target
+
+CHAIN1, CHAIN3, TREE = SpecShape.chain(1), SpecShape.chain(3), SpecShape(2, 3, 6)
+SHAPES = (OFF, CHAIN1, CHAIN3, TREE)
+BATCHES = (1, 2, 4, 8)
+
+
+def costs(per_row: dict, base: float = 1.0, split_s: float = 0.0, shapes=SHAPES) -> CostTable:
+    return CostTable(shapes, BATCHES, [[base + per_row[s] * b for b in BATCHES] for s in shapes], split_s)
+
+
+# every shape costs the same alone (so the tree, which accepts most, wins), and from 2 requests
+# on the tree costs far more: a chain of 3 then
+MOVING = CostTable(SHAPES, BATCHES, [(1.0, 1.1, 1.2, 1.4), (1.0, 1.15, 1.3, 1.6), (1.0, 1.2, 1.4, 1.8),
+                                     (1.0, 5.0, 10.0, 20.0)])
+
+
+def _engine(table: CostTable, batch: int, drafter=NoisyOracleDraft, *, seed: int = 3, **kw):
+    ps = prompts(batch, seed)
+    drafter = drafter(dict(zip(map(tuple, ps), reference(batch, seed), strict=True)), VOCAB)
+    engine = Engine(tiny_target(), drafter, spec=SpecConfig(method="eagle", num_steps=3, topk=2, num_draft_tokens=6,
+                                                            adaptive=True),
+                    max_batch_size=max(batch, 1), kv_pool_tokens=8192, check_every_step=True, spec_costs=table, **kw)
+    drafter.engine = engine
+    return engine, ps
+
+
+def _greedy(**kw):
+    return SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, **kw)
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize("cuda_graphs", [False, "emulate"])
+def test_switching_shapes_is_lossless(page_size, cuda_graphs):
+    for batch in (1, 5):
+        engine, ps = _engine(MOVING, batch, page_size=page_size, cuda_graphs=cuda_graphs)
+        outs = engine.generate(ps, _greedy())
+        assert [tuple(o.token_ids) for o in outs] == list(reference(batch, 3))
+        assert_all_free(engine)
+        ran = {note for note, _ in engine.trace.notes("draft")}
+        assert ran == ({TREE.name} if batch == 1 else {CHAIN3.name, TREE.name}), ran  # the tree as the batch drains
+
+
+def test_the_shape_follows_the_batch_and_the_trace_shows_it(tmp_path, capsys):
+    engine, ps = _engine(MOVING, 4)
+    budgets = [8, 16, 24, 64]  # the batch shrinks from 4 to 1
+    outs = engine.generate(ps, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in budgets])
+    assert [tuple(o.token_ids) for o in outs] == [r[:n] for r, n in zip(reference(4, 3), budgets, strict=True)]
+    runs = engine.trace.notes("draft")
+    assert runs[0][0] == CHAIN3.name and runs[-1][0] == TREE.name, runs
+    sizes = [t.batch_size for t in engine.trace if t.target == "draft"]
+    for t in engine.trace:
+        if t.target == "draft":
+            assert t.note == (TREE.name if t.batch_size == 1 else CHAIN3.name), (t.batch_size, t.note)
+    assert sizes[0] == 4 and sizes[-1] == 1
+    path = engine.save_trace(tmp_path / "trace.json")
+
+    class Args:
+        format, out, trace = "text", None, str(path)
+
+    assert run_graph(Args()) == 0
+    text = capsys.readouterr().out
+    assert f"draft: {CHAIN3.name} ×" in text and f"{CHAIN3.name} ×{runs[0][1]} → {TREE.name}" in text
+
+
+def test_no_drafts_where_the_draft_is_never_right():
+    table = costs({OFF: 0.02, CHAIN1: 0.04, CHAIN3: 0.06, TREE: 0.3})
+    engine, ps = _engine(table, 6, AdversaryDraft)
+    outs = engine.generate(ps, _greedy())
+    assert [tuple(o.token_ids) for o in outs] == list(reference(6, 3))
+    runs = [note for note, _ in engine.trace.notes("decode")]
+    drafted = sum(n for _, n in engine.trace.notes("draft"))
+    assert runs == ["off"] and drafted < 12, (runs, engine.trace.notes("draft"))
+
+
+# compute-bound costs: per row far above the fixed part, so two groups pay off
+SPLITTING = costs({OFF: 0.1, CHAIN1: 0.15, CHAIN3: 0.2, TREE: 0.5}, base=0.01, split_s=0.005,
+                  shapes=(OFF, CHAIN3))
+
+
+@pytest.mark.parametrize("cuda_graphs", [False, "emulate"])
+def test_a_mixed_batch_runs_as_two_groups(cuda_graphs):
+    engine, ps = _engine(SPLITTING, 6, OracleDraft, cuda_graphs=cuda_graphs)
+    params = [_greedy(speculate=i % 2 == 0) for i in range(6)]
+    outs = engine.generate(ps, params)
+    assert [tuple(o.token_ids) for o in outs] == list(reference(6, 3))
+    for i, o in enumerate(outs):
+        lens = o.stats.accept_lengths
+        assert (lens[:-1] == [4] * (len(lens) - 1) and lens) if i % 2 == 0 else lens == [], (i, lens)
+    assert engine.trace.notes("split")[0][0] == f"{CHAIN3.name} | 3 held: off"
+    assert {note for note, _ in engine.trace.notes("decode")} == {"off"}
+    assert engine.trace.always_followed_by("verify", "finalize-tree-path")
+    assert_all_free(engine)
+
+
+def test_sampled_requests_stay_within_the_vocabulary_and_budget_under_every_shape():
+    engine, ps = _engine(MOVING, 5)
+    params = [SamplingParams(max_new_tokens=20, temperature=0.8, seed=40 + i, ignore_eos=True) for i in range(5)]
+    outs = engine.generate(ps, params)
+    assert all(len(o.token_ids) == 20 and all(0 <= t < VOCAB for t in o.token_ids) for o in outs)
+    assert_all_free(engine)
+
+
+def test_costs_are_measured_at_start_up_and_leave_the_engine_clean():
+    ps = prompts(2, 3)
+    drafter = OracleDraft(dict(zip(map(tuple, ps), reference(2, 3), strict=True)), VOCAB)
+    engine = Engine(tiny_target(), drafter, spec=SpecConfig(method="eagle", num_steps=3, topk=2, num_draft_tokens=6),
+                    max_batch_size=2, kv_pool_tokens=8192, check_every_step=True)
+    drafter.engine = engine
+    assert engine.scheduler.adaptive is None and engine.spec_shapes == ()  # auto: off on a CPU
+    drafter._token_at = lambda req, i: 0  # the measurement's random prompts: any token, it only times
+    table = engine.measure_spec_costs([OFF, CHAIN1, TREE], [1, 2], warmup=1, steps=2)
+    assert table.shapes == (OFF, CHAIN1, TREE) and table.batches == (1, 2)
+    assert all(x > 0 for row in table.seconds for x in row) and table.split_s >= 0
+    assert len(engine.trace) == 0 and not engine.has_unfinished()
+    assert_all_free(engine)
+
+
+@pytest.mark.parametrize(("kw", "why"), [
+    (dict(spec=SpecConfig(method="eagle", adaptive=False), spec_costs=MOVING), "spec_costs was given but"),
+    (dict(spec=SpecConfig(method="none", adaptive=True)), "needs a speculative method"),
+    (dict(spec=SpecConfig(method="eagle", adaptive=True),
+          spec_costs=CostTable((OFF, SpecShape(200, 2, 3)), (1,), ((1.0,), (1.0,)))), "exceeds the draft's vocabulary"),
+])
+def test_bad_adaptive_settings_are_refused(kw, why):
+    drafter = OracleDraft({}, VOCAB)
+    draft = None if kw["spec"].method == "none" else drafter
+    with pytest.raises(InvalidConfig, match=why):
+        Engine(tiny_target(), draft, max_batch_size=2, kv_pool_tokens=4096, **kw)
+
+
+def test_adaptive_must_be_a_switch():
+    with pytest.raises(InvalidConfig, match="adaptive must be True, False or None"):
+        SpecConfig(adaptive="yes")
+    with pytest.raises(InvalidConfig, match="spec_costs must be a CostTable"):
+        Engine(tiny_target(), OracleDraft({}, VOCAB), spec=SpecConfig(method="eagle", adaptive=True),
+               spec_costs={"off": 1.0})
+
+
+def test_measuring_shapes_wider_than_the_engine_is_refused():
+    engine, _ = _engine(MOVING, 2)
+    with pytest.raises(InvalidConfig, match=r"shapes \['tree K=4 S=3 N=8'\] need more draft branches"):
+        engine.measure_spec_costs([OFF, SpecShape(4, 3, 8)], [1])
+    with pytest.raises(InvalidConfig, match=r"shapes \['chain S=5'\] need more"):
+        engine.measure_spec_costs([SpecShape.chain(5)], [1])

@@ -1,0 +1,219 @@
+"""The adaptive speculation policy on synthetic cost tables (no model runs here).
+
+- shapes, cost tables and their checks; linear costs between measured batch sizes;
+- ``choose_plan`` maximises expected tokens per second: the tree where verifying it is nearly
+  free, a chain where the tree's cost grows, no drafts where drafts lose, and a mixed batch split
+  with exactly the poor requests held, only where splitting pays for its overhead; its rate is
+  never below any single shape's, the baseline's included (hypothesis);
+- acceptance estimates: the geometric model's expected tokens, per-request fits, stale
+  iterations ignored, held requests drifting back to the engine's estimate;
+- the controller re-plans when the batch changes and every few iterations.
+"""
+
+from __future__ import annotations
+
+import attrs
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from phasegraph.phases.context import TreeShape
+from phasegraph.runtime.adaptive import (
+    OFF,
+    PRIOR_RATE,
+    Acceptance,
+    AdaptiveSpeculation,
+    CostTable,
+    PolicyInputs,
+    SpecShape,
+    choose_plan,
+    default_shapes,
+    expected_tokens,
+    parse_shape,
+)
+from phasegraph.runtime.config import SamplingParams
+from phasegraph.runtime.errors import InvalidConfig
+
+CHAIN1, CHAIN3, TREE = SpecShape.chain(1), SpecShape.chain(3), SpecShape(4, 4, 16)
+SHAPES = (OFF, CHAIN1, CHAIN3, TREE)
+BATCHES = (1, 8, 32, 64)
+
+
+def table(per_row: dict, base: float = 1.0, split_s: float = 0.0) -> CostTable:
+    """Costs ``base + per_row[shape] * batch`` (ms): verified tokens cost per row."""
+    return CostTable(SHAPES, BATCHES, [[base + per_row[s] * b for b in BATCHES] for s in SHAPES], split_s)
+
+
+# tokens each shape is expected to emit for a request with a good draft (a tree beats a chain)
+GOOD = (1.0, 1.8, 3.0, 3.8)
+POOR = (1.0, 1.01, 1.01, 1.02)
+
+
+def _inputs(costs, rows, split=True):
+    return PolicyInputs(costs, rows, split)
+
+
+def test_shapes_are_named_parsed_and_checked():
+    assert [s.name for s in SHAPES] == ["off", "chain S=1", "chain S=3", "tree K=4 S=4 N=16"]
+    assert [parse_shape(t) for t in ("off", "chain:3", "tree:4,4,16")] == [OFF, CHAIN3, TREE]
+    assert OFF.off and OFF.tree is None and OFF.accept_width == 1 and OFF.family == "off"
+    assert TREE.tree == TreeShape(4, 4, 16) and TREE.family == "tree" and CHAIN3.family == "chain"
+    assert default_shapes(TreeShape(4, 4, 16)) == SHAPES
+    assert default_shapes(TreeShape(1, 2, 3)) == (OFF, CHAIN1, SpecShape.chain(2))
+    with pytest.raises(InvalidConfig, match="num_draft_tokens must be in"):
+        SpecShape(2, 3, 40)
+    with pytest.raises(InvalidConfig, match="the shape without drafts is SpecShape()"):
+        SpecShape(2, 0, 0)
+    with pytest.raises(InvalidConfig, match="off, chain:S or tree:K,S,N"):
+        parse_shape("chain:x")
+
+
+@pytest.mark.parametrize(("kw", "why"), [
+    (dict(shapes=()), "non-empty list of SpecShape"),
+    (dict(shapes=(OFF, OFF)), "names a shape twice"),
+    (dict(batches=(8, 1)), "ascending distinct"),
+    (dict(batches=(0,)), "ascending distinct"),
+    (dict(seconds=((1.0,), (1.0,), (1.0,))), "one row per shape"),
+    (dict(seconds=((1.0, 2.0), (1.0, 2.0))), "one row per shape"),
+    (dict(seconds=((1.0,), (-1.0,))), "positive and finite"),
+    (dict(seconds=((1.0,), (float("nan"),))), "positive and finite"),
+    (dict(split_s=-1.0), "split_s must be"),
+])
+def test_cost_tables_are_checked(kw, why):
+    base = dict(shapes=(OFF, CHAIN1), batches=(1,), seconds=((1.0,), (1.5,)), split_s=0.0)
+    with pytest.raises(InvalidConfig, match=why):
+        CostTable(**(base | kw))
+
+
+def test_costs_are_linear_between_measured_batches():
+    t = CostTable((OFF,), (1, 8, 32), ((1.0, 2.0, 5.0),))
+    assert t.cost(0, 1) == 1.0 and t.cost(0, 8) == 2.0
+    assert t.cost(0, 20) == pytest.approx(3.5)
+    assert t.cost(0, 64) == pytest.approx(9.0)  # the last segment's slope above
+    assert CostTable.from_dict(t.to_dict()) == t
+    assert CostTable.from_dict(table({s: 0.1 for s in SHAPES}).to_dict()).shapes == SHAPES
+
+
+def test_the_tree_where_verifying_it_is_nearly_free():
+    costs = table({OFF: 0.001, CHAIN1: 0.002, CHAIN3: 0.003, TREE: 0.004}, base=1.0)
+    for b in (1, 8, 64):
+        plan = choose_plan(_inputs(costs, [GOOD] * b))
+        assert SHAPES[plan.shape] == TREE and not plan.held
+
+
+def test_the_shape_moves_with_the_batch_as_costs_grow():
+    """Per-row costs make the tree best alone, a chain at mid batches, no drafts at 64."""
+    costs = table({OFF: 0.02, CHAIN1: 0.06, CHAIN3: 0.09, TREE: 0.2}, base=1.0)
+    picks = [SHAPES[choose_plan(_inputs(costs, [GOOD] * b)).shape] for b in BATCHES]
+    assert picks == [TREE, CHAIN3, CHAIN3, CHAIN3]
+    steep = table({OFF: 0.02, CHAIN1: 0.2, CHAIN3: 0.6, TREE: 2.0}, base=10.0)
+    picks = [SHAPES[choose_plan(_inputs(steep, [GOOD] * b)).shape] for b in BATCHES]
+    assert picks[0] == TREE and picks[-1] == OFF
+
+
+def test_no_drafts_when_every_draft_is_poor():
+    costs = table({OFF: 0.01, CHAIN1: 0.03, CHAIN3: 0.05, TREE: 0.1}, base=1.0)
+    assert SHAPES[choose_plan(_inputs(costs, [POOR] * 8)).shape] == OFF
+
+
+def test_a_mixed_batch_holds_exactly_its_poor_requests_where_compute_bound():
+    costs = table({OFF: 0.1, CHAIN1: 0.15, CHAIN3: 0.25, TREE: 0.9}, base=0.05, split_s=0.05)
+    rows = [GOOD if i % 2 == 0 else POOR for i in range(32)]
+    plan = choose_plan(_inputs(costs, rows))
+    assert plan.held == tuple(range(1, 32, 2))
+    assert SHAPES[plan.held_shape] == OFF and SHAPES[plan.shape] == CHAIN3
+    together = max(choose_plan(_inputs(costs, rows, split=False)).tokens_per_s, 0)
+    assert plan.tokens_per_s > together
+    assert not choose_plan(_inputs(costs, rows, split=False)).held
+
+
+def test_no_split_where_a_second_group_costs_more_than_it_saves():
+    costs = table({OFF: 0.001, CHAIN1: 0.002, CHAIN3: 0.003, TREE: 0.004}, base=1.0, split_s=0.2)
+    rows = [GOOD if i % 2 == 0 else POOR for i in range(16)]
+    assert not choose_plan(_inputs(costs, rows)).held
+
+
+def _rate(costs, rows, shape):
+    return sum(r[shape] for r in rows) / costs.cost(shape, len(rows))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    per_row=st.lists(st.floats(0.0, 1.0), min_size=4, max_size=4),
+    base=st.floats(0.01, 2.0),
+    split_s=st.floats(0.0, 1.0),
+    rows=st.lists(st.tuples(st.floats(1.0, 1.5), st.floats(1.0, 4.0), st.floats(1.0, 4.0)), min_size=1, max_size=40),
+)
+def test_the_plan_is_never_slower_than_any_single_shape(per_row, base, split_s, rows):
+    costs = table(dict(zip(SHAPES, sorted(per_row), strict=True)), base, split_s)
+    expected = [(1.0, 1.0 + a - 1, max(1.0 + a - 1, b), max(b, c)) for a, b, c in rows]
+    plan = choose_plan(_inputs(costs, expected))
+    for i in range(len(SHAPES)):
+        assert plan.tokens_per_s >= _rate(costs, expected, i) * (1 - 1e-12)
+    if plan.held:
+        kept = [r for i, r in enumerate(expected) if i not in plan.held]
+        held = [expected[i] for i in plan.held]
+        cost = costs.cost(plan.shape, len(kept)) + costs.cost(plan.held_shape, len(held)) + costs.split_s
+        want = (sum(r[plan.shape] for r in kept) + sum(r[plan.held_shape] for r in held)) / cost
+        assert plan.tokens_per_s == pytest.approx(want)
+        assert costs.cost(plan.held_shape, len(expected)) < costs.cost(plan.shape, len(expected))
+
+
+def test_expected_tokens_follow_the_geometric_model():
+    assert expected_tokens(0.5, 0) == 1.0
+    assert expected_tokens(0.5, 3) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert expected_tokens(1.0, 4) == 5.0
+
+
+def test_acceptance_fits_per_depth_rate():
+    a = Acceptance(decay=1.0)
+    for _ in range(50):
+        a.observe("chain", 3, 3)  # 3 hits, no miss
+        a.observe("chain", 3, 0)  # 1 miss
+    assert a.rate("chain", 0.5) == pytest.approx((150 + 1.0) / (200 + 2.0))
+    assert not a.observed("tree")
+
+
+class _Req:
+    def __init__(self, **kw):
+        self.params = SamplingParams(**kw)
+
+
+def test_stale_iterations_are_ignored_and_held_requests_drift_back():
+    ctl = AdaptiveSpeculation(table({s: 0.1 for s in SHAPES}))
+    good, poor = _Req(), _Req()
+    for _ in range(20):
+        ctl.observe(good, CHAIN3, 4)
+        ctl.observe(poor, CHAIN3, 1)
+    low = ctl.expected(poor)[SHAPES.index(CHAIN3)]
+    assert low < 1.3 < 3.5 < ctl.expected(good)[SHAPES.index(CHAIN3)]
+    ctl.ran_without_drafts(poor)
+    ctl.observe(poor, CHAIN3, 1)  # drafted from before it ran without drafts: not counted
+    assert ctl.expected(poor)[SHAPES.index(CHAIN3)] >= low
+    for _ in range(100):
+        ctl.ran_without_drafts(poor)
+    assert ctl.expected(poor)[SHAPES.index(CHAIN3)] > 2.0  # near the engine's estimate again
+
+
+def test_caps_and_unobserved_families():
+    ctl = AdaptiveSpeculation(table({s: 0.1 for s in SHAPES}))
+    quiet, capped, fresh = _Req(speculate=False), _Req(max_draft_tokens=1), _Req()
+    assert ctl.expected(quiet) == (1.0,) * 4
+    assert ctl.expected(capped)[2] == ctl.expected(capped)[1]  # chain S=3 capped at 1 draft
+    assert ctl.expected(fresh)[2] == pytest.approx(expected_tokens(PRIOR_RATE["chain"], 3))
+    for _ in range(30):
+        ctl.observe(_Req(), CHAIN3, 1)  # the engine learns chains fail: trees are derived from it
+    assert ctl.family_rate("tree") < PRIOR_RATE["tree"]
+
+
+def test_the_controller_replans_on_change_and_every_few_iterations():
+    ctl = AdaptiveSpeculation(table({s: 0.1 for s in SHAPES}), replan_every=3)
+    batch = [_Req(), _Req()]
+    first = ctl.plan(batch)
+    assert ctl.plan(batch) is first and ctl.plan(batch) is first and ctl.plans == 1
+    ctl.plan(batch)
+    assert ctl.plans == 2
+    ctl.plan(batch[:1])
+    assert ctl.plans == 3
+    ctl.force = OFF
+    assert attrs.evolve(ctl.plan(batch)).shape == 0
