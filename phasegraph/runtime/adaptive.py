@@ -248,6 +248,15 @@ class Acceptance:
         return self.tries.get(family, 0.0) > 0
 
 
+_OTHER = {"chain": "tree", "tree": "chain"}
+
+
+def _convert(rate: float, to: str) -> float:
+    """A per-depth acceptance rate of one family as the other's (TREE_MISS: a tree misses less)."""
+    miss = (1 - rate) * TREE_MISS if to == "tree" else (1 - rate) / TREE_MISS
+    return min(max(1 - miss, 0.01), 0.999)
+
+
 def expected_tokens(rate: float, depth: int) -> float:
     """Tokens an iteration emits with ``depth`` drafts each accepted with probability ``rate``
     given its parent (the bonus included): 1 + rate + ... + rate**depth."""
@@ -355,18 +364,26 @@ class AdaptiveSpeculation:
         e = self.engine_wide
         if e.observed(family):
             return e.rate(family, PRIOR_RATE[family])
-        other = "tree" if family == "chain" else "chain"
+        other = _OTHER[family]
         if not e.observed(other):
             return PRIOR_RATE[family]
-        r = e.rate(other, PRIOR_RATE[other])
-        miss = (1 - r) * TREE_MISS if family == "tree" else (1 - r) / TREE_MISS
-        return min(max(1 - miss, 0.01), 0.99)
+        return _convert(e.rate(other, PRIOR_RATE[other]), family)
+
+    def rates(self, req) -> dict[str, float]:
+        """``req``'s per-depth acceptance per family: its own observations weighed with the
+        engine's estimate; a family it never ran derived from the one it ran."""
+        a = self.acceptance(req)
+        out = {f: a.rate(f, self.family_rate(f)) for f in _OTHER if a.observed(f)}
+        for f in _OTHER:
+            if f not in out:
+                other = _OTHER[f]
+                out[f] = _convert(out[other], f) if other in out else self.family_rate(f)
+        return out
 
     def expected(self, req) -> tuple[float, ...]:
         """Tokens each shape is expected to emit for ``req`` per iteration."""
-        a = self.acceptance(req)
         cap = req.params.draft_cap
-        rates = {f: a.rate(f, self.family_rate(f)) for f in ("chain", "tree")}
+        rates = self.rates(req)
         out = []
         for s in self.shapes:
             depth = s.num_steps if cap is None else min(s.num_steps, cap)

@@ -185,10 +185,13 @@ def arch_bundle(tmp_root: Path, arch: str) -> ArchBundle:
 
 def engine_for(bundle: ArchBundle, method: str, *, topk: int = 1, num_steps: int = 3,
                num_draft_tokens: int | None = None, page_size: int = 1, draft: str | None = None,
-               **kw) -> Engine:
+               adaptive: bool | None = False, **kw) -> Engine:
+    """An engine over the bundle's target (and the draft of ``method``); fixed-shape speculation
+    unless ``adaptive`` says otherwise (the tests compare runs of one shape, also on a GPU)."""
     spec = SpecConfig(method="none")
     if method != "none":
-        spec = SpecConfig(method=method, topk=topk, num_steps=num_steps, num_draft_tokens=num_draft_tokens)
+        spec = SpecConfig(method=method, topk=topk, num_steps=num_steps, num_draft_tokens=num_draft_tokens,
+                          adaptive=adaptive)
     draft_dir = None if method == "none" else bundle.drafts[draft or method]
     kw.setdefault("kv_pool_tokens", 4096)
     # the references are transformers' float32 greedy outputs; on a GPU machine the engine would

@@ -94,7 +94,7 @@ def test_graphs_on_equals_graphs_off_and_target_greedy(method, topk, scope):
     for batch in (1, 3, 8, 13):  # 3 and 13 are padded to buckets 4 and 16
         prompts = _prompts(batch, seed=batch)
         ref = _reference(target, prompts)
-        spec = SpecConfig(method="none") if method == "none" else SpecConfig(method="standalone", num_steps=3, topk=topk, num_draft_tokens=4 if topk == 1 else 12)
+        spec = SpecConfig(method="none") if method == "none" else SpecConfig(method="standalone", adaptive=False, num_steps=3, topk=topk, num_draft_tokens=4 if topk == 1 else 12)
         outs = {}
         for graphs in (False, True):
             if method == "none":
@@ -117,7 +117,7 @@ def test_replay_is_bitwise_eager_on_the_same_padded_input():
     target = _target()
     prompts = _prompts(5, seed=7)
     ref = _reference(target, prompts)
-    spec = SpecConfig(method="standalone", num_steps=3, topk=4, num_draft_tokens=12)
+    spec = SpecConfig(method="standalone", adaptive=False, num_steps=3, topk=4, num_draft_tokens=12)
     eng = _spec_engine(target, prompts, ref, spec, 16, True, 5)
     for r, p in enumerate(prompts):
         eng.add_request(f"r{r}", p, SamplingParams(max_new_tokens=64, ignore_eos=True))
@@ -170,7 +170,7 @@ def test_iteration_replay_is_bitwise_eager_on_the_same_padded_input():
     target = _target()
     prompts = _prompts(5, seed=8)
     ref = _reference(target, prompts)
-    spec = SpecConfig(method="standalone", num_steps=3, topk=4, num_draft_tokens=12)
+    spec = SpecConfig(method="standalone", adaptive=False, num_steps=3, topk=4, num_draft_tokens=12)
     eng, it = _captured_iteration(target, prompts, ref, spec)
     _assert_replays_equal_eager_phases(eng, it, "between replay and eager")
 
@@ -187,7 +187,7 @@ def test_pdl_replay_is_bitwise_the_plain_eager_phases(monkeypatch):
     assert pdl_options()["PDL"], "this GPU does not launch early: the test would compare nothing"
     prompts = _prompts(5, seed=9)
     ref = _reference(target, prompts)
-    spec = SpecConfig(method="standalone", num_steps=3, topk=4, num_draft_tokens=12)
+    spec = SpecConfig(method="standalone", adaptive=False, num_steps=3, topk=4, num_draft_tokens=12)
     eng, it = _captured_iteration(target, prompts, ref, spec)
     monkeypatch.setenv("PHASEGRAPH_PDL", "off")
     _assert_replays_equal_eager_phases(eng, it, "PDL on vs off")
@@ -204,7 +204,7 @@ def test_capture_leaves_state_and_committed_kv_unchanged():
     target = _target()
     prompts = _prompts(3, seed=11)
     ref = _reference(target, prompts)
-    spec = SpecConfig(method="standalone", num_steps=3, topk=2, num_draft_tokens=6)
+    spec = SpecConfig(method="standalone", adaptive=False, num_steps=3, topk=2, num_draft_tokens=6)
     eng = _spec_engine(target, prompts, ref, spec, 4, True, 8)
     for r, p in enumerate(prompts):
         eng.add_request(f"r{r}", p, SamplingParams(max_new_tokens=64, ignore_eos=True))
@@ -246,7 +246,7 @@ def test_iteration_capture_leaves_state_and_committed_kv_unchanged():
     target = _target()
     prompts = _prompts(3, seed=12)
     ref = _reference(target, prompts)
-    spec = SpecConfig(method="standalone", num_steps=3, topk=2, num_draft_tokens=6)
+    spec = SpecConfig(method="standalone", adaptive=False, num_steps=3, topk=2, num_draft_tokens=6)
     eng = _spec_engine(target, prompts, ref, spec, 4, True, 8, scope="iteration")
     for r, p in enumerate(prompts):
         eng.add_request(f"r{r}", p, SamplingParams(max_new_tokens=64, ignore_eos=True))
@@ -289,7 +289,7 @@ def test_poisoned_padded_rows_change_no_real_request(scope):
     target = _target()
     prompts = _prompts(3, seed=3)
     ref = _reference(target, prompts)
-    spec = SpecConfig(method="standalone", num_steps=3, topk=4, num_draft_tokens=12)
+    spec = SpecConfig(method="standalone", adaptive=False, num_steps=3, topk=4, num_draft_tokens=12)
     eng = _spec_engine(target, prompts, ref, spec, 16, True, 3, scope)
     runner = eng.graph_runner
     import phasegraph.runtime.cuda_graphs as cg
@@ -337,7 +337,7 @@ def test_bf16_speculative_matches_bf16_autoregressive():
     prompts = _prompts(64, seed=5)
     ar = Engine(target, spec=SpecConfig(method="none"), max_batch_size=64, kv_pool_tokens=32768, cuda_graphs=True)
     ref = [tuple(o.token_ids) for o in ar.generate(prompts, SamplingParams(max_new_tokens=64, ignore_eos=True))]
-    spec = SpecConfig(method="standalone", num_steps=3, topk=4, num_draft_tokens=12)
+    spec = SpecConfig(method="standalone", adaptive=False, num_steps=3, topk=4, num_draft_tokens=12)
     eng = _spec_engine(target, prompts, ref, spec, 16, True, 64)
     outs = [tuple(o.token_ids) for o in eng.generate(prompts, SamplingParams(max_new_tokens=64, ignore_eos=True))]
     same = sum(a == b for a, b in zip(outs, ref, strict=True))
@@ -397,7 +397,7 @@ def test_padded_replays_leave_live_kv_and_acceptance_as_eager(tmp_path_factory, 
 
 
 
-SPECS = {"baseline": SpecConfig(method="none"), "tree": SpecConfig(method="standalone", num_steps=3, topk=4,
+SPECS = {"baseline": SpecConfig(method="none"), "tree": SpecConfig(method="standalone", adaptive=False, num_steps=3, topk=4,
                                                                     num_draft_tokens=12)}
 
 

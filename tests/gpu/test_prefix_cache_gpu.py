@@ -21,8 +21,8 @@ pytestmark = pytest.mark.gpu
 
 SPECS = {
     "baseline": SpecConfig(method="none"),
-    "chain": SpecConfig(method="standalone", num_steps=3, topk=1),
-    "tree": SpecConfig(method="standalone", num_steps=3, topk=4, num_draft_tokens=12),
+    "chain": SpecConfig(method="standalone", adaptive=False, num_steps=3, topk=1),
+    "tree": SpecConfig(method="standalone", adaptive=False, num_steps=3, topk=4, num_draft_tokens=12),
 }
 
 

@@ -88,7 +88,7 @@ def test_greedy_penalties_and_logprobs_with_graphs_equal_the_target_alone(graph_
     alone = Engine(target, spec=SpecConfig(method="none"), max_batch_size=3, kv_pool_tokens=16384,
                    cuda_graphs=False).generate(prompts, params)
     eng = Engine(target, _noisy_self_draft(target),
-                 spec=SpecConfig(method="standalone", topk=4, num_steps=3, num_draft_tokens=12),
+                 spec=SpecConfig(method="standalone", adaptive=False, topk=4, num_steps=3, num_draft_tokens=12),
                  max_batch_size=3, kv_pool_tokens=16384, cuda_graphs=True, graph_scope=graph_scope,
                  prefill_graphs=True, check_every_step=True)
     for _ in range(3):  # eager warm-up, capture, replay

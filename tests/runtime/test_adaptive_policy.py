@@ -217,3 +217,15 @@ def test_the_controller_replans_on_change_and_every_few_iterations():
     assert ctl.plans == 3
     ctl.force = OFF
     assert attrs.evolve(ctl.plan(batch)).shape == 0
+
+
+def test_a_family_a_request_never_ran_follows_its_own_other_family():
+    ctl = AdaptiveSpeculation(table({s: 0.1 for s in SHAPES}))
+    sure, unsure = _Req(), _Req()
+    for _ in range(30):
+        ctl.observe(sure, CHAIN3, 4)
+        ctl.observe(unsure, CHAIN3, 2)
+    for req in (sure, unsure):
+        rates = ctl.rates(req)
+        assert rates["tree"] > rates["chain"]
+    assert ctl.rates(sure)["tree"] > ctl.rates(unsure)["tree"]  # not the engine's, which mixes both
