@@ -81,8 +81,12 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    "EAGLE-3 head when --target is not given and --method is not none; else none)")
     p.add_argument(
         "--method", metavar="METHOD",
-        help="none | eagle | eagle3 | mtp | standalone (default: the kind of draft --draft holds, else none)",
+        help="none | eagle | eagle3 | mtp | standalone | ngram (prompt lookup, no --draft) (default: the kind of "
+             "draft --draft holds, else none)",
     )
+    p.add_argument("--adaptive", choices=("auto", "on", "off"), default="auto",
+                   help="choose each iteration's speculation shape (none, chains, the given one) from costs "
+                        "measured at start-up: auto is on on a GPU (default: %(default)s)")
     # the draft's options default to None, so that one given beside --method none is refused
     p.add_argument("--topk", type=int, metavar="K", help="draft tree branching (default: 1, a chain)")
     p.add_argument("--num-steps", type=int, metavar="S", help="draft tree depth (default: 3)")
@@ -128,7 +132,7 @@ def model_spec(args: argparse.Namespace):
         from phasegraph.demo import demo_pair_dir
 
         args.target = str(demo_pair_dir() / "target")
-        if args.draft is None and args.method != "none":
+        if args.draft is None and args.method != "none" and _needs_checkpoint(args.method):
             args.draft = str(demo_pair_dir() / "eagle3")
     if args.threads is not None:
         require_at_least("--threads", args.threads, 1)
@@ -141,10 +145,19 @@ def model_spec(args: argparse.Namespace):
                        f"pass a speculative --method or drop {', '.join(given)}")
     tree = {k: v for k, v in (("topk", args.topk), ("num_steps", args.num_steps),
                               ("num_draft_tokens", args.num_draft_tokens)) if v is not None}
-    spec = SpecConfig(method="none") if method == "none" else SpecConfig(method=method, **tree)
-    if spec.speculative and not args.draft:
+    adaptive = {"auto": None, "on": True, "off": False}[getattr(args, "adaptive", "auto")]
+    spec = SpecConfig(method="none") if method == "none" else SpecConfig(method=method, adaptive=adaptive, **tree)
+    if spec.speculative and not args.draft and _needs_checkpoint(method):
         raise CliError(f"--method {method} needs --draft DIR")
     return spec
+
+
+def _needs_checkpoint(method: str | None) -> bool:
+    """A draft checkpoint directory is what ``method`` drafts with (not ngram: it builds its own)."""
+    from phasegraph.runtime.methods import registered
+
+    found = registered(method) if method else None
+    return found is None or found.make_draft is None
 
 
 def load_engine(args: argparse.Namespace, spec, **options):

@@ -14,8 +14,9 @@ import attrs
 from phasegraph.phases.context import TreeShape, check_tree_shape, num_tree_candidates
 from phasegraph.runtime.adaptive import CostTable
 from phasegraph.runtime.errors import InvalidConfig, InvalidRequest
+from phasegraph.runtime.methods import BUILT_IN, method_names
 
-METHODS = ("none", "eagle", "eagle3", "mtp", "standalone")
+METHODS = BUILT_IN  # and the registered ones (runtime/methods.py: method_names())
 # SpecConfig's bounds (see its docstring): far above any published EAGLE tree, low enough that
 # the tree's tensors stay small and no count overflows on its way into torch
 MAX_NUM_STEPS, MAX_TOPK, MAX_NUM_DRAFT_TOKENS, MAX_TREE_CANDIDATES = 64, 128, 1024, 32768
@@ -26,8 +27,10 @@ class SpecConfig:
     """How to speculate.
 
     ``method``: ``"none"`` (the target alone: the autoregressive baseline), ``"eagle"``
-    (EAGLE-1 head), ``"eagle3"``, ``"mtp"`` (chained multi-token-prediction layers) or
-    ``"standalone"`` (a small draft model with the target's vocabulary). ``num_steps`` (S) is the
+    (EAGLE-1 head), ``"eagle3"``, ``"mtp"`` (chained multi-token-prediction layers),
+    ``"standalone"`` (a small draft model with the target's vocabulary), ``"ngram"`` (prompt
+    lookup: no draft model) or a method registered with
+    :func:`~phasegraph.runtime.methods.register_method`. ``num_steps`` (S) is the
     tree depth, ``topk`` (K) the branching per step (1 = chain), ``num_draft_tokens`` (N) the
     tree nodes verified per request including the root (default: S+1 for a chain, else
     min(K·S, 16) + 1 capped by what the tree can hold).
@@ -51,8 +54,8 @@ class SpecConfig:
     adaptive: bool | None = None
 
     def __attrs_post_init__(self) -> None:
-        if self.method not in METHODS:
-            raise InvalidConfig(f"SpecConfig.method must be one of {', '.join(METHODS)}; got {self.method!r}")
+        if not isinstance(self.method, str) or self.method not in method_names():
+            raise InvalidConfig(f"SpecConfig.method must be one of {', '.join(method_names())}; got {self.method!r}")
         if self.adaptive is not None and not isinstance(self.adaptive, bool):
             raise InvalidConfig(f"SpecConfig.adaptive must be True, False or None (auto); got {self.adaptive!r}")
         if self.method == "none":

@@ -57,6 +57,7 @@ from phasegraph.runtime.errors import (
 from phasegraph.runtime.graph_runner import GraphRunner
 from phasegraph.runtime.kv_pool import KVCacheManager, PrefixCacheStats
 from phasegraph.runtime.memory import PhaseMemory
+from phasegraph.runtime.methods import registered
 from phasegraph.runtime.models.drafts import draft_kind, load_draft
 from phasegraph.runtime.models.gguf import convert_gguf, is_gguf
 from phasegraph.runtime.models.loading import load_tokenizer, read_json_object
@@ -64,7 +65,7 @@ from phasegraph.runtime.models.target import HFTarget
 from phasegraph.runtime.prefill_graph import token_buckets_for
 from phasegraph.runtime.requests import Request, Status
 from phasegraph.runtime.scheduler import Scheduler
-from phasegraph.statemachine import Trace
+from phasegraph.statemachine import PhaseGraph, Trace
 from phasegraph.statemachine.errors import one_line
 
 # the batch sizes measure_spec_costs times by default (those the bench sweeps), up to max_batch_size
@@ -143,6 +144,9 @@ class Engine:
         """``options`` are :class:`EngineConfig`'s fields (``spec=``, ``page_size=``, ...), or
         change those of ``config``."""
         config = _engine_config(config, options)
+        self.method = registered(config.spec.method)  # a registered method (ngram, ...), else None
+        if draft is None and self.method is not None and self.method.make_draft is not None:
+            draft = self.method.make_draft(target, config.spec)  # a method without a checkpoint
         _check_models(config, target, draft)
         self.config = config
         self.tp = getattr(target, "tp", None)  # a TensorParallelGroup: this rank's place
@@ -190,7 +194,7 @@ class Engine:
         self.simulated = config.simulate_accept_length is not None
         self.trace = Trace() if config.trace else None
         self.graph_runner = self._graph_runner()
-        graph = EAGLE_GRAPH if self.graph_runner is None else self.graph_runner.graph
+        graph = self._phase_graph() if self.graph_runner is None else self.graph_runner.graph
         self.scheduler = Scheduler(
             graph=graph, ctx=self.ctx, kv=self.kv, max_batch_size=config.max_batch_size,
             device=self.device, trace=self.trace, validate=config.validate,
@@ -227,7 +231,7 @@ class Engine:
         shapes = config.spec_costs.shapes if config.spec_costs is not None else default_shapes(tree)
         for shape in shapes:
             if not shape.off:
-                _check_tree_fits(shape.tree, self.target, self.draft)
+                _check_tree_fits(shape.tree, self.target, self.draft, self.method)
         return tuple(shapes)
     def measure_spec_costs(self, shapes: Sequence[SpecShape] | None = None, batches: Sequence[int] | None = None,
                            *, warmup: int = 3, steps: int = 6) -> CostTable:
@@ -390,7 +394,12 @@ class Engine:
         largest = config.max_batch_size
         buckets = tuple(b for b in (config.graph_buckets or DEFAULT_BUCKETS) if b < largest) + (largest,)
         prefill = token_buckets_for(self.max_context) if config.prefill_graphs else ()
-        return GraphRunner(buckets, emulate=emulate, scope=config.graph_scope, prefill_token_buckets=prefill)
+        return GraphRunner(buckets, emulate=emulate, scope=config.graph_scope, prefill_token_buckets=prefill,
+                           phases=tuple(self._phase_graph()))
+
+    def _phase_graph(self) -> PhaseGraph:
+        """The phase graph of the engine's method: a registered method's own, else EAGLE's."""
+        return EAGLE_GRAPH if self.method is None else self.method.graph
 
     def _attach_pools(self) -> None:
         """Point the models at this engine's KV pools. Done before every step, not only at
@@ -439,6 +448,9 @@ class Engine:
                 )
             spec = SpecConfig(method=kind)
         spec = as_spec(spec)
+        method = registered(spec.method)
+        if draft_dir is not None and method is not None and method.make_draft is not None:
+            raise InvalidConfig(f"SpecConfig(method={spec.method!r}) needs no draft_dir; got {str(draft_dir)!r}")
         if draft_dir is not None and not spec.speculative:
             raise InvalidConfig(
                 f"draft_dir {str(draft_dir)!r} was given but spec is method 'none' (the target alone), "
@@ -470,12 +482,16 @@ class Engine:
         if is_gguf(target_path):  # converted once into the user cache dir (models/gguf.py)
             target_path = convert_gguf(target_path)
         # a split target is read whole on the CPU and only its slice moved to the device
+        method = registered(spec.method)
+        feature_mode = FEATURE_MODE[spec.method] if method is None else method.feature_mode
         target = HFTarget.from_pretrained(target_path, dtype=dt, device=dev if group is None else "cpu",
-                                          feature_mode=FEATURE_MODE[spec.method])
+                                          feature_mode=feature_mode)
         if group is not None:
             tensor_parallel.shard_target(target, group)
         draft = None
-        if spec.speculative:
+        if method is not None and method.make_draft is not None:
+            pass  # the engine builds its draft
+        elif spec.speculative:
             if draft_dir is None:
                 raise InvalidConfig(f"SpecConfig(method={spec.method!r}) needs draft_dir")
             draft = load_draft(Path(draft_dir), target, spec.method, dtype=draft_dt, device=dev)
@@ -915,11 +931,15 @@ def _check_config_fits(config: EngineConfig, target, draft) -> None:
                             f"got {list(eos) if isinstance(eos, tuple) else eos!r}")
     tree = config.spec.tree()
     if tree is not None:
-        _check_tree_fits(tree, target, draft)
+        _check_tree_fits(tree, target, draft, registered(config.spec.method))
 
 
-def _check_tree_fits(tree, target, draft) -> None:
-    """A tree shape the models can run: :class:`InvalidConfig` naming why not."""
+def _check_tree_fits(tree, target, draft, method=None) -> None:
+    """A tree shape the models (and a registered method's draft phase) can run:
+    :class:`InvalidConfig` naming why not."""
+    if method is not None and method.max_topk is not None and tree.topk > method.max_topk:
+        raise InvalidConfig(f"method {method.name!r} builds trees of topk <= {method.max_topk}; a shape asks "
+                            f"topk={tree.topk}")
     # The tree block is not windowed (AttentionMetadata.window_lo): a node at depth d reads
     # ancestors up to d positions back, which must lie inside every window.
     for name, model in (("target", target), ("draft", getattr(draft, "model", draft))):

@@ -35,6 +35,7 @@ class GraphRunner(GraphCapture):
         emulate: bool = False,
         scope: str = "iteration",
         prefill_token_buckets: Sequence[int] = (),
+        phases: Sequence[PhaseSpec] = PHASES,
     ):
         if scope not in GRAPH_SCOPES:
             raise ValueError(f"graph scope must be one of {GRAPH_SCOPES}, got {scope!r}")
@@ -45,6 +46,7 @@ class GraphRunner(GraphCapture):
         self.prefill_token_buckets = tuple(prefill_token_buckets)
         self.prefill = None  # the PrefillGraph, with prefill token buckets
         self.phases: dict[str, GraphedPhase] = {}
+        self.source = tuple(phases)  # the phases to graph: the EAGLE graph's, or a method's own
 
     def wrap(
         self, spec: PhaseSpec, when: Callable[[Schema], bool] | None = None, idempotent: bool = True
@@ -68,14 +70,14 @@ class GraphRunner(GraphCapture):
         not_idempotent = {"finalize-tree-path"}  # it moves KV within the request's own slots
         phases = [
             self.wrap(p, when[p.name], p.name not in not_idempotent) if p.name in when else p
-            for p in PHASES
+            for p in self.source
         ]
         if self.prefill_token_buckets:
-            self.prefill = PrefillGraph(self, next(p for p in PHASES if p.name == "prefill-extend"),
+            self.prefill = PrefillGraph(self, next(p for p in self.source if p.name == "prefill-extend"),
                                         self.prefill_token_buckets)
             phases = [attrs.evolve(p, fn=self.prefill) if p.name == "prefill-extend" else p for p in phases]
         if self.scope == "iteration":
-            plain = {p.name: p for p in PHASES if p.name in ITERATION}
+            plain = {p.name: p for p in self.source if p.name in ITERATION}
             fallback = {p.name: p.fn for p in phases if p.name in ITERATION}
             self.iteration = IterationGraph(self, plain, fallback)
             phases = [attrs.evolve(p, fn=self.iteration.phase_fn(p.name)) if p.name in ITERATION else p

@@ -471,7 +471,8 @@ class Scheduler:
         self._set_flags(batch)
         shapes = None
         if self.adaptive is None:
-            out = self._iteration(self.machine, batch, None if not self.speculative else SpecShape.of(self.base_tree))
+            shape = SpecShape.of(self.base_tree) if self.speculative else None
+            out = self._iteration(self.machine, batch, shape, note="" if shape is None else shape.name)
         else:
             plan = self.adaptive.plan(batch)
             shape = self.adaptive.shapes[plan.shape]

@@ -1,5 +1,8 @@
 """Greedy speculative decoding is token-identical to target-only greedy decoding (issue 3).
 
+The n-gram (prompt-lookup) drafter runs the chain part of the same matrix (its own draft
+phase, no scripted drafter): every chain shape, page size and batch size.
+
 Every legal (topk, num_steps, num_draft_tokens) of topk ∈ {1,2,4,8}, num_steps ∈ {1,2,3,5},
 num_draft_tokens ∈ {2, S+1, K·S, 16}, for page sizes {1,4,16} and batch sizes {1,3,8}, over 64
 new tokens, in strict validation, with KV accounting checked after every step. The matrix
@@ -20,7 +23,7 @@ from phasegraph.testing.drafters import (
     OracleDraft,
     RandomDraft,
 )
-from tests.phases.lossless_support import NEW_TOKENS, run_spec
+from tests.phases.lossless_support import NEW_TOKENS, prompts, reference, run_spec, tiny_target
 
 
 def _tree_configs():
@@ -114,3 +117,22 @@ def test_random_drafter_is_lossless(topk, steps, nodes):
     outs, ref, engine, _ = run_spec(RandomDraft, spec, 16, 8)
     assert outs == list(ref)
     _assert_all_free(engine)
+
+
+CHAINS = [(s, n) for k, s, n in TREES if k == 1]
+
+
+@pytest.mark.parametrize("page_size", [1, 4, 16])
+@pytest.mark.parametrize(("steps", "nodes"), CHAINS, ids=[f"S{s}-N{n}" for s, n in CHAINS])
+def test_ngram_matrix_is_lossless(steps, nodes, page_size):
+    from phasegraph.runtime.config import SamplingParams
+    from phasegraph.runtime.engine import Engine
+
+    spec = SpecConfig(method="ngram", num_steps=steps, num_draft_tokens=nodes)
+    for batch in (1, 3, 8):
+        engine = Engine(tiny_target(), spec=spec, max_batch_size=batch, page_size=page_size, kv_pool_tokens=8192,
+                        check_every_step=True)
+        outs = engine.generate(prompts(batch), SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True))
+        assert [tuple(o.token_ids) for o in outs] == list(reference(batch)), f"batch {batch}"
+        assert max(n for o in outs for n in o.stats.accept_lengths) == nodes  # the whole chain, at times
+        _assert_all_free(engine)
