@@ -10,8 +10,9 @@ the draft is right. So, before each iteration, :func:`choose_plan` (a pure funct
     expected tokens per iteration, summed over the batch / measured seconds per iteration
 
 from a :class:`CostTable` measured at engine start-up per batch size, and each request's online
-acceptance estimate (:class:`Acceptance`: a per-depth acceptance rate, the geometric model of
-Leviathan et al., arXiv 2211.17192, section 3.5, fitted per request and shape family). It may
+acceptance estimate (:class:`Acceptance`: the rate at which the d-th draft of a path is accepted
+given the ones before it, per request, depth and shape family; one rate for every depth is the
+geometric model of Leviathan et al., arXiv 2211.17192, section 3.5). It may
 also hold some requests apart, to a cheaper shape or none, where running the batch as two
 groups costs less than the tokens it loses (a request whose draft is poor at a batch size where
 verifying its tree is not free). SGLang and vLLM adapt the draft length for the same reason.
@@ -219,11 +220,12 @@ HELD_DECAY = 0.97
 
 @attrs.define
 class Acceptance:
-    """Per-depth acceptance of one request (or the engine), per shape family: a depth is a
-    trial, an accepted draft a hit (a path that stops before the shape's depth adds one miss)."""
+    """Acceptance by depth of one request (or the engine), per shape family: depth d of a path
+    is a trial, an accepted d-th draft a hit (a path that stops before the shape's depth adds
+    one miss at the depth after its last accepted draft; deeper depths were not tried)."""
 
-    hits: dict[str, float] = attrs.field(factory=dict)
-    tries: dict[str, float] = attrs.field(factory=dict)
+    hits: dict[tuple[str, int], float] = attrs.field(factory=dict)
+    tries: dict[tuple[str, int], float] = attrs.field(factory=dict)
     stale: bool = False  # ran without drafts since its last draft-extend: the next drafts are old
     decay: float = DECAY
 
@@ -232,39 +234,48 @@ class Acceptance:
         if depth <= 0:
             return
         accepted = max(0, min(accepted, depth))
-        self.hits[family] = self.hits.get(family, 0.0) * self.decay + accepted
-        self.tries[family] = self.tries.get(family, 0.0) * self.decay + accepted + (accepted < depth)
+        for key in [k for k in self.tries if k[0] == family]:
+            self.hits[key] *= self.decay
+            self.tries[key] *= self.decay
+        for d in range(1, min(accepted + 1, depth) + 1):
+            key = (family, d)
+            self.hits[key] = self.hits.get(key, 0.0) + (d <= accepted)
+            self.tries[key] = self.tries.get(key, 0.0) + 1.0
 
     def fade(self, factor: float) -> None:
-        for d in (self.hits, self.tries):
-            for k in d:
-                d[k] *= factor
+        for key in self.tries:
+            self.hits[key] *= factor
+            self.tries[key] *= factor
 
-    def rate(self, family: str, prior: float) -> float:
-        """The per-depth acceptance rate, the engine's ``prior`` weighing PRIOR_WEIGHT trials."""
-        return (self.hits.get(family, 0.0) + PRIOR_WEIGHT * prior) / (self.tries.get(family, 0.0) + PRIOR_WEIGHT)
+    def rate(self, family: str, depth: int, prior: float) -> float:
+        """The acceptance rate at ``depth``, the ``prior`` weighing PRIOR_WEIGHT trials."""
+        key = (family, depth)
+        return (self.hits.get(key, 0.0) + PRIOR_WEIGHT * prior) / (self.tries.get(key, 0.0) + PRIOR_WEIGHT)
 
-    def observed(self, family: str) -> bool:
-        return self.tries.get(family, 0.0) > 0
+    def observed(self, family: str, depth: int) -> bool:
+        return self.tries.get((family, depth), 0.0) > 0
 
 
 _OTHER = {"chain": "tree", "tree": "chain"}
 
 
 def _convert(rate: float, to: str) -> float:
-    """A per-depth acceptance rate of one family as the other's (TREE_MISS: a tree misses less)."""
+    """An acceptance rate of one family as the other's (TREE_MISS: a tree misses less)."""
     miss = (1 - rate) * TREE_MISS if to == "tree" else (1 - rate) / TREE_MISS
     return min(max(1 - miss, 0.01), 0.999)
 
 
-def expected_tokens(rate: float, depth: int) -> float:
-    """Tokens an iteration emits with ``depth`` drafts each accepted with probability ``rate``
-    given its parent (the bonus included): 1 + rate + ... + rate**depth."""
-    if depth <= 0:
-        return 1.0
-    if rate >= 1.0:
-        return depth + 1.0
-    return (1.0 - rate ** (depth + 1)) / (1.0 - rate)
+def expected_tokens(rates: float | Sequence[float], depth: int) -> float:
+    """Tokens an iteration of ``depth`` drafts emits (the bonus included), the d-th draft
+    accepted with probability ``rates[d-1]`` given the ones before it (one ``rate`` for every
+    depth: 1 + rate + ... + rate**depth)."""
+    if not isinstance(rates, Sequence):
+        rates = [rates] * max(depth, 0)
+    total, path = 1.0, 1.0
+    for d in range(max(depth, 0)):
+        path *= rates[d]
+        total += path
+    return total
 
 
 # ---------------------------------------------------------------------------------- policy
@@ -343,6 +354,7 @@ class AdaptiveSpeculation:
     def __init__(self, costs: CostTable, *, split: bool = True, replan_every: int = 8):
         self.costs = costs
         self.shapes = costs.shapes
+        self.depth = max(s.num_steps for s in costs.shapes)  # the deepest shape's drafts
         self.split = split
         self.replan_every = replan_every
         self.force: SpecShape | None = None  # run this shape, whatever the policy says (measurement)
@@ -358,26 +370,29 @@ class AdaptiveSpeculation:
             a = self._requests[req] = Acceptance()
         return a
 
-    def family_rate(self, family: str) -> float:
-        """The engine-wide per-depth acceptance of a family (from the other family, or a prior,
-        where it was never observed)."""
+    def engine_rate(self, family: str, depth: int) -> float:
+        """The engine-wide acceptance of a family at a depth: observed, else the other family's
+        there, else the depth above's, else a prior."""
         e = self.engine_wide
-        if e.observed(family):
-            return e.rate(family, PRIOR_RATE[family])
+        if e.observed(family, depth):
+            return e.rate(family, depth, PRIOR_RATE[family])
         other = _OTHER[family]
-        if not e.observed(other):
-            return PRIOR_RATE[family]
-        return _convert(e.rate(other, PRIOR_RATE[other]), family)
+        if e.observed(other, depth):
+            return _convert(e.rate(other, depth, PRIOR_RATE[other]), family)
+        return self.engine_rate(family, depth - 1) if depth > 1 else PRIOR_RATE[family]
 
-    def rates(self, req) -> dict[str, float]:
-        """``req``'s per-depth acceptance per family: its own observations weighed with the
-        engine's estimate; a family it never ran derived from the one it ran."""
+    def rates(self, req) -> dict[str, list[float]]:
+        """``req``'s acceptance per family and depth (1 .. the deepest shape): its own
+        observations weighed with the engine's estimate; a family it never ran at a depth
+        derived from the one it ran there."""
         a = self.acceptance(req)
-        out = {f: a.rate(f, self.family_rate(f)) for f in _OTHER if a.observed(f)}
-        for f in _OTHER:
-            if f not in out:
+        out: dict[str, list[float]] = {f: [] for f in _OTHER}
+        for d in range(1, self.depth + 1):
+            own = {f: a.rate(f, d, self.engine_rate(f, d)) for f in _OTHER if a.observed(f, d)}
+            for f in _OTHER:
                 other = _OTHER[f]
-                out[f] = _convert(out[other], f) if other in out else self.family_rate(f)
+                out[f].append(own[f] if f in own else _convert(own[other], f) if other in own
+                              else self.engine_rate(f, d))
         return out
 
     def expected(self, req) -> tuple[float, ...]:
