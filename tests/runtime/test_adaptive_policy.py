@@ -165,13 +165,21 @@ def test_expected_tokens_follow_the_geometric_model():
     assert expected_tokens(1.0, 4) == 5.0
 
 
-def test_acceptance_fits_per_depth_rate():
+def test_expected_tokens_take_one_rate_per_depth():
+    assert expected_tokens([0.9, 0.5, 0.2], 3) == pytest.approx(1 + 0.9 + 0.45 + 0.09)
+    assert expected_tokens([0.9, 0.5, 0.2], 1) == pytest.approx(1.9)
+
+
+def test_acceptance_fits_a_conditional_rate_per_depth():
     a = Acceptance(decay=1.0)
     for _ in range(50):
-        a.observe("chain", 3, 3)  # 3 hits, no miss
-        a.observe("chain", 3, 0)  # 1 miss
-    assert a.rate("chain", 0.5) == pytest.approx((150 + 1.0) / (200 + 2.0))
-    assert not a.observed("tree")
+        a.observe("chain", 3, 3)  # depths 1-3 tried and hit
+        a.observe("chain", 3, 0)  # depth 1 tried and missed; 2 and 3 never tried
+        a.observe("chain", 3, 1)  # depth 1 hit, depth 2 missed
+    assert a.rate("chain", 1, 0.5) == pytest.approx((100 + 1.0) / (150 + 2.0))
+    assert a.rate("chain", 2, 0.5) == pytest.approx((50 + 1.0) / (100 + 2.0))
+    assert a.rate("chain", 3, 0.5) == pytest.approx((50 + 1.0) / (50 + 2.0))
+    assert not a.observed("tree", 1) and not a.observed("chain", 4)
 
 
 class _Req:
@@ -203,7 +211,8 @@ def test_caps_and_unobserved_families():
     assert ctl.expected(fresh)[2] == pytest.approx(expected_tokens(PRIOR_RATE["chain"], 3))
     for _ in range(30):
         ctl.observe(_Req(), CHAIN3, 1)  # the engine learns chains fail: trees are derived from it
-    assert ctl.family_rate("tree") < PRIOR_RATE["tree"]
+    assert ctl.engine_rate("tree", 1) < PRIOR_RATE["tree"]
+    assert ctl.engine_rate("chain", 2) == ctl.engine_rate("chain", 1)  # never tried: the depth above's
 
 
 def test_the_controller_replans_on_change_and_every_few_iterations():
@@ -227,5 +236,7 @@ def test_a_family_a_request_never_ran_follows_its_own_other_family():
         ctl.observe(unsure, CHAIN3, 2)
     for req in (sure, unsure):
         rates = ctl.rates(req)
-        assert rates["tree"] > rates["chain"]
-    assert ctl.rates(sure)["tree"] > ctl.rates(unsure)["tree"]  # not the engine's, which mixes both
+        assert all(t > c for t, c in zip(rates["tree"], rates["chain"], strict=True))
+    # each request's own, not the engine's, which mixes both: both hit depth 1, only one depth 2
+    sure_tree, unsure_tree = ctl.rates(sure)["tree"], ctl.rates(unsure)["tree"]
+    assert sure_tree[0] == pytest.approx(unsure_tree[0]) and sure_tree[1] > unsure_tree[1] + 0.5
