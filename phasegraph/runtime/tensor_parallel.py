@@ -21,6 +21,7 @@ Three ways a rank comes to be:
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import multiprocessing
 import os
@@ -187,18 +188,14 @@ class TensorParallelGroup:
             return
         self.closed = True
         for q in self.commands:
-            try:
+            with contextlib.suppress(OSError, ValueError):  # a closed queue: its worker is gone
                 q.put(("shutdown",))
-            except (OSError, ValueError):
-                pass
         # every rank meets here first (the workers once they read "shutdown"), so no rank
         # leaves while another's last collective is still in flight; not with a dead rank, whose
         # collective would only time out
         if all(proc.is_alive() for proc in self.workers):
-            try:
+            with contextlib.suppress(WorkerDied):  # a rank that died at the last meeting: leave anyway
                 self.min_int(0)
-            except WorkerDied:
-                pass
         left = _leave_group(timeout_s)
         for proc in self.workers:
             proc.join(timeout_s)

@@ -50,6 +50,8 @@ VOCAB = 96
 STRONG_TOKENS = (5, 17, 42, 77, 90)
 BOOST = 2.0
 NEW_TOKENS = 27
+# the chain and the tree the engine tests speculate with
+SHAPES = {"chain": dict(topk=1, num_steps=3), "tree": dict(topk=4, num_steps=3, num_draft_tokens=8)}
 PROMPT_LENGTHS = (1, 9, 23, 14)
 
 SMALL = dict(

@@ -15,9 +15,7 @@ import pytest
 import torch
 
 from phasegraph.statemachine import Machine
-from tests.engine.support import DRAFT_KINDS, arch_bundle, engine_for, greedy
-
-SHAPES = {"chain": dict(topk=1, num_steps=3), "tree": dict(topk=4, num_steps=3, num_draft_tokens=8)}
+from tests.engine.support import DRAFT_KINDS, SHAPES, arch_bundle, engine_for, greedy
 
 
 def _record(monkeypatch, engine):

@@ -31,13 +31,12 @@ from tests.engine.support import (
     ARCHS,
     DRAFT_KINDS,
     NEW_TOKENS,
+    SHAPES,
     arch_bundle,
     assert_all_free,
     engine_for,
     greedy,
 )
-
-SHAPES = {"chain": dict(topk=1, num_steps=3), "tree": dict(topk=4, num_steps=3, num_draft_tokens=8)}
 
 
 def _check_run(engine, bundle, spec_steps: int | None):

@@ -22,6 +22,7 @@ from phasegraph.statemachine import InvariantViolation
 from tests.engine.support import (
     MOE_ARCHS,
     NEW_TOKENS,
+    SHAPES,
     arch_bundle,
     assert_all_free,
     engine_for,
@@ -29,7 +30,6 @@ from tests.engine.support import (
 )
 from tests.runtime.test_target_parity import hf_routed_experts as hf_router_rows
 
-SHAPES = {"chain": dict(topk=1, num_steps=3), "tree": dict(topk=4, num_steps=3, num_draft_tokens=8)}
 ROUTED = greedy(return_routed_experts=True)
 
 

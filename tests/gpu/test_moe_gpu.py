@@ -20,13 +20,12 @@ import torch
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
 from phasegraph.testing.checkpoints import write_eagle3_draft, write_hf_target
-from tests.engine.support import SMALL, hf_greedy, small_config
+from tests.engine.support import SHAPES, SMALL, hf_greedy, small_config
 
 pytestmark = pytest.mark.gpu
 
 ARCHS = ("qwen3_moe", "mixtral")
 NEW_TOKENS = 32
-SHAPES = {"chain": dict(topk=1, num_steps=3), "tree": dict(topk=4, num_steps=3, num_draft_tokens=8)}
 ROUTED = SamplingParams(max_new_tokens=NEW_TOKENS, ignore_eos=True, return_routed_experts=True)
 
 

@@ -13,17 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from phasegraph.runtime.config import SamplingParams, SpecConfig
+from phasegraph.runtime.config import SamplingParams
 from phasegraph.runtime.engine import Engine
 from tests.gpu.test_cuda_graphs import VOCAB, _noisy_self_draft, _reference, _target
+from tests.gpu.test_overlap_gpu import SPECS
 
 pytestmark = pytest.mark.gpu
 
-SPECS = {
-    "baseline": SpecConfig(method="none"),
-    "chain": SpecConfig(method="standalone", adaptive=False, num_steps=3, topk=1),
-    "tree": SpecConfig(method="standalone", adaptive=False, num_steps=3, topk=4, num_draft_tokens=12),
-}
 
 
 @pytest.fixture(scope="module")

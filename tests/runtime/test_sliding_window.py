@@ -28,6 +28,7 @@ from phasegraph.testing.checkpoints import (
     write_hf_target,
     write_standalone_draft,
 )
+from tests.engine.support import SHAPES
 
 WINDOW = 8
 NEW_TOKENS = 24
@@ -87,7 +88,6 @@ def test_target_alone_equals_transformers_past_the_window(windowed, fused, page_
     assert run(engine) == want
 
 
-SHAPES = {"chain": dict(topk=1, num_steps=3), "tree": dict(topk=4, num_steps=3, num_draft_tokens=8)}
 
 
 @pytest.mark.parametrize("graphs", [False, "emulate"], ids=["eager", "graphs"])
