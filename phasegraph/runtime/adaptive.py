@@ -358,7 +358,9 @@ class AdaptiveSpeculation:
         self.split = split
         self.replan_every = replan_every
         self.force: SpecShape | None = None  # run this shape, whatever the policy says (measurement)
-        self.fixed_plan: Plan | None = None  # or this plan (measurement of a split)
+        # or (measurement of a split) this pair of shape indices: the batch's first half runs the
+        # first, its second half the other, however many requests are still running
+        self.fixed_split: tuple[int, int] | None = None
         self.engine_wide = Acceptance(decay=0.98)
         self._requests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._last: tuple | None = None  # (batch key, plan, iterations since chosen)
@@ -408,8 +410,10 @@ class AdaptiveSpeculation:
     def plan(self, batch: Sequence) -> Plan:
         if self.force is not None:
             return Plan(self.shapes.index(self.force))
-        if self.fixed_plan is not None:
-            return self.fixed_plan
+        if self.fixed_split is not None:
+            kept, held = self.fixed_split
+            half = len(batch) // 2
+            return Plan(kept, tuple(range(len(batch) - half, len(batch))), held) if half else Plan(kept)
         key = tuple(map(id, batch))
         if self._last is not None and self._last[0] == key and self._last[2] < self.replan_every:
             self._last = (key, self._last[1], self._last[2] + 1)

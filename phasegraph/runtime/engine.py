@@ -28,7 +28,6 @@ from phasegraph.runtime import tensor_parallel
 from phasegraph.runtime.adaptive import (
     AdaptiveSpeculation,
     CostTable,
-    Plan,
     SpecShape,
     default_shapes,
     max_tokens_per_iteration,
@@ -260,33 +259,39 @@ class Engine:
         saved = sched.adaptive
         sched.adaptive = AdaptiveSpeculation(CostTable(shapes, [1], [[1.0]] * len(shapes)), split=False)
         prompt_len = 16
-        budget = (warmup + steps) * (len(shapes) + 1) * max(s.accept_width for s in shapes) + 8
-        budget = min(budget, self.max_context - prompt_len - 1)
+        # each shape times fresh requests, so none finishes (or shrinks the batch) while timed
+        budget = min((warmup + steps) * max(s.accept_width for s in shapes) + 8, self.max_context - prompt_len - 1)
         seconds = [[0.0] * len(batches) for _ in shapes]
         split_s = 0.0
         gen = torch.Generator().manual_seed(0)
         marks = len(self.trace) if self.trace is not None else 0
         self._attach_pools()
         saved_topk, self.ctx.draft_topk = self.ctx.draft_topk, self.kv.topk
-        try:
-            for j, b in enumerate(batches):
-                reqs = [Request(f"measure-{b}-{i}", torch.randint(0, self.target.vocab_size, (prompt_len,),
+
+        def timed(b: int, tag: str, time_it) -> float:
+            reqs = [Request(f"measure-{tag}-{b}-{i}", torch.randint(0, self.target.vocab_size, (prompt_len,),
                                                                   generator=gen).tolist(),
-                                SamplingParams(max_new_tokens=budget, ignore_eos=True), stop_ids=(),
-                                budget=budget, seed=i, decode=None) for i in range(b)]
-                for r in reqs:
-                    sched.add(r)
-                while sched.waiting:  # prefill
-                    sched.step()
-                for i, shape in enumerate(shapes):
-                    sched.adaptive.force = shape
-                    seconds[i][j] = self._time_steps(warmup, steps)
-                if b == batches[-1] and b >= 2 and len(shapes) > 1:
-                    split_s = self._time_split(shapes, seconds, j, b, warmup, steps)
-                sched.adaptive.force = None
+                            SamplingParams(max_new_tokens=budget, ignore_eos=True), stop_ids=(),
+                            budget=budget, seed=i, decode=None) for i in range(b)]
+            for r in reqs:
+                sched.add(r)
+            while sched.waiting:  # prefill
+                sched.step()
+            try:
+                return time_it()
+            finally:
                 for r in reqs:
                     sched.abort(r.request_id)
                 sched.drain()
+
+        try:
+            for j, b in enumerate(batches):
+                for i, shape in enumerate(shapes):
+                    sched.adaptive.force = shape
+                    seconds[i][j] = timed(b, shape.name, lambda: self._time_steps(warmup, steps))
+                sched.adaptive.force = None
+                if b == batches[-1] and b >= 2 and len(shapes) > 1:
+                    split_s = timed(b, "split", lambda j=j, b=b: self._time_split(shapes, seconds, j, b, warmup, steps))
         finally:
             sched.adaptive = saved
             self.ctx.draft_topk = saved_topk
@@ -318,11 +323,11 @@ class Engine:
         half = b // 2
         policy = self.scheduler.adaptive
         policy.force = None
-        policy.fixed_plan = Plan(dear, tuple(range(b - half, b)), cheap)
+        policy.fixed_split = (dear, cheap)
         try:
             together = self._time_steps(warmup, steps)
         finally:
-            policy.fixed_plan = None
+            policy.fixed_split = None
         alone = seconds[dear][j] * (b - half) / b + seconds[cheap][j] * half / b  # linear in the batch
         return max(0.0, together - alone)
 
