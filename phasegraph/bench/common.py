@@ -4,6 +4,7 @@ the environment record."""
 from __future__ import annotations
 
 import argparse
+import collections
 import gc
 import hashlib
 import math
@@ -16,14 +17,21 @@ from pathlib import Path
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
-# (label, SpecConfig kwargs, which draft directory of the pair)
+# (label, SpecConfig kwargs, which draft directory of the pair); the fixed shapes pin
+# adaptive=False, which a GPU engine would otherwise turn on
+_TREE = {"method": "eagle3", "num_steps": 4, "topk": 4, "num_draft_tokens": 16}
 PG_CONFIGS = (
     ("baseline (autoregressive)", {"method": "none"}, None),
-    ("EAGLE-3 chain S=3", {"method": "eagle3", "num_steps": 3, "topk": 1}, "eagle3"),
-    ("EAGLE-3 tree K=4 S=4 N=16", {"method": "eagle3", "num_steps": 4, "topk": 4, "num_draft_tokens": 16}, "eagle3"),
-    ("standalone draft chain S=3", {"method": "standalone", "num_steps": 3, "topk": 1}, "draft"),
+    ("EAGLE-3 chain S=3", {"method": "eagle3", "num_steps": 3, "topk": 1, "adaptive": False}, "eagle3"),
+    ("EAGLE-3 tree K=4 S=4 N=16", {**_TREE, "adaptive": False}, "eagle3"),
+    ("standalone draft chain S=3", {"method": "standalone", "num_steps": 3, "topk": 1, "adaptive": False}, "draft"),
+    ("EAGLE-3 adaptive (off, chains, the tree)", {**_TREE, "adaptive": True}, "eagle3"),
 )
-BASELINE, CHAIN, TREE, STANDALONE = (c[0] for c in PG_CONFIGS)
+BASELINE, CHAIN, TREE, STANDALONE, ADAPTIVE = (c[0] for c in PG_CONFIGS)
+# --pair-configs names; the baseline always runs (every row is compared with it)
+PAIR_CONFIG_KEYS = {"chain": CHAIN, "tree": TREE, "standalone": STANDALONE, "adaptive": ADAPTIVE}
+# the fixed configurations adaptive speculation chooses among (its goals compare with these)
+ADAPTIVE_FIXED = (BASELINE, CHAIN, TREE)
 HF_PLAIN = "transformers generate"
 HF_ASSISTED = "transformers generate + assistant_model (batch 1 only: assisted generation does not batch)"
 # Part 2 drafts: the chain is the default. Simulated acceptance takes the first-child path of the
@@ -32,9 +40,11 @@ HF_ASSISTED = "transformers generate + assistant_model (batch 1 only: assisted g
 # a tree's score (the product along the path) drops ~1000x per level, a K=4 S=4 N=16 tree keeps
 # its 4 depth-1 and 11 depth-2 nodes, and τ stops at 3 (seen in --quick: measured τ 3.00 at a
 # simulated 4); a chain with S=3 always holds a path of 3 drafts, so τ = 4 is reachable.
+# The adaptive row chooses among off and chains of 1 and 3 (the tree's τ stops at 3 here).
 SCALE_CONFIGS = {
-    "chain": ("chain S=3", {"method": "eagle3", "num_steps": 3, "topk": 1}),
-    "tree": ("tree K=4 S=4 N=16", {"method": "eagle3", "num_steps": 4, "topk": 4, "num_draft_tokens": 16}),
+    "chain": ("chain S=3", {"method": "eagle3", "num_steps": 3, "topk": 1, "adaptive": False}),
+    "tree": ("tree K=4 S=4 N=16", {**_TREE, "adaptive": False}),
+    "adaptive": ("adaptive (off, chains S=1 and 3)", {"method": "eagle3", "num_steps": 3, "topk": 1, "adaptive": True}),
 }
 
 
@@ -406,6 +416,13 @@ def share_text(share: dict[str, float], top: int = 4) -> str:
 
 def count_phase(trace, phase: str) -> int:
     return 0 if trace is None else sum(1 for t in trace if t.target == phase)
+
+
+def shape_counts(trace) -> dict[str, int]:
+    """Iterations per speculation shape (the notes of draft and decode runs; a split batch's
+    two groups count once each), most frequent first."""
+    counts = collections.Counter(t.note for t in (trace or ()) if t.target in ("draft", "decode") and t.note)
+    return dict(counts.most_common())
 
 
 def graph_count(engine) -> int:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from phasegraph.bench import warm as warm_mod
 from phasegraph.bench.common import (
+    ADAPTIVE,
     BASELINE,
     CHAIN,
     HF_ASSISTED,
@@ -28,6 +29,7 @@ from phasegraph.bench.common import (
     pair_weight_digests,
     phase_share,
     prefill_seconds,
+    shape_counts,
     share_text,
     timed_calls,
     training_preset,
@@ -119,9 +121,14 @@ def measure_trained_pair(run: BenchRun) -> None:
     rows = part["rows"]
     outputs: dict[tuple[str, int], list[list[int]]] = {}
     # the baseline first (every row is compared with it), then the rows the goals read
-    order = (BASELINE, TREE, CHAIN, STANDALONE)
-    configs = sorted((c for c in PG_CONFIGS if c[2] is None or drafts[c[2]] is not None),
+    order = (BASELINE, TREE, CHAIN, ADAPTIVE, STANDALONE)
+    configs = sorted((c for c in PG_CONFIGS if (c[2] is None or drafts[c[2]] is not None)
+                      and (c[0] == BASELINE or c[0] in a.pair_config_labels)),
                      key=lambda c: order.index(c[0]))
+    mixed = None
+    if a.mixed:
+        mixed = mixed_workload(ids, int(cfg["vocab_size"]), max_b, a.new_tokens)
+        part["mixed"] = {"batch": max_b, "requests": mixed[2], "rows": []}
     n_rows = len(configs) * len(a.batch_list) + (0 if a.no_hf else len(a.batch_list) + (drafts["draft"] is not None))
     bar = tqdm(total=n_rows, desc="part 1: trained pair", unit="row", disable=a.no_progress, dynamic_ncols=True)
 
@@ -131,7 +138,7 @@ def measure_trained_pair(run: BenchRun) -> None:
             continue
         _timed_guard(run, label, _measure_pg_config, run, label, spec_kw, pair / "target",
                      drafts[draft_key] if draft_key else None, prompts, params, engine_kw, outputs, rows, bar,
-                     draft_note if draft_key == "draft" else None)
+                     draft_note if draft_key == "draft" else None, mixed)
         free_memory()
         write_outputs(run)
 
@@ -212,9 +219,9 @@ def _trained_pair_dir(run: BenchRun) -> Path:
 
 
 def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, prompts, params, engine_kw,
-                       outputs, rows, bar, note) -> None:
+                       outputs, rows, bar, note, mixed=None) -> None:
     """One phasegraph configuration at every batch size (one engine, reused; ``engine_kw``:
-    :func:`engine_settings`)."""
+    :func:`engine_settings`), then on the mixed workload where one is given."""
     from phasegraph import Engine, SpecConfig
 
     a = run.args
@@ -243,6 +250,8 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
         }
         if note:
             row["note"] = note
+        if spec_kw.get("adaptive"):
+            row["shapes"] = shape_counts(engine.trace)
         if b == 1 and run.cuda:
             row["gpu_busy_s"], row["gpu_busy_iterations"] = _gpu_busy_seconds(engine, calls, params)
         outputs[(label, b)] = tokens
@@ -250,6 +259,58 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
         bar.update(1)
         run.log(f"  {label:<28} batch {b:>3}: {row['tokens_per_s']:9.1f} tok/s  "
                 f"τ {fmt(row['tau'])}  phases: {share_text(row['phase_share'])}")
+    if mixed is not None and label in (BASELINE, CHAIN, TREE, ADAPTIVE):
+        if label != ADAPTIVE:
+            _measure_mixed(run, engine, label, None, mixed, outputs)
+            return
+        for policy, split in (("per request", True), ("per batch", False)):
+            # per batch: every request of an iteration runs the one shape chosen for the batch
+            engine.scheduler.adaptive.split = split
+            _measure_mixed(run, engine, label, policy, mixed, outputs)
+
+
+def mixed_workload(code_prompts: list[list[int]], vocab_size: int, batch: int, new_tokens: int, seed: int = 0):
+    """Adaptive speculation's mixed workload: ``batch`` greedy requests, every other one of
+    random tokens (where the draft is poor; the rest held-out code, where it is good), and in
+    each kind half with a quarter of the new tokens. Returns (prompts, params, kinds)."""
+    import torch
+
+    from phasegraph import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    prompts, params, kinds = [], [], []
+    for i in range(batch):
+        code = code_prompts[(i // 2) % len(code_prompts)]
+        poor = i % 2 == 1
+        prompts.append(torch.randint(0, vocab_size, (len(code),), generator=g).tolist() if poor else code)
+        n = new_tokens if i % 4 < 2 else max(1, new_tokens // 4)
+        params.append(SamplingParams(max_new_tokens=n, temperature=0.0, ignore_eos=True))
+        kinds.append("poor" if poor else "good")
+    return prompts, params, kinds
+
+
+def _measure_mixed(run: BenchRun, engine, label: str, policy: str | None, mixed, outputs) -> None:
+    """One row of the mixed workload (one call of every request), compared with the baseline's."""
+    prompts, params, kinds = mixed
+    _, wall, outs, _, _ = warm_then_time(run, engine, [prompts], params)
+    tokens = [o.token_ids for o in outs]
+
+    def tau(kind):
+        lens = [n for o, k in zip(outs, kinds, strict=True) if k == kind for n in o.stats.accept_lengths]
+        return sum(lens) / len(lens) if lens else None
+
+    n = sum(len(t) for t in tokens)
+    row = {"config": label, "policy": policy, "batch": len(prompts), "seconds": wall, "new_tokens": n,
+           "tokens_per_s": n / wall, "tau_good": tau("good"), "tau_poor": tau("poor")}
+    if policy is not None:
+        row["shapes"] = shape_counts(engine.trace)
+    base = outputs.get((BASELINE, "mixed"))
+    if base is not None:
+        row["identical"] = sum(a == b for a, b in zip(base, tokens, strict=True))
+    outputs[(label, "mixed") if policy is None else (label, "mixed", policy)] = tokens
+    run.result["trained_pair"]["mixed"]["rows"].append(row)
+    run.log(f"  mixed workload: {label}{f' ({policy})' if policy else ''}: {row['tokens_per_s']:9.1f} tok/s  "
+            f"τ code {fmt(row['tau_good'])}, random {fmt(row['tau_poor'])}")
 
 
 def _gpu_busy_seconds(engine, calls: list[list], params) -> tuple[float, int]:

@@ -8,6 +8,8 @@ import json
 from pathlib import Path
 
 from phasegraph.bench.common import (
+    ADAPTIVE,
+    ADAPTIVE_FIXED,
     BASELINE,
     CHAIN,
     HF_ASSISTED,
@@ -22,6 +24,8 @@ from phasegraph.bench.common import (
 )
 
 ETA_GOAL, HF_RATIO_GOAL, LARGE_BATCH_GOAL, BOUND_GOAL = 0.75, 5.0, 1.3, 0.85
+# adaptive speculation: never slower than the baseline, near the best fixed shape at every batch
+ADAPTIVE_VS_BASELINE, ADAPTIVE_VS_BEST = 0.98, 0.95
 
 
 def write_outputs(run: BenchRun, final: bool = False) -> None:
@@ -109,8 +113,26 @@ def evaluate_goals(result: dict, args: argparse.Namespace) -> list[dict]:
     else:
         add("trained pair: greedy outputs identical to the baseline in every row", "not measured", None)
 
+    _adaptive_goals(add, "trained pair", [r for r in rows if r["engine"] == "phasegraph"], ADAPTIVE,
+                    [c for c in ADAPTIVE_FIXED if c != BASELINE])
+    mixed = {(r["config"], r["policy"]): r for r in tp.get("mixed", {}).get("rows", [])}
+    per_request, per_batch = mixed.get((ADAPTIVE, "per request")), mixed.get((ADAPTIVE, "per batch"))
+    goal = "trained pair, mixed workload: the per-request policy gains over per-batch alone"
+    if per_request and per_batch:
+        gain = per_request["tokens_per_s"] / per_batch["tokens_per_s"]
+        add(goal, f"{gain:.2f}× ({per_request['tokens_per_s']:.0f} vs {per_batch['tokens_per_s']:.0f} tok/s)", gain > 1.0)
+    else:
+        add(goal, "not measured", None)
+
     sc = result.get("scale") or {}
     srows = [r for r in sc.get("rows", []) if "eta" in r]
+    adaptive_name = SCALE_CONFIGS["adaptive"][0]
+    fixed_names = [SCALE_CONFIGS[k][0] for k in ("chain", "tree")]
+    for tau in sorted({r["tau_simulated"] for r in srows if r["config"] == adaptive_name}):
+        at_tau = [{**r, "tau": r["tau_measured"]} for r in srows if r["tau_simulated"] == tau]
+        at_tau += [{**b, "config": BASELINE} for b in sc.get("baseline", [])]
+        _adaptive_goals(add, f"scale, SIMULATED τ = {tau}", at_tau, adaptive_name, fixed_names)
+    srows = [r for r in srows if r["config"] != adaptive_name]
     taus = [r["tau_simulated"] for r in srows]
     top_tau = 4 if 4 in taus else (max(taus) if taus else 4)
     b_min = min((r["batch"] for r in srows), default=min(args.scale_batch_list))
@@ -182,6 +204,39 @@ def evaluate_goals(result: dict, args: argparse.Namespace) -> list[dict]:
 
 
 
+def _adaptive_goals(add, where: str, rows: list[dict], adaptive: str, fixed: list[str]) -> None:
+    """Adaptive speculation's three goals over ``rows`` (tokens/s by config and batch; the
+    baseline's config is BASELINE): never slower than the baseline, at least 0.95× the best
+    fixed configuration at each batch, and more tokens over the whole sweep than any fixed one."""
+    tps = {(r["config"], r["batch"]): r["tokens_per_s"] for r in rows}
+    wall = {(r["config"], r["batch"]): (r["new_tokens"], r["seconds"]) for r in rows}
+    batches = sorted(b for (c, b) in tps if c == adaptive and (BASELINE, b) in tps)
+    goals = (f"{where}: adaptive ≥ {ADAPTIVE_VS_BASELINE}× the baseline at every batch",
+             f"{where}: adaptive ≥ {ADAPTIVE_VS_BEST}× the best fixed configuration at every batch",
+             f"{where}: adaptive's tokens/s over the whole sweep beat every fixed configuration's")
+    if not batches:
+        for goal in goals:
+            add(goal, "not measured", None)
+        return
+    vs_base = {b: tps[(adaptive, b)] / tps[(BASELINE, b)] for b in batches}
+    add(goals[0], ", ".join(f"b{b} {x:.2f}×" for b, x in vs_base.items()),
+        min(vs_base.values()) >= ADAPTIVE_VS_BASELINE)
+    best = {b: max((c for c in [BASELINE, *fixed] if (c, b) in tps), key=lambda c, b=b: tps[(c, b)]) for b in batches}
+    vs_best = {b: tps[(adaptive, b)] / tps[(best[b], b)] for b in batches}
+    add(goals[1], ", ".join(f"b{b} {x:.2f}× ({best[b]})" for b, x in vs_best.items()),
+        min(vs_best.values()) >= ADAPTIVE_VS_BEST)
+
+    def sweep(config):  # tokens over seconds of every batch size, where all were measured
+        if any((config, b) not in wall for b in batches):
+            return None
+        return sum(wall[(config, b)][0] for b in batches) / sum(wall[(config, b)][1] for b in batches)
+
+    mine = sweep(adaptive)
+    others = {c: x for c in [BASELINE, *fixed] if (x := sweep(c)) is not None}
+    add(goals[2], f"{mine:.0f} tok/s vs " + ", ".join(f"{c} {x:.0f}" for c, x in others.items()),
+        all(mine > x for x in others.values()))
+
+
 def _graphs(part: dict) -> str:
     """'on (prefill too)', 'on (not prefill)' or 'off', from a part's record."""
     if not part.get("cuda_graphs"):
@@ -245,6 +300,7 @@ def render_markdown(result: dict) -> str:
                 f"{share_text(row.get('phase_share', {}))} |")
         if tp.get("draft_note"):
             lines += ["", f"Note: {tp['draft_note']}."]
+        lines += _adaptive_lines(tp)
         lines += _gpu_work_table(tp["rows"])
         if tp.get("wall_s_by_group"):
             groups = " · ".join(f"{k} {v:.0f} s" for k, v in tp["wall_s_by_group"].items())
@@ -276,7 +332,9 @@ def render_markdown(result: dict) -> str:
             reach = "" if row["reached"] else " (not reached)"
             lines.append(f"| {row['config']}, SIMULATED | {row['tau_simulated']} | {row['tau_measured']:.2f}{reach} | "
                          f"{row['batch']} | {row['tokens_per_s']:.1f} | {row['speedup']:.2f}× | {row['eta']:.2f} | "
-                         f"{fmt(it and 1e3 * it)} ms/iteration (end to end) |")
+                         f"{fmt(it and 1e3 * it)} ms/iteration (end to end)"
+                         + ("; " + ", ".join(f"{k} ×{v}" for k, v in row["shapes"].items()) if row.get("shapes") else "")
+                         + " |")
         if sc.get("phase_gpu_s"):
             lines += ["", "GPU time per phase of one iteration (bench_scale.spec_iteration_times, one CUDA graph per phase, synchronised "
                       "around each phase), SIMULATED acceptance:", "",
@@ -300,6 +358,27 @@ def render_markdown(result: dict) -> str:
     if r["quick"]:
         lines += ["", "QUICK MODE: tiny models on this device; the figures only show that the pipeline runs."]
     return "\n".join(lines) + "\n"
+
+
+def _adaptive_lines(tp: dict) -> list[str]:
+    """The shapes adaptive speculation ran per batch, and the mixed workload's table."""
+    lines = []
+    shaped = [r for r in tp["rows"] if r.get("shapes")]
+    if shaped:
+        lines += ["", "Shapes adaptive speculation ran (iterations): " + "; ".join(
+            f"batch {r['batch']}: " + ", ".join(f"{k} ×{v}" for k, v in r["shapes"].items()) for r in shaped) + "."]
+    mixed = tp.get("mixed") or {}
+    if mixed.get("rows"):
+        lines += ["", f"Mixed workload: {mixed['batch']} requests in one call, every other prompt random tokens (the "
+                  "draft is poor there), half of each kind with a quarter of the new tokens.", "",
+                  "| configuration | policy | tokens/s | τ code prompts | τ random prompts | identical | shapes |",
+                  "|---|---|---|---|---|---|---|"]
+        for r in mixed["rows"]:
+            ident = f"{r['identical']}/{r['batch']}" if "identical" in r else "–"
+            shapes = ", ".join(f"{k} ×{v}" for k, v in (r.get("shapes") or {}).items()) or "–"
+            lines.append(f"| {r['config']} | {r['policy'] or 'fixed'} | {r['tokens_per_s']:.1f} | {fmt(r['tau_good'])} | "
+                         f"{fmt(r['tau_poor'])} | {ident} | {shapes} |")
+    return lines
 
 
 def _gpu_work_table(rows: list[dict]) -> list[str]:

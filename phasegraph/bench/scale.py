@@ -16,6 +16,7 @@ from phasegraph.bench.common import (
     load_bench_scale,
     phase_share,
     prefill_seconds,
+    shape_counts,
     sync,
     warm_then_time,
 )
@@ -190,19 +191,22 @@ def _measure_spec(run: BenchRun, bs, target, head, name, spec, tau, prompts, par
         tokens = sum(len(o.token_ids) for o in outs)
         lens = [x for o in outs for x in o.stats.accept_lengths]
         speedup = (tokens / wall) / base_tps[b]
-        measured = sum(lens) / len(lens)  # below tau by the budget's last, shorter iteration
+        # below tau by the budget's last, shorter iteration; 1 where adaptive ran no drafts
+        measured = sum(lens) / len(lens) if lens else 1.0
         row = {"config": name, "tau_simulated": tau, "tau_measured": measured,
-               "reached": measured >= tau - 0.25,
+               "reached": measured >= tau - 0.25 or bool(spec.adaptive),  # adaptive may choose shorter
                "batch": b, "seconds": wall, "new_tokens": tokens, "tokens_per_s": tokens / wall,
                "baseline_tokens_per_s": base_tps[b], "speedup": speedup, "eta": speedup / measured,
                "iterations": count_phase(engine.trace, "verify"), "nodes": spec.num_draft_tokens,
                "prefill_s": prefill_seconds(engine.trace),
                "phase_share": phase_share(engine.trace, wall), "gc": gc_pauses, "captured_while_timed": captured}
+        if spec.adaptive:
+            row["shapes"] = shape_counts(engine.trace)
         part["rows"].append(row)
         bar.update(1)
         run.log(f"  scale {name:<18} SIMULATED τ={tau} (measured {measured:.2f}) batch {b:>3}: "
                 f"{row['tokens_per_s']:9.1f} tok/s speedup {speedup:.2f} η {row['eta']:.2f}")
-    if run.cuda and tau == max(a.scale_tau_list):
+    if run.cuda and tau == max(a.scale_tau_list) and not spec.adaptive:
         # GPU time per phase at the smallest and largest batch (bench_scale's probe): what
         # limits η at batch 1 and the speedup at the largest batch, measured. One graph per
         # phase: the iteration graph the timed rows replay runs all four phases at draft.

@@ -162,8 +162,8 @@ def run_configs(spec: dict, dirs: dict[str, Path], log: Callable[[str], None], *
     calls = 0
     retry = []
     for label, spec_kw, draft_key in PG_CONFIGS:
-        if draft_key is not None and dirs[draft_key] is None:
-            continue
+        if (draft_key is not None and dirs[draft_key] is None) or spec_kw.get("adaptive"):
+            continue  # adaptive speculation runs the chain's and the tree's kernels
         t0 = time.perf_counter()
         made = _try_config(spec, dirs, spec_kw, draft_key, params, vocab, g)
         if made is None:

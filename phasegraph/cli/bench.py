@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 from phasegraph.bench.common import (
+    PAIR_CONFIG_KEYS,
     SCALE_CONFIGS,
     BenchRun,
     check_reused_pair,
@@ -30,7 +31,7 @@ from phasegraph.cli.common import CliError, require_at_least, require_name
 # a run past 9 minutes. The tiny preset of --quick runs unbudgeted.
 DEFAULT_TRAIN_BUDGET_S = 280.0
 
-FULL = {"batches": "1,8,32", "new_tokens": 256, "prompt_tokens": 256, "batch1_prompts": 3, "batch1_repeats": 3,
+FULL = {"batches": "1,8,32,64", "new_tokens": 256, "prompt_tokens": 256, "batch1_prompts": 3, "batch1_repeats": 3,
         "hf_batch1_prompts": 1,
         "scale_batches": "1,8,32,64", "scale_new_tokens": 256, "scale_prompt_tokens": 128}
 QUICK = {"batches": "1,2", "new_tokens": 16, "prompt_tokens": 64, "batch1_prompts": 2, "batch1_repeats": 1,
@@ -120,10 +121,13 @@ def estimate_seconds(run: BenchRun) -> dict[str, float]:
             calls = sum(hf_b1 if b == 1 else 1 for b in a.batch_list)  # batch 1: one call per prompt
             # each call: two warm-ups and one timed run (batch 1: --batch1-repeats timed runs)
             runs = sum(b1 * (2 + a.batch1_repeats) if b == 1 else 3 for b in a.batch_list)
+            spec_configs = len(a.pair_config_labels)
             pg = runs * steps * SMALL_STEP_S  # baseline
-            pg += runs * 3 * (steps / 2.5) * SMALL_ITER_S  # chain, tree, standalone at tau ~2.5
+            pg += runs * spec_configs * (steps / 2.5) * SMALL_ITER_S  # the drafting rows at tau ~2.5
             warm = train == 0.0 or a.warm_compile
-            pg += nb * 3 * 3 * CAPTURE_S + 4 * (CONFIG_SETUP_WARM_S if warm else CONFIG_SETUP_S)
+            pg += nb * 3 * spec_configs * CAPTURE_S + (1 + spec_configs) * (CONFIG_SETUP_WARM_S if warm else CONFIG_SETUP_S)
+            if a.mixed:  # baseline, chain, tree and adaptive twice, each call three times, at tau ~2
+                pg += 5 * 3 * (steps / 2) * SMALL_ITER_S
             hf = 0.0 if a.no_hf else 1.1 * steps * (HF_STEP_S * calls + HF_ASSISTED_STEP_S * hf_b1)
             est["part 1: measure"] = pg + hf + 10.0  # + loading transformers' models
         else:
@@ -137,7 +141,8 @@ def estimate_seconds(run: BenchRun) -> dict[str, float]:
                 t += 2 * (n * _interp(SCALE_STEP_S, b) + prefill) + 3 * SCALE_EAGER_ITER_S
                 for key in a.scale_config_list:
                     for tau in a.scale_tau_list:
-                        t += 2 * (math.ceil(n / tau) * _interp(SCALE_ITER_S[key], b) + prefill)
+                        iteration = SCALE_ITER_S["chain" if key == "adaptive" else key]
+                        t += 2 * (math.ceil(n / tau) * _interp(iteration, b) + prefill)
                         t += 3 * 3 * SCALE_EAGER_ITER_S
             t += 10.0 + TRITON_COMPILE_S / 2  # decode-step and per-phase probes; kernels for head dim 128
             est["part 2: scale"] = t
@@ -165,6 +170,10 @@ def _resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     if not 1 <= args.hf_batch1_prompts <= args.batch1_prompts:
         raise CliError(f"--hf-batch1-prompts must be between 1 and --batch1-prompts ({args.batch1_prompts}), "
                        f"got {args.hf_batch1_prompts}")
+    keys = [c.strip() for c in args.pair_configs.split(",") if c.strip()]
+    if unknown := [c for c in keys if c not in PAIR_CONFIG_KEYS]:
+        raise CliError(f"--pair-configs takes {', '.join(PAIR_CONFIG_KEYS)}; got {', '.join(unknown)}")
+    args.pair_config_labels = [PAIR_CONFIG_KEYS[c] for c in keys]
     args.scale_batch_list = _ints(args.scale_batches)
     args.scale_tau_list = _ints(args.scale_taus)
     args.parts_list = _ints(args.parts)
@@ -322,8 +331,13 @@ def add_parser(sub) -> None:
     p.add_argument("--quick", action="store_true",
                    help="the whole pipeline with tiny models (tiny preset pair, tiny scale model), ~1 minute on a CPU")
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--batches", metavar="B,B,...", help="part 1 batch sizes (default 1,8,32; quick 1,2)")
+    p.add_argument("--batches", metavar="B,B,...", help="part 1 batch sizes (default 1,8,32,64; quick 1,2)")
     p.add_argument("--new-tokens", type=int, metavar="N", help="part 1 new tokens (default 256; quick 16)")
+    p.add_argument("--pair-configs", default=",".join(PAIR_CONFIG_KEYS), metavar="chain,tree,...",
+                   help=f"part 1 drafting rows besides the baseline, of {', '.join(PAIR_CONFIG_KEYS)} (default all)")
+    p.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=True,
+                   help="part 1: also the mixed workload at the largest batch (half random-token prompts, where the "
+                        "draft is poor; mixed lengths): baseline, chain, tree and adaptive per request vs per batch")
     p.add_argument("--batch1-prompts", type=int, metavar="N",
                    help="part 1 batch-1 rows: this many prompts, one call each (default 3; quick 2)")
     p.add_argument("--hf-batch1-prompts", type=int, metavar="N",
@@ -341,9 +355,10 @@ def add_parser(sub) -> None:
                         "default bfloat16 on a GPU, --pair-dtype on the CPU): it moves τ, never the output")
     p.add_argument("--scale-batches", metavar="B,B,...", help="part 2 batch sizes (default 1,8,32,64; quick 1,2)")
     p.add_argument("--scale-taus", default="2,3,4", metavar="T,T,...", help="simulated acceptance lengths (default 2,3,4)")
-    p.add_argument("--scale-configs", default="chain", metavar="chain,tree",
+    p.add_argument("--scale-configs", default="chain", metavar="chain,tree,adaptive",
                    help="part 2 drafts: chain (S=3, default: reaches τ=4), tree (K=4 S=4 N=16: with random "
-                        "weights the tree keeps depth-1 and depth-2 nodes only, so τ ≤ 3)")
+                        "weights the tree keeps depth-1 and depth-2 nodes only, so τ ≤ 3), adaptive (off or "
+                        "chains of 1 and 3, chosen per iteration)")
     p.add_argument("--scale-new-tokens", type=int, metavar="N", help="part 2 new tokens (default 256: decode dominates as in serving; quick 16)")
     p.add_argument("--scale-prompt-tokens", type=int, metavar="N", help="part 2 prompt tokens (default 128; quick 32)")
     p.add_argument("--scale-layers", type=int, default=32, metavar="L", help="layers of the 8B shape (default 32)")
