@@ -434,6 +434,12 @@ class AdaptiveSpeculation:
         a.observe(shape.family, depth, accept_length - 1)
         self.engine_wide.observe(shape.family, depth, accept_length - 1)
 
+    def batch_ran_without_drafts(self) -> None:
+        """No request drafted this iteration, so nothing was observed: the engine's estimate
+        fades toward the prior, so that a policy that chose ``off`` tries speculation again
+        (one that never drafts would never learn that drafting pays again)."""
+        self.engine_wide.fade(HELD_DECAY)
+
     def ran_without_drafts(self, req) -> None:
         """``req`` ran an iteration without drafts: its draft state is old, its estimate fades."""
         a = self.acceptance(req)

@@ -478,6 +478,8 @@ class Scheduler:
             shape = self.adaptive.shapes[plan.shape]
             if not plan.held:
                 out = self._iteration(self.machine, batch, shape, note=shape.name)
+                if shape.off:
+                    self.adaptive.batch_ran_without_drafts()
                 shapes = None if shape.off else [shape] * len(batch)
             else:
                 batch, out, shapes = self._issue_split(batch, plan)
@@ -579,7 +581,8 @@ class Scheduler:
                 req.stats.accept_lengths.append(n)
                 if DRAFT_NONFINITE in row:
                     self._note_nonfinite_draft(req)
-                elif shape is not None:
+                elif shape is not None and req.remaining >= shape.accept_width:
+                    # (an iteration the budget cut short says nothing about the draft)
                     self.adaptive.observe(req, shape, n)
             req.append(row[:n], None if row_lps is None else row_lps[:n], None if row_top is None else row_top[:n],
                        None if row_experts is None else row_experts[:n])

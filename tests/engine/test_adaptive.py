@@ -168,3 +168,12 @@ def test_measuring_shapes_wider_than_the_engine_is_refused():
         engine.measure_spec_costs([OFF, SpecShape(4, 3, 8)], [1])
     with pytest.raises(InvalidConfig, match=r"shapes \['chain S=5'\] need more"):
         engine.measure_spec_costs([SpecShape.chain(5)], [1])
+
+
+def test_an_iteration_the_budget_cut_short_is_not_counted_as_a_miss():
+    engine, ps = _engine(MOVING, 1, OracleDraft)
+    budget = 4 * 5 + 2  # a chain of 3 commits 4 tokens, a tree up to 4: the last iteration is cut
+    engine.generate(ps, SamplingParams(max_new_tokens=budget, ignore_eos=True))
+    assert engine.trace.notes("draft"), "the engine drafted"
+    seen = engine.scheduler.adaptive.engine_wide
+    assert seen.tries and all(seen.hits[k] == pytest.approx(seen.tries[k]) for k in seen.tries), (seen.hits, seen.tries)

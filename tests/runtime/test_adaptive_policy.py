@@ -240,3 +240,14 @@ def test_a_family_a_request_never_ran_follows_its_own_other_family():
     # each request's own, not the engine's, which mixes both: both hit depth 1, only one depth 2
     sure_tree, unsure_tree = ctl.rates(sure)["tree"], ctl.rates(unsure)["tree"]
     assert sure_tree[0] == pytest.approx(unsure_tree[0]) and sure_tree[1] > unsure_tree[1] + 0.5
+
+
+def test_a_batch_without_drafts_lets_the_engine_estimate_drift_back_to_the_prior():
+    ctl = AdaptiveSpeculation(table({s: 0.1 for s in SHAPES}))
+    for _ in range(60):
+        ctl.observe(_Req(), CHAIN3, 1)  # drafts always fail: the policy would choose off
+    low = ctl.engine_rate("chain", 1)
+    assert low < 0.1
+    for _ in range(200):  # off for the whole batch: nothing observed, so the estimate fades
+        ctl.batch_ran_without_drafts()
+    assert ctl.engine_rate("chain", 1) == pytest.approx(PRIOR_RATE["chain"], abs=0.05)
