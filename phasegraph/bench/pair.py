@@ -252,6 +252,7 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
             row["note"] = note
         if spec_kw.get("adaptive"):
             row["shapes"] = shape_counts(engine.trace)
+            row["spec_costs"] = engine.scheduler.adaptive.costs.to_dict()
         if b == 1 and run.cuda:
             row["gpu_busy_s"], row["gpu_busy_iterations"] = _gpu_busy_seconds(engine, calls, params)
         outputs[(label, b)] = tokens

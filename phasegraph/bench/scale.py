@@ -202,6 +202,7 @@ def _measure_spec(run: BenchRun, bs, target, head, name, spec, tau, prompts, par
                "phase_share": phase_share(engine.trace, wall), "gc": gc_pauses, "captured_while_timed": captured}
         if spec.adaptive:
             row["shapes"] = shape_counts(engine.trace)
+            row["spec_costs"] = engine.scheduler.adaptive.costs.to_dict()
         part["rows"].append(row)
         bar.update(1)
         run.log(f"  scale {name:<18} SIMULATED τ={tau} (measured {measured:.2f}) batch {b:>3}: "
