@@ -260,7 +260,7 @@ class Engine:
         sched.adaptive = AdaptiveSpeculation(CostTable(shapes, [1], [[1.0]] * len(shapes)), split=False)
         prompt_len = 16
         # each shape times fresh requests, so none finishes (or shrinks the batch) while timed
-        budget = min((warmup + steps) * max(s.accept_width for s in shapes) + 8, self.max_context - prompt_len - 1)
+        budget = min((warmup + 2 * steps) * max(s.accept_width for s in shapes) + 8, self.max_context - prompt_len - 1)
         seconds = [[0.0] * len(batches) for _ in shapes]
         split_s = 0.0
         gen = torch.Generator().manual_seed(0)
@@ -288,7 +288,9 @@ class Engine:
             for j, b in enumerate(batches):
                 for i, shape in enumerate(shapes):
                     sched.adaptive.force = shape
-                    seconds[i][j] = timed(b, shape.name, lambda: self._time_steps(warmup, steps))
+                    # the faster of two timings: a capture or a stall in one would misprice the shape
+                    seconds[i][j] = timed(b, shape.name, lambda: min(self._time_steps(warmup, steps),
+                                                                     self._time_steps(0, steps)))
                 sched.adaptive.force = None
                 if b == batches[-1] and b >= 2 and len(shapes) > 1:
                     split_s = timed(b, "split", lambda j=j, b=b: self._time_split(shapes, seconds, j, b, warmup, steps))
