@@ -25,7 +25,7 @@ PG_CONFIGS = (
     ("EAGLE-3 chain S=3", {"method": "eagle3", "num_steps": 3, "topk": 1, "adaptive": False}, "eagle3"),
     ("EAGLE-3 tree K=4 S=4 N=16", {**_TREE, "adaptive": False}, "eagle3"),
     ("standalone draft chain S=3", {"method": "standalone", "num_steps": 3, "topk": 1, "adaptive": False}, "draft"),
-    ("EAGLE-3 adaptive (off, chains, the tree)", {**_TREE, "adaptive": True}, "eagle3"),
+    ("EAGLE-3 adaptive, up to the tree", {**_TREE, "adaptive": True}, "eagle3"),
 )
 BASELINE, CHAIN, TREE, STANDALONE, ADAPTIVE = (c[0] for c in PG_CONFIGS)
 # --pair-configs names; the baseline always runs (every row is compared with it)
