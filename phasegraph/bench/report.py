@@ -209,7 +209,6 @@ def _adaptive_goals(add, where: str, rows: list[dict], adaptive: str, fixed: lis
     baseline's config is BASELINE): never slower than the baseline, at least 0.95× the best
     fixed configuration at each batch, and more tokens over the whole sweep than any fixed one."""
     tps = {(r["config"], r["batch"]): r["tokens_per_s"] for r in rows}
-    wall = {(r["config"], r["batch"]): (r["new_tokens"], r["seconds"]) for r in rows}
     batches = sorted(b for (c, b) in tps if c == adaptive and (BASELINE, b) in tps)
     goals = (f"{where}: adaptive ≥ {ADAPTIVE_VS_BASELINE}× the baseline at every batch",
              f"{where}: adaptive ≥ {ADAPTIVE_VS_BEST}× the best fixed configuration at every batch",
@@ -225,6 +224,8 @@ def _adaptive_goals(add, where: str, rows: list[dict], adaptive: str, fixed: lis
     vs_best = {b: tps[(adaptive, b)] / tps[(best[b], b)] for b in batches}
     add(goals[1], ", ".join(f"b{b} {x:.2f}× ({best[b]})" for b, x in vs_best.items()),
         min(vs_best.values()) >= ADAPTIVE_VS_BEST)
+
+    wall = {(r["config"], r["batch"]): (r["new_tokens"], r["seconds"]) for r in rows}
 
     def sweep(config):  # tokens over seconds of every batch size, where all were measured
         if any((config, b) not in wall for b in batches):

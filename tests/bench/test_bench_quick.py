@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from phasegraph.bench.common import ADAPTIVE
+
 REPO = Path(__file__).resolve().parents[2]
 # few training steps: the pipeline, not the pair, is under test (~1 minute in all on 2 cores)
 TRAIN_SET = ["target_train.steps=30", "target_train.eval_every=15", "head_train.steps=20",
@@ -66,9 +68,18 @@ def test_json_holds_every_figure_and_the_environment(quick_run):
     assert sum(groups.values()) <= r["parts_wall_s"]["part 1"]
     got = {(x["engine"], x["config"], x["batch"]) for x in rows}
     for config in ("baseline (autoregressive)", "EAGLE-3 chain S=3", "EAGLE-3 tree K=4 S=4 N=16",
-                   "standalone draft chain S=3"):
+                   "standalone draft chain S=3", ADAPTIVE):
         for b in (1, 2):
             assert ("phasegraph", config, b) in got, (config, b)
+    for x in rows:  # adaptive rows say which shapes ran and the costs they were chosen from
+        if x["config"] == ADAPTIVE:
+            assert sum(x["shapes"].values()) > 0 and x["spec_costs"]["batches"] == [1, 2], x
+    mixed = r["trained_pair"]["mixed"]
+    assert [(m["config"], m["policy"]) for m in mixed["rows"]] == [
+        ("baseline (autoregressive)", None), ("EAGLE-3 tree K=4 S=4 N=16", None), ("EAGLE-3 chain S=3", None),
+        (ADAPTIVE, "per request"), (ADAPTIVE, "per batch")]
+    assert sorted(mixed["requests"]) == ["good", "poor"]  # quick: batch 2, one prompt of each kind
+    assert all(m["identical"] == 2 for m in mixed["rows"][1:]), mixed  # lossless on the mixed workload too
     assert ("transformers", "transformers generate", 1) in got
     assert ("transformers", "transformers generate", 2) in got
     assisted = [x for x in rows if x["config"].startswith("transformers generate + assistant_model")]
@@ -84,7 +95,9 @@ def test_json_holds_every_figure_and_the_environment(quick_run):
         if x["engine"] == "phasegraph":
             assert x["captured_while_timed"] == 0, x  # CPU: no graphs; a GPU run records its captures
             assert x["identical"] == x["requests"] and x["identical_share"] == 1.0, x  # lossless
-        if x["engine"] == "phasegraph" and x["config"] != "baseline (autoregressive)":
+        if x["config"] == ADAPTIVE and x["tau"] is None:  # the policy chose no drafts: decode only
+            assert set(x["shapes"]) == {"off"} and x["phase_share"]["decode"] > 0, x
+        elif x["engine"] == "phasegraph" and x["config"] != "baseline (autoregressive)":
             assert 1 <= x["tau"] <= 5 and x["eta"] == pytest.approx(x["speedup"] / x["tau"])
             assert x["phase_share"]["verify"] > 0 and x["iterations"] > 0
         if x["config"] == "baseline (autoregressive)":
@@ -104,7 +117,7 @@ def test_json_holds_every_figure_and_the_environment(quick_run):
     for x in sc["rows"] + sc["baseline"]:
         assert x["gc"]["frozen"] is True and 0 <= x["gc"]["seconds"] <= x["seconds"]
 
-    assert len(r["goals"]) == 6
+    assert len(r["goals"]) == 10
     assert all(g["met"] in (True, False) for g in r["goals"]), r["goals"]  # every goal measured
     (identical_goal,) = [g for g in r["goals"] if "identical" in g["goal"]]
     assert identical_goal["met"] is True, identical_goal
@@ -127,7 +140,7 @@ def test_markdown_table(quick_run):
                  "≥ 1.3× baseline", "85% of the memory-bandwidth bound"):
         assert goal in md, goal
     goal_rows = md.split("## Goals")[1]
-    assert goal_rows.count("| met |") + goal_rows.count("| **not met** |") == 6
+    assert goal_rows.count("| met |") + goal_rows.count("| **not met** |") == 10
 
 
 def test_plots(quick_run):
@@ -264,10 +277,10 @@ def test_the_estimate_counts_transformers_rows_only_when_they_run(tmp_path):
         return _part1_estimate(tmp_path, *extra)["part 1: measure"]
 
     with_hf, without = part1(), part1("--no-hf")
-    calls = 1 + 1 + 1  # batch 1: --hf-batch1-prompts (default 1); batches 8 and 32: one call
+    calls = 1 + 1 + 1 + 1  # batch 1: --hf-batch1-prompts (default 1); batches 8, 32 and 64: one call
     assert with_hf - without == pytest.approx(1.1 * 256 * (HF_STEP_S * calls + HF_ASSISTED_STEP_S))
     three = part1("--hf-batch1-prompts", "3")  # each prompt one call, plain and assisted
-    assert three - without == pytest.approx(1.1 * 256 * (HF_STEP_S * 5 + HF_ASSISTED_STEP_S * 3))
+    assert three - without == pytest.approx(1.1 * 256 * (HF_STEP_S * 6 + HF_ASSISTED_STEP_S * 3))
 
 
 def test_prefill_graphs_are_on_by_default_and_recorded(tmp_path, quick_run):
@@ -594,3 +607,22 @@ def test_a_dry_run_prints_the_plan_and_makes_nothing(tmp_path, capsys):
     assert main(["bench", "--quick", "--out", str(out), "--pair", str(pair), "--dry-run"]) == 0
     assert "estimated time:" in capsys.readouterr().out
     assert list(tmp_path.iterdir()) == []
+
+
+def test_adaptive_goals_compare_with_the_baseline_the_best_fixed_shape_and_the_sweep():
+    from phasegraph.bench.common import BASELINE, CHAIN, TREE
+    from phasegraph.bench.report import _adaptive_goals
+
+    def row(config, batch, tps):
+        return {"config": config, "batch": batch, "tokens_per_s": tps, "new_tokens": tps, "seconds": 1.0}
+
+    rows = [row(BASELINE, 1, 100), row(CHAIN, 1, 150), row(TREE, 1, 180), row(ADAPTIVE, 1, 175),
+            row(BASELINE, 32, 1000), row(CHAIN, 32, 1400), row(TREE, 32, 800), row(ADAPTIVE, 32, 1300)]
+    goals = []
+    _adaptive_goals(lambda goal, measured, met, note=None: goals.append((goal, measured, met)), "pair", rows,
+                    ADAPTIVE, [CHAIN, TREE])
+    (_, base, base_met), (_, best, best_met), (_, sweep, sweep_met) = goals
+    assert base == "b1 1.75×, b32 1.30×" and base_met
+    assert best == f"b1 0.97× ({TREE}), b32 0.93× ({CHAIN})" and not best_met  # 0.93 < 0.95
+    # over the sweep: (175 + 1300) / 2 s against the chain's (150 + 1400) / 2 s
+    assert sweep.startswith("738 tok/s vs") and f"{CHAIN} 775" in sweep and not sweep_met
