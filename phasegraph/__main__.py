@@ -5,4 +5,5 @@ import sys
 
 from phasegraph.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # not in a spawned child process, which imports this module again
+    sys.exit(main())

@@ -7,6 +7,7 @@ process. It measures:
 - the cost of the asyncio and HTTP layers at batch 1: one streaming request through the server
   against the same request stepped on the bare engine, as the period of the steps that emit
   tokens (the gap between a stream's chunks, against the gap between the bare engine's steps);
+  the clients run in a process of their own, as they would in a deployment;
 - at each arrival rate, requests arriving as a Poisson process (exponential gaps, a fixed seed),
   each a streaming ``/v1/completions`` client that records when it sent the request and when
   each chunk arrived: output tokens/s, time to first token, and inter-token latency. A chunk
@@ -21,8 +22,10 @@ Writes serve_bench.json, serve_bench.md and serve_latency.png into --out.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import json
 import math
+import multiprocessing
 import random
 import statistics
 import time
@@ -169,18 +172,22 @@ def _measure_mode(engine, prompts, s: ServeSettings, log) -> dict:
 
     bare = [_bare_step_seconds(engine, prompts[0], s) for _ in range(s.overhead_repeats)]
     aengine = AsyncEngine(engine, max_queue=max(256, s.requests))
+    # the clients run in a process of their own: in this one they would take the interpreter
+    # from the engine and server threads, and their cost would count as the server's
+    clients = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
     try:
         app = create_app(aengine, model_name=MODEL_NAME, on_full="wait")
         with serve_in_thread(app) as url:
-            served = [asyncio.run(_served_step_seconds(url, aengine, prompts[0], s)) for _ in range(s.overhead_repeats)]
+            served = [_served_step_seconds(url, aengine, prompts[0], s, clients) for _ in range(s.overhead_repeats)]
             rows = []
             for rate in s.rates:
-                streams, wall = asyncio.run(_poisson_run(url, prompts, rate, s))
+                streams, wall = clients.submit(_client_poisson_run, url, prompts, rate, s).result()
                 row = summarize(rate, streams, wall)
                 log(f"  {rate:g} req/s: {row['tokens_per_s']:.1f} tok/s, TTFT p50 {row['ttft_p50_s'] * 1e3:.1f} ms, "
                     f"ITL p50 {row['itl_p50_s'] * 1e3:.2f} ms")
                 rows.append(row)
     finally:
+        clients.shutdown()
         aengine.close()
     engine.clear_prefix_cache()
     bare_s, served_s = statistics.median(bare), statistics.median(served)
@@ -202,17 +209,30 @@ def _bare_step_seconds(engine, prompt: list[int], s: ServeSettings) -> float:
     return _period(emitted)
 
 
-async def _served_step_seconds(url: str, aengine, prompt: list[int], s: ServeSettings) -> float:
+def _served_step_seconds(url: str, aengine, prompt: list[int], s: ServeSettings, clients) -> float:
     """The same through the server: seconds between two chunks of one streaming request (a
-    chunk holds the tokens of one step), as its client receives them."""
-    import httpx
-
-    async with httpx.AsyncClient(timeout=None) as client:
-        stream = await _one_request(client, url, prompt, s, time.perf_counter())
+    chunk holds the tokens of one step), as its client (in the ``clients`` process) receives them."""
+    stream = clients.submit(_client_one_request, url, prompt, s).result()
     if stream.error:
         raise BenchError(f"the batch-1 request failed: {stream.error}")
-    await aengine.call(lambda engine: engine.clear_prefix_cache())  # the next repeat prefills again
+    asyncio.run(aengine.call(lambda engine: engine.clear_prefix_cache()))  # the next repeat prefills again
     return _period([t for t, _ in stream.chunks])
+
+
+def _client_one_request(url: str, prompt: list[int], s: ServeSettings) -> _Stream:
+    """One streaming request, in the clients' process."""
+    import httpx
+
+    async def run() -> _Stream:
+        async with httpx.AsyncClient(timeout=None) as client:
+            return await _one_request(client, url, prompt, s, time.perf_counter())
+
+    return asyncio.run(run())
+
+
+def _client_poisson_run(url: str, prompts, rate: float, s: ServeSettings) -> tuple[list[_Stream], float]:
+    """:func:`_poisson_run`, in the clients' process."""
+    return asyncio.run(_poisson_run(url, prompts, rate, s))
 
 
 def _period(times: list[float]) -> float:
