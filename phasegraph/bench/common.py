@@ -427,9 +427,7 @@ def shape_counts(trace) -> dict[str, int]:
 
 def graph_count(engine) -> int:
     """CUDA graphs the engine holds (per phase, whole iteration and prefill), 0 without graphs."""
-    if engine.graph_runner is None:
-        return 0
-    return sum(v["graphs"] for v in engine.graph_runner.stats().values())
+    return 0 if engine.graph_runner is None else engine.graph_runner.graph_count()
 
 
 def prefill_seconds(trace) -> float:

@@ -153,14 +153,15 @@ def _engine(pair: Path, mode: str, device: str, args, s: ServeSettings):
 
 
 def _warm_up(engine, prompts, s: ServeSettings) -> None:
-    """Compile and capture at every batch bucket of the CUDA graphs (without graphs: batch 1, a
-    middle batch and the largest), so that the timed runs replay what they need; the prompts
-    here start with another token, so no timed prompt is read from what they cached."""
+    """Compile, and capture every batch bucket's and speculation shape's CUDA graphs
+    (:meth:`~phasegraph.runtime.engine.Engine.warm_up`), so that the timed runs replay what
+    they need; without graphs, batch 1, a middle batch and the largest. The prompts here start
+    with another token, so no timed prompt is read from what they cached."""
     from phasegraph import SamplingParams
 
     params = SamplingParams(max_new_tokens=min(s.new_tokens, 16), temperature=0.0, ignore_eos=True)
-    runner = engine.graph_runner
-    batches = runner.buckets if runner is not None else (1, max(1, s.max_batch // 4), s.max_batch)
+    engine.warm_up()
+    batches = (1, max(1, s.max_batch // 4), s.max_batch)
     for batch in dict.fromkeys(b for b in batches if b <= min(s.max_batch, len(prompts))):
         engine.generate([[7 + i] + p[1:] for i, p in enumerate(prompts[:batch])], params)
     engine.clear_prefix_cache()

@@ -112,6 +112,7 @@ def run_serve(args: argparse.Namespace) -> int:
         # no trace: a server runs for days, and a trace keeps every phase transition
         engine = load_engine(args, spec, trace=False, max_batch_size=args.max_batch_size,
                              prefix_cache=args.prefix_cache)
+        engine.warm_up()  # every graph captured before the first request, none mid-stream
         with_draft = f" with {spec.method} drafts" if spec.speculative else ""
         aengine = AsyncEngine(engine, max_queue=args.max_queue)
         try:

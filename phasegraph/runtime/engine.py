@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
 import operator
@@ -232,6 +233,72 @@ class Engine:
             if not shape.off:
                 _check_tree_fits(shape.tree, self.target, self.draft, self.method)
         return tuple(shapes)
+
+    def warm_up(self, new_tokens: int = 8) -> int:
+        """Capture the CUDA graphs that every batch bucket and speculation shape replays, on
+        requests of random prompts, so that no request waits for a capture later (a server calls
+        this once before taking traffic; under adaptive speculation a shape first chosen at a
+        bucket would otherwise capture mid-stream; the groups of a split batch, which run per-phase
+        graphs, may still capture at first use). Nothing without graphs. The engine is left
+        idle and clean, no acceptance estimate having seen the requests. Returns the graphs
+        captured."""
+        runner = self.graph_runner
+        if runner is None or self.tp is not None:  # (tensor parallel ranks capture as they go)
+            return 0
+        if self.has_unfinished():
+            raise InvalidConfig("warm_up runs on an idle engine: let its requests finish first")
+        before = runner.graph_count()
+        policy = self.scheduler.adaptive
+        saved = None if policy is None else (policy.engine_wide, policy.force)
+        if policy is not None:  # the random prompts' acceptance goes to a throwaway estimate
+            policy.engine_wide = attrs.evolve(policy.engine_wide, hits={}, tries={})
+        gen = torch.Generator().manual_seed(0)
+        # every shape after itself and after a step without drafts (whose state the draft
+        # phase then reads: another graph key)
+        off = [sh for sh in self.spec_shapes if sh.off]
+        order = off + [x for sh in self.spec_shapes if not sh.off for x in (sh, sh, *off)] if policy else [None] * 3
+        budget = min(len(order) * 2 * max((sh.accept_width for sh in self.spec_shapes), default=1) + 8,
+                     self.max_context - 17)
+        marks = len(self.trace) if self.trace is not None else 0
+        try:
+            for b in runner.buckets:
+                if b > self.config.max_batch_size:
+                    continue
+                for _ in range(2):  # a graph is captured the second time its key runs
+                    with self._throwaway_requests(b, 16, budget, gen, "warm-up"):
+                        for shape in order:
+                            if policy is not None:
+                                policy.force = shape
+                            self.scheduler.step()
+        finally:
+            if policy is not None:
+                policy.engine_wide, policy.force = saved
+            if self.trace is not None:
+                del self.trace.transitions[marks:]
+            if self.kv.prefix_cache is not None:
+                self.kv.clear_prefix_cache()
+        return runner.graph_count() - before
+
+    @contextlib.contextmanager
+    def _throwaway_requests(self, batch: int, prompt_len: int, budget: int, gen: torch.Generator, tag: str):
+        """``batch`` requests of random prompts, prefilled, for the body to step; aborted and
+        drained after it (start-up measurement and warm-up)."""
+        sched = self.scheduler
+        reqs = [Request(f"{tag}-{batch}-{i}", torch.randint(0, self.target.vocab_size, (prompt_len,),
+                                                            generator=gen).tolist(),
+                        SamplingParams(max_new_tokens=budget, ignore_eos=True), stop_ids=(),
+                        budget=budget, seed=i, decode=None) for i in range(batch)]
+        for r in reqs:
+            sched.add(r)
+        while sched.waiting:  # prefill
+            sched.step()
+        try:
+            yield reqs
+        finally:
+            for r in reqs:
+                sched.abort(r.request_id)
+            sched.drain()
+
     def measure_spec_costs(self, shapes: Sequence[SpecShape] | None = None, batches: Sequence[int] | None = None,
                            *, warmup: int = 3, steps: int = 6) -> CostTable:
         """Seconds per iteration of each shape (default: the engine's) at a few batch sizes
@@ -269,20 +336,8 @@ class Engine:
         saved_topk, self.ctx.draft_topk = self.ctx.draft_topk, self.kv.topk
 
         def timed(b: int, tag: str, time_it) -> float:
-            reqs = [Request(f"measure-{tag}-{b}-{i}", torch.randint(0, self.target.vocab_size, (prompt_len,),
-                                                                  generator=gen).tolist(),
-                            SamplingParams(max_new_tokens=budget, ignore_eos=True), stop_ids=(),
-                            budget=budget, seed=i, decode=None) for i in range(b)]
-            for r in reqs:
-                sched.add(r)
-            while sched.waiting:  # prefill
-                sched.step()
-            try:
+            with self._throwaway_requests(b, prompt_len, budget, gen, f"measure-{tag}"):
                 return time_it()
-            finally:
-                for r in reqs:
-                    sched.abort(r.request_id)
-                sched.drain()
 
         try:
             for j, b in enumerate(batches):

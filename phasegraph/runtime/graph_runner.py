@@ -84,6 +84,10 @@ class GraphRunner(GraphCapture):
                       for p in phases]
         return PhaseGraph("eagle", phases, EDGES, entry="prefill-extend")
 
+    def graph_count(self) -> int:
+        """CUDA graphs held: per phase, whole iterations and prefill."""
+        return sum(v["graphs"] for v in self.stats().values())
+
     def stats(self) -> dict[str, dict[str, Any]]:
         """Per graphed phase: graphs, replays, eager calls and why (prefill-extend too when its
         graphs are on); with scope "iteration" also ``"iteration"``: its graphs, replays, and per

@@ -22,6 +22,7 @@ from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
 from phasegraph.runtime.errors import InvalidConfig
 from phasegraph.testing.drafters import AdversaryDraft, NoisyOracleDraft, OracleDraft
+from tests.engine import support
 from tests.engine.support import assert_all_free
 from tests.phases.lossless_support import NEW_TOKENS, VOCAB, prompts, reference, tiny_target
 
@@ -177,3 +178,25 @@ def test_an_iteration_the_budget_cut_short_is_not_counted_as_a_miss():
     assert engine.trace.notes("draft"), "the engine drafted"
     seen = engine.scheduler.adaptive.engine_wide
     assert seen.tries and all(seen.hits[k] == pytest.approx(seen.tries[k]) for k in seen.tries), (seen.hits, seen.tries)
+
+
+def test_warm_up_captures_every_shape_and_bucket_before_traffic(engine_root):
+    bundle = support.arch_bundle(engine_root, "llama")
+    ps = support.make_prompts(5, seed=4)
+    want = [o.token_ids for o in support.engine_for(bundle, "none", max_batch_size=5).generate(ps, _greedy())]
+    engine = support.engine_for(bundle, "eagle3", topk=2, num_steps=3, num_draft_tokens=6, max_batch_size=5,
+                                adaptive=True, spec_costs=MOVING, cuda_graphs="emulate")
+    assert engine.warm_up() > 0
+    assert not engine.scheduler.adaptive.engine_wide.tries  # random prompts taught the policy nothing
+    assert engine.scheduler.adaptive.force is None and engine.trace.transitions == []
+    held = engine.graph_runner.graph_count()
+    # a batch split in two runs its groups through per-phase graphs of other sizes, which
+    # warm_up does not cover: per-batch plans only here
+    engine.scheduler.adaptive.split = False
+    budgets = [8, 16, 24, 32, 40]  # the batch drains from 5 to 1 across shapes
+    outs = engine.generate(ps, [SamplingParams(max_new_tokens=n, ignore_eos=True) for n in budgets])
+    assert [o.token_ids for o in outs] == [w[:n] for w, n in zip(want, budgets, strict=True)]
+    assert len({note for note, _ in engine.trace.notes("draft")}) >= 2
+    assert engine.graph_runner.graph_count() == held  # nothing captured mid-stream
+    assert_all_free(engine)
+    assert support.engine_for(bundle, "eagle3", adaptive=False).warm_up() == 0  # no graphs: nothing to do
