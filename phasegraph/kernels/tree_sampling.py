@@ -116,6 +116,23 @@ def _inverse_cdf(
     return torch.where(last_positive < 0, fallback, pick)
 
 
+def _check_sampling(
+    draft_tokens, retrieve_next_token, retrieve_next_sibling, probs, coins, bonus_coins, num_steps
+) -> tuple[int, int, int]:
+    """Checks of :func:`verify_tree_sampling`'s inputs; ``(B, N, V)``."""
+    batch, num_nodes = _check_tree_lists(
+        draft_tokens, retrieve_next_token, retrieve_next_sibling, num_steps
+    )
+    expect(probs, "probs", 2, torch.float32)
+    expect_float(coins, "coins", 2)
+    expect_float(bonus_coins, "bonus_coins", 2)
+    vocab = probs.shape[1]
+    expect_shape(probs, "probs", (batch * num_nodes, vocab))
+    expect_shape(coins, "coins", (batch, num_steps + 1))
+    expect_shape(bonus_coins, "bonus_coins", (batch, num_steps + 1))
+    return batch, num_nodes, vocab
+
+
 def verify_tree_sampling_reference(
     draft_tokens: torch.Tensor,  # [B*N] i64
     retrieve_next_token: torch.Tensor,  # [B, N] i64, first child, -1
@@ -134,16 +151,10 @@ def verify_tree_sampling_reference(
     A sibling repeating an already tried token adds no mass. Should rounding leave no mass
     outside the tried children, the last tried child with positive mass is accepted.
     """
-    batch, num_nodes = _check_tree_lists(
-        draft_tokens, retrieve_next_token, retrieve_next_sibling, num_steps
+    batch, num_nodes, vocab = _check_sampling(
+        draft_tokens, retrieve_next_token, retrieve_next_sibling, probs, coins, bonus_coins,
+        num_steps,
     )
-    expect(probs, "probs", 2, torch.float32)
-    expect_float(coins, "coins", 2)
-    expect_float(bonus_coins, "bonus_coins", 2)
-    vocab = probs.shape[1]
-    expect_shape(probs, "probs", (batch * num_nodes, vocab))
-    expect_shape(coins, "coins", (batch, num_steps + 1))
-    expect_shape(bonus_coins, "bonus_coins", (batch, num_steps + 1))
     device = probs.device
     node_base, accept_index, accept_lens = _start_outcome(batch, num_nodes, num_steps, device)
     num_children = max(num_nodes - 1, 0)
@@ -377,16 +388,10 @@ def verify_tree_sampling_triton(
     Equal to the reference except where a coin lands within float64 rounding (~1e-16) of a
     cumulative boundary, since row sums are added in a different order.
     """
-    batch, num_nodes = _check_tree_lists(
-        draft_tokens, retrieve_next_token, retrieve_next_sibling, num_steps
+    batch, num_nodes, vocab = _check_sampling(
+        draft_tokens, retrieve_next_token, retrieve_next_sibling, probs, coins, bonus_coins,
+        num_steps,
     )
-    expect(probs, "probs", 2, torch.float32)
-    expect_float(coins, "coins", 2)
-    expect_float(bonus_coins, "bonus_coins", 2)
-    vocab = probs.shape[1]
-    expect_shape(probs, "probs", (batch * num_nodes, vocab))
-    expect_shape(coins, "coins", (batch, num_steps + 1))
-    expect_shape(bonus_coins, "bonus_coins", (batch, num_steps + 1))
     device = probs.device
     rows = batch * num_nodes
     out = VerifyOutcome.empty(batch, num_nodes, num_steps, device)
