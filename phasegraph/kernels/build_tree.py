@@ -128,6 +128,19 @@ def select_tree_nodes_reference(
     return SelectedNodes(node_tokens, torch.cat([root, parent_node], dim=1), scores_finite)
 
 
+def _check_nodes(bonus_tokens, node_tokens, node_parents, seq_lens) -> tuple[int, int]:
+    """Checks of :func:`build_tree`'s inputs; ``(B, N)``."""
+    expect(bonus_tokens, "bonus_tokens", 1, torch.int64)
+    expect(node_tokens, "node_tokens", 2, torch.int64)
+    expect(node_parents, "node_parents", 2, torch.int64)
+    expect(seq_lens, "seq_lens", 1, torch.int64)
+    batch, num_nodes = node_parents.shape
+    expect_shape(bonus_tokens, "bonus_tokens", (batch,))
+    expect_shape(node_tokens, "node_tokens", (batch, num_nodes - 1))
+    expect_shape(seq_lens, "seq_lens", (batch,))
+    return batch, num_nodes
+
+
 def build_tree_reference(
     bonus_tokens: torch.Tensor,  # [B] i64, root token of each request
     node_tokens: torch.Tensor,  # [B, N-1] i64
@@ -139,14 +152,7 @@ def build_tree_reference(
     Ancestors are found by pointer doubling: after t rounds every node knows its ancestors up to
     distance 2**t and its 2**t-th ancestor, so ceil(log2(N)) rounds of gathers suffice.
     """
-    expect(bonus_tokens, "bonus_tokens", 1, torch.int64)
-    expect(node_tokens, "node_tokens", 2, torch.int64)
-    expect(node_parents, "node_parents", 2, torch.int64)
-    expect(seq_lens, "seq_lens", 1, torch.int64)
-    batch, num_nodes = node_parents.shape
-    expect_shape(bonus_tokens, "bonus_tokens", (batch,))
-    expect_shape(node_tokens, "node_tokens", (batch, num_nodes - 1))
-    expect_shape(seq_lens, "seq_lens", (batch,))
+    batch, num_nodes = _check_nodes(bonus_tokens, node_tokens, node_parents, seq_lens)
     device = node_parents.device
     nodes = torch.arange(num_nodes, dtype=torch.int64, device=device)
 
@@ -383,14 +389,7 @@ def build_tree_triton(
     one program. Output bytes (the N x N mask dominates) are written once; the reference needs
     ~log2(N) rounds of [B, N, N] gathers plus a sort and scatters.
     """
-    expect(bonus_tokens, "bonus_tokens", 1, torch.int64)
-    expect(node_tokens, "node_tokens", 2, torch.int64)
-    expect(node_parents, "node_parents", 2, torch.int64)
-    expect(seq_lens, "seq_lens", 1, torch.int64)
-    batch, num_nodes = node_parents.shape
-    expect_shape(bonus_tokens, "bonus_tokens", (batch,))
-    expect_shape(node_tokens, "node_tokens", (batch, num_nodes - 1))
-    expect_shape(seq_lens, "seq_lens", (batch,))
+    batch, num_nodes = _check_nodes(bonus_tokens, node_tokens, node_parents, seq_lens)
     device = node_parents.device
     draft_tokens = torch.empty(batch * num_nodes, dtype=torch.int64, device=device)
     positions = torch.empty(batch * num_nodes, dtype=torch.int64, device=device)
