@@ -31,7 +31,9 @@ from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options,
 from phasegraph.kernels.verify_greedy import (
     VerifyOutcome,
     _check_tree_lists,
+    _root_path,
     _start_outcome,
+    _store_path,
     _take,
 )
 
@@ -286,11 +288,7 @@ def _verify_sampling_kernel(
     first_child = tl.load(next_token_ptr + b * num_nodes + offs, mask=node_ok, other=-1)
     sibling = tl.load(next_sibling_ptr + b * num_nodes + offs, mask=node_ok, other=-1)
 
-    offs_w = tl.arange(0, BLOCK_W)
-    path = tl.where(offs_w == 0, base, -1)
-    last = base * 0
-    length = last + 1
-    alive = length > 0
+    offs_w, path, last, length, alive = _root_path(base, BLOCK_W)  # path: [W] node rows
     zero64 = tl.zeros([], tl.float64)
     # The depth where the walk stops (exactly one: depth S has no children) draws the bonus.
     stop_row = base
@@ -361,8 +359,7 @@ def _verify_sampling_kernel(
     pick = tl.where(count > last_pos, last_pos, count)
     fallback = tl.load(predict_ptr + stop_row)  # row argmax: the stop row was never overwritten
     tl.store(predict_ptr + stop_row, tl.where(last_pos < 0, fallback, pick))
-    tl.store(accept_index_ptr + b * (num_steps + 1) + offs_w, path, mask=offs_w <= num_steps)
-    tl.store(accept_lens_ptr + b, length)
+    _store_path(accept_index_ptr, accept_lens_ptr, b, offs_w, path, length, num_steps)
 
 
 def verify_tree_sampling_triton(
