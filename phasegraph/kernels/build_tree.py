@@ -30,6 +30,7 @@ from phasegraph.kernels._dispatch import (
     tl,
     use_triton,
 )
+from phasegraph.kernels._lanes import row_lanes
 from phasegraph.kernels.argmax import is_finite
 
 
@@ -334,9 +335,7 @@ def _build_tree_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_NODES)
-    ok = offs < num_nodes
+    b, offs, ok = row_lanes(BLOCK_NODES, num_nodes)
     base = b * num_nodes
     parent = tl.load(parents_ptr + base + offs, mask=ok, other=-1)
 

@@ -26,6 +26,7 @@ from phasegraph.kernels._dispatch import (
     tl,
     use_triton,
 )
+from phasegraph.kernels._lanes import row_lanes
 
 
 def _front_shape(x: torch.Tensor, accept_index: torch.Tensor) -> tuple[int, int, int]:
@@ -170,9 +171,7 @@ def _accepted_kv_moves_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_W)
-    ok = cols < width
+    b, cols, ok = row_lanes(BLOCK_W, width)
     index = tl.load(accept_index_ptr + b * width + cols, mask=ok, other=-1)
     moving = (cols < tl.load(accept_lens_ptr + b)) & (index >= 0)
     front = tl.load(front_slots_ptr + b * width + cols, mask=ok)

@@ -28,6 +28,7 @@ import torch
 
 from phasegraph.kernels._checks import expect, expect_float, expect_shape
 from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
+from phasegraph.kernels._lanes import row_lanes
 from phasegraph.kernels.verify_greedy import (
     VerifyOutcome,
     _check_tree_lists,
@@ -280,9 +281,7 @@ def _verify_sampling_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_NODES)
-    node_ok = offs < num_nodes
+    b, offs, node_ok = row_lanes(BLOCK_NODES, num_nodes)
     base = b * num_nodes
     tokens = tl.load(draft_tokens_ptr + base + offs, mask=node_ok, other=-1)
     first_child = tl.load(next_token_ptr + b * num_nodes + offs, mask=node_ok, other=-1)
