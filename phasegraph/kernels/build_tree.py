@@ -245,10 +245,8 @@ def _select_tree_nodes_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
+    b, offs, ok = row_lanes(BLOCK_C, num_cand)
     rest = num_cand - num_first
-    offs = tl.arange(0, BLOCK_C)
-    ok = offs < num_cand
     score = _load_candidates(first_scores_ptr, cand_scores_ptr, b, offs, ok, num_first, rest, 0.0)
     tl.store(scores_finite_ptr + b, tl.min(is_finite(score).to(tl.int32), axis=0) > 0)
     # rank[c]: how many candidates the stable descending sort puts before c

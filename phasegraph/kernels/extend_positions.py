@@ -19,6 +19,7 @@ from phasegraph.kernels._dispatch import (
     tl,
     use_triton,
 )
+from phasegraph.kernels._lanes import row_lanes
 
 
 def extend_positions_reference(
@@ -92,12 +93,10 @@ def _extend_positions_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_W)
-    tl.store(positions_ptr + b * width + cols, tl.load(seq_lens_ptr + b) + cols,
-             mask=cols < width)
+    b, cols, ok = row_lanes(BLOCK_W, width)
+    tl.store(positions_ptr + b * width + cols, tl.load(seq_lens_ptr + b) + cols, mask=ok)
     if WITH_REQ:
-        tl.store(token_req_ptr + b * width + cols, b + cols * 0, mask=cols < width)
+        tl.store(token_req_ptr + b * width + cols, b + cols * 0, mask=ok)
 
 
 def _launch_extend_positions(seq_lens: torch.Tensor, width: int, with_req: bool):
