@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from phasegraph.kernels._checks import expect_float
 from phasegraph.kernels._dispatch import cdiv, jit, pdl_enter, pdl_options, tl, use_triton
+from phasegraph.kernels._lanes import row_block
 from phasegraph.kernels.split_sum import SplitSum, load_total, materialize, split_args
 
 
@@ -56,9 +57,7 @@ def _silu_mul_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    inside = cols < inner
+    t, cols, inside = row_block(BLOCK, inner)
     dtype = out_ptr.dtype.element_ty
     gate = load_total(gate_up_ptr, t * stride_in + cols, inside, slice_stride, bias_ptr, cols,
                       SLICES, HAS_BIAS, dtype)

@@ -33,6 +33,7 @@ from phasegraph.kernels._dispatch import (
     tl,
     use_triton,
 )
+from phasegraph.kernels._lanes import row_lanes
 
 BLOCK_MAX = 8192  # logits per program
 NONFINITE_LOGITS = -2  # a pick whose logits held NaN or +inf (never a token id)
@@ -132,9 +133,7 @@ def _merge_blocks_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
-    r = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_NB)
-    ok = offs < NB
+    r, offs, ok = row_lanes(BLOCK_NB, NB)
     val = tl.load(val_ptr + r * NB + offs, mask=ok, other=float("-inf"))
     idx = tl.load(idx_ptr + r * NB + offs, mask=ok, other=1 << 62)
     # Blocks are in index order and each holds its own first maximum, so the smallest index of

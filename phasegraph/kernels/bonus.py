@@ -15,6 +15,7 @@ import torch
 
 from phasegraph.kernels._checks import expect, expect_shape
 from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
+from phasegraph.kernels._lanes import row_lanes
 
 
 def gather_accepted_tokens_reference(
@@ -58,9 +59,7 @@ def _gather_accepted_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_W)
-    ok = offs < width
+    b, offs, ok = row_lanes(BLOCK_W, width)
     index = tl.load(accept_index_ptr + b * width + offs, mask=ok, other=-1)
     token = tl.load(predict_ptr + index, mask=ok & (index >= 0), other=-1)
     tl.store(tokens_ptr + b * width + offs, token, mask=ok)

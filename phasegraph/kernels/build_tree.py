@@ -30,6 +30,7 @@ from phasegraph.kernels._dispatch import (
     tl,
     use_triton,
 )
+from phasegraph.kernels._lanes import row_lanes
 from phasegraph.kernels.argmax import is_finite
 
 
@@ -128,6 +129,19 @@ def select_tree_nodes_reference(
     return SelectedNodes(node_tokens, torch.cat([root, parent_node], dim=1), scores_finite)
 
 
+def _check_nodes(bonus_tokens, node_tokens, node_parents, seq_lens) -> tuple[int, int]:
+    """Checks of :func:`build_tree`'s inputs; ``(B, N)``."""
+    expect(bonus_tokens, "bonus_tokens", 1, torch.int64)
+    expect(node_tokens, "node_tokens", 2, torch.int64)
+    expect(node_parents, "node_parents", 2, torch.int64)
+    expect(seq_lens, "seq_lens", 1, torch.int64)
+    batch, num_nodes = node_parents.shape
+    expect_shape(bonus_tokens, "bonus_tokens", (batch,))
+    expect_shape(node_tokens, "node_tokens", (batch, num_nodes - 1))
+    expect_shape(seq_lens, "seq_lens", (batch,))
+    return batch, num_nodes
+
+
 def build_tree_reference(
     bonus_tokens: torch.Tensor,  # [B] i64, root token of each request
     node_tokens: torch.Tensor,  # [B, N-1] i64
@@ -139,14 +153,7 @@ def build_tree_reference(
     Ancestors are found by pointer doubling: after t rounds every node knows its ancestors up to
     distance 2**t and its 2**t-th ancestor, so ceil(log2(N)) rounds of gathers suffice.
     """
-    expect(bonus_tokens, "bonus_tokens", 1, torch.int64)
-    expect(node_tokens, "node_tokens", 2, torch.int64)
-    expect(node_parents, "node_parents", 2, torch.int64)
-    expect(seq_lens, "seq_lens", 1, torch.int64)
-    batch, num_nodes = node_parents.shape
-    expect_shape(bonus_tokens, "bonus_tokens", (batch,))
-    expect_shape(node_tokens, "node_tokens", (batch, num_nodes - 1))
-    expect_shape(seq_lens, "seq_lens", (batch,))
+    batch, num_nodes = _check_nodes(bonus_tokens, node_tokens, node_parents, seq_lens)
     device = node_parents.device
     nodes = torch.arange(num_nodes, dtype=torch.int64, device=device)
 
@@ -238,10 +245,8 @@ def _select_tree_nodes_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
+    b, offs, ok = row_lanes(BLOCK_C, num_cand)
     rest = num_cand - num_first
-    offs = tl.arange(0, BLOCK_C)
-    ok = offs < num_cand
     score = _load_candidates(first_scores_ptr, cand_scores_ptr, b, offs, ok, num_first, rest, 0.0)
     tl.store(scores_finite_ptr + b, tl.min(is_finite(score).to(tl.int32), axis=0) > 0)
     # rank[c]: how many candidates the stable descending sort puts before c
@@ -328,9 +333,7 @@ def _build_tree_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_NODES)
-    ok = offs < num_nodes
+    b, offs, ok = row_lanes(BLOCK_NODES, num_nodes)
     base = b * num_nodes
     parent = tl.load(parents_ptr + base + offs, mask=ok, other=-1)
 
@@ -383,14 +386,7 @@ def build_tree_triton(
     one program. Output bytes (the N x N mask dominates) are written once; the reference needs
     ~log2(N) rounds of [B, N, N] gathers plus a sort and scatters.
     """
-    expect(bonus_tokens, "bonus_tokens", 1, torch.int64)
-    expect(node_tokens, "node_tokens", 2, torch.int64)
-    expect(node_parents, "node_parents", 2, torch.int64)
-    expect(seq_lens, "seq_lens", 1, torch.int64)
-    batch, num_nodes = node_parents.shape
-    expect_shape(bonus_tokens, "bonus_tokens", (batch,))
-    expect_shape(node_tokens, "node_tokens", (batch, num_nodes - 1))
-    expect_shape(seq_lens, "seq_lens", (batch,))
+    batch, num_nodes = _check_nodes(bonus_tokens, node_tokens, node_parents, seq_lens)
     device = node_parents.device
     draft_tokens = torch.empty(batch * num_nodes, dtype=torch.int64, device=device)
     positions = torch.empty(batch * num_nodes, dtype=torch.int64, device=device)

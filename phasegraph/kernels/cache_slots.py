@@ -26,6 +26,7 @@ import torch
 
 from phasegraph.kernels._checks import expect, expect_shape
 from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
+from phasegraph.kernels._lanes import row_block
 
 
 @attrs.frozen(eq=False)
@@ -312,9 +313,7 @@ def _row_slots_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    x = tl.program_id(1) * BLOCK_X + tl.arange(0, BLOCK_X)
-    ok = x < num_positions
+    b, x, ok = row_block(BLOCK_X, num_positions)
     if SPAN:
         start = tl.load(positions_ptr + b)
         pos = start + x

@@ -34,6 +34,7 @@ import torch
 
 from phasegraph.kernels._checks import expect, expect_shape
 from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
+from phasegraph.kernels._lanes import row_lanes
 from phasegraph.kernels.argmax import NONFINITE_LOGITS
 from phasegraph.kernels.bonus import fill_bonus_tokens_reference, gather_accepted_tokens_reference
 
@@ -171,9 +172,7 @@ def _commit_path_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    w = tl.arange(0, BLOCK_W)
-    in_w = w < width
+    b, w, in_w = row_lanes(BLOCK_W, width)
     index = tl.load(accept_index_ptr + b * width + w, mask=in_w, other=-1)
     token = tl.load(predict_ptr + index, mask=in_w & (index >= 0), other=-1)  # -1 where index is
     z = tl.arange(0, BLOCK_Z)

@@ -26,6 +26,37 @@ from phasegraph.kernels._dispatch import (
     tl,
     use_triton,
 )
+from phasegraph.kernels._lanes import row_lanes
+
+
+def _front_shape(x: torch.Tensor, accept_index: torch.Tensor) -> tuple[int, int, int]:
+    """Checks of :func:`compact_to_front`'s inputs; ``(B, W, N)``, N = 0 when B = 0."""
+    expect(accept_index, "accept_index", 2, torch.int64)
+    batch, width = accept_index.shape
+    if batch == 0:
+        return batch, width, 0
+    if x.shape[0] % batch != 0:
+        raise ValueError(f"x has {x.shape[0]} rows, not a multiple of B = {batch}")
+    return batch, width, x.shape[0] // batch
+
+
+def _check_moves(accept_index, accept_lens, node_slots, front_slots) -> tuple[int, int]:
+    """Checks of :func:`accepted_kv_moves`'s inputs; ``(B, W)``."""
+    expect(accept_index, "accept_index", 2, torch.int64)
+    expect(accept_lens, "accept_lens", 1, torch.int64)
+    expect(node_slots, "node_slots", 1, torch.int64)
+    expect(front_slots, "front_slots", 1, torch.int64)
+    batch, width = accept_index.shape
+    expect_shape(accept_lens, "accept_lens", (batch,))
+    expect_shape(front_slots, "front_slots", (batch * width,))
+    return batch, width
+
+
+def _check_slots(src: torch.Tensor, dst: torch.Tensor) -> None:
+    """Checks of :func:`move_kv`'s slot lists."""
+    expect(src, "src", 1, torch.int64)
+    expect(dst, "dst", 1, torch.int64)
+    expect_shape(dst, "dst", tuple(src.shape))
 
 
 def compact_to_front_reference(
@@ -33,13 +64,9 @@ def compact_to_front_reference(
     accept_index: torch.Tensor,  # [B, W] i64, node rows of the accepted path, -1 padded
 ) -> torch.Tensor:  # [B*W, ...]
     """Gather the accepted rows of ``x`` to the front; padded entries repeat the root row b*N."""
-    expect(accept_index, "accept_index", 2, torch.int64)
-    batch, width = accept_index.shape
+    batch, width, num_nodes = _front_shape(x, accept_index)
     if batch == 0:
         return x[:0]
-    if x.shape[0] % batch != 0:
-        raise ValueError(f"x has {x.shape[0]} rows, not a multiple of B = {batch}")
-    num_nodes = x.shape[0] // batch
     roots = torch.arange(batch, dtype=torch.int64, device=accept_index.device) * num_nodes
     rows = torch.where(accept_index >= 0, accept_index, roots[:, None])
     return x.index_select(0, rows.reshape(batch * width))
@@ -57,13 +84,7 @@ def accepted_kv_moves_reference(
     shape is fixed at B*W. Apply them with ``move_kv`` (gather first), since sources and
     destinations overlap.
     """
-    expect(accept_index, "accept_index", 2, torch.int64)
-    expect(accept_lens, "accept_lens", 1, torch.int64)
-    expect(node_slots, "node_slots", 1, torch.int64)
-    expect(front_slots, "front_slots", 1, torch.int64)
-    batch, width = accept_index.shape
-    expect_shape(accept_lens, "accept_lens", (batch,))
-    expect_shape(front_slots, "front_slots", (batch * width,))
+    batch, width = _check_moves(accept_index, accept_lens, node_slots, front_slots)
     cols = torch.arange(width, dtype=torch.int64, device=accept_index.device)
     moving = (cols[None, :] < accept_lens[:, None]) & (accept_index >= 0)  # [B, W]
     src = torch.where(
@@ -83,9 +104,7 @@ def move_kv_reference(
     (and permutations) are safe. Destinations must be distinct, except for entries that copy
     equal values.
     """
-    expect(src, "src", 1, torch.int64)
-    expect(dst, "dst", 1, torch.int64)
-    expect_shape(dst, "dst", tuple(src.shape))
+    _check_slots(src, dst)
     for cache in caches:
         cache.index_copy_(0, dst, cache.index_select(0, src))
 
@@ -122,13 +141,9 @@ def compact_to_front_triton(
 
     A plain copy (the reference's ``where`` + ``index_select`` fused into one launch); rows of
     any dtype and trailing shape, read through a contiguous [B*N, F] view."""
-    expect(accept_index, "accept_index", 2, torch.int64)
-    batch, width = accept_index.shape
+    batch, width, num_nodes = _front_shape(x, accept_index)
     if batch == 0:
         return x[:0]
-    if x.shape[0] % batch != 0:
-        raise ValueError(f"x has {x.shape[0]} rows, not a multiple of B = {batch}")
-    num_nodes = x.shape[0] // batch
     out = torch.empty((batch * width, *x.shape[1:]), dtype=x.dtype, device=x.device)
     features = x[0].numel() if x.shape[0] > 0 else 0
     if out.numel() == 0:
@@ -156,9 +171,7 @@ def _accepted_kv_moves_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_W)
-    ok = cols < width
+    b, cols, ok = row_lanes(BLOCK_W, width)
     index = tl.load(accept_index_ptr + b * width + cols, mask=ok, other=-1)
     moving = (cols < tl.load(accept_lens_ptr + b)) & (index >= 0)
     front = tl.load(front_slots_ptr + b * width + cols, mask=ok)
@@ -175,13 +188,7 @@ def accepted_kv_moves_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # src [B*W], dst [B*W]
     """Triton ``accepted_kv_moves``: one program per request writes its W sources and
     destinations (a few elementwise ops fused into one launch)."""
-    expect(accept_index, "accept_index", 2, torch.int64)
-    expect(accept_lens, "accept_lens", 1, torch.int64)
-    expect(node_slots, "node_slots", 1, torch.int64)
-    expect(front_slots, "front_slots", 1, torch.int64)
-    batch, width = accept_index.shape
-    expect_shape(accept_lens, "accept_lens", (batch,))
-    expect_shape(front_slots, "front_slots", (batch * width,))
+    batch, width = _check_moves(accept_index, accept_lens, node_slots, front_slots)
     src = torch.empty(batch * width, dtype=torch.int64, device=accept_index.device)
     dst = torch.empty(batch * width, dtype=torch.int64, device=accept_index.device)
     if batch > 0 and width > 0:
@@ -262,9 +269,7 @@ def move_kv_triton(
     Bytes: 2 x (moving rows) x row size per cache, read and written once each. Caches that
     differ in dtype or row shape, or are not contiguous, take the reference path.
     """
-    expect(src, "src", 1, torch.int64)
-    expect(dst, "dst", 1, torch.int64)
-    expect_shape(dst, "dst", tuple(src.shape))
+    _check_slots(src, dst)
     caches = list(caches)
     if not caches or src.shape[0] == 0:
         return

@@ -26,6 +26,7 @@ import torch
 
 from phasegraph.kernels._checks import expect, expect_shape
 from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
+from phasegraph.kernels._lanes import row_lanes
 from phasegraph.kernels.build_tree import _sorts_before
 
 
@@ -213,9 +214,7 @@ def _expand_step_kernel(
 ):
     pdl_enter(PDL)
     WIDTH: tl.constexpr = TOPK * TOPK
-    b = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    ok = offs < WIDTH
+    b, offs, ok = row_lanes(BLOCK, WIDTH)
     beam = offs // TOPK
     score = tl.load(beam_scores_ptr + b * TOPK + beam, mask=ok, other=0.0) * tl.load(
         step_p_ptr + b * WIDTH + offs, mask=ok, other=0.0

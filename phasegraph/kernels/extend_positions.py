@@ -19,6 +19,7 @@ from phasegraph.kernels._dispatch import (
     tl,
     use_triton,
 )
+from phasegraph.kernels._lanes import row_lanes
 
 
 def extend_positions_reference(
@@ -41,6 +42,14 @@ def extend_rows_reference(
     return positions, torch.arange(batch, device=seq_lens.device).repeat_interleave(width)
 
 
+def _check_ragged(starts: torch.Tensor, lens: torch.Tensor) -> int:
+    """Checks of :func:`ragged_extend_positions`'s inputs; the batch size."""
+    expect(starts, "starts", 1, torch.int64)
+    expect(lens, "lens", 1, torch.int64)
+    expect_shape(lens, "lens", tuple(starts.shape))
+    return starts.shape[0]
+
+
 def ragged_extend_positions_reference(
     starts: torch.Tensor,  # [B] i64, first position of each request's tokens
     lens: torch.Tensor,  # [B] i64 >= 0, tokens of each request
@@ -52,10 +61,7 @@ def ragged_extend_positions_reference(
     ``starts[b] + (t - offset[b])``. Tokens past ``sum(lens)`` are padding: request -1,
     position 0.
     """
-    expect(starts, "starts", 1, torch.int64)
-    expect(lens, "lens", 1, torch.int64)
-    expect_shape(lens, "lens", tuple(starts.shape))
-    batch = starts.shape[0]
+    batch = _check_ragged(starts, lens)
     device = starts.device
     tokens = torch.arange(total_tokens, dtype=torch.int64, device=device)
     if batch == 0:
@@ -87,12 +93,10 @@ def _extend_positions_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_W)
-    tl.store(positions_ptr + b * width + cols, tl.load(seq_lens_ptr + b) + cols,
-             mask=cols < width)
+    b, cols, ok = row_lanes(BLOCK_W, width)
+    tl.store(positions_ptr + b * width + cols, tl.load(seq_lens_ptr + b) + cols, mask=ok)
     if WITH_REQ:
-        tl.store(token_req_ptr + b * width + cols, b + cols * 0, mask=cols < width)
+        tl.store(token_req_ptr + b * width + cols, b + cols * 0, mask=ok)
 
 
 def _launch_extend_positions(seq_lens: torch.Tensor, width: int, with_req: bool):
@@ -169,10 +173,7 @@ def ragged_extend_positions_triton(
     """Triton ``ragged_extend_positions``: programs over blocks of tokens; each recomputes the
     running request ends in chunks of requests and counts, per token, the ends at or before it
     (the reference's cumsum + searchsorted + gathers in one launch)."""
-    expect(starts, "starts", 1, torch.int64)
-    expect(lens, "lens", 1, torch.int64)
-    expect_shape(lens, "lens", tuple(starts.shape))
-    batch = starts.shape[0]
+    batch = _check_ragged(starts, lens)
     device = starts.device
     positions = torch.empty(total_tokens, dtype=torch.int64, device=device)
     request = torch.empty(total_tokens, dtype=torch.int64, device=device)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
+from phasegraph.kernels._lanes import row_block
 
 _GOLDEN = -7046029254386353131  # 0x9E3779B97F4A7C15 as int64
 _M1 = -4658895280553007687  # 0xBF58476D1CE4E5B9
@@ -83,9 +84,7 @@ def _counter_uniform_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
-    r = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = c < cols
+    r, c, ok = row_block(BLOCK, cols)
     seed = tl.load(seeds_ptr + r * stride_sr + c * stride_sc, mask=ok, other=0)
     counter = tl.load(counters_ptr + r * stride_cr + c * stride_cc, mask=ok, other=0)
     seed = seed.to(tl.int64).to(tl.uint64, bitcast=True)

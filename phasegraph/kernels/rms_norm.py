@@ -15,6 +15,7 @@ import torch
 
 from phasegraph.kernels._checks import expect, expect_float, expect_shape
 from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
+from phasegraph.kernels._lanes import row_lanes
 from phasegraph.kernels.split_sum import SplitSum, load_total, materialize, split_args
 
 
@@ -76,9 +77,7 @@ def _add_rms_norm_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK_H)
-    inside = cols < hidden
+    t, cols, inside = row_lanes(BLOCK_H, hidden)
     x = load_total(x_ptr, t * stride_x + cols, inside, slice_stride, x_bias_ptr, cols,
                    SLICES, X_BIAS, summed_ptr.dtype.element_ty)
     if HAS_RESIDUAL:

@@ -18,6 +18,7 @@ import torch
 
 from phasegraph.kernels._checks import expect, expect_float, expect_shape
 from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
+from phasegraph.kernels._lanes import row_lanes
 from phasegraph.kernels.attention import write_kv_reference
 
 
@@ -105,10 +106,8 @@ def _rotary_write_kv_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
-    t = tl.program_id(0).to(tl.int64)
+    t, cols, inside = row_lanes(BLOCK_HALF, HALF)
     head = tl.program_id(1)
-    cols = tl.arange(0, BLOCK_HALF)
-    inside = cols < HALF
     if INDEXED:
         row = tl.load(rows_ptr + t)
     else:

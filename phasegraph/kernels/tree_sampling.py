@@ -28,10 +28,13 @@ import torch
 
 from phasegraph.kernels._checks import expect, expect_float, expect_shape
 from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
+from phasegraph.kernels._lanes import row_lanes
 from phasegraph.kernels.verify_greedy import (
     VerifyOutcome,
     _check_tree_lists,
+    _root_path,
     _start_outcome,
+    _store_path,
     _take,
 )
 
@@ -116,6 +119,23 @@ def _inverse_cdf(
     return torch.where(last_positive < 0, fallback, pick)
 
 
+def _check_sampling(
+    draft_tokens, retrieve_next_token, retrieve_next_sibling, probs, coins, bonus_coins, num_steps
+) -> tuple[int, int, int]:
+    """Checks of :func:`verify_tree_sampling`'s inputs; ``(B, N, V)``."""
+    batch, num_nodes = _check_tree_lists(
+        draft_tokens, retrieve_next_token, retrieve_next_sibling, num_steps
+    )
+    expect(probs, "probs", 2, torch.float32)
+    expect_float(coins, "coins", 2)
+    expect_float(bonus_coins, "bonus_coins", 2)
+    vocab = probs.shape[1]
+    expect_shape(probs, "probs", (batch * num_nodes, vocab))
+    expect_shape(coins, "coins", (batch, num_steps + 1))
+    expect_shape(bonus_coins, "bonus_coins", (batch, num_steps + 1))
+    return batch, num_nodes, vocab
+
+
 def verify_tree_sampling_reference(
     draft_tokens: torch.Tensor,  # [B*N] i64
     retrieve_next_token: torch.Tensor,  # [B, N] i64, first child, -1
@@ -134,16 +154,10 @@ def verify_tree_sampling_reference(
     A sibling repeating an already tried token adds no mass. Should rounding leave no mass
     outside the tried children, the last tried child with positive mass is accepted.
     """
-    batch, num_nodes = _check_tree_lists(
-        draft_tokens, retrieve_next_token, retrieve_next_sibling, num_steps
+    batch, num_nodes, vocab = _check_sampling(
+        draft_tokens, retrieve_next_token, retrieve_next_sibling, probs, coins, bonus_coins,
+        num_steps,
     )
-    expect(probs, "probs", 2, torch.float32)
-    expect_float(coins, "coins", 2)
-    expect_float(bonus_coins, "bonus_coins", 2)
-    vocab = probs.shape[1]
-    expect_shape(probs, "probs", (batch * num_nodes, vocab))
-    expect_shape(coins, "coins", (batch, num_steps + 1))
-    expect_shape(bonus_coins, "bonus_coins", (batch, num_steps + 1))
     device = probs.device
     node_base, accept_index, accept_lens = _start_outcome(batch, num_nodes, num_steps, device)
     num_children = max(num_nodes - 1, 0)
@@ -267,19 +281,13 @@ def _verify_sampling_kernel(
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
-    b = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_NODES)
-    node_ok = offs < num_nodes
+    b, offs, node_ok = row_lanes(BLOCK_NODES, num_nodes)
     base = b * num_nodes
     tokens = tl.load(draft_tokens_ptr + base + offs, mask=node_ok, other=-1)
     first_child = tl.load(next_token_ptr + b * num_nodes + offs, mask=node_ok, other=-1)
     sibling = tl.load(next_sibling_ptr + b * num_nodes + offs, mask=node_ok, other=-1)
 
-    offs_w = tl.arange(0, BLOCK_W)
-    path = tl.where(offs_w == 0, base, -1)
-    last = base * 0
-    length = last + 1
-    alive = length > 0
+    offs_w, path, last, length, alive = _root_path(base, BLOCK_W)  # path: [W] node rows
     zero64 = tl.zeros([], tl.float64)
     # The depth where the walk stops (exactly one: depth S has no children) draws the bonus.
     stop_row = base
@@ -350,8 +358,7 @@ def _verify_sampling_kernel(
     pick = tl.where(count > last_pos, last_pos, count)
     fallback = tl.load(predict_ptr + stop_row)  # row argmax: the stop row was never overwritten
     tl.store(predict_ptr + stop_row, tl.where(last_pos < 0, fallback, pick))
-    tl.store(accept_index_ptr + b * (num_steps + 1) + offs_w, path, mask=offs_w <= num_steps)
-    tl.store(accept_lens_ptr + b, length)
+    _store_path(accept_index_ptr, accept_lens_ptr, b, offs_w, path, length, num_steps)
 
 
 def verify_tree_sampling_triton(
@@ -377,16 +384,10 @@ def verify_tree_sampling_triton(
     Equal to the reference except where a coin lands within float64 rounding (~1e-16) of a
     cumulative boundary, since row sums are added in a different order.
     """
-    batch, num_nodes = _check_tree_lists(
-        draft_tokens, retrieve_next_token, retrieve_next_sibling, num_steps
+    batch, num_nodes, vocab = _check_sampling(
+        draft_tokens, retrieve_next_token, retrieve_next_sibling, probs, coins, bonus_coins,
+        num_steps,
     )
-    expect(probs, "probs", 2, torch.float32)
-    expect_float(coins, "coins", 2)
-    expect_float(bonus_coins, "bonus_coins", 2)
-    vocab = probs.shape[1]
-    expect_shape(probs, "probs", (batch * num_nodes, vocab))
-    expect_shape(coins, "coins", (batch, num_steps + 1))
-    expect_shape(bonus_coins, "bonus_coins", (batch, num_steps + 1))
     device = probs.device
     rows = batch * num_nodes
     out = VerifyOutcome.empty(batch, num_nodes, num_steps, device)

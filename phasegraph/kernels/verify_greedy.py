@@ -13,6 +13,7 @@ import torch
 
 from phasegraph.kernels._checks import expect, expect_shape
 from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
+from phasegraph.kernels._lanes import row_lanes
 
 
 @attrs.frozen(eq=False)
@@ -120,9 +121,7 @@ def _request_tree(draft_tokens_ptr, next_token_ptr, target_ptr, num_nodes, strid
                   BLOCK_NODES: tl.constexpr):
     """This program's request: its node tokens, the target's predictions and the first children,
     in registers, with the node offsets, their mask and the request's first node row."""
-    b = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK_NODES)
-    node_ok = offs < num_nodes
+    b, offs, node_ok = row_lanes(BLOCK_NODES, num_nodes)
     base = b * num_nodes
     tokens = tl.load(draft_tokens_ptr + base + offs, mask=node_ok, other=-1)
     target = tl.load(target_ptr + base + offs, mask=node_ok, other=-1)

@@ -22,14 +22,19 @@ def one_line(text: str, limit: int = 200) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+def _declared_wrongly(what: str, problems: Sequence[str]) -> str:
+    """The message of a declaration error: ``what`` and one line per problem."""
+    lines = "\n".join(f"  - {p}" for p in problems)
+    return f"{what} is declared wrongly:\n{lines}"
+
+
 class InvalidSchema(PhaseGraphError):
     """A schema class is declared wrongly (bad annotation, role and shape disagree, ...)."""
 
     def __init__(self, schema: str, problems: Sequence[str]):
         self.schema = schema
         self.problems = tuple(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"schema {schema} is declared wrongly:\n{lines}")
+        super().__init__(_declared_wrongly(f"schema {schema}", self.problems))
 
 
 class InvalidPhase(PhaseGraphError):
@@ -39,8 +44,7 @@ class InvalidPhase(PhaseGraphError):
     def __init__(self, phase: object, problems: Sequence[str]):
         self.phase = phase
         self.problems = tuple(problems)
-        lines = "\n".join(f"  - {p}" for p in self.problems)
-        super().__init__(f"phase {phase!r} is declared wrongly:\n{lines}")
+        super().__init__(_declared_wrongly(f"phase {phase!r}", self.problems))
 
 
 class InvalidPhaseGraph(PhaseGraphError):

@@ -14,11 +14,11 @@ request's own block. torch is imported where it is used (the statemachine packag
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 from phasegraph.statemachine.errors import PaddingViolation, PhaseGraphError
-from phasegraph.statemachine.schema import Pad, Role, Schema, _TensorSpec
+from phasegraph.statemachine.schema import Pad, Role, Schema, _TensorSpec, child_schemas
 
 
 def batch_of(obj: Schema) -> int:
@@ -32,7 +32,7 @@ def role_rows(obj: Schema, role: Role) -> int | None:
         x = getattr(obj, t.name)
         if x is not None and t.role == role:
             return int(x.shape[0])
-    for inner in _nested(obj):
+    for inner in child_schemas(obj):
         rows = role_rows(inner, role)
         if rows is not None:
             return rows
@@ -50,14 +50,6 @@ def rows_per_request(obj: Schema, role: Role, batch: int) -> int:
             f"(no {role.name} field is set, or the batch is empty)"
         )
     return rows // batch
-
-
-def _nested(obj: Schema) -> Iterator[Schema]:
-    for v in type(obj).__schema__.values:
-        if v.nested:
-            inner = getattr(obj, v.name)
-            if inner is not None:
-                yield inner
 
 
 def _private_dims(spec) -> set[str]:
@@ -171,7 +163,7 @@ def check_padding(static: Schema, batch: int, where: str = "",
                     f"a padded row holds {t.pad.indexes.name} row {int(padded[bad][0])}, one of the "
                     f"{first} live {t.pad.indexes.name} rows",
                 )
-        for inner in _nested(obj):
+        for inner in child_schemas(obj):
             visit(inner, seen)
 
     visit(static, set())

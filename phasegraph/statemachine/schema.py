@@ -706,14 +706,20 @@ def _check_expr(name, ts, axis, d: _Dim, size: int, bindings, bound_by) -> None:
     )
 
 
-def nested_schemas(obj: Any) -> Iterator[Any]:
-    """Every schema instance nested in ``obj``, depth first (``obj`` itself excluded)."""
+def child_schemas(obj: Any) -> Iterator[Any]:
+    """The schema instances held directly in ``obj``'s nested fields (None ones skipped)."""
     for vs in type(obj).__schema__.values:
         if vs.nested:
             inner = getattr(obj, vs.name)
             if inner is not None:
                 yield inner
-                yield from nested_schemas(inner)
+
+
+def nested_schemas(obj: Any) -> Iterator[Any]:
+    """Every schema instance nested in ``obj``, depth first (``obj`` itself excluded)."""
+    for inner in child_schemas(obj):
+        yield inner
+        yield from nested_schemas(inner)
 
 
 def check_invariants(
