@@ -3,7 +3,9 @@
 Parity with transformers' forward in fp32 is in test_target_parity.py (both paths, every
 architecture). Here: the modules' parameters become views of the merged weights (no copy, and
 transformers' own forward is unchanged), unsupported layers keep the module path with a reason,
-and in bf16 the fused path stays within rounding of the module path.
+and in bf16 the fused path stays within rounding of the module path. take_rows and embed (the
+fused path's embedding lookup) on the CPU: index_select's rows, and a module call where the
+module is not a plain embedding table (on CUDA, test_cuda_parity.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from transformers import AutoModelForCausalLM
 from phasegraph.runtime.errors import UnsupportedModel
 from phasegraph.runtime.kv_pool import KVCacheManager
 from phasegraph.runtime.models.fused_decoder import fuse_decoder
+from phasegraph.runtime.models.take_rows import embed, take_rows
 from phasegraph.runtime.models.target import HFTarget
 from phasegraph.testing.checkpoints import write_hf_target
 from tests.runtime.pg_runtime_helpers import causal_meta
@@ -71,3 +74,29 @@ def test_bf16_fused_path_within_rounding_of_the_modules(tmp_path):
     rel = (fused - modules).norm() / modules.norm()
     assert rel < 1e-2, rel
     assert (fused.argmax(-1) == modules.argmax(-1)).float().mean() > 0.9
+
+
+@pytest.mark.parametrize("rows", [0, 1, 2, 16, 64, 300])
+def test_take_rows_is_index_select(rows):
+    g = torch.Generator().manual_seed(rows)
+    table = torch.randn(500, 24, generator=g)
+    index = torch.randint(0, 500, (rows,), generator=g)
+    assert torch.equal(take_rows(table, index), table.index_select(0, index))
+
+
+def test_embed_gathers_plain_tables_and_calls_other_modules():
+    g = torch.Generator().manual_seed(0)
+    table = torch.randn(100, 8, generator=g) * 10
+    ids = torch.tensor([3, 7, 7, 99])
+    plain = torch.nn.Embedding.from_pretrained(table)
+    assert torch.equal(embed(plain, ids), plain(ids))
+    renormed = torch.nn.Embedding.from_pretrained(table.clone(), max_norm=1.0)  # renormalises rows it reads
+    got = embed(renormed, ids)
+    assert torch.allclose(got.norm(dim=-1), torch.ones(4), atol=1e-4)
+
+    class Scaled(torch.nn.Embedding):  # a subclass (e.g. a scaled embedding) keeps its forward
+        def forward(self, input_ids):
+            return 2 * super().forward(input_ids)
+
+    scaled = Scaled.from_pretrained(table)
+    assert torch.equal(embed(scaled, ids), 2 * table[ids])
