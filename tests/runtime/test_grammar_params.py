@@ -1,0 +1,42 @@
+"""SamplingParams' structured-output fields: a spec that does not compile is refused by name at
+construction, before any request is queued (issue 61, part 3)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("xgrammar")
+
+from phasegraph import SamplingParams  # noqa: E402
+from phasegraph.runtime.errors import InvalidRequest  # noqa: E402
+from phasegraph.runtime.grammar import InvalidGrammar  # noqa: E402
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+
+def test_schema_is_kept_as_canonical_json_text():
+    a = SamplingParams(json_schema=SCHEMA)
+    b = SamplingParams(json_schema=json.dumps(SCHEMA, indent=2))
+    assert a.json_schema == b.json_schema and json.loads(a.json_schema) == SCHEMA
+    assert a == b and hash(a) == hash(b)
+    assert a.structured_output == ("json_schema", a.json_schema)
+    assert SamplingParams().structured_output is None
+    assert SamplingParams(regex="[0-9]+").structured_output == ("regex", "[0-9]+")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"json_schema": {"type": "objekt"}}, "json_schema does not compile: .*objekt"),
+        ({"json_schema": "{nope"}, "json_schema is not valid JSON"),
+        ({"json_schema": [1, 2]}, "json_schema must be a JSON object"),
+        ({"regex": "a(b"}, "regex does not compile: .*parenthesis"),
+        ({"regex": ""}, "regex must be a non-empty string"),
+        ({"grammar": "root ::= foo"}, "grammar does not compile: .*foo"),
+        ({"regex": "a", "json_schema": SCHEMA}, "at most one of json_schema, regex and grammar; got json_schema, regex"),
+    ],
+)
+def test_bad_specs_raise_invalid_grammar(kwargs, message):
+    with pytest.raises(InvalidGrammar, match=message) as e:
+        SamplingParams(**kwargs)
+    assert isinstance(e.value, InvalidRequest)  # the engine's and the server's handling of bad requests applies
