@@ -568,6 +568,11 @@ class Engine:
                 f"return_routed_experts=True needs a mixture-of-experts target; this "
                 f"{getattr(self.target.config, 'model_type', 'dense')} target routes no token to experts"
             )
+        if params.structured_output is not None:
+            # refused rather than run unconstrained: the grammar's masking is not wired in yet
+            raise InvalidRequest(
+                f"{params.structured_output[0]}: this engine does not run structured output yet (issue 61 part 3)"
+            )
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids += list(self.eos_token_ids)
