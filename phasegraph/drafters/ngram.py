@@ -148,6 +148,8 @@ def ngram_draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
         # no draft forwards ran; the positions they would have run at, as the schema records them
         draft_positions=(lengths[:, None] + steps[None, :])[:, :, None],  # [B, S-1, 1]
         draft_finite=torch.ones(B, dtype=torch.bool, device=device),
+        # the grammar's mask after every node's path (structured output only; a host round trip)
+        token_bitmask=None if ctx.grammar is None else ctx.grammar.tree_bitmask(built.draft_tokens, parents),
     )
 
 

@@ -7,7 +7,7 @@ import torch
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.cache_slots import extend_slots
 from phasegraph.kernels.logprobs import TokenLogprobs, token_logprobs
-from phasegraph.kernels.penalties import apply_penalties
+from phasegraph.kernels.penalties import apply_penalties, apply_token_bitmask
 from phasegraph.kernels.softmax_top1 import softmax_top1
 from phasegraph.kernels.softmax_topk import softmax_topk
 from phasegraph.phases.context import SpecContext
@@ -86,10 +86,15 @@ def processed_logits(
     prompt_mask: torch.Tensor | None,  # [B, V] bool
     node_tokens: torch.Tensor | None = None,  # [B*N] (verify: the tree's nodes)
     tree_mask: torch.Tensor | None = None,  # [B, N, N]
+    token_bitmask: torch.Tensor | None = None,  # [B*N, ceil(V/32)] int32: grammar masks
 ) -> torch.Tensor:
     """``logits`` with the batch's logit bias and penalties (:func:`apply_penalties`, the one
     place they are applied, by prefill, decode and verify) where a request of the batch uses
-    them, else ``logits`` themselves: no pass when none does (``ctx.penalties``)."""
+    them, then the grammar masks where given (:func:`apply_token_bitmask`), else ``logits``
+    themselves: no pass when none applies (``ctx.penalties``, no bitmask)."""
+    if token_bitmask is not None:
+        logits = processed_logits(ctx, params, logits, output_counts, prompt_mask, node_tokens, tree_mask)
+        return apply_token_bitmask(logits, token_bitmask)
     if not ctx.penalties:
         return logits
     if output_counts is None or prompt_mask is None:

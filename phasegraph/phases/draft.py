@@ -97,6 +97,9 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
         first_tokens=first_ids, first_scores=first_p,
     )
     built = build_tree(state.bonus_tokens, nodes.tokens, nodes.parents, seq_lens)
+    # the grammar's mask after every node's path, built on the host from the matchers (reads the
+    # tree: one round trip, only where a request has structured output)
+    bitmask = None if ctx.grammar is None else ctx.grammar.tree_bitmask(built.draft_tokens, nodes.parents)
     return TreeProposal(
         draft=state,
         num_steps=S,
@@ -111,4 +114,5 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
         retrieve_next_sibling=built.retrieve_next_sibling,
         draft_positions=layout.draft_positions,  # [B, S-1, K] a view of the positions given
         draft_finite=nodes.scores_finite,  # [B]: False where the draft's logits were not finite
+        token_bitmask=bitmask,  # [B*N, Vw] or None
     )

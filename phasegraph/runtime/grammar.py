@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from phasegraph.runtime.errors import InvalidRequest
 
 # the kinds a request may give, at most one per request
@@ -46,7 +48,9 @@ def compile_grammar(kind: str, spec: str):
     ``InvalidGrammar`` naming the kind and the engine's reason."""
     xgr = _xgrammar()
     build = {
-        "json_schema": lambda s: xgr.Grammar.from_json_schema(s),
+        # compact JSON (", " and ": ", no other whitespace): a grammar that allows any
+        # whitespace lets a model loop on blanks until its budget ends, unparseable
+        "json_schema": lambda s: xgr.Grammar.from_json_schema(s, any_whitespace=False),
         "regex": xgr.Grammar.from_regex,
         "grammar": lambda s: xgr.Grammar.from_ebnf(s, root_rule_name="root"),
     }[kind]
@@ -56,3 +60,93 @@ def compile_grammar(kind: str, spec: str):
         # xgrammar prefixes its C++ source location; the reason follows the last "] ... : "
         reason = str(e).strip().splitlines()[0].split("] ", 1)[-1]
         raise InvalidGrammar(f"{kind} does not compile: {reason}") from None
+
+
+class GrammarCompiler:
+    """An engine's grammar compiler: its tokenizer's vocabulary for xgrammar, and every grammar
+    compiled so far, by (kind, spec). One matcher per request comes from it (:meth:`matcher`)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: tuple[int, ...]):
+        if tokenizer is None:
+            raise InvalidRequest("structured output needs the target's tokenizer (this engine has none)")
+        if not stop_token_ids:
+            raise InvalidRequest("structured output needs an end-of-sequence token id to end on "
+                                 "(pass eos_token_ids=...)")
+        xgr = _xgrammar()
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                  stop_token_ids=list(stop_token_ids))
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self._matcher_cls = xgr.GrammarMatcher
+        self._compiled: dict[tuple[str, str], object] = {}
+
+    def matcher(self, kind: str, spec: str):
+        """A fresh ``xgrammar.GrammarMatcher`` of the request's grammar (compiled once per spec)."""
+        compiled = self._compiled.get((kind, spec))
+        if compiled is None:
+            compiled = self._compiler.compile_grammar(compile_grammar(kind, spec))
+            self._compiled[(kind, spec)] = compiled
+        return self._matcher_cls(compiled)
+
+
+class BatchGrammar:
+    """The grammar masks of one batch's rows (:class:`~phasegraph.phases.protocols.GrammarMasks`),
+    from each request's matcher (None: no grammar, every token allowed).
+
+    Masks are filled on the host (xgrammar's matchers run there), walking each path with
+    ``accept_token`` and undoing it with ``rollback``, so every matcher is left at the request's
+    emitted tokens: only :meth:`Request.append` advances it, over the tokens a phase emitted.
+    """
+
+    def __init__(self, matchers: list, vocab_size: int, device):
+        self.matchers = matchers
+        self.vocab_size = vocab_size
+        self.words = (vocab_size + 31) // 32
+        self.device = device
+
+    def _all_allowed(self, rows: int) -> torch.Tensor:
+        return torch.full((rows, self.words), -1, dtype=torch.int32)  # [R, Vw] every bit set
+
+    @staticmethod
+    def _fill(matcher, out, row: int) -> None:
+        if not matcher.is_terminated():  # a finished grammar: the row is never used
+            matcher.fill_next_token_bitmask(out, row)
+
+    def next_token_bitmask(self, paths: list[list[int]] | None = None) -> torch.Tensor:
+        out = self._all_allowed(len(self.matchers))  # [B, Vw]
+        for b, m in enumerate(self.matchers):
+            if m is None:
+                continue
+            path = [] if paths is None else paths[b]
+            taken = 0
+            for token in path:
+                if not m.accept_token(token):
+                    break
+                taken += 1
+            if taken == len(path):
+                self._fill(m, out, b)
+            if taken:
+                m.rollback(taken)
+        return out.to(self.device)
+
+    def tree_bitmask(self, draft_tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        B, N = parents.shape
+        tokens = draft_tokens.view(B, N).tolist()  # host round trip: the tree's tokens
+        par = parents.tolist()
+        out = self._all_allowed(B * N)  # [B*N, Vw]
+        for b, m in enumerate(self.matchers):
+            if m is None:
+                continue
+            children: list[list[int]] = [[] for _ in range(N)]
+            for j in range(1, N):
+                children[par[b][j]].append(j)
+
+            def visit(j: int, m=m, b=b, children=children) -> None:
+                # node j's row: the tokens allowed after its path (depth-first: accept, recurse, undo)
+                self._fill(m, out, b * N + j)
+                for c in children[j]:
+                    if m.accept_token(tokens[b][c]):
+                        visit(c)
+                        m.rollback(1)
+
+            visit(0)  # the root is the bonus token, already emitted
+        return out.to(self.device)

@@ -42,16 +42,18 @@ def test_bad_specs_raise_invalid_grammar(kwargs, message):
     assert isinstance(e.value, InvalidRequest)  # the engine's and the server's handling of bad requests applies
 
 
-
-def test_engine_refuses_a_grammar_it_cannot_run_yet_and_serves_the_others():
+def test_engine_runs_a_grammar_request_beside_a_free_one():
     from phasegraph import Engine
     from phasegraph.demo import demo_pair_dir
 
     engine = Engine.from_pretrained(demo_pair_dir() / "target")
     engine.add_request("ok", "def f():", SamplingParams(max_new_tokens=4))
-    with pytest.raises(InvalidRequest, match="json_schema: this engine does not run structured output yet"):
-        engine.add_request("bad", "{", SamplingParams(max_new_tokens=4, json_schema=SCHEMA))
-    done = []
+    engine.add_request("json", "{", SamplingParams(max_new_tokens=32, json_schema=SCHEMA))
+    done, text = {}, {"ok": "", "json": ""}
     while engine.has_unfinished():
-        done += [d.request_id for d in engine.step() if d.finish_reason is not None]
-    assert done == ["ok"]  # the refused request left nothing behind
+        for d in engine.step():
+            text[d.request_id] += d.new_text
+            if d.finish_reason is not None:
+                done[d.request_id] = d.finish_reason
+    assert done == {"ok": "length", "json": "stop"}, text
+    assert isinstance(json.loads(text["json"])["n"], int)  # complete, and what the schema says
