@@ -100,9 +100,15 @@ class GrammarMasks(Protocol):
     token. Each call reads the given tokens from the device (a host round trip) and leaves every
     matcher as it found it: only the runtime advances them, over a phase's emitted tokens."""
 
-    def next_token_bitmask(self, paths: list[list[int]] | None = None) -> torch.Tensor:
-        """[B, Vw]: row b allows the tokens that may follow request b's emitted tokens plus
-        ``paths[b]`` (a row whose path the grammar refuses allows every token)."""
+    def next_token_bitmask(self, paths: list[list[int]] | None = None, per_request: int = 1) -> torch.Tensor:
+        """[B*P, Vw] (``P = per_request``): row r allows the tokens that may follow request
+        r // P's emitted tokens plus ``paths[r]`` (a row whose path the grammar refuses allows
+        every token)."""
+        ...
+
+    def next_token_bitmask_after(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """[B, Vw]: :meth:`next_token_bitmask` after ``new_tokens`` [B, W] (-1 padded), the tokens
+        a phase emitted that the runtime has not read yet (those after verify; prefill's first)."""
         ...
 
     def tree_bitmask(self, draft_tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:

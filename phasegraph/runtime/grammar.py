@@ -97,8 +97,10 @@ class BatchGrammar:
     emitted tokens: only :meth:`Request.append` advances it, over the tokens a phase emitted.
     """
 
-    def __init__(self, matchers: list, vocab_size: int, device):
+    def __init__(self, matchers: list, vocab_size: int, device, resumed: list[bool] | None = None):
         self.matchers = matchers
+        # prefill of retracted requests: their first token is one the matcher already took
+        self.resumed = resumed or [False] * len(matchers)
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self.device = device
@@ -111,22 +113,28 @@ class BatchGrammar:
         if not matcher.is_terminated():  # a finished grammar: the row is never used
             matcher.fill_next_token_bitmask(out, row)
 
-    def next_token_bitmask(self, paths: list[list[int]] | None = None) -> torch.Tensor:
-        out = self._all_allowed(len(self.matchers))  # [B, Vw]
-        for b, m in enumerate(self.matchers):
+    def next_token_bitmask(self, paths: list[list[int]] | None = None, per_request: int = 1) -> torch.Tensor:
+        out = self._all_allowed(len(self.matchers) * per_request)  # [B*per_request, Vw]
+        for r in range(out.shape[0]):
+            m = self.matchers[r // per_request]
             if m is None:
                 continue
-            path = [] if paths is None else paths[b]
+            path = [] if paths is None else paths[r]
             taken = 0
             for token in path:
-                if not m.accept_token(token):
+                if m.is_terminated() or not m.accept_token(token):  # ended: no token may follow
                     break
                 taken += 1
             if taken == len(path):
-                self._fill(m, out, b)
+                self._fill(m, out, r)
             if taken:
                 m.rollback(taken)
         return out.to(self.device)
+
+    def next_token_bitmask_after(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        rows = new_tokens.tolist()  # [B, W] host round trip; -1 pads, negative marks
+        paths = [[t for t in row[int(res):] if t >= 0] for row, res in zip(rows, self.resumed, strict=True)]
+        return self.next_token_bitmask(paths)
 
     def tree_bitmask(self, draft_tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
         B, N = parents.shape
@@ -143,6 +151,8 @@ class BatchGrammar:
             def visit(j: int, m=m, b=b, children=children) -> None:
                 # node j's row: the tokens allowed after its path (depth-first: accept, recurse, undo)
                 self._fill(m, out, b * N + j)
+                if m.is_terminated():  # the path ended: its children are never reached
+                    return
                 for c in children[j]:
                     if m.accept_token(tokens[b][c]):
                         visit(c)

@@ -215,11 +215,12 @@ class Scheduler:
     def _grammar_running(self) -> bool:
         return any(r.matcher is not None for r in self.running)
 
-    def _grammar(self, reqs: list[Request]) -> BatchGrammar | None:
+    def _grammar(self, reqs: list[Request], prefill: bool = False) -> BatchGrammar | None:
         """The grammar masks of a batch whose rows are ``reqs``; None where none has a grammar."""
         if all(r.matcher is None for r in reqs):
             return None
-        return BatchGrammar([r.matcher for r in reqs], self.ctx.target.vocab_size, self.device)
+        resumed = [r.resuming for r in reqs] if prefill else None
+        return BatchGrammar([r.matcher for r in reqs], self.ctx.target.vocab_size, self.device, resumed)
 
     def _lookahead(self) -> int:
         """Tokens past its host-side ``seq_len`` a running request may write in the next
@@ -337,7 +338,7 @@ class Scheduler:
         dev = self.device
         self.ctx.tree = self.base_tree
         self.issuing = reqs
-        self.ctx.grammar = self._grammar(reqs)
+        self.ctx.grammar = self._grammar(reqs, prefill=True)
         prompts = [r.tokens_to_prefill() for r in reqs]
         cached = torch.tensor([r.cached_len for r in reqs], dtype=torch.int64)  # read from the prefix cache
         resumed = [r.resuming for r in reqs]

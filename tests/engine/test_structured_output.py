@@ -155,3 +155,62 @@ def test_free_requests_beside_grammar_requests_are_unchanged(root, name):
     _check_json(mixed[2], SCHEMAS[2])
     assert mixed[3].finish_reason == "stop" and re.fullmatch("(ab|ac|b)c?", mixed[3].text)
     assert_all_free(engine)
+
+
+def _refused_nodes(grammar, draft_tokens, parents) -> int:
+    """Tree nodes whose token the grammar forbids after their parent's path (the path accepted
+    and not ended: the tokens after an end are cut by the stop anyway)."""
+    B, N = parents.shape
+    tokens, par = draft_tokens.view(B, N).tolist(), parents.tolist()
+    refused = 0
+    for b, m in enumerate(grammar.matchers):
+        if m is None:
+            continue
+        for j in range(1, N):
+            path, p = [], par[b][j]
+            while p > 0:
+                path.append(tokens[b][p])
+                p = par[b][p]
+            taken = 0
+            for t in reversed(path):
+                if m.is_terminated() or not m.accept_token(t):
+                    break
+                taken += 1
+            if taken == len(path) and not m.is_terminated():
+                if m.accept_token(tokens[b][j]):
+                    m.rollback(1)
+                else:
+                    refused += 1
+            if taken:
+                m.rollback(taken)
+    return refused
+
+
+@pytest.mark.parametrize("name", ["eagle3-chain", "eagle3-tree", "standalone-tree"])
+def test_drafts_are_masked_so_verify_sees_no_forbidden_token(root, greedy_reference, monkeypatch, name):
+    from phasegraph.phases import _common
+    from phasegraph.runtime.grammar import BatchGrammar
+
+    refused, nodes = [], []
+    tree_bitmask = BatchGrammar.tree_bitmask
+
+    def checked(self, draft_tokens, parents):  # what verify is handed: the draft's tree
+        refused.append(_refused_nodes(self, draft_tokens, parents))
+        nodes.append(parents.numel())
+        return tree_bitmask(self, draft_tokens, parents)
+
+    monkeypatch.setattr(BatchGrammar, "tree_bitmask", checked)
+    params = [SamplingParams(max_new_tokens=48, json_schema=SCHEMAS[i]) for i in range(len(SCHEMAS))]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(SCHEMAS))]
+    outs = _engine(root, name).generate(prompts, params)
+    assert [o.token_ids for o in outs] == greedy_reference
+    assert sum(nodes) > 0 and sum(refused) == 0, refused
+
+    # the same run with the drafts unmasked: the check above is not vacuous
+    refused.clear()
+    masked = _common._grammar_masked_draft_logits
+    monkeypatch.setattr(_common, "_grammar_masked_draft_logits", lambda model, logits, *a: logits)
+    outs = _engine(root, name).generate(prompts, params)
+    assert [o.token_ids for o in outs] == greedy_reference
+    assert sum(refused) > 0
+    monkeypatch.setattr(_common, "_grammar_masked_draft_logits", masked)
