@@ -7,6 +7,11 @@ constrained distribution, and speculation keeps it exactly.
 - 200 sampled objects over 10 JSON schemas are complete (the grammar ended them) and valid
   (``jsonschema``).
 - Free requests in a batch with grammar requests emit what they emit without them.
+- Drafts are masked: no tree handed to verify holds a token the grammar forbids.
+- Sampling stays lossless: 3000 seeded requests of a small regex, sampled under a tree and by
+  the target alone (decode), share one distribution of outputs (two-sample chi-square p > 1e-4,
+  total variation < 0.06, as tests/engine/test_sampling_distribution.py). Verify masks that
+  ignore the drafted ancestry (every node masked as the root) fail it.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ jsonschema = pytest.importorskip("jsonschema")
 from phasegraph.runtime.config import SamplingParams, SpecConfig  # noqa: E402
 from phasegraph.runtime.engine import Engine  # noqa: E402
 from tests.engine.support import assert_all_free, text_bundle  # noqa: E402
+from tests.engine.test_sampling_distribution import P_THRESHOLD, REQUESTS, two_sample_pvalue  # noqa: E402
 
 PROMPTS = ["hello", "def f", "the quick", "for i in", "world. "]
 
@@ -214,3 +220,72 @@ def test_drafts_are_masked_so_verify_sees_no_forbidden_token(root, greedy_refere
     assert [o.token_ids for o in outs] == greedy_reference
     assert sum(refused) > 0
     monkeypatch.setattr(_common, "_grammar_masked_draft_logits", masked)
+
+
+SAMPLED_REGEX = "(ab|ac|b)c?"
+
+
+def _sampled_outputs(root, name: str) -> list:
+    """The outputs of REQUESTS seeded requests of SAMPLED_REGEX at temperature 1 (failed ones
+    included: a token the grammar refused is an outcome of its own in the distributions)."""
+    from phasegraph.runtime.errors import RequestFailed
+
+    params = [SamplingParams(max_new_tokens=8, temperature=1.0, seed=s, regex=SAMPLED_REGEX) for s in range(REQUESTS)]
+    try:
+        return _engine(root, name, max_batch_size=64).generate(["hello"] * REQUESTS, params)
+    except RequestFailed as e:
+        return e.outputs
+
+
+def _outcome(out) -> tuple:
+    return ("error",) if out.finish_reason == "error" else tuple(out.token_ids)
+
+
+def _same_distribution(a: list, b: list) -> tuple[float, float]:
+    """(two-sample chi-square p-value, total variation) of two samples of whole outputs."""
+    import torch
+
+    a, b = list(map(_outcome, a)), list(map(_outcome, b))
+    bins = {seq: i for i, seq in enumerate(sorted(set(a) | set(b), key=str))}
+    ia = torch.tensor([bins[s] for s in a])
+    ib = torch.tensor([bins[s] for s in b])
+    pa = torch.bincount(ia, minlength=len(bins)).double() / len(a)
+    pb = torch.bincount(ib, minlength=len(bins)).double() / len(b)
+    return two_sample_pvalue(ia, ib, len(bins)), float((pa - pb).abs().sum() / 2)
+
+
+@pytest.fixture(scope="module")
+def sampled_alone(root):
+    outs = _sampled_outputs(root, "none")
+    for out in outs:
+        assert out.finish_reason == "stop" and re.fullmatch(SAMPLED_REGEX, out.text), (out.finish_reason, out.text)
+    assert len({o.text for o in outs}) >= 4  # the grammar leaves the target several outputs
+    return outs
+
+
+def _check_sampled_tree(root, sampled_alone) -> None:
+    tree = _sampled_outputs(root, "standalone-tree")
+    assert [o.token_ids for o in tree] != [o.token_ids for o in sampled_alone]  # other coins: a real comparison
+    p, tv = _same_distribution(sampled_alone, tree)
+    assert p > P_THRESHOLD and tv < 0.06, (p, tv)
+    for out in tree:
+        assert out.finish_reason == "stop" and re.fullmatch(SAMPLED_REGEX, out.text), (out.finish_reason, out.text)
+
+
+def test_sampled_constrained_outputs_have_the_target_alones_distribution(root, sampled_alone):
+    _check_sampled_tree(root, sampled_alone)
+
+
+def test_masks_that_ignore_the_drafted_ancestry_are_caught(root, sampled_alone, monkeypatch):
+    """The planted mutant: every node of the tree masked by the grammar at the root, as if its
+    drafted ancestors had not been emitted. The distribution check above fails on it."""
+    from phasegraph.runtime.grammar import BatchGrammar
+
+    def root_only(self, draft_tokens, parents):
+        return self.next_token_bitmask().repeat_interleave(parents.shape[1], dim=0)  # [B*N, Vw]
+
+    monkeypatch.setattr(BatchGrammar, "tree_bitmask", root_only)
+    with pytest.raises(AssertionError, match=r"^\(") as caught:  # the (p, tv) assertion
+        _check_sampled_tree(root, sampled_alone)
+    p, tv = map(float, re.findall(r"[-+0-9.e]+", str(caught.value).splitlines()[0]))
+    assert p < 1e-12 and tv > 0.1, (p, tv)
