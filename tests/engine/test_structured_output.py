@@ -289,3 +289,47 @@ def test_masks_that_ignore_the_drafted_ancestry_are_caught(root, sampled_alone, 
         _check_sampled_tree(root, sampled_alone)
     p, tv = map(float, re.findall(r"[-+0-9.e]+", str(caught.value).splitlines()[0]))
     assert p < 1e-12 and tv > 0.1, (p, tv)
+
+
+@pytest.mark.parametrize("name", ["none", "eagle3-tree"])
+def test_overlap_retraction_and_strict_validation_keep_the_output(root, greedy_reference, name):
+    """Overlap scheduling (a grammar batch is collected before the next iteration is issued),
+    requests retracted mid-run (they resume with the matcher at their tokens) and strict phase
+    validation (every schema and invariant, inputs never mutated) change no token."""
+    engine = _engine(root, name, overlap=True, validate="strict")
+    ids = [f"r{i}" for i in range(len(SCHEMAS))]
+    for i, rid in enumerate(ids):
+        engine.add_request(rid, PROMPTS[i % len(PROMPTS)], SamplingParams(max_new_tokens=48, json_schema=SCHEMAS[i]))
+    tokens = {rid: [] for rid in ids}
+    retracted = set()
+    steps = 0
+    while engine.has_unfinished():
+        for d in engine.step():
+            tokens[d.request_id] += d.new_token_ids
+        steps += 1
+        if steps in (3, 5):  # two requests out of the batch, and back
+            for rid in ids[steps - 3 :: 4]:
+                if engine.retract(rid):
+                    retracted.add(rid)
+    assert len(retracted) >= 2
+    assert [tokens[rid] for rid in ids] == greedy_reference
+    assert_all_free(engine)
+
+
+def test_a_grammar_batch_split_in_two_groups_keeps_the_output(root, greedy_reference):
+    """Adaptive speculation runs requests that do not speculate as a group of their own (decode)
+    beside the others (chains): each group's masks are its own rows'."""
+    from phasegraph.runtime.adaptive import OFF, CostTable, SpecShape
+
+    chain = SpecShape.chain(3)
+    batches = (1, 2, 4, 8, 16)
+    table = CostTable((OFF, chain), batches, [[0.01 + 0.1 * b for b in batches], [0.01 + 0.2 * b for b in batches]], 0.005)
+    target, drafts, _ = text_bundle(root)
+    spec = SpecConfig(method="eagle3", num_steps=3, topk=1, num_draft_tokens=4, adaptive=True)
+    engine = Engine.from_pretrained(target, drafts["eagle3"], spec=spec, dtype="float32", kv_pool_tokens=8192,
+                                    max_batch_size=16, spec_costs=table, trace=True, check_every_step=True)
+    params = [SamplingParams(max_new_tokens=48, json_schema=SCHEMAS[i], speculate=i % 2 == 0) for i in range(len(SCHEMAS))]
+    outs = engine.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(SCHEMAS))], params)
+    assert [o.token_ids for o in outs] == greedy_reference
+    assert engine.trace.notes("split"), "the batch never ran as two groups"
+    assert_all_free(engine)
