@@ -165,3 +165,15 @@ def apply_token_bitmask(
     expect_float(logits, "logits", 2)
     expect_shape(bitmask, "bitmask", (logits.shape[0], (logits.shape[1] + 31) // 32))
     return logits.masked_fill(~token_bitmask_allowed(bitmask, logits.shape[1]), float("-inf"))
+
+
+def token_bitmask_allows(
+    bitmask: torch.Tensor,  # [R, ceil(V/32)] int32
+    rows: torch.Tensor,  # [T] int64 rows of bitmask
+    tokens: torch.Tensor,  # [T] int64
+) -> torch.Tensor:
+    """[T] bool: row ``rows[t]`` of the packed bitmask allows ``tokens[t]`` (one gather, no
+    unpacking of whole rows)."""
+    expect(bitmask, "bitmask", 2, torch.int32)
+    words = bitmask[rows, tokens >> 5]  # [T]
+    return ((words >> (tokens & 31).to(torch.int32)) & 1).bool()

@@ -7,7 +7,8 @@ constrained distribution, and speculation keeps it exactly.
 - 200 sampled objects over 10 JSON schemas are complete (the grammar ended them) and valid
   (``jsonschema``).
 - Free requests in a batch with grammar requests emit what they emit without them.
-- Drafts are masked: no tree handed to verify holds a token the grammar forbids.
+- Drafts are masked: no node verify may try holds a token the grammar forbids (EAGLE drafts
+  are proposed among the allowed tokens, n-gram chains are cut before a forbidden one).
 - Sampling stays lossless: 3000 seeded requests of a small regex, sampled under a tree and by
   the target alone (decode), share one distribution of outputs (two-sample chi-square p > 1e-4,
   total variation < 0.06, as tests/engine/test_sampling_distribution.py). Verify masks that
@@ -163,16 +164,29 @@ def test_free_requests_beside_grammar_requests_are_unchanged(root, name):
     assert_all_free(engine)
 
 
-def _refused_nodes(grammar, draft_tokens, parents) -> int:
-    """Tree nodes whose token the grammar forbids after their parent's path (the path accepted
-    and not ended: the tokens after an end are cut by the stop anyway)."""
-    B, N = parents.shape
-    tokens, par = draft_tokens.view(B, N).tolist(), parents.tolist()
+def _tried_nodes(next_token: list[int], next_sibling: list[int]) -> list[int]:
+    """The nodes verify may try: reached from the root through first-child and sibling links."""
+    tried, stack = [], [0]
+    while stack:
+        c = next_token[stack.pop()]
+        while c >= 0:
+            tried.append(c)
+            stack.append(c)
+            c = next_sibling[c]
+    return tried
+
+
+def _refused_nodes(grammar, tree) -> int:
+    """Nodes verify may try whose token the grammar forbids after their parent's path (the path
+    accepted and not ended: the tokens after an end are cut by the stop anyway)."""
+    B, N = tree.parents.shape
+    tokens, par = tree.draft_tokens.view(B, N).tolist(), tree.parents.tolist()
+    nxt, sib = tree.retrieve_next_token.tolist(), tree.retrieve_next_sibling.tolist()
     refused = 0
     for b, m in enumerate(grammar.matchers):
         if m is None:
             continue
-        for j in range(1, N):
+        for j in _tried_nodes(nxt[b], sib[b]):
             path, p = [], par[b][j]
             while p > 0:
                 path.append(tokens[b][p])
@@ -192,34 +206,37 @@ def _refused_nodes(grammar, draft_tokens, parents) -> int:
     return refused
 
 
-@pytest.mark.parametrize("name", ["eagle3-chain", "eagle3-tree", "standalone-tree"])
+@pytest.mark.parametrize("name", ["eagle3-chain", "eagle3-tree", "standalone-tree", "ngram-chain"])
 def test_drafts_are_masked_so_verify_sees_no_forbidden_token(root, greedy_reference, monkeypatch, name):
+    from phasegraph.drafters import ngram
     from phasegraph.phases import _common
-    from phasegraph.runtime.grammar import BatchGrammar
+    from phasegraph.runtime.scheduler import Scheduler
 
-    refused, nodes = [], []
-    tree_bitmask = BatchGrammar.tree_bitmask
+    refused, trees = [], []
+    run = Scheduler._run
 
-    def checked(self, draft_tokens, parents):  # what verify is handed: the draft's tree
-        refused.append(_refused_nodes(self, draft_tokens, parents))
-        nodes.append(parents.numel())
-        return tree_bitmask(self, draft_tokens, parents)
+    def hooked(self, machine, phase, reqs, note="", **kw):  # every tree handed to verify
+        out = run(self, machine, phase, reqs, note, **kw)
+        if phase == "draft" and self.ctx.grammar is not None:
+            refused.append(_refused_nodes(self.ctx.grammar, out))
+            trees.append(out)
+        return out
 
-    monkeypatch.setattr(BatchGrammar, "tree_bitmask", checked)
+    monkeypatch.setattr(Scheduler, "_run", hooked)
     params = [SamplingParams(max_new_tokens=48, json_schema=SCHEMAS[i]) for i in range(len(SCHEMAS))]
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(SCHEMAS))]
     outs = _engine(root, name).generate(prompts, params)
     assert [o.token_ids for o in outs] == greedy_reference
-    assert sum(nodes) > 0 and sum(refused) == 0, refused
+    assert trees and all(t.token_bitmask is not None for t in trees)
+    assert sum(refused) == 0, refused
 
     # the same run with the drafts unmasked: the check above is not vacuous
     refused.clear()
-    masked = _common._grammar_masked_draft_logits
     monkeypatch.setattr(_common, "_grammar_masked_draft_logits", lambda model, logits, *a: logits)
+    monkeypatch.setattr(ngram, "_cut_at_forbidden", lambda bitmask, tokens, parents, next_token: next_token)
     outs = _engine(root, name).generate(prompts, params)
     assert [o.token_ids for o in outs] == greedy_reference
     assert sum(refused) > 0
-    monkeypatch.setattr(_common, "_grammar_masked_draft_logits", masked)
 
 
 SAMPLED_REGEX = "(ab|ac|b)c?"

@@ -185,7 +185,7 @@ def test_k_past_the_vocabulary_gives_the_whole_row_and_k_past_the_bound_is_refus
 def test_apply_token_bitmask_matches_xgrammar(vocab):
     """Bit j of word i allows token 32 i + j, as xgrammar packs its masks; every other token
     goes to -inf (xgrammar's own torch application is the reference)."""
-    from phasegraph.kernels.penalties import apply_token_bitmask
+    from phasegraph.kernels.penalties import apply_token_bitmask, token_bitmask_allows
 
     xgr = pytest.importorskip("xgrammar")
     gen = torch.Generator().manual_seed(vocab)
@@ -201,5 +201,8 @@ def test_apply_token_bitmask_matches_xgrammar(vocab):
     got = apply_token_bitmask(logits, bitmask)
     assert torch.equal(got, want)
     assert torch.equal(torch.isinf(got), ~allowed)
+    rows = torch.arange(4).repeat_interleave(vocab)
+    tokens = torch.arange(vocab).repeat(4)
+    assert torch.equal(token_bitmask_allows(bitmask, rows, tokens), allowed.reshape(-1))
     with pytest.raises(ValueError, match="bitmask"):
         apply_token_bitmask(logits, bitmask[:, :0])
