@@ -57,3 +57,17 @@ def test_engine_runs_a_grammar_request_beside_a_free_one():
                 done[d.request_id] = d.finish_reason
     assert done == {"ok": "length", "json": "stop"}, text
     assert isinstance(json.loads(text["json"])["n"], int)  # complete, and what the schema says
+
+
+def test_an_engine_that_cannot_end_or_read_a_grammar_refuses_it_by_name():
+    from phasegraph import Engine
+    from phasegraph.demo import demo_pair_dir
+    from tests.phases.lossless_support import tiny_target
+
+    bare = Engine(tiny_target(), max_batch_size=2, kv_pool_tokens=1024)  # no tokenizer
+    with pytest.raises(InvalidRequest, match="needs the target's tokenizer"):
+        bare.add_request("a", [1, 2, 3], SamplingParams(max_new_tokens=4, regex="[0-9]+"))
+    no_eos = Engine.from_pretrained(demo_pair_dir() / "target", eos_token_ids=())
+    with pytest.raises(InvalidRequest, match="end-of-sequence token"):
+        no_eos.add_request("b", "x", SamplingParams(max_new_tokens=4, regex="[0-9]+"))
+    assert not bare.has_unfinished() and not no_eos.has_unfinished()
