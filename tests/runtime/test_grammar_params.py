@@ -71,3 +71,6 @@ def test_an_engine_that_cannot_end_or_read_a_grammar_refuses_it_by_name():
     with pytest.raises(InvalidRequest, match="end-of-sequence token"):
         no_eos.add_request("b", "x", SamplingParams(max_new_tokens=4, regex="[0-9]+"))
     assert not bare.has_unfinished() and not no_eos.has_unfinished()
+    simulated = Engine.from_pretrained(demo_pair_dir() / "target", demo_pair_dir() / "eagle3", simulate_accept_length=3)
+    with pytest.raises(InvalidRequest, match="simulate_accept_length"):
+        simulated.add_request("c", "x", SamplingParams(max_new_tokens=4, regex="[0-9]+"))
