@@ -104,14 +104,19 @@ def test_greedy_constrained_output_is_the_target_alones(root, greedy_reference, 
     assert_all_free(engine)
 
 
-def test_grammar_iterations_run_outside_emulated_graphs(root, greedy_reference):
-    engine = _engine(root, "eagle3-tree", cuda_graphs="emulate")
+@pytest.mark.parametrize(("name", "scope"), [("none", "iteration"), ("eagle3-tree", "iteration"), ("eagle3-tree", "phase")])
+def test_grammar_iterations_run_outside_emulated_graphs(root, greedy_reference, name, scope):
+    engine = _engine(root, name, cuda_graphs="emulate", graph_scope=scope)
     free = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=12, ignore_eos=True))  # graphed
     params = [SamplingParams(max_new_tokens=48, json_schema=SCHEMAS[i]) for i in range(len(SCHEMAS))]
     outs = engine.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(SCHEMAS))], params)
     assert [o.token_ids for o in outs] == greedy_reference
     assert [o.token_ids for o in engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=12, ignore_eos=True))] \
         == [o.token_ids for o in free]
+    stats = engine.graph_runner.stats()[("decode" if name == "none" else "verify")]
+    assert stats["eager_reasons"].get("structured output", 0) > 0, stats  # grammar iterations: eager
+    replays = stats["replays"] if scope == "phase" or name == "none" else engine.graph_runner.stats()["iteration"]["replays"]
+    assert replays > 0  # the free requests' iterations: from graphs
 
 
 def test_200_sampled_objects_over_10_schemas_are_complete_and_valid(root):
