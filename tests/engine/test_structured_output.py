@@ -355,3 +355,18 @@ def test_a_grammar_batch_split_in_two_groups_keeps_the_output(root, greedy_refer
     assert [o.token_ids for o in outs] == greedy_reference
     assert engine.trace.notes("split"), "the batch never ran as two groups"
     assert_all_free(engine)
+
+
+def test_grammar_masks_apply_after_bias_and_penalties(root):
+    """A bias toward a token the grammar forbids moves nothing past the mask; penalties change
+    the constrained choice the same way alone and under speculation."""
+    _, _, tokenizer = text_bundle(root)
+    brace = tokenizer.convert_tokens_to_ids("}")
+    params = [SamplingParams(max_new_tokens=48, json_schema=SCHEMAS[i], repetition_penalty=1.5,
+                             logit_bias={brace: 50.0, tokenizer.eos_token_id: 20.0}) for i in range(len(SCHEMAS))]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(SCHEMAS))]
+    alone = _engine(root).generate(prompts, params)
+    for out, schema in zip(alone, SCHEMAS, strict=True):
+        _check_json(out, schema)
+    for name in ("eagle3-tree", "ngram-chain"):
+        assert [o.token_ids for o in _engine(root, name).generate(prompts, params)] == [o.token_ids for o in alone]
