@@ -18,10 +18,11 @@ the slot of position p holds token p). docs/custom-drafter.md walks through it.
 from __future__ import annotations
 
 import torch
-from jaxtyping import Bool, Int64
+from jaxtyping import Bool, Int32, Int64
 
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.build_tree import build_tree
+from phasegraph.kernels.penalties import token_bitmask_allows
 from phasegraph.phases.context import SpecContext
 from phasegraph.phases.eagle import FUNCTIONS
 from phasegraph.phases.outline import EAGLE_OUTLINE
@@ -116,6 +117,25 @@ def ngram_propose(history: Int64[Tensor, "B L"], lengths: Int64[Tensor, "B"], co
     return history.gather(1, at), found
 
 
+def _cut_at_forbidden(
+    bitmask: Int32[Tensor, "BN Vw"],
+    tokens: Int64[Tensor, "BN"],
+    parents: Int64[Tensor, "B N"],
+    next_token: Int64[Tensor, "B N"],
+) -> Int64[Tensor, "B N"]:
+    """``next_token`` with the link to every node cut whose token the grammar forbids after its
+    parent's path, or which lies below such a node: n-gram drafts have no logits to mask, so the
+    chain ends before its first forbidden token and verify never tries it (XGrammar masks: Dong
+    et al. 2024, arXiv 2411.15100)."""
+    B, N = parents.shape
+    base = (torch.arange(B, device=parents.device) * N)[:, None]  # [B, 1]
+    legal = token_bitmask_allows(bitmask, (base + parents.clamp(min=0)).reshape(-1), tokens).view(B, N)
+    legal[:, 0] = True  # the root is the emitted bonus token
+    ok = legal.long().cumprod(dim=1).bool()  # [B, N] a chain: node j's ancestors are 0..j-1
+    keep = ok.gather(1, next_token.clamp(min=0))
+    return torch.where((next_token >= 0) & keep, next_token, -1)
+
+
 @phase("draft")
 def ngram_draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
     """A chain of the N-1 tokens that followed the latest earlier occurrence of each request's
@@ -132,6 +152,10 @@ def ngram_draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
     proposals, _ = ngram_propose(history, lengths, N - 1, draft.max_ngram, draft.min_ngram)  # [B, N-1]
     parents = (torch.arange(N, device=device) - 1).repeat(B, 1)  # [B, N] a chain: node j's parent is j - 1
     built = build_tree(state.bonus_tokens, proposals, parents, state.seq_lens)
+    next_token, bitmask = built.retrieve_next_token, None  # [B, N]
+    if ctx.grammar is not None:  # the grammar's mask after every node (a host round trip)
+        bitmask = ctx.grammar.tree_bitmask(built.draft_tokens, parents)  # [B*N, Vw]
+        next_token = _cut_at_forbidden(bitmask, built.draft_tokens, parents, next_token)
     steps = torch.arange(S - 1, device=device)
     return TreeProposal(
         draft=state,
@@ -143,11 +167,12 @@ def ngram_draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
         depth=built.depth,
         tree_mask=built.tree_mask,
         retrieve_index=built.retrieve_index,
-        retrieve_next_token=built.retrieve_next_token,
+        retrieve_next_token=next_token,
         retrieve_next_sibling=built.retrieve_next_sibling,
         # no draft forwards ran; the positions they would have run at, as the schema records them
         draft_positions=(lengths[:, None] + steps[None, :])[:, :, None],  # [B, S-1, 1]
         draft_finite=torch.ones(B, dtype=torch.bool, device=device),
+        token_bitmask=bitmask,
     )
 
 

@@ -143,3 +143,37 @@ def prefill_token_counts(
     prompt = zeros.index_add(0, flat, in_prompt.to(torch.int32)) > 0
     counts = zeros.index_add(0, flat, (~in_prompt).to(torch.int32))
     return counts.view(batch, vocab), prompt.view(batch, vocab)
+
+
+def token_bitmask_allowed(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The allowed tokens [R, V] bool of a packed token bitmask [R, ceil(V/32)] int32: bit ``j`` of
+    word ``i`` allows token ``32 i + j`` (XGrammar's layout: Dong et al. 2024, arXiv 2411.15100)."""
+    expect(bitmask, "bitmask", 2, torch.int32)
+    shifts = torch.arange(32, dtype=torch.int32, device=bitmask.device)  # [32]
+    bits = (bitmask[:, :, None] >> shifts) & 1  # [R, Vw, 32]
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
+
+
+def apply_token_bitmask(
+    logits: torch.Tensor,  # [R, V] float
+    bitmask: torch.Tensor,  # [R, ceil(V/32)] int32, bit set = allowed
+) -> torch.Tensor:
+    """``logits`` with every token the bitmask forbids at -inf (a new tensor): structured
+    output's grammar masks (XGrammar, arXiv 2411.15100), applied after bias and penalties so that
+    greedy picks and sampling (softmax) see only the allowed tokens. Torch only: a shift, an and
+    and a ``masked_fill`` per row, sync-free."""
+    expect_float(logits, "logits", 2)
+    expect_shape(bitmask, "bitmask", (logits.shape[0], (logits.shape[1] + 31) // 32))
+    return logits.masked_fill(~token_bitmask_allowed(bitmask, logits.shape[1]), float("-inf"))
+
+
+def token_bitmask_allows(
+    bitmask: torch.Tensor,  # [R, ceil(V/32)] int32
+    rows: torch.Tensor,  # [T] int64 rows of bitmask
+    tokens: torch.Tensor,  # [T] int64
+) -> torch.Tensor:
+    """[T] bool: row ``rows[t]`` of the packed bitmask allows ``tokens[t]`` (one gather, no
+    unpacking of whole rows)."""
+    expect(bitmask, "bitmask", 2, torch.int32)
+    words = bitmask[rows, tokens >> 5]  # [T]
+    return ((words >> (tokens & 31).to(torch.int32)) & 1).bool()

@@ -7,7 +7,11 @@ import torch
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.cache_slots import extend_slots
 from phasegraph.kernels.logprobs import TokenLogprobs, token_logprobs
-from phasegraph.kernels.penalties import apply_penalties
+from phasegraph.kernels.penalties import (
+    apply_penalties,
+    apply_token_bitmask,
+    token_bitmask_allowed,
+)
 from phasegraph.kernels.softmax_top1 import softmax_top1
 from phasegraph.kernels.softmax_topk import softmax_topk
 from phasegraph.phases.context import SpecContext
@@ -69,13 +73,38 @@ def topk_of_logits(
     return softmax_topk(logits, k, id_offsets)
 
 
-def draft_topk(model: DraftModel, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def draft_topk(
+    model: DraftModel,
+    logits: torch.Tensor,  # [R, Vd]
+    k: int,
+    token_bitmask: torch.Tensor | None = None,  # [R, ceil(V/32)] int32: grammar masks
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`topk_of_logits` of a draft's logits [R, Vd], ids in the target vocabulary: mapped
     in the top-k kernel where the model has ``target_id_offsets`` (an EAGLE-3 head's ``d2t``),
-    else by its ``to_target_ids``."""
+    else by its ``to_target_ids``.
+
+    With grammar masks, only the tokens a row's grammar allows are proposed (XGrammar, Dong et
+    al. 2024, arXiv 2411.15100): the draft's softmax is taken over them, and a candidate the
+    grammar leaves no room for (probability 0) repeats the row's best one, so no forbidden token
+    reaches verify. A row that allows no token of the draft's vocabulary stays unmasked: verify
+    rejects its drafts."""
     offsets = getattr(model, "target_id_offsets", None)  # [Vd] int64 or None
+    if token_bitmask is not None:
+        logits = _grammar_masked_draft_logits(model, logits, token_bitmask, offsets)
     probs, ids = topk_of_logits(logits, k, offsets)
-    return probs, ids if offsets is not None else model.to_target_ids(ids)
+    ids = ids if offsets is not None else model.to_target_ids(ids)
+    if token_bitmask is not None:
+        ids = torch.where(probs > 0, ids, ids[:, :1])  # [R, k]
+    return probs, ids
+
+
+def _grammar_masked_draft_logits(model: DraftModel, logits: torch.Tensor, token_bitmask: torch.Tensor,
+                                 offsets: torch.Tensor | None) -> torch.Tensor:
+    draft_ids = torch.arange(logits.shape[1], device=logits.device)  # [Vd]
+    target_ids = draft_ids + offsets if offsets is not None else model.to_target_ids(draft_ids)  # [Vd]
+    allowed = token_bitmask_allowed(token_bitmask, token_bitmask.shape[1] * 32)[:, target_ids]  # [R, Vd]
+    allowed |= ~allowed.any(dim=1, keepdim=True)  # nothing allowed: leave the row as it is
+    return logits.masked_fill(~allowed, float("-inf"))
 
 
 def processed_logits(
@@ -86,10 +115,15 @@ def processed_logits(
     prompt_mask: torch.Tensor | None,  # [B, V] bool
     node_tokens: torch.Tensor | None = None,  # [B*N] (verify: the tree's nodes)
     tree_mask: torch.Tensor | None = None,  # [B, N, N]
+    token_bitmask: torch.Tensor | None = None,  # [B*N, ceil(V/32)] int32: grammar masks
 ) -> torch.Tensor:
     """``logits`` with the batch's logit bias and penalties (:func:`apply_penalties`, the one
     place they are applied, by prefill, decode and verify) where a request of the batch uses
-    them, else ``logits`` themselves: no pass when none does (``ctx.penalties``)."""
+    them, then the grammar masks where given (:func:`apply_token_bitmask`), else ``logits``
+    themselves: no pass when none applies (``ctx.penalties``, no bitmask)."""
+    if token_bitmask is not None:
+        logits = processed_logits(ctx, params, logits, output_counts, prompt_mask, node_tokens, tree_mask)
+        return apply_token_bitmask(logits, token_bitmask)
     if not ctx.penalties:
         return logits
     if output_counts is None or prompt_mask is None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import attrs
 
-from phasegraph.phases.protocols import DraftModel, KVMemory, TargetModel
+from phasegraph.phases.protocols import DraftModel, GrammarMasks, KVMemory, TargetModel
 
 
 @attrs.frozen
@@ -86,6 +86,9 @@ class SpecContext:
     penalties: bool = False  # a request uses logit_bias or a penalty (off: no count state, no pass)
     min_p: bool = False  # a request uses min_p
     return_routed_experts: bool = False  # a request asks for the experts its tokens were routed to
+    # the batch's grammar masks where a request has structured output, else None (no mask, no
+    # host round trip); the iteration then runs eagerly, outside CUDA graphs
+    grammar: GrammarMasks | None = None
     # Benchmark mode only: verify accepts this many drafts per step whatever they are (greedy
     # requests); outputs are then not the target's. None = real verification.
     simulate_accept_drafts: int | None = None

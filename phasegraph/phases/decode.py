@@ -25,17 +25,23 @@ def decode(state: DraftState, ctx: SpecContext) -> DraftState:
     In a speculative engine an iteration without drafts runs this too: the draft state (top-k
     candidates, hidden row) is carried unchanged, and the draft's KV gets no rows for the tokens
     committed meanwhile: the next drafts start from older candidates, which verify rejects
-    where they do not fit (outputs stay exact; only acceptance suffers)."""
+    where they do not fit (outputs stay exact; only acceptance suffers).
+
+    A structured-output request's logits are masked by its grammar (XGrammar, Dong et al. 2024,
+    arXiv 2411.15100) after its emitted tokens: the reference speculation must match."""
     params = state.params
     # token b is request b, at position seq_len (rows of distinct requests)
     attn = causal_extend_metadata(ctx.memory, params.req_pool_idx, None, state.seq_lens,
                                   one_query_per_row=True)
     out = target_forward(ctx, state.bonus_tokens, state.seq_lens, attn)
     raw = out.logits  # [B, V]
-    logits = processed_logits(ctx, params, raw, state.output_counts, state.prompt_mask)
+    # the grammar's masks after each request's emitted tokens (bonus included): host state, read
+    # through the context as the models are (None: no request has structured output)
+    bitmask = ctx.grammar.next_token_bitmask() if ctx.grammar is not None else None  # [B, Vw]
+    logits = processed_logits(ctx, params, raw, state.output_counts, state.prompt_mask, token_bitmask=bitmask)
     coins = counter_uniform(params.seed, position_counter(state.seq_lens + 1, PURPOSE_SAMPLE))  # [B]
     nxt, _, emitted = sample_tokens(logits, params.temperature, params.top_k, params.top_p, coins,
-                                    ctx.greedy_only, min_p_if_used(ctx, params), raw if ctx.penalties else None)
+                                    ctx.greedy_only, min_p_if_used(ctx, params), raw if logits is not raw else None)
     lp = logprobs_if_asked(ctx, raw, nxt)
     return DraftState(
         params=params,

@@ -33,6 +33,10 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
     and repeats their hidden rows over the beams, and the branch reorder moves the hidden rows
     with the KV (no torch op of its own between the kernels).
 
+    A structured-output request's candidates at every step are those its grammar allows after
+    the beam's path (XGrammar, Dong et al. 2024, arXiv 2411.15100), and verify gets the grammar's
+    mask after every node (``token_bitmask``).
+
     A state that carries more candidates than K (an engine whose iterations change shape keeps
     the largest K) drafts from its first K, the most likely; the branch regions likewise.
     """
@@ -63,6 +67,9 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
     hidden = layout.beam_hidden
     draft_caches = memory.draft_caches()
     move_kv(draft_caches, layout.tail_src, layout.tail_dst)  # prefix tail into every branch region
+    # structured output: every beam's drafted path on the host, to mask its next candidates by
+    # the grammar after it (one round trip per step: the tokens are chosen on the device)
+    paths = None if ctx.grammar is None else [[t] for t in beam_tokens.reshape(-1).tolist()]  # [B*K]
     for i in range(S - 1):
         positions = layout.step_positions[i]  # [B*K]: every beam of request b at base[b] + i
         attn = AttentionMetadata(
@@ -77,12 +84,16 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
         out = model.forward(
             beam_tokens.reshape(-1), hidden, positions, attn, from_target=False, step=i
         )
-        step_p, step_ids = draft_topk(model, out.logits, K)  # [B*K, K], target vocabulary
+        bitmask = None if paths is None else ctx.grammar.next_token_bitmask(paths, per_request=K)  # [B*K, Vw]
+        step_p, step_ids = draft_topk(model, out.logits, K, bitmask)  # [B*K, K], target vocabulary
         grown = expand_step(
             beam_scores, beam_cand, step_p.view(B, K, K), step_ids.view(B, K, K), step=i + 1,
             topk=K, table=table,
         )
         beam_scores, beam_cand, beam_tokens = grown.beam_scores, grown.beam_cand, grown.beam_tokens
+        if paths is not None and i < S - 2:  # new beam k of request b continues beam beam_parent[b, k]
+            parent, token = grown.beam_parent.tolist(), beam_tokens.tolist()
+            paths = [paths[b * K + parent[b][k]] + [token[b][k]] for b in range(B) for k in range(K)]
         if i < S - 2:  # the next forward needs each new beam's ancestors and hidden state
             # new beam k of request b continues beam beam_parent[b, k]: its region and hidden row
             carry = out.hidden if hidden is not None else None  # [B*K, Hd] or None
@@ -97,6 +108,9 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
         first_tokens=first_ids, first_scores=first_p,
     )
     built = build_tree(state.bonus_tokens, nodes.tokens, nodes.parents, seq_lens)
+    # the grammar's mask after every node's path, built on the host from the matchers (reads the
+    # tree: one round trip, only where a request has structured output)
+    bitmask = None if ctx.grammar is None else ctx.grammar.tree_bitmask(built.draft_tokens, nodes.parents)
     return TreeProposal(
         draft=state,
         num_steps=S,
@@ -111,4 +125,5 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
         retrieve_next_sibling=built.retrieve_next_sibling,
         draft_positions=layout.draft_positions,  # [B, S-1, K] a view of the positions given
         draft_finite=nodes.scores_finite,  # [B]: False where the draft's logits were not finite
+        token_bitmask=bitmask,  # [B*N, Vw] or None
     )

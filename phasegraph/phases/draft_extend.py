@@ -17,6 +17,7 @@ def draft_extend(state: DraftExtendInput, ctx: SpecContext) -> DraftState:
     After prefill the rows are the prompt; after decode they are the accepted path compacted to
     the front (rows past a request's accept length are padding that writes only behind its
     committed length). Without a draft (the autoregressive baseline) the state carries K = 0.
+    A structured-output request's candidates are those its grammar allows after its new tokens.
     """
     params = state.params
     B = state.seq_lens.shape[0]
@@ -35,7 +36,11 @@ def draft_extend(state: DraftExtendInput, ctx: SpecContext) -> DraftState:
         from_target=True, step=0, logits_index=state.select_index,
     )
     k = ctx.draft_topk or ctx.tree.topk
-    topk_p, topk_ids = draft_topk(ctx.draft, out.logits, k)  # [B, K], target vocabulary
+    bitmask = None
+    if ctx.grammar is not None:  # the grammar after the tokens this phase's input emitted
+        emitted = getattr(state, "emitted", None)  # [B, W] after verify; after prefill the first token
+        bitmask = ctx.grammar.next_token_bitmask_after(emitted if emitted is not None else state.bonus_tokens[:, None])
+    topk_p, topk_ids = draft_topk(ctx.draft, out.logits, k, bitmask)  # [B, K], target vocabulary
     hidden = None
     if ctx.draft.uses_features:  # [B, Hd], the rows the model already gathered for its logits
         hidden = out.hidden_rows if out.hidden_rows is not None else out.hidden[state.select_index]

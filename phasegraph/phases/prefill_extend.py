@@ -46,10 +46,10 @@ def prefill_extend(state: PrefillInput, ctx: SpecContext) -> PrefillResult:
     if ctx.penalties:
         counts, prompt = prefill_token_counts(state.input_ids, state.positions, state.token_req,
                                               state.prompt_lens, raw.shape[1])
-    logits = processed_logits(ctx, params, raw, counts, prompt)
+    logits = processed_logits(ctx, params, raw, counts, prompt, token_bitmask=state.token_bitmask)
     coins = counter_uniform(params.seed, position_counter(state.seq_lens, PURPOSE_SAMPLE))  # [B]
     sampled, finite, _ = sample_tokens(logits, params.temperature, params.top_k, params.top_p, coins, ctx.greedy_only,
-                                       min_p_if_used(ctx, params), raw if ctx.penalties else None)
+                                       min_p_if_used(ctx, params), raw if logits is not raw else None)
     first = torch.where(state.forced_tokens >= 0, state.forced_tokens, sampled)  # [B]
     if counts is not None:
         counts = count_tokens(counts, first)

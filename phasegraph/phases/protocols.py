@@ -91,3 +91,29 @@ class KVMemory(Protocol):
     def release_rows(self, rows: torch.Tensor) -> None:
         """Free every page and the page-table row of each request row in ``rows`` (host op)."""
         ...
+
+
+class GrammarMasks(Protocol):
+    """The grammar state of a batch's structured-output requests, held on the host (one matcher
+    per request, XGrammar: Dong et al. 2024, arXiv 2411.15100). Masks are packed [R, Vw] int32
+    (``Vw = ceil(V/32)``, bit set = allowed); a row of a request without a grammar allows every
+    token. Each call reads the given tokens from the device (a host round trip) and leaves every
+    matcher as it found it: only the runtime advances them, over a phase's emitted tokens."""
+
+    def next_token_bitmask(self, paths: list[list[int]] | None = None, per_request: int = 1) -> torch.Tensor:
+        """[B*P, Vw] (``P = per_request``): row r allows the tokens that may follow request
+        r // P's emitted tokens plus ``paths[r]`` (a row whose path the grammar refuses allows
+        every token)."""
+        ...
+
+    def next_token_bitmask_after(self, new_tokens: torch.Tensor) -> torch.Tensor:
+        """[B, Vw]: :meth:`next_token_bitmask` after ``new_tokens`` [B, W] (-1 padded), the tokens
+        a phase emitted that the runtime has not read yet (those after verify; prefill's first)."""
+        ...
+
+    def tree_bitmask(self, draft_tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+        """[B*N, Vw]: row b*N + j allows the tokens that may follow node j of request b's tree,
+        i.e. its emitted tokens plus node j's drafted ancestors and itself (``draft_tokens``
+        [B*N], node 0 the root already emitted; ``parents`` [B, N]). Nodes under a token the
+        grammar refuses allow every token: they are never reached."""
+        ...

@@ -10,7 +10,8 @@ mergeable. Symbolic dims (see ``docs/internals.md``):
 - ``Hd`` draft hidden size; ``Hf`` target feature width handed to the draft; ``Z`` stop ids;
 - ``V`` the target's vocabulary; ``L`` top logprobs per generated position, ``Lp`` per prompt
   position (the most any request of the batch asks for);
-- ``M`` MoE layers of the target, ``Ke`` experts each token is routed to per MoE layer.
+- ``M`` MoE layers of the target, ``Ke`` experts each token is routed to per MoE layer;
+- ``Vw`` = ceil(V/32) int32 words of a packed grammar bitmask (structured output).
 
 Roles: ``REQUEST`` fields have one row per request (``[B, ...]``), ``NODE`` fields one row per
 tree node (``[B*N, ...]``, request-major), ``ACCEPTED`` fields one row per accepted-path slot
@@ -140,6 +141,11 @@ class PrefillInput(Schema):
     remaining: Int64[Tensor, "B"] = tensor(role=REQUEST, pad=1, doc="new tokens each request may still emit")
     forced_tokens: Int64[Tensor, "B"] = tensor(
         role=REQUEST, pad=-1, doc="-1: sample the first token; else emit this token (a resumed request's bonus)"
+    )
+    token_bitmask: Int32[Tensor, "B Vw"] | None = tensor(
+        role=REQUEST, pad=-1, absent_is_pad=True, default=None,
+        doc="the grammar's allowed first tokens (bit set = allowed, all set without a grammar); "
+            "None where no request of the batch has structured output",
     )
 
     @invariant("1 <= prompt_lens <= seq_lens")
@@ -310,6 +316,11 @@ class TreeProposal(Schema):
     draft_finite: Bool[Tensor, "B"] = tensor(
         role=REQUEST, pad=True,
         doc="False where a candidate score the tree was chosen from was NaN or infinite: the draft's logits were not",
+    )
+    token_bitmask: Int32[Tensor, "B*N Vw"] | None = tensor(
+        role=NODE, pad=-1, default=None,
+        doc="the grammar's allowed tokens after each node's path (bit set = allowed; all set for a "
+            "request without a grammar); None where no request of the batch has structured output",
     )
 
     @invariant("the draft's candidate scores are finite (draft_finite)")

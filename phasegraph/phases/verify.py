@@ -45,6 +45,11 @@ def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
     Logprobs are the target's raw ones at every node, and routed experts (where asked) those of
     every node's row, in node order: finalize compacts both along the path (SGLang #26866).
 
+    Structured output: where the tree carries grammar masks (``token_bitmask``, XGrammar, Dong
+    et al. 2024, arXiv 2411.15100), node j's processed logits allow only the tokens the grammar
+    allows after the request's emitted tokens plus node j's path, so a drafted token the grammar
+    forbids is never accepted and the target's distribution is the constrained one.
+
     A request's ``draft_cap`` c (where the batch has caps) cuts the first-child links of its
     nodes at depth >= c before verification, so no path accepts more than c drafts and the node
     at depth c draws its token as if it had no children (c = 0: exactly one target token).
@@ -73,7 +78,7 @@ def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
     out = target_forward(ctx, state.draft_tokens, state.positions, attn)
     raw = out.logits  # [B*N, V]
     logits = processed_logits(ctx, params, raw, draft_state.output_counts, draft_state.prompt_mask,
-                              state.draft_tokens, state.tree_mask)
+                              state.draft_tokens, state.tree_mask, state.token_bitmask)
     if ctx.simulate_accept_drafts is not None or ctx.greedy_only:
         greedy, finite, _ = argmax_finite(logits)  # [B*N] each
         if logits is not raw:  # processed logits are clamped finite: the model's say what was not

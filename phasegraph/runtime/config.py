@@ -14,6 +14,12 @@ import attrs
 from phasegraph.phases.context import TreeShape, check_tree_shape, num_tree_candidates
 from phasegraph.runtime.adaptive import CostTable
 from phasegraph.runtime.errors import InvalidConfig, InvalidRequest
+from phasegraph.runtime.grammar import (
+    GRAMMAR_KINDS,
+    InvalidGrammar,
+    canonical_json_schema,
+    compile_grammar,
+)
 from phasegraph.runtime.methods import BUILT_IN, method_names
 
 METHODS = BUILT_IN  # and the registered ones (runtime/methods.py: method_names())
@@ -192,6 +198,10 @@ class SamplingParams:
     return_routed_experts: bool = False
     speculate: bool = True
     max_draft_tokens: int | None = None
+    # structured output, at most one of them (phasegraph.runtime.grammar); the schema is kept as JSON text
+    json_schema: Mapping | str | None = None
+    regex: str | None = None
+    grammar: str | None = None
 
     def __attrs_post_init__(self) -> None:
         m = self.max_new_tokens
@@ -226,6 +236,7 @@ class SamplingParams:
         self._check_logprobs()
         self._check_logit_processing()
         self._check_speculation()
+        self._check_structured_output()
         if 0 < t < GREEDY_BELOW:
             # logits / t overflows float32 for a tiny t (NaN probabilities, garbage tokens);
             # sampling that cold is greedy decoding in all but ties (as in vLLM)
@@ -280,6 +291,27 @@ class SamplingParams:
                 raise InvalidRequest(f"{name} must be in [-2, 2] (0 = off); got {getattr(self, name)!r}")
             object.__setattr__(self, name, f)
         object.__setattr__(self, "logit_bias", _logit_bias(self.logit_bias))
+
+    def _check_structured_output(self) -> None:
+        given = [k for k in GRAMMAR_KINDS if getattr(self, k) is not None]
+        if len(given) > 1:
+            raise InvalidGrammar(f"at most one of json_schema, regex and grammar; got {', '.join(given)}")
+        if not given:
+            return
+        kind = given[0]
+        if kind == "json_schema":
+            object.__setattr__(self, "json_schema", canonical_json_schema(self.json_schema))
+        elif not isinstance(getattr(self, kind), str) or not getattr(self, kind):
+            raise InvalidGrammar(f"{kind} must be a non-empty string; got {getattr(self, kind)!r}")
+        compile_grammar(kind, getattr(self, kind))  # a spec that does not parse fails here, before anything runs
+
+    @property
+    def structured_output(self) -> tuple[str, str] | None:
+        """(kind, spec) of the request's grammar, or None."""
+        for k in GRAMMAR_KINDS:
+            if getattr(self, k) is not None:
+                return k, getattr(self, k)
+        return None
 
     @property
     def greedy(self) -> bool:

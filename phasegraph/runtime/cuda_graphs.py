@@ -465,9 +465,11 @@ class GraphedPhase:
         self.eager_calls = 0
         self.eager_reasons: dict[str, int] = {}
 
-    def _eager_reason(self, state: Schema, bucket: int | None, extra: dict) -> str | None:
+    def _eager_reason(self, state: Schema, ctx: Any, bucket: int | None, extra: dict) -> str | None:
         if not self.runner.enabled:
             return "graphs disabled"
+        if getattr(ctx, "grammar", None) is not None:  # masks filled on the host from the tree
+            return "structured output"
         if bucket is None:
             return "batch above the largest bucket (or empty)"
         if extra:
@@ -479,7 +481,7 @@ class GraphedPhase:
     def __call__(self, state: Schema, ctx: Any, **extra: Any) -> Schema:
         batch = state.batch_size or 0
         bucket = self.runner.bucket_for(batch)
-        reason = self._eager_reason(state, bucket, extra)
+        reason = self._eager_reason(state, ctx, bucket, extra)
         if reason is not None:
             self.eager_calls += 1
             self.eager_reasons[reason] = self.eager_reasons.get(reason, 0) + 1

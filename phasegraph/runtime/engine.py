@@ -54,6 +54,7 @@ from phasegraph.runtime.errors import (
     SchedulerInvariantError,
     is_out_of_memory,
 )
+from phasegraph.runtime.grammar import GrammarCompiler
 from phasegraph.runtime.graph_runner import GraphRunner
 from phasegraph.runtime.kv_pool import KVCacheManager, PrefixCacheStats
 from phasegraph.runtime.memory import PhaseMemory
@@ -204,6 +205,7 @@ class Engine:
         self._seed = config.seed
         self._counter = itertools.count()
         self._requests: dict[str, Request] = {}
+        self._grammars: GrammarCompiler | None = None  # made at the first structured-output request
         if self.spec_shapes:
             costs = config.spec_costs
             if costs is None:
@@ -630,6 +632,14 @@ class Engine:
                 f"return_routed_experts=True needs a mixture-of-experts target; this "
                 f"{getattr(self.target.config, 'model_type', 'dense')} target routes no token to experts"
             )
+        matcher = None
+        if params.structured_output is not None:  # compiled once per spec, before anything is queued
+            if self.simulated:  # its verify accepts drafts whatever they are, the grammar's too
+                raise InvalidRequest(f"{params.structured_output[0]}: structured output cannot run in the "
+                                     "benchmark mode simulate_accept_length")
+            if self._grammars is None:
+                self._grammars = GrammarCompiler(self.tokenizer, self.target.vocab_size, self.eos_token_ids)
+            matcher = self._grammars.matcher(*params.structured_output)
         stop_ids = list(params.stop_token_ids)
         if not params.ignore_eos:
             stop_ids += list(self.eos_token_ids)
@@ -642,7 +652,9 @@ class Engine:
             def decode(tokens: list[int]) -> str:
                 return tok.decode(tokens, skip_special_tokens=True)
 
-        return Request(request_id, ids, params, stop_ids=stop_ids, budget=budget, seed=seed, decode=decode)
+        req = Request(request_id, ids, params, stop_ids=stop_ids, budget=budget, seed=seed, decode=decode)
+        req.matcher = matcher
+        return req
 
     def _encode(self, prompt) -> list[int]:
         vocab = self.target.vocab_size

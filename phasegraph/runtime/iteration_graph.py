@@ -87,7 +87,8 @@ class IterationGraph:
         self._pending = None
         batch = state.batch_size or 0
         bucket = self.runner.bucket_for(batch)
-        if bucket is None or extra or not self.runner.enabled:
+        # structured output: the masks are filled on the host between the phases (eager)
+        if bucket is None or extra or not self.runner.enabled or getattr(ctx, "grammar", None) is not None:
             return self._fall_back("draft", state, ctx, extra)
         key = self.runner.graph_key(state, ctx, batch, bucket)
         cap = self.graphs.get(key)

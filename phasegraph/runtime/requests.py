@@ -39,6 +39,8 @@ class Request:
         self.seed = seed
         self._decode = decode
         self.output: list[int] = []
+        # structured output: the request's xgrammar matcher, at its emitted tokens (set by the engine)
+        self.matcher = None
         self.logprobs: list[float] | None = [] if params.wants_logprobs else None
         # per output token, the top_logprobs most likely (token id, logprob)
         self.top_logprobs: list[list[tuple[int, float]]] | None = [] if params.top_logprobs else None
@@ -113,6 +115,8 @@ class Request:
                 self.top_logprobs.append(list(top[i][:k]))
             if self.routed_experts is not None and experts is not None:
                 self.routed_experts.append(experts[i])
+            if self.matcher is not None and not self._advance_grammar(int(tok)):
+                break
             if tok in self._stop_set:
                 self.finish("stop")
             elif len(self.output) >= self.budget:
@@ -148,6 +152,18 @@ class Request:
                 self.routed_experts.pop()
         self._text, self._text_tokens = text[:cut], len(self.output)
         self.finish_reason = "stop"  # wins over a budget reached in the same step
+
+    def _advance_grammar(self, token: int) -> bool:
+        """Advance the matcher over an emitted token; a finished grammar finishes the request
+        ("stop"). False (the request failed) where the grammar refuses the token: the masks of
+        prefill, decode and verify allow only what it accepts, so this is a bug, never hidden."""
+        if not self.matcher.accept_token(token):
+            self.finish_reason = "error"
+            self.error = f"structured output: the grammar refused emitted token {token} (output token {len(self.output) - 1})"
+            return False
+        if self.matcher.is_terminated():
+            self.finish("stop")
+        return True
 
     def finish(self, reason: str) -> None:
         if self.finish_reason is None:

@@ -63,6 +63,7 @@ from phasegraph.runtime.errors import (
     OutOfKVPages,
     SchedulerInvariantError,
 )
+from phasegraph.runtime.grammar import BatchGrammar
 from phasegraph.runtime.kv_pool import KVCacheManager, to_device
 from phasegraph.runtime.prefix_cache import PrefixMatch
 from phasegraph.runtime.requests import Request, Status
@@ -175,10 +176,12 @@ class Scheduler:
         self._filter_finished()
         issued = None
         if self.running:
-            if self.in_flight is not None and (self._pages_short() or self._all_may_finish()):
+            if self.in_flight is not None and (self._pages_short() or self._all_may_finish()
+                                               or self._grammar_running()):
                 # exact lengths before reserving (or retracting); or the iteration in flight may
                 # finish every request by its budget: one un-overlapped step instead of a wasted
-                # iteration (a whole decode step or speculative iteration at the end of a batch)
+                # iteration (a whole decode step or speculative iteration at the end of a batch);
+                # or a request has structured output: its masks need the matcher at its tokens
                 touched |= self.drain()
             if self.running:
                 self._reserve_pages()
@@ -208,6 +211,16 @@ class Scheduler:
         """Every running request may reach its token budget in the iteration in flight (which
         commits at least one and at most ``commit_per_iteration`` tokens to each)."""
         return all(r.remaining <= self.commit_per_iteration for r in self.running)
+
+    def _grammar_running(self) -> bool:
+        return any(r.matcher is not None for r in self.running)
+
+    def _grammar(self, reqs: list[Request], prefill: bool = False) -> BatchGrammar | None:
+        """The grammar masks of a batch whose rows are ``reqs``; None where none has a grammar."""
+        if all(r.matcher is None for r in reqs):
+            return None
+        resumed = [r.resuming for r in reqs] if prefill else None
+        return BatchGrammar([r.matcher for r in reqs], self.ctx.target.vocab_size, self.device, resumed)
 
     def _lookahead(self) -> int:
         """Tokens past its host-side ``seq_len`` a running request may write in the next
@@ -325,6 +338,7 @@ class Scheduler:
         dev = self.device
         self.ctx.tree = self.base_tree
         self.issuing = reqs
+        self.ctx.grammar = self._grammar(reqs, prefill=True)
         prompts = [r.tokens_to_prefill() for r in reqs]
         cached = torch.tensor([r.cached_len for r in reqs], dtype=torch.int64)  # read from the prefix cache
         resumed = [r.resuming for r in reqs]
@@ -351,6 +365,8 @@ class Scheduler:
                 [r.output[-1] if res else -1 for r, res in zip(reqs, resumed, strict=True)],
                 dtype=torch.int64, device=dev,
             ),
+            # the first token's mask, from each matcher at its emitted tokens (none yet when new)
+            token_bitmask=None if self.ctx.grammar is None else self.ctx.grammar.next_token_bitmask(),
         )
         self._set_flags(reqs, prompt_logprobs=[r for r, want in zip(reqs, prompt_rows, strict=True) if want])
         self._prefill_batches += 1
@@ -499,6 +515,7 @@ class Scheduler:
         ``batch``; returns the device tensors the host reads: tokens [B] or [B, W] (-1 past
         each accept length), logprobs, top logprobs and their ids, routed experts (or None)."""
         self.issuing = batch
+        self.ctx.grammar = self._grammar(batch)  # these rows' masks (a split runs two groups)
         if shape is None or shape.off:
             self.ctx.tree = self.base_tree  # decode ignores it; the graph key stays one
             state = self._run(m, "decode", batch, note=note)

@@ -12,6 +12,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from phasegraph.runtime.config import RequestOutput, SamplingParams
+from phasegraph.runtime.grammar import InvalidGrammar
 from phasegraph.serving.errors import APIError
 
 # OpenAI's default max_tokens of /v1/completions; chat completions default to the whole context
@@ -28,7 +29,8 @@ class StreamOptions(_Body):
 
 class _SamplingFields(_Body):
     """The fields both endpoints share; phasegraph's own extensions (as in vLLM): ``top_k``,
-    ``ignore_eos``, ``stop_token_ids``; and ``speculate``, ``max_draft_tokens``."""
+    ``ignore_eos``, ``stop_token_ids``; ``speculate``, ``max_draft_tokens``; and structured
+    output by ``regex`` or ``grammar``."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -48,6 +50,8 @@ class _SamplingFields(_Body):
     stop_token_ids: list[int] | None = None
     speculate: bool = True
     max_draft_tokens: int | None = Field(default=None, ge=0)
+    regex: str | None = None  # structured output: the text matches it
+    grammar: str | None = None  # structured output: EBNF, root rule `root`
 
 
 class CompletionRequest(_SamplingFields):
@@ -69,8 +73,16 @@ class ChatMessage(_Body):
     name: str | None = None
 
 
+class JSONSchemaFormat(_Body):
+    name: str | None = None
+    description: str | None = None
+    json_schema: dict | bool | None = Field(default=None, alias="schema")
+    strict: bool | None = None  # accepted: the output always follows the schema
+
+
 class ResponseFormat(_Body):
     type: str
+    json_schema: JSONSchemaFormat | None = None
 
 
 class ChatRequest(_SamplingFields):
@@ -100,10 +112,25 @@ def _check_shared(req: _SamplingFields) -> None:
         raise _refuse("logit_bias", "logit_bias is not supported")
 
 
-def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: bool) -> SamplingParams:
+def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: bool,
+                    json_schema: dict | bool | None = None) -> SamplingParams:
     """``req``'s sampling fields as SamplingParams (OpenAI's defaults: temperature 1, top_p 1);
-    an impossible value raises InvalidRequest naming it."""
+    an impossible value raises InvalidRequest naming it, a grammar that does not compile a 400
+    naming the field that gave it."""
     top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+    given = [name for name, v in (("response_format", json_schema), ("regex", req.regex), ("grammar", req.grammar))
+             if v is not None]
+    if len(given) > 1:
+        raise APIError(400, f"at most one of response_format (JSON), regex and grammar; got {', '.join(given)}",
+                       param=given[1])
+    try:
+        return _sampling_params(req, max_tokens, logprobs, top_k, json_schema)
+    except InvalidGrammar as exc:
+        raise APIError(400, f"{given[0]}: {exc}", param=given[0], code="invalid_grammar") from None
+
+
+def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: bool, top_k: int,
+                     json_schema: dict | bool | None) -> SamplingParams:
     return SamplingParams(
         max_new_tokens=max_tokens,
         temperature=1.0 if req.temperature is None else req.temperature,
@@ -116,6 +143,9 @@ def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: bool
         seed=req.seed,
         speculate=req.speculate,
         max_draft_tokens=req.max_draft_tokens,
+        json_schema=json_schema,
+        regex=req.regex,
+        grammar=req.grammar,
     )
 
 
@@ -152,12 +182,25 @@ def chat_params(req: ChatRequest, max_context: int) -> SamplingParams:
     _check_shared(req)
     if req.top_logprobs not in (None, 0):
         raise _refuse("top_logprobs", f"alternatives are not supported (top_logprobs 0 only); got {req.top_logprobs}")
-    if req.response_format is not None and req.response_format.type != "text":
-        raise _refuse("response_format", f"only type 'text' is supported (no json_object or json_schema "
-                      f"yet); got {req.response_format.type!r}")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     # no limit given: up to the context (the engine caps a request's budget by its prompt)
-    return sampling_params(req, max_context if max_tokens is None else max_tokens, bool(req.logprobs))
+    return sampling_params(req, max_context if max_tokens is None else max_tokens, bool(req.logprobs),
+                           response_json_schema(req.response_format))
+
+
+def response_json_schema(fmt: ResponseFormat | None) -> dict | bool | None:
+    """The JSON schema a ``response_format`` asks for: ``json_schema``'s own, any JSON object for
+    ``json_object``, None for ``text``."""
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return {"type": "object"}
+    if fmt.type == "json_schema":
+        if fmt.json_schema is None or fmt.json_schema.json_schema is None:
+            raise APIError(400, "response_format: type 'json_schema' needs json_schema.schema",
+                           param="response_format")
+        return fmt.json_schema.json_schema
+    raise _refuse("response_format", f"type must be 'text', 'json_object' or 'json_schema'; got {fmt.type!r}")
 
 
 def chat_prompt(tokenizer, messages: list[ChatMessage], template: str | None) -> str:

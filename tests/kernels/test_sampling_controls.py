@@ -179,3 +179,30 @@ def test_k_past_the_vocabulary_gives_the_whole_row_and_k_past_the_bound_is_refus
     assert out.top_ids.tolist() == [[1, 0]]
     with pytest.raises(ValueError, match="top must be in"):
         token_logprobs(torch.zeros(1, 30), torch.tensor([0]), MAX_TOP_LOGPROBS + 1)
+
+
+@pytest.mark.parametrize("vocab", [1, 31, 32, 33, 100])
+def test_apply_token_bitmask_matches_xgrammar(vocab):
+    """Bit j of word i allows token 32 i + j, as xgrammar packs its masks; every other token
+    goes to -inf (xgrammar's own torch application is the reference)."""
+    from phasegraph.kernels.penalties import apply_token_bitmask, token_bitmask_allows
+
+    xgr = pytest.importorskip("xgrammar")
+    gen = torch.Generator().manual_seed(vocab)
+    logits = torch.randn(4, vocab, generator=gen)
+    allowed = torch.rand(4, vocab, generator=gen) < 0.4
+    bitmask = xgr.allocate_token_bitmask(4, vocab)  # [4, ceil(V/32)] int32, all allowed
+    bits = torch.zeros(4, bitmask.shape[1] * 32, dtype=torch.int64)
+    bits[:, :vocab] = allowed.long()
+    words = (bits.view(4, -1, 32) << torch.arange(32)).sum(dim=2)  # [4, Vw] as unsigned words
+    bitmask.copy_(torch.where(words >= 2**31, words - 2**32, words).to(torch.int32))
+    want = logits.clone()
+    xgr.apply_token_bitmask_inplace(want, bitmask, backend="torch_native")
+    got = apply_token_bitmask(logits, bitmask)
+    assert torch.equal(got, want)
+    assert torch.equal(torch.isinf(got), ~allowed)
+    rows = torch.arange(4).repeat_interleave(vocab)
+    tokens = torch.arange(vocab).repeat(4)
+    assert torch.equal(token_bitmask_allows(bitmask, rows, tokens), allowed.reshape(-1))
+    with pytest.raises(ValueError, match="bitmask"):
+        apply_token_bitmask(logits, bitmask[:, :0])
