@@ -11,6 +11,7 @@ import math
 import os
 import platform
 import subprocess
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -434,17 +435,28 @@ def prefill_seconds(trace) -> float:
     return sum(t.seconds for t in trace if t.target == "prefill-extend")
 
 
-def load_bench_scale():
-    """benchmarks/bench_scale.py (the 8B builders, bandwidth and step-time probes) as a module."""
+def load_bench_script(name: str):
+    """``benchmarks/<name>.py`` (a script, not a package) as a fresh module, with ``benchmarks/``
+    importable while it loads (scripts import their neighbours)."""
     import importlib.util
 
-    path = REPO_ROOT / "benchmarks" / "bench_scale.py"
+    folder = REPO_ROOT / "benchmarks"
+    path = folder / f"{name}.py"
     if not path.exists():
         raise BenchError(f"{path} is missing: run `phasegraph bench` from a phasegraph checkout")
-    spec = importlib.util.spec_from_file_location("phasegraph_bench_scale", path)
+    spec = importlib.util.spec_from_file_location(f"phasegraph_{name}", path)
     mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
+    sys.path.insert(0, str(folder))
+    try:
+        spec.loader.exec_module(mod)
+    finally:
+        sys.path.remove(str(folder))
     return mod
+
+
+def load_bench_scale():
+    """benchmarks/bench_scale.py (the 8B builders, bandwidth and step-time probes) as a module."""
+    return load_bench_script("bench_scale")
 
 
 # ------------------------------------------------------------------------------------------------

@@ -2,9 +2,9 @@
 
 import torch
 
+from phasegraph.bench.common import load_bench_script
 from phasegraph.kernels import linear as lin
 from phasegraph.kernels import tile_tables
-from tests.bench.scripts import load_bench_script
 
 
 def _bench_linear():

@@ -11,12 +11,12 @@ import json
 import pytest
 import torch
 
+from phasegraph.bench.common import load_bench_script
 from phasegraph.bench.serve import ITL_GOAL_RATIO, _percentile, _Stream, evaluate_goals, summarize
 from phasegraph.cli import main
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
 from phasegraph.runtime.tensor_parallel import TensorParallelGroup
-from tests.bench.scripts import load_bench_script
 
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=2, vocab_size=256)

@@ -29,6 +29,7 @@ from phasegraph.bench.common import (
     forward_weight_bytes,
     iteration_weight_bytes,
     load_bench_scale,
+    load_bench_script,
     timed_call,
 )
 from phasegraph.testing.checkpoints import (
@@ -38,7 +39,6 @@ from phasegraph.testing.checkpoints import (
     write_hf_target,
     write_standalone_draft,
 )
-from tests.bench.scripts import load_bench_script
 
 
 def test_returns_the_result_and_counts_collections_inside_the_call():

@@ -1,4 +1,4 @@
-"""Structured output under speculation (issue 61 part 3): the grammar's masks make the target's
+"""Structured output under speculation: the grammar's masks make the target's
 constrained distribution, and speculation keeps it exactly.
 
 - Greedy: the constrained tokens are identical under the target alone (decode), chains and
@@ -13,6 +13,9 @@ constrained distribution, and speculation keeps it exactly.
   the target alone (decode), share one distribution of outputs (two-sample chi-square p > 1e-4,
   total variation < 0.06, as tests/engine/test_sampling_distribution.py). Verify masks that
   ignore the drafted ancestry (every node masked as the root) fail it.
+- SamplingParams' json_schema / regex / grammar: a spec that does not compile is refused by name
+  at construction, before any request is queued; an engine that cannot end or read a grammar
+  refuses the request by name.
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from phasegraph.runtime.config import SamplingParams, SpecConfig  # noqa: E402
 from phasegraph.runtime.engine import Engine  # noqa: E402
+from phasegraph.runtime.errors import InvalidRequest  # noqa: E402
+from phasegraph.runtime.grammar import InvalidGrammar  # noqa: E402
 from tests.engine.support import assert_all_free, text_bundle  # noqa: E402
 from tests.engine.test_sampling_distribution import P_THRESHOLD, REQUESTS, two_sample_pvalue  # noqa: E402
 
@@ -370,3 +375,66 @@ def test_grammar_masks_apply_after_bias_and_penalties(root):
         _check_json(out, schema)
     for name in ("eagle3-tree", "ngram-chain"):
         assert [o.token_ids for o in _engine(root, name).generate(prompts, params)] == [o.token_ids for o in alone]
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+
+def test_schema_is_kept_as_canonical_json_text():
+    a = SamplingParams(json_schema=SCHEMA)
+    b = SamplingParams(json_schema=json.dumps(SCHEMA, indent=2))
+    assert a.json_schema == b.json_schema and json.loads(a.json_schema) == SCHEMA
+    assert a == b and hash(a) == hash(b)
+    assert a.structured_output == ("json_schema", a.json_schema)
+    assert SamplingParams().structured_output is None
+    assert SamplingParams(regex="[0-9]+").structured_output == ("regex", "[0-9]+")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"json_schema": {"type": "objekt"}}, "json_schema does not compile: .*objekt"),
+        ({"json_schema": "{nope"}, "json_schema is not valid JSON"),
+        ({"json_schema": [1, 2]}, "json_schema must be a JSON object"),
+        ({"regex": "a(b"}, "regex does not compile: .*parenthesis"),
+        ({"regex": ""}, "regex must be a non-empty string"),
+        ({"grammar": "root ::= foo"}, "grammar does not compile: .*foo"),
+        ({"regex": "a", "json_schema": SCHEMA}, "at most one of json_schema, regex and grammar; got json_schema, regex"),
+    ],
+)
+def test_bad_specs_raise_invalid_grammar(kwargs, message):
+    with pytest.raises(InvalidGrammar, match=message) as e:
+        SamplingParams(**kwargs)
+    assert isinstance(e.value, InvalidRequest)  # the engine's and the server's handling of bad requests applies
+
+
+def test_engine_runs_a_grammar_request_beside_a_free_one():
+    from phasegraph.demo import demo_pair_dir
+
+    engine = Engine.from_pretrained(demo_pair_dir() / "target")
+    engine.add_request("ok", "def f():", SamplingParams(max_new_tokens=4))
+    engine.add_request("json", "{", SamplingParams(max_new_tokens=32, json_schema=SCHEMA))
+    done, text = {}, {"ok": "", "json": ""}
+    while engine.has_unfinished():
+        for d in engine.step():
+            text[d.request_id] += d.new_text
+            if d.finish_reason is not None:
+                done[d.request_id] = d.finish_reason
+    assert done == {"ok": "length", "json": "stop"}, text
+    assert isinstance(json.loads(text["json"])["n"], int)  # complete, and what the schema says
+
+
+def test_an_engine_that_cannot_end_or_read_a_grammar_refuses_it_by_name():
+    from phasegraph.demo import demo_pair_dir
+    from tests.phases.lossless_support import tiny_target
+
+    bare = Engine(tiny_target(), max_batch_size=2, kv_pool_tokens=1024)  # no tokenizer
+    with pytest.raises(InvalidRequest, match="needs the target's tokenizer"):
+        bare.add_request("a", [1, 2, 3], SamplingParams(max_new_tokens=4, regex="[0-9]+"))
+    no_eos = Engine.from_pretrained(demo_pair_dir() / "target", eos_token_ids=())
+    with pytest.raises(InvalidRequest, match="end-of-sequence token"):
+        no_eos.add_request("b", "x", SamplingParams(max_new_tokens=4, regex="[0-9]+"))
+    assert not bare.has_unfinished() and not no_eos.has_unfinished()
+    simulated = Engine.from_pretrained(demo_pair_dir() / "target", demo_pair_dir() / "eagle3", simulate_accept_length=3)
+    with pytest.raises(InvalidRequest, match="simulate_accept_length"):
+        simulated.add_request("c", "x", SamplingParams(max_new_tokens=4, regex="[0-9]+"))
