@@ -142,6 +142,11 @@ def measure_trained_pair(run: BenchRun) -> None:
         free_memory()
         write_outputs(run)
 
+    if a.features and not run.out_of_time("feature rows"):
+        _timed_guard(run, "feature rows", measure_features, run, pair, prompts, engine_kw)
+        free_memory()
+        write_outputs(run)
+
     hf_model = None
     if not a.no_hf and not run.out_of_time("transformers rows"):
         hf_model = _timed_guard(run, "transformers rows", _measure_hf_rows, run, pair, drafts["draft"], prompts,
@@ -268,6 +273,53 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
             # per batch: every request of an iteration runs the one shape chosen for the batch
             engine.scheduler.adaptive.split = split
             _measure_mixed(run, engine, label, policy, mixed, outputs)
+
+
+# --features: a small JSON object whose greedy output the grammar ends within the token budget
+FEATURE_SCHEMA = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 16}, "count": {"type": "integer", "minimum": 0},
+                   "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4}},
+    "required": ["name", "count", "tags"],
+    "additionalProperties": False,
+}
+FEATURES = (("plain", {}), ("json_schema", {"json_schema": FEATURE_SCHEMA}), ("logprobs=20", {"logprobs": 20}))
+
+
+def measure_features(run: BenchRun, pair: Path, prompts: list[list[int]], engine_kw: dict) -> None:
+    """What structured output and top logprobs cost, with and without speculation: the baseline
+    and the EAGLE-3 chain (fixed) at each batch size, plain, with a JSON schema (greedy; a
+    request ends where its object does) and with logprobs=20. Structured output runs its
+    iterations eagerly and without overlap, so its rows say what that costs."""
+    import importlib.util
+
+    from phasegraph import Engine, SamplingParams, SpecConfig
+
+    a = run.args
+    features = [f for f in FEATURES if f[0] != "json_schema" or importlib.util.find_spec("xgrammar")]
+    part = run.result["trained_pair"]["features"] = {"schema": FEATURE_SCHEMA, "rows": []}
+    if len(features) < len(FEATURES):
+        part["note"] = "the grammar extra is not installed: no json_schema rows (pip install 'phasegraph[grammar]')"
+    chain = next(kw for label, kw, _ in PG_CONFIGS if label == CHAIN)
+    for label, spec_kw, draft in ((BASELINE, {"method": "none"}, None), (CHAIN, chain, pair / "eagle3")):
+        engine = Engine.from_pretrained(pair / "target", draft, spec=SpecConfig(**spec_kw), **engine_kw)
+        for b in a.batch_list:
+            calls = request_calls(prompts, b, a.batch1_prompts)
+            for feature, extra in features:
+                json_rows = feature == "json_schema"  # room for the object to end, whatever --new-tokens
+                params = SamplingParams(max_new_tokens=max(a.new_tokens, 64) if json_rows else a.new_tokens,
+                                        temperature=0.0, ignore_eos=not json_rows, **extra)
+                _, wall, outs, _, _ = warm_then_time(run, engine, calls, params)
+                lens = [n for o in outs for n in o.stats.accept_lengths]
+                n = sum(len(o.token_ids) for o in outs)
+                row = {"config": label, "feature": feature, "batch": b, "seconds": wall, "new_tokens": n,
+                       "tokens_per_s": n / wall, "tau": sum(lens) / len(lens) if lens else None}
+                if feature == "json_schema":
+                    row["complete"] = sum(o.finish_reason == "stop" for o in outs)
+                part["rows"].append(row)
+                run.log(f"  features: {label}, {feature}, batch {b}: {row['tokens_per_s']:9.1f} tok/s  τ {fmt(row['tau'])}")
+        del engine
+        free_memory()
 
 
 def mixed_workload(code_prompts: list[list[int]], vocab_size: int, batch: int, new_tokens: int, seed: int = 0):

@@ -301,7 +301,7 @@ def render_markdown(result: dict) -> str:
                 f"{share_text(row.get('phase_share', {}))} |")
         if tp.get("draft_note"):
             lines += ["", f"Note: {tp['draft_note']}."]
-        lines += _adaptive_lines(tp)
+        lines += _adaptive_lines(tp) + _feature_lines(tp)
         lines += _gpu_work_table(tp["rows"])
         if tp.get("wall_s_by_group"):
             groups = " · ".join(f"{k} {v:.0f} s" for k, v in tp["wall_s_by_group"].items())
@@ -379,6 +379,35 @@ def _adaptive_lines(tp: dict) -> list[str]:
             shapes = ", ".join(f"{k} ×{v}" for k, v in (r.get("shapes") or {}).items()) or "–"
             lines.append(f"| {r['config']} | {r['policy'] or 'fixed'} | {r['tokens_per_s']:.1f} | {fmt(r['tau_good'])} | "
                          f"{fmt(r['tau_poor'])} | {ident} | {shapes} |")
+    return lines
+
+
+def _feature_lines(tp: dict) -> list[str]:
+    """Tokens/s with a JSON schema and with logprobs=20 against plain, per configuration and batch."""
+    part = tp.get("features") or {}
+    rows = part.get("rows") or []
+    if not rows:
+        return []
+    names = list(dict.fromkeys(r["feature"] for r in rows))
+    lines = ["", "Feature costs (greedy; the JSON rows end where the object does): tokens/s, and against plain.", "",
+             "| configuration | batch | " + " | ".join(names) + " |", "|---|---|" + "---|" * len(names)]
+    for config in dict.fromkeys(r["config"] for r in rows):
+        for b in dict.fromkeys(r["batch"] for r in rows if r["config"] == config):
+            got = {r["feature"]: r for r in rows if r["config"] == config and r["batch"] == b}
+            plain = got.get("plain", {}).get("tokens_per_s")
+            cells = []
+            for f in names:
+                r = got.get(f)
+                if r is None:
+                    cells.append("–")
+                    continue
+                notes = [f"{r['tokens_per_s'] / plain:.2f}×"] if plain and f != "plain" else []
+                if "complete" in r:
+                    notes.append(f"{r['complete']} objects complete")
+                cells.append(f"{r['tokens_per_s']:.1f}" + (f" ({', '.join(notes)})" if notes else ""))
+            lines.append(f"| {config} | {b} | " + " | ".join(cells) + " |")
+    if part.get("note"):
+        lines += ["", f"Note: {part['note']}."]
     return lines
 
 

@@ -126,6 +126,8 @@ def estimate_seconds(run: BenchRun) -> dict[str, float]:
             pg += runs * spec_configs * (steps / 2.5) * SMALL_ITER_S  # the drafting rows at tau ~2.5
             warm = train == 0.0 or a.warm_compile
             pg += nb * 3 * spec_configs * CAPTURE_S + (1 + spec_configs) * (CONFIG_SETUP_WARM_S if warm else CONFIG_SETUP_S)
+            if a.features:  # baseline and chain, three features, each call three times
+                pg += 2 * 3 * runs * (steps / 2) * SMALL_ITER_S + 2 * CONFIG_SETUP_WARM_S
             if a.mixed:  # baseline, chain, tree and adaptive twice, each call three times, at tau ~2
                 pg += 5 * 3 * (steps / 2) * SMALL_ITER_S
             hf = 0.0 if a.no_hf else 1.1 * steps * (HF_STEP_S * calls + HF_ASSISTED_STEP_S * hf_b1)
@@ -335,6 +337,9 @@ def add_parser(sub) -> None:
     p.add_argument("--new-tokens", type=int, metavar="N", help="part 1 new tokens (default 256; quick 16)")
     p.add_argument("--pair-configs", default=",".join(PAIR_CONFIG_KEYS), metavar="chain,tree,...",
                    help=f"part 1 drafting rows besides the baseline, of {', '.join(PAIR_CONFIG_KEYS)} (default all)")
+    p.add_argument("--features", action=argparse.BooleanOptionalAction, default=True,
+                   help="part 1: also the cost of structured output (a JSON schema) and of logprobs=20, "
+                        "baseline and chain at each batch")
     p.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=True,
                    help="part 1: also the mixed workload at the largest batch (half random-token prompts, where the "
                         "draft is poor; mixed lengths): baseline, chain, tree and adaptive per request vs per batch")

@@ -80,6 +80,14 @@ def test_json_holds_every_figure_and_the_environment(quick_run):
         (ADAPTIVE, "per request"), (ADAPTIVE, "per batch")]
     assert sorted(mixed["requests"]) == ["good", "poor"]  # quick: batch 2, one prompt of each kind
     assert all(m["identical"] == 2 for m in mixed["rows"][1:]), mixed  # lossless on the mixed workload too
+    features = r["trained_pair"]["features"]["rows"]  # baseline and chain, batches 1 and 2, three features
+    assert sorted((f["config"], f["batch"], f["feature"]) for f in features) == sorted(
+        (c, b, f) for c in ("baseline (autoregressive)", "EAGLE-3 chain S=3") for b in (1, 2)
+        for f in ("plain", "json_schema", "logprobs=20"))
+    for f in features:
+        assert f["tokens_per_s"] > 0 and (f["tau"] is None) == (f["config"] == "baseline (autoregressive)"), f
+        if f["feature"] == "json_schema":  # every greedy object ended by its grammar, not the budget
+            assert f["complete"] == (2 if f["batch"] == 1 else f["batch"]), f
     assert ("transformers", "transformers generate", 1) in got
     assert ("transformers", "transformers generate", 2) in got
     assisted = [x for x in rows if x["config"].startswith("transformers generate + assistant_model")]
