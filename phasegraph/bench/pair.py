@@ -318,6 +318,7 @@ def measure_features(run: BenchRun, pair: Path, prompts: list[list[int]], engine
                     row["complete"] = sum(o.finish_reason == "stop" for o in outs)
                 part["rows"].append(row)
                 run.log(f"  features: {label}, {feature}, batch {b}: {row['tokens_per_s']:9.1f} tok/s  τ {fmt(row['tau'])}")
+            write_outputs(run)  # a run cut short keeps the rows measured
         del engine
         free_memory()
 
