@@ -157,22 +157,12 @@ def ngram_draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
         bitmask = ctx.grammar.tree_bitmask(built.draft_tokens, parents)  # [B*N, Vw]
         next_token = _cut_at_forbidden(bitmask, built.draft_tokens, parents, next_token)
     steps = torch.arange(S - 1, device=device)
-    return TreeProposal(
-        draft=state,
-        num_steps=S,
-        draft_lead=lead,
-        draft_tokens=built.draft_tokens,
-        positions=built.positions,
-        parents=parents,
-        depth=built.depth,
-        tree_mask=built.tree_mask,
-        retrieve_index=built.retrieve_index,
-        retrieve_next_token=next_token,
-        retrieve_next_sibling=built.retrieve_next_sibling,
+    return TreeProposal.of_tree(
+        state, S, lead, built, parents, retrieve_next_token=next_token,
         # no draft forwards ran; the positions they would have run at, as the schema records them
         draft_positions=(lengths[:, None] + steps[None, :])[:, :, None],  # [B, S-1, 1]
         draft_finite=torch.ones(B, dtype=torch.bool, device=device),
-        token_bitmask=bitmask,
+        token_bitmask=bitmask,  # [B*N, Vw] or None
     )
 
 

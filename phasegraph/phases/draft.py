@@ -111,18 +111,8 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
     # the grammar's mask after every node's path, built on the host from the matchers (reads the
     # tree: one round trip, only where a request has structured output)
     bitmask = None if ctx.grammar is None else ctx.grammar.tree_bitmask(built.draft_tokens, nodes.parents)
-    return TreeProposal(
-        draft=state,
-        num_steps=S,
-        draft_lead=lead,
-        draft_tokens=built.draft_tokens,
-        positions=built.positions,
-        parents=nodes.parents,
-        depth=built.depth,
-        tree_mask=built.tree_mask,
-        retrieve_index=built.retrieve_index,
-        retrieve_next_token=built.retrieve_next_token,
-        retrieve_next_sibling=built.retrieve_next_sibling,
+    return TreeProposal.of_tree(
+        state, S, lead, built, nodes.parents,
         draft_positions=layout.draft_positions,  # [B, S-1, K] a view of the positions given
         draft_finite=nodes.scores_finite,  # [B]: False where the draft's logits were not finite
         token_bitmask=bitmask,  # [B*N, Vw] or None

@@ -323,6 +323,21 @@ class TreeProposal(Schema):
             "request without a grammar); None where no request of the batch has structured output",
     )
 
+    @classmethod
+    def of_tree(cls, draft: DraftState, num_steps: int, draft_lead: int, tree, parents: torch.Tensor, *,
+                draft_positions: torch.Tensor, draft_finite: torch.Tensor, token_bitmask: torch.Tensor | None = None,
+                retrieve_next_token: torch.Tensor | None = None) -> TreeProposal:
+        """The proposal of a tree that :func:`~phasegraph.kernels.build_tree.build_tree` built
+        (``tree``), with ``retrieve_next_token`` where the drafter cut first-child links itself."""
+        return cls(
+            draft=draft, num_steps=num_steps, draft_lead=draft_lead, draft_tokens=tree.draft_tokens,
+            positions=tree.positions, parents=parents, depth=tree.depth, tree_mask=tree.tree_mask,
+            retrieve_index=tree.retrieve_index,
+            retrieve_next_token=tree.retrieve_next_token if retrieve_next_token is None else retrieve_next_token,
+            retrieve_next_sibling=tree.retrieve_next_sibling, draft_positions=draft_positions,
+            draft_finite=draft_finite, token_bitmask=token_bitmask,
+        )
+
     @invariant("the draft's candidate scores are finite (draft_finite)")
     def _draft_finite(self) -> str | None:
         row = _first_bad_row(self.draft_finite)
