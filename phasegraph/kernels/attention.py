@@ -158,6 +158,17 @@ def paged_attention_reference(
 
     out = torch.empty_like(q)  # [T, H, D]
     chunk = max(1, _GATHER_BUDGET // max(1, length * num_kv_heads * head_dim))
+    if device.type == "cpu":
+        # each row's keys and values gathered once for all the queries that read it (a verify's
+        # tree nodes, a prefill's tokens), then expanded: the same products, bit for bit
+        for row, queries in _queries_by_row(meta.query_row).items():
+            slots = meta.page_table[row, page_of] * page_size + offset_of  # [L]
+            k, v = k_cache[slots].float(), v_cache[slots].float()  # [L, Hkv, D] each
+            for start in range(0, len(queries), chunk):
+                index = queries[start : start + chunk]  # [c]
+                size = (len(index), *k.shape)
+                out[index] = _attend(q[index], k.expand(size), v.expand(size), allowed[index], scale, group)
+        return out
     for start in range(0, num_tokens, chunk):
         end = min(num_tokens, start + chunk)
         rows = meta.query_row[start:end]  # [c]
@@ -165,18 +176,33 @@ def paged_attention_reference(
         slots = pages[:, page_of] * page_size + offset_of  # [c, L]
         k = k_cache[slots].float()  # [c, L, Hkv, D]
         v = v_cache[slots].float()  # [c, L, Hkv, D]
-        qc = q[start:end].float().view(end - start, num_kv_heads, group, head_dim)  # [c,Hkv,G,D]
-        scores = torch.einsum("chgd,clhd->chgl", qc, k) * scale  # [c, Hkv, G, L]
-        mask = allowed[start:end, None, None, :]  # [c, 1, 1, L]
-        scores = scores.masked_fill(~mask, float("-inf"))
-        row_max = scores.amax(dim=-1, keepdim=True)  # [c, Hkv, G, 1]
-        row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-        probs = torch.exp(scores - row_max)  # [c, Hkv, G, L], 0 where masked
-        denom = probs.sum(dim=-1, keepdim=True)  # [c, Hkv, G, 1]
-        denom = torch.where(denom > 0, denom, torch.ones_like(denom))
-        ctx = torch.einsum("chgl,clhd->chgd", probs, v) / denom  # [c, Hkv, G, D]
-        out[start:end] = ctx.reshape(end - start, num_heads, head_dim).to(q.dtype)
+        out[start:end] = _attend(q[start:end], k, v, allowed[start:end], scale, group)
     return out
+
+
+def _queries_by_row(query_row: torch.Tensor) -> dict[int, torch.Tensor]:
+    """The queries of each page-table row, in order: {row: [c] int64 query indices}."""
+    rows, inverse = torch.unique(query_row, return_inverse=True)
+    order = torch.argsort(inverse, stable=True)
+    counts = torch.bincount(inverse, minlength=rows.numel()).tolist()
+    return dict(zip(rows.tolist(), torch.split(order, counts), strict=True))
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+            group: int) -> torch.Tensor:
+    """Masked softmax attention in float32 of queries ``q`` [c, H, D] over their keys and values
+    [c, L, Hkv, D] under ``allowed`` [c, L]; a query that attends nothing gets zeros."""
+    c, num_heads, head_dim = q.shape
+    qc = q.float().view(c, num_heads // group, group, head_dim)  # [c, Hkv, G, D]
+    scores = torch.einsum("chgd,clhd->chgl", qc, k) * scale  # [c, Hkv, G, L]
+    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)  # [c, Hkv, G, 1]
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    probs = torch.exp(scores - row_max)  # [c, Hkv, G, L], 0 where masked
+    denom = probs.sum(dim=-1, keepdim=True)  # [c, Hkv, G, 1]
+    denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+    ctx = torch.einsum("chgl,clhd->chgd", probs, v) / denom  # [c, Hkv, G, D]
+    return ctx.reshape(c, num_heads, head_dim).to(q.dtype)
 
 
 # --------------------------------------------------------------------------------------------
