@@ -259,8 +259,8 @@ class Engine:
         # phase then reads: another graph key)
         off = [sh for sh in self.spec_shapes if sh.off]
         order = off + [x for sh in self.spec_shapes if not sh.off for x in (sh, sh, *off)] if policy else [None] * 3
-        budget = min(len(order) * 2 * max((sh.accept_width for sh in self.spec_shapes), default=1) + 8,
-                     self.max_context - 17)
+        budget = max(1, min(len(order) * 2 * max((sh.accept_width for sh in self.spec_shapes), default=1) + 8,
+                            self.max_context - 17))  # past a 16-token prompt
         marks = len(self.trace) if self.trace is not None else 0
         try:
             for b in runner.buckets:
