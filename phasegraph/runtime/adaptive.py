@@ -99,6 +99,7 @@ OFF = SpecShape()
 def parse_shape(text: str) -> SpecShape:
     """``off``, ``chain:S`` or ``tree:K,S,N`` (the command line's form) as a SpecShape."""
     kind, _, rest = str(text).strip().partition(":")
+    bad = InvalidConfig(f"a speculation shape is off, chain:S or tree:K,S,N; got {text!r}")
     try:
         if kind == "off" and not rest:
             return OFF
@@ -108,8 +109,8 @@ def parse_shape(text: str) -> SpecShape:
             k, s, n = (int(x) for x in rest.split(","))
             return SpecShape(k, s, n)
     except ValueError:
-        pass
-    raise InvalidConfig(f"a speculation shape is off, chain:S or tree:K,S,N; got {text!r}")
+        raise bad from None
+    raise bad
 
 
 def default_shapes(tree: TreeShape) -> tuple[SpecShape, ...]:

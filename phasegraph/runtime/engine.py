@@ -250,10 +250,9 @@ class Engine:
         if self.has_unfinished():
             raise InvalidConfig("warm_up runs on an idle engine: let its requests finish first")
         before = runner.graph_count()
-        policy = self.scheduler.adaptive
-        saved = None if policy is None else (policy.engine_wide, policy.force)
-        if policy is not None:  # the random prompts' acceptance goes to a throwaway estimate
-            policy.engine_wide = attrs.evolve(policy.engine_wide, hits={}, tries={})
+        sched, saved = self.scheduler, self.scheduler.adaptive
+        # a throwaway policy steps the random prompts: their acceptance teaches the engine's nothing
+        policy = None if saved is None else AdaptiveSpeculation(saved.costs, split=False)
         gen = torch.Generator().manual_seed(0)
         # every shape after itself and after a step without drafts (whose state the draft
         # phase then reads: another graph key)
@@ -261,7 +260,7 @@ class Engine:
         order = off + [x for sh in self.spec_shapes if not sh.off for x in (sh, sh, *off)] if policy else [None] * 3
         budget = max(1, min(len(order) * 2 * max((sh.accept_width for sh in self.spec_shapes), default=1) + 8,
                             self.max_context - 17))  # past a 16-token prompt
-        marks = len(self.trace) if self.trace is not None else 0
+        sched.adaptive = policy
         try:
             for b in runner.buckets:
                 if b > self.config.max_batch_size:
@@ -271,21 +270,18 @@ class Engine:
                         for shape in order:
                             if policy is not None:
                                 policy.force = shape
-                            self.scheduler.step()
+                            sched.step()
         finally:
-            if policy is not None:
-                policy.engine_wide, policy.force = saved
-            if self.trace is not None:
-                del self.trace.transitions[marks:]
-            if self.kv.prefix_cache is not None:
-                self.kv.clear_prefix_cache()
+            sched.adaptive = saved
         return runner.graph_count() - before
 
     @contextlib.contextmanager
     def _throwaway_requests(self, batch: int, prompt_len: int, budget: int, gen: torch.Generator, tag: str):
         """``batch`` requests of random prompts, prefilled, for the body to step; aborted and
-        drained after it (start-up measurement and warm-up)."""
+        drained after it, and nothing of them left in the trace or the prefix cache (start-up
+        measurement and warm-up)."""
         sched = self.scheduler
+        marks = len(self.trace) if self.trace is not None else 0
         reqs = [Request(f"{tag}-{batch}-{i}", torch.randint(0, self.target.vocab_size, (prompt_len,),
                                                             generator=gen).tolist(),
                         SamplingParams(max_new_tokens=budget, ignore_eos=True), stop_ids=(),
@@ -300,6 +296,10 @@ class Engine:
             for r in reqs:
                 sched.abort(r.request_id)
             sched.drain()
+            if self.trace is not None:
+                del self.trace.transitions[marks:]
+            if self.kv.prefix_cache is not None:
+                self.kv.clear_prefix_cache()
 
     def measure_spec_costs(self, shapes: Sequence[SpecShape] | None = None, batches: Sequence[int] | None = None,
                            *, warmup: int = 3, steps: int = 6) -> CostTable:
@@ -333,7 +333,6 @@ class Engine:
         seconds = [[0.0] * len(batches) for _ in shapes]
         split_s = 0.0
         gen = torch.Generator().manual_seed(0)
-        marks = len(self.trace) if self.trace is not None else 0
         self._attach_pools()
         saved_topk, self.ctx.draft_topk = self.ctx.draft_topk, self.kv.topk
 
@@ -354,10 +353,6 @@ class Engine:
         finally:
             sched.adaptive = saved
             self.ctx.draft_topk = saved_topk
-            if self.trace is not None:
-                del self.trace.transitions[marks:]
-            if self.kv.prefix_cache is not None:
-                self.kv.clear_prefix_cache()
         return CostTable(shapes, batches, seconds, split_s)
 
     def _time_steps(self, warmup: int, steps: int) -> float:
@@ -553,9 +548,7 @@ class Engine:
         if group is not None:
             tensor_parallel.shard_target(target, group)
         draft = None
-        if method is not None and method.make_draft is not None:
-            pass  # the engine builds its draft
-        elif spec.speculative:
+        if spec.speculative and (method is None or method.make_draft is None):  # else the engine builds it
             if draft_dir is None:
                 raise InvalidConfig(f"SpecConfig(method={spec.method!r}) needs draft_dir")
             draft = load_draft(Path(draft_dir), target, spec.method, dtype=draft_dt, device=dev)
