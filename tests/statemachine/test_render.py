@@ -42,13 +42,19 @@ def test_dot_lists_every_edge():
         assert f'  "{a}" -> "{b}";' in text
 
 
-def test_overlay_shows_visits_and_times():
+def _traced_machine_after_prefill():
+    """A traced machine over the synthetic EAGLE graph, prefilled and draft-extended."""
     graph = syn.synthetic_eagle_graph()
     trace = Trace()
     m = Machine(graph, trace=trace)
     ctx = syn.SyntheticContext()
     m.advance("prefill-extend", ctx, state=syn.prefill_input([2]))
     m.advance("draft-extend", ctx)
+    return graph, trace, m, ctx
+
+
+def test_overlay_shows_visits_and_times():
+    graph, trace, m, ctx = _traced_machine_after_prefill()
     for p in ("draft", "verify", "finalize-tree-path", "draft-extend", "draft"):
         m.advance(p, ctx)
     text = render(graph, "text", trace)
@@ -62,12 +68,7 @@ def test_overlay_shows_visits_and_times():
 def test_notes_are_kept_saved_and_shown_in_order(tmp_path):
     """A caller's note (the speculation shape an iteration ran) travels with its transition,
     through the Chrome JSON and back, and the text overlay prints each phase's notes in order."""
-    graph = syn.synthetic_eagle_graph()
-    trace = Trace()
-    m = Machine(graph, trace=trace)
-    ctx = syn.SyntheticContext()
-    m.advance("prefill-extend", ctx, state=syn.prefill_input([2]))
-    m.advance("draft-extend", ctx)
+    graph, trace, m, ctx = _traced_machine_after_prefill()
     for note in ("tree", "tree", "chain", "tree"):
         m.advance("draft", ctx, note=note)
         for p in ("verify", "finalize-tree-path", "draft-extend"):
