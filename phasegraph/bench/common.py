@@ -419,6 +419,13 @@ def count_phase(trace, phase: str) -> int:
     return 0 if trace is None else sum(1 for t in trace if t.target == phase)
 
 
+def mean_accept_length(outputs) -> float | None:
+    """τ of ``outputs`` (RequestOutputs): accepted tokens per verify over all of them; None where
+    none verified (no drafts)."""
+    lens = [n for o in outputs for n in o.stats.accept_lengths]
+    return sum(lens) / len(lens) if lens else None
+
+
 def shape_counts(trace) -> dict[str, int]:
     """Iterations per speculation shape (the notes of draft and decode runs; a split batch's
     two groups count once each), most frequent first."""

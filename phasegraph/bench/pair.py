@@ -25,6 +25,7 @@ from phasegraph.bench.common import (
     free_memory,
     has_pair,
     iteration_weight_bytes,
+    mean_accept_length,
     no_pair_to_skip_to,
     pair_weight_digests,
     phase_share,
@@ -238,12 +239,11 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
         warm, wall, outs, gc_pauses, captured = warm_then_time(run, engine, calls, params,
                                                                a.batch1_repeats if b == 1 else 1)
         tokens = [o.token_ids for o in outs]
-        lens = [n for o in outs for n in o.stats.accept_lengths]
         row = {
             "engine": "phasegraph", "config": label, "spec": spec_kw, "batch": b, "requests": len(tokens),
             "seconds": wall, "new_tokens": sum(len(t) for t in tokens),
             "tokens_per_s": sum(len(t) for t in tokens) / wall,
-            "tau": (sum(lens) / len(lens)) if lens else None,
+            "tau": mean_accept_length(outs),
             "iterations": _iterations(engine.trace),
             "prefill_s": prefill_seconds(engine.trace),
             "phase_share": phase_share(engine.trace, wall),
@@ -310,10 +310,9 @@ def measure_features(run: BenchRun, pair: Path, prompts: list[list[int]], engine
                 params = SamplingParams(max_new_tokens=max(a.new_tokens, 64) if json_rows else a.new_tokens,
                                         temperature=0.0, ignore_eos=not json_rows, **extra)
                 _, wall, outs, _, _ = warm_then_time(run, engine, calls, params)
-                lens = [n for o in outs for n in o.stats.accept_lengths]
                 n = sum(len(o.token_ids) for o in outs)
                 row = {"config": label, "feature": feature, "batch": b, "seconds": wall, "new_tokens": n,
-                       "tokens_per_s": n / wall, "tau": sum(lens) / len(lens) if lens else None}
+                       "tokens_per_s": n / wall, "tau": mean_accept_length(outs)}
                 if feature == "json_schema":
                     row["complete"] = sum(o.finish_reason == "stop" for o in outs)
                 part["rows"].append(row)
@@ -350,8 +349,7 @@ def _measure_mixed(run: BenchRun, engine, label: str, policy: str | None, mixed,
     tokens = [o.token_ids for o in outs]
 
     def tau(kind):
-        lens = [n for o, k in zip(outs, kinds, strict=True) if k == kind for n in o.stats.accept_lengths]
-        return sum(lens) / len(lens) if lens else None
+        return mean_accept_length(o for o, k in zip(outs, kinds, strict=True) if k == kind)
 
     n = sum(len(t) for t in tokens)
     row = {"config": label, "policy": policy, "batch": len(prompts), "seconds": wall, "new_tokens": n,

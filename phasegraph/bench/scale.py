@@ -14,6 +14,7 @@ from phasegraph.bench.common import (
     forward_weight_bytes,
     free_memory,
     load_bench_scale,
+    mean_accept_length,
     phase_share,
     prefill_seconds,
     shape_counts,
@@ -189,10 +190,9 @@ def _measure_spec(run: BenchRun, bs, target, head, name, spec, tau, prompts, par
             continue
         _, wall, outs, gc_pauses, captured = warm_then_time(run, engine, [prompts[:b]], params)
         tokens = sum(len(o.token_ids) for o in outs)
-        lens = [x for o in outs for x in o.stats.accept_lengths]
         speedup = (tokens / wall) / base_tps[b]
         # below tau by the budget's last, shorter iteration; 1 where adaptive ran no drafts
-        measured = sum(lens) / len(lens) if lens else 1.0
+        measured = mean_accept_length(outs) or 1.0
         row = {"config": name, "tau_simulated": tau, "tau_measured": measured,
                "reached": measured >= tau - 0.25 or bool(spec.adaptive),  # adaptive may choose shorter
                "batch": b, "seconds": wall, "new_tokens": tokens, "tokens_per_s": tokens / wall,
