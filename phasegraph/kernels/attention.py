@@ -159,15 +159,17 @@ def paged_attention_reference(
     out = torch.empty_like(q)  # [T, H, D]
     chunk = max(1, _GATHER_BUDGET // max(1, length * num_kv_heads * head_dim))
     if device.type == "cpu":
-        # each row's keys and values gathered once for all the queries that read it (a verify's
-        # tree nodes, a prefill's tokens), then expanded: the same products, bit for bit
+        # each row's keys and values gathered once and shared by all the queries that read it
+        # (a verify's tree nodes, a prefill's tokens): no per-query copy of the row
+        row_chunk = max(1, _GATHER_BUDGET // max(1, length * num_heads))  # scores per chunk
         for row, queries in _queries_by_row(meta.query_row).items():
-            slots = meta.page_table[row, page_of] * page_size + offset_of  # [L]
-            k, v = k_cache[slots].float(), v_cache[slots].float()  # [L, Hkv, D] each
-            for start in range(0, len(queries), chunk):
-                index = queries[start : start + chunk]  # [c]
-                size = (len(index), *k.shape)
-                out[index] = _attend(q[index], k.expand(size), v.expand(size), allowed[index], scale, group)
+            slots = meta.page_table[row].index_select(0, page_of) * page_size + offset_of  # [L]
+            k = k_cache.index_select(0, slots).float()  # [L, Hkv, D]
+            v = v_cache.index_select(0, slots).float()  # [L, Hkv, D]
+            for start in range(0, len(queries), row_chunk):
+                index = queries[start : start + row_chunk]  # [c]
+                out[index] = _attend_shared(q.index_select(0, index), k, v, allowed.index_select(0, index),
+                                            scale, group)
         return out
     for start in range(0, num_tokens, chunk):
         end = min(num_tokens, start + chunk)
@@ -188,6 +190,29 @@ def _queries_by_row(query_row: torch.Tensor) -> dict[int, torch.Tensor]:
     return dict(zip(rows.tolist(), torch.split(order, counts), strict=True))
 
 
+def _attend_shared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+                   group: int) -> torch.Tensor:
+    """:func:`_attend` for queries ``q`` [c, H, D] that all read the same keys and values
+    [L, Hkv, D]: one product per kv head over all the queries."""
+    c, num_heads, head_dim = q.shape
+    qc = q.float().view(c, num_heads // group, group, head_dim)  # [c, Hkv, G, D]
+    scores = torch.einsum("chgd,lhd->chgl", qc, k) * scale  # [c, Hkv, G, L]
+    probs, denom = _masked_softmax(scores, allowed)
+    ctx = torch.einsum("chgl,lhd->chgd", probs, v) / denom  # [c, Hkv, G, D]
+    return ctx.reshape(c, num_heads, head_dim).to(q.dtype)
+
+
+def _masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Unnormalised probabilities of ``scores`` [c, Hkv, G, L] under ``allowed`` [c, L] and their
+    sums [c, Hkv, G, 1]: zeros and a sum of one where a query attends nothing."""
+    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
+    row_max = scores.amax(dim=-1, keepdim=True)  # [c, Hkv, G, 1]
+    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    probs = torch.exp(scores - row_max)  # [c, Hkv, G, L], 0 where masked
+    denom = probs.sum(dim=-1, keepdim=True)  # [c, Hkv, G, 1]
+    return probs, torch.where(denom > 0, denom, torch.ones_like(denom))
+
+
 def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
             group: int) -> torch.Tensor:
     """Masked softmax attention in float32 of queries ``q`` [c, H, D] over their keys and values
@@ -195,12 +220,7 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
     c, num_heads, head_dim = q.shape
     qc = q.float().view(c, num_heads // group, group, head_dim)  # [c, Hkv, G, D]
     scores = torch.einsum("chgd,clhd->chgl", qc, k) * scale  # [c, Hkv, G, L]
-    scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True)  # [c, Hkv, G, 1]
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
-    probs = torch.exp(scores - row_max)  # [c, Hkv, G, L], 0 where masked
-    denom = probs.sum(dim=-1, keepdim=True)  # [c, Hkv, G, 1]
-    denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+    probs, denom = _masked_softmax(scores, allowed)
     ctx = torch.einsum("chgl,clhd->chgd", probs, v) / denom  # [c, Hkv, G, D]
     return ctx.reshape(c, num_heads, head_dim).to(q.dtype)
 
