@@ -37,8 +37,9 @@ IEEE multiply-sums, except the wide products at 2..16 rows, which run a three-pa
 ``tl.dot`` (float32-level error) or stay with cuBLAS; longer K stays with cuBLAS. float32
 products of 17..512 rows run the three-pass TF32 tiles of
 :mod:`~phasegraph.kernels.tiled_linear` where its table has a rule.
-Otherwise the public names run exactly the ops they replace (``F.linear``; ``add_rms_norm`` then
-``F.linear``; ``silu_mul`` then ``F.linear``), so CPU and large-M numbers are unchanged.
+Otherwise the public names run the ops they replace (``F.linear``; ``add_rms_norm`` then
+``F.linear``; ``silu_mul`` then ``F.linear``), so large-M numbers are unchanged; a float32
+product of 2..16 rows on the CPU is ``F.linear`` transposed (:func:`cpu_skinny_linear`).
 The block shapes come from a fixed table, never from autotuning, so nothing is timed or compiled
 differently during capture.
 """
@@ -148,6 +149,28 @@ def silu_mul_linear_reference(
     """``silu_mul_reference`` then ``F.linear``."""
     _check_silu_linear(gate_up, weight, bias)
     return F.linear(silu_mul_reference(gate_up), weight, bias)
+
+
+# Rows at which the CPU runs :func:`cpu_skinny_linear` (one row is a BLAS vector product either way)
+CPU_SKINNY_ROWS = (2, 16)
+
+
+def cpu_skinny_linear(
+    x: torch.Tensor,  # [M, K]
+    weight: torch.Tensor,  # [N, K]
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:  # [M, N], contiguous
+    """``F.linear`` computed as ``(weight @ x.T).T``. For a few rows on the CPU, BLAS runs that
+    orientation as one pass over the weights on every core, where ``F.linear``'s ``x @ W.T``
+    takes a small-M path that streams them far slower: a verify of a few tokens then costs
+    little more than a decode step, which is what speculation needs."""
+    y = torch.mm(weight, x.t()).t().contiguous()  # [M, N]
+    return y if bias is None else y.add_(bias)
+
+
+def _cpu_skinny(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.device.type == "cpu" and x.dtype == torch.float32 == weight.dtype and x.dim() == 2
+            and CPU_SKINNY_ROWS[0] <= x.shape[0] <= CPU_SKINNY_ROWS[1])
 
 
 # --------------------------------------------------------------------------------------------
@@ -625,7 +648,8 @@ def linear(
     static_weight: bool = False,
 ) -> torch.Tensor | SplitSum:  # [M, N]
     """``F.linear`` (the Triton skinny product on CUDA for few rows; float32 at 17..512 rows, the
-    three-pass TF32 tiles of :mod:`~phasegraph.kernels.tiled_linear` where its table has a rule).
+    three-pass TF32 tiles of :mod:`~phasegraph.kernels.tiled_linear` where its table has a rule;
+    :func:`cpu_skinny_linear` for float32 at 2..16 rows on the CPU).
     ``defer``: where the table splits K, return the unsummed :class:`SplitSum` for a consumer
     that takes one (``add_rms_norm``, ``silu_mul`` and the fused forms below).
     ``static_weight``: no kernel ever writes ``weight`` (a model's parameter), so a one-tile
@@ -636,6 +660,8 @@ def linear(
     tile = tiled_config(x, weight, bias, defer)  # float32, 17..512 rows
     if tile is not None:
         return tiled_linear_triton(x, weight, bias, config=tile, defer=defer)
+    if _cpu_skinny(x, weight):
+        return cpu_skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
 
 

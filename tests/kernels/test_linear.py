@@ -1,6 +1,7 @@
 """phasegraph.kernels.linear on the CPU: the references are the ops they replace, the public
-names dispatch to those exact ops off CUDA (so CPU and fp32 numbers are unchanged), bad shapes
-fail with a clear message, and the config table answers every row count it is asked for.
+names dispatch to those exact ops off CUDA (float32 products of 2..16 rows on the CPU to the same
+product transposed), bad shapes fail with a clear message, and the config table answers every
+row count it is asked for.
 The Triton kernels themselves are compared in tests/gpu/test_linear_gpu.py (GPU, or the
 interpreter with PHASEGRAPH_TRITON_INTERPRET=1)."""
 
@@ -45,19 +46,38 @@ def test_references_are_the_replaced_ops(dtype, bias):
     assert torch.equal(got, F.linear(silu_mul_reference(gate_up), w, b))
 
 
+def _cpu_product(x, w, b=None):
+    """The op the public names run on the CPU: the transposed product at 2..16 float32 rows."""
+    low, high = lin.CPU_SKINNY_ROWS
+    if x.dtype == torch.float32 and low <= x.shape[0] <= high:
+        return lin.cpu_skinny_linear(x, w, b)
+    return F.linear(x, w, b)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("rows", [1, 7, 16, 40])
 @pytest.mark.parametrize("mode", ["auto", "reference"])
 def test_public_names_run_the_replaced_ops_on_cpu(monkeypatch, dtype, rows, mode):
     monkeypatch.setenv(ENV_VAR, mode)
     x, residual, norm_w, w, b, gate_up = _case(dtype, m=rows, seed=rows)
-    assert torch.equal(lin.linear(x, w, b), F.linear(x, w, b))
+    assert torch.equal(lin.linear(x, w, b), _cpu_product(x, w, b))
     y, summed = lin.add_rms_norm_linear(x, residual, norm_w, 1e-5, w, b)
     normed, want_summed = add_rms_norm(x, residual, norm_w, 1e-5)
-    assert torch.equal(summed, want_summed) and torch.equal(y, F.linear(normed, w, b))
+    assert torch.equal(summed, want_summed) and torch.equal(y, _cpu_product(normed, w, b))
     y, summed = lin.add_rms_norm_linear(x, None, norm_w, 1e-5, w)
     assert summed is x  # no residual: the sum is x itself, as add_rms_norm returns it
-    assert torch.equal(lin.silu_mul_linear(gate_up, w, b), F.linear(silu_mul(gate_up), w, b))
+    assert torch.equal(lin.silu_mul_linear(gate_up, w, b), _cpu_product(silu_mul(gate_up), w, b))
+
+
+@pytest.mark.parametrize("rows", [2, 4, 16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_cpu_skinny_product_is_f_linear_transposed(rows, bias):
+    x, _, _, w, b, _ = _case(torch.float32, m=rows, k=96, n=40, seed=rows)
+    b = b if bias else None
+    got = lin.cpu_skinny_linear(x, w, b)
+    assert got.shape == (rows, 40) and got.is_contiguous()
+    torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-6, atol=1e-5)
+    assert torch.equal(got, torch.mm(w, x.t()).t() + (0 if b is None else b))
 
 
 def test_empty_rows():

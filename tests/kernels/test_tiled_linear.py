@@ -76,7 +76,7 @@ def test_tiled_config_answers_only_for_float32_rows_triton_runs(monkeypatch):
 
 def test_linear_on_cpu_is_f_linear_at_tiled_row_counts():
     g = torch.Generator().manual_seed(0)
-    for m in (16, 128, 512):
+    for m in (17, 128, 512):  # 2..16 rows run the CPU skinny product (test_linear.py)
         x, w, b = torch.randn(m, 768, generator=g), torch.randn(5120, 768, generator=g), torch.randn(5120, generator=g)
         assert torch.equal(lin.linear(x, w, b), F.linear(x, w, b))
         assert torch.equal(lin.linear(x, w, b, defer=True), F.linear(x, w, b))
