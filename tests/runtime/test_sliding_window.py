@@ -1,5 +1,5 @@
-"""Sliding-window attention (Mistral ``sliding_window``, Qwen2 ``use_sliding_window``) past the
-window: greedy outputs equal transformers' ``generate`` in float32, on the fused and the modules
+"""Sliding-window attention (Mistral ``sliding_window``, Qwen2 ``use_sliding_window``, Mixtral's)
+past the window: greedy outputs equal transformers' ``generate`` in float32, on the fused and the modules
 path, with and without speculation (chain and tree; EAGLE-3, and a standalone draft whose own
 config has a window), on CUDA graphs emulated on the CPU too.
 
@@ -104,6 +104,31 @@ def test_speculation_is_lossless_past_the_window(windowed, method, shape, graphs
                                     dtype="float32", kv_pool_tokens=1024, cuda_graphs=graphs)
     if method == "standalone":
         assert engine.draft.model.sliding_window == WINDOW
+    assert run(engine) == want
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mixtral")
+    target = write_hf_target(root / "target", "mixtral", **SIZES, sliding_window=WINDOW)
+    return target, hf_greedy(target, prompts()), root
+
+
+@pytest.mark.parametrize("shape", [None, *SHAPES])
+def test_mixtral_equals_transformers_past_the_window(mixtral, shape, tmp_path):
+    """Mixtral (routed experts through transformers' modules) keeps its window alone and under
+    EAGLE-3 speculation."""
+    target_dir, want, root = mixtral
+    if shape is None:
+        full = write_hf_target(tmp_path / "full", "mixtral", **SIZES, sliding_window=None)
+        assert hf_greedy(full, prompts()) != want  # the window shows in the reference
+        engine = Engine.from_pretrained(target_dir, spec=SpecConfig(method="none"), dtype="float32",
+                                        kv_pool_tokens=1024)
+    else:
+        draft = write_eagle3_draft(root / f"eagle3-{shape}", target_dir)
+        engine = Engine.from_pretrained(target_dir, draft, spec=SpecConfig(method="eagle3", **SHAPES[shape]),
+                                        dtype="float32", kv_pool_tokens=1024)
+    assert engine.target.sliding_window == WINDOW
     assert run(engine) == want
 
 
