@@ -200,6 +200,7 @@ class _Run:
 
     times: tuple[float, ...]
     tokens: tuple[int, ...]  # per iteration: the accept lengths, under speculation
+    device_wait_s: float = 0.0  # the host's wait for the device, over the whole request
 
     def period(self) -> float:
         """Seconds per iteration, prefill and the first chunk's wait left out."""
@@ -236,6 +237,9 @@ def _measure_overhead(url: str, aengine, prompt: list[int], s: ServeSettings, cl
         "iterations": {"bare": [len(r.tokens) for r in bare], "served": [len(r.tokens) for r in served]},
         # host time of the engine thread's serving work per step (handing deltas over, waking loops)
         "serving_host_s_per_step": (after.serving_seconds - before.serving_seconds) / max(steps, 1),
+        # the host's wait for the device per iteration: the slack that hides the layers' work
+        "device_wait_s_per_iteration": {k: statistics.median(r.device_wait_s / len(r.tokens) for r in runs)
+                                        for k, runs in (("bare", bare), ("served", served))},
         "http_overhead": basis["served"] / basis["bare"] - 1.0,
     }
 
@@ -245,24 +249,30 @@ def _bare_run(engine, prompt: list[int], s: ServeSettings) -> _Run:
     from phasegraph import SamplingParams
 
     engine.add_request("bare", prompt, SamplingParams(max_new_tokens=s.new_tokens, temperature=0.0, ignore_eos=True))
-    times, tokens = [], []
+    times, tokens, waited = [], [], engine.scheduler.device_wait_s
     while engine.has_unfinished():
         n = sum(len(d.new_token_ids) for d in engine.step())
         if n:
             times.append(time.perf_counter())
             tokens.append(n)
     engine.clear_prefix_cache()  # the served run prefills the same prompt again
-    return _checked(_Run(tuple(times), tuple(tokens)))
+    return _checked(_Run(tuple(times), tuple(tokens), engine.scheduler.device_wait_s - waited))
 
 
 def _served_run(url: str, aengine, prompt: list[int], s: ServeSettings, clients) -> _Run:
     """The same through the server: the chunks of one streaming request (a chunk holds the
     tokens of one step), as its client (in the ``clients`` process) receives them."""
+    waited = asyncio.run(aengine.call(lambda engine: engine.scheduler.device_wait_s))
     stream = clients.submit(_client_one_request, url, prompt, s).result()
     if stream.error:
         raise BenchError(f"the batch-1 request failed: {stream.error}")
-    asyncio.run(aengine.call(lambda engine: engine.clear_prefix_cache()))  # the next run prefills again
-    return _checked(_Run(tuple(t for t, _ in stream.chunks), tuple(n for _, n in stream.chunks)))
+
+    def done(engine) -> float:
+        engine.clear_prefix_cache()  # the next run prefills again
+        return engine.scheduler.device_wait_s - waited
+
+    waited = asyncio.run(aengine.call(done))
+    return _checked(_Run(tuple(t for t, _ in stream.chunks), tuple(n for _, n in stream.chunks), waited))
 
 
 def _checked(run: _Run) -> _Run:
@@ -410,12 +420,15 @@ def render_serve_markdown(result: dict) -> str:
                          f"{r['ttft_p99_s'] * 1e3:.1f} ms | {r['itl_p50_s'] * 1e3:.2f} ms | "
                          f"{r['itl_p99_s'] * 1e3:.2f} ms | {r['failed']} |")
     lines += ["", "| mode | bare engine step | through the server | per token, bare / served | same iterations "
-              "| engine thread's serving work per step | overhead |", "|---|---|---|---|---|---|---|"]
+              "| engine thread's serving work per step | host waits for the device per iteration, bare / served "
+              "| overhead |", "|---|---|---|---|---|---|---|---|"]
     for mode, m in result["modes"].items():
+        wait = m["device_wait_s_per_iteration"]
         lines.append(f"| {mode} | {m['bare_step_s'] * 1e3:.3f} ms | {m['served_step_s'] * 1e3:.3f} ms | "
                      f"{m['bare_token_s'] * 1e3:.3f} / {m['served_token_s'] * 1e3:.3f} ms | "
                      f"{'yes' if m['same_iterations'] else 'NO (overhead per token)'} | "
-                     f"{m['serving_host_s_per_step'] * 1e6:.0f} µs | {m['http_overhead']:+.1%} |")
+                     f"{m['serving_host_s_per_step'] * 1e6:.0f} µs | "
+                     f"{wait['bare'] * 1e6:.0f} / {wait['served'] * 1e6:.0f} µs | {m['http_overhead']:+.1%} |")
     lines += ["", "| goal | value | met |", "|---|---|---|"]
     for g in result.get("goals", []):
         lines.append(f"| {g['goal']} | {g['value']:.3f} | {'yes' if g['met'] else 'NO'} |")

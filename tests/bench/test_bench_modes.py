@@ -179,6 +179,7 @@ def test_every_request_streams_every_token_in_both_modes(serve_run):
         assert mode["iterations"]["bare"] == mode["iterations"]["served"]
         assert mode["http_overhead"] == pytest.approx(mode["served_step_s"] / mode["bare_step_s"] - 1)
         assert mode["serving_host_s_per_step"] > 0
+        assert mode["device_wait_s_per_iteration"] == {"bare": 0.0, "served": 0.0}  # no device to wait for
     # several tokens per iteration under speculation: fewer iterations for the same tokens
     its = {m: r["modes"][m]["iterations"]["served"][0] for m in r["modes"]}
     assert its["speculative"] < its["baseline"] <= NEW_TOKENS
@@ -227,7 +228,7 @@ class _FakeServer:
 def test_the_overhead_compares_the_same_iterations_else_tokens(monkeypatch, same):
     """Served runs whose iterations differ from the bare engine's (another adaptive shape, say)
     are compared per token, never per iteration."""
-    bare = _Run((0.0, 1.0, 2.0, 3.0), (1, 3, 3, 3))  # 1 s an iteration of 3 tokens
+    bare = _Run((0.0, 1.0, 2.0, 3.0), (1, 3, 3, 3), device_wait_s=0.4)  # 1 s an iteration of 3 tokens
     served = _Run((0.0, 1.1, 2.2, 3.3), (1, 3, 3, 3)) if same else _Run((0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0),
                                                                         (1, 2, 1, 2, 1, 2, 1))
     monkeypatch.setattr(serve, "_bare_run", lambda engine, prompt, s: bare)
@@ -240,6 +241,7 @@ def test_the_overhead_compares_the_same_iterations_else_tokens(monkeypatch, same
     # per iteration the second served run would look 50 % faster; per token it is equal
     assert out["http_overhead"] == pytest.approx(0.1 if same else 0.0)
     assert out["serving_host_s_per_step"] == pytest.approx(1e-5)
+    assert out["device_wait_s_per_iteration"] == {"bare": pytest.approx(0.1), "served": 0.0}
 
 
 def test_goals_compare_the_modes():
