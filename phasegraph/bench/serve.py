@@ -5,9 +5,10 @@ then served by :func:`phasegraph.serving.create_app` with uvicorn on 127.0.0.1 i
 process. It measures:
 
 - the cost of the asyncio and HTTP layers at batch 1: one streaming request through the server
-  against the same request stepped on the bare engine, as the period of the steps that emit
-  tokens (the gap between a stream's chunks, against the gap between the bare engine's steps);
-  the clients run in a process of their own, as they would in a deployment;
+  against the same request stepped on the bare engine (on the server's engine thread, in turns
+  with the served runs), as the period of the steps that emit tokens (the gap between a
+  stream's chunks, against the gap between the bare engine's steps), where both ran the same
+  iterations, else per token; the clients run in a process of their own, as in a deployment;
 - at each arrival rate, requests arriving as a Poisson process (exponential gaps, a fixed seed),
   each a streaming ``/v1/completions`` client that records when it sent the request and when
   each chunk arrived: output tokens/s, time to first token, and inter-token latency. A chunk
@@ -171,7 +172,6 @@ def _measure_mode(engine, prompts, s: ServeSettings, log) -> dict:
     from phasegraph.serving import AsyncEngine, create_app
     from phasegraph.serving.app import serve_in_thread
 
-    bare = [_bare_step_seconds(engine, prompts[0], s) for _ in range(s.overhead_repeats)]
     aengine = AsyncEngine(engine, max_queue=max(256, s.requests))
     # the clients run in a process of their own: in this one they would take the interpreter
     # from the engine and server threads, and their cost would count as the server's
@@ -179,7 +179,7 @@ def _measure_mode(engine, prompts, s: ServeSettings, log) -> dict:
     try:
         app = create_app(aengine, model_name=MODEL_NAME, on_full="wait")
         with serve_in_thread(app) as url:
-            served = [_served_step_seconds(url, aengine, prompts[0], s, clients) for _ in range(s.overhead_repeats)]
+            overhead = _measure_overhead(url, aengine, prompts[0], s, clients)
             rows = []
             for rate in s.rates:
                 streams, wall = clients.submit(_client_poisson_run, url, prompts, rate, s).result()
@@ -191,33 +191,94 @@ def _measure_mode(engine, prompts, s: ServeSettings, log) -> dict:
         clients.shutdown()
         aengine.close()
     engine.clear_prefix_cache()
-    bare_s, served_s = statistics.median(bare), statistics.median(served)
-    return {"rows": rows, "bare_step_s": bare_s, "served_step_s": served_s,
-            "http_overhead": served_s / bare_s - 1.0}
+    return {"rows": rows, **overhead}
 
 
-def _bare_step_seconds(engine, prompt: list[int], s: ServeSettings) -> float:
-    """Seconds between two steps that emit tokens, of one request stepped on the bare engine as
-    the server's thread steps it (prefill, and the first chunk's wait, left out)."""
+@attrs.frozen
+class _Run:
+    """One batch-1 request: when each step (or chunk) that emitted tokens ended, and how many."""
+
+    times: tuple[float, ...]
+    tokens: tuple[int, ...]  # per iteration: the accept lengths, under speculation
+    device_wait_s: float = 0.0  # the host's wait for the device, over the whole request
+
+    def period(self) -> float:
+        """Seconds per iteration, prefill and the first chunk's wait left out."""
+        return (self.times[-1] - self.times[0]) / (len(self.times) - 1)
+
+    def per_token(self) -> float:
+        return (self.times[-1] - self.times[0]) / sum(self.tokens[1:])
+
+
+def _measure_overhead(url: str, aengine, prompt: list[int], s: ServeSettings, clients) -> dict:
+    """The asyncio and HTTP layers at batch 1: the same request stepped on the bare engine and
+    streamed through the server, in turns. The bare run steps the engine on the server's own
+    engine thread (:meth:`AsyncEngine.call`), between served runs, so both see the same engine
+    state (graphs, cost table, acceptance estimates) and thread; only the layers differ.
+
+    Per iteration compares like with like only where both ran the same iterations (adaptive
+    speculation chooses a shape from acceptance estimates every run updates): otherwise the
+    figure is per token, and ``same_iterations`` says so."""
+    bare, served = [], []
+    before = aengine.stats()
+    for _ in range(s.overhead_repeats):
+        bare.append(asyncio.run(aengine.call(lambda engine: _bare_run(engine, prompt, s))))
+        served.append(_served_run(url, aengine, prompt, s, clients))
+    after = aengine.stats()
+    same = all(b.tokens == v.tokens for b, v in zip(bare, served, strict=True))
+    per_iteration = {k: statistics.median(r.period() for r in runs) for k, runs in (("bare", bare), ("served", served))}
+    per_token = {k: statistics.median(r.per_token() for r in runs) for k, runs in (("bare", bare), ("served", served))}
+    basis = per_iteration if same else per_token
+    steps = after.steps - before.steps  # the served runs' (the bare ones step the engine directly)
+    return {
+        "bare_step_s": per_iteration["bare"], "served_step_s": per_iteration["served"],
+        "bare_token_s": per_token["bare"], "served_token_s": per_token["served"],
+        "same_iterations": same, "overhead_basis": "iteration" if same else "token",
+        "iterations": {"bare": [len(r.tokens) for r in bare], "served": [len(r.tokens) for r in served]},
+        # host time of the engine thread's serving work per step (handing deltas over, waking loops)
+        "serving_host_s_per_step": (after.serving_seconds - before.serving_seconds) / max(steps, 1),
+        # the host's wait for the device per iteration: the slack that hides the layers' work
+        "device_wait_s_per_iteration": {k: statistics.median(r.device_wait_s / len(r.tokens) for r in runs)
+                                        for k, runs in (("bare", bare), ("served", served))},
+        "http_overhead": basis["served"] / basis["bare"] - 1.0,
+    }
+
+
+def _bare_run(engine, prompt: list[int], s: ServeSettings) -> _Run:
+    """One request stepped on the bare engine as the server's thread steps it."""
     from phasegraph import SamplingParams
 
     engine.add_request("bare", prompt, SamplingParams(max_new_tokens=s.new_tokens, temperature=0.0, ignore_eos=True))
-    emitted = []
+    times, tokens, waited = [], [], engine.scheduler.device_wait_s
     while engine.has_unfinished():
-        if any(d.new_token_ids for d in engine.step()):
-            emitted.append(time.perf_counter())
+        n = sum(len(d.new_token_ids) for d in engine.step())
+        if n:
+            times.append(time.perf_counter())
+            tokens.append(n)
     engine.clear_prefix_cache()  # the served run prefills the same prompt again
-    return _period(emitted)
+    return _checked(_Run(tuple(times), tuple(tokens), engine.scheduler.device_wait_s - waited))
 
 
-def _served_step_seconds(url: str, aengine, prompt: list[int], s: ServeSettings, clients) -> float:
-    """The same through the server: seconds between two chunks of one streaming request (a
-    chunk holds the tokens of one step), as its client (in the ``clients`` process) receives them."""
+def _served_run(url: str, aengine, prompt: list[int], s: ServeSettings, clients) -> _Run:
+    """The same through the server: the chunks of one streaming request (a chunk holds the
+    tokens of one step), as its client (in the ``clients`` process) receives them."""
+    waited = asyncio.run(aengine.call(lambda engine: engine.scheduler.device_wait_s))
     stream = clients.submit(_client_one_request, url, prompt, s).result()
     if stream.error:
         raise BenchError(f"the batch-1 request failed: {stream.error}")
-    asyncio.run(aengine.call(lambda engine: engine.clear_prefix_cache()))  # the next repeat prefills again
-    return _period([t for t, _ in stream.chunks])
+
+    def done(engine) -> float:
+        engine.clear_prefix_cache()  # the next run prefills again
+        return engine.scheduler.device_wait_s - waited
+
+    waited = asyncio.run(aengine.call(done))
+    return _checked(_Run(tuple(t for t, _ in stream.chunks), tuple(n for _, n in stream.chunks), waited))
+
+
+def _checked(run: _Run) -> _Run:
+    if len(run.times) < 2:
+        raise BenchError("the batch-1 request emitted fewer than two chunks: raise --new-tokens")
+    return run
 
 
 def _client_one_request(url: str, prompt: list[int], s: ServeSettings) -> _Stream:
@@ -234,12 +295,6 @@ def _client_one_request(url: str, prompt: list[int], s: ServeSettings) -> _Strea
 def _client_poisson_run(url: str, prompts, rate: float, s: ServeSettings) -> tuple[list[_Stream], float]:
     """:func:`_poisson_run`, in the clients' process."""
     return asyncio.run(_poisson_run(url, prompts, rate, s))
-
-
-def _period(times: list[float]) -> float:
-    if len(times) < 2:
-        raise BenchError("the batch-1 request emitted fewer than two chunks: raise --new-tokens")
-    return (times[-1] - times[0]) / (len(times) - 1)
 
 
 async def _poisson_run(url: str, prompts, rate: float, s: ServeSettings) -> tuple[list[_Stream], float]:
@@ -364,10 +419,16 @@ def render_serve_markdown(result: dict) -> str:
             lines.append(f"| {mode} | {r['rate']:g} | {r['tokens_per_s']:.1f} | {r['ttft_p50_s'] * 1e3:.1f} ms | "
                          f"{r['ttft_p99_s'] * 1e3:.1f} ms | {r['itl_p50_s'] * 1e3:.2f} ms | "
                          f"{r['itl_p99_s'] * 1e3:.2f} ms | {r['failed']} |")
-    lines += ["", "| mode | bare engine step | through the server | overhead |", "|---|---|---|---|"]
+    lines += ["", "| mode | bare engine step | through the server | per token, bare / served | same iterations "
+              "| engine thread's serving work per step | host waits for the device per iteration, bare / served "
+              "| overhead |", "|---|---|---|---|---|---|---|---|"]
     for mode, m in result["modes"].items():
+        wait = m["device_wait_s_per_iteration"]
         lines.append(f"| {mode} | {m['bare_step_s'] * 1e3:.3f} ms | {m['served_step_s'] * 1e3:.3f} ms | "
-                     f"{m['http_overhead']:+.1%} |")
+                     f"{m['bare_token_s'] * 1e3:.3f} / {m['served_token_s'] * 1e3:.3f} ms | "
+                     f"{'yes' if m['same_iterations'] else 'NO (overhead per token)'} | "
+                     f"{m['serving_host_s_per_step'] * 1e6:.0f} µs | "
+                     f"{wait['bare'] * 1e6:.0f} / {wait['served'] * 1e6:.0f} µs | {m['http_overhead']:+.1%} |")
     lines += ["", "| goal | value | met |", "|---|---|---|"]
     for g in result.get("goals", []):
         lines.append(f"| {g['goal']} | {g['value']:.3f} | {'yes' if g['met'] else 'NO'} |")

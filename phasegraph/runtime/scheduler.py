@@ -146,6 +146,9 @@ class Scheduler:
         self._warned_nonfinite_draft = False
         # called after every phase with its name, host wall time and batch (serving metrics)
         self.on_phase: Callable[[str, float, list[Request]], None] | None = None
+        # seconds the host waited for the device at collection: the slack in which other host
+        # work (a server's event loop) runs for free; none where the host is the bottleneck
+        self.device_wait_s = 0.0
 
     # ------------------------------------------------------------------ requests in and out
     def add(self, req: Request) -> None:
@@ -572,7 +575,9 @@ class Scheduler:
         append the emitted tokens. Requests that finished, were aborted or retracted since it
         was issued ran it for nothing; their tokens are dropped."""
         if done.ready is not None:
+            start = time.perf_counter()
             done.ready.synchronize()
+            self.device_wait_s += time.perf_counter() - start
         packed = done.tokens.tolist()
         lps = None if done.logprobs is None else done.logprobs.tolist()
         top = None if done.top_logprobs is None else (done.top_logprobs.tolist(), done.top_ids.tolist())

@@ -22,6 +22,7 @@ import concurrent.futures
 import itertools
 import queue
 import threading
+import time
 import weakref
 from collections import defaultdict, deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -58,6 +59,12 @@ class ServingStats:
     prefill_tokens: int = 0  # tokens of every prefill (a resumed request's committed ones too)
     cached_tokens: int = 0  # of them, read from the prefix cache
     kv_cached_pages: int = 0  # pages the prefix cache holds (evictable ones count as free too)
+    # the engine thread's host time: in engine.step(), and on the serving layer's own work around
+    # it (deltas handed to their event loops, waking them, counters): that share is what this
+    # layer adds to every iteration on the engine's critical path
+    step_seconds: float = 0.0
+    serving_seconds: float = 0.0
+    deliveries: int = 0  # hand-overs to an event loop: one per step and loop, whatever the tokens
 
 
 @attrs.define
@@ -183,6 +190,8 @@ class AsyncEngine:
         self._waiting = self._running = 0
         self._kv_free = engine.kv.num_free_pages
         self._cache = (0, 0, 0)  # prefill tokens, of them cached, cached pages
+        self._step_seconds = self._serving_seconds = 0.0
+        self._deliveries = 0
         # engine-thread state: each request's (loop, delta queue), and whether to step once more
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
         self._flush = False
@@ -318,6 +327,8 @@ class AsyncEngine:
                 finished=dict(self._finished), accept_lengths=dict(self._accepts),
                 phase_seconds=dict(self._phase_seconds), phase_runs=dict(self._phase_runs),
                 prefill_tokens=self._cache[0], cached_tokens=self._cache[1], kv_cached_pages=self._cache[2],
+                step_seconds=self._step_seconds, serving_seconds=self._serving_seconds,
+                deliveries=self._deliveries,
             )
 
     # ------------------------------------------------------------------ shutting down
@@ -470,7 +481,9 @@ class AsyncEngine:
 
     def _step(self) -> None:
         engine = self.engine
+        start = time.perf_counter()
         deltas = engine.step()
+        stepped = time.perf_counter()
         by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         finished = []
         for delta in deltas:
@@ -482,6 +495,7 @@ class AsyncEngine:
                     del self._sinks[delta.request_id]
         with self._stats_lock:
             self._steps += 1
+            self._deliveries += len(by_loop)
             for delta in deltas:
                 self._tokens += len(delta.new_token_ids)
                 for n in delta.accept_lengths:
@@ -501,6 +515,9 @@ class AsyncEngine:
                     if delta.output is None:
                         engine.abort(delta.request_id)
                         self._flush = True
+        with self._stats_lock:  # after the hand-over: its wake-ups are the layer's cost too
+            self._step_seconds += stepped - start
+            self._serving_seconds += time.perf_counter() - stepped
 
     def _on_phase(self, phase: str, seconds: float, reqs) -> None:
         with self._stats_lock:

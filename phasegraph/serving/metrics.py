@@ -32,6 +32,11 @@ class EngineCollector:
         yield CounterMetricFamily("phasegraph_prompt_tokens", "Prompt tokens of the finished requests",
                                   value=s.prompt_tokens)
         yield CounterMetricFamily("phasegraph_engine_steps", "Engine steps run", value=s.steps)
+        yield CounterMetricFamily("phasegraph_engine_step_seconds", "Engine thread's wall time in engine steps",
+                                  value=s.step_seconds)
+        yield CounterMetricFamily("phasegraph_serving_seconds", "Engine thread's wall time on the serving "
+                                  "layer's work between steps (handing deltas over, waking event loops)",
+                                  value=s.serving_seconds)
         finished = CounterMetricFamily("phasegraph_requests_finished", "Requests finished, by finish reason",
                                        labels=["finish_reason"])
         for reason, count in sorted(s.finished.items()):

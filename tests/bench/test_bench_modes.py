@@ -11,8 +11,16 @@ import json
 import pytest
 import torch
 
+from phasegraph.bench import serve
 from phasegraph.bench.common import load_bench_script
-from phasegraph.bench.serve import ITL_GOAL_RATIO, _percentile, _Stream, evaluate_goals, summarize
+from phasegraph.bench.serve import (
+    ITL_GOAL_RATIO,
+    _percentile,
+    _Run,
+    _Stream,
+    evaluate_goals,
+    summarize,
+)
 from phasegraph.cli import main
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
@@ -166,7 +174,15 @@ def test_every_request_streams_every_token_in_both_modes(serve_run):
             assert 0 < row["itl_p50_s"] <= row["itl_p99_s"]
             assert row["tokens_per_s"] == pytest.approx(row["tokens"] / row["wall_s"])
         assert mode["bare_step_s"] > 0 and mode["served_step_s"] > 0
+        # the bare engine and the server ran the same iterations: the overhead compares like with like
+        assert mode["same_iterations"] is True and mode["overhead_basis"] == "iteration"
+        assert mode["iterations"]["bare"] == mode["iterations"]["served"]
         assert mode["http_overhead"] == pytest.approx(mode["served_step_s"] / mode["bare_step_s"] - 1)
+        assert mode["serving_host_s_per_step"] > 0
+        assert mode["device_wait_s_per_iteration"] == {"bare": 0.0, "served": 0.0}  # no device to wait for
+    # several tokens per iteration under speculation: fewer iterations for the same tokens
+    its = {m: r["modes"][m]["iterations"]["served"][0] for m in r["modes"]}
+    assert its["speculative"] < its["baseline"] <= NEW_TOKENS
     goals = r["goals"]
     assert len(goals) == 3 and all(isinstance(g["met"], bool) for g in goals)
     spec, base = r["modes"]["speculative"]["rows"], r["modes"]["baseline"]["rows"]
@@ -192,6 +208,40 @@ def test_a_chunk_gap_is_shared_between_its_tokens():
     assert row["itl_p50_s"] == pytest.approx(0.01)  # 30 ms over 3 tokens, three times; then 10 ms
     assert row["chunk_gap_p99_s"] == pytest.approx(0.03 - 0.02 * 0.01, abs=1e-9)
     assert _percentile([3.0, 1.0, 2.0], 50) == 2.0 and _percentile([1.0, 2.0], 99) == pytest.approx(1.99)
+
+
+class _FakeServer:
+    """What _measure_overhead reads of an AsyncEngine: call() and stats()."""
+
+    def __init__(self):
+        self.steps = 0
+
+    async def call(self, fn):
+        return fn(None)
+
+    def stats(self):
+        self.steps += 10
+        return type("Stats", (), {"steps": self.steps, "serving_seconds": self.steps * 1e-5})()
+
+
+@pytest.mark.parametrize("same", [True, False])
+def test_the_overhead_compares_the_same_iterations_else_tokens(monkeypatch, same):
+    """Served runs whose iterations differ from the bare engine's (another adaptive shape, say)
+    are compared per token, never per iteration."""
+    bare = _Run((0.0, 1.0, 2.0, 3.0), (1, 3, 3, 3), device_wait_s=0.4)  # 1 s an iteration of 3 tokens
+    served = _Run((0.0, 1.1, 2.2, 3.3), (1, 3, 3, 3)) if same else _Run((0.0, 0.5, 1.0, 1.5, 2.0, 2.5, 3.0),
+                                                                        (1, 2, 1, 2, 1, 2, 1))
+    monkeypatch.setattr(serve, "_bare_run", lambda engine, prompt, s: bare)
+    monkeypatch.setattr(serve, "_served_run", lambda url, aengine, prompt, s, clients: served)
+    s = serve.ServeSettings(rates=(1.0,), requests=1, new_tokens=10, prompt_tokens=4, max_batch=1, overhead_repeats=3)
+    out = serve._measure_overhead("http://x", _FakeServer(), [1, 2], s, clients=None)
+    assert out["same_iterations"] is same and out["overhead_basis"] == ("iteration" if same else "token")
+    assert out["iterations"] == {"bare": [4] * 3, "served": [len(served.tokens)] * 3}
+    assert out["bare_step_s"] == pytest.approx(1.0) and out["bare_token_s"] == pytest.approx(1 / 3)
+    # per iteration the second served run would look 50 % faster; per token it is equal
+    assert out["http_overhead"] == pytest.approx(0.1 if same else 0.0)
+    assert out["serving_host_s_per_step"] == pytest.approx(1e-5)
+    assert out["device_wait_s_per_iteration"] == {"bare": pytest.approx(0.1), "served": 0.0}
 
 
 def test_goals_compare_the_modes():

@@ -70,6 +70,34 @@ def test_streams_and_generate_equal_the_offline_engine(idle_engine):
     assert {"prefill-extend", "draft", "verify", "draft-extend"} <= set(stats.phase_seconds)
 
 
+def test_one_hand_over_per_iteration_not_per_token(idle_engine, monkeypatch):
+    """The engine thread wakes a consumer's loop once a step with every token of that step's
+    iteration (several under speculation): the layers' cost is per iteration, never per token."""
+    from phasegraph.serving import async_engine
+
+    engine = idle_engine
+    want = engine.generate([PROMPTS[0]], greedy(24, ignore_eos=True))[0]
+    handed = []
+    real = async_engine._deliver
+    monkeypatch.setattr(async_engine, "_deliver", lambda items: (handed.append(len(items)), real(items)))
+
+    async def main():
+        async with AsyncEngine(engine) as aengine:
+            deltas = [d async for d in aengine.stream(PROMPTS[0], greedy(24, ignore_eos=True))]
+        return deltas, aengine.stats()  # closed: the thread's last step is counted
+
+    deltas, stats = asyncio.run(main())
+    tokens = [t for d in deltas for t in d.new_token_ids]
+    assert tokens == want.token_ids
+    with_tokens = [d for d in deltas if d.new_token_ids]
+    # one delta per step, each with one iteration's accepted tokens (the first also the prefill's)
+    assert [d.accept_lengths for d in with_tokens] == [(n,) for n in want.stats.accept_lengths]
+    assert [len(d.new_token_ids) for d in with_tokens[1:]] == want.stats.accept_lengths[1:]
+    assert len(with_tokens) < len(tokens)
+    assert handed == [1] * len(deltas) and stats.deliveries == len(deltas) <= stats.steps
+    assert stats.step_seconds > 0 and stats.serving_seconds > 0
+
+
 def test_a_cancelled_consumer_frees_its_kv_at_once(idle_engine):
     engine = idle_engine
 

@@ -271,6 +271,7 @@ def test_models_health_and_metrics(engine, server):
     assert values['phasegraph_accept_length_bucket{le="+Inf"}'] == values["phasegraph_accept_length_count"]
     assert values['phasegraph_phase_seconds_total{phase="verify"}'] > 0
     assert values['phasegraph_phase_runs_total{phase="verify"}'] > 0
+    assert values["phasegraph_engine_step_seconds_total"] > 0 and values["phasegraph_serving_seconds_total"] > 0
     assert values["phasegraph_kv_pages_total"] == engine.kv.allocator.total
     assert values["phasegraph_kv_pages_used"] == 0  # everything finished
     assert values['phasegraph_queue_depth{state="waiting"}'] == 0
