@@ -27,10 +27,19 @@ _LAZY = {
 __all__ = ["__version__", *_LAZY]
 
 
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'phasegraph' has no attribute {name!r}")
-    import importlib
+def lazy_getattr(package: str, lazy: dict[str, str]):
+    """A module ``__getattr__`` for ``package`` that imports each name of ``lazy`` from the
+    module it maps to on first use."""
 
-    return getattr(importlib.import_module(module), name)
+    def __getattr__(name: str):
+        module = lazy.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        import importlib
+
+        return getattr(importlib.import_module(module), name)
+
+    return __getattr__
+
+
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -6,7 +6,7 @@ declaration, which ``phasegraph graph`` draws) can be imported without torch.
 
 from __future__ import annotations
 
-import importlib
+from phasegraph import lazy_getattr
 
 _LAZY = {
     "SpecContext": "phasegraph.phases.context",
@@ -23,10 +23,4 @@ _LAZY = {
 }
 
 __all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'phasegraph.phases' has no attribute {name!r}")
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _LAZY)

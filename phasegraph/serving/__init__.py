@@ -7,6 +7,8 @@ Names are imported lazily, so that ``AsyncEngine`` needs no HTTP package install
 
 from __future__ import annotations
 
+from phasegraph import lazy_getattr
+
 # requests an AsyncEngine holds at once (waiting or running): far past a batch, short of a flood
 DEFAULT_MAX_QUEUE = 256
 
@@ -20,12 +22,4 @@ _LAZY = {
 }
 
 __all__ = list(_LAZY)
-
-
-def __getattr__(name: str):
-    module = _LAZY.get(name)
-    if module is None:
-        raise AttributeError(f"module 'phasegraph.serving' has no attribute {name!r}")
-    import importlib
-
-    return getattr(importlib.import_module(module), name)
+__getattr__ = lazy_getattr(__name__, _LAZY)

@@ -190,20 +190,16 @@ def _parse_dim(token: str) -> _Dim:
     return _Dim(token, "expr", code=code, names=code.co_names, factors=factors if pure_product else None)
 
 
-@attrs.frozen
-class _TensorSpec:
+@attrs.frozen(kw_only=True)
+class _TensorSpec(_FieldMeta):
+    """A tensor field: what :func:`tensor` declared, plus its compiled annotation."""
+
     name: str
     dtypes: frozenset | None  # of torch.dtype; None = any
     dtype_text: str
     dims: tuple[_Dim, ...]
     dim_text: str
     optional: bool
-    role: Role | None
-    host: bool
-    doc: str
-    pad: Pad | None = None
-    per_step: bool = False
-    absent_is_pad: bool = False
 
 
 @attrs.frozen
@@ -341,8 +337,8 @@ def _compile(cls: type) -> CompiledSchema:
             dtypes = _torch_dtypes(names)
             tensors.append(
                 _TensorSpec(
-                    f.name, dtypes, "|".join(names), dims, dim_text, optional,
-                    meta.role, meta.host, meta.doc, meta.pad, meta.per_step, meta.absent_is_pad,
+                    name=f.name, dtypes=dtypes, dtype_text="|".join(names), dims=dims,
+                    dim_text=dim_text, optional=optional, **attrs.asdict(meta, recurse=False),
                 )
             )
         else:
