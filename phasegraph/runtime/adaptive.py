@@ -227,7 +227,6 @@ class Acceptance:
 
     hits: dict[tuple[str, int], float] = attrs.field(factory=dict)
     tries: dict[tuple[str, int], float] = attrs.field(factory=dict)
-    stale: bool = False  # ran without drafts since its last draft-extend: the next drafts are old
     decay: float = DECAY
 
     def observe(self, family: str, depth: int, accepted: int) -> None:
@@ -427,9 +426,6 @@ class AdaptiveSpeculation:
     def observe(self, req, shape: SpecShape, accept_length: int) -> None:
         """A verify of ``shape`` accepted ``accept_length`` tokens (bonus included) for ``req``."""
         a = self.acceptance(req)
-        if a.stale:  # drafted from before the iterations it ran without drafts
-            a.stale = False
-            return
         cap = req.params.draft_cap
         depth = shape.num_steps if cap is None else min(shape.num_steps, cap)
         a.observe(shape.family, depth, accept_length - 1)
@@ -442,7 +438,6 @@ class AdaptiveSpeculation:
         self.engine_wide.fade(HELD_DECAY)
 
     def ran_without_drafts(self, req) -> None:
-        """``req`` ran an iteration without drafts: its draft state is old, its estimate fades."""
-        a = self.acceptance(req)
-        a.stale = True
-        a.fade(HELD_DECAY)
+        """``req`` ran an iteration without drafts: nothing was observed, so its estimate fades
+        (decode kept its draft state current, so its next draft counts as any other)."""
+        self.acceptance(req).fade(HELD_DECAY)
