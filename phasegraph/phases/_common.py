@@ -98,6 +98,28 @@ def draft_topk(
     return probs, ids
 
 
+def extend_draft(
+    ctx: SpecContext,
+    input_ids: torch.Tensor,  # [T] the token after each row's position
+    features: torch.Tensor,  # [T, Hf] target features at each row
+    positions: torch.Tensor,  # [T] draft positions (logical KV slots)
+    attn: AttentionMetadata,
+    select_index: torch.Tensor,  # [B] each request's last row
+    token_bitmask: torch.Tensor | None = None,  # [B, ceil(V/32)] grammar masks after the rows
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Write the draft's KV over committed rows and propose each request's depth-1 candidates:
+    (top-k probabilities [B, K], ids [B, K], the draft hidden row [B, Hd] or None), what a
+    :class:`DraftState` carries into the next draft."""
+    draft = ctx.draft
+    out = draft.forward(input_ids, features if draft.uses_features else None, positions, attn,
+                        from_target=True, step=0, logits_index=select_index)
+    topk_p, topk_ids = draft_topk(draft, out.logits, ctx.draft_topk or ctx.tree.topk, token_bitmask)
+    hidden = None
+    if draft.uses_features:  # the rows the model already gathered for its logits
+        hidden = out.hidden_rows if out.hidden_rows is not None else out.hidden[select_index]
+    return topk_p, topk_ids, hidden
+
+
 def _grammar_masked_draft_logits(model: DraftModel, logits: torch.Tensor, token_bitmask: torch.Tensor,
                                  offsets: torch.Tensor | None) -> torch.Tensor:
     draft_ids = torch.arange(logits.shape[1], device=logits.device)  # [Vd]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from phasegraph.phases._common import causal_extend_metadata, draft_topk
+from phasegraph.phases._common import causal_extend_metadata, extend_draft
 from phasegraph.phases.context import SpecContext
 from phasegraph.phases.schemas import DraftExtendInput, DraftState
 from phasegraph.statemachine import phase
@@ -31,19 +31,12 @@ def draft_extend(state: DraftExtendInput, ctx: SpecContext) -> DraftState:
             output_counts=state.output_counts, prompt_mask=state.prompt_mask,
         )
     attn = causal_extend_metadata(ctx.memory, params.req_pool_idx, state.token_req, state.positions)
-    out = ctx.draft.forward(
-        state.input_ids, state.features if ctx.draft.uses_features else None, state.positions, attn,
-        from_target=True, step=0, logits_index=state.select_index,
-    )
-    k = ctx.draft_topk or ctx.tree.topk
     bitmask = None
     if ctx.grammar is not None:  # the grammar after the tokens this phase's input emitted
         emitted = getattr(state, "emitted", None)  # [B, W] after verify; after prefill the first token
         bitmask = ctx.grammar.next_token_bitmask_after(emitted if emitted is not None else state.bonus_tokens[:, None])
-    topk_p, topk_ids = draft_topk(ctx.draft, out.logits, k, bitmask)  # [B, K], target vocabulary
-    hidden = None
-    if ctx.draft.uses_features:  # [B, Hd], the rows the model already gathered for its logits
-        hidden = out.hidden_rows if out.hidden_rows is not None else out.hidden[state.select_index]
+    topk_p, topk_ids, hidden = extend_draft(ctx, state.input_ids, state.features, state.positions, attn,
+                                            state.select_index, bitmask)
     return DraftState(
         params=params,
         seq_lens=state.seq_lens,

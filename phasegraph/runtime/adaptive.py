@@ -16,6 +16,8 @@ geometric model of Leviathan et al., arXiv 2211.17192, section 3.5). It may
 also hold some requests apart, to a cheaper shape or none, where running the batch as two
 groups costs less than the tokens it loses (a request whose draft is poor at a batch size where
 verifying its tree is not free). SGLang and vLLM adapt the draft length for the same reason.
+Estimates are noisy, so the choice has hysteresis: a plan replaces the one in force only where
+it is expected to be faster by a margin, and a request is held apart only on enough evidence.
 
 :class:`AdaptiveSpeculation` is what the scheduler asks each step; it keeps the estimates and
 re-plans when the batch changes and every few iterations.
@@ -217,6 +219,11 @@ TREE_MISS = 0.7
 # drifts back to the engine-wide estimate and is tried again
 DECAY = 0.9
 HELD_DECAY = 0.97
+# hysteresis: a plan other than the current one must be this much faster (a fraction) to
+# replace it, as estimates are noisy; a request is held apart only after this many
+# (decayed) observations of its own
+SWITCH_MARGIN = 0.05
+MIN_EVIDENCE = 4.0
 
 
 @attrs.define
@@ -227,7 +234,6 @@ class Acceptance:
 
     hits: dict[tuple[str, int], float] = attrs.field(factory=dict)
     tries: dict[tuple[str, int], float] = attrs.field(factory=dict)
-    stale: bool = False  # ran without drafts since its last draft-extend: the next drafts are old
     decay: float = DECAY
 
     def observe(self, family: str, depth: int, accepted: int) -> None:
@@ -255,6 +261,10 @@ class Acceptance:
 
     def observed(self, family: str, depth: int) -> bool:
         return self.tries.get((family, depth), 0.0) > 0
+
+    def evidence(self) -> float:
+        """Observations (decayed) behind the estimate: the tries of the first draft."""
+        return sum(n for (_, depth), n in self.tries.items() if depth == 1)
 
 
 _OTHER = {"chain": "tree", "tree": "chain"}
@@ -285,16 +295,36 @@ def expected_tokens(rates: float | Sequence[float], depth: int) -> float:
 @attrs.frozen
 class PolicyInputs:
     """What the policy sees: the costs, and per request (row) the tokens each shape is expected
-    to emit for it per iteration (1 for ``off``; a request's draft cap already applied)."""
+    to emit for it per iteration (1 for ``off``; a request's draft cap already applied).
+
+    Hysteresis: ``current`` is the plan the batch runs now (its rows in this batch's order), which
+    another plan replaces only where it is expected to be ``margin`` (a fraction) faster; a
+    split must be that much faster than the best whole-batch plan too. ``evidence``: the
+    observations behind each row's estimate; a row with fewer than ``min_evidence`` is not held
+    apart unless it already is (one iteration's luck splits no batch)."""
 
     costs: CostTable
     expected: tuple[tuple[float, ...], ...] = attrs.field(converter=lambda rows: tuple(map(tuple, rows)))
     split: bool = True  # may the batch run as two groups
+    current: Plan | None = None
+    margin: float = 0.0
+    evidence: tuple[float, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
+    min_evidence: float = 0.0
 
     def __attrs_post_init__(self) -> None:
-        n = len(self.costs.shapes)
+        n, B = len(self.costs.shapes), len(self.expected)
         if any(len(row) != n for row in self.expected):
             raise InvalidConfig(f"PolicyInputs.expected: every row needs one value per shape ({n})")
+        for name in ("margin", "min_evidence"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise InvalidConfig(f"PolicyInputs.{name} must be a number >= 0; got {value!r}")
+        if self.evidence is not None and len(self.evidence) != B:
+            raise InvalidConfig(f"PolicyInputs.evidence needs one value per row ({B}); got {len(self.evidence)}")
+        c = self.current
+        if c is not None and (not 0 <= c.shape < n or any(not 0 <= r < B for r in c.held)
+                              or (c.held and (c.held_shape is None or not 0 <= c.held_shape < n))):
+            raise InvalidConfig(f"PolicyInputs.current names shapes or rows it does not have: {c!r}")
 
 
 @attrs.frozen
@@ -315,36 +345,76 @@ class Plan:
 
 
 def choose_plan(inputs: PolicyInputs) -> Plan:
-    """The plan with the most expected tokens per second: every shape for the whole batch, and
-    with ``split`` every shape with the rows that gain least from it held to a cheaper one."""
-    costs, rows = inputs.costs, inputs.expected
-    B, shapes = len(rows), costs.shapes
-    best = Plan(0, tokens_per_s=-1.0)
-    if B == 0:
+    """The plan with the most expected tokens per second (every shape for the whole batch, and
+    with ``split`` every shape with the rows that gain least from it held to a cheaper one),
+    unless it beats ``current`` by less than ``margin``: then ``current``."""
+    if not inputs.expected:
+        return Plan(0, tokens_per_s=-1.0)
+    whole = _best_whole(inputs)
+    best = _best_split(inputs, whole) if inputs.split and len(inputs.expected) >= 2 else whole
+    if inputs.current is None:
         return best
-    totals = [sum(r[i] for r in rows) for i in range(len(shapes))]
-    for i in range(len(shapes)):
-        rate = totals[i] / costs.cost(i, B)
+    current = attrs.evolve(inputs.current, tokens_per_s=_rate_of(inputs, inputs.current))
+    return best if best.tokens_per_s > current.tokens_per_s * (1 + inputs.margin) else current
+
+
+def _rate_of(inputs: PolicyInputs, plan: Plan) -> float:
+    """Expected tokens per second of ``plan`` for these rows."""
+    costs, rows = inputs.costs, inputs.expected
+    held = set(plan.held)
+    kept = [r for i, r in enumerate(rows) if i not in held]
+    tokens = sum(r[plan.shape] for r in kept) + sum(rows[i][plan.held_shape] for i in held)
+    if not held:
+        return tokens / costs.cost(plan.shape, len(rows))
+    seconds = costs.cost(plan.held_shape, len(held)) + costs.split_s
+    return tokens / (seconds + (costs.cost(plan.shape, len(kept)) if kept else 0.0))
+
+
+def _holdable(inputs: PolicyInputs, row: int) -> bool:
+    """Whether ``row`` may run apart: its estimate has the evidence, or it is held already."""
+    if inputs.evidence is None or inputs.evidence[row] >= inputs.min_evidence:
+        return True
+    return inputs.current is not None and row in inputs.current.held
+
+
+def _best_whole(inputs: PolicyInputs) -> Plan:
+    """The fastest single shape for the whole batch."""
+    costs, rows = inputs.costs, inputs.expected
+    best = Plan(0, tokens_per_s=-1.0)
+    for i in range(len(costs.shapes)):
+        rate = sum(r[i] for r in rows) / costs.cost(i, len(rows))
         if rate > best.tokens_per_s:
             best = Plan(i, tokens_per_s=rate)
-    if not inputs.split or B < 2:
-        return best
+    return best
+
+
+def _best_split(inputs: PolicyInputs, whole: Plan) -> Plan:
+    """``whole``, or the fastest split that beats it by ``margin``: for each pair of shapes the
+    rows that gain most from the dearer one run it, the rest (those with the evidence) the
+    cheaper one. Each group pays its own iteration (fixed cost included) plus ``split_s``."""
+    costs, rows = inputs.costs, inputs.expected
+    B, shapes = len(rows), costs.shapes
+    best, bar = whole, whole.tokens_per_s * (1 + inputs.margin)
     # cost of each shape at every group size 1..B-1, computed once
     at = [[0.0] + [costs.cost(i, k) for k in range(1, B)] for i in range(len(shapes))]
+    holdable = [_holdable(inputs, r) for r in range(B)]
+    pinned = B - sum(holdable)  # rows that must stay in the batch
     for a in range(len(shapes)):
         for h in range(len(shapes)):
             if h == a or at[h][B - 1] >= at[a][B - 1]:
                 continue  # a group is held to a cheaper shape only
-            gain = sorted(range(B), key=lambda r, a=a, h=h: rows[r][a] - rows[r][h], reverse=True)
-            kept = 0.0
-            held = totals[h]
-            for k in range(1, B):  # the k rows that gain most run shape a, the rest shape h
-                r = gain[k - 1]
+            # the rows that may not be held first, then those that gain most from shape a
+            order = sorted(range(B), key=lambda r, a=a, h=h: (not holdable[r], rows[r][a] - rows[r][h]),
+                           reverse=True)
+            kept = sum(rows[r][a] for r in order[:max(pinned, 1) - 1])
+            held = sum(rows[r][h] for r in order[max(pinned, 1) - 1:])
+            for k in range(max(pinned, 1), B):  # the first k rows run shape a, the rest shape h
+                r = order[k - 1]
                 kept += rows[r][a]
                 held -= rows[r][h]
                 rate = (kept + held) / (at[a][k] + at[h][B - k] + costs.split_s)
-                if rate > best.tokens_per_s:
-                    best = Plan(a, tuple(sorted(gain[k:])), h, rate)
+                if rate > max(best.tokens_per_s, bar):
+                    best = Plan(a, tuple(sorted(order[k:])), h, rate)
     return best
 
 
@@ -352,12 +422,19 @@ class AdaptiveSpeculation:
     """The scheduler's policy state: the cost table, every request's acceptance, the plan of
     the current batch (re-chosen when the batch changes and every ``replan_every`` iterations)."""
 
-    def __init__(self, costs: CostTable, *, split: bool = True, replan_every: int = 8):
+    def __init__(self, costs: CostTable, *, split: bool = True, replan_every: int = 8,
+                 margin: float = SWITCH_MARGIN, min_evidence: float = MIN_EVIDENCE):
         self.costs = costs
         self.shapes = costs.shapes
         self.depth = max(s.num_steps for s in costs.shapes)  # the deepest shape's drafts
         self.split = split
         self.replan_every = replan_every
+        self.margin = margin
+        self.min_evidence = min_evidence
+        # the plan in force: its shape, and the requests it holds apart in its held shape
+        self._shape: int | None = None
+        self._held_shape: int | None = None
+        self._held: weakref.WeakSet = weakref.WeakSet()
         self.force: SpecShape | None = None  # run this shape, whatever the policy says (measurement)
         # or (measurement of a split) this pair of shape indices: the batch's first half runs the
         # first, its second half the other, however many requests are still running
@@ -419,17 +496,34 @@ class AdaptiveSpeculation:
         if self._last is not None and self._last[0] == key and self._last[2] < self.replan_every:
             self._last = (key, self._last[1], self._last[2] + 1)
             return self._last[1]
-        plan = choose_plan(PolicyInputs(self.costs, [self.expected(r) for r in batch], self.split))
+        plan = choose_plan(self.inputs(batch))
         self._last = (key, plan, 1)
+        self._shape, self._held_shape = plan.shape, plan.held_shape
+        self._held = weakref.WeakSet(batch[i] for i in plan.held)
         self.plans += 1
         return plan
+
+    def inputs(self, batch: Sequence) -> PolicyInputs:
+        """The policy's inputs for ``batch``: its estimates, and the plan in force in its rows."""
+        return PolicyInputs(self.costs, [self.expected(r) for r in batch], self.split, self.current(batch),
+                            self.margin, [self.evidence(r) for r in batch], self.min_evidence)
+
+    def current(self, batch: Sequence) -> Plan | None:
+        """The plan in force, over ``batch``'s rows (None before the first)."""
+        if self._shape is None:
+            return None
+        held = tuple(i for i, r in enumerate(batch) if r in self._held)
+        if held and len(held) == len(batch):  # the rest left: the held group is the batch
+            return Plan(self._held_shape)
+        return Plan(self._shape, held, self._held_shape) if held else Plan(self._shape)
+
+    def evidence(self, req) -> float:
+        """Observations behind ``req``'s estimate (a request that never drafts needs none)."""
+        return math.inf if req.params.draft_cap == 0 else self.acceptance(req).evidence()
 
     def observe(self, req, shape: SpecShape, accept_length: int) -> None:
         """A verify of ``shape`` accepted ``accept_length`` tokens (bonus included) for ``req``."""
         a = self.acceptance(req)
-        if a.stale:  # drafted from before the iterations it ran without drafts
-            a.stale = False
-            return
         cap = req.params.draft_cap
         depth = shape.num_steps if cap is None else min(shape.num_steps, cap)
         a.observe(shape.family, depth, accept_length - 1)
@@ -442,7 +536,6 @@ class AdaptiveSpeculation:
         self.engine_wide.fade(HELD_DECAY)
 
     def ran_without_drafts(self, req) -> None:
-        """``req`` ran an iteration without drafts: its draft state is old, its estimate fades."""
-        a = self.acceptance(req)
-        a.stale = True
-        a.fade(HELD_DECAY)
+        """``req`` ran an iteration without drafts: nothing was observed, so its estimate fades
+        (decode kept its draft state current, so its next draft counts as any other)."""
+        self.acceptance(req).fade(HELD_DECAY)

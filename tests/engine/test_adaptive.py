@@ -47,10 +47,11 @@ def costs(per_row: dict, base: float = 1.0, split_s: float = 0.0, shapes=SHAPES)
     return CostTable(shapes, BATCHES, [[base + per_row[s] * b for b in BATCHES] for s in shapes], split_s)
 
 
-# alone the tree costs a little less than the rest (so with an oracle draft, which fills both
-# to the same depth, it wins), and from 2 requests on far more: a chain of 3 then
+# alone the tree costs less than the rest, by more than the policy's margin (so with an oracle
+# draft, which fills both to the same depth, it wins), and from 2 requests on far more: a chain
+# of 3 then
 MOVING = CostTable(SHAPES, BATCHES, [(1.0, 1.1, 1.2, 1.4), (1.0, 1.15, 1.3, 1.6), (1.0, 1.2, 1.4, 1.8),
-                                     (0.99, 5.0, 10.0, 20.0)])
+                                     (0.9, 5.0, 10.0, 20.0)])
 
 
 def _engine(table: CostTable, batch: int, drafter=NoisyOracleDraft, *, seed: int = 3, **kw):
@@ -313,3 +314,59 @@ def test_the_http_api_carries_the_controls():
     params = completion_params(CompletionRequest(model="m", prompt="x", speculate=False, max_draft_tokens=2))
     assert (params.speculate, params.max_draft_tokens, params.draft_cap) == (False, 2, 0)
     assert completion_params(CompletionRequest(model="m", prompt="x")).draft_cap is None
+
+
+# ------------------------------------------------------------------ re-entry from no drafts
+
+DEMO_CHAIN3 = SpecShape.chain(3)
+
+
+def _demo_engine():
+    from phasegraph.demo import demo_pair_dir
+
+    pair = demo_pair_dir()
+    return Engine.from_pretrained(pair / "target", pair / "eagle3", device="cpu", dtype="float32",
+                                  spec=SpecConfig(method="eagle3", num_steps=3, topk=1, adaptive=True),
+                                  spec_costs=CostTable((OFF, DEMO_CHAIN3), (1,), ((1.0,), (1.0,))))
+
+
+def _forced_run(prompt, budget: int, shape_at) -> tuple[list[int], list[tuple[str, int, list[int]]]]:
+    """One request of the demo pair, each iteration's shape forced by ``shape_at(i)``; returns
+    its tokens and, per iteration, (shape name, tokens emitted after it, its accept lengths)."""
+    engine = _demo_engine()
+    engine.add_request("r", prompt, SamplingParams(max_new_tokens=budget))
+    tokens, runs, i = [], [], 0
+    while engine.has_unfinished():
+        engine.scheduler.adaptive.force = shape = shape_at(i)
+        for delta in engine.step():
+            tokens += delta.new_token_ids
+            runs.append((shape.name, len(tokens), list(delta.accept_lengths)))
+        i += 1
+    return tokens, runs
+
+
+def test_a_request_back_from_no_drafts_drafts_as_if_it_never_left():
+    """Three iterations without drafts, two with a chain, over and over: the same tokens as a
+    run that always drafted, and the first accept length after each re-entry that of a request
+    freshly prefilled over every token so far (its draft extended over all of them): decode
+    keeps the draft current. (A draft resumed from its old state accepted 1.15 tokens on
+    average there, against 2.85 freshly prefilled.)"""
+    import torch
+
+    from phasegraph.demo import demo_prompts
+
+    torch.set_num_threads(1)
+    budget = 48
+    back, fresh = [], []
+    for prompt in demo_prompts(3):
+        always, _ = _forced_run(prompt, budget, lambda i: DEMO_CHAIN3)
+        tokens, runs = _forced_run(prompt, budget, lambda i: OFF if i % 5 >= 2 else DEMO_CHAIN3)
+        assert tokens == always
+        ids = list(_demo_engine()._encode(prompt))
+        for before, (shape, _, lens) in zip(runs, runs[1:], strict=False):
+            emitted = before[1]  # its last token is the bonus, which the fresh prefill draws again
+            if before[0] != "off" or shape == "off" or budget - emitted < 4:
+                continue
+            back.append(lens[0])
+            fresh.append(_forced_run(ids + tokens[:emitted - 1], 5, lambda i: DEMO_CHAIN3)[1][0][2][0])
+    assert len(back) >= 10 and back == fresh, (back, fresh)
