@@ -247,14 +247,27 @@ _NO_LAUNCH = frozenset({
 })
 
 
+@functools.cache
+def _below_repository(filename: str) -> str | None:
+    """``filename`` as a path below the repository where it is phasegraph's own source (not the
+    bench's), else None. Decided by the package's directory, not by a path component: a checkout
+    named ``phasegraph`` holds its ``.venv``, and torch's frames would count as phasegraph's."""
+    import phasegraph
+
+    package = Path(phasegraph.__file__).resolve().parent
+    path = Path(filename).resolve()
+    if not path.is_relative_to(package) or path.is_relative_to(package / "bench"):
+        return None
+    return path.relative_to(package.parent).as_posix()
+
+
 def _phasegraph_frames(frame):
     """(path below the repository, frame) of every phasegraph frame of ``frame``'s caller chain,
     innermost first (the bench's own frames left out)."""
     while frame is not None:
-        path = frame.f_code.co_filename.replace("\\", "/")
-        cut = path.rfind("/phasegraph/")
-        if cut >= 0 and "/phasegraph/bench/" not in path:
-            yield path[cut + 1:], frame
+        rel = _below_repository(frame.f_code.co_filename)
+        if rel is not None:
+            yield rel, frame
         frame = frame.f_back
 
 
