@@ -157,7 +157,6 @@ def paged_attention_reference(
     allowed = attention_allowed_mask(meta, length)  # [T, L]
 
     out = torch.empty_like(q)  # [T, H, D]
-    chunk = max(1, _GATHER_BUDGET // max(1, length * num_kv_heads * head_dim))
     if device.type == "cpu":
         # each row's keys and values gathered once and shared by all the queries that read it
         # (a verify's tree nodes, a prefill's tokens): no per-query copy of the row
@@ -168,9 +167,9 @@ def paged_attention_reference(
             v = v_cache.index_select(0, slots).float()  # [L, Hkv, D]
             for start in range(0, len(queries), row_chunk):
                 index = queries[start : start + row_chunk]  # [c]
-                out[index] = _attend_shared(q.index_select(0, index), k, v, allowed.index_select(0, index),
-                                            scale, group)
+                out[index] = _attend(q.index_select(0, index), k, v, allowed.index_select(0, index), scale, group)
         return out
+    chunk = max(1, _GATHER_BUDGET // max(1, length * num_kv_heads * head_dim))
     for start in range(0, num_tokens, chunk):
         end = min(num_tokens, start + chunk)
         rows = meta.query_row[start:end]  # [c]
@@ -190,38 +189,23 @@ def _queries_by_row(query_row: torch.Tensor) -> dict[int, torch.Tensor]:
     return dict(zip(rows.tolist(), torch.split(order, counts), strict=True))
 
 
-def _attend_shared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
-                   group: int) -> torch.Tensor:
-    """:func:`_attend` for queries ``q`` [c, H, D] that all read the same keys and values
-    [L, Hkv, D]: one product per kv head over all the queries."""
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
+            group: int) -> torch.Tensor:
+    """Masked softmax attention in float32 of queries ``q`` [c, H, D] under ``allowed`` [c, L]
+    over keys and values, each query's own [c, L, Hkv, D] or one row's [L, Hkv, D] that all the
+    queries share (then one product per kv head over them); a query that attends nothing gets
+    zeros."""
     c, num_heads, head_dim = q.shape
+    kv = "clhd" if k.dim() == 4 else "lhd"
     qc = q.float().view(c, num_heads // group, group, head_dim)  # [c, Hkv, G, D]
-    scores = torch.einsum("chgd,lhd->chgl", qc, k) * scale  # [c, Hkv, G, L]
-    probs, denom = _masked_softmax(scores, allowed)
-    ctx = torch.einsum("chgl,lhd->chgd", probs, v) / denom  # [c, Hkv, G, D]
-    return ctx.reshape(c, num_heads, head_dim).to(q.dtype)
-
-
-def _masked_softmax(scores: torch.Tensor, allowed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Unnormalised probabilities of ``scores`` [c, Hkv, G, L] under ``allowed`` [c, L] and their
-    sums [c, Hkv, G, 1]: zeros and a sum of one where a query attends nothing."""
+    scores = torch.einsum(f"chgd,{kv}->chgl", qc, k) * scale  # [c, Hkv, G, L]
     scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
     row_max = scores.amax(dim=-1, keepdim=True)  # [c, Hkv, G, 1]
     row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
     probs = torch.exp(scores - row_max)  # [c, Hkv, G, L], 0 where masked
     denom = probs.sum(dim=-1, keepdim=True)  # [c, Hkv, G, 1]
-    return probs, torch.where(denom > 0, denom, torch.ones_like(denom))
-
-
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Tensor, scale: float,
-            group: int) -> torch.Tensor:
-    """Masked softmax attention in float32 of queries ``q`` [c, H, D] over their keys and values
-    [c, L, Hkv, D] under ``allowed`` [c, L]; a query that attends nothing gets zeros."""
-    c, num_heads, head_dim = q.shape
-    qc = q.float().view(c, num_heads // group, group, head_dim)  # [c, Hkv, G, D]
-    scores = torch.einsum("chgd,clhd->chgl", qc, k) * scale  # [c, Hkv, G, L]
-    probs, denom = _masked_softmax(scores, allowed)
-    ctx = torch.einsum("chgl,clhd->chgd", probs, v) / denom  # [c, Hkv, G, D]
+    denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+    ctx = torch.einsum(f"chgl,{kv}->chgd", probs, v) / denom  # [c, Hkv, G, D]
     return ctx.reshape(c, num_heads, head_dim).to(q.dtype)
 
 

@@ -160,8 +160,8 @@ def test_small_chunks_match_one_chunk(monkeypatch):
     )
     whole = paged_attention(q, k_cache, v_cache, meta, 0.35)
     calls = []
-    shared = attention._attend_shared
-    monkeypatch.setattr(attention, "_attend_shared", lambda q, *a: calls.append(len(q)) or shared(q, *a))
+    attend = attention._attend
+    monkeypatch.setattr(attention, "_attend", lambda q, *a: calls.append(len(q)) or attend(q, *a))
     monkeypatch.setattr(attention, "_GATHER_BUDGET", 4 * 6 * 4 * 2)  # 2 queries per chunk
     chunked = paged_attention(q, k_cache, v_cache, meta, 0.35)
     assert max(calls) == 2 and sum(calls) == len(q)
