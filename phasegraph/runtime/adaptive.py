@@ -378,14 +378,9 @@ def _holdable(inputs: PolicyInputs, row: int) -> bool:
 
 
 def _best_whole(inputs: PolicyInputs) -> Plan:
-    """The fastest single shape for the whole batch."""
-    costs, rows = inputs.costs, inputs.expected
-    best = Plan(0, tokens_per_s=-1.0)
-    for i in range(len(costs.shapes)):
-        rate = sum(r[i] for r in rows) / costs.cost(i, len(rows))
-        if rate > best.tokens_per_s:
-            best = Plan(i, tokens_per_s=rate)
-    return best
+    """The fastest single shape for the whole batch (the first of equals)."""
+    plans = (Plan(i, tokens_per_s=_rate_of(inputs, Plan(i))) for i in range(len(inputs.costs.shapes)))
+    return max(plans, key=lambda plan: plan.tokens_per_s)
 
 
 def _best_split(inputs: PolicyInputs, whole: Plan) -> Plan:
