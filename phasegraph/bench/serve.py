@@ -226,8 +226,12 @@ def _measure_overhead(url: str, aengine, prompt: list[int], s: ServeSettings, cl
         served.append(_served_run(url, aengine, prompt, s, clients))
     after = aengine.stats()
     same = all(b.tokens == v.tokens for b, v in zip(bare, served, strict=True))
-    per_iteration = {k: statistics.median(r.period() for r in runs) for k, runs in (("bare", bare), ("served", served))}
-    per_token = {k: statistics.median(r.per_token() for r in runs) for k, runs in (("bare", bare), ("served", served))}
+    runs = {"bare": bare, "served": served}
+
+    def medians(of) -> dict[str, float]:
+        return {kind: statistics.median(of(r) for r in kind_runs) for kind, kind_runs in runs.items()}
+
+    per_iteration, per_token = medians(_Run.period), medians(_Run.per_token)
     basis = per_iteration if same else per_token
     steps = after.steps - before.steps  # the served runs' (the bare ones step the engine directly)
     return {
@@ -238,8 +242,7 @@ def _measure_overhead(url: str, aengine, prompt: list[int], s: ServeSettings, cl
         # host time of the engine thread's serving work per step (handing deltas over, waking loops)
         "serving_host_s_per_step": (after.serving_seconds - before.serving_seconds) / max(steps, 1),
         # the host's wait for the device per iteration: the slack that hides the layers' work
-        "device_wait_s_per_iteration": {k: statistics.median(r.device_wait_s / len(r.tokens) for r in runs)
-                                        for k, runs in (("bare", bare), ("served", served))},
+        "device_wait_s_per_iteration": medians(lambda r: r.device_wait_s / len(r.tokens)),
         "http_overhead": basis["served"] / basis["bare"] - 1.0,
     }
 
