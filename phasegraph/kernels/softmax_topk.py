@@ -55,10 +55,21 @@ def softmax_topk_reference(
 
 
 @jit
+def _flip(bits):
+    """Its own inverse: float32 bits to an order key (:func:`_order_key`) and back."""
+    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+
+
+@jit
 def _order_key(x):
     """An int32 that orders like the float32 ``x`` (-0.0 just below +0.0, NaN above +inf)."""
-    bits = x.to(tl.int32, bitcast=True)
-    return bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return _flip(x.to(tl.int32, bitcast=True))
+
+
+@jit
+def _key_value(key):
+    """The float32 whose :func:`_order_key` is ``key``: a picked value without a second reduction."""
+    return _flip(key).to(tl.float32, bitcast=True)
 
 
 @jit
@@ -91,7 +102,7 @@ def _chunk_topk_kernel(
     for j in tl.static_range(K):
         best, at = tl.max(key, axis=0, return_indices=True, return_indices_tie_break_left=True)
         pick = offs == at
-        tl.store(cand_val_ptr + stat * K + j, tl.sum(tl.where(pick, x, 0.0), axis=0))
+        tl.store(cand_val_ptr + stat * K + j, _key_value(best))
         tl.store(cand_id_ptr + stat * K + j, (chunk * CHUNK + at).to(tl.int64))
         key = tl.where(pick, taken, key)
 
@@ -134,7 +145,7 @@ def _merge_topk_kernel(
     for t in tl.static_range(K):
         best, at = tl.max(key, axis=0, return_indices=True, return_indices_tie_break_left=True)
         pick = j == at
-        value = tl.sum(tl.where(pick, vals, 0.0), axis=0)
+        value = _key_value(best)
         tl.store(prob_ptr + row * K + t, tl.exp(value - shift) / total)
         picked = tl.sum(tl.where(pick, ids, 0), axis=0)
         if OFFSETS:
