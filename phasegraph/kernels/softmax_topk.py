@@ -21,6 +21,10 @@ where logits are -inf. Probabilities equal the reference's up to the order of th
 where rounding makes two probabilities equal but not their logits, the reference may order
 them either way and the kernel puts the larger logit first. A draft only proposes (verify
 decides), so such an order changes at most an acceptance, never an output.
+
+The same passes give top logprobs (:mod:`phasegraph.kernels.logprobs`): with ``LOGPROBS`` the
+merge pass stores ``logit - logsumexp(row)`` for the k largest logits, and the chosen token's
+logprob, instead of probabilities (which would underflow where a logprob is far below 0).
 """
 
 from __future__ import annotations
@@ -113,15 +117,21 @@ def _merge_topk_kernel(
     chunk_sum_ptr,  # [R, C]
     cand_val_ptr,  # [R, C, K]
     cand_id_ptr,  # [R, C, K]
-    prob_ptr,  # [R, K] float32 out
+    out_ptr,  # [R, K] float32 out: probabilities, or logprobs (LOGPROBS)
     id_ptr,  # [R, K] int64 out
     offsets_ptr,  # [V] int64: an id i is stored as i + offsets[i] (OFFSETS)
+    logits_ptr,  # [R, V]: the chosen tokens' logits are read here (LOGPROBS)
+    tokens_ptr,  # [R] int64: each row's chosen token (LOGPROBS)
+    chosen_ptr,  # [R] float32 out: the chosen token's logprob (LOGPROBS)
     vocab,
     num_chunks,
+    stride_row,
+    stride_token,
     K: tl.constexpr,
     C_PAD: tl.constexpr,
     KC_PAD: tl.constexpr,
     OFFSETS: tl.constexpr,
+    LOGPROBS: tl.constexpr,  # logit - logsumexp(row) instead of softmax probabilities
     PDL: tl.constexpr,  # programmatic dependent launch (_dispatch.pdl_options)
 ):
     pdl_enter(PDL)
@@ -134,6 +144,13 @@ def _merge_topk_kernel(
     # a chunk's sum rescaled to the row's maximum; an all -inf chunk (sum 0) adds 0
     scaled = tl.where(sums == 0.0, 0.0, sums * tl.exp(tops - shift))
     total = tl.sum(scaled, axis=0)
+    # torch.logsumexp's value: -inf for an all -inf row, +inf where a logit is +inf
+    lse = tl.where(top == float("inf"), top, shift + tl.log(total))
+    if LOGPROBS:
+        token = tl.load(tokens_ptr + row * stride_token)
+        token = tl.minimum(tl.maximum(token, 0), vocab - 1)  # as the reference clamps it
+        chosen = tl.load(logits_ptr + row * stride_row + token).to(tl.float32)
+        tl.store(chosen_ptr + row, chosen - lse)
     j = tl.arange(0, KC_PAD)
     valid = j < num_chunks * K
     vals = tl.load(cand_val_ptr + row * num_chunks * K + j, mask=valid, other=float("-inf"))
@@ -146,7 +163,10 @@ def _merge_topk_kernel(
         best, at = tl.max(key, axis=0, return_indices=True, return_indices_tie_break_left=True)
         pick = j == at
         value = _key_value(best)
-        tl.store(prob_ptr + row * K + t, tl.exp(value - shift) / total)
+        if LOGPROBS:
+            tl.store(out_ptr + row * K + t, value - lse)
+        else:
+            tl.store(out_ptr + row * K + t, tl.exp(value - shift) / total)
         picked = tl.sum(tl.where(pick, ids, 0), axis=0)
         if OFFSETS:
             picked += tl.load(offsets_ptr + picked)
@@ -161,23 +181,22 @@ def _chunk_size(vocab: int) -> int:
     return chunk
 
 
-def softmax_topk_triton(
-    logits: torch.Tensor,  # [R, V], unit stride along V
+def chunked_topk(
+    logits: torch.Tensor,  # [R, V], unit stride along V, 1 <= k <= V
     k: int,
     id_offsets: torch.Tensor | None = None,  # [V] int64
-) -> tuple[torch.Tensor, torch.Tensor]:  # (probabilities [R, k] float32, ids [R, k] int64)
-    """Triton ``softmax_topk``: a chunk pass and a merge pass, two launches; the merge pass
-    maps the ids through ``id_offsets`` (no gather and add of their own)."""
-    _check(logits, k)
-    expect_id_offsets(id_offsets, logits)
-    if logits.stride(1) != 1 or k > MAX_TRITON_K:
-        return softmax_topk_reference(logits, k, id_offsets)
+    tokens: torch.Tensor | None = None,  # [R] int64: logprobs instead of probabilities
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The two launches, unchecked. Returns the k largest softmax probabilities ``[R, k]``
+    float32 with their ids ``[R, k]`` int64 (through ``id_offsets``) and None; with ``tokens``,
+    the k largest logprobs, their ids and each row's ``tokens`` logprob ``[R]`` float32."""
     rows, vocab = logits.shape
     dev = logits.device
-    probs = torch.empty((rows, k), dtype=torch.float32, device=dev)
+    values = torch.empty((rows, k), dtype=torch.float32, device=dev)
     ids = torch.empty((rows, k), dtype=torch.int64, device=dev)
+    chosen = None if tokens is None else torch.empty((rows,), dtype=torch.float32, device=dev)
     if rows == 0:
-        return probs, ids
+        return values, ids, chosen
     chunk = _chunk_size(vocab)
     num_chunks = -(-vocab // chunk)
     chunk_max = torch.empty((rows, num_chunks), dtype=torch.float32, device=dev)
@@ -191,11 +210,28 @@ def softmax_topk_triton(
     )
     c_pad = max(2, 1 << (num_chunks - 1).bit_length())
     _merge_topk_kernel[(rows,)](
-        chunk_max, chunk_sum, cand_val, cand_id, probs, ids,
-        ids if id_offsets is None else id_offsets.contiguous(), vocab, num_chunks,
+        chunk_max, chunk_sum, cand_val, cand_id, values, ids,
+        ids if id_offsets is None else id_offsets.contiguous(),
+        logits, ids if tokens is None else tokens, values if chosen is None else chosen,
+        vocab, num_chunks, logits.stride(0), 0 if tokens is None else tokens.stride(0),
         K=k, C_PAD=c_pad, KC_PAD=max(16, 1 << (num_chunks * k - 1).bit_length()),
-        OFFSETS=id_offsets is not None, num_warps=4, **pdl_options(),
+        OFFSETS=id_offsets is not None, LOGPROBS=tokens is not None, num_warps=4, **pdl_options(),
     )
+    return values, ids, chosen
+
+
+def softmax_topk_triton(
+    logits: torch.Tensor,  # [R, V], unit stride along V
+    k: int,
+    id_offsets: torch.Tensor | None = None,  # [V] int64
+) -> tuple[torch.Tensor, torch.Tensor]:  # (probabilities [R, k] float32, ids [R, k] int64)
+    """Triton ``softmax_topk``: a chunk pass and a merge pass, two launches; the merge pass
+    maps the ids through ``id_offsets`` (no gather and add of their own)."""
+    _check(logits, k)
+    expect_id_offsets(id_offsets, logits)
+    if logits.stride(1) != 1 or k > MAX_TRITON_K:
+        return softmax_topk_reference(logits, k, id_offsets)
+    probs, ids, _ = chunked_topk(logits, k, id_offsets)
     return probs, ids
 
 
