@@ -13,7 +13,7 @@ import attrs
 import pytest
 import torch
 
-from phasegraph.kernels import activation, rms_norm, rotary, softmax_top1, softmax_topk
+from phasegraph.kernels import activation, logprobs, rms_norm, rotary, softmax_top1, softmax_topk
 from tests.gpu.test_triton_kernels import INTERPRET, ON_GPU, assert_equal, rel_err, run_triton
 
 pytestmark = [] if INTERPRET else [pytest.mark.gpu]
@@ -229,6 +229,72 @@ def test_softmax_topk_of_an_all_minus_infinity_row_is_nan_like_softmax(device):
     got_p, got_id = run_triton(device, softmax_topk.softmax_topk_triton, logits, 3)
     assert torch.isnan(got_p).all() and torch.isnan(softmax_topk.softmax_topk_reference(logits, 3)[0]).all()
     assert all(0 <= i < 5000 for i in got_id[0].tolist())
+
+
+LP_TOL = 1e-5  # float32 logprobs against the reference (another order of the logsumexp's sum)
+
+
+def _assert_logprobs(logits, tokens, top, got, want):
+    """``got`` equals ``want`` (the reference) within LP_TOL, NaN where it is NaN; the top ids
+    are checked through the logits they name, so equal logits may come in either order."""
+    torch.testing.assert_close(got.chosen, want.chosen, rtol=0, atol=LP_TOL, equal_nan=True)
+    if top == 0:
+        assert got.top is None and got.top_ids is None
+        return
+    assert got.top.dtype == torch.float32 and got.top_ids.dtype == torch.int64
+    assert got.top.shape == got.top_ids.shape == want.top.shape
+    torch.testing.assert_close(got.top, want.top, rtol=0, atol=LP_TOL, equal_nan=True)
+    ids = got.top_ids.cpu()
+    assert all(len(set(r)) == len(r) for r in ids.tolist()) and bool(((ids >= 0) & (ids < logits.shape[1])).all())
+    x = logits.float().cpu()
+    # the logit each id names is the one the reference ranks at that place
+    torch.testing.assert_close(x.gather(1, ids), want.top.cpu() + torch.logsumexp(x, -1, keepdim=True),
+                               rtol=0, atol=1e-5, equal_nan=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 3, 17])
+@pytest.mark.parametrize("vocab", (1, 5, 1000, 32000, 128256) if ON_GPU else (1, 5, 1000, 4100))
+@pytest.mark.parametrize("top", [0, 1, 5, 20])
+def test_token_logprobs(device, gen, dtype, rows, vocab, top):
+    """Random logits (ties only where bf16 rounds them together): the chosen and top logprobs
+    within LP_TOL of the reference, ids equal where the logits are distinct; k > V gives V."""
+    logits = (4 * torch.randn(rows, vocab, generator=gen)).to(dtype).to(device)
+    tokens = torch.randint(0, vocab, (rows,), generator=gen)
+    tokens[0] = -1 if vocab > 1 else 0  # out of range: clamped, as the reference does
+    tokens = tokens.to(device)
+    want = logprobs.token_logprobs_reference(logits, tokens, top)
+    got = run_triton(device, logprobs.token_logprobs_triton, logits, tokens, top)
+    _assert_logprobs(logits, tokens, top, got, want)
+    distinct = all(len(set(r)) == len(r) for r in logits.float().cpu().tolist())
+    if top and dtype == torch.float32 and distinct:
+        assert_equal(want.top_ids, got.top_ids, "ids")
+
+
+def test_token_logprobs_of_minus_infinity_ties_and_strided_tokens(device):
+    """Masked (-inf) logits, an all -inf row (NaN, as the reference), a +inf logit (logsumexp
+    +inf), equal logits across and within chunks (smaller id first), tokens read with a stride."""
+    logits = torch.full((5, 9000), float("-inf"), device=device)
+    logits[0, [8999, 7, 5000, 4100]] = 2.0  # tied across chunks
+    logits[0, 3] = 1.0
+    logits[1, 6000] = 0.5  # one finite logit: the rest of the top k are -inf
+    logits[2] = 0.0
+    logits[2, [4097, 4099]] = 3.0  # tied within one chunk
+    logits[3, 10] = float("inf")
+    logits[3, 11] = 1.0
+    tokens = torch.tensor([[7, 0], [6000, 0], [4099, 0], [11, 0], [5, 0]], device=device)[:, 0]
+    assert tokens.stride(0) == 2
+    want = logprobs.token_logprobs_reference(logits, tokens, 20)
+    got = run_triton(device, logprobs.token_logprobs_triton, logits, tokens, 20)
+    torch.testing.assert_close(got.chosen, want.chosen, rtol=0, atol=LP_TOL, equal_nan=True)
+    torch.testing.assert_close(got.top, want.top, rtol=0, atol=LP_TOL, equal_nan=True)
+    assert got.top_ids[0, :5].tolist() == [7, 4100, 5000, 8999, 3]
+    assert got.top_ids[1, 0].item() == 6000 and got.top[1, 0].item() == 0.0
+    assert got.top_ids[2, :2].tolist() == [4097, 4099]
+    assert got.top_ids[3, :2].tolist() == [10, 11]
+    ids = got.top_ids.cpu()
+    assert all(len(set(r)) == 20 for r in ids.tolist()) and bool(((ids >= 0) & (ids < 9000)).all())
+    assert torch.isnan(got.chosen[4]) and torch.isnan(got.top[4]).all()
 
 
 def _private_tails(meta, k_cache, v_cache, page_size: int):

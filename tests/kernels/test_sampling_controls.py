@@ -4,7 +4,9 @@ The definitions are checked on hand-made rows; the per-node form (a tree node pe
 the request's counts plus the tokens drafted on its own path) against a plain reference that
 walks each node's ancestors one by one, on random trees with repeated tokens.
 
-The target's logprobs of chosen tokens and of each row's top k (kernels/logprobs.py)."""
+The target's logprobs of chosen tokens and of each row's top k (kernels/logprobs.py); its
+Triton path is compared in tests/gpu/test_triton_layer_kernels.py (GPU, or the interpreter with
+PHASEGRAPH_TRITON_INTERPRET=1)."""
 
 from __future__ import annotations
 
@@ -14,7 +16,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from phasegraph.kernels import build_tree
-from phasegraph.kernels.logprobs import MAX_TOP_LOGPROBS, token_logprobs
+from phasegraph.kernels.logprobs import (
+    MAX_TOP_LOGPROBS,
+    token_logprobs,
+    token_logprobs_reference,
+    token_logprobs_triton,
+)
 from phasegraph.kernels.penalties import (
     FLOAT32_MAX,
     apply_penalties,
@@ -179,6 +186,27 @@ def test_k_past_the_vocabulary_gives_the_whole_row_and_k_past_the_bound_is_refus
     assert out.top_ids.tolist() == [[1, 0]]
     with pytest.raises(ValueError, match="top must be in"):
         token_logprobs(torch.zeros(1, 30), torch.tensor([0]), MAX_TOP_LOGPROBS + 1)
+
+
+def test_logprobs_run_the_reference_off_cuda_and_the_triton_entry_where_no_kernel_applies():
+    """Every allowed k fits the Triton top-k; a CPU call and a call with a non-unit stride along
+    the vocabulary (no launch, so this runs without a GPU) give the reference's tensors."""
+    from phasegraph.kernels.softmax_topk import MAX_TRITON_K
+
+    assert MAX_TOP_LOGPROBS <= MAX_TRITON_K
+    g = torch.Generator().manual_seed(4)
+    logits = torch.randn(3, 40, generator=g)
+    tokens = torch.randint(0, 40, (3,), generator=g)
+    want = token_logprobs_reference(logits, tokens, 5)
+    strided = logits.t().contiguous().t()
+    assert strided.stride(1) != 1
+    for got in (token_logprobs(logits, tokens, 5), token_logprobs_triton(strided, tokens, 5)):
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+
+
+def test_logprobs_refuse_tokens_on_another_device():
+    with pytest.raises(ValueError, match="expected one device"):
+        token_logprobs(torch.zeros(2, 30), torch.zeros(2, dtype=torch.int64, device="meta"), 3)
 
 
 @pytest.mark.parametrize("vocab", [1, 31, 32, 33, 100])
