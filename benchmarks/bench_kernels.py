@@ -51,6 +51,7 @@ positions = importlib.import_module("phasegraph.kernels.extend_positions")
 rand = importlib.import_module("phasegraph.kernels.random")
 top1 = importlib.import_module("phasegraph.kernels.softmax_top1")
 topk = importlib.import_module("phasegraph.kernels.softmax_topk")
+logprobs = importlib.import_module("phasegraph.kernels.logprobs")
 
 DEVICE = torch.device("cuda")
 ROWS: list[dict] = []
@@ -307,7 +308,9 @@ BANDWIDTH = float("nan")
 
 def bench_draft_step(args):
     """A chain draft step's top-1 (softmax + max vs one pass) and a tree draft step's top-4
-    (softmax + topk vs chunk top-k + merge, over B * 4 rows) over the 32k draft vocabulary, and
+    (softmax + topk vs chunk top-k + merge, over B * 4 rows) over the 32k draft vocabulary, the
+    target's logprobs of a chosen token and its top 0 / 20 (logsumexp + gather + topk vs the
+    same two passes in logprob mode) over a 32k vocabulary, and
     the rotary cos/sin of one forward (transformers' module vs the table gather; the "triton"
     column is the table)."""
     from transformers import LlamaConfig
@@ -326,6 +329,14 @@ def bench_draft_step(args):
             bench("softmax_topk k=4", f"R{4 * batch} V32000 {str(dtype)[6:]}",
                   [partial(topk.softmax_topk_reference, x, 4) for x in logits],
                   [partial(topk.softmax_topk_triton, x, 4) for x in logits])
+    for batch in args.batches:
+        for dtype in (torch.bfloat16, torch.float32):
+            logits = [torch.randn(batch, 32000, device=DEVICE).to(dtype) for _ in range(4)]
+            tokens = torch.zeros(batch, dtype=torch.int64, device=DEVICE)
+            for k in (0, 20):
+                bench(f"token_logprobs k={k}", f"B{batch} V32000 {str(dtype)[6:]}",
+                      [partial(logprobs.token_logprobs_reference, x, tokens, k) for x in logits],
+                      [partial(logprobs.token_logprobs_triton, x, tokens, k) for x in logits])
     cfg = LlamaConfig(hidden_size=4096, num_attention_heads=32, max_position_embeddings=8192,
                       rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
                                        "low_freq_factor": 1.0, "high_freq_factor": 4.0,

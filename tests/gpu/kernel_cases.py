@@ -455,6 +455,11 @@ def compile_cases():
         cases.append((f"softmax_topk/{str(dtype)[6:]}/V{vocab}/k{k}/d2t",
                       lambda dtype=dtype, vocab=vocab, k=k: topk.softmax_topk_triton(
                           torch.randn(16, vocab).to(dtype), k, torch.zeros(vocab, dtype=torch.int64))))
+    logprobs = importlib.import_module("phasegraph.kernels.logprobs")
+    for dtype, vocab, k in ((torch.bfloat16, 32000, 20), (torch.float32, 128256, 5)):
+        cases.append((f"token_logprobs/{str(dtype)[6:]}/V{vocab}/k{k}",
+                      lambda dtype=dtype, vocab=vocab, k=k: logprobs.token_logprobs_triton(
+                          torch.randn(4, vocab).to(dtype), torch.zeros(4, dtype=torch.int64), k)))
     rotary = importlib.import_module("phasegraph.kernels.rotary")
     norms = importlib.import_module("phasegraph.kernels.rms_norm")
 
