@@ -41,7 +41,7 @@ def decode(state: DraftState, ctx: SpecContext) -> DraftState:
     raw = out.logits  # [B, V]
     # the grammar's masks after each request's emitted tokens (bonus included): host state, read
     # through the context as the models are (None: no request has structured output)
-    bitmask = ctx.grammar.next_token_bitmask() if ctx.grammar is not None else None  # [B, Vw]
+    bitmask = None if ctx.grammar is None else ctx.grammar.next_token_bitmask(raw.shape[0])  # [B, Vw]
     logits = processed_logits(ctx, params, raw, state.output_counts, state.prompt_mask, token_bitmask=bitmask)
     coins = counter_uniform(params.seed, position_counter(state.seq_lens + 1, PURPOSE_SAMPLE))  # [B]
     nxt, _, emitted = sample_tokens(logits, params.temperature, params.top_k, params.top_p, coins,

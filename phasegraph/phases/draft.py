@@ -67,9 +67,7 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
     hidden = layout.beam_hidden
     draft_caches = memory.draft_caches()
     move_kv(draft_caches, layout.tail_src, layout.tail_dst)  # prefix tail into every branch region
-    # structured output: every beam's drafted path on the host, to mask its next candidates by
-    # the grammar after it (one round trip per step: the tokens are chosen on the device)
-    paths = None if ctx.grammar is None else [[t] for t in beam_tokens.reshape(-1).tolist()]  # [B*K]
+    beam_parent = None  # [B, K]: the beam each new beam continues (None: the first step's own)
     for i in range(S - 1):
         positions = layout.step_positions[i]  # [B*K]: every beam of request b at base[b] + i
         attn = AttentionMetadata(
@@ -84,16 +82,16 @@ def draft(state: DraftState, ctx: SpecContext) -> TreeProposal:
         out = model.forward(
             beam_tokens.reshape(-1), hidden, positions, attn, from_target=False, step=i
         )
-        bitmask = None if paths is None else ctx.grammar.next_token_bitmask(paths, per_request=K)  # [B*K, Vw]
+        # structured output: the grammar after every beam's drafted path (the host keeps the
+        # paths; a round trip per step, since the tokens are chosen on the device)
+        bitmask = None if ctx.grammar is None else ctx.grammar.beam_bitmask(beam_tokens, beam_parent)  # [B*K, Vw]
         step_p, step_ids = draft_topk(model, out.logits, K, bitmask)  # [B*K, K], target vocabulary
         grown = expand_step(
             beam_scores, beam_cand, step_p.view(B, K, K), step_ids.view(B, K, K), step=i + 1,
             topk=K, table=table,
         )
         beam_scores, beam_cand, beam_tokens = grown.beam_scores, grown.beam_cand, grown.beam_tokens
-        if paths is not None and i < S - 2:  # new beam k of request b continues beam beam_parent[b, k]
-            parent, token = grown.beam_parent.tolist(), beam_tokens.tolist()
-            paths = [paths[b * K + parent[b][k]] + [token[b][k]] for b in range(B) for k in range(K)]
+        beam_parent = grown.beam_parent
         if i < S - 2:  # the next forward needs each new beam's ancestors and hidden state
             # new beam k of request b continues beam beam_parent[b, k]: its region and hidden row
             carry = out.hidden if hidden is not None else None  # [B*K, Hd] or None

@@ -98,12 +98,20 @@ class GrammarMasks(Protocol):
     per request, XGrammar: Dong et al. 2024, arXiv 2411.15100). Masks are packed [R, Vw] int32
     (``Vw = ceil(V/32)``, bit set = allowed); a row of a request without a grammar allows every
     token. Each call reads the given tokens from the device (a host round trip) and leaves every
-    matcher as it found it: only the runtime advances them, over a phase's emitted tokens."""
+    matcher as it found it: only the runtime advances them, over a phase's emitted tokens.
+    Every argument is a device tensor or a row count, so that a captured graph can be cut at a
+    call and the call run between its pieces (:class:`~phasegraph.runtime.cuda_graphs.SegmentedGraph`)."""
 
-    def next_token_bitmask(self, paths: list[list[int]] | None = None, per_request: int = 1) -> torch.Tensor:
-        """[B*P, Vw] (``P = per_request``): row r allows the tokens that may follow request
-        r // P's emitted tokens plus ``paths[r]`` (a row whose path the grammar refuses allows
-        every token)."""
+    def next_token_bitmask(self, rows: int | None = None) -> torch.Tensor:
+        """[rows, Vw]: row b allows the tokens that may follow request b's emitted tokens (rows
+        past the batch's requests, a padded graph's, allow every token). Reads no device tensor."""
+        ...
+
+    def beam_bitmask(self, beam_tokens: torch.Tensor, beam_parent: torch.Tensor | None = None) -> torch.Tensor:
+        """[B*K, Vw]: row b*K + k allows the tokens that may follow request b's emitted tokens
+        plus draft beam k's path, whose last token is ``beam_tokens[b, k]`` ([B, K]). The first
+        call of an iteration (``beam_parent`` None) starts every beam at its token; each later
+        one extends the previous call's beam ``beam_parent[b, k]`` ([B, K]) by it."""
         ...
 
     def next_token_bitmask_after(self, new_tokens: torch.Tensor) -> torch.Tensor:

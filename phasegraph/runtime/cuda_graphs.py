@@ -28,6 +28,15 @@ overwrote), so it is never warmed up on the real input: its first call for a buc
 (the real work, which also compiles its kernels), and the next call captures (capture records,
 it does not execute) and replays. Tests compare hashes of positions, seq_lens, the committed KV
 and every static buffer before and after capture.
+
+Structured output (:class:`SegmentedGraph`): a grammar request's iteration asks the requests'
+xgrammar matchers (host state) for masks between device work: after each draft step, after the
+tree, after the tokens verify accepted. A CUDA graph cannot hold a host call, so its capture is
+cut there: piece k records the device work up to the k-th call, the call gets a static output
+buffer, and capture goes on into piece k+1 of the same memory pool. A replay runs piece 0, then
+the call on the batch's current masks (reading its static device inputs: a host sync), then
+piece 1, and so on. A call's buffer lies outside the pool, so that no kernel of the graph
+writes it.
 """
 
 from __future__ import annotations
@@ -468,8 +477,6 @@ class GraphedPhase:
     def _eager_reason(self, state: Schema, ctx: Any, bucket: int | None, extra: dict) -> str | None:
         if not self.runner.enabled:
             return "graphs disabled"
-        if getattr(ctx, "grammar", None) is not None:  # masks filled on the host from the tree
-            return "structured output"
         if bucket is None:
             return "batch above the largest bucket (or empty)"
         if extra:
@@ -507,6 +514,8 @@ class GraphedPhase:
 
     def _capture(self, state: Schema, ctx: Any, batch: int, bucket: int, key: tuple) -> _Captured:
         static_in = pad_schema(state, batch, bucket)
+        if getattr(ctx, "grammar", None) is not None:
+            return self._capture_segmented(static_in, state, ctx, batch, bucket, key)
         if self.runner.emulate:
             static_out = self.spec.fn(static_in, ctx)
             graph = EmulatedGraph(lambda: self.spec.fn(static_in, ctx), static_out)
@@ -521,6 +530,18 @@ class GraphedPhase:
         cap = _Captured(graph, static_in, static_out, key)
         self.graphs[key] = cap
         copy_into_static(static_in, state, batch, bucket)
+        return cap
+
+    def _capture_segmented(self, static_in: Schema, state: Schema, ctx: Any, batch: int, bucket: int,
+                           key: tuple) -> _Captured:
+        """A structured-output batch's graph, cut at each grammar call (its masks come from the
+        host between the pieces: :class:`SegmentedGraph`)."""
+        graph = SegmentedGraph(ctx, lambda: self.spec.fn(static_in, ctx), self.runner.pool, self.runner.emulate)
+        if self.idempotent and not self.runner.emulate:
+            with graph.warm_up_masks():
+                warm_up(graph.run)
+        cap = _Captured(graph, static_in, graph.capture(), key)
+        self.graphs[key] = cap
         return cap
 
 
@@ -545,6 +566,7 @@ class GraphCapture:
             bool(getattr(ctx, "penalties", False)),
             bool(getattr(ctx, "min_p", False)),
             bool(getattr(ctx, "return_routed_experts", False)),
+            getattr(ctx, "grammar", None) is not None,  # structured output: graphs cut at its masks
         )
 
     def graph_key(self, state: Schema, ctx: Any, batch: int, bucket: int) -> tuple:
@@ -556,3 +578,160 @@ class GraphCapture:
             if b >= batch:
                 return b if batch > 0 else None
         return None
+
+
+# ---------------------------------------------------------------------- graphs cut at grammar calls
+# rows of each GrammarMasks call's [R, Vw] output, from its arguments
+_OUTPUT_ROWS: dict[str, Callable[..., int]] = {
+    "next_token_bitmask": lambda rows: rows,
+    "beam_bitmask": lambda beam_tokens, beam_parent=None: beam_tokens.numel(),
+    "next_token_bitmask_after": lambda new_tokens: new_tokens.shape[0],
+    "tree_bitmask": lambda draft_tokens, parents: draft_tokens.numel(),
+}
+
+
+class GrammarCallError(RuntimeError):
+    """A phase asked the grammar something a segmented graph cannot replay (an argument that is
+    neither a device tensor nor a row count), or asked in another order than when captured."""
+
+
+@attrs.define
+class _HostCall:
+    name: str
+    args: tuple  # the static device tensors (or the row count) the call reads
+    out: torch.Tensor  # [R, Vw] int32, the static buffer the pieces after it read
+
+    def run(self, grammar: Any) -> None:
+        self.out.copy_(getattr(grammar, self.name)(*self.args), non_blocking=True)
+
+
+def _check_args(args: tuple) -> None:
+    for a in args:
+        if a is not None and not isinstance(a, (torch.Tensor, int)):
+            raise GrammarCallError(f"a grammar call in a CUDA graph takes device tensors or row counts; got {type(a).__name__}")
+
+
+class _Proxy:
+    """Stands in for ``ctx.grammar`` while a segmented graph is warmed up, captured or (emulated)
+    replayed: every GrammarMasks call goes to ``on_call(name, args)``."""
+
+    def __init__(self, on_call: Callable[[str, tuple], torch.Tensor]):
+        self._on_call = on_call
+
+    def __getattr__(self, name: str):
+        if name not in _OUTPUT_ROWS:
+            raise AttributeError(name)
+        return lambda *args: self._on_call(name, args)
+
+
+class SegmentedGraph:
+    """A phase (or a whole iteration) captured in pieces cut at its grammar calls; ``replay()``
+    runs the pieces and the calls in order on ``ctx.grammar`` of the moment. Emulated on the
+    CPU (``emulate``): replay reruns the function, each call writing the buffer captured for it,
+    so the suite tests the buffers, their rows and the order of the calls."""
+
+    def __init__(self, ctx: Any, run: Callable[[], Any], pool=None, emulate: bool = False):
+        self.ctx, self.run, self.pool, self.emulate = ctx, run, pool, emulate
+        self.pieces: list[torch.cuda.CUDAGraph] = []
+        self.after: list[_HostCall] = []  # after[k]: the call between piece k and piece k+1
+        self.calls: list[_HostCall] = []  # every call, in the order the function makes them
+        self.static_out: Any = None
+        self._emulated: EmulatedGraph | None = None
+        self._stamp: torch.Tensor | None = None
+        self._real: Any = None  # the batch's GrammarMasks while a stand-in takes its place
+
+    # ------------------------------------------------------------------ capture
+    def capture(self) -> Any:
+        """Run (emulated) or capture ``run`` once; returns its static outputs."""
+        if self.emulate:
+            with self._grammar(self._record):
+                self.static_out = self.run()
+            self._emulated = EmulatedGraph(self._rerun, self.static_out)
+            return self.static_out
+        words = self.ctx.grammar.words
+        self._stamp = torch.zeros(1, dtype=torch.int32, device="cuda")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        torch.cuda.synchronize()
+        with no_garbage_collection(), torch.cuda.stream(stream), self._grammar(lambda n, a: self._cut(n, a, words)):
+            self._begin()
+            try:
+                self.static_out = self.run()
+            finally:
+                self.pieces[-1].capture_end()
+        torch.cuda.current_stream().wait_stream(stream)
+        return self.static_out
+
+    def warm_up_masks(self) -> contextlib.AbstractContextManager:
+        """``ctx.grammar`` answering every call with all-allowed masks, for the warm-up runs
+        before a capture (on padded rows, whose tokens no matcher may read)."""
+        words = self.ctx.grammar.words
+
+        def allow_all(name: str, args: tuple) -> torch.Tensor:
+            rows = _OUTPUT_ROWS[name](*args)
+            return torch.full((rows, words), -1, dtype=torch.int32, device=self._device(args))
+
+        return self._grammar(allow_all)
+
+    @contextlib.contextmanager
+    def _grammar(self, on_call: Callable[[str, tuple], torch.Tensor]):
+        self._real = self.ctx.grammar
+        self.ctx.grammar = _Proxy(on_call)
+        try:
+            yield
+        finally:
+            self.ctx.grammar, self._real = self._real, None
+
+    def _device(self, args: tuple) -> torch.device:
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                return a.device
+        return self._real.device
+
+    def _begin(self) -> None:
+        piece = torch.cuda.CUDAGraph()
+        piece.capture_begin(pool=self.pool, capture_error_mode=CAPTURE_ERROR_MODE)
+        self._stamp.add_(1)  # no piece is empty: a call right after another still has one kernel
+        self.pieces.append(piece)
+
+    def _cut(self, name: str, args: tuple, words: int) -> torch.Tensor:
+        _check_args(args)
+        self.pieces[-1].capture_end()
+        # allocated outside the capture: memory of the pool may be a temporary that a kernel
+        # of an earlier piece writes at replay, after the call has filled it
+        out = torch.empty((_OUTPUT_ROWS[name](*args), words), dtype=torch.int32, device="cuda")  # [R, Vw]
+        call = _HostCall(name, args, out)
+        self.calls.append(call)
+        self.after.append(call)
+        self._begin()
+        return out
+
+    def _record(self, name: str, args: tuple) -> torch.Tensor:
+        _check_args(args)
+        call = _HostCall(name, args, getattr(self._real, name)(*args).clone())  # [R, Vw]
+        self.calls.append(call)
+        return call.out
+
+    # ------------------------------------------------------------------ replay
+    def replay(self) -> None:
+        if self._emulated is not None:
+            self._emulated.replay()
+            return
+        grammar = self.ctx.grammar
+        for k, piece in enumerate(self.pieces):
+            piece.replay()
+            if k < len(self.after):  # one that reads no device tensor overlaps the piece on the GPU
+                self.after[k].run(grammar)
+
+    def _rerun(self) -> Any:
+        calls = iter(self.calls)
+
+        def replayed(name: str, args: tuple) -> torch.Tensor:
+            call = next(calls, None)
+            if call is None or call.name != name:
+                raise GrammarCallError(f"grammar call {name} where the capture made {call.name if call else 'none'}")
+            call.out.copy_(getattr(self._real, name)(*args))
+            return call.out
+
+        with self._grammar(replayed):
+            return self.run()

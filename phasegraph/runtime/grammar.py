@@ -8,6 +8,7 @@ until a request asks for a grammar.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 
 import torch
 
@@ -95,15 +96,23 @@ class BatchGrammar:
     Masks are filled on the host (xgrammar's matchers run there), walking each path with
     ``accept_token`` and undoing it with ``rollback``, so every matcher is left at the request's
     emitted tokens: only :meth:`Request.append` advances it, over the tokens a phase emitted.
+    Under overlap scheduling the batch's previous iteration may still be in flight: its tokens
+    (``pending``) lead every path, so masks never wait for the host to collect it.
     """
 
-    def __init__(self, matchers: list, vocab_size: int, device, resumed: list[bool] | None = None):
+    def __init__(self, matchers: list, vocab_size: int, device, resumed: list[bool] | None = None,
+                 pending: Callable[[], list[list[int]]] | None = None):
         self.matchers = matchers
+        # overlap scheduling: the tokens the iteration still in flight emitted for each row, which
+        # the matchers have not accepted yet (read at the first call: a wait for that iteration)
+        self._read_pending = pending
+        self._pending: list[list[int]] | None = None
         # prefill of retracted requests: their first token is one the matcher already took
         self.resumed = resumed or [False] * len(matchers)
         self.vocab_size = vocab_size
         self.words = (vocab_size + 31) // 32
         self.device = device
+        self._beams: list[list[int]] = []  # the draft beams' paths, kept between beam_bitmask calls
 
     def _all_allowed(self, rows: int) -> torch.Tensor:
         return torch.full((rows, self.words), -1, dtype=torch.int32)  # [R, Vw] every bit set
@@ -113,17 +122,21 @@ class BatchGrammar:
         if not matcher.is_terminated():  # a finished grammar: the row is never used
             matcher.fill_next_token_bitmask(out, row)
 
-    def next_token_bitmask(self, paths: list[list[int]] | None = None, per_request: int = 1) -> torch.Tensor:
-        out = self._all_allowed(len(self.matchers) * per_request)  # [B*per_request, Vw]
-        for r in range(out.shape[0]):
-            m = self.matchers[r // per_request]
+    def _masks(self, paths: list[list[int]], per_request: int = 1) -> torch.Tensor:
+        """[len(paths), Vw]: row r after request r // per_request's emitted tokens plus
+        ``paths[r]``; rows of padded requests (past the matchers) and rows whose path the
+        grammar refuses allow every token."""
+        out = self._all_allowed(len(paths))  # [R, Vw]
+        for r, path in enumerate(paths):
+            b = r // per_request
+            m = self.matchers[b] if b < len(self.matchers) else None
             if m is None:
                 continue
-            path = [] if paths is None else paths[r]
+            path = self._pending_of(b) + path
             taken = 0
             for token in path:
-                if m.is_terminated() or not m.accept_token(token):  # ended: no token may follow
-                    break
+                if m.is_terminated() or not 0 <= token < self.vocab_size or not m.accept_token(token):
+                    break  # ended, or a token no path may hold: no token may follow
                 taken += 1
             if taken == len(path):
                 self._fill(m, out, r)
@@ -131,10 +144,28 @@ class BatchGrammar:
                 m.rollback(taken)
         return out.to(self.device)
 
+    def _pending_of(self, b: int) -> list[int]:
+        if self._pending is None:
+            self._pending = [] if self._read_pending is None else self._read_pending()
+        return self._pending[b] if b < len(self._pending) else []
+
+    def next_token_bitmask(self, rows: int | None = None) -> torch.Tensor:
+        return self._masks([[] for _ in range(len(self.matchers) if rows is None else rows)])
+
+    def beam_bitmask(self, beam_tokens: torch.Tensor, beam_parent: torch.Tensor | None = None) -> torch.Tensor:
+        B, K = beam_tokens.shape
+        tokens = beam_tokens.tolist()  # [B, K] host round trip: the tokens are chosen on the device
+        if beam_parent is None:
+            self._beams = [[t] for row in tokens for t in row]
+        else:
+            parent = beam_parent.tolist()
+            self._beams = [self._beams[b * K + parent[b][k]] + [tokens[b][k]] for b in range(B) for k in range(K)]
+        return self._masks(self._beams, per_request=K)
+
     def next_token_bitmask_after(self, new_tokens: torch.Tensor) -> torch.Tensor:
         rows = new_tokens.tolist()  # [B, W] host round trip; -1 pads, negative marks
-        paths = [[t for t in row[int(res):] if t >= 0] for row, res in zip(rows, self.resumed, strict=True)]
-        return self.next_token_bitmask(paths)
+        resumed = self.resumed + [False] * (len(rows) - len(self.resumed))
+        return self._masks([[t for t in row[int(res):] if t >= 0] for row, res in zip(rows, resumed, strict=True)])
 
     def tree_bitmask(self, draft_tokens: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
         B, N = parents.shape
@@ -143,6 +174,15 @@ class BatchGrammar:
         out = self._all_allowed(B * N)  # [B*N, Vw]
         for b, m in enumerate(self.matchers):
             if m is None:
+                continue
+            pending = self._pending_of(b)
+            taken = 0
+            for token in pending:  # the root's path: the tokens in flight, then the bonus token's
+                if m.is_terminated() or not m.accept_token(token):
+                    break
+                taken += 1
+            if taken < len(pending):  # a path the grammar ended or refused: the row is never used
+                m.rollback(taken)
                 continue
             children: list[list[int]] = [[] for _ in range(N)]
             for j in range(1, N):
@@ -154,9 +194,11 @@ class BatchGrammar:
                 if m.is_terminated():  # the path ended: its children are never reached
                     return
                 for c in children[j]:
-                    if m.accept_token(tokens[b][c]):
+                    if 0 <= tokens[b][c] < self.vocab_size and m.accept_token(tokens[b][c]):
                         visit(c)
                         m.rollback(1)
 
             visit(0)  # the root is the bonus token, already emitted
+            if taken:
+                m.rollback(taken)
         return out.to(self.device)

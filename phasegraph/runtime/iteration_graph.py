@@ -26,6 +26,7 @@ reserved sink page), captures it on the real rows (recording, not executing) and
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -38,6 +39,7 @@ from phasegraph.runtime.cuda_graphs import (
     GraphCapture,
     InputCopier,
     OutputCopier,
+    SegmentedGraph,
     copy_inputs_in,
     copy_into_static,
     copy_outputs_out,
@@ -87,8 +89,7 @@ class IterationGraph:
         self._pending = None
         batch = state.batch_size or 0
         bucket = self.runner.bucket_for(batch)
-        # structured output: the masks are filled on the host between the phases (eager)
-        if bucket is None or extra or not self.runner.enabled or getattr(ctx, "grammar", None) is not None:
+        if bucket is None or extra or not self.runner.enabled:
             return self._fall_back("draft", state, ctx, extra)
         key = self.runner.graph_key(state, ctx, batch, bucket)
         cap = self.graphs.get(key)
@@ -117,18 +118,29 @@ class IterationGraph:
                 outs.append(x)
             return outs
 
+        # structured output: the graph is cut at each grammar call, which runs on the host
+        segmented = (SegmentedGraph(ctx, run_iteration, self.runner.pool, self.runner.emulate)
+                     if getattr(ctx, "grammar", None) is not None else None)
         if self.runner.emulate:
-            static_outs = run_iteration()
-            graph = EmulatedGraph(run_iteration, static_outs)
+            if segmented is not None:
+                graph, static_outs = segmented, segmented.capture()
+            else:
+                static_outs = run_iteration()
+                graph = EmulatedGraph(run_iteration, static_outs)
         else:
             # warm up on all-padded rows (they write only the sink page), so that nothing is
             # compiled, autotuned or lazily initialised inside the capture; then the real rows
             fill_neutral(static_in)
-            warm_up(run_iteration)
+            with contextlib.nullcontext() if segmented is None else segmented.warm_up_masks():
+                warm_up(run_iteration)
             copy_into_static(static_in, state, batch, bucket)
-            graph = torch.cuda.CUDAGraph()
-            with no_garbage_collection(), torch.cuda.graph(graph, pool=self.runner.pool, capture_error_mode=CAPTURE_ERROR_MODE):
-                static_outs = run_iteration()
+            if segmented is not None:
+                graph, static_outs = segmented, segmented.capture()
+            else:
+                graph = torch.cuda.CUDAGraph()
+                with no_garbage_collection(), torch.cuda.graph(graph, pool=self.runner.pool,
+                                                               capture_error_mode=CAPTURE_ERROR_MODE):
+                    static_outs = run_iteration()
         cap = _CapturedIteration(graph, static_in, static_outs)
         self.graphs[key] = cap
         return cap

@@ -91,8 +91,6 @@ class PrefillGraph:
             return self._eager("graphs disabled", state, ctx, extra)
         if extra:
             return self._eager("extra inputs", state, ctx, extra)
-        if getattr(ctx, "grammar", None) is not None:  # masks filled on the host per batch
-            return self._eager("structured output", state, ctx, extra)
         if batch == 0 or req_bucket is None:
             return self._eager("batch above the largest bucket (or empty)", state, ctx, extra)
         if tok_bucket is None:

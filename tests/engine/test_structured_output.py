@@ -109,19 +109,44 @@ def test_greedy_constrained_output_is_the_target_alones(root, greedy_reference, 
     assert_all_free(engine)
 
 
-@pytest.mark.parametrize(("name", "scope"), [("none", "iteration"), ("eagle3-tree", "iteration"), ("eagle3-tree", "phase")])
-def test_grammar_iterations_run_outside_emulated_graphs(root, greedy_reference, name, scope):
+# the grammar calls a graph of each kind is cut at (decode alone asks before its forward only)
+CUT_AT = {
+    "none": {"next_token_bitmask"},
+    "eagle3-chain": {"beam_bitmask", "tree_bitmask", "next_token_bitmask_after"},
+    "eagle3-tree": {"beam_bitmask", "tree_bitmask", "next_token_bitmask_after"},
+    "ngram-chain": {"tree_bitmask", "next_token_bitmask_after"},
+}
+
+
+@pytest.mark.parametrize(("name", "scope"), [("none", "iteration"), ("eagle3-chain", "iteration"),
+                                             ("eagle3-tree", "iteration"), ("eagle3-tree", "phase"),
+                                             ("ngram-chain", "iteration")])
+def test_grammar_iterations_replay_emulated_graphs_cut_at_their_masks(root, greedy_reference, name, scope):
+    from phasegraph.runtime.cuda_graphs import SegmentedGraph
+
     engine = _engine(root, name, cuda_graphs="emulate", graph_scope=scope)
-    free = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=12, ignore_eos=True))  # graphed
+    runner = engine.graph_runner
+    free = engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=12, ignore_eos=True))  # plain graphs
+    captured = [c for p in runner.phases.values() for c in p.graphs.values()]
+    if runner.iteration is not None:
+        captured += list(runner.iteration.graphs.values())
+    assert captured and not any(isinstance(c.graph, SegmentedGraph) for c in captured)
     params = [SamplingParams(max_new_tokens=48, json_schema=SCHEMAS[i]) for i in range(len(SCHEMAS))]
     outs = engine.generate([PROMPTS[i % len(PROMPTS)] for i in range(len(SCHEMAS))], params)
     assert [o.token_ids for o in outs] == greedy_reference
     assert [o.token_ids for o in engine.generate(PROMPTS[:2], SamplingParams(max_new_tokens=12, ignore_eos=True))] \
         == [o.token_ids for o in free]
-    stats = engine.graph_runner.stats()[("decode" if name == "none" else "verify")]
-    assert stats["eager_reasons"].get("structured output", 0) > 0, stats  # grammar iterations: eager
-    replays = stats["replays"] if scope == "phase" or name == "none" else engine.graph_runner.stats()["iteration"]["replays"]
-    assert replays > 0  # the free requests' iterations: from graphs
+    stats = runner.stats()
+    assert not any(s.get("eager_reasons", {}).get("structured output") for s in stats.values()), stats
+    graphed = [c for p in runner.phases.values() for c in p.graphs.values()]
+    if runner.iteration is not None:
+        graphed += list(runner.iteration.graphs.values())
+    cut = [c.graph for c in graphed if isinstance(c.graph, SegmentedGraph)]
+    assert cut, stats  # the grammar batches ran from graphs of their own
+    assert {call.name for g in cut for call in g.calls} == CUT_AT[name]
+    served = stats["decode"]["replays"] if name == "none" else (
+        stats["iteration"]["replays"] if scope == "iteration" else stats["verify"]["replays"])
+    assert served > len(outs)  # replayed, not only captured
 
 
 def test_200_sampled_objects_over_10_schemas_are_complete_and_valid(root):
@@ -319,10 +344,21 @@ def test_masks_that_ignore_the_drafted_ancestry_are_caught(root, sampled_alone, 
 
 
 @pytest.mark.parametrize("name", ["none", "eagle3-tree"])
-def test_overlap_retraction_and_strict_validation_keep_the_output(root, greedy_reference, name):
-    """Overlap scheduling (a grammar batch is collected before the next iteration is issued),
-    requests retracted mid-run (they resume with the matcher at their tokens) and strict phase
-    validation (every schema and invariant, inputs never mutated) change no token."""
+def test_overlap_retraction_and_strict_validation_keep_the_output(root, greedy_reference, name, monkeypatch):
+    """Overlap scheduling (a grammar batch's next iteration is issued before the host collects
+    the one in flight: its masks read that iteration's tokens first), requests retracted mid-run
+    (they resume with the matcher at their tokens) and strict phase validation (every schema
+    and invariant, inputs never mutated) change no token."""
+    from phasegraph.runtime.scheduler import Scheduler
+
+    read_in_flight = []
+    tokens_in_flight = Scheduler._tokens_in_flight
+
+    def counted(self, flight, reqs):
+        read = tokens_in_flight(self, flight, reqs)
+        return lambda: read_in_flight.append(read()) or read_in_flight[-1]
+
+    monkeypatch.setattr(Scheduler, "_tokens_in_flight", counted)
     engine = _engine(root, name, overlap=True, validate="strict")
     ids = [f"r{i}" for i in range(len(SCHEMAS))]
     for i, rid in enumerate(ids):
@@ -341,6 +377,8 @@ def test_overlap_retraction_and_strict_validation_keep_the_output(root, greedy_r
     assert len(retracted) >= 2
     assert [tokens[rid] for rid in ids] == greedy_reference
     assert_all_free(engine)
+    # grammar iterations overlapped: most masks were made before the host collected the tokens
+    assert len(read_in_flight) > steps // 2 and any(any(row) for rows in read_in_flight for row in rows)
 
 
 def test_a_grammar_batch_split_in_two_groups_keeps_the_output(root, greedy_reference):

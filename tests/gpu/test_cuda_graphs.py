@@ -419,3 +419,36 @@ def test_graphed_prefill_is_lossless(setup, name):
         eng.check()
     st = eng.graph_runner.stats()["prefill-extend"]
     assert st["replays"] == 2 and st["graphs"] == 1
+
+
+@pytest.mark.parametrize(("name", "scope"), [("none", "iteration"), ("eagle3-chain", "iteration"),
+                                             ("eagle3-tree", "iteration"), ("eagle3-tree", "phase"),
+                                             ("standalone-tree", "iteration"), ("ngram-chain", "iteration")])
+def test_grammar_batches_replay_graphs_cut_at_their_masks(tmp_path_factory, name, scope):
+    """Structured output from real CUDA graphs cut at each grammar call: the constrained greedy
+    tokens of graphs off, a valid object each, and every grammar batch's iteration replayed."""
+    pytest.importorskip("xgrammar")
+    jsonschema = pytest.importorskip("jsonschema")
+    import json
+
+    from phasegraph.runtime.cuda_graphs import SegmentedGraph
+    from tests.engine.test_structured_output import CUT_AT, PROMPTS, SCHEMAS, _engine
+
+    root = tmp_path_factory.mktemp("grammar-graphs")
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(SCHEMAS))]
+    params = [SamplingParams(max_new_tokens=48, json_schema=s) for s in SCHEMAS]
+    eager = _engine(root, name, device="cuda", cuda_graphs=False).generate(prompts, params)
+    engine = _engine(root, name, device="cuda", cuda_graphs=True, graph_scope=scope, prefill_graphs=True)
+    for _ in range(3):  # eager warm-up, capture + replay, replay
+        outs = engine.generate(prompts, params)
+        assert [o.token_ids for o in outs] == [o.token_ids for o in eager]
+        engine.check()
+    for out, schema in zip(outs, SCHEMAS, strict=True):
+        assert out.finish_reason == "stop", (out.finish_reason, out.text)
+        jsonschema.validate(json.loads(out.text), schema)
+    runner = engine.graph_runner
+    graphed = [c for p in runner.phases.values() for c in p.graphs.values()]
+    graphed += [] if runner.iteration is None else list(runner.iteration.graphs.values())
+    cut = [c.graph for c in graphed if isinstance(c.graph, SegmentedGraph)]
+    assert cut and {call.name for g in cut for call in g.calls} == CUT_AT.get(name, CUT_AT["eagle3-tree"])
+    assert runner.stats()["prefill-extend"]["replays"] > 0
