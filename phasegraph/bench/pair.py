@@ -275,13 +275,17 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
             _measure_mixed(run, engine, label, policy, mixed, outputs)
 
 
-# --features: a small JSON object whose greedy output the grammar ends within the token budget
+# --features: a list of records whose greedy output the grammar ends within the token budget
+# (long enough that the decoding, not the prefill, is what the rows compare)
 FEATURE_SCHEMA = {
-    "type": "object",
-    "properties": {"name": {"type": "string", "maxLength": 16}, "count": {"type": "integer", "minimum": 0},
-                   "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4}},
-    "required": ["name", "count", "tags"],
-    "additionalProperties": False,
+    "type": "array", "minItems": 4, "maxItems": 4,
+    "items": {
+        "type": "object",
+        "properties": {"name": {"type": "string", "maxLength": 16}, "count": {"type": "integer", "minimum": 0},
+                       "tags": {"type": "array", "items": {"enum": ["a", "b", "c"]}, "maxItems": 4}},
+        "required": ["name", "count", "tags"],
+        "additionalProperties": False,
+    },
 }
 FEATURES = (("plain", {}), ("json_schema", {"json_schema": FEATURE_SCHEMA}), ("logprobs=20", {"logprobs": 20}))
 
@@ -289,8 +293,9 @@ FEATURES = (("plain", {}), ("json_schema", {"json_schema": FEATURE_SCHEMA}), ("l
 def measure_features(run: BenchRun, pair: Path, prompts: list[list[int]], engine_kw: dict) -> None:
     """What structured output and top logprobs cost, with and without speculation: the baseline
     and the EAGLE-3 chain (fixed) at each batch size, plain, with a JSON schema (greedy; a
-    request ends where its object does) and with logprobs=20. Structured output runs its
-    iterations eagerly and without overlap, so its rows say what that costs."""
+    request ends where its object does) and with logprobs=20. A JSON row is also compared with
+    plain requests of the same output lengths (``plain_same_lengths_tokens_per_s``), so that the
+    grammar's cost is not confused with the shorter outputs' larger share of prefill."""
     import importlib.util
 
     from phasegraph import Engine, SamplingParams, SpecConfig
@@ -307,19 +312,34 @@ def measure_features(run: BenchRun, pair: Path, prompts: list[list[int]], engine
             calls = request_calls(prompts, b, a.batch1_prompts)
             for feature, extra in features:
                 json_rows = feature == "json_schema"  # room for the object to end, whatever --new-tokens
-                params = SamplingParams(max_new_tokens=max(a.new_tokens, 64) if json_rows else a.new_tokens,
+                params = SamplingParams(max_new_tokens=max(a.new_tokens, 256) if json_rows else a.new_tokens,
                                         temperature=0.0, ignore_eos=not json_rows, **extra)
                 _, wall, outs, _, _ = warm_then_time(run, engine, calls, params)
                 n = sum(len(o.token_ids) for o in outs)
                 row = {"config": label, "feature": feature, "batch": b, "seconds": wall, "new_tokens": n,
                        "tokens_per_s": n / wall, "tau": mean_accept_length(outs)}
-                if feature == "json_schema":
+                if json_rows:
                     row["complete"] = sum(o.finish_reason == "stop" for o in outs)
+                    row["plain_same_lengths_tokens_per_s"] = n / _same_lengths_wall(run, engine, calls, outs)
                 part["rows"].append(row)
                 run.log(f"  features: {label}, {feature}, batch {b}: {row['tokens_per_s']:9.1f} tok/s  τ {fmt(row['tau'])}")
             write_outputs(run)  # a run cut short keeps the rows measured
         del engine
         free_memory()
+
+
+def _same_lengths_wall(run: BenchRun, engine, calls: list[list], outs: list) -> float:
+    """Wall time of ``calls`` as plain greedy requests, each as long as its output in ``outs``
+    (the calls' requests in order), after one untimed run."""
+    from phasegraph import SamplingParams
+
+    lengths = iter([max(1, len(o.token_ids)) for o in outs])
+    per_call = {id(batch): [SamplingParams(max_new_tokens=next(lengths), temperature=0.0, ignore_eos=True)
+                            for _ in batch] for batch in calls}
+    for batch in calls:
+        engine.generate(batch, per_call[id(batch)])
+    wall, _, _ = timed_calls(run, calls, lambda batch: engine.generate(batch, per_call[id(batch)]))
+    return wall
 
 
 def mixed_workload(code_prompts: list[list[int]], vocab_size: int, batch: int, new_tokens: int, seed: int = 0):

@@ -26,6 +26,9 @@ from phasegraph.bench.common import (
 ETA_GOAL, HF_RATIO_GOAL, LARGE_BATCH_GOAL, BOUND_GOAL = 0.75, 5.0, 1.3, 0.85
 # adaptive speculation: never slower than the baseline, near the best fixed shape at every batch
 ADAPTIVE_VS_BASELINE, ADAPTIVE_VS_BEST = 0.98, 0.95
+# structured output and logprobs: JSON under speculation near plain speculation and well above
+# constrained decoding alone; top-20 logprobs a small share of an iteration
+JSON_VS_PLAIN, JSON_VS_DECODE, LOGPROBS_COST = 0.9, 1.5, 0.10
 
 
 def write_outputs(run: BenchRun, final: bool = False) -> None:
@@ -123,6 +126,7 @@ def evaluate_goals(result: dict, args: argparse.Namespace) -> list[dict]:
         add(goal, f"{gain:.2f}× ({per_request['tokens_per_s']:.0f} vs {per_batch['tokens_per_s']:.0f} tok/s)", gain > 1.0)
     else:
         add(goal, "not measured", None)
+    _feature_goals(add, tp.get("features") or {})
 
     sc = result.get("scale") or {}
     srows = [r for r in sc.get("rows", []) if "eta" in r]
@@ -202,6 +206,38 @@ def evaluate_goals(result: dict, args: argparse.Namespace) -> list[dict]:
         add(goal, "not measured", None)
     return goals
 
+
+
+def _feature_goals(add, part: dict) -> None:
+    """Issue 61's goals at batch 1 from the feature rows (greedy: a JSON request's tokens are
+    the same with and without speculation, so its rows compare like for like)."""
+    rows = {(r["config"], r["feature"], r["batch"]): r for r in part.get("rows", [])}
+    spec_json, alone_json = rows.get((CHAIN, "json_schema", 1)), rows.get((BASELINE, "json_schema", 1))
+    goal = f"trained pair, batch 1: JSON schema with speculation ≥ {JSON_VS_PLAIN}× plain speculation (same lengths)"
+    if spec_json and spec_json.get("plain_same_lengths_tokens_per_s"):
+        x = spec_json["tokens_per_s"] / spec_json["plain_same_lengths_tokens_per_s"]
+        add(goal, f"{x:.2f}× ({spec_json['tokens_per_s']:.0f} vs {spec_json['plain_same_lengths_tokens_per_s']:.0f} tok/s)",
+            x >= JSON_VS_PLAIN)
+    else:
+        add(goal, "not measured", None)
+    goal = f"trained pair, batch 1: JSON schema with speculation ≥ {JSON_VS_DECODE}× without speculation"
+    if spec_json and alone_json:
+        x = spec_json["tokens_per_s"] / alone_json["tokens_per_s"]
+        add(goal, f"{x:.2f}× ({spec_json['tokens_per_s']:.0f} vs {alone_json['tokens_per_s']:.0f} tok/s)",
+            x >= JSON_VS_DECODE)
+    else:
+        add(goal, "not measured", None)
+    goal = f"trained pair, batch 1: logprobs=20 costs ≤ {LOGPROBS_COST:.0%} of an iteration"
+    costs = {}
+    for config in (BASELINE, CHAIN):
+        plain, top = rows.get((config, "plain", 1)), rows.get((config, "logprobs=20", 1))
+        if plain and top:
+            costs[config] = plain["tokens_per_s"] / top["tokens_per_s"] - 1
+    if costs:
+        add(goal, ", ".join(f"{c}: +{100 * x:.1f} %" for c, x in costs.items()),
+            max(costs.values()) <= LOGPROBS_COST)
+    else:
+        add(goal, "not measured", None)
 
 
 def _adaptive_goals(add, where: str, rows: list[dict], adaptive: str, fixed: list[str]) -> None:
@@ -402,6 +438,8 @@ def _feature_lines(tp: dict) -> list[str]:
                     cells.append("–")
                     continue
                 notes = [f"{r['tokens_per_s'] / plain:.2f}×"] if plain and f != "plain" else []
+                if r.get("plain_same_lengths_tokens_per_s"):
+                    notes.append(f"{r['tokens_per_s'] / r['plain_same_lengths_tokens_per_s']:.2f}× plain of its lengths")
                 if "complete" in r:
                     notes.append(f"{r['complete']} objects complete")
                 cells.append(f"{r['tokens_per_s']:.1f}" + (f" ({', '.join(notes)})" if notes else ""))

@@ -264,3 +264,24 @@ def test_bad_options_fail_before_anything_runs(tmp_path, capsys, bad, message):
     assert main(["bench", "--serve", "--quick", "--out", str(tmp_path / "o"), *bad]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "o").exists()
+
+
+def test_feature_goals_compare_json_with_its_own_lengths_and_logprobs_with_plain():
+    from phasegraph.bench.common import BASELINE, CHAIN
+    from phasegraph.bench.report import _feature_goals
+
+    def row(config, feature, tok_s, **kw):
+        return {"config": config, "feature": feature, "batch": 1, "tokens_per_s": tok_s, **kw}
+
+    part = {"rows": [row(BASELINE, "plain", 1000.0), row(BASELINE, "json_schema", 400.0),
+                     row(BASELINE, "logprobs=20", 950.0), row(CHAIN, "plain", 2000.0),
+                     row(CHAIN, "json_schema", 900.0, plain_same_lengths_tokens_per_s=1000.0),
+                     row(CHAIN, "logprobs=20", 1700.0)]}
+    goals = []
+    _feature_goals(lambda goal, measured, met, note=None: goals.append((goal, measured, met)), part)
+    assert [g[2] for g in goals] == [True, True, False]  # 0.90x of its lengths; 2.25x decode; +17.6 %
+    assert goals[0][1].startswith("0.90×") and goals[1][1].startswith("2.25×")
+    assert "+5.3 %" in goals[2][1] and "+17.6 %" in goals[2][1]
+    goals.clear()
+    _feature_goals(lambda goal, measured, met, note=None: goals.append((goal, measured, met)), {})
+    assert [g[1:] for g in goals] == [("not measured", None)] * 3

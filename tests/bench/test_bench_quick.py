@@ -88,6 +88,7 @@ def test_json_holds_every_figure_and_the_environment(quick_run):
         assert f["tokens_per_s"] > 0 and (f["tau"] is None) == (f["config"] == "baseline (autoregressive)"), f
         if f["feature"] == "json_schema":  # every greedy object ended by its grammar, not the budget
             assert f["complete"] == (2 if f["batch"] == 1 else f["batch"]), f
+            assert f["plain_same_lengths_tokens_per_s"] > 0, f
     assert ("transformers", "transformers generate", 1) in got
     assert ("transformers", "transformers generate", 2) in got
     assisted = [x for x in rows if x["config"].startswith("transformers generate + assistant_model")]
