@@ -19,7 +19,7 @@ import torch
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
 from phasegraph.runtime.errors import InvalidConfig, UnsupportedModel, WorkerDied
-from phasegraph.runtime.tensor_parallel import head_split
+from phasegraph.runtime.models.sharding import head_split
 from phasegraph.testing.checkpoints import write_hf_target
 from tests.engine.support import make_prompts, small_config, write_arch
 from tests.engine.tp_ranks import diverging_rank
@@ -236,3 +236,75 @@ def test_moe_target_is_refused_by_name(tmp_path):
     target = write_hf_target(tmp_path / "moe", "mixtral", **values)
     with pytest.raises(UnsupportedModel, match="fused decoder path"):
         Engine.from_pretrained(target, dtype="float32", tensor_parallel_size=2)
+
+
+DRAFT_TP_CASES = {
+    # name: as in CASES; the draft split over both ranks too (draft_tensor_parallel_size=2)
+    "eagle3-tree-P1-retract": CASES["eagle3-tree-P1-retract"],
+    "eagle3-chain-P16": CASES["eagle3-chain-P16"],
+    "standalone-tree-P16-retract": CASES["standalone-tree-P16-retract"],
+}
+
+
+@pytest.mark.parametrize("case", list(DRAFT_TP_CASES))
+def test_draft_tp2_outputs_equal_tp1(pair, case):
+    """The draft split like the target (the EAGLE-3 head's 4 query and 2 kv heads split in
+    halves; the standalone draft's 2 query heads split, its kv head replicated): greedy and
+    seeded-sampling tokens are TP=1's."""
+    target, drafts = pair
+    method, spec, page_size, pool = DRAFT_TP_CASES[case]
+    prompts, params = _workload()
+    one = _engine(target, drafts, method, spec, page_size, pool)
+    want = one.generate(prompts, params)
+    with _engine(target, drafts, method, spec, page_size, pool, tensor_parallel_size=2,
+                 draft_tensor_parallel_size=2, tp_check=True, check_every_step=True) as two:
+        assert two.draft.tp is two.tp
+        if method == "eagle3":
+            assert (two.draft.fused_layer.num_heads, two.draft.kv_spec.num_kv_heads) == (2, 1)
+        else:
+            assert (two.draft.model.fused_layers[0].num_heads, two.draft.kv_spec.num_kv_heads) == (1, 1)
+        got = two.generate(prompts, params)
+        if pool < 4096:
+            assert two.num_retractions >= 1, "the pool is not tight enough to retract"
+            assert two.num_retractions == one.num_retractions
+        two.check()
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.token_ids == w.token_ids, f"request {i} differs with the draft split"
+        assert g.stats.accept_lengths == w.stats.accept_lengths
+
+
+def test_draft_tp_values_are_checked_before_any_rank_starts(pair):
+    import multiprocessing
+
+    target, drafts = pair
+    eagle3 = SpecConfig(method="eagle3", topk=1, num_steps=2)
+    with pytest.raises(InvalidConfig, match=r"must be 1 \(the draft replicated\) or tensor_parallel_size=2; got 3"):
+        Engine.from_pretrained(target, drafts["eagle3"], spec=eagle3, tensor_parallel_size=2,
+                               draft_tensor_parallel_size=3)
+    with pytest.raises(InvalidConfig, match=r"or tensor_parallel_size=1; got 2"):
+        Engine.from_pretrained(target, drafts["eagle3"], spec=eagle3, draft_tensor_parallel_size=2)
+    with pytest.raises(InvalidConfig, match=r"draft_tensor_parallel_size must be an integer in \[1, 64\]; got 0"):
+        Engine.from_pretrained(target, drafts["eagle3"], spec=eagle3, draft_tensor_parallel_size=0)
+    for method in ("mtp", "eagle"):  # their layers run transformers' modules, which are not split
+        with pytest.raises(InvalidConfig, match=f"standalone and EAGLE-3 drafts only; method '{method}'"):
+            Engine.from_pretrained(target, drafts[method], spec=SpecConfig(method=method, topk=1, num_steps=2),
+                                   tensor_parallel_size=2, draft_tensor_parallel_size=2)
+    with pytest.raises(InvalidConfig, match="method 'none' has no draft split"):
+        Engine.from_pretrained(target, tensor_parallel_size=2, draft_tensor_parallel_size=2)
+    assert multiprocessing.active_children() == []
+
+
+def test_eagle3_head_without_the_fused_path_refuses_the_split(pair):
+    """The split runs the fused layer; a head on transformers' modules says why not."""
+    from phasegraph.runtime.models.drafts import load_draft
+    from phasegraph.runtime.models.target import HFTarget
+    from phasegraph.runtime.tensor_parallel import TensorParallelGroup
+
+    target, drafts = pair
+    head = load_draft(drafts["eagle3"], HFTarget.from_pretrained(target, feature_mode="eagle3"), "eagle3",
+                      fused=False)
+    group = TensorParallelGroup(0, 2, "gloo", torch.device("cpu"), 30, "spmd")  # no collective is made
+    with pytest.raises(UnsupportedModel, match="splits the fused EAGLE-3 layer, which this head does not take: "
+                                               "switched off"):
+        head.split(group)
+    assert head.tp is None
