@@ -427,7 +427,7 @@ class EngineConfig:
     ``max_context``: tokens per request (None: the model's ``max_position_embeddings``).
     ``eos_token_ids``: extra end-of-sequence ids. ``validate``: the phase validation mode
     (``strict``, ``boundary``, ``off``; None: the process default). ``trace``: record phase
-    transitions. ``check_every_step``: check every invariant after each step. ``seed``: of the
+    transitions (on CPU tensor-parallel ranks with the all-reduces' time, docs/parallel.md). ``check_every_step``: check every invariant after each step. ``seed``: of the
     requests that set none. ``cuda_graphs``: True, False, ``"emulate"`` (the padding and
     slicing on the CPU, for tests) or None (on a GPU). ``graph_buckets``: the batch sizes graphs
     are captured for. ``graph_scope``: ``"iteration"`` (one graph per speculative iteration) or

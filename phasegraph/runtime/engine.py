@@ -205,6 +205,11 @@ class Engine:
             self.ctx.simulate_accept_drafts = config.simulate_accept_length - 1
         self.simulated = config.simulate_accept_length is not None
         self.trace = Trace() if config.trace else None
+        if self.trace is not None and self.tp is not None and self.device.type == "cpu":
+            # on a GPU the all-reduces run asynchronously, inside the graphs: host time would
+            # be their launch, so the trace records none there (docs/parallel.md)
+            self.tp.timed = True
+            self.trace.collective_clock = self.tp.collective_seconds
         self.graph_runner = self._graph_runner()
         graph = self._phase_graph() if self.graph_runner is None else self.graph_runner.graph
         self.scheduler = Scheduler(

@@ -28,6 +28,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 import attrs
@@ -64,6 +65,12 @@ class TensorParallelGroup:
     symm: list = attrs.field(factory=list)  # tp_all_reduce="symm_mem": two symmetric buffers, flat
     symm_parity: int = 0  # which of them the next all-reduce uses
     symm_group: str | None = None
+    timed: bool = False  # add each all-reduce's host time to collective_ns (a traced CPU rank)
+    collective_ns: int = 0
+
+    def collective_seconds(self) -> float:
+        """Seconds this rank spent in :meth:`all_reduce_` while ``timed`` (a trace's clock)."""
+        return self.collective_ns * 1e-9
 
     @property
     def sends(self) -> bool:
@@ -74,6 +81,17 @@ class TensorParallelGroup:
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] summed over ranks, in place
         """Sum ``x`` over the ranks in place (capturable in a CUDA graph with NCCL)."""
+        if not self.timed:
+            return self._all_reduce_(x)
+        # gloo blocks the host until every rank has sent its part, so host time is the
+        # collective's (waiting for a slower rank included)
+        start = time.perf_counter_ns()
+        try:
+            return self._all_reduce_(x)
+        finally:
+            self.collective_ns += time.perf_counter_ns() - start
+
+    def _all_reduce_(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] in place
         if self.symm and x.dtype == self.symm[0].dtype and x.numel() <= self.symm[0].numel() and x.is_cuda:
             return self._symm_all_reduce_(x)
         try:

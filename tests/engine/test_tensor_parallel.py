@@ -58,6 +58,22 @@ CASES = {
 }
 
 
+TARGET_PHASES = ("prefill-extend", "decode", "verify")
+DRAFT_PHASES = ("draft-extend", "draft")
+
+
+def _check_collective_time(trace, draft_split: bool) -> None:
+    """Rank 0's trace: every run of a phase that runs the target (or a split draft) spent time in
+    the all-reduces; every other run exactly none."""
+    assert len(trace) > 0
+    for t in trace:
+        collective = TARGET_PHASES + (DRAFT_PHASES if draft_split else ())
+        if t.target in collective:
+            assert t.collective_s > 0, f"{t.target} recorded no all-reduce time"
+        else:
+            assert t.collective_s == 0.0, f"{t.target} recorded all-reduce time {t.collective_s}"
+
+
 def _engine(target, drafts, method, spec, page_size, pool, **kw) -> Engine:
     config = SpecConfig(method="none") if method == "none" else SpecConfig(method=method, **spec)
     draft = None if method == "none" else drafts[method]
@@ -80,6 +96,8 @@ def test_tp2_outputs_equal_tp1(pair, case):
             assert two.num_retractions >= 1, "the pool is not tight enough to retract"
             assert two.num_retractions == one.num_retractions
         two.check()
+        _check_collective_time(two.trace, draft_split=False)
+    assert all(t.collective_s is None for t in one.trace)  # no group: nothing to measure
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.token_ids == w.token_ids, f"request {i} differs at TP=2"
         assert g.stats.accept_lengths == w.stats.accept_lengths
@@ -268,6 +286,7 @@ def test_draft_tp2_outputs_equal_tp1(pair, case):
             assert two.num_retractions >= 1, "the pool is not tight enough to retract"
             assert two.num_retractions == one.num_retractions
         two.check()
+        _check_collective_time(two.trace, draft_split=True)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.token_ids == w.token_ids, f"request {i} differs with the draft split"
         assert g.stats.accept_lengths == w.stats.accept_lengths
@@ -308,3 +327,24 @@ def test_eagle3_head_without_the_fused_path_refuses_the_split(pair):
                                                "switched off"):
         head.split(group)
     assert head.tp is None
+
+
+def test_graph_overlay_shows_the_all_reduce_time(pair, tmp_path, capsys):
+    """``phasegraph graph --trace`` over a TP=2 engine's saved trace: the phases that run the
+    target show the time rank 0 spent in the all-reduces, the others none."""
+    from phasegraph.cli import main
+
+    target, drafts = pair
+    with _engine(target, drafts, "eagle3", dict(topk=1, num_steps=2), 16, 4096, tensor_parallel_size=2) as two:
+        two.generate(make_prompts(2, seed=3), SamplingParams(max_new_tokens=6, ignore_eos=True))
+        path = two.save_trace(tmp_path / "trace.json")
+        verify = two.trace.collective_mean("verify")
+    assert verify > 0
+    assert main(["graph", "--trace", str(path)]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if "visits=" in line}
+    for phase in ("prefill-extend", "verify"):
+        shown = lines[phase].split("collectives=")[1]
+        assert shown != "0.0 µs" and shown.endswith(("µs", "ms", " s")), lines[phase]
+    for phase in ("draft-extend", "draft", "finalize-tree-path"):
+        assert lines[phase].endswith("collectives=0.0 µs"), lines[phase]
+    assert "collectives" not in lines["decode"]  # never ran: nothing measured
