@@ -213,9 +213,11 @@ def test_check_same_raises_rank_divergence():
     mp.spawn(diverging_rank, args=(port,), nprocs=2, join=True)
 
 
-def test_torchrun_spmd_generate_equals_tp1(pair, capsys):
+@pytest.mark.parametrize("draft_tp", ["1", "2"])
+def test_torchrun_spmd_generate_equals_tp1(pair, capsys, draft_tp):
     """``torchrun --nproc-per-node 2 -m phasegraph generate --tp 2``: every rank runs the command
-    (SPMD, nothing sent between ranks), rank 0 alone prints, the tokens are TP=1's."""
+    (SPMD, nothing sent between ranks), rank 0 alone prints, the tokens are TP=1's; with
+    ``--draft-tp 2`` the EAGLE-3 head is split too."""
     import subprocess
     import sys
     from pathlib import Path
@@ -229,7 +231,8 @@ def test_torchrun_spmd_generate_equals_tp1(pair, capsys):
     assert main(args) == 0
     want = capsys.readouterr().out
     torchrun = Path(sys.executable).with_name("torchrun")
-    run = subprocess.run([str(torchrun), "--nproc-per-node", "2", "-m", "phasegraph", *args, "--tp", "2"],
+    run = subprocess.run([str(torchrun), "--nproc-per-node", "2", "-m", "phasegraph", *args, "--tp", "2",
+                          "--draft-tp", draft_tp],
                          capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout == want  # once: rank 1 prints nothing
@@ -311,6 +314,17 @@ def test_draft_tp_values_are_checked_before_any_rank_starts(pair):
     with pytest.raises(InvalidConfig, match="method 'none' has no draft split"):
         Engine.from_pretrained(target, tensor_parallel_size=2, draft_tensor_parallel_size=2)
     assert multiprocessing.active_children() == []
+
+
+def test_draft_tp_flag_reaches_the_engine(pair, capsys):
+    from phasegraph.cli import main
+
+    target, drafts = pair
+    args = ["generate", "--device", "cpu", "--target", str(target), "--draft", str(drafts["eagle3"]),
+            "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--tp", "2", "--draft-tp", "3"]
+    assert main(args) == 2
+    assert "draft_tensor_parallel_size must be 1 (the draft replicated) or tensor_parallel_size=2; got 3" in \
+        capsys.readouterr().err
 
 
 def test_eagle3_head_without_the_fused_path_refuses_the_split(pair):
