@@ -408,7 +408,7 @@ def _token_ids(value):
 
 
 TP_ALL_REDUCES = ("nccl", "symm_mem")
-# the drafts that run the fused decoder layers runtime/tensor_parallel.py splits
+# the drafts that run fused decoder layers, which runtime/models/sharding.py splits
 DRAFT_TP_METHODS = ("standalone", "eagle3")
 # long enough for ranks that load a large checkpoint at different speeds to meet at the first
 # collective; a dead rank is noticed sooner (the liveness check, or gloo's closed connection)
@@ -427,8 +427,9 @@ class EngineConfig:
     ``max_context``: tokens per request (None: the model's ``max_position_embeddings``).
     ``eos_token_ids``: extra end-of-sequence ids. ``validate``: the phase validation mode
     (``strict``, ``boundary``, ``off``; None: the process default). ``trace``: record phase
-    transitions (on CPU tensor-parallel ranks with the all-reduces' time, docs/parallel.md). ``check_every_step``: check every invariant after each step. ``seed``: of the
-    requests that set none. ``cuda_graphs``: True, False, ``"emulate"`` (the padding and
+    transitions (on CPU tensor-parallel ranks with the all-reduces' time, docs/parallel.md).
+    ``check_every_step``: check every invariant after each step. ``seed``: of the requests that
+    set none. ``cuda_graphs``: True, False, ``"emulate"`` (the padding and
     slicing on the CPU, for tests) or None (on a GPU). ``graph_buckets``: the batch sizes graphs
     are captured for. ``graph_scope``: ``"iteration"`` (one graph per speculative iteration) or
     ``"phase"``. ``prefill_graphs``: graphs of prefill too. ``simulate_accept_length``:

@@ -3,10 +3,10 @@
 Each rank holds a slice of every decoder layer: the merged qkv product by head group and the
 merged gate_up product by intermediate block (column parallel), ``o`` and ``down`` by the
 matching input columns (row parallel), so a layer needs one all-reduce after ``o`` and one after
-``down``. The embedding, the final norm and the lm_head are replicated: every rank computes the
-same logits from the same all-reduced hidden state, so sampling (counter-based coins,
-:mod:`phasegraph.kernels.random`) picks the same tokens on every rank without another
-collective. Each rank's KV pool holds only its kv heads; where the tensor-parallel size does not
+``down`` (the slicing: :mod:`phasegraph.runtime.models.sharding`). The embedding, the final
+norm and the lm_head are replicated: every rank computes the same logits from the same
+all-reduced hidden state, so sampling (counter-based coins, :mod:`phasegraph.kernels.random`)
+picks the same tokens on every rank without another collective. Each rank's KV pool holds only its kv heads; where the tensor-parallel size does not
 divide the kv heads (but is a multiple of them) a kv head is replicated on the ranks whose query
 heads read it.
 
@@ -66,7 +66,7 @@ class TensorParallelGroup:
     symm_parity: int = 0  # which of them the next all-reduce uses
     symm_group: str | None = None
     timed: bool = False  # add each all-reduce's host time to collective_ns (a traced CPU rank)
-    collective_ns: int = 0
+    collective_ns: int = 0  # all-reduce host time so far, while timed
 
     def collective_seconds(self) -> float:
         """Seconds this rank spent in :meth:`all_reduce_` while ``timed`` (a trace's clock)."""

@@ -133,11 +133,11 @@ class Machine:
             if mode is _STRICT:
                 versions = _tensor_versions(inp)
         clock = getattr(self.trace, "collective_clock", None)
-        waited = clock() if clock is not None else 0.0
+        clock_before = clock() if clock is not None else 0.0
         start = time.perf_counter_ns()
         out = spec.fn(inp, ctx, **extra)
         end = time.perf_counter_ns()
-        collective = clock() - waited if clock is not None else None
+        collective = clock() - clock_before if clock is not None else None
         if not isinstance(out, spec.output):
             raise PhaseContractViolation(
                 name, f"returned {type(out).__name__}, declared output is {spec.output.__name__}"
