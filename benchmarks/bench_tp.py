@@ -61,8 +61,8 @@ def random_target(shape: str, group, layers: int | None = None, device: str = "c
     from transformers import LlamaConfig
 
     from phasegraph.bench.common import fill_random_weights
+    from phasegraph.runtime.models.sharding import shard_layer
     from phasegraph.runtime.models.target import HFTarget, build_causal_lm, eagle3_feature_layers
-    from phasegraph.runtime.tensor_parallel import shard_layer
 
     fields = dict(SHAPES[shape])
     num_layers = layers or fields["num_hidden_layers"]

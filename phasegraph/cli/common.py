@@ -103,6 +103,9 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                    help="split the target over N ranks (tensor parallelism): under torchrun --nproc-per-node N "
                         "every rank runs this command, else this process starts the other ranks "
                         "(default: %(default)s)")
+    p.add_argument("--draft-tp", type=int, default=1, metavar="N",
+                   help="split the draft over the ranks too: 1 (replicated) or --tp's N; standalone and "
+                        "EAGLE-3 drafts (default: %(default)s)")
     p.add_argument("--threads", type=int, metavar="N",
                    help="torch's CPU threads (default: the engine's, 1, the fastest on a busy machine); "
                         "ignored on a GPU")
@@ -169,6 +172,8 @@ def load_engine(args: argparse.Namespace, spec, **options):
         options["num_threads"] = args.threads
     if args.tp != 1:
         options["tensor_parallel_size"] = args.tp
+    if args.draft_tp != 1:
+        options["draft_tensor_parallel_size"] = args.draft_tp
     return Engine.from_pretrained(
         args.target, args.draft, spec=spec, device=args.device, dtype=args.dtype,
         draft_dtype=args.draft_dtype, page_size=args.page_size, kv_pool_tokens=args.kv_pool_tokens, **options,

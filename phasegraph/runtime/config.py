@@ -408,6 +408,8 @@ def _token_ids(value):
 
 
 TP_ALL_REDUCES = ("nccl", "symm_mem")
+# the drafts that run fused decoder layers, which runtime/models/sharding.py splits
+DRAFT_TP_METHODS = ("standalone", "eagle3")
 # long enough for ranks that load a large checkpoint at different speeds to meet at the first
 # collective; a dead rank is noticed sooner (the liveness check, or gloo's closed connection)
 DEFAULT_TP_TIMEOUT_S = 300.0
@@ -425,8 +427,9 @@ class EngineConfig:
     ``max_context``: tokens per request (None: the model's ``max_position_embeddings``).
     ``eos_token_ids``: extra end-of-sequence ids. ``validate``: the phase validation mode
     (``strict``, ``boundary``, ``off``; None: the process default). ``trace``: record phase
-    transitions. ``check_every_step``: check every invariant after each step. ``seed``: of the
-    requests that set none. ``cuda_graphs``: True, False, ``"emulate"`` (the padding and
+    transitions (on CPU tensor-parallel ranks with the all-reduces' time, docs/parallel.md).
+    ``check_every_step``: check every invariant after each step. ``seed``: of the requests that
+    set none. ``cuda_graphs``: True, False, ``"emulate"`` (the padding and
     slicing on the CPU, for tests) or None (on a GPU). ``graph_buckets``: the batch sizes graphs
     are captured for. ``graph_scope``: ``"iteration"`` (one graph per speculative iteration) or
     ``"phase"``. ``prefill_graphs``: graphs of prefill too. ``simulate_accept_length``:
@@ -439,6 +442,9 @@ class EngineConfig:
     the others itself, or joins a ``torchrun`` group; docs/parallel.md). ``tp_timeout_s``: how
     long a rank waits in a collective before :class:`WorkerDied`. ``tp_check``: all-reduce a
     checksum of the emitted tokens after every step, :class:`RankDivergence` where ranks differ.
+    ``draft_tensor_parallel_size``: 1 (the draft replicated on every rank, the default) or
+    ``tensor_parallel_size`` (a standalone or EAGLE-3 draft split the target's way; the other
+    kinds run transformers' modules, which are not split).
     ``tp_all_reduce``: ``"nccl"``, or ``"symm_mem"`` (GPUs: messages up to 8 MiB through torch's
     symmetric memory, one-shot over NVLink; larger ones through NCCL).
     ``prefix_cache``: share the KV of common prompt prefixes between requests (a radix tree
@@ -469,11 +475,23 @@ class EngineConfig:
     overlap: bool | None = attrs.field(default=None, validator=_switch(None))
     num_threads: int | None = attrs.field(default=1, validator=_count(1024, "torch's own setting"))
     tensor_parallel_size: int = attrs.field(default=1, validator=_count(64))
+    draft_tensor_parallel_size: int = attrs.field(default=1, validator=_count(64))
     tp_timeout_s: float = DEFAULT_TP_TIMEOUT_S
     tp_check: bool = attrs.field(default=False, validator=_switch())
     tp_all_reduce: str = "nccl"
     prefix_cache: bool = attrs.field(default=False, validator=_switch())
     spec_costs: CostTable | None = None
+
+    def _check_draft_tensor_parallel(self) -> None:
+        size = self.draft_tensor_parallel_size
+        if size == 1:
+            return
+        if size != self.tensor_parallel_size:
+            raise InvalidConfig(f"draft_tensor_parallel_size must be 1 (the draft replicated) or "
+                                f"tensor_parallel_size={self.tensor_parallel_size}; got {size}")
+        if self.spec.method not in DRAFT_TP_METHODS:
+            raise InvalidConfig(f"draft_tensor_parallel_size={size} splits standalone and EAGLE-3 drafts only; method "
+                                f"{self.spec.method!r} has no draft split over ranks: use draft_tensor_parallel_size=1")
 
     def __attrs_post_init__(self) -> None:
         if self.validate is not None:
@@ -486,6 +504,7 @@ class EngineConfig:
         if isinstance(self.tp_timeout_s, bool) or not isinstance(self.tp_timeout_s, (int, float)) \
                 or not self.tp_timeout_s > 0:
             raise InvalidConfig(f"tp_timeout_s must be a positive number of seconds; got {self.tp_timeout_s!r}")
+        self._check_draft_tensor_parallel()
         if self.tp_all_reduce not in TP_ALL_REDUCES:
             raise InvalidConfig(f"tp_all_reduce must be one of {', '.join(TP_ALL_REDUCES)}; got {self.tp_all_reduce!r}")
         if not is_int(self.seed):

@@ -62,6 +62,7 @@ from phasegraph.runtime.methods import registered
 from phasegraph.runtime.models.drafts import draft_kind, load_draft
 from phasegraph.runtime.models.gguf import convert_gguf, is_gguf
 from phasegraph.runtime.models.loading import load_tokenizer, read_json_object
+from phasegraph.runtime.models.sharding import shard_target
 from phasegraph.runtime.models.target import HFTarget
 from phasegraph.runtime.prefill_graph import token_buckets_for
 from phasegraph.runtime.requests import Request, Status
@@ -157,6 +158,16 @@ class Engine:
                 f"tensor_parallel_size={config.tensor_parallel_size}, but the target is split over {tp_size} "
                 "rank(s): Engine.from_pretrained(..., tensor_parallel_size=N) loads and splits it"
             )
+        draft_tp = getattr(draft, "tp", None)
+        draft_tp_size = 1 if draft_tp is None else draft_tp.world_size
+        if draft_tp is not None and draft_tp is not self.tp:
+            raise InvalidConfig("the draft is split over another tensor-parallel group than the target")
+        if draft_tp_size != config.draft_tensor_parallel_size:
+            raise InvalidConfig(
+                f"draft_tensor_parallel_size={config.draft_tensor_parallel_size}, but the draft is split over "
+                f"{draft_tp_size} rank(s): Engine.from_pretrained(..., draft_tensor_parallel_size=N) loads and "
+                "splits it"
+            )
         if config.tp_all_reduce == "symm_mem":
             if self.tp is None:
                 raise InvalidConfig("tp_all_reduce='symm_mem' applies to a target split over several ranks")
@@ -194,6 +205,11 @@ class Engine:
             self.ctx.simulate_accept_drafts = config.simulate_accept_length - 1
         self.simulated = config.simulate_accept_length is not None
         self.trace = Trace() if config.trace else None
+        if self.trace is not None and self.tp is not None and self.device.type == "cpu":
+            # on a GPU the all-reduces run asynchronously, inside the graphs: host time would
+            # be their launch, so the trace records none there (docs/parallel.md)
+            self.tp.timed = True
+            self.trace.collective_clock = self.tp.collective_seconds
         self.graph_runner = self._graph_runner()
         graph = self._phase_graph() if self.graph_runner is None else self.graph_runner.graph
         self.scheduler = Scheduler(
@@ -520,9 +536,10 @@ class Engine:
         draft_dt = dt if draft_dtype is None else resolve_dtype(draft_dtype, dev, "draft_dtype")
         group = None
         tp_size = kwargs.get("tensor_parallel_size", 1)
-        if tp_size != 1:
-            # a bad option raises here, before any rank starts
+        if tp_size != 1 or kwargs.get("draft_tensor_parallel_size", 1) != 1:
+            # a bad option raises here, before any rank starts (or any weight is read)
             _engine_config(None, dict(kwargs, spec=spec, page_size=page_size, kv_pool_tokens=kv_pool_tokens))
+        if tp_size != 1:
             load = (target_dir, draft_dir, dict(spec=spec, device=device, dtype=dtype, draft_dtype=draft_dtype,
                                                 page_size=page_size, kv_pool_tokens=kv_pool_tokens, **kwargs))
             group = _tp_group(tp_size, dev, kwargs.get("tp_timeout_s", DEFAULT_TP_TIMEOUT_S), load)
@@ -546,12 +563,17 @@ class Engine:
         target = HFTarget.from_pretrained(target_path, dtype=dt, device=dev if group is None else "cpu",
                                           feature_mode=feature_mode)
         if group is not None:
-            tensor_parallel.shard_target(target, group)
+            shard_target(target, group)
         draft = None
         if spec.speculative and (method is None or method.make_draft is None):  # else the engine builds it
             if draft_dir is None:
                 raise InvalidConfig(f"SpecConfig(method={spec.method!r}) needs draft_dir")
-            draft = load_draft(Path(draft_dir), target, spec.method, dtype=draft_dt, device=dev)
+            split = group is not None and kwargs.get("draft_tensor_parallel_size", 1) != 1
+            # a standalone draft to split is read whole on the CPU too (an EAGLE-3 head is one layer)
+            draft_dev = "cpu" if split and spec.method == "standalone" else dev
+            draft = load_draft(Path(draft_dir), target, spec.method, dtype=draft_dt, device=draft_dev)
+            if split:
+                draft.split(group)  # StandaloneDraft and Eagle3Draft (config: DRAFT_TP_METHODS)
         tokenizer = load_tokenizer(target_path)
         if spec.method == "standalone":
             _check_draft_tokenizer(Path(draft_dir), tokenizer)

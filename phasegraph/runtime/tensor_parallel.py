@@ -3,10 +3,10 @@
 Each rank holds a slice of every decoder layer: the merged qkv product by head group and the
 merged gate_up product by intermediate block (column parallel), ``o`` and ``down`` by the
 matching input columns (row parallel), so a layer needs one all-reduce after ``o`` and one after
-``down``. The embedding, the final norm and the lm_head are replicated: every rank computes the
-same logits from the same all-reduced hidden state, so sampling (counter-based coins,
-:mod:`phasegraph.kernels.random`) picks the same tokens on every rank without another
-collective. Each rank's KV pool holds only its kv heads; where the tensor-parallel size does not
+``down`` (the slicing: :mod:`phasegraph.runtime.models.sharding`). The embedding, the final
+norm and the lm_head are replicated: every rank computes the same logits from the same
+all-reduced hidden state, so sampling (counter-based coins, :mod:`phasegraph.kernels.random`)
+picks the same tokens on every rank without another collective. Each rank's KV pool holds only its kv heads; where the tensor-parallel size does not
 divide the kv heads (but is a multiple of them) a kv head is replicated on the ranks whose query
 heads read it.
 
@@ -28,6 +28,7 @@ import os
 import queue
 import socket
 import threading
+import time
 from collections.abc import Callable
 
 import attrs
@@ -38,10 +39,8 @@ from phasegraph.runtime.errors import (
     InvalidConfig,
     RankDivergence,
     TensorParallelError,
-    UnsupportedModel,
     WorkerDied,
 )
-from phasegraph.runtime.models.fused_decoder import FusedLayer
 
 # NVLink multicast (NVLS) must stay off on shared hosts: a program that uses it can take the
 # host's GPUs out of service. Set before NCCL starts, inherited by the ranks we start.
@@ -66,6 +65,12 @@ class TensorParallelGroup:
     symm: list = attrs.field(factory=list)  # tp_all_reduce="symm_mem": two symmetric buffers, flat
     symm_parity: int = 0  # which of them the next all-reduce uses
     symm_group: str | None = None
+    timed: bool = False  # add each all-reduce's host time to collective_ns (a traced CPU rank)
+    collective_ns: int = 0  # all-reduce host time so far, while timed
+
+    def collective_seconds(self) -> float:
+        """Seconds this rank spent in :meth:`all_reduce_` while ``timed`` (a trace's clock)."""
+        return self.collective_ns * 1e-9
 
     @property
     def sends(self) -> bool:
@@ -76,6 +81,17 @@ class TensorParallelGroup:
 
     def all_reduce_(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] summed over ranks, in place
         """Sum ``x`` over the ranks in place (capturable in a CUDA graph with NCCL)."""
+        if not self.timed:
+            return self._all_reduce_(x)
+        # gloo blocks the host until every rank has sent its part, so host time is the
+        # collective's (waiting for a slower rank included)
+        start = time.perf_counter_ns()
+        try:
+            return self._all_reduce_(x)
+        finally:
+            self.collective_ns += time.perf_counter_ns() - start
+
+    def _all_reduce_(self, x: torch.Tensor) -> torch.Tensor:  # [T, H] in place
         if self.symm and x.dtype == self.symm[0].dtype and x.numel() <= self.symm[0].numel() and x.is_cuda:
             return self._symm_all_reduce_(x)
         try:
@@ -352,66 +368,6 @@ def next_command(commands) -> tuple | None:
                 return None
 
 
-# -- sharding -----------------------------------------------------------------------------------
-
-
-def head_split(num_heads: int, num_kv_heads: int, rank: int, world_size: int) -> tuple[int, int, int, int]:
-    """(first query head, query heads, first kv head, kv heads) of ``rank``: query heads split
-    evenly; kv heads too where ``world_size`` divides them, else each rank takes the one kv head
-    its query heads share (``world_size`` a multiple of the kv heads)."""
-    if num_heads % world_size:
-        raise UnsupportedModel(f"tensor_parallel_size={world_size} does not divide the {num_heads} attention heads")
-    q_n = num_heads // world_size
-    if num_kv_heads % world_size == 0:
-        kv_n = num_kv_heads // world_size
-        return rank * q_n, q_n, rank * kv_n, kv_n
-    if world_size % num_kv_heads:
-        raise UnsupportedModel(f"tensor_parallel_size={world_size} neither divides nor is a multiple of the "
-                               f"{num_kv_heads} kv heads")
-    return rank * q_n, q_n, rank * q_n // (num_heads // num_kv_heads), 1
-
-
-def _rows(w: torch.Tensor | None, spans: list[tuple[int, int]], device) -> torch.Tensor | None:
-    if w is None:
-        return None
-    return torch.cat([w[a:b] for a, b in spans], dim=0).to(device).contiguous()
-
-
-def shard_layer(layer: FusedLayer, rank: int, world_size: int, device: torch.device) -> FusedLayer:
-    """``rank``'s slice of one fused decoder layer, on ``device``."""
-    hq, hkv, d = layer.num_heads, layer.num_kv_heads, layer.head_dim
-    q0, qn, k0, kn = head_split(hq, hkv, rank, world_size)
-    qkv = [(q0 * d, (q0 + qn) * d), ((hq + k0) * d, (hq + k0 + kn) * d),
-           ((hq + hkv + k0) * d, (hq + hkv + k0 + kn) * d)]
-    inter = layer.gate_up_weight.shape[0] // 2
-    if inter % world_size:
-        raise UnsupportedModel(f"tensor_parallel_size={world_size} does not divide the intermediate size {inter}")
-    i0, i_n = rank * inter // world_size, inter // world_size
-    gate_up = [(i0, i0 + i_n), (inter + i0, inter + i0 + i_n)]
-    # row-parallel biases are added once, by rank 0, before the sum
-    first = rank == 0
-
-    def cols(w, a, b):
-        return w[:, a:b].to(device).contiguous()
-
-    def move(m):
-        return None if m is None else m.to(device)
-
-    return attrs.evolve(
-        layer,
-        input_norm=layer.input_norm.to(device), post_norm=layer.post_norm.to(device),
-        qkv_weight=_rows(layer.qkv_weight, qkv, device),  # [(qn + 2kn) D, H]
-        qkv_bias=_rows(layer.qkv_bias, qkv, device),
-        o_weight=cols(layer.o_weight, q0 * d, (q0 + qn) * d),  # [H, qn D]
-        o_bias=layer.o_bias.to(device) if first and layer.o_bias is not None else None,
-        gate_up_weight=_rows(layer.gate_up_weight, gate_up, device),  # [2 I/N, H]
-        gate_up_bias=_rows(layer.gate_up_bias, gate_up, device),
-        down_weight=cols(layer.down_weight, i0, i0 + i_n),  # [H, I/N]
-        down_bias=layer.down_bias.to(device) if first and layer.down_bias is not None else None,
-        num_heads=qn, num_kv_heads=kn, q_norm=move(layer.q_norm), k_norm=move(layer.k_norm),
-    )
-
-
 def check_divergence(group: TensorParallelGroup, token_lists) -> None:
     """All-reduce a checksum of the tokens every request emitted so far (``tp_check=True``)."""
     total = 0
@@ -419,24 +375,3 @@ def check_divergence(group: TensorParallelGroup, token_lists) -> None:
         for i, t in enumerate(tokens):
             total = (total + (i + 1) * (int(t) + 1) * 1_000_003) % (1 << 61)
     group.check_same(total, "emitted-token")
-
-
-def shard_target(target, group: TensorParallelGroup) -> None:
-    """Make ``target`` (an HFTarget loaded whole, on the CPU) ``group.rank``'s slice on
-    ``group.device``: fused layers sharded, everything else (embedding, final norm, lm_head,
-    rotary) replicated there, the modules' own decoder layers dropped (the whole model's
-    weights are freed once the caller lets go of them)."""
-    if target.fused_layers is None:
-        raise UnsupportedModel(f"tensor parallelism runs the fused decoder path, which this target cannot take: "
-                               f"{target.fused_reason}")
-    rank, world, device = group.rank, group.world_size, group.device
-    with torch.no_grad():
-        layers = [shard_layer(layer, rank, world, device) for layer in target.fused_layers]
-    inner = target.model.model
-    inner.layers = torch.nn.ModuleList()  # the whole layers' weights; the fused slices replace them
-    target.model.__dict__.pop("_phasegraph_fused_layers", None)
-    target.model.to(device)
-    target.fused_layers = layers
-    target.device = device
-    target.kv_spec = attrs.evolve(target.kv_spec, num_kv_heads=layers[0].num_kv_heads)
-    target.tp = group

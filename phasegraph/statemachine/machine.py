@@ -132,9 +132,12 @@ class Machine:
                 self._validate(inp, mode, name, "input")
             if mode is _STRICT:
                 versions = _tensor_versions(inp)
+        clock = getattr(self.trace, "collective_clock", None)
+        clock_before = clock() if clock is not None else 0.0
         start = time.perf_counter_ns()
         out = spec.fn(inp, ctx, **extra)
         end = time.perf_counter_ns()
+        collective = clock() - clock_before if clock is not None else None
         if not isinstance(out, spec.output):
             raise PhaseContractViolation(
                 name, f"returned {type(out).__name__}, declared output is {spec.output.__name__}"
@@ -156,7 +159,7 @@ class Machine:
         self._state = out
         if self.trace is not None or _trace.has_listeners():
             t = _trace.Transition(
-                self.name, current, name, start, end, out.batch_size, type(out).__name__, note
+                self.name, current, name, start, end, out.batch_size, type(out).__name__, note, collective
             )
             if self.trace is not None:
                 self.trace.record(t)

@@ -42,6 +42,7 @@ class NodeView:
     visits: int | None = None
     mean_s: float | None = None
     notes: tuple[tuple[str, int], ...] = ()  # the trace's notes of its runs, in order (run lengths)
+    collective_s: float | None = None  # mean seconds a run spent in collectives (None: not measured)
 
 
 @attrs.frozen
@@ -89,6 +90,7 @@ def describe(graph: Drawable, trace: Trace | None = None) -> GraphView:
                 p.name, p.input, p.output, p.summary,
                 p.name == outline.entry, p.name in outline.terminals, count, mean,
                 tuple(trace.notes(p.name)) if trace is not None else (),
+                trace.collective_mean(p.name) if trace is not None else None,
             )
         )
     edges = [EdgeView(a, b, stats.get((a, b))) for a, b in outline.edges]
@@ -127,7 +129,7 @@ def to_text(view: GraphView) -> str:
         tag = " [entry]" if n.entry else (" [terminal]" if n.terminal else "")
         visit = ""
         if view.traced:
-            visit = f"  visits={n.visits} mean={_fmt_time(n.mean_s)}"
+            visit = f"  visits={n.visits} mean={_fmt_time(n.mean_s)}{_collective(n, '  collectives=')}"
         lines.append(f"  {n.name:<{width}}  {n.input} -> {n.output}{tag}{visit}")
         if n.summary:
             lines.append(f"  {'':<{width}}  {n.summary}")
@@ -145,6 +147,11 @@ def to_text(view: GraphView) -> str:
         label = _edge_label(e)
         lines.append(f"  {e.source} -> {e.target}" + (f"  ({label})" if label else ""))
     return "\n".join(lines) + "\n"
+
+
+def _collective(n: NodeView, prefix: str) -> str:
+    """The mean time a run spent in collectives, where the trace measured it."""
+    return "" if n.collective_s is None else prefix + _fmt_time(n.collective_s)
 
 
 def _timeline(runs: tuple[tuple[str, int], ...], most: int = 12) -> str:
@@ -166,7 +173,7 @@ def to_mermaid(view: GraphView) -> str:
     for n in view.nodes:
         detail = f"{n.input} → {n.output}"
         if view.traced:
-            detail += f"<br/>visits {n.visits} · mean {_fmt_time(n.mean_s)}"
+            detail += f"<br/>visits {n.visits} · mean {_fmt_time(n.mean_s)}{_collective(n, '<br/>collectives ')}"
         shape = ('(["', '"])') if n.entry else ('["', '"]')
         lines.append(f"    {_mermaid_id(n.name)}{shape[0]}{n.name}<br/><small>{detail}</small>{shape[1]}")
     for e in view.edges:
@@ -191,7 +198,7 @@ def to_dot(view: GraphView) -> str:
     for n in view.nodes:
         label = f"{n.name}\\n{n.input} → {n.output}"
         if view.traced:
-            label += f"\\nvisits {n.visits} · mean {_fmt_time(n.mean_s)}"
+            label += f"\\nvisits {n.visits} · mean {_fmt_time(n.mean_s)}" + _collective(n, "\\ncollectives ")
         extra = ', peripheries=2, fillcolor="#dff0d8"' if n.entry else ""
         label_attr = '"' + label.replace('"', '\\"') + '"'
         tooltip = _dot_quote(n.summary)

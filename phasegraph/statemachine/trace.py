@@ -29,6 +29,9 @@ class Transition:
     batch_size: int | None
     schema: str  # output schema name (plus dims when the machine validated them)
     note: str = ""  # what the caller said about this run (e.g. the speculation shape it ran)
+    # seconds of the phase spent in collectives (tensor-parallel all-reduces) on this process's
+    # rank, by the trace's collective clock; None where the trace has none
+    collective_s: float | None = None
 
     @property
     def seconds(self) -> float:
@@ -66,10 +69,16 @@ class EdgeStats:
 
 
 class Trace:
-    """An ordered record of transitions, with queries and exporters."""
+    """An ordered record of transitions, with queries and exporters.
 
-    def __init__(self, transitions: Iterable[Transition] = ()):
+    ``collective_clock``: seconds spent in collectives so far (cumulative, e.g. a tensor-parallel
+    group's all-reduces); a machine records its increase over each phase as the transition's
+    ``collective_s``. None: not measured."""
+
+    def __init__(self, transitions: Iterable[Transition] = (),
+                 collective_clock: Callable[[], float] | None = None):
         self.transitions: list[Transition] = list(transitions)
+        self.collective_clock = collective_clock
         self._t0 = time.perf_counter_ns()
 
     def record(self, t: Transition) -> None:
@@ -108,6 +117,12 @@ class Trace:
         for t in self.transitions:
             out[t.target] += t.seconds
         return dict(out)
+
+    def collective_mean(self, phase: str) -> float | None:
+        """Mean seconds a run of ``phase`` spent in collectives, over its measured runs (None:
+        none measured)."""
+        measured = [t.collective_s for t in self.transitions if t.target == phase and t.collective_s is not None]
+        return sum(measured) / len(measured) if measured else None
 
     def notes(self, phase: str) -> list[tuple[str, int]]:
         """The notes of ``phase``'s runs in order, consecutive equal notes as one (note, count):
@@ -155,6 +170,7 @@ class Trace:
                         "schema": t.schema,
                         "machine": t.machine,
                         **({"note": t.note} if t.note else {}),
+                        **({"collective_s": t.collective_s} if t.collective_s is not None else {}),
                     },
                 }
             )
@@ -233,12 +249,16 @@ def _transition_of_event(i: int, e: object) -> Transition:
         ("args.batch_size", args.get("batch_size"), (int,), True),
         ("args.schema", args.get("schema", ""), (str,), False),
         ("args.note", args.get("note", ""), (str,), False),
+        ("args.collective_s", args.get("collective_s"), (int, float), True),
     )
     for label, x, types, optional in checks:
         if not (x is None and optional) and (isinstance(x, bool) or not isinstance(x, types)):
-            kind = "a string" if types == (str,) else "an integer"
+            kind = {(str,): "a string", (int,): "an integer"}.get(types, "a number")
             raise ValueError(f"event {i}: {label!r} must be {kind}{' or null' if optional else ''}, "
                              f"got {x!r}")
+    collective = args.get("collective_s")
+    if collective is not None and not (math.isfinite(collective) and collective >= 0):
+        raise ValueError(f"event {i}: 'args.collective_s' must be a finite number >= 0, got {collective!r}")
     return Transition(
         machine=str(args.get("machine", e.get("tid"))),
         source=args.get("from"),
@@ -248,4 +268,5 @@ def _transition_of_event(i: int, e: object) -> Transition:
         batch_size=args.get("batch_size"),
         schema=args.get("schema", ""),
         note=args.get("note", ""),
+        collective_s=None if collective is None else float(collective),
     )

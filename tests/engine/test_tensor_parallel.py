@@ -19,7 +19,7 @@ import torch
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
 from phasegraph.runtime.errors import InvalidConfig, UnsupportedModel, WorkerDied
-from phasegraph.runtime.tensor_parallel import head_split
+from phasegraph.runtime.models.sharding import head_split
 from phasegraph.testing.checkpoints import write_hf_target
 from tests.engine.support import make_prompts, small_config, write_arch
 from tests.engine.tp_ranks import diverging_rank
@@ -58,6 +58,22 @@ CASES = {
 }
 
 
+TARGET_PHASES = ("prefill-extend", "decode", "verify")
+DRAFT_PHASES = ("draft-extend", "draft")
+
+
+def _check_collective_time(trace, draft_split: bool) -> None:
+    """Rank 0's trace: every run of a phase that runs the target (or a split draft) spent time in
+    the all-reduces; every other run exactly none."""
+    assert len(trace) > 0
+    for t in trace:
+        collective = TARGET_PHASES + (DRAFT_PHASES if draft_split else ())
+        if t.target in collective:
+            assert t.collective_s > 0, f"{t.target} recorded no all-reduce time"
+        else:
+            assert t.collective_s == 0.0, f"{t.target} recorded all-reduce time {t.collective_s}"
+
+
 def _engine(target, drafts, method, spec, page_size, pool, **kw) -> Engine:
     config = SpecConfig(method="none") if method == "none" else SpecConfig(method=method, **spec)
     draft = None if method == "none" else drafts[method]
@@ -80,6 +96,8 @@ def test_tp2_outputs_equal_tp1(pair, case):
             assert two.num_retractions >= 1, "the pool is not tight enough to retract"
             assert two.num_retractions == one.num_retractions
         two.check()
+        _check_collective_time(two.trace, draft_split=False)
+    assert all(t.collective_s is None for t in one.trace)  # no group: nothing to measure
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.token_ids == w.token_ids, f"request {i} differs at TP=2"
         assert g.stats.accept_lengths == w.stats.accept_lengths
@@ -195,9 +213,11 @@ def test_check_same_raises_rank_divergence():
     mp.spawn(diverging_rank, args=(port,), nprocs=2, join=True)
 
 
-def test_torchrun_spmd_generate_equals_tp1(pair, capsys):
+@pytest.mark.parametrize("draft_tp", ["1", "2"])
+def test_torchrun_spmd_generate_equals_tp1(pair, capsys, draft_tp):
     """``torchrun --nproc-per-node 2 -m phasegraph generate --tp 2``: every rank runs the command
-    (SPMD, nothing sent between ranks), rank 0 alone prints, the tokens are TP=1's."""
+    (SPMD, nothing sent between ranks), rank 0 alone prints, the tokens are TP=1's; with
+    ``--draft-tp 2`` the EAGLE-3 head is split too."""
     import subprocess
     import sys
     from pathlib import Path
@@ -211,7 +231,8 @@ def test_torchrun_spmd_generate_equals_tp1(pair, capsys):
     assert main(args) == 0
     want = capsys.readouterr().out
     torchrun = Path(sys.executable).with_name("torchrun")
-    run = subprocess.run([str(torchrun), "--nproc-per-node", "2", "-m", "phasegraph", *args, "--tp", "2"],
+    run = subprocess.run([str(torchrun), "--nproc-per-node", "2", "-m", "phasegraph", *args, "--tp", "2",
+                          "--draft-tp", draft_tp],
                          capture_output=True, text=True, timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout == want  # once: rank 1 prints nothing
@@ -236,3 +257,108 @@ def test_moe_target_is_refused_by_name(tmp_path):
     target = write_hf_target(tmp_path / "moe", "mixtral", **values)
     with pytest.raises(UnsupportedModel, match="fused decoder path"):
         Engine.from_pretrained(target, dtype="float32", tensor_parallel_size=2)
+
+
+DRAFT_TP_CASES = {
+    # name: as in CASES; the draft split over both ranks too (draft_tensor_parallel_size=2)
+    "eagle3-tree-P1-retract": CASES["eagle3-tree-P1-retract"],
+    "eagle3-chain-P16": CASES["eagle3-chain-P16"],
+    "standalone-tree-P16-retract": CASES["standalone-tree-P16-retract"],
+}
+
+
+@pytest.mark.parametrize("case", list(DRAFT_TP_CASES))
+def test_draft_tp2_outputs_equal_tp1(pair, case):
+    """The draft split like the target (the EAGLE-3 head's 4 query and 2 kv heads split in
+    halves; the standalone draft's 2 query heads split, its kv head replicated): greedy and
+    seeded-sampling tokens are TP=1's."""
+    target, drafts = pair
+    method, spec, page_size, pool = DRAFT_TP_CASES[case]
+    prompts, params = _workload()
+    one = _engine(target, drafts, method, spec, page_size, pool)
+    want = one.generate(prompts, params)
+    with _engine(target, drafts, method, spec, page_size, pool, tensor_parallel_size=2,
+                 draft_tensor_parallel_size=2, tp_check=True, check_every_step=True) as two:
+        assert two.draft.tp is two.tp
+        if method == "eagle3":
+            assert (two.draft.fused_layer.num_heads, two.draft.kv_spec.num_kv_heads) == (2, 1)
+        else:
+            assert (two.draft.model.fused_layers[0].num_heads, two.draft.kv_spec.num_kv_heads) == (1, 1)
+        got = two.generate(prompts, params)
+        if pool < 4096:
+            assert two.num_retractions >= 1, "the pool is not tight enough to retract"
+            assert two.num_retractions == one.num_retractions
+        two.check()
+        _check_collective_time(two.trace, draft_split=True)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.token_ids == w.token_ids, f"request {i} differs with the draft split"
+        assert g.stats.accept_lengths == w.stats.accept_lengths
+
+
+def test_draft_tp_values_are_checked_before_any_rank_starts(pair):
+    import multiprocessing
+
+    target, drafts = pair
+    eagle3 = SpecConfig(method="eagle3", topk=1, num_steps=2)
+    with pytest.raises(InvalidConfig, match=r"must be 1 \(the draft replicated\) or tensor_parallel_size=2; got 3"):
+        Engine.from_pretrained(target, drafts["eagle3"], spec=eagle3, tensor_parallel_size=2,
+                               draft_tensor_parallel_size=3)
+    with pytest.raises(InvalidConfig, match=r"or tensor_parallel_size=1; got 2"):
+        Engine.from_pretrained(target, drafts["eagle3"], spec=eagle3, draft_tensor_parallel_size=2)
+    with pytest.raises(InvalidConfig, match=r"draft_tensor_parallel_size must be an integer in \[1, 64\]; got 0"):
+        Engine.from_pretrained(target, drafts["eagle3"], spec=eagle3, draft_tensor_parallel_size=0)
+    for method in ("mtp", "eagle"):  # their layers run transformers' modules, which are not split
+        with pytest.raises(InvalidConfig, match=f"standalone and EAGLE-3 drafts only; method '{method}'"):
+            Engine.from_pretrained(target, drafts[method], spec=SpecConfig(method=method, topk=1, num_steps=2),
+                                   tensor_parallel_size=2, draft_tensor_parallel_size=2)
+    with pytest.raises(InvalidConfig, match="method 'none' has no draft split"):
+        Engine.from_pretrained(target, tensor_parallel_size=2, draft_tensor_parallel_size=2)
+    assert multiprocessing.active_children() == []
+
+
+def test_draft_tp_flag_reaches_the_engine(pair, capsys):
+    from phasegraph.cli import main
+
+    target, drafts = pair
+    args = ["generate", "--device", "cpu", "--target", str(target), "--draft", str(drafts["eagle3"]),
+            "--prompt-ids", "1,2,3", "--max-new-tokens", "4", "--tp", "2", "--draft-tp", "3"]
+    assert main(args) == 2
+    assert "draft_tensor_parallel_size must be 1 (the draft replicated) or tensor_parallel_size=2; got 3" in \
+        capsys.readouterr().err
+
+
+def test_eagle3_head_without_the_fused_path_refuses_the_split(pair):
+    """The split runs the fused layer; a head on transformers' modules says why not."""
+    from phasegraph.runtime.models.drafts import load_draft
+    from phasegraph.runtime.models.target import HFTarget
+    from phasegraph.runtime.tensor_parallel import TensorParallelGroup
+
+    target, drafts = pair
+    head = load_draft(drafts["eagle3"], HFTarget.from_pretrained(target, feature_mode="eagle3"), "eagle3",
+                      fused=False)
+    group = TensorParallelGroup(0, 2, "gloo", torch.device("cpu"), 30, "spmd")  # no collective is made
+    with pytest.raises(UnsupportedModel, match="splits the fused EAGLE-3 layer, which this head does not take: "
+                                               "switched off"):
+        head.split(group)
+    assert head.tp is None
+
+
+def test_graph_overlay_shows_the_all_reduce_time(pair, tmp_path, capsys):
+    """``phasegraph graph --trace`` over a TP=2 engine's saved trace: the phases that run the
+    target show the time rank 0 spent in the all-reduces, the others none."""
+    from phasegraph.cli import main
+
+    target, drafts = pair
+    with _engine(target, drafts, "eagle3", dict(topk=1, num_steps=2), 16, 4096, tensor_parallel_size=2) as two:
+        two.generate(make_prompts(2, seed=3), SamplingParams(max_new_tokens=6, ignore_eos=True))
+        path = two.save_trace(tmp_path / "trace.json")
+        verify = two.trace.collective_mean("verify")
+    assert verify > 0
+    assert main(["graph", "--trace", str(path)]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if "visits=" in line}
+    for phase in ("prefill-extend", "verify"):
+        shown = lines[phase].split("collectives=")[1]
+        assert shown != "0.0 µs" and shown.endswith(("µs", "ms", " s")), lines[phase]
+    for phase in ("draft-extend", "draft", "finalize-tree-path"):
+        assert lines[phase].endswith("collectives=0.0 µs"), lines[phase]
+    assert "collectives" not in lines["decode"]  # never ran: nothing measured

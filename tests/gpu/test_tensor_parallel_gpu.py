@@ -5,7 +5,8 @@ captured), overlap scheduling.
 
 The engine starts rank 1 on GPU 1 itself. float32: TP=2 produces exactly TP=1's tokens for no
 speculation, EAGLE-3 and standalone drafts, chain and tree, page size 1 and 16, with retraction
-forced and seeded sampling; bfloat16: at least 95 % of 64 prompts identical (the row-parallel
+forced and seeded sampling, also with the draft split over both GPUs (draft_tensor_parallel_size=2);
+bfloat16: at least 95 % of 64 prompts identical (the row-parallel
 sums round differently), as in the single-GPU suite.
 """
 
@@ -124,4 +125,23 @@ def test_tp2_symmetric_memory_all_reduce_equals_tp1(pair, case):
                  tp_all_reduce="symm_mem") as two:
         got = two.generate(prompts, params)
         assert two.tp.symm, "the symmetric buffers were not set up"
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
+
+
+@pytest.mark.parametrize(("case", "all_reduce"), [("eagle3-tree-P1-retract", "nccl"), ("standalone-chain-P1", "nccl"),
+                                                  ("eagle3-tree-P1-retract", "symm_mem")])
+def test_draft_tp2_fp32_equals_tp1_with_graphs(pair, case, all_reduce):
+    """The draft split over both GPUs too (draft_tensor_parallel_size=2), its all-reduces in the
+    same iteration graphs: the tokens are TP=1's."""
+    method, draft, spec, page_size, pool = CASES[case]
+    prompts, params = _workload()
+    want = _engine(pair, method, draft, spec, page_size, pool).generate(prompts, params)
+    with _engine(pair, method, draft, spec, page_size, pool, tensor_parallel_size=2, draft_tensor_parallel_size=2,
+                 tp_check=True, tp_all_reduce=all_reduce) as two:
+        got = two.generate(prompts, params)
+        assert two.draft.tp is two.tp
+        assert sum(p["replays"] for p in two.graph_runner.stats().values()) > 0
+        if pool < 16384:
+            assert two.num_retractions >= 1, "the pool is not tight enough to retract"
+        two.check()
     assert [g.token_ids for g in got] == [w.token_ids for w in want]

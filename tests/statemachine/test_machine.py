@@ -128,6 +128,32 @@ def test_trace_records_and_exports_chrome_json(graph, tmp_path):
     assert back.edges() == trace.edges()
 
 
+def test_trace_records_the_collective_clock_per_phase(graph, tmp_path):
+    """A trace with a collective clock: each transition holds its increase over the phase; it
+    survives the Chrome export and shows in the rendered graph. Without a clock: None, not shown."""
+    from phasegraph.statemachine.render import render
+
+    readings = iter([0.0, 0.0025, 0.0025, 0.0025])  # before and after each of the two phases
+    trace = Trace(collective_clock=lambda: next(readings))
+    m = Machine(graph, trace=trace)
+    ctx = syn.SyntheticContext()
+    m.advance("prefill-extend", ctx, state=syn.prefill_input([2, 3]))
+    m.advance("draft-extend", ctx)
+    assert [t.collective_s for t in trace] == [0.0025, 0.0]
+    back = Trace.load_chrome(trace.save_chrome(tmp_path / "t.json"))
+    assert [t.collective_s for t in back] == [0.0025, 0.0]
+    assert back.collective_mean("prefill-extend") == 0.0025 and back.collective_mean("verify") is None
+    lines = render(graph, "text", back).splitlines()
+    assert any(" prefill-extend " in s and "collectives=2.50 ms" in s for s in lines)
+    assert any(" draft-extend " in s and "collectives=0.0 µs" in s for s in lines)
+    assert "collectives 2.50 ms" in render(graph, "dot", back)
+    plain = Trace()
+    m = Machine(graph, trace=plain)
+    m.advance("prefill-extend", ctx, state=syn.prefill_input([2]))
+    assert plain.transitions[0].collective_s is None
+    assert "collectives" not in render(graph, "text", plain)
+
+
 def test_load_chrome_rejects_other_files(tmp_path):
     p = tmp_path / "x.json"
     p.write_text("{\"nope\": 1}")
@@ -256,6 +282,8 @@ OUT_OF_RANGE = " is out of range (a trace's times, start and end, are within ±1
     ({"args": {"from": 3}}, "event 0: 'args.from' must be a string or null, got 3"),
     ({"args": {"batch_size": "x"}}, "event 0: 'args.batch_size' must be an integer or null, got 'x'"),
     ({"args": []}, "event 0: 'args' must be an object, got list"),
+    ({"args": {"collective_s": "x"}}, "event 0: 'args.collective_s' must be a number or null, got 'x'"),
+    ({"args": {"collective_s": -1}}, "event 0: 'args.collective_s' must be a finite number >= 0, got -1"),
 ])
 def test_load_chrome_checks_every_field_it_reads(tmp_path, change, why):
     event = {"ph": "X", "name": "draft", "ts": 0, "dur": 1, "args": {"from": "draft-extend"}, **change}

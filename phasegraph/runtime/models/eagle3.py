@@ -54,6 +54,7 @@ from phasegraph.runtime.models.draft_base import FeatureDraft, require, run_deco
 from phasegraph.runtime.models.draft_layouts import layer_indices, require_layers, switch
 from phasegraph.runtime.models.fused_decoder import FusedLayer, fuse_layer, unfusable_config_reason
 from phasegraph.runtime.models.rotary_table import RotaryTable
+from phasegraph.runtime.models.sharding import shard_layer
 from phasegraph.runtime.models.take_rows import lookup_table, take_rows
 from phasegraph.runtime.models.target import HFTarget, declared_eagle3_layers, head_dim_of
 
@@ -213,6 +214,7 @@ class Eagle3Draft(FeatureDraft):
         self.d2t: torch.Tensor | None = getattr(head, "d2t", None)  # [Vd] int64
         self.fused_layer: FusedLayer | None = None
         self.fused_reason: str | None = "switched off (fused=False)"
+        self.tp = None  # a TensorParallelGroup once split() kept this rank's slice of the layer
         if fused is not False:
             self.fused_reason = unfusable_config_reason(config) or (
                 None if head.layout.plain else f"the head's layout ({head.layout}) has no fused path"
@@ -222,6 +224,19 @@ class Eagle3Draft(FeatureDraft):
             if self.fused_reason is None:
                 with torch.no_grad():
                     self.fused_layer = fuse_layer(head.first_layer, config)
+
+    def split(self, group) -> None:
+        """Keep ``group.rank``'s slice of the fused layer, split as the target's layers are
+        (``draft_tensor_parallel_size``); fc, norms, embedding and lm_head stay replicated."""
+        if self.fused_layer is None:
+            raise UnsupportedModel(f"draft_tensor_parallel_size={group.world_size} splits the fused EAGLE-3 layer, "
+                                   f"which this head does not take: {self.fused_reason}")
+        with torch.no_grad():
+            self.fused_layer = shard_layer(self.fused_layer, group.rank, group.world_size, group.device)
+        mid = self.head.first_layer
+        del mid.self_attn, mid.mlp  # the whole layer's weights: the fused slice replaces them
+        self.kv_spec = attrs.evolve(self.kv_spec, num_kv_heads=self.fused_layer.num_kv_heads)
+        self.tp = group
 
     @classmethod
     def check_config(cls, where: str, config: LlamaConfig, raw: dict, target: HFTarget) -> None:
@@ -354,6 +369,9 @@ class Eagle3Draft(FeatureDraft):
         head: Eagle3Head = self.head
         mid, layer = head.first_layer, self.fused_layer
         pool = self._attached_pool()
+        tp = self.tp
+        if tp is not None:
+            tp.start_forward()
         h = (linear(hidden.to(self.dtype), head.fc.weight, head.fc.bias, static_weight=True)
              if from_target else hidden)  # [T, Hd]
         table = lookup_table(self.embedding)
@@ -367,6 +385,8 @@ class Eagle3Draft(FeatureDraft):
         )
         cos, sin, rope_rows = RotaryTable.of(self.rotary).lookup(x, positions, attn)
         attn_out = layer.attention(x, cos, sin, pool.k[0], pool.v[0], attn, rope_rows)  # [T, Hd]
+        if tp is not None:  # a rank's o product is a partial sum (row parallel)
+            attn_out = tp.all_reduce_(attn_out)
         if head.layout.norm_before_residual:  # the residual is hidden_norm(h), x's second half
             h = x[:, self.hidden_size:].contiguous()
         # h1 = h + attn_out; gate_up = post_attention_layernorm(h1) @ gate_up
@@ -376,6 +396,8 @@ class Eagle3Draft(FeatureDraft):
         )
         mlp_out = silu_mul_linear(gate_up, layer.down_weight, layer.down_bias,
                                   static_weight=True)  # [T, Hd]
+        if tp is not None:  # so is its down product
+            mlp_out = tp.all_reduce_(mlp_out)
         norm_eps = float(head.norm.variance_epsilon)
         rows = None  # [R, Hd] the rows of out at logits_index
         if logits_index is None:  # out = h1 + mlp_out; logits = lm_head(norm(out))

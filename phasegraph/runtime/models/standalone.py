@@ -18,6 +18,7 @@ from phasegraph.phases.protocols import DraftOutput
 from phasegraph.runtime.errors import DraftMismatch
 from phasegraph.runtime.kv_pool import KVPool
 from phasegraph.runtime.models.loading import read_config
+from phasegraph.runtime.models.sharding import shard_target
 from phasegraph.runtime.models.target import HFTarget, load_causal_lm
 
 
@@ -41,6 +42,15 @@ class StandaloneDraft:
         self.kv_spec = model.kv_spec
         self.dtype = model.dtype
         self.device = model.device
+        self.tp = None  # a TensorParallelGroup once split() kept this rank's slice of the layers
+
+    def split(self, group) -> None:
+        """Keep ``group.rank``'s slice of the layers, split as the target is
+        (``draft_tensor_parallel_size``; the model was loaded whole, on the CPU)."""
+        shard_target(self.model, group, "standalone draft")
+        self.kv_spec = self.model.kv_spec
+        self.device = group.device
+        self.tp = group
 
     @classmethod
     def from_pretrained(
