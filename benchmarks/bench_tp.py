@@ -61,7 +61,7 @@ def random_target(shape: str, group, layers: int | None = None, device: str = "c
     from transformers import LlamaConfig
 
     from phasegraph.bench.common import fill_random_weights
-    from phasegraph.runtime.models.sharding import shard_layer
+    from phasegraph.runtime.models.fused_decoder import shard_layer
     from phasegraph.runtime.models.target import HFTarget, build_causal_lm, eagle3_feature_layers
 
     fields = dict(SHAPES[shape])

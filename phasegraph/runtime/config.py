@@ -408,7 +408,7 @@ def _token_ids(value):
 
 
 TP_ALL_REDUCES = ("nccl", "symm_mem")
-# the drafts that run fused decoder layers, which runtime/models/sharding.py splits
+# the drafts that run fused decoder layers, which runtime/models/fused_decoder.py splits
 DRAFT_TP_METHODS = ("standalone", "eagle3")
 # long enough for ranks that load a large checkpoint at different speeds to meet at the first
 # collective; a dead rank is noticed sooner (the liveness check, or gloo's closed connection)

@@ -60,9 +60,9 @@ from phasegraph.runtime.kv_pool import KVCacheManager, PrefixCacheStats
 from phasegraph.runtime.memory import PhaseMemory
 from phasegraph.runtime.methods import registered
 from phasegraph.runtime.models.drafts import draft_kind, load_draft
+from phasegraph.runtime.models.fused_decoder import shard_target
 from phasegraph.runtime.models.gguf import convert_gguf, is_gguf
 from phasegraph.runtime.models.loading import load_tokenizer, read_json_object
-from phasegraph.runtime.models.sharding import shard_target
 from phasegraph.runtime.models.target import HFTarget
 from phasegraph.runtime.prefill_graph import token_buckets_for
 from phasegraph.runtime.requests import Request, Status

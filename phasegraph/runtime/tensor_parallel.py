@@ -3,7 +3,7 @@
 Each rank holds a slice of every decoder layer: the merged qkv product by head group and the
 merged gate_up product by intermediate block (column parallel), ``o`` and ``down`` by the
 matching input columns (row parallel), so a layer needs one all-reduce after ``o`` and one after
-``down`` (the slicing: :mod:`phasegraph.runtime.models.sharding`). The embedding, the final
+``down`` (the slicing: :mod:`phasegraph.runtime.models.fused_decoder`). The embedding, the final
 norm and the lm_head are replicated: every rank computes the same logits from the same
 all-reduced hidden state, so sampling (counter-based coins, :mod:`phasegraph.kernels.random`)
 picks the same tokens on every rank without another collective. Each rank's KV pool holds only its kv heads; where the tensor-parallel size does not

@@ -19,7 +19,7 @@ import torch
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
 from phasegraph.runtime.errors import InvalidConfig, UnsupportedModel, WorkerDied
-from phasegraph.runtime.models.sharding import head_split
+from phasegraph.runtime.models.fused_decoder import head_split
 from phasegraph.testing.checkpoints import write_hf_target
 from tests.engine.support import make_prompts, small_config, write_arch
 from tests.engine.tp_ranks import diverging_rank

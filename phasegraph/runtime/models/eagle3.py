@@ -52,9 +52,13 @@ from phasegraph.phases.protocols import DraftOutput
 from phasegraph.runtime.errors import UnsupportedDraftLayout, UnsupportedModel
 from phasegraph.runtime.models.draft_base import FeatureDraft, require, run_decoder_layer
 from phasegraph.runtime.models.draft_layouts import layer_indices, require_layers, switch
-from phasegraph.runtime.models.fused_decoder import FusedLayer, fuse_layer, unfusable_config_reason
+from phasegraph.runtime.models.fused_decoder import (
+    FusedLayer,
+    fuse_layer,
+    shard_layer,
+    unfusable_config_reason,
+)
 from phasegraph.runtime.models.rotary_table import RotaryTable
-from phasegraph.runtime.models.sharding import shard_layer
 from phasegraph.runtime.models.take_rows import lookup_table, take_rows
 from phasegraph.runtime.models.target import HFTarget, declared_eagle3_layers, head_dim_of
 

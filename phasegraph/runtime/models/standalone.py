@@ -17,8 +17,8 @@ from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.phases.protocols import DraftOutput
 from phasegraph.runtime.errors import DraftMismatch
 from phasegraph.runtime.kv_pool import KVPool
+from phasegraph.runtime.models.fused_decoder import shard_target
 from phasegraph.runtime.models.loading import read_config
-from phasegraph.runtime.models.sharding import shard_target
 from phasegraph.runtime.models.target import HFTarget, load_causal_lm
 
 
