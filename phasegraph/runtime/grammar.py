@@ -8,7 +8,6 @@ until a request asks for a grammar.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 
 import torch
 
@@ -96,17 +95,10 @@ class BatchGrammar:
     Masks are filled on the host (xgrammar's matchers run there), walking each path with
     ``accept_token`` and undoing it with ``rollback``, so every matcher is left at the request's
     emitted tokens: only :meth:`Request.append` advances it, over the tokens a phase emitted.
-    Under overlap scheduling the batch's previous iteration may still be in flight: its tokens
-    (``pending``) lead every path, so masks never wait for the host to collect it.
     """
 
-    def __init__(self, matchers: list, vocab_size: int, device, resumed: list[bool] | None = None,
-                 pending: Callable[[], list[list[int]]] | None = None):
+    def __init__(self, matchers: list, vocab_size: int, device, resumed: list[bool] | None = None):
         self.matchers = matchers
-        # overlap scheduling: the tokens the iteration still in flight emitted for each row, which
-        # the matchers have not accepted yet (read at the first call: a wait for that iteration)
-        self._read_pending = pending
-        self._pending: list[list[int]] | None = None
         # prefill of retracted requests: their first token is one the matcher already took
         self.resumed = resumed or [False] * len(matchers)
         self.vocab_size = vocab_size
@@ -132,7 +124,6 @@ class BatchGrammar:
             m = self.matchers[b] if b < len(self.matchers) else None
             if m is None:
                 continue
-            path = self._pending_of(b) + path
             taken = 0
             for token in path:
                 if m.is_terminated() or not 0 <= token < self.vocab_size or not m.accept_token(token):
@@ -143,11 +134,6 @@ class BatchGrammar:
             if taken:
                 m.rollback(taken)
         return out.to(self.device)
-
-    def _pending_of(self, b: int) -> list[int]:
-        if self._pending is None:
-            self._pending = [] if self._read_pending is None else self._read_pending()
-        return self._pending[b] if b < len(self._pending) else []
 
     def next_token_bitmask(self, rows: int | None = None) -> torch.Tensor:
         return self._masks([[] for _ in range(len(self.matchers) if rows is None else rows)])
@@ -175,15 +161,6 @@ class BatchGrammar:
         for b, m in enumerate(self.matchers):
             if m is None:
                 continue
-            pending = self._pending_of(b)
-            taken = 0
-            for token in pending:  # the root's path: the tokens in flight, then the bonus token's
-                if m.is_terminated() or not m.accept_token(token):
-                    break
-                taken += 1
-            if taken < len(pending):  # a path the grammar ended or refused: the row is never used
-                m.rollback(taken)
-                continue
             children: list[list[int]] = [[] for _ in range(N)]
             for j in range(1, N):
                 children[par[b][j]].append(j)
@@ -199,6 +176,4 @@ class BatchGrammar:
                         m.rollback(1)
 
             visit(0)  # the root is the bonus token, already emitted
-            if taken:
-                m.rollback(taken)
         return out.to(self.device)

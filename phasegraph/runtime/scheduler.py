@@ -179,10 +179,13 @@ class Scheduler:
         self._filter_finished()
         issued = None
         if self.running:
-            if self.in_flight is not None and (self._pages_short() or self._all_may_finish()):
+            if self.in_flight is not None and (self._pages_short() or self._all_may_finish()
+                                               or self._grammar_running()):
                 # exact lengths before reserving (or retracting); or the iteration in flight may
                 # finish every request by its budget: one un-overlapped step instead of a wasted
-                # iteration (a whole decode step or speculative iteration at the end of a batch)
+                # iteration (a whole decode step or speculative iteration at the end of a batch);
+                # or a request has structured output: its masks need the matcher at its tokens,
+                # and each mask waits for the tokens before it, so overlap would hide nothing
                 touched |= self.drain()
             if self.running:
                 self._reserve_pages()
@@ -213,34 +216,15 @@ class Scheduler:
         commits at least one and at most ``commit_per_iteration`` tokens to each)."""
         return all(r.remaining <= self.commit_per_iteration for r in self.running)
 
+    def _grammar_running(self) -> bool:
+        return any(r.matcher is not None for r in self.running)
+
     def _grammar(self, reqs: list[Request], prefill: bool = False) -> BatchGrammar | None:
-        """The grammar masks of a batch whose rows are ``reqs``; None where none has a grammar.
-        With an iteration in flight, its tokens lead each row's paths (not yet collected)."""
+        """The grammar masks of a batch whose rows are ``reqs``; None where none has a grammar."""
         if all(r.matcher is None for r in reqs):
             return None
         resumed = [r.resuming for r in reqs] if prefill else None
-        pending = None if prefill or self.in_flight is None else self._tokens_in_flight(self.in_flight, reqs)
-        return BatchGrammar([r.matcher for r in reqs], self.ctx.target.vocab_size, self.device, resumed, pending)
-
-    def _tokens_in_flight(self, flight: InFlight, reqs: list[Request]):
-        """A reader of the tokens ``flight`` emitted for each of ``reqs`` (those its collection
-        will append), waiting for that iteration's copy to the host when first called."""
-        rows = {id(r): i for i, r in enumerate(flight.batch)}
-
-        def read() -> list[list[int]]:
-            if flight.ready is not None:
-                start = time.perf_counter()
-                flight.ready.synchronize()
-                self.device_wait_s += time.perf_counter() - start
-            packed = flight.tokens.tolist()
-            out = []
-            for req in reqs:
-                i = rows.get(id(req))
-                row = [] if i is None or req.matcher is None else packed[i] if flight.speculative else packed[i : i + 1]
-                out.append(row[: sum(1 for t in row if t >= 0)])  # what _collect appends
-            return out
-
-        return read
+        return BatchGrammar([r.matcher for r in reqs], self.ctx.target.vocab_size, self.device, resumed)
 
     def _lookahead(self) -> int:
         """Tokens past its host-side ``seq_len`` a running request may write in the next

@@ -344,21 +344,10 @@ def test_masks_that_ignore_the_drafted_ancestry_are_caught(root, sampled_alone, 
 
 
 @pytest.mark.parametrize("name", ["none", "eagle3-tree"])
-def test_overlap_retraction_and_strict_validation_keep_the_output(root, greedy_reference, name, monkeypatch):
-    """Overlap scheduling (a grammar batch's next iteration is issued before the host collects
-    the one in flight: its masks read that iteration's tokens first), requests retracted mid-run
-    (they resume with the matcher at their tokens) and strict phase validation (every schema
-    and invariant, inputs never mutated) change no token."""
-    from phasegraph.runtime.scheduler import Scheduler
-
-    read_in_flight = []
-    tokens_in_flight = Scheduler._tokens_in_flight
-
-    def counted(self, flight, reqs):
-        read = tokens_in_flight(self, flight, reqs)
-        return lambda: read_in_flight.append(read()) or read_in_flight[-1]
-
-    monkeypatch.setattr(Scheduler, "_tokens_in_flight", counted)
+def test_overlap_retraction_and_strict_validation_keep_the_output(root, greedy_reference, name):
+    """Overlap scheduling (a grammar batch is collected before the next iteration is issued),
+    requests retracted mid-run (they resume with the matcher at their tokens) and strict phase
+    validation (every schema and invariant, inputs never mutated) change no token."""
     engine = _engine(root, name, overlap=True, validate="strict")
     ids = [f"r{i}" for i in range(len(SCHEMAS))]
     for i, rid in enumerate(ids):
@@ -377,8 +366,6 @@ def test_overlap_retraction_and_strict_validation_keep_the_output(root, greedy_r
     assert len(retracted) >= 2
     assert [tokens[rid] for rid in ids] == greedy_reference
     assert_all_free(engine)
-    # grammar iterations overlapped: most masks were made before the host collected the tokens
-    assert len(read_in_flight) > steps // 2 and any(any(row) for rows in read_in_flight for row in rows)
 
 
 def test_a_grammar_batch_split_in_two_groups_keeps_the_output(root, greedy_reference):
