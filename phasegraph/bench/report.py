@@ -213,20 +213,18 @@ def _feature_goals(add, part: dict) -> None:
     the same with and without speculation, so its rows compare like for like)."""
     rows = {(r["config"], r["feature"], r["batch"]): r for r in part.get("rows", [])}
     spec_json, alone_json = rows.get((CHAIN, "json_schema", 1)), rows.get((BASELINE, "json_schema", 1))
-    goal = f"trained pair, batch 1: JSON schema with speculation ≥ {JSON_VS_PLAIN}× plain speculation (same lengths)"
-    if spec_json and spec_json.get("plain_same_lengths_tokens_per_s"):
-        x = spec_json["tokens_per_s"] / spec_json["plain_same_lengths_tokens_per_s"]
-        add(goal, f"{x:.2f}× ({spec_json['tokens_per_s']:.0f} vs {spec_json['plain_same_lengths_tokens_per_s']:.0f} tok/s)",
-            x >= JSON_VS_PLAIN)
-    else:
-        add(goal, "not measured", None)
-    goal = f"trained pair, batch 1: JSON schema with speculation ≥ {JSON_VS_DECODE}× without speculation"
-    if spec_json and alone_json:
-        x = spec_json["tokens_per_s"] / alone_json["tokens_per_s"]
-        add(goal, f"{x:.2f}× ({spec_json['tokens_per_s']:.0f} vs {alone_json['tokens_per_s']:.0f} tok/s)",
-            x >= JSON_VS_DECODE)
-    else:
-        add(goal, "not measured", None)
+
+    def ratio(goal: str, other_tokens_per_s: float | None, least: float) -> None:
+        if not (spec_json and other_tokens_per_s):
+            add(goal, "not measured", None)
+            return
+        x = spec_json["tokens_per_s"] / other_tokens_per_s
+        add(goal, f"{x:.2f}× ({spec_json['tokens_per_s']:.0f} vs {other_tokens_per_s:.0f} tok/s)", x >= least)
+
+    ratio(f"trained pair, batch 1: JSON schema with speculation ≥ {JSON_VS_PLAIN}× plain speculation (same lengths)",
+          (spec_json or {}).get("plain_same_lengths_tokens_per_s"), JSON_VS_PLAIN)
+    ratio(f"trained pair, batch 1: JSON schema with speculation ≥ {JSON_VS_DECODE}× without speculation",
+          (alone_json or {}).get("tokens_per_s"), JSON_VS_DECODE)
     goal = f"trained pair, batch 1: logprobs=20 costs ≤ {LOGPROBS_COST:.0%} of an iteration"
     costs = {}
     for config in (BASELINE, CHAIN):

@@ -137,6 +137,12 @@ def run_demo(args: argparse.Namespace) -> int:
     best = max((chain, tree), key=lambda r: r["tok_s"])
     print(f"best speculative configuration: {best['label']}, {best['tok_s'] / base['tok_s']:.2f}x the baseline's tokens/s")
     print(f"greedy outputs identical to the baseline: {'yes' if same else 'NO'}")
+    first = base["outs"][0]
+    reference = _transformers_generate((model or {}).get("target", demo_pair_dir() / "target"), first)
+    agrees = reference == first.token_ids
+    same = same and agrees
+    print(f"the first output identical to transformers' generate ({len(first.token_ids)} tokens, its own "
+          f"attention): {'yes' if agrees else 'NO'}")
     if smol:
         print("note: one request at a time, the setting speculation is for: a verify reads the\n"
               "      weights once for all its tokens, where the baseline reads them once per token.")
@@ -183,6 +189,22 @@ def _smollm2(head: Path, count: int):
     tok = load_tokenizer(target)
     prompts = [chat_ids(tok, r) for r in requests]
     return {"target": target, "head": head, "kv_tokens": SMOLLM2_KV_TOKENS}, requests, prompts
+
+
+def _transformers_generate(target: Path, out) -> list[int]:
+    """transformers' greedy ``generate`` of ``out``'s prompt (the model loaded by transformers
+    alone, with its own attention), as many new tokens as ``out`` has."""
+    import torch
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging
+
+    logging.disable_progress_bar()  # the demo's output stays its own
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32)
+    ids = torch.tensor([out.prompt_token_ids])  # [1, P]
+    with torch.no_grad():
+        new = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=len(out.token_ids),
+                             do_sample=False, num_beams=1, pad_token_id=model.config.eos_token_id)
+    return new[0, ids.shape[1]:].tolist()
 
 
 def show_completion(number: int, prompt: str, completion: str, color: bool = False) -> None:

@@ -81,6 +81,18 @@ def _engine(target, drafts, method, spec, page_size, pool, **kw) -> Engine:
                                   dtype="float32", max_batch_size=N_REQUESTS, **kw)
 
 
+def _generate_checked(two, one, prompts, params, pool: int, draft_split: bool):
+    """``two``'s outputs, after checking its retractions match ``one``'s where the pool is tight,
+    its invariants, and the all-reduce time its trace recorded."""
+    got = two.generate(prompts, params)
+    if pool < 4096:
+        assert two.num_retractions >= 1, "the pool is not tight enough to retract"
+        assert two.num_retractions == one.num_retractions
+    two.check()
+    _check_collective_time(two.trace, draft_split=draft_split)
+    return got
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_tp2_outputs_equal_tp1(pair, case):
     target, drafts = pair
@@ -91,12 +103,7 @@ def test_tp2_outputs_equal_tp1(pair, case):
     with _engine(target, drafts, method, spec, page_size, pool, tensor_parallel_size=2, tp_check=True,
                  check_every_step=True) as two:
         assert two.target.kv_spec.num_kv_heads == 1  # 1 kv head: replicated, not split
-        got = two.generate(prompts, params)
-        if pool < 4096:
-            assert two.num_retractions >= 1, "the pool is not tight enough to retract"
-            assert two.num_retractions == one.num_retractions
-        two.check()
-        _check_collective_time(two.trace, draft_split=False)
+        got = _generate_checked(two, one, prompts, params, pool, draft_split=False)
     assert all(t.collective_s is None for t in one.trace)  # no group: nothing to measure
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.token_ids == w.token_ids, f"request {i} differs at TP=2"
@@ -284,12 +291,7 @@ def test_draft_tp2_outputs_equal_tp1(pair, case):
             assert (two.draft.fused_layer.num_heads, two.draft.kv_spec.num_kv_heads) == (2, 1)
         else:
             assert (two.draft.model.fused_layers[0].num_heads, two.draft.kv_spec.num_kv_heads) == (1, 1)
-        got = two.generate(prompts, params)
-        if pool < 4096:
-            assert two.num_retractions >= 1, "the pool is not tight enough to retract"
-            assert two.num_retractions == one.num_retractions
-        two.check()
-        _check_collective_time(two.trace, draft_split=True)
+        got = _generate_checked(two, one, prompts, params, pool, draft_split=True)
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         assert g.token_ids == w.token_ids, f"request {i} differs with the draft split"
         assert g.stats.accept_lengths == w.stats.accept_lengths
