@@ -126,7 +126,7 @@ def test_json_holds_every_figure_and_the_environment(quick_run):
     for x in sc["rows"] + sc["baseline"]:
         assert x["gc"]["frozen"] is True and 0 <= x["gc"]["seconds"] <= x["seconds"]
 
-    assert len(r["goals"]) == 10
+    assert len(r["goals"]) == 13
     assert all(g["met"] in (True, False) for g in r["goals"]), r["goals"]  # every goal measured
     (identical_goal,) = [g for g in r["goals"] if "identical" in g["goal"]]
     assert identical_goal["met"] is True, identical_goal
@@ -146,10 +146,12 @@ def test_markdown_table(quick_run):
             f"`{digests['eagle3']}`; trained in this run, every stage whole (target 30/30 · head 20/20 steps)") in md
     for goal in ("EAGLE-3 tree η ≥ 0.75", "≥ 5× transformers' assisted generation",
                  "identical to the baseline in every row", "SIMULATED τ = 4: η ≥ 0.75",
-                 "≥ 1.3× baseline", "85% of the memory-bandwidth bound"):
+                 "≥ 1.3× baseline", "85% of the memory-bandwidth bound",
+                 "JSON schema with speculation ≥ 0.9× plain speculation (same lengths)",
+                 "JSON schema with speculation ≥ 1.5× without speculation", "logprobs=20 costs ≤ 10%"):
         assert goal in md, goal
     goal_rows = md.split("## Goals")[1]
-    assert goal_rows.count("| met |") + goal_rows.count("| **not met** |") == 10
+    assert goal_rows.count("| met |") + goal_rows.count("| **not met** |") == 13
 
 
 def test_plots(quick_run):
