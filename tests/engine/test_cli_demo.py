@@ -25,7 +25,7 @@ def test_a_short_demo_prints_identical_outputs_and_writes_its_graph(tmp_path, ca
     assert rc == 0, out
     assert "1 held-out stdlib prompts, 8 new tokens each" in out
     assert "greedy outputs identical to the baseline: yes" in out
-    assert "the first output identical to transformers' generate (8 tokens, its own attention): yes" in out
+    assert "greedy outputs identical to transformers' greedy choices (its own model and attention): yes" in out
     assert out.count("--- completion") == 1
     # the prompt exactly, its final newline kept, then the marker, then the completion
     (prompt,) = demo_prompts(1)
@@ -42,12 +42,12 @@ def test_a_short_demo_prints_identical_outputs_and_writes_its_graph(tmp_path, ca
 def test_a_demo_whose_output_transformers_does_not_reproduce_fails(monkeypatch, capsys):
     import phasegraph.cli.demo as demo
 
-    monkeypatch.setattr(demo, "_transformers_generate", lambda target, out: [t + 1 for t in out.token_ids])
+    monkeypatch.setattr(demo, "_transformers_choices", lambda target, outs: [[t + 1 for t in o.token_ids] for o in outs])
     rc = main(["demo", "--model", "pair", "--device", "cpu", "--prompts", "1", "--max-new-tokens", "4", "--show", "0"])
     out = capsys.readouterr().out
     assert rc == 1
     assert "greedy outputs identical to the baseline: yes" in out
-    assert "the first output identical to transformers' generate (4 tokens, its own attention): NO" in out
+    assert "greedy outputs identical to transformers' greedy choices (its own model and attention): NO" in out
 
 
 class _Stopped(Exception):
@@ -215,7 +215,7 @@ def test_smollm2_demo_runs_with_a_head_of_the_real_shape(tmp_path, capsys, monke
     assert rc == 0, out
     assert "1 held-out HumanEval problems through the chat template" in out
     assert "greedy outputs identical to the baseline: yes" in out
-    assert "the first output identical to transformers' generate (8 tokens, its own attention): yes" in out
+    assert "greedy outputs identical to transformers' greedy choices (its own model and attention): yes" in out
     assert "EAGLE-3 chain (S=3)" in out and "EAGLE-3 tree (K=4, S=4, N=16)" in out
     assert "best speculative configuration:" in out
     assert "Complete this Python function." in out  # the request is shown, then the answer
