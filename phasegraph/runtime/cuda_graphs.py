@@ -51,6 +51,7 @@ import attrs
 import torch
 
 from phasegraph.phases.schemas import REQUEST
+from phasegraph.runtime.errors import PhasegraphRuntimeError
 from phasegraph.statemachine import PhaseSpec, Schema
 from phasegraph.statemachine.rows import check_padding, padding_plan
 
@@ -590,7 +591,7 @@ _OUTPUT_ROWS: dict[str, Callable[..., int]] = {
 }
 
 
-class GrammarCallError(RuntimeError):
+class GrammarCallError(PhasegraphRuntimeError, RuntimeError):
     """A phase asked the grammar something a segmented graph cannot replay (an argument that is
     neither a device tensor nor a row count), or asked in another order than when captured."""
 
@@ -599,7 +600,7 @@ class GrammarCallError(RuntimeError):
 class _HostCall:
     name: str
     args: tuple  # the static device tensors (or the row count) the call reads
-    out: torch.Tensor  # [R, Vw] int32, the static buffer the pieces after it read
+    out: torch.Tensor  # [R, Vw] int32: the static buffer that the pieces after the call read
 
     def run(self, grammar: Any) -> None:
         self.out.copy_(getattr(grammar, self.name)(*self.args), non_blocking=True)

@@ -463,3 +463,42 @@ def test_an_engine_that_cannot_end_or_read_a_grammar_refuses_it_by_name():
     simulated = Engine.from_pretrained(demo_pair_dir() / "target", demo_pair_dir() / "eagle3", simulate_accept_length=3)
     with pytest.raises(InvalidRequest, match="simulate_accept_length"):
         simulated.add_request("c", "x", SamplingParams(max_new_tokens=4, regex="[0-9]+"))
+
+
+def test_a_cut_graph_refuses_host_arguments_and_calls_out_of_order():
+    """Emulated: a grammar call with a host list cannot be replayed from a graph (named error at
+    capture), and a replay that asks other calls than the capture did is refused by name."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from phasegraph.runtime.cuda_graphs import GrammarCallError, SegmentedGraph
+
+    class Masks:
+        words = 2
+
+        def beam_bitmask(self, beam_tokens, beam_parent=None):
+            return torch.full((beam_tokens.numel(), 2), -1, dtype=torch.int32)
+
+        def tree_bitmask(self, draft_tokens, parents):
+            return torch.zeros((draft_tokens.numel(), 2), dtype=torch.int32)
+
+    ctx = SimpleNamespace(grammar=Masks())
+    with pytest.raises(GrammarCallError, match="device tensors or row counts; got list"):
+        SegmentedGraph(ctx, lambda: ctx.grammar.beam_bitmask([[1, 2]]), emulate=True).capture()
+    assert isinstance(ctx.grammar, Masks)  # the stand-in is gone after the error
+
+    order = ["beam_bitmask"]
+
+    def run() -> list:  # an iteration of no phase outputs: only its grammar call
+        getattr(ctx.grammar, order[0])(torch.tensor([[3, 4]]), torch.zeros(1, 2, dtype=torch.int64))
+        return []
+
+    graph = SegmentedGraph(ctx, run, emulate=True)
+    graph.capture()
+    (call,) = graph.calls
+    assert call.name == "beam_bitmask" and call.out.tolist() == [[-1, -1], [-1, -1]]
+    graph.replay()
+    order[0] = "tree_bitmask"
+    with pytest.raises(GrammarCallError, match="grammar call tree_bitmask where the capture made beam_bitmask"):
+        graph.replay()
