@@ -233,7 +233,10 @@ def test_ctrl_c_prints_what_was_generated_and_exits_130():
     argv = [sys.executable, "-m", "phasegraph.cli", "generate", "--target", str(pair / "target"),
             "--draft", str(pair / "eagle3"), "--prompt", CTRL_C_PROMPT, "--max-new-tokens", "1000",
             "--ignore-eos", "--device", "cpu"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    # as from a terminal: a suite started as a background job passes SIGINT on ignored, and the
+    # CLI rightly keeps ignoring it there
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         _read_until(proc.stderr, b"generating", timeout_s=120)  # the progress bar: the run has begun
         time.sleep(0.5)
