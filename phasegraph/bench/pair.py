@@ -368,7 +368,6 @@ QUICK_FEATURE_SCHEMA = {
     "type": "object", "required": ["name", "count"], "additionalProperties": False,
     "properties": {"name": {"type": "string", "maxLength": 4}, "count": {"type": "integer", "minimum": 0, "maximum": 9}},
 }
-FEATURES = (("plain", {}), ("json_schema", {}), ("logprobs=20", {"logprobs": 20}))
 
 
 def measure_features(run: BenchRun, pair: Path, prompts: list[list[int]], engine_kw: dict) -> None:
@@ -382,10 +381,11 @@ def measure_features(run: BenchRun, pair: Path, prompts: list[list[int]], engine
     from phasegraph import Engine, SamplingParams, SpecConfig
 
     a = run.args
-    features = [f for f in FEATURES if f[0] != "json_schema" or importlib.util.find_spec("xgrammar")]
     schema = QUICK_FEATURE_SCHEMA if a.quick else FEATURE_SCHEMA
+    every = (("plain", {}), ("json_schema", {"json_schema": schema}), ("logprobs=20", {"logprobs": 20}))
+    features = [f for f in every if f[0] != "json_schema" or importlib.util.find_spec("xgrammar")]
     part = run.result["trained_pair"]["features"] = {"schema": schema, "rows": []}
-    if len(features) < len(FEATURES):
+    if len(features) < len(every):
         part["note"] = "the grammar extra is not installed: no json_schema rows (pip install 'phasegraph[grammar]')"
     chain = next(kw for label, kw, _ in PG_CONFIGS if label == CHAIN)
     for label, spec_kw, draft in ((BASELINE, {"method": "none"}, None), (CHAIN, chain, pair / "eagle3")):
@@ -395,8 +395,7 @@ def measure_features(run: BenchRun, pair: Path, prompts: list[list[int]], engine
             for feature, extra in features:
                 json_rows = feature == "json_schema"  # room for the object to end, whatever --new-tokens
                 params = SamplingParams(max_new_tokens=max(a.new_tokens, 256) if json_rows else a.new_tokens,
-                                        temperature=0.0, ignore_eos=not json_rows,
-                                        **({"json_schema": schema} if json_rows else extra))
+                                        temperature=0.0, ignore_eos=not json_rows, **extra)
                 _, wall, outs, _, _ = warm_then_time(run, engine, calls, params)
                 n = sum(len(o.token_ids) for o in outs)
                 row = {"config": label, "feature": feature, "batch": b, "seconds": wall, "new_tokens": n,

@@ -163,6 +163,7 @@ def estimate_seconds(run: BenchRun) -> dict[str, float]:
     est["total"] = sum(est.values())
     return est
 
+
 def _real_model(count: int):
     """Part 1's real model for :func:`~phasegraph.bench.pair.measure_real_model`: the demo's
     SmolLM2-135M-Instruct (converted once; the line saying so prints as the demo's does), its
