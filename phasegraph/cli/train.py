@@ -52,6 +52,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--overwrite", action="store_true",
                    help="train into a non-empty --out: its target/, eagle3/, draft/ and "
                    "train_report.json are replaced once the run has finished; other files stay")
+    p.add_argument("--generate-only", action="store_true",
+                   help="smollm2, distill-tiny: generate the target's responses into "
+                   "OUT/responses.pt and stop (the whole --time-budget-s generates)")
+    p.add_argument("--responses", metavar="FILE",
+                   help="smollm2, distill-tiny: train from the responses a --generate-only run "
+                   "saved, without generating")
     p.add_argument("--plan", action="store_true",
                    help="print sizes and the projected H100 time, then exit")
     return p
@@ -94,8 +100,10 @@ def main(argv: list[str] | None = None) -> int:
     except TrainInputError as exc:
         parser.error(str(exc))
     distill = args.preset in DISTILL_PRESETS
-    if args.target is not None and not distill:
-        parser.error(f"--target is for the presets {', '.join(sorted(DISTILL_PRESETS))}, not {args.preset}")
+    for flag, given in (("--target", args.target is not None), ("--responses", args.responses is not None),
+                        ("--generate-only", args.generate_only)):
+        if given and not distill:
+            parser.error(f"{flag} is for the presets {', '.join(sorted(DISTILL_PRESETS))}, not {args.preset}")
     if args.plan and distill:
         print(_distill_plan(preset))
         return 0
@@ -134,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
             run_distill(
                 preset, Path(args.out), target=args.target, seed=args.seed, device=args.device,
                 time_budget_s=args.time_budget_s, progress=not args.no_progress, log=print,
-                overwrite=args.overwrite,
+                overwrite=args.overwrite, responses=args.responses, generate_only=args.generate_only,
             )
         else:
             run_recipe(

