@@ -375,7 +375,10 @@ def fit_steps(head, frozen, stream, hs, ht, device, seconds: float):
 
 def heldout_eval(target_dir, head_dir, prompts: list[list[int]], preset: DistillPreset, device) -> dict:
     """τ of chain S=``eval.chain_steps`` and the ``eval`` tree on the held-out prompts, greedy,
-    through the Engine, and whether both outputs equal the baseline's."""
+    through the Engine, and whether both outputs equal the baseline's. The target runs in
+    float32 (the draft in bfloat16 on a GPU, as ``phasegraph bench`` runs it): in bfloat16 a
+    verify over several rows rounds otherwise than a one-row decode step, so greedy outputs
+    could part by rounding alone."""
     ev = preset.eval
     params = SamplingParams(max_new_tokens=ev.gen_tokens, temperature=0.0)
     shapes = {
@@ -390,6 +393,7 @@ def heldout_eval(target_dir, head_dir, prompts: list[list[int]], preset: Distill
     for name, spec in shapes.items():
         engine = Engine.from_pretrained(
             target_dir, head_dir if spec.speculative else None, spec=spec, device=device,
+            dtype="float32", draft_dtype="bfloat16" if torch.device(device).type == "cuda" else None,
             max_batch_size=max(1, len(prompts)),
             kv_pool_tokens=max(1, len(prompts)) * (max(map(len, prompts)) + ev.gen_tokens + 64),
         )
