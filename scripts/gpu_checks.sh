@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU suite and the maintained benchmarks (benchmarks/README.md) in one device call, from the
 # repository root; each part's output is printed and kept under $OUT (default ./out).
-#   bash scripts/gpu_checks.sh [all|tests|scale|kernels|linear|steps|demo-pair|serve ...]
+#   bash scripts/gpu_checks.sh [all|tests|tests-kernels|tests-rest|scale|kernels|linear|steps|demo-pair|serve ...]
 #   all (the default): tests, then scale. The other parts take minutes each, so they run when named.
+#   tests = tests-kernels + tests-rest, each under 8 minutes: name one a call where calls are limited.
 # Exits non-zero when any part failed.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -23,13 +24,20 @@ run() {
 
 wants() {
   local p
-  for p in "${parts[@]}"; do [[ $p == "$1" || ($p == all && ($1 == tests || $1 == scale)) ]] && return 0; done
+  for p in "${parts[@]}"; do
+    [[ $p == "$1" || ($p == all && ($1 == tests-* || $1 == scale)) || ($p == tests && $1 == tests-*) ]] && return 0
+  done
   return 1
 }
 
-if wants tests; then
-  # tests/serving holds no GPU test, and the GPU machine lacks the serve extra it imports
-  run gpu-tests 480 python -m pytest -q -m gpu -n 8 -p no:cacheprovider --ignore=tests/serving
+# tests/serving holds no GPU test, and the GPU machine lacks the serve extra it imports
+kernel_tests=(tests/kernels tests/gpu/test_triton*.py)
+if wants tests-kernels; then
+  run gpu-tests-kernels 480 python -m pytest -q -m gpu -n 8 -p no:cacheprovider "${kernel_tests[@]}"
+fi
+if wants tests-rest; then
+  run gpu-tests-rest 480 python -m pytest -q -m gpu -n 8 -p no:cacheprovider --ignore=tests/serving \
+    --ignore=tests/kernels $(printf -- '--ignore=%s ' tests/gpu/test_triton*.py)
 fi
 if wants scale; then  # the 8B shape: decode step against the bandwidth bound, iterations by phase
   run scale 400 python benchmarks/bench_scale.py --batches 1 8 64 --scopes iteration --scheduler --out "$OUT/scale"
