@@ -9,7 +9,8 @@ the draft is right. So, before each iteration, :func:`choose_plan` (a pure funct
 
     expected tokens per iteration, summed over the batch / measured seconds per iteration
 
-from a :class:`CostTable` measured at engine start-up per batch size, and each request's online
+from a :class:`CostTable` measured at engine start-up per batch size (and at a short and a long
+context: attention grows with the context, a tree's faster than a chain's), and each request's online
 acceptance estimate (:class:`Acceptance`: the rate at which the d-th draft of a path is accepted
 given the ones before it, per request, depth and shape family; one rate for every depth is the
 geometric model of Leviathan et al., arXiv 2211.17192, section 3.5). It may
@@ -131,11 +132,19 @@ def max_tokens_per_iteration(shapes: Sequence[SpecShape], kv_lead: int) -> int:
 # ------------------------------------------------------------------------------------ costs
 
 
+def _rows(rows):
+    return None if rows is None else tuple(map(tuple, rows))
+
+
 @attrs.frozen
 class CostTable:
-    """Seconds per iteration of each shape at a few batch sizes, linear between them.
+    """Seconds per iteration of each shape at a few batch sizes, linear between them, and
+    optionally at two contexts, linear in the context.
 
-    ``seconds[i][j]``: shape ``shapes[i]`` at batch ``batches[j]`` (ascending). ``split_s``:
+    ``seconds[i][j]``: shape ``shapes[i]`` at batch ``batches[j]`` (ascending), its requests
+    holding ``context`` tokens each. ``long_seconds``, where given, the same at
+    ``long_context`` tokens: a request's attention reads its whole context, so a table timed on
+    short prompts underprices the shapes that verify more tokens once contexts grow. ``split_s``:
     what running a batch as two groups adds to the two groups' own iterations. Measured at
     engine start-up (:meth:`phasegraph.runtime.engine.Engine.measure_spec_costs`) or given
     (``EngineConfig.spec_costs``), which also names the shapes the engine adapts over.
@@ -143,8 +152,11 @@ class CostTable:
 
     shapes: tuple[SpecShape, ...] = attrs.field(converter=tuple)
     batches: tuple[int, ...] = attrs.field(converter=tuple)
-    seconds: tuple[tuple[float, ...], ...] = attrs.field(converter=lambda rows: tuple(map(tuple, rows)))
+    seconds: tuple[tuple[float, ...], ...] = attrs.field(converter=_rows)
     split_s: float = 0.0
+    context: int = 16
+    long_context: int | None = None
+    long_seconds: tuple[tuple[float, ...], ...] | None = attrs.field(default=None, converter=_rows)
 
     def __attrs_post_init__(self) -> None:
         if not self.shapes or any(not isinstance(s, SpecShape) for s in self.shapes):
@@ -163,14 +175,39 @@ class CostTable:
         if isinstance(self.split_s, bool) or not isinstance(self.split_s, (int, float)) \
                 or not (math.isfinite(self.split_s) and self.split_s >= 0):
             raise InvalidConfig(f"CostTable.split_s must be a number of seconds >= 0; got {self.split_s!r}")
+        if isinstance(self.context, bool) or not isinstance(self.context, int) or self.context < 1:
+            raise InvalidConfig(f"CostTable.context must be a token count >= 1; got {self.context!r}")
+        if (self.long_context is None) != (self.long_seconds is None):
+            raise InvalidConfig("CostTable.long_context and long_seconds come together: give both or neither")
+        if self.long_context is not None:
+            if isinstance(self.long_context, bool) or not isinstance(self.long_context, int) \
+                    or self.long_context <= self.context:
+                raise InvalidConfig(f"CostTable.long_context must be a token count above context "
+                                    f"({self.context}); got {self.long_context!r}")
+            if len(self.long_seconds) != len(self.shapes) or any(len(r) != len(b) for r in self.long_seconds):
+                raise InvalidConfig("CostTable.long_seconds must have the shape of seconds")
+            for shape, row in zip(self.shapes, self.long_seconds, strict=True):
+                if any(not _positive(x) for x in row):
+                    raise InvalidConfig(f"CostTable: the long-context seconds of {shape.name} must be positive "
+                                        f"and finite; got {row}")
 
     def index(self, shape: SpecShape) -> int:
         return self.shapes.index(shape)
 
-    def cost(self, shape: int, batch: int) -> float:
-        """Seconds of one iteration of ``shapes[shape]`` at ``batch`` requests: linear between
-        the measured batch sizes, the smallest's below them, and the last two's slope above."""
-        b, row = self.batches, self.seconds[shape]
+    def cost(self, shape: int, batch: int, context: float | None = None) -> float:
+        """Seconds of one iteration of ``shapes[shape]`` at ``batch`` requests of ``context``
+        tokens each: linear between the measured batch sizes, the smallest's below them, and the
+        last two's slope above; linear between the two contexts and beyond the long one (the
+        short one's below it). Without a long-context table, or a context, the short one's."""
+        short = self._at_batch(self.seconds[shape], batch)
+        if self.long_seconds is None or context is None or context <= self.context:
+            return short
+        long = self._at_batch(self.long_seconds[shape], batch)
+        frac = (context - self.context) / (self.long_context - self.context)
+        return max(short + (long - short) * frac, short * 1e-3)
+
+    def _at_batch(self, row: tuple[float, ...], batch: int) -> float:
+        b = self.batches
         if len(b) == 1 or batch <= b[0]:
             return row[0]
         j = min(bisect.bisect_left(b, batch), len(b) - 1)
@@ -178,15 +215,19 @@ class CostTable:
         return max(row[j - 1] + (row[j] - row[j - 1]) * (batch - lo) / (hi - lo), row[0] * 1e-3)
 
     def to_dict(self) -> dict:
-        return {"shapes": [s.name for s in self.shapes], "batches": list(self.batches),
-                "seconds": [list(r) for r in self.seconds], "split_s": self.split_s}
+        out = {"shapes": [s.name for s in self.shapes], "batches": list(self.batches),
+               "seconds": [list(r) for r in self.seconds], "split_s": self.split_s, "context": self.context}
+        if self.long_seconds is not None:
+            out |= {"long_context": self.long_context, "long_seconds": [list(r) for r in self.long_seconds]}
+        return out
 
     @classmethod
     def from_dict(cls, data: Mapping) -> CostTable:
         """The inverse of :meth:`to_dict` (shape names as :attr:`SpecShape.name` writes them)."""
         try:
             shapes = [_shape_of_name(n) for n in data["shapes"]]
-            return cls(shapes, data["batches"], data["seconds"], data.get("split_s", 0.0))
+            return cls(shapes, data["batches"], data["seconds"], data.get("split_s", 0.0),
+                       data.get("context", 16), data.get("long_context"), data.get("long_seconds"))
         except (KeyError, TypeError) as exc:
             raise InvalidConfig(f"not a cost table ({exc!s})") from None
 
@@ -301,7 +342,8 @@ class PolicyInputs:
     another plan replaces only where it is expected to be ``margin`` (a fraction) faster; a
     split must be that much faster than the best whole-batch plan too. ``evidence``: the
     observations behind each row's estimate; a row with fewer than ``min_evidence`` is not held
-    apart unless it already is (one iteration's luck splits no batch)."""
+    apart unless it already is (one iteration's luck splits no batch). ``context``: the rows'
+    mean context, at which the costs are read."""
 
     costs: CostTable
     expected: tuple[tuple[float, ...], ...] = attrs.field(converter=lambda rows: tuple(map(tuple, rows)))
@@ -310,6 +352,7 @@ class PolicyInputs:
     margin: float = 0.0
     evidence: tuple[float, ...] | None = attrs.field(default=None, converter=attrs.converters.optional(tuple))
     min_evidence: float = 0.0
+    context: float | None = None  # the rows' mean context in tokens (costs are priced at it)
 
     def __attrs_post_init__(self) -> None:
         n, B = len(self.costs.shapes), len(self.expected)
@@ -319,6 +362,9 @@ class PolicyInputs:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
                 raise InvalidConfig(f"PolicyInputs.{name} must be a number >= 0; got {value!r}")
+        ctx = self.context
+        if ctx is not None and (isinstance(ctx, bool) or not isinstance(ctx, (int, float)) or not ctx >= 0):
+            raise InvalidConfig(f"PolicyInputs.context must be a token count >= 0 or None; got {ctx!r}")
         if self.evidence is not None and len(self.evidence) != B:
             raise InvalidConfig(f"PolicyInputs.evidence needs one value per row ({B}); got {len(self.evidence)}")
         c = self.current
@@ -364,10 +410,11 @@ def _rate_of(inputs: PolicyInputs, plan: Plan) -> float:
     held = set(plan.held)
     kept = [r for i, r in enumerate(rows) if i not in held]
     tokens = sum(r[plan.shape] for r in kept) + sum(rows[i][plan.held_shape] for i in held)
+    ctx = inputs.context
     if not held:
-        return tokens / costs.cost(plan.shape, len(rows))
-    seconds = costs.cost(plan.held_shape, len(held)) + costs.split_s
-    return tokens / (seconds + (costs.cost(plan.shape, len(kept)) if kept else 0.0))
+        return tokens / costs.cost(plan.shape, len(rows), ctx)
+    seconds = costs.cost(plan.held_shape, len(held), ctx) + costs.split_s
+    return tokens / (seconds + (costs.cost(plan.shape, len(kept), ctx) if kept else 0.0))
 
 
 def _holdable(inputs: PolicyInputs, row: int) -> bool:
@@ -391,7 +438,7 @@ def _best_split(inputs: PolicyInputs, whole: Plan) -> Plan:
     B, shapes = len(rows), costs.shapes
     best, bar = whole, whole.tokens_per_s * (1 + inputs.margin)
     # cost of each shape at every group size 1..B-1, computed once
-    at = [[0.0] + [costs.cost(i, k) for k in range(1, B)] for i in range(len(shapes))]
+    at = [[0.0] + [costs.cost(i, k, inputs.context) for k in range(1, B)] for i in range(len(shapes))]
     holdable = [_holdable(inputs, r) for r in range(B)]
     pinned = B - sum(holdable)  # rows that must stay in the batch
     for a in range(len(shapes)):
@@ -500,8 +547,9 @@ class AdaptiveSpeculation:
 
     def inputs(self, batch: Sequence) -> PolicyInputs:
         """The policy's inputs for ``batch``: its estimates, and the plan in force in its rows."""
+        context = sum(r.seq_len for r in batch) / len(batch) if batch else None
         return PolicyInputs(self.costs, [self.expected(r) for r in batch], self.split, self.current(batch),
-                            self.margin, [self.evidence(r) for r in batch], self.min_evidence)
+                            self.margin, [self.evidence(r) for r in batch], self.min_evidence, context)
 
     def current(self, batch: Sequence) -> Plan | None:
         """The plan in force, over ``batch``'s rows (None before the first)."""

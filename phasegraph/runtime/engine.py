@@ -70,6 +70,9 @@ from phasegraph.runtime.scheduler import Scheduler
 from phasegraph.statemachine import PhaseGraph, Trace
 from phasegraph.statemachine.errors import one_line
 
+# the prompt length at which measure_spec_costs times each shape a second time: the policy reads
+# costs at a batch's own context, linear between the two
+LONG_COST_CONTEXT = 512
 # the batch sizes measure_spec_costs times by default (those the bench sweeps), up to max_batch_size
 MEASURE_BATCHES = (1, 8, 32, 64)
 
@@ -318,12 +321,15 @@ class Engine:
                 self.kv.clear_prefix_cache()
 
     def measure_spec_costs(self, shapes: Sequence[SpecShape] | None = None, batches: Sequence[int] | None = None,
-                           *, warmup: int = 3, steps: int = 6) -> CostTable:
+                           *, warmup: int = 3, steps: int = 6, long_context: int | None = None) -> CostTable:
         """Seconds per iteration of each shape (default: the engine's) at a few batch sizes
         (default: 1, 8, 32, 64 up to ``max_batch_size``, and it), timed on requests of random
         prompts with every shape forced in turn, and what running a batch as two groups adds
-        (``split_s``). The engine is left as it was: the requests are gone, the trace and the
-        prefix cache hold nothing of them, and no request's acceptance estimate saw them."""
+        (``split_s``). Each is timed on 16-token prompts and again on prompts of
+        ``long_context`` tokens (default: :data:`LONG_COST_CONTEXT`, or the most the KV pool
+        holds at the largest batch; 0: not at all), so that the policy prices a batch at its own
+        context. The engine is left as it was: the requests are gone, the trace and the prefix
+        cache hold nothing of them, and no request's acceptance estimate saw them."""
         shapes = tuple(shapes or self.spec_shapes)
         if not shapes:
             raise InvalidConfig("measure_spec_costs needs shapes: this engine does not speculate adaptively")
@@ -346,30 +352,49 @@ class Engine:
         prompt_len = 16
         # each shape times fresh requests, so none finishes (or shrinks the batch) while timed
         budget = min((warmup + 2 * steps) * max(s.accept_width for s in shapes) + 8, self.max_context - prompt_len - 1)
-        seconds = [[0.0] * len(batches) for _ in shapes]
+        long_len = self._long_cost_context(batches[-1], budget, long_context, prompt_len)
+        contexts = (prompt_len, long_len) if long_len else (prompt_len,)
+        seconds = {c: [[0.0] * len(batches) for _ in shapes] for c in contexts}
         split_s = 0.0
         gen = torch.Generator().manual_seed(0)
         self._attach_pools()
         saved_topk, self.ctx.draft_topk = self.ctx.draft_topk, self.kv.topk
 
-        def timed(b: int, tag: str, time_it) -> float:
-            with self._throwaway_requests(b, prompt_len, budget, gen, f"measure-{tag}"):
+        def timed(b: int, length: int, tag: str, time_it) -> float:
+            with self._throwaway_requests(b, length, budget, gen, f"measure-{tag}"):
                 return time_it()
 
         try:
             for j, b in enumerate(batches):
-                for i, shape in enumerate(shapes):
-                    sched.adaptive.force = shape
-                    # the faster of two timings: a capture or a stall in one would misprice the shape
-                    seconds[i][j] = timed(b, shape.name, lambda: min(self._time_steps(warmup, steps),
-                                                                     self._time_steps(0, steps)))
+                for c in contexts:
+                    for i, shape in enumerate(shapes):
+                        sched.adaptive.force = shape
+                        # the faster of two timings: a capture or a stall in one would misprice the shape
+                        seconds[c][i][j] = timed(b, c, shape.name, lambda: min(self._time_steps(warmup, steps),
+                                                                               self._time_steps(0, steps)))
                 sched.adaptive.force = None
                 if b == batches[-1] and b >= 2 and len(shapes) > 1:
-                    split_s = timed(b, "split", lambda j=j, b=b: self._time_split(shapes, seconds, j, b, warmup, steps))
+                    split_s = timed(b, prompt_len, "split", lambda j=j, b=b: self._time_split(
+                        shapes, seconds[prompt_len], j, b, warmup, steps))
         finally:
             sched.adaptive = saved
             self.ctx.draft_topk = saved_topk
-        return CostTable(shapes, batches, seconds, split_s)
+        return CostTable(shapes, batches, seconds[prompt_len], split_s, prompt_len, long_len or None,
+                         seconds[long_len] if long_len else None)
+
+    def _long_cost_context(self, batch: int, budget: int, wanted: int | None, short: int) -> int:
+        """The prompt length of the long-context timings: ``wanted`` (default
+        :data:`LONG_COST_CONTEXT`), cut to what the context length and the KV pool hold for
+        ``batch`` requests; 0 where that is not at least twice the short prompts'."""
+        if wanted is not None and (isinstance(wanted, bool) or not isinstance(wanted, int) or wanted < 0):
+            raise InvalidConfig(f"long_context must be a token count >= 0; got {wanted!r}")
+        length = LONG_COST_CONTEXT if wanted is None else wanted
+        length = min(length, self.max_context - budget - 1)
+        page = self.kv.page_size
+        # each request's pages: its prompt and budget, plus the draft's region and a page of slack
+        spare_pages = self.kv.allocator.total // batch - self.kv.region_len - 1
+        length = min(length, spare_pages * page - budget - self.scheduler.tokens_per_iteration)
+        return length if length >= 2 * short else 0
 
     def _time_steps(self, warmup: int, steps: int) -> float:
         """Seconds per scheduling step, after ``warmup`` steps (graph capture among them)."""

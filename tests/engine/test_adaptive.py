@@ -31,7 +31,7 @@ import pytest
 from phasegraph.cli.graph import run_graph
 from phasegraph.runtime.adaptive import OFF, CostTable, SpecShape
 from phasegraph.runtime.config import SamplingParams, SpecConfig
-from phasegraph.runtime.engine import Engine
+from phasegraph.runtime.engine import LONG_COST_CONTEXT, Engine
 from phasegraph.runtime.errors import InvalidConfig, InvalidRequest
 from phasegraph.testing.drafters import AdversaryDraft, NoisyOracleDraft, OracleDraft
 from tests.engine import support
@@ -151,8 +151,22 @@ def test_costs_are_measured_at_start_up_and_leave_the_engine_clean():
     table = engine.measure_spec_costs([OFF, CHAIN1, TREE], [1, 2], warmup=1, steps=2)
     assert table.shapes == (OFF, CHAIN1, TREE) and table.batches == (1, 2)
     assert all(x > 0 for row in table.seconds for x in row) and table.split_s >= 0
+    # timed again at a long context: LONG_COST_CONTEXT cut to the 128-token context length, with
+    # the timed iterations' 28 tokens (1 + 2 * 2 steps of up to 4, and 8) after the prompt
+    assert LONG_COST_CONTEXT > 99 and (table.context, table.long_context) == (16, 128 - 28 - 1)
+    assert len(table.long_seconds) == 3 and all(len(row) == 2 and min(row) > 0 for row in table.long_seconds)
     assert len(engine.trace) == 0 and not engine.has_unfinished()
     assert_all_free(engine)
+    # a given long context; none; and a pool too small for long prompts at the largest batch
+    assert engine.measure_spec_costs([OFF, CHAIN1], [1, 2], warmup=1, steps=2, long_context=60).long_context == 60
+    assert engine.measure_spec_costs([OFF, CHAIN1], [1], warmup=1, steps=1, long_context=0).long_seconds is None
+    with pytest.raises(InvalidConfig, match="long_context must be a token count >= 0"):
+        engine.measure_spec_costs([OFF, CHAIN1], [1], long_context=-5)
+    small = Engine(tiny_target(), drafter, spec=SpecConfig(method="eagle", num_steps=3, topk=2, num_draft_tokens=6),
+                   max_batch_size=2, kv_pool_tokens=64)
+    drafter.engine = small
+    assert small.measure_spec_costs([OFF, CHAIN1], [1, 2], warmup=1, steps=1).long_seconds is None
+    assert_all_free(small)
 
 
 @pytest.mark.parametrize(("kw", "why"), [

@@ -79,6 +79,12 @@ def test_shapes_are_named_parsed_and_checked():
     (dict(seconds=((1.0,), (-1.0,))), "positive and finite"),
     (dict(seconds=((1.0,), (float("nan"),))), "positive and finite"),
     (dict(split_s=-1.0), "split_s must be"),
+    (dict(context=0), "context must be a token count >= 1"),
+    (dict(long_context=512), "come together"),
+    (dict(long_seconds=((2.0,), (3.0,))), "come together"),
+    (dict(long_context=16, long_seconds=((2.0,), (3.0,))), "above context"),
+    (dict(long_context=512, long_seconds=((2.0,),)), "the shape of seconds"),
+    (dict(long_context=512, long_seconds=((2.0,), (0.0,))), "long-context seconds of chain S=1"),
 ])
 def test_cost_tables_are_checked(kw, why):
     base = dict(shapes=(OFF, CHAIN1), batches=(1,), seconds=((1.0,), (1.5,)), split_s=0.0)
@@ -93,6 +99,34 @@ def test_costs_are_linear_between_measured_batches():
     assert t.cost(0, 64) == pytest.approx(9.0)  # the last segment's slope above
     assert CostTable.from_dict(t.to_dict()) == t
     assert CostTable.from_dict(table({s: 0.1 for s in SHAPES}).to_dict()).shapes == SHAPES
+
+
+def test_costs_are_linear_in_the_context_between_the_two_timed():
+    t = CostTable((OFF, TREE), (1, 8), ((1.0, 2.0), (1.0, 3.0)), context=16, long_context=516,
+                  long_seconds=((1.5, 2.5), (3.0, 9.0)))
+    assert t.cost(1, 8) == t.cost(1, 8, 16) == t.cost(1, 8, 4) == 3.0  # no context, or at most the short one
+    assert t.cost(1, 8, 266) == pytest.approx(6.0) and t.cost(1, 8, 516) == pytest.approx(9.0)
+    assert t.cost(1, 8, 1016) == pytest.approx(15.0)  # the two contexts' slope beyond the long one
+    assert t.cost(1, 4, 266) == pytest.approx((1.0 + 2.0 / 7 * 3) + ((3.0 + 6.0 / 7 * 3) - (1.0 + 2.0 / 7 * 3)) / 2)
+    assert CostTable.from_dict(t.to_dict()) == t
+    short_only = CostTable((OFF,), (1,), ((1.0,),))
+    assert short_only.cost(0, 1, 4000) == 1.0 and "long_seconds" not in short_only.to_dict()
+
+
+def test_the_tree_gives_way_to_the_chain_as_contexts_grow():
+    """A tree that wins on short prompts loses once its 16 rows read long contexts: priced at
+    the batch's own mean context (the requests' committed tokens), the policy moves to the chain."""
+    short = [[1.0 + per * b for b in BATCHES] for per in (0.02, 0.06, 0.09, 0.1)]
+    long = [[1.0 + per * b for b in BATCHES] for per in (0.03, 0.08, 0.12, 0.6)]
+    costs = CostTable(SHAPES, BATCHES, short, context=16, long_context=512, long_seconds=long)
+    assert SHAPES[choose_plan(PolicyInputs(costs, [GOOD] * 32, context=20)).shape] == TREE
+    assert SHAPES[choose_plan(PolicyInputs(costs, [GOOD] * 32, context=400)).shape] == CHAIN3
+    assert SHAPES[choose_plan(PolicyInputs(costs, [GOOD] * 32)).shape] == TREE  # no context: the short table
+    ctl = AdaptiveSpeculation(costs, split=False)
+    assert SHAPES[ctl.plan([_Req(seq_len=20) for _ in range(32)]).shape] == TREE
+    batch = [_Req(seq_len=300 + 5 * i) for i in range(32)]
+    assert ctl.inputs(batch).context == pytest.approx(300 + 5 * 31 / 2)
+    assert SHAPES[ctl.plan(batch).shape] == CHAIN3
 
 
 def test_the_tree_where_verifying_it_is_nearly_free():
@@ -184,7 +218,8 @@ def test_acceptance_fits_a_conditional_rate_per_depth():
 
 
 class _Req:
-    def __init__(self, **kw):
+    def __init__(self, seq_len: int = 0, **kw):
+        self.seq_len = seq_len  # committed tokens: the request's context
         self.params = SamplingParams(**kw)
 
 
@@ -344,6 +379,8 @@ def test_bad_policy_inputs_are_refused():
         PolicyInputs(COMPUTE, [GOOD], evidence=[1.0, 2.0])
     with pytest.raises(InvalidConfig, match="current names shapes or rows"):
         PolicyInputs(COMPUTE, [GOOD], current=Plan(0, (3,), 1))
+    with pytest.raises(InvalidConfig, match="context must be a token count >= 0 or None"):
+        PolicyInputs(COMPUTE, [GOOD], context=-1.0)
 
 
 def test_the_controller_carries_its_plan_across_batch_changes():
