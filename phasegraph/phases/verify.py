@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import torch
+from jaxtyping import Int32, Int64
+from torch import Tensor
 
 from phasegraph.kernels.argmax import argmax_finite, row_max_finite
 from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.bonus import fill_bonus_tokens
 from phasegraph.kernels.cache_slots import span_slots_and_rows
+from phasegraph.kernels.penalties import token_bitmask_allows
 from phasegraph.kernels.random import (
     PURPOSE_ACCEPT,
     PURPOSE_BONUS,
@@ -84,6 +87,8 @@ def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
         if logits is not raw:  # processed logits are clamped finite: the model's say what was not
             finite = row_max_finite(raw)
         if ctx.simulate_accept_drafts is not None:  # benchmark mode, labelled as such by the engine
+            if state.token_bitmask is not None:  # accepting drafts blindly must not pass the grammar
+                next_token = _links_the_grammar_allows(state.token_bitmask, state.draft_tokens, next_token)
             outcome = verify_tree_simulated(
                 state.draft_tokens, next_token, greedy, S, ctx.simulate_accept_drafts,
             )
@@ -117,3 +122,19 @@ def verify(state: TreeProposal, ctx: SpecContext) -> VerifyResult:
         bonus_tokens=fill_bonus_tokens(outcome.predict, outcome.accept_index, outcome.accept_lens),
         logits_finite=finite.view(B, N),
     )
+
+
+def _links_the_grammar_allows(
+    token_bitmask: Int32[Tensor, "BN Vw"],
+    draft_tokens: Int64[Tensor, "BN"],
+    next_token: Int64[Tensor, "B N"],
+) -> Int64[Tensor, "B N"]:
+    """``next_token`` with each first-child link cut whose child's token the grammar forbids
+    after the parent's path (mask row j: the tokens allowed after node j). Simulated acceptance
+    takes drafts whatever they are, and a draft row the grammar leaves nothing in keeps its
+    unmasked logits, so without the cut a forbidden token could be emitted."""
+    B, N = next_token.shape
+    rows = torch.arange(B * N, device=next_token.device)  # [B*N] node j of request b: b*N + j
+    child = draft_tokens.view(B, N).gather(1, next_token.clamp(min=0)).reshape(-1)  # [B*N]
+    allowed = token_bitmask_allows(token_bitmask, rows, child).view(B, N)
+    return torch.where((next_token >= 0) & allowed, next_token, -1)

@@ -674,9 +674,6 @@ class Engine:
             )
         matcher = None
         if params.structured_output is not None:  # compiled once per spec, before anything is queued
-            if self.simulated:  # its verify accepts drafts whatever they are, the grammar's too
-                raise InvalidRequest(f"{params.structured_output[0]}: structured output cannot run in the "
-                                     "benchmark mode simulate_accept_length")
             if self._grammars is None:
                 self._grammars = GrammarCompiler(self.tokenizer, self.target.vocab_size, self.eos_token_ids)
             matcher = self._grammars.matcher(*params.structured_output)

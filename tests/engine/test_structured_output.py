@@ -30,7 +30,7 @@ jsonschema = pytest.importorskip("jsonschema")
 
 from phasegraph.runtime.config import SamplingParams, SpecConfig  # noqa: E402
 from phasegraph.runtime.engine import Engine  # noqa: E402
-from phasegraph.runtime.errors import InvalidRequest  # noqa: E402
+from phasegraph.runtime.errors import InvalidRequest, RequestFailed  # noqa: E402
 from phasegraph.runtime.grammar import InvalidGrammar  # noqa: E402
 from tests.engine.support import assert_all_free, text_bundle  # noqa: E402
 from tests.engine.test_sampling_distribution import P_THRESHOLD, REQUESTS, two_sample_pvalue  # noqa: E402
@@ -460,9 +460,34 @@ def test_an_engine_that_cannot_end_or_read_a_grammar_refuses_it_by_name():
     with pytest.raises(InvalidRequest, match="end-of-sequence token"):
         no_eos.add_request("b", "x", SamplingParams(max_new_tokens=4, regex="[0-9]+"))
     assert not bare.has_unfinished() and not no_eos.has_unfinished()
-    simulated = Engine.from_pretrained(demo_pair_dir() / "target", demo_pair_dir() / "eagle3", simulate_accept_length=3)
-    with pytest.raises(InvalidRequest, match="simulate_accept_length"):
-        simulated.add_request("c", "x", SamplingParams(max_new_tokens=4, regex="[0-9]+"))
+
+
+@pytest.mark.parametrize("name", ["eagle3-chain", "eagle3-tree"])
+def test_simulated_acceptance_takes_only_drafts_the_grammar_allows(root, monkeypatch, name):
+    """Benchmark mode accepts drafts whatever they are, so a draft the grammar forbids (a draft
+    row the grammar leaves nothing in keeps its logits) must end the accepted path: with the
+    drafts unmasked every object is still complete and valid, and without the cut it is not."""
+    from phasegraph.phases import _common, verify
+
+    params = [SamplingParams(max_new_tokens=48, json_schema=SCHEMAS[i]) for i in range(len(SCHEMAS))]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(SCHEMAS))]
+
+    def run():
+        engine = _engine(root, name, simulate_accept_length=3)
+        outs = engine.generate(prompts, params)
+        assert_all_free(engine)
+        return outs
+
+    for out, schema in zip(run(), SCHEMAS, strict=True):
+        _check_json(out, schema)
+        assert max(out.stats.accept_lengths) == 3  # the simulated length, where the grammar let it
+    monkeypatch.setattr(_common, "_grammar_masked_draft_logits", lambda model, logits, *a: logits)
+    outs = run()
+    for out, schema in zip(outs, SCHEMAS, strict=True):
+        _check_json(out, schema)
+    monkeypatch.setattr(verify, "_links_the_grammar_allows", lambda bitmask, tokens, next_token: next_token)
+    with pytest.raises(RequestFailed, match="the grammar refused emitted token"):
+        run()
 
 
 def test_a_cut_graph_refuses_host_arguments_and_calls_out_of_order():
