@@ -140,7 +140,8 @@ def measure_trained_pair(run: BenchRun) -> None:
         write_outputs(run)
 
     if a.features and not run.out_of_time("feature rows"):
-        _timed_guard(run, "feature rows", measure_features, run, pair, prompts, engine_kw)
+        _timed_guard(run, "feature rows", measure_features, run, pair / "target", pair / "eagle3", prompts, engine_kw,
+                     run.result["trained_pair"])
         free_memory()
         write_outputs(run)
 
@@ -241,6 +242,11 @@ def measure_real_model(run: BenchRun, load) -> None:
         free_memory()
         write_outputs(run)
     bar.close()
+    if a.features and not run.out_of_time("real model: feature rows"):
+        _timed_guard(run, "feature rows", measure_features, run, target, head, prompts, engine_kw, part,
+                     part="real_model")
+        free_memory()
+        write_outputs(run)
     _timed_guard(run, "comparison with the baseline", _compare_with_baseline, run, part["rows"], outputs, prompts,
                  None, part="real_model")
     run.result["parts_wall_s"]["part 1: real model"] = round(time.perf_counter() - t_part, 1)
@@ -372,12 +378,14 @@ QUICK_FEATURE_SCHEMA = {
 }
 
 
-def measure_features(run: BenchRun, pair: Path, prompts: list[list[int]], engine_kw: dict) -> None:
+def measure_features(run: BenchRun, target: Path, head: Path, prompts: list[list[int]], engine_kw: dict,
+                     part: dict) -> None:
     """What structured output and top logprobs cost, with and without speculation: the baseline
-    and the EAGLE-3 chain (fixed) at each batch size, plain, with a JSON schema (greedy; a
-    request ends where its object does) and with logprobs=20. A JSON row is also compared with
-    plain requests of the same output lengths (``plain_same_lengths_tokens_per_s``), so that the
-    grammar's cost is not confused with the shorter outputs' larger share of prefill."""
+    and the EAGLE-3 chain (fixed, ``head``) at each batch size, plain, with a JSON schema
+    (greedy; a request ends where its object does) and with logprobs=20, into
+    ``part["features"]``. A JSON row is also compared with plain requests of the same output
+    lengths (``plain_same_lengths_tokens_per_s``), so that the grammar's cost is not confused
+    with the shorter outputs' larger share of prefill."""
     import importlib.util
 
     from phasegraph import Engine, SamplingParams, SpecConfig
@@ -386,12 +394,12 @@ def measure_features(run: BenchRun, pair: Path, prompts: list[list[int]], engine
     schema = QUICK_FEATURE_SCHEMA if a.quick else FEATURE_SCHEMA
     every = (("plain", {}), ("json_schema", {"json_schema": schema}), ("logprobs=20", {"logprobs": 20}))
     features = [f for f in every if f[0] != "json_schema" or importlib.util.find_spec("xgrammar")]
-    part = run.result["trained_pair"]["features"] = {"schema": schema, "rows": []}
+    found = part["features"] = {"schema": schema, "rows": []}
     if len(features) < len(every):
-        part["note"] = "the grammar extra is not installed: no json_schema rows (pip install 'phasegraph[grammar]')"
+        found["note"] = "the grammar extra is not installed: no json_schema rows (pip install 'phasegraph[grammar]')"
     chain = next(kw for label, kw, _ in PG_CONFIGS if label == CHAIN)
-    for label, spec_kw, draft in ((BASELINE, {"method": "none"}, None), (CHAIN, chain, pair / "eagle3")):
-        engine = Engine.from_pretrained(pair / "target", draft, spec=SpecConfig(**spec_kw), **engine_kw)
+    for label, spec_kw, draft in ((BASELINE, {"method": "none"}, None), (CHAIN, chain, head)):
+        engine = Engine.from_pretrained(target, draft, spec=SpecConfig(**spec_kw), **engine_kw)
         for b in a.batch_list:
             calls = request_calls(prompts, b, a.batch1_prompts)
             for feature, extra in features:
@@ -405,7 +413,7 @@ def measure_features(run: BenchRun, pair: Path, prompts: list[list[int]], engine
                 if json_rows:
                     row["complete"] = sum(o.finish_reason == "stop" for o in outs)
                     row["plain_same_lengths_tokens_per_s"] = n / _same_lengths_wall(run, engine, calls, outs)
-                part["rows"].append(row)
+                found["rows"].append(row)
                 run.log(f"  features: {label}, {feature}, batch {b}: {row['tokens_per_s']:9.1f} tok/s  τ {fmt(row['tau'])}")
             write_outputs(run)  # a run cut short keeps the rows measured
         del engine

@@ -113,6 +113,7 @@ def evaluate_goals(result: dict, args: argparse.Namespace) -> list[dict]:
         add(goal, "not measured", None)
     _feature_goals(add, tp.get("features") or {})
     _real_model_goals(add, result.get("real_model") or {})
+    _feature_goals(add, (result.get("real_model") or {}).get("features") or {}, "real model")
 
     sc = result.get("scale") or {}
     srows = [r for r in sc.get("rows", []) if "eta" in r]
@@ -232,8 +233,8 @@ def _real_model_goals(add, part: dict) -> None:
     _identical_goal(add, "real model", rows)
 
 
-def _feature_goals(add, part: dict) -> None:
-    """Issue 61's goals at batch 1 from the feature rows (greedy: a JSON request's tokens are
+def _feature_goals(add, part: dict, where: str = "trained pair") -> None:
+    """The feature goals at batch 1 from the feature rows (greedy: a JSON request's tokens are
     the same with and without speculation, so its rows compare like for like)."""
     rows = {(r["config"], r["feature"], r["batch"]): r for r in part.get("rows", [])}
     spec_json, alone_json = rows.get((CHAIN, "json_schema", 1)), rows.get((BASELINE, "json_schema", 1))
@@ -245,11 +246,11 @@ def _feature_goals(add, part: dict) -> None:
         x = spec_json["tokens_per_s"] / other_tokens_per_s
         add(goal, f"{x:.2f}× ({spec_json['tokens_per_s']:.0f} vs {other_tokens_per_s:.0f} tok/s)", x >= least)
 
-    ratio(f"trained pair, batch 1: JSON schema with speculation ≥ {JSON_VS_PLAIN}× plain speculation (same lengths)",
+    ratio(f"{where}, batch 1: JSON schema with speculation ≥ {JSON_VS_PLAIN}× plain speculation (same lengths)",
           (spec_json or {}).get("plain_same_lengths_tokens_per_s"), JSON_VS_PLAIN)
-    ratio(f"trained pair, batch 1: JSON schema with speculation ≥ {JSON_VS_DECODE}× without speculation",
+    ratio(f"{where}, batch 1: JSON schema with speculation ≥ {JSON_VS_DECODE}× without speculation",
           (alone_json or {}).get("tokens_per_s"), JSON_VS_DECODE)
-    goal = f"trained pair, batch 1: logprobs=20 costs ≤ {LOGPROBS_COST:.0%} of an iteration"
+    goal = f"{where}, batch 1: logprobs=20 costs ≤ {LOGPROBS_COST:.0%} of an iteration"
     costs = {}
     for config in (BASELINE, CHAIN):
         plain, top = rows.get((config, "plain", 1)), rows.get((config, "logprobs=20", 1))
@@ -444,7 +445,7 @@ def _real_model_lines(part: dict | None) -> list[str]:
         ident = f"{row['identical']}/{_requests(row)}" if "identical" in row else "–"
         lines.append(f"| {row['config']} | {row['batch']} | {row['tokens_per_s']:.1f} | {fmt(row.get('tau'))} | "
                      f"{fmt(row.get('speedup'))}× | {fmt(row.get('eta'))} | {ident} |")
-    return lines + [""]
+    return lines + _feature_lines(part) + [""]
 
 
 def _adaptive_lines(tp: dict) -> list[str]:

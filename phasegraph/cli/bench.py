@@ -144,6 +144,8 @@ def estimate_seconds(run: BenchRun) -> dict[str, float]:
             configs = 1 + len([c for c in a.pair_config_labels if c != STANDALONE])
             est["part 1: real model"] = (REAL_CONVERT_S + configs * CONFIG_SETUP_S
                                          + runs * steps * REAL_STEP_S * (1 + (configs - 1) / 2.5))
+            if a.features:  # as the trained pair's: baseline and chain, three features, three times each
+                est["part 1: real model"] += 2 * 3 * runs * (steps / 2) * REAL_STEP_S + 2 * CONFIG_SETUP_S
     if 2 in a.parts_list:
         if not a.quick:
             n, p = a.scale_new_tokens, a.scale_prompt_tokens
@@ -365,7 +367,7 @@ def add_parser(sub) -> None:
                    help=f"part 1 drafting rows besides the baseline, of {', '.join(PAIR_CONFIG_KEYS)} (default all)")
     p.add_argument("--features", action=argparse.BooleanOptionalAction, default=True,
                    help="part 1: also the cost of structured output (a JSON schema) and of logprobs=20, "
-                        "baseline and chain at each batch")
+                        "baseline and chain at each batch, for the trained pair and the real model")
     p.add_argument("--trained-pair", action=argparse.BooleanOptionalAction, default=True,
                    help="part 1: the trained pair's rows (--no-trained-pair: the real model's rows alone, "
                         "nothing trained)")

