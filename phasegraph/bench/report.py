@@ -29,7 +29,7 @@ ADAPTIVE_VS_BASELINE, ADAPTIVE_VS_BEST = 0.98, 0.95
 # structured output and logprobs: JSON under speculation near plain speculation and well above
 # constrained decoding alone; top-20 logprobs a small share of an iteration
 JSON_VS_PLAIN, JSON_VS_DECODE, LOGPROBS_COST = 0.9, 1.5, 0.10
-# the real model's trained head on held-out HumanEval: the acceptance issue 58 asks of it
+# the real model's trained head on held-out HumanEval: the acceptance lengths it is held to
 REAL_CHAIN_TAU, REAL_TREE_TAU = 2.5, 3.0
 
 
