@@ -19,6 +19,7 @@ from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
 from phasegraph.kernels.attention import AttentionMetadata
+from phasegraph.phases.protocols import DraftOutput
 from phasegraph.runtime.errors import DraftMismatch
 from phasegraph.runtime.kv_pool import KVPool, KVSpec, check_pool_fits
 from phasegraph.runtime.models.attention_backend import ATTN_IMPLEMENTATION, forward_context
@@ -73,7 +74,34 @@ def require(condition: bool, message: str) -> None:
         raise DraftMismatch(message)
 
 
-class FeatureDraft(abc.ABC):
+class DraftAdapter(abc.ABC):
+    """What every draft adapter (the feature heads and the standalone draft) shares: the
+    ``DraftModel.forward`` signature, once, over each kind's :meth:`_forward`."""
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64, target vocabulary
+        hidden: torch.Tensor | None,  # [T, Hf] when from_target else [T, Hd]; standalone: ignored
+        positions: torch.Tensor,  # [T] int64
+        attn: AttentionMetadata,
+        *,
+        from_target: bool,
+        step: int = 0,
+        logits_index: torch.Tensor | None = None,  # [R] int64
+    ) -> DraftOutput:
+        return self._forward(input_ids, hidden, positions, attn, from_target, step, logits_index)
+
+    __call__ = forward
+
+    @abc.abstractmethod
+    def _forward(self, input_ids, hidden, positions, attn, from_target, step, logits_index) -> DraftOutput:
+        """The kind's forward; the arguments are :meth:`forward`'s."""
+
+    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids
+
+
+class FeatureDraft(DraftAdapter):
     """Shared adapter state: target modules, draft config, head, rotary embedding, KV pool."""
 
     uses_features = True
@@ -139,9 +167,6 @@ class FeatureDraft(abc.ABC):
     @staticmethod
     def _rows(x: torch.Tensor, logits_index: torch.Tensor | None) -> torch.Tensor:
         return x if logits_index is None else take_rows(x, logits_index)
-
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids
 
     # -- loading: one template, the kinds fill in their head and checks -------------------------
 

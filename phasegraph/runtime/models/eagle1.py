@@ -43,7 +43,6 @@ from torch import nn
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm
 
-from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.phases.protocols import DraftOutput
 from phasegraph.runtime.models.draft_base import FeatureDraft, run_decoder_layer
 from phasegraph.runtime.models.draft_layouts import is_speculators, switch
@@ -137,17 +136,8 @@ class Eagle1Draft(FeatureDraft):
         return {}  # an embed_tokens.weight the checkpoint holds is the head's own (Eagle1Head)
 
     @torch.no_grad()
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T] int64
-        hidden: torch.Tensor,  # [T, H] (target feature or previous draft hidden)
-        positions: torch.Tensor,  # [T] int64
-        attn: AttentionMetadata,
-        *,
-        from_target: bool,
-        step: int = 0,
-        logits_index: torch.Tensor | None = None,  # [R] int64
-    ) -> DraftOutput:
+    def _forward(self, input_ids, hidden, positions, attn, from_target, step, logits_index) -> DraftOutput:
+        # hidden: [T, H], the target feature or the previous draft hidden (the same space)
         head: Eagle1Head = self.head
         embeds = self._embed(input_ids).to(self.dtype)  # [T, H]
         if head.layout.layernorms:
@@ -161,5 +151,3 @@ class Eagle1Draft(FeatureDraft):
         normed = head.pre_lm_head_layernorm(rows) if head.layout.layernorms else rows
         logits = self.target.lm_head(normed.to(self.target.dtype)).float()  # [R, V]
         return DraftOutput(logits=logits, hidden=out, hidden_rows=None if logits_index is None else rows)
-
-    __call__ = forward

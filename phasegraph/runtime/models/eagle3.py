@@ -45,7 +45,6 @@ from transformers.models.llama.modeling_llama import (
     LlamaRMSNorm,
 )
 
-from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.kernels.linear import add_rms_norm_linear, linear, silu_mul_linear
 from phasegraph.kernels.rms_norm import rms_norm_concat
 from phasegraph.phases.protocols import DraftOutput
@@ -327,17 +326,8 @@ class Eagle3Draft(FeatureDraft):
         return self.d2t
 
     @torch.no_grad()
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T] int64, target vocabulary
-        hidden: torch.Tensor,  # [T, 3*Ht] when from_target else [T, Hd]
-        positions: torch.Tensor,  # [T] int64
-        attn: AttentionMetadata,
-        *,
-        from_target: bool,
-        step: int = 0,
-        logits_index: torch.Tensor | None = None,  # [R] int64
-    ) -> DraftOutput:
+    def _forward(self, input_ids, hidden, positions, attn, from_target, step, logits_index) -> DraftOutput:
+        # hidden: [T, 3*Ht] when from_target else [T, Hd]
         if self.fused_layer is not None:
             return self._forward_fused(input_ids, hidden, positions, attn, from_target, logits_index)
         head: Eagle3Head = self.head
@@ -419,5 +409,3 @@ class Eagle3Draft(FeatureDraft):
         # the head's dtype: the draft's top-k reads logits in float32 (an exact cast), so a
         # bfloat16 head's logits need no cast kernel of their own
         return DraftOutput(logits=logits, hidden=out, hidden_rows=rows)
-
-    __call__ = forward

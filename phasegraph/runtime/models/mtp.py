@@ -124,17 +124,8 @@ class MTPDraft(FeatureDraft):
         )
 
     @torch.no_grad()
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T] int64
-        hidden: torch.Tensor,  # [T, H]
-        positions: torch.Tensor,  # [T] int64
-        attn: AttentionMetadata,
-        *,
-        from_target: bool,
-        step: int = 0,
-        logits_index: torch.Tensor | None = None,  # [R] int64
-    ) -> DraftOutput:
+    def _forward(self, input_ids, hidden, positions, attn, from_target, step, logits_index) -> DraftOutput:
+        # hidden: [T, H]
         if not from_target:
             attn = self.step_metadata(attn, step)
         embeds = self.embed_at(input_ids, positions)  # [T, H]
@@ -153,8 +144,6 @@ class MTPDraft(FeatureDraft):
         logits = self.logits_of(picked)  # [R, V]
         return DraftOutput(logits=logits, hidden=out,
                            hidden_rows=None if logits_index is None else picked)
-
-    __call__ = forward
 
 
 # -- the public next-n layout (DeepSeek-V3 / MiMo style) ----------------------------------------

@@ -13,16 +13,16 @@ from pathlib import Path
 
 import torch
 
-from phasegraph.kernels.attention import AttentionMetadata
 from phasegraph.phases.protocols import DraftOutput
 from phasegraph.runtime.errors import DraftMismatch
 from phasegraph.runtime.kv_pool import KVPool
+from phasegraph.runtime.models.draft_base import DraftAdapter
 from phasegraph.runtime.models.fused_decoder import shard_target
 from phasegraph.runtime.models.loading import read_config
 from phasegraph.runtime.models.target import HFTarget, load_causal_lm
 
 
-class StandaloneDraft:
+class StandaloneDraft(DraftAdapter):
     """:class:`DraftModel` over any supported HF causal LM (wrapped as an :class:`HFTarget`)."""
 
     uses_features = False
@@ -78,21 +78,7 @@ class StandaloneDraft:
     def pool(self) -> KVPool | None:
         return self.model.pool
 
-    def to_target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
-        return draft_ids
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T] int64, the token at each row's position
-        hidden: torch.Tensor | None,  # ignored
-        positions: torch.Tensor,  # [T] int64
-        attn: AttentionMetadata,
-        *,
-        from_target: bool,
-        step: int = 0,
-        logits_index: torch.Tensor | None = None,  # [R] int64
-    ) -> DraftOutput:
+    def _forward(self, input_ids, hidden, positions, attn, from_target, step, logits_index) -> DraftOutput:
+        # input_ids: the token at each row's position; hidden: ignored
         out = self.model.forward(input_ids, positions, attn, logits_index)
         return DraftOutput(logits=out.logits, hidden=out.features)  # features: [T, 0]
-
-    __call__ = forward
