@@ -24,7 +24,7 @@ from phasegraph.bench.common import (
     training_preset,
     untrainable_pair_dir,
 )
-from phasegraph.cli.common import CliError, require_at_least, require_name
+from phasegraph.cli.common import CliError, add_command, require_at_least, require_name
 
 # Training budget of the full run: a cap, not a target. The bench-pair preset trains in ~180 s
 # on an H100; 280 s gives every stage ~1.4x its projected share, so none is cut on the clock and
@@ -337,12 +337,9 @@ def run_serve_bench(args: argparse.Namespace) -> int:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "bench",
-        help="end-to-end speed: trained pair vs transformers, and the 8B shape (simulated acceptance)",
-        description="phasegraph vs its own baseline and transformers' generate on one GPU. "
-                    "Writes bench.json, bench.md, tokens_per_s.png and eta_vs_tau.png into --out.",
-    )
+    p = add_command(sub, "bench", "end-to-end speed: trained pair vs transformers, and the 8B shape "
+                    "(simulated acceptance)", "phasegraph vs its own baseline and transformers' generate "
+                    "on one GPU. Writes bench.json, bench.md, tokens_per_s.png and eta_vs_tau.png into --out.")
     p.add_argument("--out", required=True, metavar="DIR", help="output directory")
     p.add_argument("--tp", type=int, metavar="N",
                    help="instead of parts 1 and 2: tensor parallelism, the 8B shape at TP=1 and TP=N and the 70B "

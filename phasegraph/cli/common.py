@@ -111,6 +111,15 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
                         "ignored on a GPU")
 
 
+def add_command(sub, name: str, summary: str, description: str, *, model_options: bool = False):
+    """The parser of command ``name``: ``summary`` in ``phasegraph --help``, ``description`` in
+    its own help; with ``model_options``, :func:`add_model_options`'s too."""
+    p = sub.add_parser(name, help=summary, description=description)
+    if model_options:
+        add_model_options(p)
+    return p
+
+
 def draft_method(args: argparse.Namespace) -> str:
     """``--method``, else the kind of draft ``--draft`` holds, else none."""
     if args.method or not args.draft:

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from phasegraph.cli.common import (
     CliError,
-    add_model_options,
+    add_command,
     load_engine,
     model_spec,
     require_name,
@@ -67,13 +67,10 @@ def flag_names(message: str) -> str:
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "generate",
-        help="generate completions with a target model (and a draft for speculative decoding)",
-        description="Generate a completion of each prompt; speculative when a draft is given. "
+    p = add_command(sub, "generate", "generate completions with a target model (and a draft for speculative "
+                    "decoding)", "Generate a completion of each prompt; speculative when a draft is given. "
                     "Ctrl-C stops the run and prints what was generated so far (exit status 130).",
-    )
-    add_model_options(p)
+                    model_options=True)
     prompt = p.add_mutually_exclusive_group(required=True)
     prompt.add_argument("--prompt", action="append", metavar="TEXT",
                         help="prompt text, '-' to read it from stdin (needs the target's tokenizer); "

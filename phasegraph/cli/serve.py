@@ -25,7 +25,7 @@ from pathlib import Path
 
 from phasegraph.cli.common import (
     CliError,
-    add_model_options,
+    add_command,
     load_engine,
     model_spec,
     require_at_least,
@@ -38,13 +38,9 @@ GRACEFUL_SHUTDOWN_S = 5  # then streams still open are cut and their requests ab
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser(
-        "serve",
-        help="serve a model pair over an OpenAI-compatible HTTP API",
-        description="Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics; "
-                    "speculative when a draft is given.",
-    )
-    add_model_options(p)
+    p = add_command(sub, "serve", "serve a model pair over an OpenAI-compatible HTTP API",
+                    "Serve /v1/completions, /v1/chat/completions, /v1/models, /health and /metrics; "
+                    "speculative when a draft is given.", model_options=True)
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default 127.0.0.1: this "
                    "machine only; 0.0.0.0 for every interface)")
     p.add_argument("--port", type=int, default=8000, help="port to listen on (default 8000)")
