@@ -25,15 +25,7 @@ import torch
 from transformers import LlamaForCausalLM
 
 from phasegraph.train.eagle3_head import Eagle3Config, Eagle3Head, eagle3_aux_layers
-from phasegraph.train.loop import (
-    Deadline,
-    StageLog,
-    WindowSampler,
-    autocast,
-    eval_windows,
-    stage_generator,
-    train_loop,
-)
+from phasegraph.train.loop import Deadline, StageLog, autocast, stage_generator, train_on_windows
 from phasegraph.train.presets import HeadSpec, LMSpec, TrainSpec, head_dims
 
 __all__ = [
@@ -195,26 +187,14 @@ def train_head(
     deadline: Deadline | None = None,
     progress: bool = True,
 ) -> StageLog:
-    head.to(device)
-    sampler = WindowSampler(
-        train_stream,
-        train_spec.seq_len + 1,
-        train_spec.batch_size,
-        stage_generator(seed, "head"),
-        device,
-        pool=pool,
-        pool_fraction=spec.selfgen_fraction,
-    )
-    valid = eval_windows(valid_stream, train_spec.seq_len + 1, train_spec.eval_windows)
+    def batch_loss(w: torch.Tensor) -> torch.Tensor:
+        return head_batch(head, target, w, spec, device)[0]
 
-    def loss_fn(step: int) -> torch.Tensor:
-        return head_batch(head, target, sampler(), spec, device)[0]
-
-    def valid_fn() -> float:
+    def valid_loss(valid: torch.Tensor) -> float:
         return eval_head(head, target, valid, spec, device, train_spec.batch_size)["loss"]
 
-    return train_loop(
-        "eagle3-head", head, train_spec, loss_fn, valid_fn, device,
-        tokens_per_step=train_spec.batch_size * train_spec.seq_len, deadline=deadline,
-        progress=progress,
+    return train_on_windows(
+        "eagle3-head", head, train_spec, train_stream, valid_stream, stage_generator(seed, "head"),
+        device, batch_loss, valid_loss, deadline=deadline, progress=progress,
+        pool=pool, pool_fraction=spec.selfgen_fraction,
     )

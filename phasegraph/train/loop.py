@@ -30,6 +30,7 @@ __all__ = [
     "eval_windows",
     "stage_generator",
     "train_loop",
+    "train_on_windows",
 ]
 
 _STAGE_IDS = {"init": 1, "target": 2, "head": 3, "draft": 4, "selfgen": 5}
@@ -263,3 +264,32 @@ def train_loop(
     log.wall_s = time.perf_counter() - t0
     log.tokens = log.steps * tokens_per_step
     return log
+
+
+def train_on_windows(
+    name: str,
+    model: torch.nn.Module,
+    spec: TrainSpec,
+    train_stream: torch.Tensor,
+    valid_stream: torch.Tensor,
+    generator: torch.Generator,
+    device: torch.device,
+    batch_loss: Callable[[torch.Tensor], torch.Tensor],
+    valid_loss: Callable[[torch.Tensor], float],
+    *,
+    deadline: Deadline | None = None,
+    progress: bool = True,
+    **sampler_options,
+) -> StageLog:
+    """:func:`train_loop` of ``model`` on ``batch_loss(windows)``, the windows (``spec.seq_len +
+    1`` tokens, ``spec.batch_size`` of them) drawn from ``train_stream`` by a
+    :class:`WindowSampler` (``sampler_options``: its ``pool``); validated by ``valid_loss`` over
+    :func:`eval_windows` of ``valid_stream``."""
+    model.to(device)
+    length = spec.seq_len + 1
+    sampler = WindowSampler(train_stream, length, spec.batch_size, generator, device, **sampler_options)
+    valid = eval_windows(valid_stream, length, spec.eval_windows)
+    return train_loop(
+        name, model, spec, lambda step: batch_loss(sampler()), lambda: valid_loss(valid), device,
+        tokens_per_step=spec.batch_size * spec.seq_len, deadline=deadline, progress=progress,
+    )

@@ -13,15 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from phasegraph.train.loop import (
-    Deadline,
-    StageLog,
-    WindowSampler,
-    autocast,
-    eval_windows,
-    stage_generator,
-    train_loop,
-)
+from phasegraph.train.loop import Deadline, StageLog, autocast, stage_generator, train_on_windows
 from phasegraph.train.presets import LMSpec, TrainSpec
 
 __all__ = [
@@ -94,14 +86,8 @@ def train_lm(
     progress: bool = True,
 ) -> StageLog:
     """Next-token training on random windows; with ``teacher``, distillation on its logits."""
-    model.to(device)
-    sampler = WindowSampler(
-        train_stream, spec.seq_len + 1, spec.batch_size, stage_generator(seed, stage), device
-    )
-    valid = _valid_windows(valid_stream, spec)
 
-    def loss_fn(step: int) -> torch.Tensor:
-        w = sampler()
+    def batch_loss(w: torch.Tensor) -> torch.Tensor:
         x, y = w[:, :-1], w[:, 1:]
         with autocast(device):
             logits = _logits(model, x)
@@ -111,17 +97,13 @@ def train_lm(
                 t_logits = _logits(teacher, x)
             return soft_cross_entropy(logits, t_logits)
 
-    def valid_fn() -> float:
+    def valid_loss(valid: torch.Tensor) -> float:
         return eval_lm(model, valid, device, spec.batch_size, teacher=teacher)["loss"]
 
-    return train_loop(
-        stage, model, spec, loss_fn, valid_fn, device,
-        tokens_per_step=spec.batch_size * spec.seq_len, deadline=deadline, progress=progress,
+    return train_on_windows(
+        stage, model, spec, train_stream, valid_stream, stage_generator(seed, stage), device,
+        batch_loss, valid_loss, deadline=deadline, progress=progress,
     )
-
-
-def _valid_windows(stream: torch.Tensor, spec: TrainSpec) -> torch.Tensor:
-    return eval_windows(stream, spec.seq_len + 1, spec.eval_windows)
 
 
 @torch.no_grad()
