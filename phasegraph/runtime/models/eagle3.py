@@ -378,7 +378,7 @@ class Eagle3Draft(FeatureDraft):
             h, mid.hidden_norm.weight, float(mid.hidden_norm.variance_epsilon), a_rows=rows,
         )
         cos, sin, rope_rows = RotaryTable.of(self.rotary).lookup(x, positions, attn)
-        attn_out = layer.attention(x, cos, sin, pool.k[0], pool.v[0], attn, rope_rows)  # [T, Hd]
+        attn_out = layer.attention_from_qkv(layer.qkv_of(x), cos, sin, pool.k[0], pool.v[0], attn, rope_rows)  # [T, Hd]
         if tp is not None:  # a rank's o product is a partial sum (row parallel)
             attn_out = tp.all_reduce_(attn_out)
         if head.layout.norm_before_residual:  # the residual is hidden_norm(h), x's second half

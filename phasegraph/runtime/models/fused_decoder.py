@@ -89,18 +89,9 @@ class FusedLayer:
     k_norm: torch.nn.Module | None = None
     sliding_window: int | None = None  # Mistral / Qwen2 sliding-window layers (layer_window)
 
-    def attention(
-        self,
-        normed: torch.Tensor,  # [T, H]
-        cos: torch.Tensor,  # [T, D], or [P, D] tables with rope_rows
-        sin: torch.Tensor,  # [T, D], or [P, D] tables with rope_rows
-        k_cache: torch.Tensor,  # [slots, Hkv, D]
-        v_cache: torch.Tensor,  # [slots, Hkv, D]
-        meta: AttentionMetadata,
-        rope_rows: torch.Tensor | None = None,  # [T] i64: each token's row of the tables
-    ) -> torch.Tensor:  # [T, H], before the residual add
-        qkv = linear(normed, self.qkv_weight, self.qkv_bias, static_weight=True)  # [T, (Hq + 2Hkv) D]
-        return self.attention_from_qkv(qkv, cos, sin, k_cache, v_cache, meta, rope_rows)
+    def qkv_of(self, normed: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, (Hq + 2Hkv) D]
+        """The qkv product of an input already normed (:meth:`norm_qkv` norms it too)."""
+        return linear(normed, self.qkv_weight, self.qkv_bias, static_weight=True)
 
     def attention_from_qkv(
         self,
