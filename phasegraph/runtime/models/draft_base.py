@@ -76,7 +76,26 @@ def require(condition: bool, message: str) -> None:
 
 class DraftAdapter(abc.ABC):
     """What every draft adapter (the feature heads and the standalone draft) shares: the
-    ``DraftModel.forward`` signature, once, over each kind's :meth:`_forward`."""
+    signatures of ``DraftModel.forward`` and of loading, once, over each kind's
+    :meth:`_forward` and :meth:`_load`."""
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        directory: str | Path,
+        target: HFTarget,
+        dtype: torch.dtype | str | None = None,
+        device: torch.device | str | None = None,
+        **options,
+    ):
+        """The draft in checkpoint ``directory`` for ``target``; ``dtype`` and ``device``
+        default to the target's. ``options`` go to the adapter (EAGLE-3's ``fused``)."""
+        return cls._load(directory, target, dtype, device, **options)
+
+    @classmethod
+    @abc.abstractmethod
+    def _load(cls, directory, target, dtype, device, **options):
+        """The kind's loading; the arguments are :meth:`from_pretrained`'s."""
 
     def forward(
         self,
@@ -171,17 +190,9 @@ class FeatureDraft(DraftAdapter):
     # -- loading: one template, the kinds fill in their head and checks -------------------------
 
     @classmethod
-    def from_pretrained(
-        cls,
-        directory: str | Path,
-        target: HFTarget,
-        dtype: torch.dtype | str | None = None,
-        device: torch.device | str | None = None,
-        **options,
-    ):
+    def _load(cls, directory, target, dtype, device, **options):
         """Load a head from a checkpoint directory in its public layout: ``config.json`` plus
-        ``model.safetensors`` (or ``pytorch_model.bin``); every key checked against the head.
-        ``options`` go to the adapter (EAGLE-3's ``fused``)."""
+        ``model.safetensors`` (or ``pytorch_model.bin``); every key checked against the head."""
         where = str(directory)
         raw = flat_config(read_config(directory), where)
         config = draft_config(directory, raw)

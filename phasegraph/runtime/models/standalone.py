@@ -9,10 +9,6 @@ gets a row too, so the draft sees the whole context, the first token included.
 
 from __future__ import annotations
 
-from pathlib import Path
-
-import torch
-
 from phasegraph.phases.protocols import DraftOutput
 from phasegraph.runtime.errors import DraftMismatch
 from phasegraph.runtime.kv_pool import KVPool
@@ -53,13 +49,7 @@ class StandaloneDraft(DraftAdapter):
         self.tp = group
 
     @classmethod
-    def from_pretrained(
-        cls,
-        directory: str | Path,
-        target: HFTarget,
-        dtype: torch.dtype | str | None = None,
-        device: torch.device | str | None = None,
-    ) -> StandaloneDraft:
+    def _load(cls, directory, target, dtype, device) -> StandaloneDraft:
         vocab = read_config(directory).get("vocab_size")
         if vocab != target.vocab_size:  # before reading any weights
             raise DraftMismatch(
