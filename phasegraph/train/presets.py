@@ -131,6 +131,10 @@ class Preset:
 # Presets
 # ---------------------------------------------------------------------------------------------
 
+# The GPU presets' self-generated head data: half of each batch from target greedy
+# continuations of 512-token train windows, generated 1024 at a time.
+_SELFGEN = dict(selfgen_prompt_len=512, selfgen_fraction=0.5, selfgen_batch=1024)
+
 _DEMO = Preset(
     name="demo-pair",
     vocab_size=4096,
@@ -148,14 +152,7 @@ _DEMO = Preset(
     # 3.56M params -> 6.8 MiB in bf16. Half of each batch comes from target greedy
     # continuations of train windows (1.5M generated tokens): on a small CPU-scale ablation this
     # raised the simulated tau noticeably (chain 1.44 -> 1.60, tree 1.91 -> 2.17).
-    head=HeadSpec(
-        intermediate_size=1280,
-        unroll=5,
-        selfgen_seqs=3072,
-        selfgen_prompt_len=512,
-        selfgen_fraction=0.5,
-        selfgen_batch=1024,
-    ),
+    head=HeadSpec(intermediate_size=1280, unroll=5, selfgen_seqs=3072, **_SELFGEN),
     # ~65M head rows (x5 unroll steps). The head is step-limited at small scale, and a higher
     # learning rate helped there (3e-3 -> 1e-2 at width 128); 3e-3 at width 320.
     # 1400 steps take ~170 s on an H200, inside the ~6-minute budget.
@@ -181,15 +178,7 @@ _BENCH = Preset(
     ),
     # The target's attention shape (12 heads, 4 KV heads), as the published EAGLE-3 heads copy
     # their target's; 12 KV heads read 1.6M more weights in every draft forward.
-    head=HeadSpec(
-        intermediate_size=2560,
-        num_kv_heads=4,
-        unroll=5,
-        selfgen_seqs=1024,
-        selfgen_prompt_len=512,
-        selfgen_fraction=0.5,
-        selfgen_batch=1024,
-    ),
+    head=HeadSpec(intermediate_size=2560, num_kv_heads=4, unroll=5, selfgen_seqs=1024, **_SELFGEN),
     head_train=TrainSpec(
         steps=200, batch_size=32, seq_len=1023, lr=8e-4, warmup_steps=100, eval_every=100,
         eval_windows=48,
