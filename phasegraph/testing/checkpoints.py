@@ -248,9 +248,7 @@ def write_standalone_draft(
         num_key_value_heads=1,
         vocab_size=target_config_of(target).vocab_size,
     )
-    if model_type == "qwen3":
-        values["head_dim"] = 16
-    values.update(overrides)
+    values.update(overrides)  # tiny_target_config fills in the rest (qwen3's head_dim among it)
     return write_hf_target(directory, model_type, seed=seed, **values)
 
 
