@@ -23,16 +23,9 @@ from typing import NamedTuple
 
 import torch
 
+from phasegraph.kernels import _dispatch
 from phasegraph.kernels._checks import expect_float
-from phasegraph.kernels._dispatch import (
-    cdiv,
-    jit,
-    next_pow2,
-    pdl_enter,
-    pdl_options,
-    tl,
-    use_triton,
-)
+from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
 from phasegraph.kernels._lanes import row_lanes
 
 BLOCK_MAX = 8192  # logits per program
@@ -159,7 +152,7 @@ def _argmax_launch(logits: torch.Tensor, checked: tuple[torch.Tensor, torch.Tens
     if rows == 0:
         return out
     block = min(next_pow2(vocab), BLOCK_MAX)
-    blocks = cdiv(vocab, block)
+    blocks = _dispatch.cdiv(vocab, block)
     val = idx = out  # one block: its first index is the answer (the kernel stores no value)
     if blocks > 1:
         val = torch.empty((rows, blocks), dtype=torch.float32, device=logits.device)

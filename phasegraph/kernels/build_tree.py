@@ -20,16 +20,9 @@ from typing import NamedTuple
 import attrs
 import torch
 
+from phasegraph.kernels import _dispatch
 from phasegraph.kernels._checks import expect, expect_shape
-from phasegraph.kernels._dispatch import (
-    as_bytes,
-    jit,
-    next_pow2,
-    pdl_enter,
-    pdl_options,
-    tl,
-    use_triton,
-)
+from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
 from phasegraph.kernels._lanes import row_lanes
 from phasegraph.kernels.argmax import is_finite
 
@@ -399,7 +392,7 @@ def build_tree_triton(
         block = next_pow2(num_nodes)
         _build_tree_kernel[(batch,)](
             bonus_tokens.contiguous(), node_tokens.contiguous(), node_parents.contiguous(),
-            seq_lens.contiguous(), draft_tokens, positions, as_bytes(tree_mask), depth,
+            seq_lens.contiguous(), draft_tokens, positions, _dispatch.as_bytes(tree_mask), depth,
             retrieve_index, next_token, next_sibling, num_nodes,
             BLOCK_NODES=block,
             num_warps=1 if block <= 32 else 4, **pdl_options(),

@@ -15,17 +15,9 @@ from collections.abc import Sequence
 
 import torch
 
+from phasegraph.kernels import _dispatch
 from phasegraph.kernels._checks import expect, expect_shape
-from phasegraph.kernels._dispatch import (
-    as_bytes,
-    cdiv,
-    jit,
-    next_pow2,
-    pdl_enter,
-    pdl_options,
-    tl,
-    use_triton,
-)
+from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
 from phasegraph.kernels._lanes import row_lanes
 
 
@@ -149,8 +141,8 @@ def compact_to_front_triton(
     if out.numel() == 0:
         return out
     block_f = min(1024, next_pow2(features))
-    _compact_rows_kernel[(batch * width, cdiv(features, block_f))](
-        as_bytes(x.contiguous()), accept_index.contiguous(), as_bytes(out),
+    _compact_rows_kernel[(batch * width, _dispatch.cdiv(features, block_f))](
+        _dispatch.as_bytes(x.contiguous()), accept_index.contiguous(), _dispatch.as_bytes(out),
         num_nodes, width, features,
         BLOCK_F=block_f,
         num_warps=4 if block_f >= 512 else 1, **pdl_options(),
@@ -288,11 +280,11 @@ def move_kv_triton(
     src, dst = src.contiguous(), dst.contiguous()
     block_f = min(1024, next_pow2(features))
     for start in range(0, len(caches), _CACHES_PER_LAUNCH):
-        group = tuple(as_bytes(c) for c in caches[start : start + _CACHES_PER_LAUNCH])
+        group = tuple(_dispatch.as_bytes(c) for c in caches[start : start + _CACHES_PER_LAUNCH])
         staged = torch.empty(
             (len(group), num_moves, features), dtype=group[0].dtype, device=first.device
         )
-        grid = (num_moves, cdiv(features, block_f), len(group))
+        grid = (num_moves, _dispatch.cdiv(features, block_f), len(group))
         kw = dict(NUM=len(group), BLOCK_F=block_f, num_warps=4 if block_f >= 512 else 1,
                   **pdl_options())
         _gather_rows_kernel[grid](group, src, dst, staged, num_moves, features, **kw)

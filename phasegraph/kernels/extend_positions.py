@@ -9,16 +9,9 @@ from __future__ import annotations
 
 import torch
 
+from phasegraph.kernels import _dispatch
 from phasegraph.kernels._checks import expect, expect_shape
-from phasegraph.kernels._dispatch import (
-    cdiv,
-    jit,
-    next_pow2,
-    pdl_enter,
-    pdl_options,
-    tl,
-    use_triton,
-)
+from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
 from phasegraph.kernels._lanes import row_lanes
 
 
@@ -179,7 +172,7 @@ def ragged_extend_positions_triton(
     request = torch.empty(total_tokens, dtype=torch.int64, device=device)
     if total_tokens > 0:
         block_t = min(32, next_pow2(total_tokens))
-        _ragged_positions_kernel[(cdiv(total_tokens, block_t),)](
+        _ragged_positions_kernel[(_dispatch.cdiv(total_tokens, block_t),)](
             starts.contiguous(), lens.contiguous(), positions, request, batch, total_tokens,
             BLOCK_T=block_t,
             BLOCK_B=min(32, next_pow2(batch)),

@@ -33,16 +33,8 @@ import math
 
 import torch
 
-from phasegraph.kernels._dispatch import (
-    as_bytes,
-    cdiv,
-    jit,
-    next_pow2,
-    pdl_enter,
-    pdl_options,
-    tl,
-    use_triton,
-)
+from phasegraph.kernels import _dispatch
+from phasegraph.kernels._dispatch import jit, next_pow2, pdl_enter, pdl_options, tl, use_triton
 from phasegraph.kernels.attention import (
     AttentionMetadata,
     _attend_run,
@@ -455,12 +447,12 @@ def rope_tree_attention_triton(
     positions = max_pages * page_size
     chunk = _fp32_chunk(positions, block_n) if upcast else 0
     num_splits = launch_splits(positions, block_n, chunk, num_splits,
-                               cdiv(num_tokens, block_t) * num_kv_heads, qkv.device)
+                               _dispatch.cdiv(num_tokens, block_t) * num_kv_heads, qkv.device)
     part_acc, part_max, part_sum = split_buffers(out, num_splits, head_dim)
     indexed = rope_rows is not None
     slots = meta.write_slots.contiguous()
     kv_len = meta.kv_len.contiguous()
-    extra_bytes = as_bytes(extra)
+    extra_bytes = _dispatch.as_bytes(extra)
     # rows are E tokens from a multiple of E, so with BLOCK_T dividing E no block spans two rows
     # and each block is one run: one program per block and chunk, not per token and chunk (most
     # would return at once). With one split (many runs) the token grid measured faster.
