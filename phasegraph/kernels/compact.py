@@ -250,8 +250,8 @@ def move_kv_triton(
 ) -> None:
     """Triton ``move_kv``: all caches in two launches (per 32 caches) instead of two per cache.
     Grid (move, feature block, cache): every row of every cache moves in its own program, so a
-    launch costs one load's latency rather than one per cache (24 caches of the bench pair's
-    target: the staging launch took 11.1 µs with the caches in one program's loop, H100).
+    launch costs one load's latency rather than one per cache (a program looping over the
+    caches pays their loads one after another).
 
     The first kernel stages every moving row of every cache (rows passed as a tuple of tensor
     arguments, unrolled in the kernel), the second writes them back: gather before scatter is

@@ -457,11 +457,9 @@ def early_weight_load(one_tile: bool, static_weight: bool, weight_bytes: int, pd
     then overlaps the two, which is safe only for weights no kernel writes (``static_weight``:
     a model's parameters). Only one-tile products (each program's K range one tile: the whole K,
     the table's one-row forms, or one split-K slice) do it, and only up to
-    ``EARLY_WEIGHT_MAX_BYTES`` of weights: on an H100 it took the bench pair's decode step from
-    400 to 360 µs, while the 8B shape's step (products of 33.5 MB and more, many waves of
-    programs) went from 5.47 to 5.56 ms, and for products that loop over K the first tile loaded
-    early cost the tree verify 3.4 %. No shipped rule has one tile per
-    slice: such 16-row tiles gain from it but cost the tree iteration 10 % more than they gain.
+    ``EARLY_WEIGHT_MAX_BYTES`` of weights: small products gain the overlap, while large ones
+    (many waves of programs) and products that loop over K lose more to the contention than
+    they gain (measured with ``benchmarks/bench_linear.py``).
     ``PHASEGRAPH_EARLY_WEIGHTS``: ``auto`` (default) this rule; ``on`` any size; ``off`` never.
     """
     mode = early_weights_mode()
