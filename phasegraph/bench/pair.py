@@ -140,8 +140,8 @@ def measure_trained_pair(run: BenchRun) -> None:
         write_outputs(run)
 
     if a.features and not run.out_of_time("feature rows"):
-        _timed_guard(run, "feature rows", measure_features, run, pair / "target", pair / "eagle3", prompts, engine_kw,
-                     run.result["trained_pair"])
+        _timed_guard(run, "feature rows", measure_features, run, _from_dirs(pair / "target", pair / "eagle3", engine_kw),
+                     prompts, run.result["trained_pair"])
         free_memory()
         write_outputs(run)
 
@@ -243,7 +243,7 @@ def measure_real_model(run: BenchRun, load) -> None:
         write_outputs(run)
     bar.close()
     if a.features and not run.out_of_time("real model: feature rows"):
-        _timed_guard(run, "feature rows", measure_features, run, target, head, prompts, engine_kw, part,
+        _timed_guard(run, "feature rows", measure_features, run, _from_dirs(target, head, engine_kw), prompts, part,
                      part="real_model")
         free_memory()
         write_outputs(run)
@@ -378,17 +378,18 @@ QUICK_FEATURE_SCHEMA = {
 }
 
 
-def measure_features(run: BenchRun, target: Path, head: Path, prompts: list[list[int]], engine_kw: dict,
-                     part: dict) -> None:
+def measure_features(run: BenchRun, make_engine, prompts: list[list[int]], part: dict,
+                     batches: list[int] | None = None, new_tokens: int | None = None) -> None:
     """What structured output and top logprobs cost, with and without speculation: the baseline
-    and the EAGLE-3 chain (fixed, ``head``) at each batch size, plain, with a JSON schema
-    (greedy; a request ends where its object does) and with logprobs=20, into
-    ``part["features"]``. A JSON row is also compared with plain requests of the same output
-    lengths (``plain_same_lengths_tokens_per_s``), so that the grammar's cost is not confused
-    with the shorter outputs' larger share of prefill."""
+    and the EAGLE-3 chain (fixed) at each batch size (default ``--batches``), plain, with a JSON
+    schema (greedy; a request ends where its object does) and with logprobs=20, into
+    ``part["features"]``. ``make_engine(spec_kw, speculative)`` builds each configuration's
+    engine. A JSON row is also compared with plain requests of the same output lengths
+    (``plain_same_lengths_tokens_per_s``), so that the grammar's cost is not confused with the
+    shorter outputs' larger share of prefill."""
     import importlib.util
 
-    from phasegraph import Engine, SamplingParams, SpecConfig
+    from phasegraph import SamplingParams
 
     a = run.args
     schema = QUICK_FEATURE_SCHEMA if a.quick else FEATURE_SCHEMA
@@ -398,13 +399,14 @@ def measure_features(run: BenchRun, target: Path, head: Path, prompts: list[list
     if len(features) < len(every):
         found["note"] = "the grammar extra is not installed: no json_schema rows (pip install 'phasegraph[grammar]')"
     chain = next(kw for label, kw, _ in PG_CONFIGS if label == CHAIN)
-    for label, spec_kw, draft in ((BASELINE, {"method": "none"}, None), (CHAIN, chain, head)):
-        engine = Engine.from_pretrained(target, draft, spec=SpecConfig(**spec_kw), **engine_kw)
-        for b in a.batch_list:
+    new_tokens = new_tokens or a.new_tokens
+    for label, spec_kw in ((BASELINE, {"method": "none"}), (CHAIN, chain)):
+        engine = make_engine(spec_kw, label != BASELINE)
+        for b in batches or a.batch_list:
             calls = request_calls(prompts, b, a.batch1_prompts)
             for feature, extra in features:
                 json_rows = feature == "json_schema"  # room for the object to end, whatever --new-tokens
-                params = SamplingParams(max_new_tokens=max(a.new_tokens, 256) if json_rows else a.new_tokens,
+                params = SamplingParams(max_new_tokens=max(new_tokens, 256) if json_rows else new_tokens,
                                         temperature=0.0, ignore_eos=not json_rows, **extra)
                 _, wall, outs, _, _ = warm_then_time(run, engine, calls, params)
                 n = sum(len(o.token_ids) for o in outs)
@@ -418,6 +420,16 @@ def measure_features(run: BenchRun, target: Path, head: Path, prompts: list[list
             write_outputs(run)  # a run cut short keeps the rows measured
         del engine
         free_memory()
+
+
+def _from_dirs(target: Path, head: Path, engine_kw: dict):
+    """:func:`measure_features`' engine factory for checkpoints on disk."""
+    from phasegraph import Engine, SpecConfig
+
+    def make(spec_kw: dict, speculative: bool):
+        return Engine.from_pretrained(target, head if speculative else None, spec=SpecConfig(**spec_kw), **engine_kw)
+
+    return make
 
 
 def _same_lengths_wall(run: BenchRun, engine, calls: list[list], outs: list) -> float:

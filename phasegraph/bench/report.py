@@ -191,6 +191,7 @@ def evaluate_goals(result: dict, args: argparse.Namespace) -> list[dict]:
             f"end-to-end step {1e3 * b1['step_s_end_to_end']:.2f} ms")
     else:
         add(goal, "not measured", None)
+    _feature_goals(add, sc.get("features") or {}, "scale, SIMULATED τ = 4")
     return goals
 
 
@@ -406,7 +407,10 @@ def render_markdown(result: dict) -> str:
                 lines.append(f"| {x['config']} | {x['tau_simulated']} | {x['batch']} | {1e3 * x['iteration_s']:.2f} ms | "
                              f"{1e3 * x['host_issue_s']:.2f} ms ({100 * x['host_share']:.0f}%) | {1e3 * ph['draft']:.2f} | "
                              f"{1e3 * ph['verify']:.2f} | {1e3 * ph['finalize-tree-path']:.2f} | {1e3 * ph['draft-extend']:.2f} |")
-        lines += ["", _captured_text(sc["baseline"] + sc["rows"]), ""]
+        if sc.get("features"):
+            lines += ["", f"Feature rows at batch 1, the chain at SIMULATED τ = {sc.get('feature_tau_simulated')}; the "
+                      f"grammar's tokenizer is {sc.get('feature_tokenizer')}:"]
+        lines += _feature_lines(sc) + ["", _captured_text(sc["baseline"] + sc["rows"]), ""]
     lines += ["## Goals", "", "| goal | measured | status |", "|---|---|---|"]
     for g in r["goals"]:
         status = {True: "met", False: "**not met**", None: "not measured"}[g["met"]]

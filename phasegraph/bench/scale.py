@@ -4,6 +4,8 @@ SIMULATED acceptance against the graphed baseline, and bench_scale's GPU probes.
 from __future__ import annotations
 
 import time
+from importlib import resources
+from pathlib import Path
 
 from phasegraph.bench.common import (
     SCALE_CONFIGS,
@@ -21,6 +23,7 @@ from phasegraph.bench.common import (
     sync,
     warm_then_time,
 )
+from phasegraph.bench.pair import measure_features
 from phasegraph.bench.report import write_outputs
 
 QUICK_SCALE_MODEL = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
@@ -91,9 +94,38 @@ def measure_scale(run: BenchRun) -> None:
             free_memory()
             write_outputs(run)
     bar.close()
+    if a.features and not run.out_of_time("scale feature rows"):
+        run.guard("scale feature rows", _measure_features, run, target, head, prompts, engine_kw, part)
+        free_memory()
+        write_outputs(run)
     del head, target
     free_memory()
     run.result["parts_wall_s"]["part 2"] = round(time.perf_counter() - t_part, 1)
+
+
+# the simulated acceptance length of the chain's feature rows: the goals' τ
+FEATURE_TAU = 4
+
+
+def _measure_features(run: BenchRun, target, head, prompts, engine_kw: dict, part: dict) -> None:
+    """``--features`` at this shape, batch 1: the baseline and the chain at SIMULATED τ = 4, plain,
+    with a JSON schema and with logprobs=20 (:func:`~phasegraph.bench.pair.measure_features`).
+    A grammar needs a tokenizer and random weights have none, so the embedded demo pair's lends
+    the grammar its 4,096 tokens (the rest of the vocabulary is never allowed): what the rows
+    compare is the grammar's host round trips against this shape's iterations, not the text."""
+    from phasegraph import Engine, SpecConfig
+    from phasegraph.runtime.models.loading import load_tokenizer
+
+    tokenizer = load_tokenizer(Path(str(resources.files("phasegraph") / "data" / "demo_pair" / "target")))
+    part["feature_tokenizer"] = "the demo pair's (4,096 tokens), for the grammar only"
+    part["feature_tau_simulated"] = FEATURE_TAU
+
+    def make(spec_kw: dict, speculative: bool):
+        return Engine(target, head if speculative else None, spec=SpecConfig(**spec_kw), tokenizer=tokenizer,
+                      eos_token_ids=(tokenizer.eos_token_id,),
+                      simulate_accept_length=FEATURE_TAU if speculative else None, **engine_kw)
+
+    measure_features(run, make, prompts, part, batches=[1], new_tokens=run.args.scale_new_tokens)
 
 
 def _small_scale_pair(run: BenchRun):

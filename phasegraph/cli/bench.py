@@ -159,6 +159,8 @@ def estimate_seconds(run: BenchRun) -> dict[str, float]:
                         t += 2 * (math.ceil(n / tau) * _interp(iteration, b) + prefill)
                         t += 3 * 3 * SCALE_EAGER_ITER_S
             t += 10.0 + TRITON_COMPILE_S / 2  # decode-step and per-phase probes; kernels for head dim 128
+            if a.features:  # baseline and chain at batch 1: three features, JSON also at the same lengths
+                t += 2 * 4 * 3 * (n * SCALE_STEP_S[1] + 1.0)
             est["part 2: scale"] = t
         else:
             est["part 2: scale"] = 15.0
@@ -364,7 +366,8 @@ def add_parser(sub) -> None:
                    help=f"part 1 drafting rows besides the baseline, of {', '.join(PAIR_CONFIG_KEYS)} (default all)")
     p.add_argument("--features", action=argparse.BooleanOptionalAction, default=True,
                    help="part 1: also the cost of structured output (a JSON schema) and of logprobs=20, "
-                        "baseline and chain at each batch, for the trained pair and the real model")
+                        "baseline and chain at each batch, for the trained pair and the real model, and "
+                        "at batch 1 for the 8B shape")
     p.add_argument("--trained-pair", action=argparse.BooleanOptionalAction, default=True,
                    help="part 1: the trained pair's rows (--no-trained-pair: the real model's rows alone, "
                         "nothing trained)")

@@ -126,8 +126,17 @@ def test_json_holds_every_figure_and_the_environment(quick_run):
         assert x["eta"] == pytest.approx(x["speedup"] / x["tau_measured"]) and x["reached"]
     for x in sc["rows"] + sc["baseline"]:
         assert x["gc"]["frozen"] is True and 0 <= x["gc"]["seconds"] <= x["seconds"]
+    # the features at this shape: the demo pair's tokenizer lends the grammar its vocabulary; the
+    # chain at SIMULATED τ = 4 emits only what the grammar allows, so every object is complete
+    feats = {(x["config"], x["feature"]): x for x in sc["features"]["rows"]}
+    assert set(feats) == {(c, f) for c in ("baseline (autoregressive)", "EAGLE-3 chain S=3")
+                          for f in ("plain", "json_schema", "logprobs=20")}
+    assert all(x["batch"] == 1 for x in feats.values()) and sc["feature_tau_simulated"] == 4
+    for config in ("baseline (autoregressive)", "EAGLE-3 chain S=3"):
+        assert feats[(config, "json_schema")]["complete"] == 2  # --batch1-prompts: one call each
+    assert 1 < feats[("EAGLE-3 chain S=3", "plain")]["tau"] <= 4
 
-    assert len(r["goals"]) == 18
+    assert len(r["goals"]) == 21
     # every goal measured but the real model's (τ, identity, three features): --quick runs it only with --real-model
     real = [g for g in r["goals"] if g["goal"].startswith("real model")]
     assert len(real) == 5 and all(g["measured"] == "not measured" and g["met"] is None for g in real), real
@@ -157,8 +166,10 @@ def test_markdown_table(quick_run):
                  "JSON schema with speculation ≥ 1.5× without speculation", "logprobs=20 costs ≤ 10%"):
         assert goal in md, goal
     goal_rows = md.split("## Goals")[1]
-    assert goal_rows.count("| met |") + goal_rows.count("| **not met** |") == 13  # the real model's not run
+    assert goal_rows.count("| met |") + goal_rows.count("| **not met** |") == 16  # 21 goals, the real model's 5 not run
     assert "Note: the real model (SmolLM2-135M-Instruct) is not run: quick mode (--real-model runs it)." in md
+    assert "Feature rows at batch 1, the chain at SIMULATED τ = 4; the grammar's tokenizer is the demo pair's" in md
+    assert "scale, SIMULATED τ = 4, batch 1: JSON schema with speculation ≥ 1.5× without speculation" in md
 
 
 def test_plots(quick_run):
