@@ -51,7 +51,7 @@ def write_outputs(run: BenchRun, final: bool = False) -> None:
 
 
 def evaluate_goals(result: dict, args: argparse.Namespace) -> list[dict]:
-    """Issue 7's goals, each measured or not, with a note on why one is missed."""
+    """The bench's goals, each measured or not, with a note on why one is missed."""
     goals: list[dict] = []
     tp = result.get("trained_pair") or {}
     rows = tp.get("rows", [])
@@ -220,7 +220,7 @@ def _identical_goal(add, where: str, rows: list[dict], draft_note: str | None = 
 
 
 def _real_model_goals(add, part: dict) -> None:
-    """Issue 58's goals of the real model at batch 1: the acceptance its trained head reaches on
+    """The real model's goals at batch 1: the acceptance its trained head reaches on
     held-out HumanEval (chain and tree), and greedy identity in every row."""
     rows = part.get("rows") or []
     taus = {c: next((r.get("tau") for r in rows if r["config"] == c and r["batch"] == 1), None) for c in (CHAIN, TREE)}

@@ -377,7 +377,7 @@ def summarize(rate: float, streams: list[_Stream], wall: float) -> dict:
 
 
 def evaluate_goals(result: dict) -> list[dict]:
-    """Issue 62's three serving goals, each with the figures it compares and whether it holds."""
+    """The three serving goals, each with the figures it compares and whether it holds."""
     spec, base = result["modes"].get("speculative"), result["modes"].get("baseline")
     if not spec or not base:
         return []
