@@ -634,8 +634,9 @@ class SegmentedGraph:
     def __init__(self, ctx: Any, run: Callable[[], Any], pool=None, emulate: bool = False):
         self.ctx, self.run, self.pool, self.emulate = ctx, run, pool, emulate
         self.pieces: list[torch.cuda.CUDAGraph] = []
-        self.after: list[_HostCall] = []  # after[k]: the call between piece k and piece k+1
-        self.calls: list[_HostCall] = []  # every call, in the order the function makes them
+        # every call, in the order the function makes them; captured, calls[k] runs between
+        # piece k and piece k+1
+        self.calls: list[_HostCall] = []
         self.static_out: Any = None
         self._emulated: EmulatedGraph | None = None
         self._stamp: torch.Tensor | None = None
@@ -703,7 +704,6 @@ class SegmentedGraph:
         out = torch.empty((_OUTPUT_ROWS[name](*args), words), dtype=torch.int32, device="cuda")  # [R, Vw]
         call = _HostCall(name, args, out)
         self.calls.append(call)
-        self.after.append(call)
         self._begin()
         return out
 
@@ -721,8 +721,8 @@ class SegmentedGraph:
         grammar = self.ctx.grammar
         for k, piece in enumerate(self.pieces):
             piece.replay()
-            if k < len(self.after):  # one that reads no device tensor overlaps the piece on the GPU
-                self.after[k].run(grammar)
+            if k < len(self.calls):  # one that reads no device tensor overlaps the piece on the GPU
+                self.calls[k].run(grammar)
 
     def _rerun(self) -> Any:
         calls = iter(self.calls)
