@@ -158,11 +158,13 @@ def _run(preset, out_dir, source, heldout, seed, device, time_budget_s, progress
     walls["convert"] = time.perf_counter() - t0
     log(f"target: {target_dir}")
 
+    tok = load_tokenizer(target_dir)  # the chat prompts of generation and of the held-out check
+    if tok is None:
+        raise TrainInputError(f"target {source}: has no tokenizer (the chat prompts need one)")
     if saved is None:
         share = 1.0 if generate_only else GENERATION_SHARE
         gen_deadline = Deadline(None if end is None else max(0.0, start + share * time_budget_s - time.monotonic()))
-        tok, seqs, eos, stats = _generate(target_dir, source, preset, seed, device, gen_deadline, progress,
-                                          log, walls)
+        seqs, eos, stats = _generate(target_dir, tok, preset, seed, device, gen_deadline, progress, log, walls)
         save_responses(out_dir / RESPONSES_FILE, seqs, eos, stats)
         log(f"responses saved: {out_dir / RESPONSES_FILE}")
         if generate_only:
@@ -170,9 +172,6 @@ def _run(preset, out_dir, source, heldout, seed, device, time_budget_s, progress
                     "wall_s": {k: round(v, 2) for k, v in walls.items()}}
     else:
         seqs, eos, stats = saved
-        tok = load_tokenizer(target_dir)
-        if tok is None:
-            raise TrainInputError(f"target {source}: has no tokenizer (the chat prompts need one)")
     prompts_n, skipped, generated = stats["requests"], stats["skipped_long"], stats["generated_tokens"]
 
     # -- streams: whole chats, split by request into train and valid ----------------------------
@@ -263,17 +262,15 @@ def _run(preset, out_dir, source, heldout, seed, device, time_budget_s, progress
     return report
 
 
-def _generate(target_dir, source, preset, seed, device, deadline, progress, log, walls):
-    """The target's own answers: a greedy one and ``samples`` sampled ones per chat request."""
+def _generate(target_dir, tok, preset, seed, device, deadline, progress, log, walls):
+    """The target's own answers: a greedy one and ``samples`` sampled ones per chat request
+    (``tok``: the target's tokenizer, which renders the requests through its chat template)."""
     d = preset.distill
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(
         target_dir, spec=SpecConfig(method="none"), device=device,
         max_batch_size=d.batch_size, kv_pool_tokens=d.batch_size * (d.max_prompt_tokens + d.max_new_tokens + 8),
     )
-    tok = engine.tokenizer
-    if tok is None:
-        raise TrainInputError(f"target {source}: has no tokenizer (the chat prompts need one)")
     requests = humaneval_prompts("train") + stdlib_prompts(d.stdlib_prompts, seed)
     prompts, skipped = [], 0
     for r in requests:
@@ -308,7 +305,7 @@ def _generate(target_dir, source, preset, seed, device, deadline, progress, log,
         torch.cuda.empty_cache()
     stats = {"requests": len(prompts), "skipped_long": skipped, "responses": len(seqs),
              "generated_tokens": generated, "vocab_size": vocab}
-    return tok, seqs, eos, stats
+    return seqs, eos, stats
 
 
 def save_responses(path: Path, seqs: list[tuple[list[int], list[int]]], eos: int, stats: dict) -> None:
