@@ -220,17 +220,21 @@ def _identical_goal(add, where: str, rows: list[dict], draft_note: str | None = 
 
 
 def _real_model_goals(add, part: dict) -> None:
-    """The real model's goals at batch 1: the acceptance its trained head reaches on
-    held-out HumanEval (chain and tree), and greedy identity in every row."""
+    """The real model's goals: the acceptance its trained head reaches on held-out HumanEval
+    (chain and tree), read at each configuration's largest batch, the most problems a row covers
+    (batch 1 times a few), and greedy identity in every row."""
     rows = part.get("rows") or []
-    taus = {c: next((r.get("tau") for r in rows if r["config"] == c and r["batch"] == 1), None) for c in (CHAIN, TREE)}
-    goal = (f"real model ({part.get('target', 'SmolLM2-135M-Instruct')}), held-out HumanEval, greedy, batch 1: "
-            f"chain τ ≥ {REAL_CHAIN_TAU}, tree τ ≥ {REAL_TREE_TAU}")
-    measured = ", ".join(f"{name} τ = {fmt(taus[c])}" for name, c in (("chain", CHAIN), ("tree", TREE)))
-    if None in taus.values():
-        add(goal, measured if any(taus.values()) else "not measured", None)
+    largest = {c: max((r for r in rows if r["config"] == c and r.get("tau") is not None),
+                      key=lambda r: r["batch"], default=None) for c in (CHAIN, TREE)}
+    goal = (f"real model ({part.get('target', 'SmolLM2-135M-Instruct')}), held-out HumanEval, greedy, "
+            f"largest batch: chain τ ≥ {REAL_CHAIN_TAU}, tree τ ≥ {REAL_TREE_TAU}")
+    measured = ", ".join(f"{name} τ = {fmt(r and r['tau'])}" + (f" (batch {r['batch']}, {_requests(r)} requests)"
+                                                               if r else "")
+                         for name, r in (("chain", largest[CHAIN]), ("tree", largest[TREE])))
+    if None in largest.values():
+        add(goal, measured if any(largest.values()) else "not measured", None)
     else:
-        add(goal, measured, taus[CHAIN] >= REAL_CHAIN_TAU and taus[TREE] >= REAL_TREE_TAU)
+        add(goal, measured, largest[CHAIN]["tau"] >= REAL_CHAIN_TAU and largest[TREE]["tau"] >= REAL_TREE_TAU)
     _identical_goal(add, "real model", rows)
 
 
