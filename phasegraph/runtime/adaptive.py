@@ -267,45 +267,105 @@ SWITCH_MARGIN = 0.05
 MIN_EVIDENCE = 4.0
 
 
+# the lazily decayed counts are brought back to their true scale once their factor falls below
+# this, long before the growing increments could overflow
+RESCALE_BELOW = 1e-100
+
+
+class _DecayedCounts:
+    """One family's hits and tries by depth (index d - 1), kept lazily decayed: the true counts
+    are the stored ones times ``scale``, so that fading every depth is one multiplication."""
+
+    __slots__ = ("hits", "scale", "tries")
+
+    def __init__(self) -> None:
+        self.hits: list[float] = []
+        self.tries: list[float] = []
+        self.scale = 1.0
+
+    def fade(self, factor: float) -> None:
+        scale = self.scale * factor
+        if scale < RESCALE_BELOW:
+            self.hits = [h * scale for h in self.hits]
+            self.tries = [t * scale for t in self.tries]
+            scale = 1.0
+        self.scale = scale
+
+
 @attrs.define
 class Acceptance:
     """Acceptance by depth of one request (or the engine), per shape family: depth d of a path
     is a trial, an accepted d-th draft a hit (a path that stops before the shape's depth adds
-    one miss at the depth after its last accepted draft; deeper depths were not tried)."""
+    one miss at the depth after its last accepted draft; deeper depths were not tried).
 
-    hits: dict[tuple[str, int], float] = attrs.field(factory=dict)
-    tries: dict[tuple[str, int], float] = attrs.field(factory=dict)
+    Observations fade by ``decay`` each time a new one of their family arrives; the counts are
+    decayed lazily (:class:`_DecayedCounts`), so that an observation costs its depth only."""
+
     decay: float = DECAY
+    _counts: dict[str, _DecayedCounts] = attrs.field(factory=dict, init=False, repr=False)
+
+    @property
+    def hits(self) -> dict[tuple[str, int], float]:
+        """The decayed hits by (family, depth)."""
+        return {(f, d): h * c.scale for f, c in self._counts.items() for d, h in enumerate(c.hits, 1)}
+
+    @property
+    def tries(self) -> dict[tuple[str, int], float]:
+        """The decayed tries by (family, depth)."""
+        return {(f, d): t * c.scale for f, c in self._counts.items() for d, t in enumerate(c.tries, 1)}
 
     def observe(self, family: str, depth: int, accepted: int) -> None:
         """One iteration that drafted ``depth`` tokens on a path and accepted ``accepted``."""
         if depth <= 0:
             return
-        accepted = max(0, min(accepted, depth))
-        for key in [k for k in self.tries if k[0] == family]:
-            self.hits[key] *= self.decay
-            self.tries[key] *= self.decay
-        for d in range(1, min(accepted + 1, depth) + 1):
-            key = (family, d)
-            self.hits[key] = self.hits.get(key, 0.0) + (d <= accepted)
-            self.tries[key] = self.tries.get(key, 0.0) + 1.0
+        accepted = 0 if accepted < 0 else depth if accepted > depth else accepted
+        counts = self._counts.get(family)
+        if counts is None:
+            counts = self._counts[family] = _DecayedCounts()
+        counts.fade(self.decay)
+        step = 1.0 / counts.scale  # one observation, at the stored scale
+        hits, tries = counts.hits, counts.tries
+        tried = accepted + 1 if accepted < depth else depth
+        if len(tries) < tried:
+            hits.extend([0.0] * (tried - len(tries)))
+            tries.extend([0.0] * (tried - len(tries)))
+        for d in range(tried):
+            tries[d] += step
+        for d in range(accepted):
+            hits[d] += step
 
     def fade(self, factor: float) -> None:
-        for key in self.tries:
-            self.hits[key] *= factor
-            self.tries[key] *= factor
+        for counts in self._counts.values():
+            counts.fade(factor)
 
     def rate(self, family: str, depth: int, prior: float) -> float:
         """The acceptance rate at ``depth``, the ``prior`` weighing PRIOR_WEIGHT trials."""
-        key = (family, depth)
-        return (self.hits.get(key, 0.0) + PRIOR_WEIGHT * prior) / (self.tries.get(key, 0.0) + PRIOR_WEIGHT)
+        counts = self._counts.get(family)
+        if counts is None or not 0 < depth <= len(counts.tries):
+            return PRIOR_WEIGHT * prior / PRIOR_WEIGHT
+        scale = counts.scale
+        return (counts.hits[depth - 1] * scale + PRIOR_WEIGHT * prior) / (counts.tries[depth - 1] * scale + PRIOR_WEIGHT)
+
+    def observed_rates(self, family: str, priors: Sequence[float]) -> list[float | None]:
+        """:meth:`rate` at depths 1, 2, ... (one ``priors`` each), None where never observed."""
+        counts = self._counts.get(family)
+        if counts is None:
+            return [None] * len(priors)
+        scale, hits, tries = counts.scale, counts.hits, counts.tries
+        out: list[float | None] = [None] * len(priors)
+        for i in range(min(len(priors), len(tries))):
+            t = tries[i] * scale
+            if t > 0:
+                out[i] = (hits[i] * scale + PRIOR_WEIGHT * priors[i]) / (t + PRIOR_WEIGHT)
+        return out
 
     def observed(self, family: str, depth: int) -> bool:
-        return self.tries.get((family, depth), 0.0) > 0
+        counts = self._counts.get(family)
+        return counts is not None and 0 < depth <= len(counts.tries) and counts.tries[depth - 1] * counts.scale > 0
 
     def evidence(self) -> float:
         """Observations (decayed) behind the estimate: the tries of the first draft."""
-        return sum(n for (_, depth), n in self.tries.items() if depth == 1)
+        return sum(c.tries[0] * c.scale for c in self._counts.values() if c.tries)
 
 
 _OTHER = {"chain": "tree", "tree": "chain"}

@@ -12,6 +12,9 @@
 
 from __future__ import annotations
 
+import math
+import random
+
 import attrs
 import pytest
 from hypothesis import given, settings
@@ -19,8 +22,10 @@ from hypothesis import strategies as st
 
 from phasegraph.phases.context import TreeShape
 from phasegraph.runtime.adaptive import (
+    DECAY,
     OFF,
     PRIOR_RATE,
+    RESCALE_BELOW,
     Acceptance,
     AdaptiveSpeculation,
     CostTable,
@@ -215,6 +220,72 @@ def test_acceptance_fits_a_conditional_rate_per_depth():
     assert a.rate("chain", 2, 0.5) == pytest.approx((50 + 1.0) / (100 + 2.0))
     assert a.rate("chain", 3, 0.5) == pytest.approx((50 + 1.0) / (50 + 2.0))
     assert not a.observed("tree", 1) and not a.observed("chain", 4)
+
+
+class _ReferenceAcceptance:
+    """The decayed-counts rule, written plainly: every observation of a family first fades each
+    of that family's counts by ``decay``, then adds its tries and hits."""
+
+    def __init__(self, decay: float):
+        self.decay, self.hits, self.tries = decay, {}, {}
+
+    def observe(self, family, depth, accepted):
+        if depth <= 0:
+            return
+        accepted = max(0, min(accepted, depth))
+        for key in [k for k in self.tries if k[0] == family]:
+            self.hits[key] *= self.decay
+            self.tries[key] *= self.decay
+        for d in range(1, min(accepted + 1, depth) + 1):
+            self.hits[family, d] = self.hits.get((family, d), 0.0) + (d <= accepted)
+            self.tries[family, d] = self.tries.get((family, d), 0.0) + 1.0
+
+    def fade(self, factor):
+        for key in self.tries:
+            self.hits[key] *= factor
+            self.tries[key] *= factor
+
+    def rate(self, family, depth, prior):
+        return (self.hits.get((family, depth), 0.0) + 2.0 * prior) / (self.tries.get((family, depth), 0.0) + 2.0)
+
+
+@pytest.mark.parametrize("decay", [DECAY, 0.98, 0.5, 1.0])
+def test_lazily_decayed_counts_match_the_plain_rule(decay):
+    """A long random sequence, past the point where the lazy decay is rescaled many times over,
+    gives the rates and evidence of the plain rule."""
+    rng = random.Random(7)
+    lazy, plain = Acceptance(decay=decay), _ReferenceAcceptance(decay)
+    # fades alone take every family's counts past the rescaling point four times
+    fade_odds, factor = 0.05, 0.5
+    steps = 4 * math.ceil(math.log(RESCALE_BELOW) / (fade_odds * math.log(factor)))
+    for i in range(steps):
+        if rng.random() < fade_odds:
+            lazy.fade(factor)
+            plain.fade(factor)
+        else:
+            family = rng.choice(["chain", "chain", "tree"])
+            depth = rng.choice([0, 1, 3, 4, 6])
+            accepted = rng.randint(-1, depth + 1)
+            lazy.observe(family, depth, accepted)
+            plain.observe(family, depth, accepted)
+        if i % 97 == 0 or i == steps - 1:
+            for family in ("chain", "tree"):
+                for depth in range(1, 8):
+                    want = plain.rate(family, depth, 0.6)
+                    assert lazy.rate(family, depth, 0.6) == pytest.approx(want, rel=1e-9, abs=1e-12)
+                    assert lazy.observed(family, depth) == (plain.tries.get((family, depth), 0.0) > 0)
+                priors = [0.6 + 0.01 * d for d in range(7)]
+                got = lazy.observed_rates(family, priors)
+                for d, rate in enumerate(got, 1):
+                    if (family, d) in plain.tries and plain.tries[family, d] > 0:
+                        assert rate == pytest.approx(plain.rate(family, d, priors[d - 1]), rel=1e-9, abs=1e-12)
+                    else:
+                        assert rate is None
+            want = sum(n for (_, depth), n in plain.tries.items() if depth == 1)
+            assert lazy.evidence() == pytest.approx(want, rel=1e-9, abs=1e-12)
+    assert lazy.tries.keys() == plain.tries.keys()
+    assert all(lazy.tries[k] == pytest.approx(plain.tries[k], rel=1e-9, abs=1e-300) for k in plain.tries)
+    assert all(lazy.hits[k] == pytest.approx(plain.hits[k], rel=1e-9, abs=1e-300) for k in plain.hits)
 
 
 class _Req:
