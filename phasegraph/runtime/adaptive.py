@@ -27,7 +27,9 @@ re-plans when the batch changes and every few iterations.
 from __future__ import annotations
 
 import bisect
+import functools
 import math
+import operator
 import weakref
 from collections.abc import Mapping, Sequence
 
@@ -73,7 +75,7 @@ class SpecShape:
     @property
     def family(self) -> str:
         """``off``, ``chain`` or ``tree``: shapes of one family share an acceptance estimate."""
-        return "off" if self.off else ("chain" if self.topk == 1 else "tree")
+        return "off" if self.num_steps == 0 else ("chain" if self.topk == 1 else "tree")
 
     @property
     def tree(self) -> TreeShape | None:
@@ -206,6 +208,19 @@ class CostTable:
         frac = (context - self.context) / (self.long_context - self.context)
         return max(short + (long - short) * frac, short * 1e-3)
 
+    def costs_up_to(self, shape: int, batch: int, context: float | None = None) -> tuple[float, ...]:
+        """:meth:`cost` at every batch size 1 .. ``batch`` (index k - 1)."""
+        short = _costs_up_to_batch(self.seconds[shape], self.batches, batch)
+        if self.long_seconds is None or context is None or context <= self.context:
+            return short
+        long = _costs_up_to_batch(self.long_seconds[shape], self.batches, batch)
+        frac = (context - self.context) / (self.long_context - self.context)
+        out = []
+        for s, lg in zip(short, long, strict=True):
+            seconds, floor = s + (lg - s) * frac, s * 1e-3
+            out.append(seconds if seconds >= floor else floor)  # max(), without a call per batch size
+        return tuple(out)
+
     def _at_batch(self, row: tuple[float, ...], batch: int) -> float:
         b = self.batches
         if len(b) == 1 or batch <= b[0]:
@@ -230,6 +245,22 @@ class CostTable:
                        data.get("context", 16), data.get("long_context"), data.get("long_seconds"))
         except (KeyError, TypeError) as exc:
             raise InvalidConfig(f"not a cost table ({exc!s})") from None
+
+
+@functools.lru_cache(maxsize=256)
+def _costs_up_to_batch(row: tuple[float, ...], batches: tuple[int, ...], batch: int) -> tuple[float, ...]:
+    """``CostTable._at_batch(row, k)`` for k = 1 .. ``batch``, a segment between measured sizes at
+    a time; kept, as the policy reads the same rows at the same batch sizes every plan."""
+    b = batches
+    if len(b) == 1:
+        return (row[0],) * batch
+    out = [row[0]] * min(batch, b[0])
+    floor = row[0] * 1e-3
+    for j in range(1, len(b)):
+        lo, hi, start, rise = b[j - 1], b[j], row[j - 1], row[j] - row[j - 1]
+        end = batch if j == len(b) - 1 else min(hi, batch)  # the last slope runs on
+        out.extend([max(start + rise * (k - lo) / (hi - lo), floor) for k in range(lo + 1, end + 1)])
+    return tuple(out)
 
 
 def _positive(x: object) -> bool:
@@ -273,23 +304,42 @@ RESCALE_BELOW = 1e-100
 
 
 class _DecayedCounts:
-    """One family's hits and tries by depth (index d - 1), kept lazily decayed: the true counts
-    are the stored ones times ``scale``, so that fading every depth is one multiplication."""
+    """One family's observations, lazily decayed: the true weights are the stored ones times
+    ``scale``, so that fading all of them is one multiplication. ``tried_to[t - 1]``: the paths
+    tried to depth t (a try at each depth up to t), ``hit_to[h - 1]``: those whose first h
+    drafts were accepted; the tries and hits at a depth are sums over the deeper paths, read
+    far less often than a path is observed."""
 
-    __slots__ = ("hits", "scale", "tries")
+    __slots__ = ("hit_to", "scale", "tried_to")
 
     def __init__(self) -> None:
-        self.hits: list[float] = []
-        self.tries: list[float] = []
+        self.hit_to: list[float] = []
+        self.tried_to: list[float] = []
         self.scale = 1.0
 
     def fade(self, factor: float) -> None:
         scale = self.scale * factor
         if scale < RESCALE_BELOW:
-            self.hits = [h * scale for h in self.hits]
-            self.tries = [t * scale for t in self.tries]
-            scale = 1.0
-        self.scale = scale
+            self.rescale(scale)
+        else:
+            self.scale = scale
+
+    def rescale(self, scale: float) -> None:
+        """Fold ``scale`` (the new factor) into the stored weights."""
+        self.hit_to = [h * scale for h in self.hit_to]
+        self.tried_to = [t * scale for t in self.tried_to]
+        self.scale = 1.0
+
+    def counts(self) -> tuple[list[float], list[float]]:
+        """The true hits and tries at depths 1, 2, ... (index d - 1)."""
+        hits, tries, hit, tried = [], [], 0.0, 0.0
+        for h, t in zip(reversed(self.hit_to), reversed(self.tried_to), strict=True):
+            hit += h
+            tried += t
+            hits.append(hit)
+            tries.append(tried)
+        scale = self.scale
+        return [h * scale for h in reversed(hits)], [t * scale for t in reversed(tries)]
 
 
 @attrs.define
@@ -298,8 +348,9 @@ class Acceptance:
     is a trial, an accepted d-th draft a hit (a path that stops before the shape's depth adds
     one miss at the depth after its last accepted draft; deeper depths were not tried).
 
-    Observations fade by ``decay`` each time a new one of their family arrives; the counts are
-    decayed lazily (:class:`_DecayedCounts`), so that an observation costs its depth only."""
+    Observations fade by ``decay`` each time a new one of their family arrives; they are kept
+    lazily decayed, by path (:class:`_DecayedCounts`), so that an observation costs the same
+    at any depth."""
 
     decay: float = DECAY
     _counts: dict[str, _DecayedCounts] = attrs.field(factory=dict, init=False, repr=False)
@@ -307,32 +358,35 @@ class Acceptance:
     @property
     def hits(self) -> dict[tuple[str, int], float]:
         """The decayed hits by (family, depth)."""
-        return {(f, d): h * c.scale for f, c in self._counts.items() for d, h in enumerate(c.hits, 1)}
+        return {(f, d): h for f, c in self._counts.items() for d, h in enumerate(c.counts()[0], 1)}
 
     @property
     def tries(self) -> dict[tuple[str, int], float]:
         """The decayed tries by (family, depth)."""
-        return {(f, d): t * c.scale for f, c in self._counts.items() for d, t in enumerate(c.tries, 1)}
+        return {(f, d): t for f, c in self._counts.items() for d, t in enumerate(c.counts()[1], 1)}
 
     def observe(self, family: str, depth: int, accepted: int) -> None:
         """One iteration that drafted ``depth`` tokens on a path and accepted ``accepted``."""
         if depth <= 0:
             return
-        accepted = 0 if accepted < 0 else depth if accepted > depth else accepted
         counts = self._counts.get(family)
         if counts is None:
             counts = self._counts[family] = _DecayedCounts()
-        counts.fade(self.decay)
-        step = 1.0 / counts.scale  # one observation, at the stored scale
-        hits, tries = counts.hits, counts.tries
+        scale = counts.scale * self.decay
+        if scale < RESCALE_BELOW:
+            counts.rescale(scale)
+        else:
+            counts.scale = scale
+        step = 1.0 / counts.scale  # one observation's weight, at the stored scale
+        accepted = 0 if accepted < 0 else depth if accepted > depth else accepted
         tried = accepted + 1 if accepted < depth else depth
-        if len(tries) < tried:
-            hits.extend([0.0] * (tried - len(tries)))
-            tries.extend([0.0] * (tried - len(tries)))
-        for d in range(tried):
-            tries[d] += step
-        for d in range(accepted):
-            hits[d] += step
+        tried_to = counts.tried_to
+        if len(tried_to) < tried:
+            counts.hit_to.extend([0.0] * (tried - len(tried_to)))
+            tried_to.extend([0.0] * (tried - len(tried_to)))
+        tried_to[tried - 1] += step
+        if accepted:
+            counts.hit_to[accepted - 1] += step
 
     def fade(self, factor: float) -> None:
         for counts in self._counts.values():
@@ -341,31 +395,35 @@ class Acceptance:
     def rate(self, family: str, depth: int, prior: float) -> float:
         """The acceptance rate at ``depth``, the ``prior`` weighing PRIOR_WEIGHT trials."""
         counts = self._counts.get(family)
-        if counts is None or not 0 < depth <= len(counts.tries):
+        hits, tries = counts.counts() if counts is not None else ((), ())
+        if not 0 < depth <= len(tries):
             return PRIOR_WEIGHT * prior / PRIOR_WEIGHT
-        scale = counts.scale
-        return (counts.hits[depth - 1] * scale + PRIOR_WEIGHT * prior) / (counts.tries[depth - 1] * scale + PRIOR_WEIGHT)
+        return (hits[depth - 1] + PRIOR_WEIGHT * prior) / (tries[depth - 1] + PRIOR_WEIGHT)
 
     def observed_rates(self, family: str, priors: Sequence[float]) -> list[float | None]:
-        """:meth:`rate` at depths 1, 2, ... (one ``priors`` each), None where never observed."""
+        """:meth:`rate` at depths 1, 2, ... (one of ``priors`` each), None where never observed."""
+        out: list[float | None] = [None] * len(priors)
         counts = self._counts.get(family)
         if counts is None:
-            return [None] * len(priors)
-        scale, hits, tries = counts.scale, counts.hits, counts.tries
-        out: list[float | None] = [None] * len(priors)
-        for i in range(min(len(priors), len(tries))):
-            t = tries[i] * scale
-            if t > 0:
-                out[i] = (hits[i] * scale + PRIOR_WEIGHT * priors[i]) / (t + PRIOR_WEIGHT)
+            return out
+        # the counts at a depth sum the paths that reached it: deepest first (as counts() does)
+        scale, hit_to, tried_to, hit, tried = counts.scale, counts.hit_to, counts.tried_to, 0.0, 0.0
+        for i in range(len(tried_to) - 1, -1, -1):
+            hit += hit_to[i]
+            tried += tried_to[i]
+            tries = tried * scale
+            if i < len(priors) and tries > 0:
+                out[i] = (hit * scale + PRIOR_WEIGHT * priors[i]) / (tries + PRIOR_WEIGHT)
         return out
 
     def observed(self, family: str, depth: int) -> bool:
         counts = self._counts.get(family)
-        return counts is not None and 0 < depth <= len(counts.tries) and counts.tries[depth - 1] * counts.scale > 0
+        tries = counts.counts()[1] if counts is not None else ()
+        return 0 < depth <= len(tries) and tries[depth - 1] > 0
 
     def evidence(self) -> float:
         """Observations (decayed) behind the estimate: the tries of the first draft."""
-        return sum(c.tries[0] * c.scale for c in self._counts.values() if c.tries)
+        return sum(sum(c.tried_to) * c.scale for c in self._counts.values())
 
 
 _OTHER = {"chain": "tree", "tree": "chain"}
@@ -374,7 +432,17 @@ _OTHER = {"chain": "tree", "tree": "chain"}
 def _convert(rate: float, to: str) -> float:
     """An acceptance rate of one family as the other's (TREE_MISS: a tree misses less)."""
     miss = (1 - rate) * TREE_MISS if to == "tree" else (1 - rate) / TREE_MISS
-    return min(max(1 - miss, 0.01), 0.999)
+    hit = 1 - miss
+    return 0.999 if hit > 0.999 else 0.01 if hit < 0.01 else hit  # within [0.01, 0.999]
+
+
+def _own_else_derived(own: list[float | None], other: list[float | None], family: str,
+                      fallback: list[float]) -> list[float]:
+    """Per depth: the ``own`` family's rate, else the other family's as this one's, else ``fallback``."""
+    out = []
+    for mine, theirs, back in zip(own, other, fallback, strict=True):
+        out.append(mine if mine is not None else back if theirs is None else _convert(theirs, family))
+    return out
 
 
 def expected_tokens(rates: float | Sequence[float], depth: int) -> float:
@@ -467,21 +535,23 @@ def choose_plan(inputs: PolicyInputs) -> Plan:
 def _rate_of(inputs: PolicyInputs, plan: Plan) -> float:
     """Expected tokens per second of ``plan`` for these rows."""
     costs, rows = inputs.costs, inputs.expected
+    ctx = inputs.context
+    if not plan.held:
+        return sum(map(operator.itemgetter(plan.shape), rows)) / costs.cost(plan.shape, len(rows), ctx)
     held = set(plan.held)
     kept = [r for i, r in enumerate(rows) if i not in held]
     tokens = sum(r[plan.shape] for r in kept) + sum(rows[i][plan.held_shape] for i in held)
-    ctx = inputs.context
-    if not held:
-        return tokens / costs.cost(plan.shape, len(rows), ctx)
     seconds = costs.cost(plan.held_shape, len(held), ctx) + costs.split_s
     return tokens / (seconds + (costs.cost(plan.shape, len(kept), ctx) if kept else 0.0))
 
 
-def _holdable(inputs: PolicyInputs, row: int) -> bool:
-    """Whether ``row`` may run apart: its estimate has the evidence, or it is held already."""
-    if inputs.evidence is None or inputs.evidence[row] >= inputs.min_evidence:
-        return True
-    return inputs.current is not None and row in inputs.current.held
+def _holdable(inputs: PolicyInputs) -> list[bool]:
+    """Whether each row may run apart: its estimate has the evidence, or it is held already."""
+    if inputs.evidence is None:
+        return [True] * len(inputs.expected)
+    held = set(inputs.current.held) if inputs.current is not None else set()
+    least = inputs.min_evidence
+    return [n >= least or row in held for row, n in enumerate(inputs.evidence)]
 
 
 def _best_whole(inputs: PolicyInputs) -> Plan:
@@ -496,27 +566,35 @@ def _best_split(inputs: PolicyInputs, whole: Plan) -> Plan:
     cheaper one. Each group pays its own iteration (fixed cost included) plus ``split_s``."""
     costs, rows = inputs.costs, inputs.expected
     B, shapes = len(rows), costs.shapes
-    best, bar = whole, whole.tokens_per_s * (1 + inputs.margin)
     # cost of each shape at every group size 1..B-1, computed once
-    at = [[0.0] + [costs.cost(i, k, inputs.context) for k in range(1, B)] for i in range(len(shapes))]
-    holdable = [_holdable(inputs, r) for r in range(B)]
+    at = [(0.0, *costs.costs_up_to(i, B - 1, inputs.context)) for i in range(len(shapes))]
+    holdable = _holdable(inputs)
     pinned = B - sum(holdable)  # rows that must stay in the batch
+    first = max(pinned, 1)  # the fewest rows that run shape a
+    columns = list(zip(*rows, strict=True))  # each shape's expected tokens, row by row
+    best, bar = whole, whole.tokens_per_s * (1 + inputs.margin)
     for a in range(len(shapes)):
         for h in range(len(shapes)):
             if h == a or at[h][B - 1] >= at[a][B - 1]:
                 continue  # a group is held to a cheaper shape only
             # the rows that may not be held first, then those that gain most from shape a
-            order = sorted(range(B), key=lambda r, a=a, h=h: (not holdable[r], rows[r][a] - rows[r][h]),
-                           reverse=True)
-            kept = sum(rows[r][a] for r in order[:max(pinned, 1) - 1])
-            held = sum(rows[r][h] for r in order[max(pinned, 1) - 1:])
-            for k in range(max(pinned, 1), B):  # the first k rows run shape a, the rest shape h
+            gain_a, gain_h = columns[a], columns[h]
+            gains = list(map(operator.sub, gain_a, gain_h))
+            keys = gains if not pinned else [(not holdable[r], gains[r]) for r in range(B)]
+            order = sorted(range(B), key=keys.__getitem__, reverse=True)
+            kept = sum(map(gain_a.__getitem__, order[: first - 1]))
+            held = sum(map(gain_h.__getitem__, order[first - 1 :]))
+            cost_a, cost_h, split_s = at[a], at[h], costs.split_s
+            top, found = max(best.tokens_per_s, bar), 0  # a split must beat both
+            for k in range(first, B):  # the first k rows run shape a, the rest shape h
                 r = order[k - 1]
-                kept += rows[r][a]
-                held -= rows[r][h]
-                rate = (kept + held) / (at[a][k] + at[h][B - k] + costs.split_s)
-                if rate > max(best.tokens_per_s, bar):
-                    best = Plan(a, tuple(sorted(order[k:])), h, rate)
+                kept += gain_a[r]
+                held -= gain_h[r]
+                rate = (kept + held) / (cost_a[k] + cost_h[B - k] + split_s)
+                if rate > top:
+                    top, found = rate, k
+            if found:
+                best = Plan(a, tuple(sorted(order[found:])), h, top)
     return best
 
 
@@ -542,6 +620,9 @@ class AdaptiveSpeculation:
         # first, its second half the other, however many requests are still running
         self.fixed_split: tuple[int, int] | None = None
         self.engine_wide = Acceptance(decay=0.98)
+        # each shape's family and its number of drafts, and the estimate of a request that never drafts
+        self._drafts = [(s.family, s.num_steps) for s in costs.shapes]
+        self._no_drafts = (1.0,) * len(costs.shapes)
         self._requests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self._last: tuple | None = None  # (batch key, plan, iterations since chosen)
         self.plans = 0  # plans chosen (not reused)
@@ -555,37 +636,55 @@ class AdaptiveSpeculation:
     def engine_rate(self, family: str, depth: int) -> float:
         """The engine-wide acceptance of a family at a depth: observed, else the other family's
         there, else the depth above's, else a prior."""
+        return self._engine_rates(depth)[family][depth - 1] if depth >= 1 else PRIOR_RATE[family]
+
+    def _engine_rates(self, depth: int) -> dict[str, list[float]]:
+        """:meth:`engine_rate` of each family at depths 1 .. ``depth`` (index d - 1)."""
         e = self.engine_wide
-        if e.observed(family, depth):
-            return e.rate(family, depth, PRIOR_RATE[family])
-        other = _OTHER[family]
-        if e.observed(other, depth):
-            return _convert(e.rate(other, depth, PRIOR_RATE[other]), family)
-        return self.engine_rate(family, depth - 1) if depth > 1 else PRIOR_RATE[family]
+        observed = {f: e.observed_rates(f, [PRIOR_RATE[f]] * depth) for f in _OTHER}
+        out: dict[str, list[float]] = {}
+        for f, other in _OTHER.items():
+            rates, above = [], PRIOR_RATE[f]
+            for own, theirs in zip(observed[f], observed[other], strict=True):
+                above = own if own is not None else _convert(theirs, f) if theirs is not None else above
+                rates.append(above)
+            out[f] = rates
+        return out
 
     def rates(self, req) -> dict[str, list[float]]:
         """``req``'s acceptance per family and depth (1 .. the deepest shape): its own
         observations weighed with the engine's estimate; a family it never ran at a depth
         derived from the one it ran there."""
-        a = self.acceptance(req)
-        out: dict[str, list[float]] = {f: [] for f in _OTHER}
-        for d in range(1, self.depth + 1):
-            own = {f: a.rate(f, d, self.engine_rate(f, d)) for f in _OTHER if a.observed(f, d)}
-            for f in _OTHER:
-                other = _OTHER[f]
-                out[f].append(own[f] if f in own else _convert(own[other], f) if other in own
-                              else self.engine_rate(f, d))
-        return out
+        return self._rates_of(self.acceptance(req), self._engine_rates(self.depth))
+
+    @staticmethod
+    def _rates_of(a: Acceptance, engine: dict[str, list[float]]) -> dict[str, list[float]]:
+        """:meth:`rates` of the acceptance ``a``, given the engine's (the same for a whole batch)."""
+        chain, tree = a.observed_rates("chain", engine["chain"]), a.observed_rates("tree", engine["tree"])
+        return {"chain": _own_else_derived(chain, tree, "chain", engine["chain"]),
+                "tree": _own_else_derived(tree, chain, "tree", engine["tree"])}
 
     def expected(self, req) -> tuple[float, ...]:
         """Tokens each shape is expected to emit for ``req`` per iteration."""
         cap = req.params.draft_cap
-        rates = self.rates(req)
-        out = []
-        for s in self.shapes:
-            depth = s.num_steps if cap is None else min(s.num_steps, cap)
-            out.append(1.0 if s.off else expected_tokens(rates[s.family], depth))
-        return tuple(out)
+        if cap == 0:
+            return self._no_drafts
+        return self._expected_of(self.acceptance(req), cap, self._engine_rates(self.depth))
+
+    def _expected_of(self, a: Acceptance, cap: int | None, engine: dict[str, list[float]]) -> tuple[float, ...]:
+        """:meth:`expected` of a request of acceptance ``a`` and draft cap ``cap``."""
+        # expected_tokens at every depth at once: its running sums, family by family
+        totals = {"off": [1.0]}
+        for f, rates in self._rates_of(a, engine).items():
+            total, path, sums = 1.0, 1.0, [1.0]
+            for rate in rates:
+                path *= rate
+                total += path
+                sums.append(total)
+            totals[f] = sums
+        if cap is None:
+            return tuple([totals[f][steps] for f, steps in self._drafts])
+        return tuple([totals[f][max(min(steps, cap), 0)] for f, steps in self._drafts])
 
     def plan(self, batch: Sequence) -> Plan:
         if self.force is not None:
@@ -608,13 +707,26 @@ class AdaptiveSpeculation:
     def inputs(self, batch: Sequence) -> PolicyInputs:
         """The policy's inputs for ``batch``: its estimates, and the plan in force in its rows."""
         context = sum(r.seq_len for r in batch) / len(batch) if batch else None
-        return PolicyInputs(self.costs, [self.expected(r) for r in batch], self.split, self.current(batch),
-                            self.margin, [self.evidence(r) for r in batch], self.min_evidence, context)
+        engine = self._engine_rates(self.depth)  # one engine-wide estimate for the whole batch
+        expected, evidence = [], []
+        for req in batch:
+            cap = req.params.draft_cap
+            if cap == 0:
+                expected.append(self._no_drafts)
+                evidence.append(math.inf)
+            else:
+                a = self.acceptance(req)
+                expected.append(self._expected_of(a, cap, engine))
+                evidence.append(a.evidence())
+        return PolicyInputs(self.costs, expected, self.split, self.current(batch), self.margin, evidence,
+                            self.min_evidence, context)
 
     def current(self, batch: Sequence) -> Plan | None:
         """The plan in force, over ``batch``'s rows (None before the first)."""
         if self._shape is None:
             return None
+        if not self._held:
+            return Plan(self._shape)
         held = tuple(i for i, r in enumerate(batch) if r in self._held)
         if held and len(held) == len(batch):  # the rest left: the held group is the batch
             return Plan(self._held_shape)

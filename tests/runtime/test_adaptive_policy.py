@@ -118,6 +118,23 @@ def test_costs_are_linear_in_the_context_between_the_two_timed():
     assert short_only.cost(0, 1, 4000) == 1.0 and "long_seconds" not in short_only.to_dict()
 
 
+@pytest.mark.parametrize("batches", [(1, 8, 32, 64), (4, 16), (8,)])
+def test_costs_at_every_batch_size_are_those_of_one_batch_size(batches):
+    """The costs the split search reads at every group size in one pass, exactly as priced one
+    at a time: between and past the measured sizes, at any context, at the floor included."""
+    # the even shapes' costs fall at the last measured size, and past it to the floor
+    secs = [[0.5 + 0.1 * i + 0.03 * b if i % 2 or b != batches[-1] else 0.01 for b in batches]
+            for i in range(len(SHAPES))]
+    longs = [[2.0 + 0.2 * i + (0.5 if j == 1 else 0.01) * b for j, b in enumerate(batches)] for i in range(len(SHAPES))]
+    cheaper = [[x * 0.3 for x in row] for row in secs]  # long contexts priced below short: the floor
+    for costs in (CostTable(SHAPES, batches, secs), CostTable(SHAPES, batches, secs, 0.0, 16, 400, longs),
+                  CostTable(SHAPES, batches, secs, 0.0, 16, 400, cheaper)):
+        for context in (None, 8, 16, 100, 1000):
+            for shape in range(len(SHAPES)):
+                row = costs.costs_up_to(shape, 80, context)
+                assert list(row) == [costs.cost(shape, k, context) for k in range(1, 81)]
+
+
 def test_the_tree_gives_way_to_the_chain_as_contexts_grow():
     """A tree that wins on short prompts loses once its 16 rows read long contexts: priced at
     the batch's own mean context (the requests' committed tokens), the policy moves to the chain."""
