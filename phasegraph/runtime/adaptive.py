@@ -396,9 +396,8 @@ class Acceptance:
         """The acceptance rate at ``depth``, the ``prior`` weighing PRIOR_WEIGHT trials."""
         counts = self._counts.get(family)
         hits, tries = counts.counts() if counts is not None else ((), ())
-        if not 0 < depth <= len(tries):
-            return PRIOR_WEIGHT * prior / PRIOR_WEIGHT
-        return (hits[depth - 1] + PRIOR_WEIGHT * prior) / (tries[depth - 1] + PRIOR_WEIGHT)
+        hit, tried = (hits[depth - 1], tries[depth - 1]) if 0 < depth <= len(tries) else (0.0, 0.0)
+        return (hit + PRIOR_WEIGHT * prior) / (tried + PRIOR_WEIGHT)
 
     def observed_rates(self, family: str, priors: Sequence[float]) -> list[float | None]:
         """:meth:`rate` at depths 1, 2, ... (one of ``priors`` each), None where never observed."""
@@ -528,7 +527,8 @@ def choose_plan(inputs: PolicyInputs) -> Plan:
     best = _best_split(inputs, whole) if inputs.split and len(inputs.expected) >= 2 else whole
     if inputs.current is None:
         return best
-    current = attrs.evolve(inputs.current, tokens_per_s=_rate_of(inputs, inputs.current))
+    c = inputs.current
+    current = Plan(c.shape, c.held, c.held_shape, _rate_of(inputs, c))  # (attrs.evolve, without its cost)
     return best if best.tokens_per_s > current.tokens_per_s * (1 + inputs.margin) else current
 
 
@@ -738,11 +738,14 @@ class AdaptiveSpeculation:
 
     def observe(self, req, shape: SpecShape, accept_length: int) -> None:
         """A verify of ``shape`` accepted ``accept_length`` tokens (bonus included) for ``req``."""
-        a = self.acceptance(req)
-        cap = req.params.draft_cap
-        depth = shape.num_steps if cap is None else min(shape.num_steps, cap)
-        a.observe(shape.family, depth, accept_length - 1)
-        self.engine_wide.observe(shape.family, depth, accept_length - 1)
+        a = self._requests.get(req)  # (acceptance(), without a call per request and iteration)
+        if a is None:
+            a = self.acceptance(req)
+        cap, depth, family = req.params.draft_cap, shape.num_steps, shape.family
+        if cap is not None and cap < depth:
+            depth = cap
+        a.observe(family, depth, accept_length - 1)
+        self.engine_wide.observe(family, depth, accept_length - 1)
 
     def batch_ran_without_drafts(self) -> None:
         """No request drafted this iteration, so nothing was observed: the engine's estimate
