@@ -30,7 +30,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from phasegraph.runtime.config import RequestOutput, SamplingParams
 from phasegraph.runtime.errors import InvalidConfig, InvalidRequest
 from phasegraph.serving import openai_api as api
-from phasegraph.serving.async_engine import AsyncEngine, RequestStream
+from phasegraph.serving.async_engine import AsyncEngineBase, RequestStream
 from phasegraph.serving.errors import APIError, EngineClosed, QueueFull, ServerDidNotStart
 from phasegraph.serving.metrics import ServerMetrics
 
@@ -38,20 +38,21 @@ ON_FULL = ("429", "wait")
 
 
 def create_app(
-    aengine: AsyncEngine,
+    aengine: AsyncEngineBase,
     *,
     model_name: str = "phasegraph",
     on_full: str = "429",
     chat_template: str | None = None,
 ) -> FastAPI:
-    """The server's FastAPI application over ``aengine`` (which the caller closes).
+    """The server's FastAPI application over ``aengine``, an :class:`AsyncEngine` or a
+    :class:`~phasegraph.serving.engine_process.ProcessEngine` (which the caller closes).
 
     ``model_name``: the model id requests name and ``/v1/models`` lists. ``on_full``: what a
     request meets when ``aengine``'s queue is full: ``"429"`` (an error, retry later) or
     ``"wait"`` (it waits for room, unless its client leaves). ``chat_template``: a Jinja chat
     template used instead of the tokenizer's (without either, chat requests get a 400)."""
-    if not isinstance(aengine, AsyncEngine):
-        raise InvalidConfig(f"create_app serves an AsyncEngine; got {type(aengine).__name__}")
+    if not isinstance(aengine, AsyncEngineBase):
+        raise InvalidConfig(f"create_app serves an AsyncEngine or a ProcessEngine; got {type(aengine).__name__}")
     if on_full not in ON_FULL:
         raise InvalidConfig(f"on_full must be one of {', '.join(ON_FULL)}; got {on_full!r}")
     if not isinstance(model_name, str) or not model_name:
@@ -145,7 +146,7 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 class _Server:
     """What the routes share: the engine, the settings and the metrics."""
 
-    def __init__(self, aengine: AsyncEngine, model_name: str, wait: bool, chat_template: str | None):
+    def __init__(self, aengine: AsyncEngineBase, model_name: str, wait: bool, chat_template: str | None):
         self.aengine = aengine
         self.model_name = model_name
         self.wait = wait

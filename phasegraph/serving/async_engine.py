@@ -103,7 +103,7 @@ class RequestStream:
     :meth:`AsyncEngine.add_request`. The last delta has the finish reason and the whole output,
     also kept as :attr:`output`. Dropping the stream unfinished aborts the request."""
 
-    def __init__(self, aengine: AsyncEngine, request_id: str, deltas: asyncio.Queue) -> None:
+    def __init__(self, aengine: AsyncEngineBase, request_id: str, deltas: asyncio.Queue) -> None:
         self.request_id = request_id
         self.output: RequestOutput | None = None  # set by the last delta
         self._deltas = deltas
@@ -152,112 +152,27 @@ class RequestStream:
             pass
 
 
-class AsyncEngine:
-    """An :class:`~phasegraph.runtime.engine.Engine` behind one background thread (see the
-    module's docstring). It owns the engine from now on: touch the engine only through
-    :meth:`call`. Build a long-running engine with ``trace=False``: a trace keeps every phase
-    transition it ever ran.
+class AsyncEngineBase:
+    """What :class:`AsyncEngine` and :class:`~phasegraph.serving.engine_process.ProcessEngine`
+    share: the bounded queue of requests and the calls built on :meth:`add_request`. The rest
+    (where the engine runs, how commands reach it) is each one's own."""
 
-    ``max_queue`` bounds the requests added and not finished (waiting or running): past it,
-    :meth:`add_request` raises :class:`~phasegraph.serving.errors.QueueFull`, or with
-    ``wait=True`` waits for room. Close it with :meth:`close` / :meth:`aclose` or ``async with``:
-    requests still pending are aborted and the thread is joined.
-    """
-
-    def __init__(self, engine: Engine, *, max_queue: int = DEFAULT_MAX_QUEUE) -> None:
-        if not isinstance(engine, Engine):
-            raise InvalidConfig(f"AsyncEngine wraps an Engine; got {type(engine).__name__}")
+    def __init__(self, max_queue: int) -> None:
         if not is_int(max_queue) or max_queue < 1:
             raise InvalidConfig(f"max_queue must be an integer >= 1; got {max_queue!r}")
-        self.engine = engine
         self.max_queue = max_queue
         self._ids = itertools.count()
-        self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()  # the fields below it, shared by the loop(s) and the thread
+        self._lock = threading.Lock()  # the fields below it, shared by the loop(s) and the engine's side
         self._closed = False
         self._failure: BaseException | None = None
         self._queued = 0
         self._waiters: deque[tuple[asyncio.AbstractEventLoop, asyncio.Future]] = deque()
         self._rejected = 0
-        self._stats_lock = threading.Lock()  # the counters the engine thread keeps
-        self._steps = 0
-        self._tokens = 0
-        self._prompt_tokens = 0
-        self._finished: dict[str, int] = defaultdict(int)
-        self._accepts: dict[int, int] = defaultdict(int)
-        self._phase_seconds: dict[str, float] = defaultdict(float)
-        self._phase_runs: dict[str, int] = defaultdict(int)
-        self._waiting = self._running = 0
-        self._kv_free = engine.kv.num_free_pages
-        self._cache = (0, 0, 0)  # prefill tokens, of them cached, cached pages
-        self._step_seconds = self._serving_seconds = 0.0
-        self._deliveries = 0
-        # engine-thread state: each request's (loop, delta queue), and whether to step once more
-        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
-        self._flush = False
-        self._previous_on_phase = engine.scheduler.on_phase  # given back when the thread ends
-        engine.scheduler.on_phase = self._on_phase
-        self._thread = threading.Thread(target=self._main, name="phasegraph-engine", daemon=True)
-        self._thread.start()
-
-    # ------------------------------------------------------------------ what the engine serves
-    @property
-    def tokenizer(self):
-        """The target's tokenizer (None where it ships none); safe to read from any thread for
-        decoding and chat templates."""
-        return self.engine.tokenizer
-
-    @property
-    def max_context(self) -> int:
-        return self.engine.max_context
-
-    @property
-    def is_running(self) -> bool:
-        """Takes requests: not closed, and its step loop has not stopped on an error."""
-        return not self._closed and self._thread.is_alive()
 
     @property
     def failure(self) -> BaseException | None:
         """The unexpected error that stopped the step loop, if one did."""
         return self._failure
-
-    # ------------------------------------------------------------------ requests
-    async def add_request(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        wait: bool = False,
-        add_special_tokens: bool = True,
-    ) -> RequestStream:
-        """Queue a request and return its :class:`RequestStream` once the engine has taken it.
-
-        Bad input raises :class:`~phasegraph.runtime.errors.InvalidRequest` here, and nothing
-        of it runs or touches another request. A full queue raises :class:`QueueFull`, or with
-        ``wait=True`` waits for room. ``add_special_tokens=False`` encodes a text prompt without
-        the tokenizer's special tokens (for a prompt a chat template already framed)."""
-        if request_id is not None and not isinstance(request_id, str):
-            raise InvalidRequest(f"a request id is a string; got {type(request_id).__name__} {request_id!r}")
-        if not isinstance(add_special_tokens, bool):
-            raise InvalidRequest(f"add_special_tokens must be True or False; got {add_special_tokens!r}")
-        params = SamplingParams() if params is None else params
-        loop = asyncio.get_running_loop()
-        await self._acquire(loop, wait)
-        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
-        deltas: asyncio.Queue = asyncio.Queue()
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        try:
-            self._send(_Add(rid, prompt, params, add_special_tokens, loop, deltas, done))
-        except EngineClosed:
-            self._release()
-            raise
-        try:
-            await asyncio.wrap_future(done)
-        except asyncio.CancelledError:
-            self._abort_soon(rid)  # the engine may take it after all: let it go again at once
-            raise
-        return RequestStream(self, rid, deltas)
 
     async def stream(
         self,
@@ -307,55 +222,32 @@ class AsyncEngine:
             raise EngineClosed(f"the engine was closed while request {out.request_id} ran")
         return out
 
-    async def call(self, fn: Callable[[Engine], Any]) -> Any:
-        """``fn(engine)`` run on the engine thread between two steps (after every command sent
-        before it), its result or exception returned here: the one safe way to read or change
-        the engine while the AsyncEngine runs (``engine.check()``, its KV pool, ...)."""
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        self._send(_Call(fn, done))
-        return await asyncio.wrap_future(done)
-
-    def stats(self) -> ServingStats:
-        with self._lock:
-            queued, rejected = self._queued, self._rejected
-        with self._stats_lock:
-            return ServingStats(
-                queued=queued, max_queue=self.max_queue, waiting=self._waiting, running=self._running,
-                kv_free_pages=self._kv_free, kv_total_pages=self.engine.kv.allocator.total,
-                steps=self._steps, generated_tokens=self._tokens, prompt_tokens=self._prompt_tokens,
-                rejected=rejected,
-                finished=dict(self._finished), accept_lengths=dict(self._accepts),
-                phase_seconds=dict(self._phase_seconds), phase_runs=dict(self._phase_runs),
-                prefill_tokens=self._cache[0], cached_tokens=self._cache[1], kv_cached_pages=self._cache[2],
-                step_seconds=self._step_seconds, serving_seconds=self._serving_seconds,
-                deliveries=self._deliveries,
-            )
-
-    # ------------------------------------------------------------------ shutting down
-    def close(self, timeout: float | None = None) -> None:
-        """Abort every pending request (their streams end with finish reason ``"abort"``;
-        callers waiting for room get :class:`EngineClosed`) and join the thread. Blocks while
-        the engine finishes its step and reports the aborts; idempotent."""
-        if threading.current_thread() is self._thread:
-            raise InvalidConfig("AsyncEngine.close() cannot be called from its own engine thread")
-        with self._lock:
-            if not self._closed:
-                self._closed = True
-                self._commands.put(_CLOSE)
-            waiters, self._waiters = list(self._waiters), deque()
-        for loop, fut in waiters:
-            _call_soon(loop, _fail_waiter, fut, EngineClosed("the engine was closed"))
-        self._thread.join(timeout)
-
     async def aclose(self) -> None:
         """:meth:`close` without blocking the event loop."""
         await asyncio.to_thread(self.close)
 
-    async def __aenter__(self) -> AsyncEngine:
+    async def __aenter__(self) -> AsyncEngineBase:
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
+
+    async def add_request(self, prompt, params=None, *, request_id=None, wait=False,
+                          add_special_tokens=True) -> RequestStream:
+        raise NotImplementedError
+
+    def close(self, timeout: float | None = None) -> None:
+        raise NotImplementedError
+
+    def _abort_soon(self, request_id: str) -> None:
+        raise NotImplementedError
+
+    @staticmethod
+    def _check_request(request_id, add_special_tokens) -> None:
+        if request_id is not None and not isinstance(request_id, str):
+            raise InvalidRequest(f"a request id is a string; got {type(request_id).__name__} {request_id!r}")
+        if not isinstance(add_special_tokens, bool):
+            raise InvalidRequest(f"add_special_tokens must be True or False; got {add_special_tokens!r}")
 
     # ------------------------------------------------------------------ the bounded queue
     async def _acquire(self, loop: asyncio.AbstractEventLoop, wait: bool) -> None:
@@ -401,6 +293,143 @@ class AsyncEngine:
             raise EngineClosed(f"the engine's step loop stopped: {self._failure!r}") from self._failure
         if self._closed:
             raise EngineClosed("the engine was closed")
+
+
+class AsyncEngine(AsyncEngineBase):
+    """An :class:`~phasegraph.runtime.engine.Engine` behind one background thread (see the
+    module's docstring). It owns the engine from now on: touch the engine only through
+    :meth:`call`. Build a long-running engine with ``trace=False``: a trace keeps every phase
+    transition it ever ran.
+
+    ``max_queue`` bounds the requests added and not finished (waiting or running): past it,
+    :meth:`add_request` raises :class:`~phasegraph.serving.errors.QueueFull`, or with
+    ``wait=True`` waits for room. Close it with :meth:`close` / :meth:`aclose` or ``async with``:
+    requests still pending are aborted and the thread is joined.
+    """
+
+    def __init__(self, engine: Engine, *, max_queue: int = DEFAULT_MAX_QUEUE) -> None:
+        if not isinstance(engine, Engine):
+            raise InvalidConfig(f"AsyncEngine wraps an Engine; got {type(engine).__name__}")
+        super().__init__(max_queue)
+        self.engine = engine
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._stats_lock = threading.Lock()  # the counters the engine thread keeps
+        self._steps = 0
+        self._tokens = 0
+        self._prompt_tokens = 0
+        self._finished: dict[str, int] = defaultdict(int)
+        self._accepts: dict[int, int] = defaultdict(int)
+        self._phase_seconds: dict[str, float] = defaultdict(float)
+        self._phase_runs: dict[str, int] = defaultdict(int)
+        self._waiting = self._running = 0
+        self._kv_free = engine.kv.num_free_pages
+        self._cache = (0, 0, 0)  # prefill tokens, of them cached, cached pages
+        self._step_seconds = self._serving_seconds = 0.0
+        self._deliveries = 0
+        # engine-thread state: each request's (loop, delta queue), and whether to step once more
+        self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
+        self._flush = False
+        self._previous_on_phase = engine.scheduler.on_phase  # given back when the thread ends
+        engine.scheduler.on_phase = self._on_phase
+        self._thread = threading.Thread(target=self._main, name="phasegraph-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ what the engine serves
+    @property
+    def tokenizer(self):
+        """The target's tokenizer (None where it ships none); safe to read from any thread for
+        decoding and chat templates."""
+        return self.engine.tokenizer
+
+    @property
+    def max_context(self) -> int:
+        return self.engine.max_context
+
+    @property
+    def is_running(self) -> bool:
+        """Takes requests: not closed, and its step loop has not stopped on an error."""
+        return not self._closed and self._thread.is_alive()
+
+    @property
+    def accept_width(self) -> int:
+        """Tokens one verify step can accept at most (1 without speculation)."""
+        tree = self.engine.spec.tree()
+        return tree.accept_width if tree is not None else 1
+
+    # ------------------------------------------------------------------ requests
+    async def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        wait: bool = False,
+        add_special_tokens: bool = True,
+    ) -> RequestStream:
+        """Queue a request and return its :class:`RequestStream` once the engine has taken it.
+
+        Bad input raises :class:`~phasegraph.runtime.errors.InvalidRequest` here, and nothing
+        of it runs or touches another request. A full queue raises :class:`QueueFull`, or with
+        ``wait=True`` waits for room. ``add_special_tokens=False`` encodes a text prompt without
+        the tokenizer's special tokens (for a prompt a chat template already framed)."""
+        self._check_request(request_id, add_special_tokens)
+        params = SamplingParams() if params is None else params
+        loop = asyncio.get_running_loop()
+        await self._acquire(loop, wait)
+        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
+        deltas: asyncio.Queue = asyncio.Queue()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            self._send(_Add(rid, prompt, params, add_special_tokens, loop, deltas, done))
+        except EngineClosed:
+            self._release()
+            raise
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            self._abort_soon(rid)  # the engine may take it after all: let it go again at once
+            raise
+        return RequestStream(self, rid, deltas)
+
+    async def call(self, fn: Callable[[Engine], Any]) -> Any:
+        """``fn(engine)`` run on the engine thread between two steps (after every command sent
+        before it), its result or exception returned here: the one safe way to read or change
+        the engine while the AsyncEngine runs (``engine.check()``, its KV pool, ...)."""
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        self._send(_Call(fn, done))
+        return await asyncio.wrap_future(done)
+
+    def stats(self) -> ServingStats:
+        with self._lock:
+            queued, rejected = self._queued, self._rejected
+        with self._stats_lock:
+            return ServingStats(
+                queued=queued, max_queue=self.max_queue, waiting=self._waiting, running=self._running,
+                kv_free_pages=self._kv_free, kv_total_pages=self.engine.kv.allocator.total,
+                steps=self._steps, generated_tokens=self._tokens, prompt_tokens=self._prompt_tokens,
+                rejected=rejected,
+                finished=dict(self._finished), accept_lengths=dict(self._accepts),
+                phase_seconds=dict(self._phase_seconds), phase_runs=dict(self._phase_runs),
+                prefill_tokens=self._cache[0], cached_tokens=self._cache[1], kv_cached_pages=self._cache[2],
+                step_seconds=self._step_seconds, serving_seconds=self._serving_seconds,
+                deliveries=self._deliveries,
+            )
+
+    # ------------------------------------------------------------------ shutting down
+    def close(self, timeout: float | None = None) -> None:
+        """Abort every pending request (their streams end with finish reason ``"abort"``;
+        callers waiting for room get :class:`EngineClosed`) and join the thread. Blocks while
+        the engine finishes its step and reports the aborts; idempotent."""
+        if threading.current_thread() is self._thread:
+            raise InvalidConfig("AsyncEngine.close() cannot be called from its own engine thread")
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._commands.put(_CLOSE)
+            waiters, self._waiters = list(self._waiters), deque()
+        for loop, fut in waiters:
+            _call_soon(loop, _fail_waiter, fut, EngineClosed("the engine was closed"))
+        self._thread.join(timeout)
 
     def _send(self, command) -> None:
         with self._lock:  # nothing is sent after _CLOSE, so every command gets an answer

@@ -23,6 +23,17 @@ class EngineClosed(PhasegraphRuntimeError):
     unexpected error (then ``__cause__`` holds that error): it takes no more requests."""
 
 
+class EngineDied(EngineClosed):
+    """The engine process of a :class:`~phasegraph.serving.engine_process.ProcessEngine` ended
+    without being closed (killed, crashed, or its step loop stopped on an error, then
+    ``__cause__`` holds that error): every pending request and later call gets this."""
+
+
+class EngineProcessError(PhasegraphRuntimeError):
+    """An error raised in the engine process that cannot travel to this one as itself (it does
+    not pickle): its type's name and message, and the engine process's traceback."""
+
+
 class APIError(PhasegraphRuntimeError):
     """A request the HTTP server answers with an error: its status, and the fields of OpenAI's
     error body (``{"error": {"message", "type", "param", "code"}}``)."""

@@ -8,7 +8,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
-from phasegraph.serving.async_engine import AsyncEngine
+from phasegraph.serving.async_engine import AsyncEngineBase
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
@@ -17,10 +17,9 @@ class EngineCollector:
     """The engine's side, from :meth:`AsyncEngine.stats` at every scrape (a custom collector:
     the engine thread keeps plain counters, and nothing is done per token for Prometheus)."""
 
-    def __init__(self, aengine: AsyncEngine) -> None:
+    def __init__(self, aengine: AsyncEngineBase) -> None:
         self.aengine = aengine
-        tree = aengine.engine.spec.tree()
-        self.accept_width = tree.accept_width if tree is not None else 1
+        self.accept_width = aengine.accept_width
 
     def describe(self):
         return []  # collected at scrape time only
@@ -90,7 +89,7 @@ class EngineCollector:
 class ServerMetrics:
     """One server's registry: the engine's collector and the latencies measured per request."""
 
-    def __init__(self, aengine: AsyncEngine) -> None:
+    def __init__(self, aengine: AsyncEngineBase) -> None:
         self.registry = CollectorRegistry()
         self.registry.register(EngineCollector(aengine))
         self.time_to_first_token = Histogram(

@@ -43,6 +43,13 @@ def assert_all_free(engine: Engine) -> None:
     assert engine.kv.table.rows_in_use() == [], "page-table rows leaked"
 
 
+def kv_state(engine: Engine) -> tuple[int, int, bool]:
+    """Free KV pages, all pages, and whether a request is left (a module-level function, so
+    that ``ProcessEngine.call`` can send it to the engine process)."""
+    engine.check()
+    return engine.kv.num_free_pages, engine.kv.allocator.total, engine.has_unfinished()
+
+
 def chat_ids(engine: Engine, messages: list[dict], template: str = CHAT_TEMPLATE) -> list[int]:
     """The prompt a chat request becomes: the template's text, encoded without special tokens."""
     text = engine.tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,

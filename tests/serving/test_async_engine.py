@@ -1,24 +1,37 @@
 """AsyncEngine over the demo pair: streams equal the offline Engine's outputs; a cancelled
 consumer frees its KV at once; the bounded queue refuses (QueueFull) or waits; close() aborts
 what is pending and joins the thread; bad input and a failing request harm no other request; a
-crashed step loop reaches every consumer."""
+crashed step loop reaches every consumer. ProcessEngine, the same over an engine process: its
+streams equal the offline Engine's, a cancelled consumer frees its KV there, the bounded queue
+works here, close() leaves no process; a checkpoint that fails to load raises its own error."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
+import multiprocessing
 
 import pytest
 
 import phasegraph
+from phasegraph.runtime.engine import Engine
 from phasegraph.runtime.errors import (
+    CheckpointFileError,
     InvalidConfig,
     InvalidRequest,
     PhasegraphRuntimeError,
     RequestFailed,
 )
-from phasegraph.serving import AsyncEngine, EngineClosed, QueueFull
-from tests.serving.support import PROMPTS, assert_all_free, greedy, poison_target
+from phasegraph.serving import AsyncEngine, EngineClosed, ProcessEngine, QueueFull
+from tests.serving.support import (
+    PROMPTS,
+    assert_all_free,
+    demo_engine,
+    greedy,
+    kv_state,
+    poison_target,
+)
 
 LONG = greedy(400, ignore_eos=True)  # runs for many steps: a request still running when looked at
 
@@ -287,3 +300,73 @@ def test_a_crashed_step_loop_reaches_every_consumer(idle_engine, monkeypatch):
     monkeypatch.undo()
     engine.abort("crash")  # the request the crashed loop left in the engine
     engine.step()
+
+
+def test_the_process_engine_streams_like_the_offline_engine_and_frees_what_is_cancelled(idle_engine):
+    prompts = PROMPTS[:3]
+    want = idle_engine.generate(prompts, greedy(12))
+
+    async def consume(aengine, prompt):
+        deltas = [delta async for delta in aengine.stream(prompt, greedy(12))]
+        return "".join(d.new_text for d in deltas), [t for d in deltas for t in d.new_token_ids], deltas
+
+    async def main(aengine):
+        streamed = await asyncio.gather(*(consume(aengine, p) for p in prompts))
+        whole = await aengine.generate(prompts[0], greedy(12))
+        # a cancelled consumer: the abort reaches the engine process before the next call
+        first = asyncio.Event()
+
+        async def run_long():
+            async for delta in aengine.stream(PROMPTS[3], LONG):
+                if delta.new_token_ids:
+                    first.set()
+
+        task = asyncio.create_task(run_long())
+        await first.wait()
+        running = await aengine.call(kv_state)
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        after_cancel = await aengine.call(kv_state)
+        # the bounded queue is this process's: full at 3, then a waiting caller gets the room
+        held = [await aengine.add_request(p, LONG) for p in PROMPTS[4:7]]
+        with pytest.raises(QueueFull):
+            await aengine.add_request(PROMPTS[7], greedy(4))
+        waiting = asyncio.create_task(aengine.generate(PROMPTS[7], greedy(4), wait=True))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()
+        await held[0].aclose()
+        waited = await waiting
+        for stream in held[1:]:
+            await stream.aclose()
+        with pytest.raises(InvalidRequest, match="pickle"):
+            await aengine.call(lambda engine: None)
+        return streamed, whole, running, after_cancel, waited, await aengine.call(kv_state), aengine.stats()
+
+    aengine = ProcessEngine(functools.partial(demo_engine), max_queue=3)
+    try:
+        streamed, whole, running, after_cancel, waited, idle, stats = asyncio.run(main(aengine))
+    finally:
+        aengine.close()
+    for (text, tokens, deltas), ref in zip(streamed, want, strict=True):
+        assert text == ref.text and tokens == ref.token_ids
+        assert deltas[-1].finish_reason == ref.finish_reason and deltas[-1].output.token_ids == ref.token_ids
+        assert [n for d in deltas for n in d.accept_lengths] == ref.stats.accept_lengths
+    assert whole.token_ids == want[0].token_ids
+    assert waited.token_ids == idle_engine.generate([PROMPTS[7]], greedy(4))[0].token_ids
+    free, total, _ = running
+    assert free < total
+    assert after_cancel == (total, total, False) and idle == (total, total, False)
+    assert stats.finished == {"length": 5, "abort": 4} and stats.rejected == 1 and stats.queued == 0
+    assert stats.kv_total_pages == total and stats.steps > 0 and stats.deliveries > 0
+    assert not aengine.is_running
+    assert aengine.pid not in [p.pid for p in multiprocessing.active_children()]
+
+
+def test_the_process_engine_raises_the_load_error_of_its_engine(tmp_path):
+    missing = tmp_path / "missing"
+    with pytest.raises(CheckpointFileError, match="config.json not found"):
+        ProcessEngine(functools.partial(Engine.from_pretrained, missing, device="cpu"))
+    with pytest.raises(InvalidConfig, match="pickle"):
+        ProcessEngine(lambda: None)
+    assert multiprocessing.active_children() == []

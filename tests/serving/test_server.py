@@ -2,11 +2,19 @@
 ``openai`` client (and httpx for what that client will not send): completions and chat
 (the template applied), streaming and not, equal to the offline Engine; the sampling fields;
 OpenAI-style errors with status 400 (never a 500 with a traceback); 429 or waiting when the
-queue is full; a request failing mid-run; disconnects; /v1/models, /health and /metrics."""
+queue is full; a request failing mid-run; disconnects; /v1/models, /health and /metrics. The
+same server over a ProcessEngine answers the client as the offline Engine does, and an engine
+process killed mid-request fails what is pending and what comes later with EngineDied, /health
+turning 503."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import functools
+import multiprocessing
+import os
+import signal
 import threading
 import time
 
@@ -16,7 +24,7 @@ import pytest
 
 from phasegraph.runtime.config import SamplingParams
 from phasegraph.runtime.errors import InvalidConfig
-from phasegraph.serving import AsyncEngine, create_app
+from phasegraph.serving import AsyncEngine, EngineDied, ProcessEngine, create_app
 from tests.serving.support import (
     CHAT_TEMPLATE,
     PROMPTS,
@@ -24,6 +32,7 @@ from tests.serving.support import (
     chat_ids,
     demo_engine,
     greedy,
+    kv_state,
     poison_target,
     running_server,
 )
@@ -414,6 +423,52 @@ def test_health_is_503_once_the_engine_is_closed(engine):
         assert error["code"] == "engine_closed"
         error = _assert_openai_error(httpx.post(f"{url}/v1/completions", json=_body("completions", {})), 503)
         assert error["code"] == "engine_closed"
+
+
+def test_a_process_engine_serves_the_client_and_its_death_fails_every_request(engine):
+    want = engine.generate(PROMPTS[:2], greedy(16))
+    aengine = ProcessEngine(functools.partial(demo_engine), max_queue=8)
+    try:
+        with running_server(create_app(aengine, model_name=MODEL)) as url:
+            api = client(url)
+            whole = api.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0)
+            assert whole.choices[0].text == want[0].text
+            assert whole.model_extra["phasegraph"]["token_ids"] == want[0].token_ids
+            chunks = list(api.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0,
+                                                 stream=True))
+            assert [t for c in chunks for t in c.model_extra["phasegraph"]["token_ids"]] == want[1].token_ids
+            assert "".join(c.choices[0].text for c in chunks) == want[1].text
+            assert "phasegraph_accept_length_bucket" in httpx.get(f"{url}/metrics").text
+
+            async def kill_mid_request() -> float:
+                stream = await aengine.add_request(PROMPTS[2], greedy(400, ignore_eos=True))
+                async for delta in stream:
+                    if delta.new_token_ids:
+                        break
+                waiting = asyncio.create_task(aengine.generate(PROMPTS[3], greedy(400, ignore_eos=True)))
+                assert (await aengine.call(kv_state))[2]  # both are in the engine
+                os.kill(aengine.pid, signal.SIGKILL)
+                killed = time.monotonic()
+                with pytest.raises(EngineDied, match="SIGKILL"):
+                    async for _ in stream:
+                        pass
+                with pytest.raises(EngineDied):
+                    await waiting
+                waited = time.monotonic() - killed
+                with pytest.raises(EngineDied):
+                    await aengine.add_request(PROMPTS[4], greedy(4))
+                with pytest.raises(EngineDied):
+                    await aengine.call(kv_state)
+                return waited
+
+            assert asyncio.run(asyncio.wait_for(kill_mid_request(), 30)) < 5
+            error = _assert_openai_error(httpx.get(f"{url}/health"), 503)
+            assert error["code"] == "engine_closed" and "EngineDied" in error["message"]
+            error = _assert_openai_error(httpx.post(f"{url}/v1/completions", json=_body("completions", {})), 503)
+            assert "ended unexpectedly" in error["message"]
+    finally:
+        aengine.close()
+    assert aengine.pid not in [p.pid for p in multiprocessing.active_children()]
 
 
 def _wait_until(condition, timeout_s: float = 30.0) -> None:
