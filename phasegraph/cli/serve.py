@@ -4,7 +4,7 @@
 
     phasegraph serve --target DIR [--draft DIR --method eagle3] [--topk K --num-steps S ...]
         [--host 127.0.0.1] [--port 8000] [--max-queue N] [--on-full 429|wait]
-        [--model-name NAME] [--chat-template FILE] [--max-batch-size N]
+        [--model-name NAME] [--chat-template FILE] [--max-batch-size N] [--[no-]engine-process]
 
 Serves ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health`` and
 ``/metrics`` (docs/serving.md) until interrupted; needs the ``serve`` extra (FastAPI, uvicorn,
@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import os
 import signal
 import socket
@@ -56,6 +57,10 @@ def add_parser(sub) -> None:
     p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
                    help="prefill every prompt whole: no KV shared between requests with a common prefix "
                         "(the cache is on by default for serve; docs/serving.md)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="run the engine in a process of its own, apart from the HTTP server, so that the "
+                        "server's Python never delays the engine's kernel launches (default: on where the "
+                        "device is CUDA, off otherwise)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (default info: one line per request)")
     p.set_defaults(func=run_serve)
@@ -85,7 +90,7 @@ def run_serve(args: argparse.Namespace) -> int:
                        "(pip install 'phasegraph[serve]', or scripts/install.sh serve)")
     import uvicorn
 
-    from phasegraph.serving import AsyncEngine, create_app
+    from phasegraph.serving import AsyncEngine, ProcessEngine, create_app
 
     spec = model_spec(args)
     require_name("--chat-template", args.chat_template, "file")
@@ -104,18 +109,24 @@ def run_serve(args: argparse.Namespace) -> int:
     sock = _listen(args.host, args.port)
     if args.tp != 1 and "WORLD_SIZE" in os.environ:  # every rank would serve HTTP, each its own requests
         raise CliError("serve --tp starts the other ranks itself: run it without torchrun")
+    in_process = not (_on_cuda(args.device) if args.engine_process is None else args.engine_process)
     try:
         # no trace: a server runs for days, and a trace keeps every phase transition
-        engine = load_engine(args, spec, trace=False, max_batch_size=args.max_batch_size,
-                             prefix_cache=args.prefix_cache)
-        engine.warm_up()  # every graph captured before the first request, none mid-stream
+        load = functools.partial(load_engine, args, spec, trace=False, max_batch_size=args.max_batch_size,
+                                 prefix_cache=args.prefix_cache)
+        if in_process:
+            engine = load()
+            engine.warm_up()  # every graph captured before the first request, none mid-stream
+            aengine = AsyncEngine(engine, max_queue=args.max_queue)
+        else:  # loads and warms up in the engine process
+            aengine = ProcessEngine(load, max_queue=args.max_queue)
         with_draft = f" with {spec.method} drafts" if spec.speculative else ""
-        aengine = AsyncEngine(engine, max_queue=args.max_queue)
         try:
             app = create_app(aengine, model_name=model_name, on_full=args.on_full, chat_template=template)
             host = f"[{args.host}]" if ":" in args.host else args.host
+            where = "in this process" if in_process else f"in engine process {aengine.pid}"
             print(f"phasegraph: serving {model_name!r}{with_draft} on http://{host}:{args.port}/v1 "
-                  f"(OpenAI-compatible; /health, /metrics); Ctrl-C stops", file=sys.stderr)
+                  f"(OpenAI-compatible; /health, /metrics; the engine {where}); Ctrl-C stops", file=sys.stderr)
             config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
             with _stop_signals():
                 uvicorn.Server(config).run(sockets=[sock])
@@ -151,6 +162,15 @@ def _stop_signals():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+
+
+def _on_cuda(device: str) -> bool:
+    """Whether ``--device`` picks a GPU (``auto`` does where one answers)."""
+    if device == "auto":
+        import torch
+
+        return torch.cuda.is_available()
+    return device.startswith("cuda")
 
 
 def _importable(name: str) -> bool:
