@@ -2,10 +2,12 @@
 
 For each mode (EAGLE-3 chain drafting, and the target alone) one engine is built and warmed up,
 then served by :func:`phasegraph.serving.create_app` with uvicorn on 127.0.0.1 inside this
-process. It measures:
+process; the engine runs in a process of its own (:class:`~phasegraph.serving.ProcessEngine`,
+as ``phasegraph serve`` runs it) on CUDA, or with ``--engine-process``, else on a thread of this
+one. It measures:
 
 - the cost of the asyncio and HTTP layers at batch 1: one streaming request through the server
-  against the same request stepped on the bare engine (on the server's engine thread, in turns
+  against the same request stepped on the bare engine (where the server steps it, in turns
   with the served runs), as the period of the steps that emit tokens (the gap between a
   stream's chunks, against the gap between the bare engine's steps), where both ran the same
   iterations, else per token; the clients run in a process of their own, as in a deployment;
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import functools
 import json
 import math
 import multiprocessing
@@ -118,14 +121,16 @@ def measure_serving(args, log=print) -> dict:
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
     prompts = _prompts(pair, s)
-    result = {"quick": bool(args.quick), "pair": pair_name, "device": device, "settings": attrs.asdict(s),
-              "spec": SPEC, "modes": {}}
+    chosen = getattr(args, "engine_process", None)
+    engine_process = device.startswith("cuda") if chosen is None else chosen
+    result = {"quick": bool(args.quick), "pair": pair_name, "device": device, "engine_process": engine_process,
+              "settings": attrs.asdict(s), "spec": SPEC, "modes": {}}
     for mode in ("speculative", "baseline"):
-        log(f"serve bench: {mode} on {pair_name} ({device}), rates {', '.join(f'{r:g}' for r in s.rates)} req/s")
-        engine = _engine(pair, mode, device, args, s)
-        _warm_up(engine, prompts, s)
-        result["modes"][mode] = _measure_mode(engine, prompts, s, log)
-        del engine
+        where = "an engine process" if engine_process else "the server's process"
+        log(f"serve bench: {mode} on {pair_name} ({device}, the engine in {where}), "
+            f"rates {', '.join(f'{r:g}' for r in s.rates)} req/s")
+        build = functools.partial(_warm_engine, pair, mode, device, args.pair_dtype, args.validate, prompts, s)
+        result["modes"][mode] = _measure_mode(build, engine_process, prompts, s, log)
     result["goals"] = evaluate_goals(result)
     return result
 
@@ -142,15 +147,23 @@ def _prompts(pair: Path, s: ServeSettings) -> list[list[int]]:
     return [ids[i % len(ids)] for i in range(s.requests)]
 
 
-def _engine(pair: Path, mode: str, device: str, args, s: ServeSettings):
+def _warm_engine(pair: Path, mode: str, device: str, dtype: str | None, validate: str | None,
+                 prompts: list[list[int]], s: ServeSettings):
+    """The mode's engine, warmed up (module-level: an engine process calls it)."""
+    engine = _engine(pair, mode, device, dtype, validate, s)
+    _warm_up(engine, prompts, s)
+    return engine
+
+
+def _engine(pair: Path, mode: str, device: str, dtype: str | None, validate: str | None, s: ServeSettings):
     from phasegraph import Engine, SpecConfig
 
     spec = SpecConfig(**SPEC) if mode == "speculative" else SpecConfig(method="none")
     draft = pair / "eagle3" if mode == "speculative" else None
     kv = 2 * s.max_batch * (s.prompt_tokens + s.new_tokens + 64)
-    return Engine.from_pretrained(pair / "target", draft, spec=spec, device=device, dtype=args.pair_dtype,
+    return Engine.from_pretrained(pair / "target", draft, spec=spec, device=device, dtype=dtype,
                                   kv_pool_tokens=kv, max_batch_size=s.max_batch, trace=False, prefix_cache=True,
-                                  validate=args.validate)
+                                  validate=validate)
 
 
 def _warm_up(engine, prompts, s: ServeSettings) -> None:
@@ -168,11 +181,14 @@ def _warm_up(engine, prompts, s: ServeSettings) -> None:
     engine.clear_prefix_cache()
 
 
-def _measure_mode(engine, prompts, s: ServeSettings, log) -> dict:
-    from phasegraph.serving import AsyncEngine, create_app
+def _measure_mode(build, engine_process: bool, prompts, s: ServeSettings, log) -> dict:
+    """One mode at batch 1 and at every rate; ``build()`` gives its warmed-up engine, called in
+    an engine process of its own with ``engine_process``."""
+    from phasegraph.serving import AsyncEngine, ProcessEngine, create_app
     from phasegraph.serving.app import serve_in_thread
 
-    aengine = AsyncEngine(engine, max_queue=max(256, s.requests))
+    max_queue = max(256, s.requests)
+    aengine = ProcessEngine(build, max_queue=max_queue) if engine_process else AsyncEngine(build(), max_queue=max_queue)
     # the clients run in a process of their own: in this one they would take the interpreter
     # from the engine and server threads, and their cost would count as the server's
     clients = concurrent.futures.ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
@@ -190,7 +206,6 @@ def _measure_mode(engine, prompts, s: ServeSettings, log) -> dict:
     finally:
         clients.shutdown()
         aengine.close()
-    engine.clear_prefix_cache()
     return {"rows": rows, **overhead}
 
 
@@ -212,9 +227,10 @@ class _Run:
 
 def _measure_overhead(url: str, aengine, prompt: list[int], s: ServeSettings, clients) -> dict:
     """The asyncio and HTTP layers at batch 1: the same request stepped on the bare engine and
-    streamed through the server, in turns. The bare run steps the engine on the server's own
-    engine thread (:meth:`AsyncEngine.call`), between served runs, so both see the same engine
-    state (graphs, cost table, acceptance estimates) and thread; only the layers differ.
+    streamed through the server, in turns. The bare run steps the engine where the server steps
+    it (:meth:`AsyncEngine.call`: its engine thread, or the engine process's), between served
+    runs, so both see the same engine state (graphs, cost table, acceptance estimates) and
+    thread; only the layers differ.
 
     Per iteration compares like with like only where both ran the same iterations (adaptive
     speculation chooses a shape from acceptance estimates every run updates): otherwise the
@@ -222,7 +238,7 @@ def _measure_overhead(url: str, aengine, prompt: list[int], s: ServeSettings, cl
     bare, served = [], []
     before = aengine.stats()
     for _ in range(s.overhead_repeats):
-        bare.append(asyncio.run(aengine.call(lambda engine: _bare_run(engine, prompt, s))))
+        bare.append(asyncio.run(aengine.call(functools.partial(_bare_run, prompt=prompt, s=s))))
         served.append(_served_run(url, aengine, prompt, s, clients))
     after = aengine.stats()
     same = all(b.tokens == v.tokens for b, v in zip(bare, served, strict=True))
@@ -248,7 +264,8 @@ def _measure_overhead(url: str, aengine, prompt: list[int], s: ServeSettings, cl
 
 
 def _bare_run(engine, prompt: list[int], s: ServeSettings) -> _Run:
-    """One request stepped on the bare engine as the server's thread steps it."""
+    """One request stepped on the bare engine as the server's engine thread or process steps it
+    (module-level, as every function given to ``call`` here: an engine process unpickles it)."""
     from phasegraph import SamplingParams
 
     engine.add_request("bare", prompt, SamplingParams(max_new_tokens=s.new_tokens, temperature=0.0, ignore_eos=True))
@@ -265,17 +282,23 @@ def _bare_run(engine, prompt: list[int], s: ServeSettings) -> _Run:
 def _served_run(url: str, aengine, prompt: list[int], s: ServeSettings, clients) -> _Run:
     """The same through the server: the chunks of one streaming request (a chunk holds the
     tokens of one step), as its client (in the ``clients`` process) receives them."""
-    waited = asyncio.run(aengine.call(lambda engine: engine.scheduler.device_wait_s))
+    waited = asyncio.run(aengine.call(_device_wait))
     stream = clients.submit(_client_one_request, url, prompt, s).result()
     if stream.error:
         raise BenchError(f"the batch-1 request failed: {stream.error}")
-
-    def done(engine) -> float:
-        engine.clear_prefix_cache()  # the next run prefills again
-        return engine.scheduler.device_wait_s - waited
-
-    waited = asyncio.run(aengine.call(done))
+    waited = asyncio.run(aengine.call(functools.partial(_device_wait_since, before=waited)))
     return _checked(_Run(tuple(t for t, _ in stream.chunks), tuple(n for _, n in stream.chunks), waited))
+
+
+def _device_wait(engine) -> float:
+    return engine.scheduler.device_wait_s
+
+
+def _device_wait_since(engine, before: float) -> float:
+    """The host's wait for the device since ``before``; the prefix cache cleared, so that the
+    next run prefills again."""
+    engine.clear_prefix_cache()
+    return engine.scheduler.device_wait_s - before
 
 
 def _checked(run: _Run) -> _Run:
@@ -412,7 +435,8 @@ def render_serve_markdown(result: dict) -> str:
     lines = [
         f"# phasegraph bench --serve{' --quick' if result['quick'] else ''}",
         "",
-        f"{result['pair']} on {result['device']}; EAGLE-3 up to a chain of {SPEC['num_steps']} (adaptive on a GPU) "
+        f"{result['pair']} on {result['device']}, the engine "
+        f"{'in a process of its own' if result.get('engine_process') else 'on a thread of the server'}; EAGLE-3 up to a chain of {SPEC['num_steps']} (adaptive on a GPU) "
         "against the target alone; "
         f"{s['requests']} requests per rate, {s['prompt_tokens']}-token prompts, {s['new_tokens']} new tokens, "
         f"batch up to {s['max_batch']}. ITL: each chunk's gap shared between its tokens.",

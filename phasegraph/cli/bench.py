@@ -429,6 +429,9 @@ def add_parser(sub) -> None:
                         "serve_latency.png (--new-tokens, --prompt-tokens default 128 here; quick 12, 32)")
     p.add_argument("--serve-rates", metavar="R,R,...", help="--serve: request rates per second (default 1,4,16,64; quick 2,8)")
     p.add_argument("--serve-requests", type=int, metavar="N", help="--serve: requests per rate (default 64; quick 4)")
+    p.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=None,
+                   help="--serve: the engine in a process of its own, as phasegraph serve runs it (default: on "
+                        "where the device is CUDA, off otherwise)")
     p.add_argument("--serve-max-batch", type=int, metavar="N", help="--serve: the engine's max batch (default 32; quick 4)")
     p.set_defaults(func=run_bench, argv=_argv())
 

@@ -2,7 +2,8 @@
 GPU runs happen on the device machine).
 
 `phasegraph bench --serve --quick` on the CPU: the real server under Poisson arrivals with
-the embedded pair, speculation on and off; and the figures' arithmetic on made-up streams."""
+the embedded pair, speculation on and off, the engine on the server's thread or in an engine
+process; and the figures' arithmetic on made-up streams."""
 
 from __future__ import annotations
 
@@ -188,6 +189,21 @@ def test_every_request_streams_every_token_in_both_modes(serve_run):
     spec, base = r["modes"]["speculative"]["rows"], r["modes"]["baseline"]["rows"]
     assert goals[0]["value"] == pytest.approx(spec[0]["itl_p50_s"] / base[0]["itl_p50_s"])
     assert goals[0]["met"] == (goals[0]["value"] <= ITL_GOAL_RATIO)
+
+
+def test_the_serve_bench_measures_through_an_engine_process(tmp_path):
+    code = main(["bench", "--serve", "--quick", "--engine-process", "--out", str(tmp_path), "--serve-rates", "4",
+                 "--serve-requests", "1", "--new-tokens", str(NEW_TOKENS)])
+    assert code == 0
+    r = json.loads((tmp_path / "serve_bench.json").read_text())
+    assert r["engine_process"] is True and set(r["modes"]) == {"speculative", "baseline"}
+    for mode in r["modes"].values():
+        assert mode["rows"][0]["failed"] == 0 and mode["rows"][0]["tokens"] == NEW_TOKENS
+        # the bare runs stepped the engine in the engine process, as the server's steps ran
+        assert mode["same_iterations"] is True
+        assert mode["http_overhead"] == pytest.approx(mode["served_step_s"] / mode["bare_step_s"] - 1)
+        assert mode["serving_host_s_per_step"] > 0
+    assert "the engine in a process of its own" in (tmp_path / "serve_bench.md").read_text()
 
 
 def test_markdown_and_plot(serve_run):
