@@ -458,11 +458,7 @@ class AsyncEngine(AsyncEngineBase):
                     else:
                         self._apply(command)
                 if closing:
-                    for rid in list(self._sinks):
-                        engine.abort(rid)
-                    self._step()  # reports the aborts
-                    while engine.has_unfinished():
-                        self._step()
+                    abort_all_and_finish(engine, list(self._sinks), self._step)
                     return
                 if self._flush or engine.has_unfinished():
                     self._flush = False
@@ -497,10 +493,8 @@ class AsyncEngine(AsyncEngineBase):
                 self._release()
                 return
             try:
-                prompt = command.prompt
-                if isinstance(prompt, str) and not command.add_special_tokens and engine.tokenizer is not None:
-                    prompt = list(engine.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-                engine.add_request(command.request_id, prompt, command.params)
+                engine.add_request(command.request_id, encoded_prompt(engine, command.prompt, command.add_special_tokens),
+                                   command.params)
             except Exception as exc:  # noqa: BLE001 - InvalidRequest, or whatever the tokenizer raised
                 self._release()
                 command.done.set_exception(exc)
@@ -572,6 +566,24 @@ class AsyncEngine(AsyncEngineBase):
         for loop, deltas in self._sinks.values():
             _call_soon(loop, _deliver, [(deltas, error)])
         self._sinks.clear()
+
+
+def encoded_prompt(engine: Engine, prompt, add_special_tokens: bool):
+    """``prompt`` as the engine takes it: a text prompt without special tokens is encoded here
+    (one a chat template already framed), anything else passes as it is."""
+    if isinstance(prompt, str) and not add_special_tokens and engine.tokenizer is not None:
+        return list(engine.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    return prompt
+
+
+def abort_all_and_finish(engine: Engine, request_ids: Sequence[str], step: Callable[[], None]) -> None:
+    """On close: abort ``request_ids`` and ``step`` until the engine has nothing left, so that
+    every stream hears its end (finish reason ``"abort"``) and every page is freed."""
+    for rid in request_ids:
+        engine.abort(rid)
+    step()  # reports the aborts
+    while engine.has_unfinished():
+        step()
 
 
 def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:

@@ -51,6 +51,8 @@ from phasegraph.serving.async_engine import (
     _call_soon,
     _deliver,
     _fail_waiter,
+    abort_all_and_finish,
+    encoded_prompt,
 )
 from phasegraph.serving.errors import EngineClosed, EngineDied, EngineProcessError
 
@@ -517,11 +519,7 @@ class _StepLoop:
                 else:
                     self._apply(command)
             if closing:
-                for rid in list(self.requests):
-                    engine.abort(rid)
-                self._step()  # reports the aborts
-                while engine.has_unfinished():
-                    self._step()
+                abort_all_and_finish(engine, list(self.requests), self._step)
                 return
             if self.flush or engine.has_unfinished():
                 self.flush = False
@@ -547,10 +545,8 @@ class _StepLoop:
                 self.flush = True  # the step that reports the abort, even with nothing else to run
         elif isinstance(command, _Add):
             try:
-                prompt = command.prompt
-                if isinstance(prompt, str) and not command.add_special_tokens and engine.tokenizer is not None:
-                    prompt = list(engine.tokenizer(prompt, add_special_tokens=False)["input_ids"])
-                engine.add_request(command.request_id, prompt, command.params)
+                engine.add_request(command.request_id, encoded_prompt(engine, command.prompt, command.add_special_tokens),
+                                   command.params)
             except Exception as exc:  # noqa: BLE001 - InvalidRequest, or whatever the tokenizer raised
                 self.replies.append((command.reply, False, _sendable(exc)))
                 return
