@@ -232,8 +232,43 @@ class AsyncEngineBase:
     async def __aexit__(self, *exc) -> None:
         await self.aclose()
 
-    async def add_request(self, prompt, params=None, *, request_id=None, wait=False,
-                          add_special_tokens=True) -> RequestStream:
+    async def add_request(
+        self,
+        prompt: str | Sequence[int],
+        params: SamplingParams | None = None,
+        *,
+        request_id: str | None = None,
+        wait: bool = False,
+        add_special_tokens: bool = True,
+    ) -> RequestStream:
+        """Queue a request and return its :class:`RequestStream` once the engine has taken it.
+
+        Bad input raises :class:`~phasegraph.runtime.errors.InvalidRequest` here, and nothing
+        of it runs or touches another request. A full queue raises :class:`QueueFull`, or with
+        ``wait=True`` waits for room. ``add_special_tokens=False`` encodes a text prompt without
+        the tokenizer's special tokens (for a prompt a chat template already framed)."""
+        self._check_request(request_id, add_special_tokens)
+        params = SamplingParams() if params is None else params
+        loop = asyncio.get_running_loop()
+        await self._acquire(loop, wait)
+        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
+        deltas: asyncio.Queue = asyncio.Queue()
+        done: concurrent.futures.Future = concurrent.futures.Future()
+        try:
+            self._submit(rid, prompt, params, add_special_tokens, loop, deltas, done)
+        except (EngineClosed, InvalidRequest):
+            self._release()
+            raise
+        try:
+            await asyncio.wrap_future(done)
+        except asyncio.CancelledError:
+            self._abort_soon(rid)  # the engine may take it after all: let it go again at once
+            raise
+        return RequestStream(self, rid, deltas)
+
+    def _submit(self, request_id: str, prompt, params: SamplingParams, add_special_tokens: bool,
+                loop: asyncio.AbstractEventLoop, deltas: asyncio.Queue, done: concurrent.futures.Future) -> None:
+        """Send the request to the engine; ``done`` gets its answer, ``deltas`` its deltas."""
         raise NotImplementedError
 
     def close(self, timeout: float | None = None) -> None:
@@ -357,39 +392,8 @@ class AsyncEngine(AsyncEngineBase):
         return tree.accept_width if tree is not None else 1
 
     # ------------------------------------------------------------------ requests
-    async def add_request(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        wait: bool = False,
-        add_special_tokens: bool = True,
-    ) -> RequestStream:
-        """Queue a request and return its :class:`RequestStream` once the engine has taken it.
-
-        Bad input raises :class:`~phasegraph.runtime.errors.InvalidRequest` here, and nothing
-        of it runs or touches another request. A full queue raises :class:`QueueFull`, or with
-        ``wait=True`` waits for room. ``add_special_tokens=False`` encodes a text prompt without
-        the tokenizer's special tokens (for a prompt a chat template already framed)."""
-        self._check_request(request_id, add_special_tokens)
-        params = SamplingParams() if params is None else params
-        loop = asyncio.get_running_loop()
-        await self._acquire(loop, wait)
-        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
-        deltas: asyncio.Queue = asyncio.Queue()
-        done: concurrent.futures.Future = concurrent.futures.Future()
-        try:
-            self._send(_Add(rid, prompt, params, add_special_tokens, loop, deltas, done))
-        except EngineClosed:
-            self._release()
-            raise
-        try:
-            await asyncio.wrap_future(done)
-        except asyncio.CancelledError:
-            self._abort_soon(rid)  # the engine may take it after all: let it go again at once
-            raise
-        return RequestStream(self, rid, deltas)
+    def _submit(self, request_id, prompt, params, add_special_tokens, loop, deltas, done) -> None:
+        self._send(_Add(request_id, prompt, params, add_special_tokens, loop, deltas, done))
 
     async def call(self, fn: Callable[[Engine], Any]) -> Any:
         """``fn(engine)`` run on the engine thread between two steps (after every command sent

@@ -36,7 +36,7 @@ import threading
 import time
 import traceback
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -46,7 +46,6 @@ from phasegraph.runtime.errors import InvalidConfig, InvalidRequest
 from phasegraph.serving import DEFAULT_MAX_QUEUE
 from phasegraph.serving.async_engine import (
     AsyncEngineBase,
-    RequestStream,
     ServingStats,
     _call_soon,
     _deliver,
@@ -220,43 +219,17 @@ class ProcessEngine(AsyncEngineBase):
         return self._process.pid
 
     # ------------------------------------------------------------------ requests
-    async def add_request(
-        self,
-        prompt: str | Sequence[int],
-        params: SamplingParams | None = None,
-        *,
-        request_id: str | None = None,
-        wait: bool = False,
-        add_special_tokens: bool = True,
-    ) -> RequestStream:
-        """As :meth:`AsyncEngine.add_request`."""
-        self._check_request(request_id, add_special_tokens)
-        params = SamplingParams() if params is None else params
-        loop = asyncio.get_running_loop()
-        await self._acquire(loop, wait)
-        rid = request_id if request_id is not None else f"async-{next(self._ids)}"
-        deltas: asyncio.Queue = asyncio.Queue()
-        done: concurrent.futures.Future = concurrent.futures.Future()
+    def _submit(self, request_id, prompt, params, add_special_tokens, loop, deltas, done) -> None:
         with self._lock:
-            taken = rid in self._sinks
-            if not taken:  # registered before it is sent: its first deltas may come with the reply
-                self._sinks[rid] = (loop, deltas)
-        if taken:
-            self._release()
-            raise InvalidRequest(f"request id {rid!r} is already in use")
+            if request_id in self._sinks:
+                raise InvalidRequest(f"request id {request_id!r} is already in use")
+            self._sinks[request_id] = (loop, deltas)  # before it is sent: its first deltas may come with the reply
         try:
-            self._send(lambda reply: _Add(reply, rid, prompt, params, add_special_tokens), done, rid)
+            self._send(lambda reply: _Add(reply, request_id, prompt, params, add_special_tokens), done, request_id)
         except EngineClosed:
             with self._lock:
-                self._sinks.pop(rid, None)
-            self._release()
+                self._sinks.pop(request_id, None)
             raise
-        try:
-            await asyncio.wrap_future(done)
-        except asyncio.CancelledError:
-            self._abort_soon(rid)  # the engine may take it after all: let it go again at once
-            raise
-        return RequestStream(self, rid, deltas)
 
     async def call(self, fn: Callable[[Any], Any]) -> Any:
         """``fn(engine)`` run in the engine process between two steps (after every command sent
