@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from phasegraph.demo import DEMO_CHAIN, demo_pair_dir
 from phasegraph.phases.protocols import TargetOutput
 from phasegraph.runtime.config import SamplingParams, SpecConfig
@@ -32,6 +34,13 @@ def demo_engine(**options) -> Engine:
     options.setdefault("kv_pool_tokens", 8192)
     return Engine.from_pretrained(pair / "target", pair / "eagle3", spec=SpecConfig(**DEMO_CHAIN), device="cpu",
                                   dtype="float32", trace=False, **options)
+
+
+def offline(aengine, prompts, params) -> list:
+    """``engine.generate(prompts, params)`` on the AsyncEngine's own thread: the engine is not
+    thread-safe, and that thread may still be in its loop after the last response went out, where
+    it would step the requests a generate on the test's thread had just added."""
+    return asyncio.run(aengine.call(lambda engine: engine.generate(prompts, params)))
 
 
 def assert_all_free(engine: Engine) -> None:

@@ -33,6 +33,7 @@ from tests.serving.support import (
     demo_engine,
     greedy,
     kv_state,
+    offline,
     poison_target,
     running_server,
 )
@@ -67,8 +68,8 @@ def server(engine):
 
 
 def test_completions_equal_the_offline_engine(engine, server):
-    url, _ = server
-    want = engine.generate(PROMPTS[:2], greedy(16))
+    url, aengine = server
+    want = offline(aengine, PROMPTS[:2], greedy(16))
     api = client(url)
     whole = api.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0)
     choice = whole.choices[0]
@@ -92,14 +93,14 @@ def test_completions_equal_the_offline_engine(engine, server):
 
 
 def test_chat_applies_the_tokenizers_template(engine, server, monkeypatch):
-    url, _ = server
+    url, aengine = server
     api = client(url)
     with pytest.raises(openai.BadRequestError) as err:  # the demo tokenizer ships no template
         api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0)
     assert err.value.body["code"] == "no_chat_template" and "--chat-template" in err.value.body["message"]
     monkeypatch.setattr(engine.tokenizer, "chat_template", CHAT_TEMPLATE, raising=False)
     ids = chat_ids(engine, MESSAGES)
-    want = engine.generate([ids], greedy(12))[0]
+    want = offline(aengine, [ids], greedy(12))[0]
     whole = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
     assert whole.choices[0].message.role == "assistant"
     assert whole.choices[0].message.content == want.text
@@ -116,14 +117,14 @@ def test_chat_applies_the_tokenizers_template(engine, server, monkeypatch):
 
 
 def test_sampling_fields_map_to_sampling_params(engine, server):
-    url, _ = server
+    url, aengine = server
     api = client(url)
     prompt = PROMPTS[2]
     # seeded sampling with top_p and top_k is reproducible whatever the batch
     sampled = SamplingParams(max_new_tokens=12, temperature=0.8, top_p=0.9, top_k=40, seed=7)
     stop = greedy(24, stop=("\n",))
     with_lp = greedy(8, logprobs=True)
-    want_sampled, want_stop, want_lp = (engine.generate([prompt], p)[0] for p in (sampled, stop, with_lp))
+    want_sampled, want_stop, want_lp = (offline(aengine, [prompt], p)[0] for p in (sampled, stop, with_lp))
     out = api.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0.8, top_p=0.9, seed=7,
                                  extra_body={"top_k": 40})
     assert out.choices[0].text == want_sampled.text
@@ -150,33 +151,33 @@ def test_structured_output_through_response_format_and_extensions(engine, server
 
     import jsonschema
 
-    url, _ = server
+    url, aengine = server
     api = client(url)
     monkeypatch.setattr(engine.tokenizer, "chat_template", CHAT_TEMPLATE, raising=False)
     ids = chat_ids(engine, MESSAGES)
-    want = engine.generate([ids], greedy(48, json_schema=JSON_SCHEMA))[0]
+    want = offline(aengine, [ids], greedy(48, json_schema=JSON_SCHEMA))[0]
     out = api.chat.completions.create(
         model=MODEL, messages=MESSAGES, max_tokens=48, temperature=0,
         response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": JSON_SCHEMA, "strict": True}})
     assert out.choices[0].message.content == want.text and out.choices[0].finish_reason == "stop"
     jsonschema.validate(json.loads(want.text), JSON_SCHEMA)
-    want = engine.generate([ids], greedy(48, json_schema={"type": "object"}))[0]
+    want = offline(aengine, [ids], greedy(48, json_schema={"type": "object"}))[0]
     out = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=48, temperature=0,
                                       response_format={"type": "json_object"})
     assert out.choices[0].message.content == want.text
     if want.finish_reason == "stop":  # any object: the demo model may run to the budget inside one
         assert isinstance(json.loads(want.text), dict)
     for field, spec in (("regex", "(yes|no) [0-9]{1,2}"), ("grammar", 'root ::= "x" | "y" [0-9]')):
-        want = engine.generate([PROMPTS[0]], greedy(16, **{field: spec}))[0]
+        want = offline(aengine, [PROMPTS[0]], greedy(16, **{field: spec}))[0]
         out = api.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0,
                                      extra_body={field: spec})
         assert out.choices[0].text == want.text and out.choices[0].finish_reason == "stop"
 
 
 def test_chat_logprobs(engine, server, monkeypatch):
-    url, _ = server
+    url, aengine = server
     monkeypatch.setattr(engine.tokenizer, "chat_template", CHAT_TEMPLATE, raising=False)
-    want = engine.generate([chat_ids(engine, MESSAGES)], greedy(6, logprobs=True))[0]
+    want = offline(aengine, [chat_ids(engine, MESSAGES)], greedy(6, logprobs=True))[0]
     out = client(url).chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0,
                                               logprobs=True)
     content = out.choices[0].logprobs.content
