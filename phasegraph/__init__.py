@@ -22,6 +22,7 @@ _LAZY = {
     "NonFiniteDraftWarning": "phasegraph.runtime.errors",  # the draft's logits were NaN or infinite
     "WorkerDied": "phasegraph.runtime.errors",  # a tensor-parallel rank exited or stopped answering
     "RankDivergence": "phasegraph.runtime.errors",  # tp_check: the ranks' tokens differ
+    "EngineInUse": "phasegraph.runtime.errors",  # a second thread called into a busy Engine
 }
 
 __all__ = ["__version__", *_LAZY]

@@ -10,10 +10,12 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import itertools
 import math
 import operator
 import os
+import threading
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -48,6 +50,7 @@ from phasegraph.runtime.cuda_graphs import DEFAULT_BUCKETS
 from phasegraph.runtime.errors import (
     CheckpointFileError,
     DraftMismatch,
+    EngineInUse,
     InvalidConfig,
     InvalidRequest,
     RequestFailed,
@@ -134,6 +137,27 @@ def _eos_ids(target: HFTarget, directory: Path | None, tokenizer) -> tuple[int, 
     return tuple(dict.fromkeys(i for i in ids if 0 <= i < target.vocab_size))
 
 
+def _one_thread_at_a_time(method):
+    """Refuse a call that comes while another thread is inside the engine, with
+    :class:`EngineInUse`, where two threads would otherwise corrupt the scheduler silently (a
+    test stepping an engine that its AsyncEngine's thread also steps). Reentrant: ``generate``
+    calls ``step`` on its own thread."""
+
+    @functools.wraps(method)
+    def guarded(self, *args, **kwargs):
+        if not self._one_thread.acquire(blocking=False):
+            raise EngineInUse(
+                f"Engine.{method.__name__}() was called while another thread is inside the engine: an "
+                "Engine is not thread-safe; drive it from one thread (an AsyncEngine owns the engine it "
+                "wraps: reach it through AsyncEngine.call)")
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self._one_thread.release()
+
+    return guarded
+
+
 class Engine:
     """Speculative (or plain) generation over a Hugging Face target of the Llama family."""
 
@@ -149,6 +173,7 @@ class Engine:
         """``options`` are :class:`EngineConfig`'s fields (``spec=``, ``page_size=``, ...), or
         change those of ``config``."""
         config = _engine_config(config, options)
+        self._one_thread = threading.RLock()  # held by the thread inside a public call
         self.method = registered(config.spec.method)  # a registered method (ngram, ...), else None
         if draft is None and self.method is not None and self.method.make_draft is not None:
             draft = self.method.make_draft(target, config.spec)  # a method without a checkpoint
@@ -619,6 +644,7 @@ class Engine:
         return max(4096, int(free * 0.5) // per_token)
 
     # ------------------------------------------------------------------ requests
+    @_one_thread_at_a_time
     def add_request(
         self, request_id: str, prompt: str | Sequence[int], params: SamplingParams | None = None
     ) -> None:
@@ -723,6 +749,7 @@ class Engine:
             )
         return ints
 
+    @_one_thread_at_a_time
     def abort(self, request_id: str) -> bool:
         """Stop a request; its KV is freed at once. Returns False for an unknown or finished id."""
         _check_request_id(request_id)
@@ -735,6 +762,7 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @_one_thread_at_a_time
     def step(self) -> list[RequestDelta]:
         """Run one scheduling step; returns what each affected request produced. A request's
         last delta has its finish reason and its whole :class:`RequestOutput` (``output``)."""
@@ -766,6 +794,7 @@ class Engine:
         if self.tp is not None and self.config.tp_check:
             tensor_parallel.check_divergence(self.tp, [r.output for r in (*self.scheduler.running, *self.scheduler.waiting)])
 
+    @_one_thread_at_a_time
     def retract(self, request_id: str) -> bool:
         """Force a running request out of the batch (it is requeued and resumes with the same
         output). Returns False when the request is not running."""
@@ -779,6 +808,7 @@ class Engine:
         return False
 
     # ------------------------------------------------------------------ batch generation
+    @_one_thread_at_a_time
     def generate(
         self,
         prompts: Sequence[str | Sequence[int]],

@@ -145,6 +145,11 @@ class InvalidRequest(PhasegraphRuntimeError, ValueError):
     vocabulary, bad sampling parameters, ...). Nothing was queued; no other request is affected."""
 
 
+class EngineInUse(PhasegraphRuntimeError, RuntimeError):
+    """An Engine was called from a second thread while another thread was inside it. An Engine
+    is not thread-safe: one thread drives it (an AsyncEngine owns the engine it wraps)."""
+
+
 class RequestFailed(PhasegraphRuntimeError):
     """``Engine.generate`` ran every request to its end, and some ended with finish reason
     ``"error"`` (e.g. the target's logits were not finite). ``outputs`` holds every request's

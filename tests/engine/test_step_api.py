@@ -183,6 +183,45 @@ def test_the_public_names_are_what_the_engine_hands_out(engine_root):
     assert all(isinstance(o, phasegraph.RequestOutput) for o in engine.generate(make_prompts([3], seed=2)))
 
 
+def test_a_second_thread_inside_a_busy_engine_is_a_named_error(engine_root):
+    """While one thread is inside the engine (here in a step, held on an event), another thread's
+    add_request, abort, step, generate and retract raise EngineInUse and change nothing; the
+    first thread's own nested calls (generate's steps) go through, and it finishes as alone."""
+    import threading
+
+    import phasegraph
+
+    engine = engine_for(arch_bundle(engine_root, "llama"), "eagle3")
+    greedy, _ = _params()
+    p = make_prompts([5, 7], seed=3)
+    want = engine_for(arch_bundle(engine_root, "llama"), "eagle3").generate([p[0]], greedy)[0].token_ids
+    entered, go_on = threading.Event(), threading.Event()
+    step = engine.scheduler.step
+
+    def held_step():
+        entered.set()
+        go_on.wait(30)
+        return step()
+
+    engine.scheduler.step = held_step
+    result = {}
+    worker = threading.Thread(target=lambda: result.setdefault("out", engine.generate([p[0]], greedy)))
+    worker.start()
+    try:
+        assert entered.wait(30)
+        for call in (lambda: engine.add_request("other", p[1], greedy), lambda: engine.abort("other"),
+                     engine.step, lambda: engine.generate([p[1]], greedy), lambda: engine.retract("other")):
+            with pytest.raises(phasegraph.EngineInUse, match="another thread is inside the engine"):
+                call()
+    finally:
+        go_on.set()
+        worker.join(60)
+    engine.scheduler.step = step
+    assert result["out"][0].token_ids == want
+    assert not engine.has_unfinished()
+    assert_all_free(engine)
+
+
 def test_two_engines_sharing_one_target_object(engine_root):
     """Engines built over the same model objects each run over their own KV pools."""
     from phasegraph.runtime.engine import Engine
