@@ -5,6 +5,7 @@ Ctrl-C; its option errors as one line and exit status 2, before any model loads.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -28,14 +29,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_serve_answers_like_the_engine_and_stops_on_ctrl_c(engine, tmp_path):
+@pytest.mark.parametrize("engine_process", [False, True])
+def test_serve_answers_like_the_engine_and_stops_on_ctrl_c(engine, tmp_path, engine_process):
     template = tmp_path / "chat.jinja"
     template.write_text(CHAT_TEMPLATE)
     pair, port = demo_pair_dir(), _free_port()
     cmd = [sys.executable, "-m", "phasegraph.cli", "serve", "--target", str(pair / "target"),
            "--draft", str(pair / "eagle3"), "--method", "eagle3", "--num-steps", "3", "--topk", "1",
            "--device", "cpu", "--dtype", "float32", "--kv-pool-tokens", "8192", "--port", str(port),
-           "--model-name", "demo", "--chat-template", str(template), "--max-queue", "8", "--log-level", "warning"]
+           "--model-name", "demo", "--chat-template", str(template), "--max-queue", "8", "--log-level", "warning",
+           "--engine-process" if engine_process else "--no-engine-process"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
@@ -69,6 +72,11 @@ def test_serve_answers_like_the_engine_and_stops_on_ctrl_c(engine, tmp_path):
     assert proc.returncode == 0, err
     assert "serving 'demo' with eagle3 drafts on http://127.0.0.1:" in err
     assert "Traceback" not in err
+    where = re.search(r"the engine (in this process|in engine process (\d+))", err)
+    assert where and bool(where.group(2)) == engine_process, err
+    if engine_process:  # Ctrl-C stopped the engine process too
+        with pytest.raises(ProcessLookupError):
+            os.kill(int(where.group(2)), 0)
 
 
 @pytest.mark.parametrize(("extra", "words"), [
