@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import concurrent.futures
+import contextlib
 import multiprocessing
 import pickle
 import queue
@@ -437,16 +438,79 @@ def _engine_process_main(factory: Callable[[], Any], conn) -> None:
     except BaseException as exc:  # noqa: BLE001 - the parent raises it
         conn.send(_LoadFailed(_sendable(exc)))
         return
+    conn.send(ready)
+    channel = _Channel(conn)
     try:
-        conn.send(ready)
-        _StepLoop(engine, conn).run()
-    except (EOFError, OSError):  # the parent is gone: nobody left to serve
+        _StepLoop(engine, channel).run()
+    except EOFError:  # the parent is gone: nobody left to serve
         return
     except BaseException as exc:  # noqa: BLE001 - every consumer must hear of it
-        try:
-            conn.send(_Failed(_sendable(exc)))
-        except (EOFError, OSError):
-            pass
+        with contextlib.suppress(EOFError):
+            channel.send(_Failed(_sendable(exc)))
+    channel.close()  # every message sent before this process ends
+
+
+_GONE = object()  # the server's process closed its end of the pipe
+_STOP_SENDING = object()
+
+
+class _Channel:
+    """The engine process's end of the pipe, with a thread that sends and one that receives, so
+    that the step loop hands a message over and goes on: waking the server's sleeping reader
+    (the write's cost) and polling for commands stay off the engine's critical path."""
+
+    def __init__(self, conn) -> None:
+        self.conn = conn
+        self.inbox: queue.SimpleQueue = queue.SimpleQueue()  # lists of commands, or _GONE
+        self.outbox: queue.SimpleQueue = queue.SimpleQueue()  # messages, then _STOP_SENDING
+        self.gone = False
+        self._sender = threading.Thread(target=self._send_all, name="phasegraph-engine-sender", daemon=True)
+        self._receiver = threading.Thread(target=self._receive_all, name="phasegraph-engine-receiver", daemon=True)
+        self._sender.start()
+        self._receiver.start()
+
+    def send(self, message) -> None:
+        if self.gone:
+            raise EOFError("the server's process closed the pipe")
+        self.outbox.put(message)
+
+    def receive(self, block: bool) -> list:
+        """Every command received so far (waiting for the first with ``block``)."""
+        batches = [self.inbox.get()] if block else []
+        while True:
+            try:
+                batches.append(self.inbox.get_nowait())
+            except queue.Empty:
+                break
+        if any(batch is _GONE for batch in batches):
+            raise EOFError("the server's process closed the pipe")
+        return [command for batch in batches for command in batch]
+
+    def close(self) -> None:
+        """Send what is queued, then stop the sender."""
+        self.outbox.put(_STOP_SENDING)
+        self._sender.join(CLOSE_TIMEOUT_S)
+
+    def _send_all(self) -> None:
+        while (message := self.outbox.get()) is not _STOP_SENDING:
+            try:
+                self.conn.send(message)
+            except (EOFError, OSError, ValueError):
+                self._lost()
+                return
+
+    def _receive_all(self) -> None:
+        while True:
+            try:
+                batch = self.conn.recv()
+            except (EOFError, OSError, ValueError):
+                self._lost()
+                return
+            self.inbox.put(batch)
+
+    def _lost(self) -> None:
+        self.gone = True
+        self.inbox.put(_GONE)
 
 
 def _sendable(exc: BaseException) -> BaseException:
@@ -467,9 +531,9 @@ class _StepLoop:
     """The engine process's step loop: :class:`AsyncEngine`'s, with the pipe in place of the
     event loops; one message per iteration carries the step's deltas and the replies."""
 
-    def __init__(self, engine, conn) -> None:
+    def __init__(self, engine, channel: _Channel) -> None:
         self.engine = engine
-        self.conn = conn
+        self.channel = channel
         self.requests: set[str] = set()  # added and not reported finished
         self.replies: list[tuple[int, bool, Any]] = []
         self.flush = False  # step once more, to report an abort
@@ -498,13 +562,10 @@ class _StepLoop:
                 self.flush = False
                 self._step()
             elif self.replies:
-                self.conn.send(([], self._take_replies()))
+                self.channel.send(([], self._take_replies()))
 
     def _take(self, block: bool) -> list:
-        batches = [self.conn.recv()] if block else []
-        while self.conn.poll():
-            batches.append(self.conn.recv())
-        return [command for batch in batches for command in batch]
+        return self.channel.receive(block)
 
     def _take_replies(self) -> list:
         replies, self.replies = self.replies, []
@@ -549,7 +610,7 @@ class _StepLoop:
                 self.requests.discard(delta.request_id)
                 self.finished[delta.finish_reason] += 1
                 self.prompt_tokens += len(delta.output.prompt_token_ids)
-        self.conn.send((deltas, self._take_replies()))
+        self.channel.send((deltas, self._take_replies()))
         self.step_seconds += stepped - start
         self.serving_seconds += time.perf_counter() - stepped
 

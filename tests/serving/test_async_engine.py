@@ -24,6 +24,7 @@ from phasegraph.runtime.errors import (
     RequestFailed,
 )
 from phasegraph.serving import AsyncEngine, EngineClosed, ProcessEngine, QueueFull
+from phasegraph.serving.errors import EngineDied
 from tests.serving.support import (
     PROMPTS,
     assert_all_free,
@@ -369,4 +370,47 @@ def test_the_process_engine_raises_the_load_error_of_its_engine(tmp_path):
         ProcessEngine(functools.partial(Engine.from_pretrained, missing, device="cpu"))
     with pytest.raises(InvalidConfig, match="pickle"):
         ProcessEngine(lambda: None)
+    assert multiprocessing.active_children() == []
+
+
+def _engine_whose_third_step_fails():
+    """A demo engine whose scheduler raises on its third step (module-level: it runs in the
+    engine process)."""
+    engine = demo_engine()
+    step, calls = engine.scheduler.step, []
+
+    def failing_step():
+        calls.append(1)
+        if len(calls) == 3:
+            raise RuntimeError("injected step failure")
+        return step()
+
+    engine.scheduler.step = failing_step
+    return engine
+
+
+def test_a_step_that_fails_in_the_engine_process_reaches_every_caller():
+    """The failure travels after the deltas sent before it (one sender, in order): the stream
+    got its first tokens, then ends with EngineDied naming the error; later calls fail alike."""
+
+    async def main(aengine):
+        stream = await aengine.add_request(PROMPTS[0], greedy(16, ignore_eos=True))
+        tokens = []
+
+        async def read_all():
+            async for delta in stream:
+                tokens.extend(delta.new_token_ids)
+
+        with pytest.raises(EngineDied, match="injected step failure"):
+            await read_all()
+        with pytest.raises(EngineDied):
+            await aengine.add_request(PROMPTS[1])
+        return tokens
+
+    aengine = ProcessEngine(_engine_whose_third_step_fails)  # warm_up steps too: raise on a later one
+    try:
+        tokens = asyncio.run(main(aengine))
+    finally:
+        aengine.close()
+    assert tokens  # the steps before the failure were delivered
     assert multiprocessing.active_children() == []
