@@ -10,7 +10,8 @@ Engine that runs in a process of its own.
 A step of a small batch is host-bound: in one process, every Python line the HTTP server runs
 per streamed chunk holds the interpreter lock that the engine's kernel launches wait for. Here
 the engine process builds the engine itself (``factory()``, then ``engine.warm_up()``) and runs
-the step loop; per step it sends one message with every request's deltas over a pipe. This
+the step loop; per step it hands one message with every request's deltas to a sender thread
+(which writes it to the pipe, off the loop's path; a receiver thread takes the commands). This
 process keeps the bounded queue and the requests' asyncio queues: one reader thread receives the
 steps' messages (blocked in the pipe without the lock) and hands the deltas to their event
 loops, and one writer thread sends the commands (add, abort, call, stats, close), so that
