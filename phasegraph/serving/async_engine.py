@@ -67,6 +67,51 @@ class ServingStats:
     deliveries: int = 0  # hand-overs to an event loop: one per step and loop, whatever the tokens
 
 
+def engine_state(engine: Engine) -> dict:
+    """The engine's side of :class:`ServingStats` that is read off the engine itself (call it
+    on the thread that steps the engine)."""
+    cache = engine.kv.cache_stats
+    return {"waiting": len(engine.scheduler.waiting), "running": len(engine.scheduler.running),
+            "kv_free_pages": engine.kv.num_free_pages, "kv_total_pages": engine.kv.allocator.total,
+            "prefill_tokens": cache.prompt_tokens, "cached_tokens": cache.cached_tokens,
+            "kv_cached_pages": engine.kv.cached_pages}
+
+
+class StepCounters:
+    """The totals :class:`ServingStats` reports, kept by whichever thread steps the engine (the
+    AsyncEngine's, or the engine process's step loop)."""
+
+    def __init__(self) -> None:
+        self.steps = self.tokens = self.prompt_tokens = 0
+        self.finished: dict[str, int] = defaultdict(int)
+        self.accepts: dict[int, int] = defaultdict(int)
+        self.phase_seconds: dict[str, float] = defaultdict(float)
+        self.phase_runs: dict[str, int] = defaultdict(int)
+        self.step_seconds = self.serving_seconds = 0.0
+
+    def count_step(self, deltas: Sequence[RequestDelta], finished: Sequence[RequestDelta]) -> None:
+        """One engine step: every delta's tokens and accept lengths, and the ``finished`` ones."""
+        self.steps += 1
+        for delta in deltas:
+            self.tokens += len(delta.new_token_ids)
+            for n in delta.accept_lengths:
+                self.accepts[n] += 1
+        for delta in finished:
+            self.finished[delta.finish_reason] += 1
+            self.prompt_tokens += len(delta.output.prompt_token_ids)
+
+    def count_phase(self, phase: str, seconds: float) -> None:
+        self.phase_seconds[phase] += seconds
+        self.phase_runs[phase] += 1
+
+    def totals(self) -> dict:
+        """The totals as :class:`ServingStats` fields (copies)."""
+        return {"steps": self.steps, "generated_tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
+                "finished": dict(self.finished), "accept_lengths": dict(self.accepts),
+                "phase_seconds": dict(self.phase_seconds), "phase_runs": dict(self.phase_runs),
+                "step_seconds": self.step_seconds, "serving_seconds": self.serving_seconds}
+
+
 @attrs.define
 class _Add:
     request_id: str
@@ -349,17 +394,11 @@ class AsyncEngine(AsyncEngineBase):
         self.engine = engine
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._stats_lock = threading.Lock()  # the counters the engine thread keeps
-        self._steps = 0
-        self._tokens = 0
-        self._prompt_tokens = 0
-        self._finished: dict[str, int] = defaultdict(int)
-        self._accepts: dict[int, int] = defaultdict(int)
-        self._phase_seconds: dict[str, float] = defaultdict(float)
-        self._phase_runs: dict[str, int] = defaultdict(int)
-        self._waiting = self._running = 0
-        self._kv_free = engine.kv.num_free_pages
-        self._cache = (0, 0, 0)  # prefill tokens, of them cached, cached pages
-        self._step_seconds = self._serving_seconds = 0.0
+        self._counters = StepCounters()
+        # the engine's state as of its last step (stats() runs on other threads: it never reads the engine)
+        self._engine_state = {"waiting": 0, "running": 0, "kv_free_pages": engine.kv.num_free_pages,
+                              "kv_total_pages": engine.kv.allocator.total, "prefill_tokens": 0,
+                              "cached_tokens": 0, "kv_cached_pages": 0}
         self._deliveries = 0
         # engine-thread state: each request's (loop, delta queue), and whether to step once more
         self._sinks: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Queue]] = {}
@@ -407,17 +446,8 @@ class AsyncEngine(AsyncEngineBase):
         with self._lock:
             queued, rejected = self._queued, self._rejected
         with self._stats_lock:
-            return ServingStats(
-                queued=queued, max_queue=self.max_queue, waiting=self._waiting, running=self._running,
-                kv_free_pages=self._kv_free, kv_total_pages=self.engine.kv.allocator.total,
-                steps=self._steps, generated_tokens=self._tokens, prompt_tokens=self._prompt_tokens,
-                rejected=rejected,
-                finished=dict(self._finished), accept_lengths=dict(self._accepts),
-                phase_seconds=dict(self._phase_seconds), phase_runs=dict(self._phase_runs),
-                prefill_tokens=self._cache[0], cached_tokens=self._cache[1], kv_cached_pages=self._cache[2],
-                step_seconds=self._step_seconds, serving_seconds=self._serving_seconds,
-                deliveries=self._deliveries,
-            )
+            return ServingStats(queued=queued, max_queue=self.max_queue, rejected=rejected,
+                                deliveries=self._deliveries, **self._engine_state, **self._counters.totals())
 
     # ------------------------------------------------------------------ shutting down
     def close(self, timeout: float | None = None) -> None:
@@ -521,19 +551,9 @@ class AsyncEngine(AsyncEngineBase):
                     finished.append(delta)
                     del self._sinks[delta.request_id]
         with self._stats_lock:
-            self._steps += 1
+            self._counters.count_step(deltas, finished)
             self._deliveries += len(by_loop)
-            for delta in deltas:
-                self._tokens += len(delta.new_token_ids)
-                for n in delta.accept_lengths:
-                    self._accepts[n] += 1
-            for delta in finished:
-                self._finished[delta.finish_reason] += 1
-                self._prompt_tokens += len(delta.output.prompt_token_ids)
-            self._waiting, self._running = len(engine.scheduler.waiting), len(engine.scheduler.running)
-            self._kv_free = engine.kv.num_free_pages
-            cache = engine.kv.cache_stats
-            self._cache = (cache.prompt_tokens, cache.cached_tokens, engine.kv.cached_pages)
+            self._engine_state = engine_state(engine)
         for _ in finished:
             self._release()
         for loop, items in by_loop.items():
@@ -543,13 +563,12 @@ class AsyncEngine(AsyncEngineBase):
                         engine.abort(delta.request_id)
                         self._flush = True
         with self._stats_lock:  # after the hand-over: its wake-ups are the layer's cost too
-            self._step_seconds += stepped - start
-            self._serving_seconds += time.perf_counter() - stepped
+            self._counters.step_seconds += stepped - start
+            self._counters.serving_seconds += time.perf_counter() - stepped
 
     def _on_phase(self, phase: str, seconds: float, reqs) -> None:
         with self._stats_lock:
-            self._phase_seconds[phase] += seconds
-            self._phase_runs[phase] += 1
+            self._counters.count_phase(phase, seconds)
 
     def _fail(self, exc: BaseException) -> None:
         """The step loop stopped on an unexpected error: every consumer, waiting caller and

@@ -49,11 +49,13 @@ from phasegraph.serving import DEFAULT_MAX_QUEUE
 from phasegraph.serving.async_engine import (
     AsyncEngineBase,
     ServingStats,
+    StepCounters,
     _call_soon,
     _deliver,
     _fail_waiter,
     abort_all_and_finish,
     encoded_prompt,
+    engine_state,
 )
 from phasegraph.serving.errors import EngineClosed, EngineDied, EngineProcessError
 
@@ -118,9 +120,7 @@ class _Failed:
 
 
 # what stats() reports before the engine's side has answered once
-_NO_ENGINE_STATS = {"waiting": 0, "running": 0, "kv_free_pages": 0, "kv_total_pages": 0, "steps": 0,
-                    "generated_tokens": 0, "prompt_tokens": 0, "finished": {}, "accept_lengths": {},
-                    "phase_seconds": {}, "phase_runs": {}}
+_NO_ENGINE_STATS = {"waiting": 0, "running": 0, "kv_free_pages": 0, "kv_total_pages": 0, **StepCounters().totals()}
 
 _STOP_WRITER = None  # put on the command queue once the engine process is gone
 
@@ -538,12 +538,7 @@ class _StepLoop:
         self.requests: set[str] = set()  # added and not reported finished
         self.replies: list[tuple[int, bool, Any]] = []
         self.flush = False  # step once more, to report an abort
-        self.steps = self.tokens = self.prompt_tokens = 0
-        self.finished: dict[str, int] = defaultdict(int)
-        self.accepts: dict[int, int] = defaultdict(int)
-        self.phase_seconds: dict[str, float] = defaultdict(float)
-        self.phase_runs: dict[str, int] = defaultdict(int)
-        self.step_seconds = self.serving_seconds = 0.0
+        self.counters = StepCounters()
         engine.scheduler.on_phase = self._on_phase
 
     def run(self) -> None:
@@ -602,35 +597,17 @@ class _StepLoop:
         start = time.perf_counter()
         deltas = engine.step()
         stepped = time.perf_counter()
-        self.steps += 1
-        for delta in deltas:
-            self.tokens += len(delta.new_token_ids)
-            for n in delta.accept_lengths:
-                self.accepts[n] += 1
-            if delta.output is not None:
-                self.requests.discard(delta.request_id)
-                self.finished[delta.finish_reason] += 1
-                self.prompt_tokens += len(delta.output.prompt_token_ids)
+        finished = [delta for delta in deltas if delta.output is not None]
+        self.requests.difference_update(delta.request_id for delta in finished)
+        self.counters.count_step(deltas, finished)
         self.channel.send((deltas, self._take_replies()))
-        self.step_seconds += stepped - start
-        self.serving_seconds += time.perf_counter() - stepped
+        self.counters.step_seconds += stepped - start
+        self.counters.serving_seconds += time.perf_counter() - stepped
 
     def _stats(self) -> dict:
         """The engine's side of :class:`ServingStats`."""
-        engine = self.engine
-        cache = engine.kv.cache_stats
-        return {
-            "waiting": len(engine.scheduler.waiting), "running": len(engine.scheduler.running),
-            "kv_free_pages": engine.kv.num_free_pages, "kv_total_pages": engine.kv.allocator.total,
-            "steps": self.steps, "generated_tokens": self.tokens, "prompt_tokens": self.prompt_tokens,
-            "finished": dict(self.finished), "accept_lengths": dict(self.accepts),
-            "phase_seconds": dict(self.phase_seconds), "phase_runs": dict(self.phase_runs),
-            "prefill_tokens": cache.prompt_tokens, "cached_tokens": cache.cached_tokens,
-            "kv_cached_pages": engine.kv.cached_pages, "step_seconds": self.step_seconds,
-            "serving_seconds": self.serving_seconds,
-        }
+        return {**engine_state(self.engine), **self.counters.totals()}
 
     def _on_phase(self, phase: str, seconds: float, reqs) -> None:
-        self.phase_seconds[phase] += seconds
-        self.phase_runs[phase] += 1
+        self.counters.count_phase(phase, seconds)
 
