@@ -103,7 +103,9 @@ def create_app(
 
     @app.get("/metrics")
     async def metrics() -> Response:
-        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        # on a thread: a ProcessEngine's stats wait for its engine's step, which the loop must not
+        text = await asyncio.to_thread(generate_latest, server.metrics.registry)
+        return Response(text, media_type=CONTENT_TYPE_LATEST)
 
     @app.post("/v1/completions")
     async def completions(body: api.CompletionRequest, request: Request) -> Response:
