@@ -664,27 +664,23 @@ class AdaptiveSpeculation:
         return {"chain": _own_else_derived(chain, tree, "chain", engine["chain"]),
                 "tree": _own_else_derived(tree, chain, "tree", engine["tree"])}
 
-    def expected(self, req) -> tuple[float, ...]:
-        """Tokens each shape is expected to emit for ``req`` per iteration."""
+    def expected(self, req, engine: dict[str, list[float]] | None = None) -> tuple[float, ...]:
+        """Tokens each shape is expected to emit for ``req`` per iteration; ``engine``: the
+        engine-wide rates (:meth:`_engine_rates`), computed here where not given."""
         cap = req.params.draft_cap
         if cap == 0:
             return self._no_drafts
-        return self._expected_of(self.acceptance(req), cap, self._engine_rates(self.depth))
-
-    def _expected_of(self, a: Acceptance, cap: int | None, engine: dict[str, list[float]]) -> tuple[float, ...]:
-        """:meth:`expected` of a request of acceptance ``a`` and draft cap ``cap``."""
+        engine = self._engine_rates(self.depth) if engine is None else engine
         # expected_tokens at every depth at once: its running sums, family by family
         totals = {"off": [1.0]}
-        for f, rates in self._rates_of(a, engine).items():
+        for f, rates in self._rates_of(self.acceptance(req), engine).items():
             total, path, sums = 1.0, 1.0, [1.0]
             for rate in rates:
                 path *= rate
                 total += path
                 sums.append(total)
             totals[f] = sums
-        if cap is None:
-            return tuple([totals[f][steps] for f, steps in self._drafts])
-        return tuple([totals[f][max(min(steps, cap), 0)] for f, steps in self._drafts])
+        return tuple([totals[f][steps if cap is None else max(min(steps, cap), 0)] for f, steps in self._drafts])
 
     def plan(self, batch: Sequence) -> Plan:
         if self.force is not None:
@@ -708,18 +704,8 @@ class AdaptiveSpeculation:
         """The policy's inputs for ``batch``: its estimates, and the plan in force in its rows."""
         context = sum(r.seq_len for r in batch) / len(batch) if batch else None
         engine = self._engine_rates(self.depth)  # one engine-wide estimate for the whole batch
-        expected, evidence = [], []
-        for req in batch:
-            cap = req.params.draft_cap
-            if cap == 0:
-                expected.append(self._no_drafts)
-                evidence.append(math.inf)
-            else:
-                a = self.acceptance(req)
-                expected.append(self._expected_of(a, cap, engine))
-                evidence.append(a.evidence())
-        return PolicyInputs(self.costs, expected, self.split, self.current(batch), self.margin, evidence,
-                            self.min_evidence, context)
+        return PolicyInputs(self.costs, [self.expected(r, engine) for r in batch], self.split, self.current(batch),
+                            self.margin, [self.evidence(r) for r in batch], self.min_evidence, context)
 
     def current(self, batch: Sequence) -> Plan | None:
         """The plan in force, over ``batch``'s rows (None before the first)."""
@@ -738,9 +724,7 @@ class AdaptiveSpeculation:
 
     def observe(self, req, shape: SpecShape, accept_length: int) -> None:
         """A verify of ``shape`` accepted ``accept_length`` tokens (bonus included) for ``req``."""
-        a = self._requests.get(req)  # (acceptance(), without a call per request and iteration)
-        if a is None:
-            a = self.acceptance(req)
+        a = self.acceptance(req)
         cap, depth, family = req.params.draft_cap, shape.num_steps, shape.family
         if cap is not None and cap < depth:
             depth = cap
