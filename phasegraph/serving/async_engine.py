@@ -17,6 +17,7 @@ client gone) aborts its request, and the engine thread frees its KV before its n
 
 from __future__ import annotations
 
+import abc
 import asyncio
 import concurrent.futures
 import itertools
@@ -197,7 +198,7 @@ class RequestStream:
             pass
 
 
-class AsyncEngineBase:
+class AsyncEngineBase(abc.ABC):
     """What :class:`AsyncEngine` and :class:`~phasegraph.serving.engine_process.ProcessEngine`
     share: the bounded queue of requests and the calls built on :meth:`add_request`. The rest
     (where the engine runs, how commands reach it) is each one's own."""
@@ -311,16 +312,18 @@ class AsyncEngineBase:
             raise
         return RequestStream(self, rid, deltas)
 
+    @abc.abstractmethod
     def _submit(self, request_id: str, prompt, params: SamplingParams, add_special_tokens: bool,
                 loop: asyncio.AbstractEventLoop, deltas: asyncio.Queue, done: concurrent.futures.Future) -> None:
         """Send the request to the engine; ``done`` gets its answer, ``deltas`` its deltas."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def close(self, timeout: float | None = None) -> None:
-        raise NotImplementedError
+        """Abort every pending request and stop the engine's thread or process."""
 
+    @abc.abstractmethod
     def _abort_soon(self, request_id: str) -> None:
-        raise NotImplementedError
+        """Ask the engine to abort ``request_id`` (a stream dropped unfinished)."""
 
     @staticmethod
     def _check_request(request_id, add_special_tokens) -> None:
