@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--responses", metavar="FILE",
                    help="smollm2, distill-tiny: train from the responses a --generate-only run "
                    "saved, without generating")
+    p.add_argument("--init-head", metavar="DIR",
+                   help="smollm2, distill-tiny: train on from a head an earlier run saved (OUT/eagle3) "
+                   "instead of from scratch")
     p.add_argument("--plan", action="store_true",
                    help="print sizes and the projected H100 time, then exit")
     return p
@@ -101,7 +104,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(str(exc))
     distill = args.preset in DISTILL_PRESETS
     for flag, given in (("--target", args.target is not None), ("--responses", args.responses is not None),
-                        ("--generate-only", args.generate_only)):
+                        ("--generate-only", args.generate_only), ("--init-head", args.init_head is not None)):
         if given and not distill:
             parser.error(f"{flag} is for the presets {', '.join(sorted(DISTILL_PRESETS))}, not {args.preset}")
     if args.plan and distill:
@@ -143,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
                 preset, Path(args.out), target=args.target, seed=args.seed, device=args.device,
                 time_budget_s=args.time_budget_s, progress=not args.no_progress, log=print,
                 overwrite=args.overwrite, responses=args.responses, generate_only=args.generate_only,
+                init_head=args.init_head,
             )
         else:
             run_recipe(

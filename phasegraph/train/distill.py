@@ -44,7 +44,13 @@ from phasegraph.runtime.engine import Engine
 from phasegraph.runtime.models.gguf import convert_gguf, is_gguf
 from phasegraph.runtime.models.loading import load_tokenizer
 from phasegraph.train.eagle3_head import save_eagle3_head
-from phasegraph.train.eagle3_train import FrozenTarget, build_head, head_batch, train_head
+from phasegraph.train.eagle3_train import (
+    FrozenTarget,
+    build_head,
+    head_batch,
+    train_head,
+    warm_head,
+)
 from phasegraph.train.loop import Deadline, deterministic_mode, stage_generator
 from phasegraph.train.presets import (
     DistillPreset,
@@ -117,17 +123,23 @@ def run_distill(
     overwrite: bool = False,
     responses: str | Path | None = None,
     generate_only: bool = False,
+    init_head: str | Path | None = None,
 ) -> dict:
     """Run every stage; writes ``out_dir/responses.pt``, ``out_dir/eagle3`` and
     ``out_dir/train_report.json`` and returns the report. ``target``: a HF directory or a
     ``.gguf`` file (default: :func:`smollm2_gguf`). ``generate_only``: stop once the responses
     are saved (the whole time budget generates); ``responses``: a file saved so, for the same
-    target, to train from instead of generating. Bad input is a :class:`TrainInputError` before
+    target, to train from instead of generating; ``init_head``: a head saved by an earlier run
+    (``DIR/eagle3``) to train on from its weights and draft vocabulary instead of from scratch. Bad input is a :class:`TrainInputError` before
     anything is written (a missing package: :class:`~phasegraph.train.prompts.MissingPromptSource`)."""
     check_preset(preset)
     check_run_options(seed, device, time_budget_s)
     if responses is not None and generate_only:
         raise TrainInputError("generate_only and responses exclude each other: one generates, the other reuses")
+    if init_head is not None and generate_only:
+        raise TrainInputError("generate_only trains no head, so init_head has nothing to start")
+    if init_head is not None and not (Path(init_head) / "config.json").is_file():
+        raise TrainInputError(f"init head {init_head}: no config.json (a head saved by a run: OUT/eagle3)")
     source = Path(target) if target is not None else smollm2_gguf()
     if not source.exists():
         raise TrainInputError(f"target {source}: no such file or directory")
@@ -138,7 +150,7 @@ def run_distill(
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     try:
         return _run(preset, out_dir, source, heldout, seed, device, time_budget_s, progress,
-                    log or (lambda text: None), saved, generate_only)
+                    log or (lambda text: None), saved, generate_only, init_head)
     except BaseException:
         shutil.rmtree(out_dir / STAGING, ignore_errors=True)
         if created and out_dir.exists() and not any(out_dir.iterdir()):
@@ -147,7 +159,7 @@ def run_distill(
 
 
 def _run(preset, out_dir, source, heldout, seed, device, time_budget_s, progress, log, saved,
-         generate_only) -> dict:
+         generate_only, init_head) -> dict:
     start = time.monotonic()
     end = None if time_budget_s is None else start + time_budget_s
     walls: dict[str, float] = {}
@@ -204,7 +216,11 @@ def _run(preset, out_dir, source, heldout, seed, device, time_budget_s, progress
         raise TrainInputError(f"head.draft_vocab_size {hs.draft_vocab_size} must be at most the "
                               f"target's vocabulary ({vocab})")
     with deterministic_mode():
-        head = build_head(hs, lm, model, vocab, eos, seed, responses)
+        if init_head is None:
+            head = build_head(hs, lm, model, vocab, eos, seed, responses)
+        else:
+            head = warm_head(init_head, hs, lm, vocab, eos)
+            log(f"head: starts from {init_head}")
         head.to(device)
         if end is not None:
             ht = fit_steps(head, frozen, train_stream, hs, ht, device,
@@ -242,7 +258,7 @@ def _run(preset, out_dir, source, heldout, seed, device, time_budget_s, progress
                  "generated_tokens": generated, "train_tokens": int(train_stream.numel()),
                  "valid_tokens": int(valid_stream.numel())},
         "head": {"params": head_param_count(hs, lm, vocab), "train": head_log.to_dict(),
-                 "fitted_steps": ht.steps},
+                 "fitted_steps": ht.steps, "init_head": None if init_head is None else str(init_head)},
         "files": files,
         "size_mib": round(mib(sum(files.values())), 3),
         "heldout": evaluation,

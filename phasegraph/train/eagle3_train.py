@@ -21,12 +21,21 @@ Tokens fed at unroll steps ``j >= 1`` (``HeadSpec.ttt_tokens``):
 
 from __future__ import annotations
 
+import dataclasses
+import math
+from pathlib import Path
+
 import torch
 from transformers import LlamaForCausalLM
 
-from phasegraph.train.eagle3_head import Eagle3Config, Eagle3Head, eagle3_aux_layers
+from phasegraph.train.eagle3_head import (
+    Eagle3Config,
+    Eagle3Head,
+    eagle3_aux_layers,
+    load_eagle3_head,
+)
 from phasegraph.train.loop import Deadline, StageLog, autocast, stage_generator, train_on_windows
-from phasegraph.train.presets import HeadSpec, LMSpec, TrainSpec, head_dims
+from phasegraph.train.presets import HeadSpec, LMSpec, TrainInputError, TrainSpec, head_dims
 
 __all__ = [
     "FrozenTarget",
@@ -35,6 +44,7 @@ __all__ = [
     "eval_head",
     "head_batch",
     "train_head",
+    "warm_head",
 ]
 
 
@@ -67,18 +77,10 @@ def draft_vocab_ids(stream: torch.Tensor, vocab: int, draft_vocab: int) -> torch
     return torch.topk(counts, draft_vocab).indices.sort().values
 
 
-def build_head(
-    spec: HeadSpec,
-    target_spec: LMSpec,
-    target: LlamaForCausalLM,
-    vocab: int,
-    eos_id: int,
-    seed: int,
-    train_stream: torch.Tensor,
-) -> Eagle3Head:
+def _head_config(spec: HeadSpec, target_spec: LMSpec, vocab: int, eos_id: int) -> Eagle3Config:
     heads, kv_heads, head_dim = head_dims(spec, target_spec)
     draft_vocab = spec.draft_vocab_size or vocab
-    cfg = Eagle3Config(
+    return Eagle3Config(
         hidden_size=target_spec.hidden_size,
         target_hidden_size=target_spec.hidden_size,
         intermediate_size=spec.intermediate_size,
@@ -93,12 +95,47 @@ def build_head(
         max_position_embeddings=target_spec.context,
         eos_token_id=eos_id,
     )
+
+
+def build_head(
+    spec: HeadSpec,
+    target_spec: LMSpec,
+    target: LlamaForCausalLM,
+    vocab: int,
+    eos_id: int,
+    seed: int,
+    train_stream: torch.Tensor,
+) -> Eagle3Head:
+    cfg = _head_config(spec, target_spec, vocab, eos_id)
+    draft_vocab = cfg.draft_vocab_size
     ids = draft_vocab_ids(train_stream, vocab, draft_vocab) if draft_vocab < vocab else None
     head = Eagle3Head(cfg, draft_to_target=ids)
     head.init_weights(stage_generator(seed, "init"))
     if spec.init_from_target:
         _init_from_target(head, target, ids)
     return head
+
+
+def warm_head(path, spec: HeadSpec, target_spec: LMSpec, vocab: int, eos_id: int) -> Eagle3Head:
+    """A head saved by :func:`~phasegraph.train.eagle3_head.save_eagle3_head`, in float32, to
+    train on from where it stopped (its draft vocabulary kept). :class:`TrainInputError` when it
+    is not the head ``spec`` builds for this target, naming the first field that differs."""
+    try:
+        head = load_eagle3_head(path)
+    except FileNotFoundError as exc:
+        raise TrainInputError(f"init head {path}: no {Path(exc.filename or '').name or 'such file'}") from None
+    except Exception as exc:  # a foreign or damaged checkpoint: whatever the loader raises
+        raise TrainInputError(f"init head {path}: not a saved EAGLE-3 head ({type(exc).__name__}: {exc})") from None
+    want = _head_config(spec, target_spec, vocab, eos_id)
+    for field in dataclasses.fields(want):
+        got, expected = getattr(head.cfg, field.name), getattr(want, field.name)
+        if isinstance(expected, float):  # config.json holds them as float32 values
+            same = math.isclose(got, expected, rel_tol=1e-6)
+        else:
+            same = tuple(got) == tuple(expected) if isinstance(expected, tuple) else got == expected
+        if not same:
+            raise TrainInputError(f"init head {path}: {field.name} is {got}, the preset and target give {expected}")
+    return head.float().train()
 
 
 def _init_from_target(head: Eagle3Head, target: LlamaForCausalLM, ids: torch.Tensor | None):

@@ -150,6 +150,54 @@ def test_generate_only_then_train_from_the_responses_equals_one_run(chat_target,
     assert reports[0]["data"] == reports[1]["data"] and reports[0]["heldout"] == reports[1]["heldout"]
 
 
+@needs_humaneval
+def test_init_head_trains_on_from_a_saved_head(chat_target, tmp_path, capsys):
+    """--init-head starts from a saved head's weights and draft vocabulary: its first validation
+    loss is below a from-scratch run's at the same step; a head of another shape is refused."""
+    import torch
+
+    from phasegraph.train.distill import RESPONSES_FILE
+    from phasegraph.train.eagle3_head import load_eagle3_head
+    from phasegraph.train.eagle3_train import warm_head
+    from phasegraph.train.presets import LMSpec
+
+    common = ["distill-tiny", "--target", str(chat_target), "--device", "cpu", "--no-progress"]
+    assert main(common + ["--out", str(tmp_path / "first")]) == 0
+    saved, first = tmp_path / "first" / RESPONSES_FILE, tmp_path / "first" / "eagle3"
+    assert main(common + ["--out", str(tmp_path / "more"), "--responses", str(saved),
+                          "--init-head", str(first)]) == 0
+    reports = {d: json.loads((tmp_path / d / "train_report.json").read_text()) for d in ("first", "more")}
+    assert reports["more"]["head"]["init_head"] == str(first) and reports["first"]["head"]["init_head"] is None
+    curves = {d: r["head"]["train"]["valid_curve"] for d, r in reports.items()}
+    assert curves["more"][0][0] == curves["first"][0][0] and curves["more"][0][1] < curves["first"][0][1], curves
+    before, after = load_eagle3_head(first), load_eagle3_head(tmp_path / "more" / "eagle3")
+    assert torch.equal(before.d2t, after.d2t)  # the draft vocabulary is the saved head's
+    assert not torch.equal(before.fc.weight, after.fc.weight)  # and it trained
+
+    preset = DISTILL_PRESETS["distill-tiny"]
+    cfg = before.cfg
+    lm = LMSpec(hidden_size=cfg.target_hidden_size, num_layers=small_config("llama")["num_hidden_layers"],
+                num_heads=cfg.num_attention_heads, num_kv_heads=cfg.num_key_value_heads,
+                intermediate_size=0, head_dim=cfg.head_dim, context=cfg.max_position_embeddings,
+                rope_theta=cfg.rope_theta, rms_norm_eps=cfg.rms_norm_eps, tie_embeddings=False)
+    warm = warm_head(first, preset.head, lm, cfg.vocab_size, cfg.eos_token_id)
+    assert warm.training and all(v.dtype == torch.float32 for v in warm.state_dict().values() if v.is_floating_point())
+    assert all(torch.equal(v.float(), warm.state_dict()[k]) for k, v in before.state_dict().items())
+
+    for argv, message in [
+        (["--set", "head.intermediate_size=32", "--responses", str(saved), "--init-head", str(first)],
+         f"init head {first}: intermediate_size is {cfg.intermediate_size}, the preset and target give 32"),
+        (["--responses", str(saved), "--init-head", str(tmp_path)], "no config.json"),
+        (["--generate-only", "--init-head", str(first)], "init_head has nothing to start"),
+    ]:
+        with pytest.raises(SystemExit) as exc:
+            main(common + ["--out", str(tmp_path / "bad"), *argv])
+        assert exc.value.code == 2
+        err = capsys.readouterr().err
+        assert message in err and "Traceback" not in err, err
+    assert not (tmp_path / "bad").exists()
+
+
 def test_responses_options_refuse_bad_input(chat_target, tmp_path, capsys):
     garbage = tmp_path / "garbage.pt"
     garbage.write_bytes(b"not a torch file")
