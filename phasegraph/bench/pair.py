@@ -469,7 +469,7 @@ def mixed_workload(code_prompts: list[list[int]], vocab_size: int, batch: int, n
 def _measure_mixed(run: BenchRun, engine, label: str, policy: str | None, mixed, outputs) -> None:
     """One row of the mixed workload (one call of every request), compared with the baseline's."""
     prompts, params, kinds = mixed
-    _, wall, outs, _, _ = warm_then_time(run, engine, [prompts], params)
+    _, wall, outs, gc_pauses, captured = warm_then_time(run, engine, [prompts], params)
     tokens = [o.token_ids for o in outs]
 
     def tau(kind):
@@ -477,7 +477,10 @@ def _measure_mixed(run: BenchRun, engine, label: str, policy: str | None, mixed,
 
     n = sum(len(t) for t in tokens)
     row = {"config": label, "policy": policy, "batch": len(prompts), "seconds": wall, "new_tokens": n,
-           "tokens_per_s": n / wall, "tau_good": tau("good"), "tau_poor": tau("poor")}
+           "tokens_per_s": n / wall, "tau_good": tau("good"), "tau_poor": tau("poor"),
+           # what the makespan is made of: the sweep's rows time iterations, this row prefill too
+           "iterations": _iterations(engine.trace), "prefill_s": prefill_seconds(engine.trace),
+           "gc": gc_pauses, "graphs_captured": captured}
     if policy is not None:
         row["shapes"] = shape_counts(engine.trace)
     base = outputs.get((BASELINE, "mixed"))
@@ -486,7 +489,8 @@ def _measure_mixed(run: BenchRun, engine, label: str, policy: str | None, mixed,
     outputs[(label, "mixed") if policy is None else (label, "mixed", policy)] = tokens
     run.result["trained_pair"]["mixed"]["rows"].append(row)
     run.log(f"  mixed workload: {label}{f' ({policy})' if policy else ''}: {row['tokens_per_s']:9.1f} tok/s  "
-            f"τ code {fmt(row['tau_good'])}, random {fmt(row['tau_poor'])}")
+            f"τ code {fmt(row['tau_good'])}, random {fmt(row['tau_poor'])}, {row['iterations']} iterations, "
+            f"prefill {1e3 * row['prefill_s']:.1f} ms")
 
 
 def _gpu_busy_seconds(engine, calls: list[list], params) -> tuple[float, int]:

@@ -81,6 +81,8 @@ def test_json_holds_every_figure_and_the_environment(quick_run):
         (ADAPTIVE, "per request"), (ADAPTIVE, "per batch")]
     assert sorted(mixed["requests"]) == ["good", "poor"]  # quick: batch 2, one prompt of each kind
     assert all(m["identical"] == 2 for m in mixed["rows"][1:]), mixed  # lossless on the mixed workload too
+    # the makespan's parts: iterations and prefill, each row its own run's
+    assert all(m["iterations"] > 0 and 0 < m["prefill_s"] < m["seconds"] for m in mixed["rows"]), mixed
     features = r["trained_pair"]["features"]["rows"]  # baseline and chain, batches 1 and 2, three features
     assert sorted((f["config"], f["batch"], f["feature"]) for f in features) == sorted(
         (c, b, f) for c in ("baseline (autoregressive)", "EAGLE-3 chain S=3") for b in (1, 2)
