@@ -365,8 +365,8 @@ def main(argv=None) -> int:
         return 0
     draft = build_eagle3_head(target)
     spec_rows = []
-    for name, spec in (("chain S=3", SpecConfig(method="eagle3", num_steps=3, topk=1)),
-                       ("tree K=4 S=4 N=16", SpecConfig(method="eagle3", num_steps=4, topk=4, num_draft_tokens=16))):
+    for name, spec in (("chain S=3", SpecConfig(method="eagle3", num_steps=3, topk=1, adaptive=False)),
+                       ("tree K=4 S=4 N=16", SpecConfig(method="eagle3", num_steps=4, topk=4, num_draft_tokens=16, adaptive=False))):
         modes = [(True, scope) for scope in args.scopes] + ([(False, "phase")] if args.graphs_off else [])
         for graphs, scope in modes:
             eng = Engine(target, draft, spec=spec, max_batch_size=max(args.batches),

@@ -37,8 +37,8 @@ def main(argv=None) -> int:
     params = SamplingParams(max_new_tokens=args.tokens)
     configs = {
         "none": SpecConfig(method="none"),
-        "chain S=3": SpecConfig(method="eagle3", num_steps=3, topk=1),
-        "tree K=4 S=4 N=16": SpecConfig(method="eagle3", num_steps=4, topk=4, num_draft_tokens=16),
+        "chain S=3": SpecConfig(method="eagle3", num_steps=3, topk=1, adaptive=False),
+        "tree K=4 S=4 N=16": SpecConfig(method="eagle3", num_steps=4, topk=4, num_draft_tokens=16, adaptive=False),
     }
     results, base = {}, None
     for name, spec in configs.items():

@@ -88,9 +88,9 @@ def simulated_configs(target, head) -> dict[str, tuple]:
     return {
         "baseline": ("baseline", type(target)(target.model, feature_mode="none"), None,
                      SpecConfig(method="none"), None),
-        "chain": ("chain S=3 (SIMULATED tau=4)", target, head, SpecConfig(method="eagle3", num_steps=3, topk=1), 4),
+        "chain": ("chain S=3 (SIMULATED tau=4)", target, head, SpecConfig(method="eagle3", num_steps=3, topk=1, adaptive=False), 4),
         "tree": ("tree K=4 S=4 N=16 (SIMULATED tau=3)", target, head,
-                 SpecConfig(method="eagle3", num_steps=4, topk=4, num_draft_tokens=16), 3),
+                 SpecConfig(method="eagle3", num_steps=4, topk=4, num_draft_tokens=16, adaptive=False), 3),
     }
 
 

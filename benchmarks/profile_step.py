@@ -152,7 +152,7 @@ def _profile_iteration(target, g, result) -> None:
 
     vocab = target.vocab_size
     draft = bench_scale.build_eagle3_head(target)
-    spec = SpecConfig(method="eagle3", num_steps=3, topk=1)
+    spec = SpecConfig(method="eagle3", num_steps=3, topk=1, adaptive=False)
     eng = Engine(target, draft, spec=spec, max_batch_size=8, kv_pool_tokens=8192, max_context=2048,
                  cuda_graphs=True, trace=False)
     eng.add_request("q", torch.randint(0, vocab, (256,), generator=g).tolist(),

@@ -70,7 +70,7 @@ from phasegraph.train.prompts import (
 from phasegraph.train.recipe import STAGING, check_run_options, prepare_out_dir
 
 __all__ = [
-    "GENERATION_SHARE", "HEAD_BUDGET_MIB", "RESPONSES_FILE", "fit_steps", "heldout_eval", "lm_spec_of",
+    "GENERATION_SHARE", "HEAD_BUDGET_MIB", "RESPONSES_FILE", "fit_steps", "heldout_eval", "heldout_shapes", "lm_spec_of",
     "load_responses", "run_distill", "save_responses", "smollm2_gguf",
 ]
 
@@ -386,6 +386,19 @@ def fit_steps(head, frozen, stream, hs, ht, device, seconds: float):
     return dataclasses.replace(ht, steps=steps, warmup_steps=min(ht.warmup_steps, max(1, steps // 10)))
 
 
+def heldout_shapes(preset: DistillPreset) -> dict[str, SpecConfig]:
+    """The held-out check's engines: the baseline, the preset's chain and its tree, fixed."""
+    ev = preset.eval
+    return {
+        "baseline": SpecConfig(method="none"),
+        # fixed shapes: on a GPU adaptive speculation would otherwise pick them per iteration
+        "chain": SpecConfig(method="eagle3", num_steps=ev.chain_steps, topk=1,
+                            num_draft_tokens=ev.chain_steps + 1, adaptive=False),
+        "tree": SpecConfig(method="eagle3", num_steps=ev.tree_steps, topk=ev.tree_topk,
+                           num_draft_tokens=ev.tree_nodes, adaptive=False),
+    }
+
+
 def heldout_eval(target_dir, head_dir, prompts: list[list[int]], preset: DistillPreset, device) -> dict:
     """τ of chain S=``eval.chain_steps`` and the ``eval`` tree on the held-out prompts, greedy,
     through the Engine, and whether both outputs equal the baseline's. The target runs in
@@ -394,16 +407,9 @@ def heldout_eval(target_dir, head_dir, prompts: list[list[int]], preset: Distill
     could part by rounding alone."""
     ev = preset.eval
     params = SamplingParams(max_new_tokens=ev.gen_tokens, temperature=0.0)
-    shapes = {
-        "baseline": SpecConfig(method="none"),
-        "chain": SpecConfig(method="eagle3", num_steps=ev.chain_steps, topk=1,
-                            num_draft_tokens=ev.chain_steps + 1),
-        "tree": SpecConfig(method="eagle3", num_steps=ev.tree_steps, topk=ev.tree_topk,
-                           num_draft_tokens=ev.tree_nodes),
-    }
     out: dict = {"prompts": len(prompts), "gen_tokens": ev.gen_tokens}
     base = None
-    for name, spec in shapes.items():
+    for name, spec in heldout_shapes(preset).items():
         engine = Engine.from_pretrained(
             target_dir, head_dir if spec.speculative else None, spec=spec, device=device,
             dtype="float32", draft_dtype="bfloat16" if torch.device(device).type == "cuda" else None,

@@ -218,3 +218,18 @@ def test_responses_options_refuse_bad_input(chat_target, tmp_path, capsys):
         err = capsys.readouterr().err
         assert message in err and "Traceback" not in err
     assert not (tmp_path / "a").exists()
+
+
+def test_heldout_shapes_are_fixed_on_every_device():
+    """The held-out τ is the chain's and the tree's own: adaptive speculation, on by default on a
+    GPU, would run whichever shape it prefers and report its τ under both names."""
+    from phasegraph.train.distill import heldout_shapes
+
+    preset = DISTILL_PRESETS["smollm2"]
+    shapes = heldout_shapes(preset)
+    assert not shapes["baseline"].speculative
+    chain, tree = shapes["chain"], shapes["tree"]
+    assert chain.adaptive is False and tree.adaptive is False
+    assert (chain.topk, chain.num_steps) == (1, preset.eval.chain_steps)
+    assert (tree.topk, tree.num_steps, tree.num_draft_tokens) == (
+        preset.eval.tree_topk, preset.eval.tree_steps, preset.eval.tree_nodes)
