@@ -11,7 +11,8 @@ A step of a small batch is host-bound: in one process, every Python line the HTT
 per streamed chunk holds the interpreter lock that the engine's kernel launches wait for. Here
 the engine process builds the engine itself (``factory()``, then ``engine.warm_up()``) and runs
 the step loop; per step it hands one message with every request's deltas to a sender thread
-(which writes it to the pipe, off the loop's path; a receiver thread takes the commands). This
+(which writes every message queued since its last write as one, its deltas as plain tuples,
+off the loop's path; a receiver thread takes the commands). This
 process keeps the bounded queue and the requests' asyncio queues: one reader thread receives the
 steps' messages (blocked in the pipe without the lock) and hands the deltas to their event
 loops, and one writer thread sends the commands (add, abort, call, stats, close), so that
@@ -43,7 +44,7 @@ from typing import Any
 
 import attrs
 
-from phasegraph.runtime.config import SamplingParams
+from phasegraph.runtime.config import RequestDelta, SamplingParams
 from phasegraph.runtime.errors import InvalidConfig, InvalidRequest
 from phasegraph.serving import DEFAULT_MAX_QUEUE
 from phasegraph.serving.async_engine import (
@@ -344,13 +345,13 @@ class ProcessEngine(AsyncEngineBase):
         engine process ends."""
         error: EngineClosed | None = None
         try:
-            while True:
-                message = self._conn.recv()
-                if isinstance(message, _Failed):
-                    error = EngineDied(f"the engine process's step loop stopped: {message.error!r}")
-                    error.__cause__ = message.error
-                    break
-                self._dispatch(*message)
+            while error is None:
+                for message in unpack_messages(self._conn.recv_bytes()):
+                    if isinstance(message, _Failed):
+                        error = EngineDied(f"the engine process's step loop stopped: {message.error!r}")
+                        error.__cause__ = message.error
+                        break
+                    self._dispatch(*message)
         except (EOFError, OSError):
             pass
         except Exception as exc:  # noqa: BLE001 - a message that does not unpickle: nothing more can be read
@@ -455,6 +456,25 @@ _GONE = object()  # the server's process closed its end of the pipe
 _STOP_SENDING = object()
 
 
+# engine process -> parent: the messages of one write, each a step's (deltas, replies) or a
+# _Failed. A delta travels as a tuple of its fields: pickling an attrs instance costs several
+# times more, and the engine process pays it on the interpreter lock its step loop needs.
+_DELTA_FIELDS = tuple(f.name for f in attrs.fields(RequestDelta))
+
+
+def pack_messages(messages: list) -> bytes:
+    """``messages`` as one pickle, every :class:`RequestDelta` as the tuple of its fields."""
+    packed = [m if isinstance(m, _Failed) else ([tuple(getattr(d, f) for f in _DELTA_FIELDS) for d in m[0]], m[1])
+              for m in messages]
+    return pickle.dumps(packed, pickle.HIGHEST_PROTOCOL)
+
+
+def unpack_messages(data: bytes) -> list:
+    """What :func:`pack_messages` packed, its deltas :class:`RequestDelta` again."""
+    return [m if isinstance(m, _Failed) else ([RequestDelta(*d) for d in m[0]], m[1])
+            for m in pickle.loads(data)]
+
+
 class _Channel:
     """The engine process's end of the pipe, with a thread that sends and one that receives, so
     that the step loop hands a message over and goes on: waking the server's sleeping reader
@@ -493,9 +513,26 @@ class _Channel:
         self._sender.join(CLOSE_TIMEOUT_S)
 
     def _send_all(self) -> None:
-        while (message := self.outbox.get()) is not _STOP_SENDING:
+        """Every message queued since the last write, packed (:func:`pack_messages`) in one."""
+        stop = False
+        while not stop:
+            messages = [self.outbox.get()]
+            while True:
+                try:
+                    messages.append(self.outbox.get_nowait())
+                except queue.Empty:
+                    break
+            if _STOP_SENDING in messages:
+                stop, messages = True, messages[: messages.index(_STOP_SENDING)]
+            if not messages:
+                continue
             try:
-                self.conn.send(message)
+                data = pack_messages(messages)
+            except Exception as exc:  # noqa: BLE001 - a value that does not pickle: the parent must hear of it
+                data = pack_messages([_Failed(_sendable(exc))])
+                stop = True
+            try:
+                self.conn.send_bytes(data)
             except (EOFError, OSError, ValueError):
                 self._lost()
                 return

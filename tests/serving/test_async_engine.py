@@ -414,3 +414,41 @@ def test_a_step_that_fails_in_the_engine_process_reaches_every_caller():
         aengine.close()
     assert tokens  # the steps before the failure were delivered
     assert multiprocessing.active_children() == []
+
+
+def test_the_engine_process_messages_round_trip_packed():
+    """A write holds every message queued since the last one, deltas as tuples: unpacked,
+    each delta equals the one sent, every field included, and a failure keeps its place."""
+    from phasegraph.runtime.config import RequestDelta, RequestOutput, RequestStats
+    from phasegraph.serving.engine_process import _Failed, pack_messages, unpack_messages
+
+    output = RequestOutput("b", [1, 2], [7, 8, 9], "xyz", "length", logprobs=[-0.5, -0.25, -1.0],
+                           stats=RequestStats(accept_lengths=[2, 1], prompt_tokens=2),
+                           top_logprobs=[[(7, -0.5), (3, -2.0)]] * 3)
+    deltas = [
+        RequestDelta("a", (5,), "f", None, accept_lengths=(1,), logprobs=(-0.125,),
+                     top_logprobs=(((5, -0.125), (6, -3.0)),), routed_experts=(((1, 2), (0, 3)),)),
+        RequestDelta("b", (8, 9), "yz", "length", accept_lengths=(2,), output=output),
+    ]
+    failed = _Failed(RuntimeError("boom"))
+    messages = [(deltas, [(1, True, {"x": 1})]), ([], [(2, False, ValueError("no"))]), failed]
+    back = unpack_messages(pack_messages(messages))
+    assert back[0] == (deltas, [(1, True, {"x": 1})])
+    assert back[1][0] == [] and back[1][1][0][:2] == (2, False) and str(back[1][1][0][2]) == "no"
+    assert isinstance(back[2], _Failed) and str(back[2].error) == "boom"
+
+
+def test_a_message_that_does_not_pickle_reaches_the_parent_as_a_failure():
+    """The engine process's sender cannot pickle a message: the parent reads a failure naming
+    it (not silence), and the sender stops."""
+    from phasegraph.serving.engine_process import _Channel, _Failed, unpack_messages
+
+    parent, child = multiprocessing.Pipe()
+    channel = _Channel(child)
+    channel.send(([], [(1, True, lambda: None)]))
+    assert parent.poll(10.0)
+    (message,) = unpack_messages(parent.recv_bytes())
+    assert isinstance(message, _Failed) and "pickle" in repr(message.error).lower()
+    channel._sender.join(10.0)
+    assert not channel._sender.is_alive()
+    parent.close()
