@@ -321,7 +321,7 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
         bar.set_postfix_str(f"{label}, batch {b}")
         calls = request_calls(prompts, b, batch1_prompts or a.batch1_prompts)
         warm, wall, outs, gc_pauses, captured = warm_then_time(run, engine, calls, params,
-                                                               a.batch1_repeats if b == 1 else 1)
+                                                               a.batch1_repeats if b == 1 else a.repeats)
         tokens = [o.token_ids for o in outs]
         row = {
             "engine": "phasegraph", "config": label, "spec": spec_kw, "batch": b, "requests": len(tokens),

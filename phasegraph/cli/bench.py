@@ -32,10 +32,10 @@ from phasegraph.cli.common import CliError, add_command, require_at_least, requi
 # a run past 9 minutes. The tiny preset of --quick runs unbudgeted.
 DEFAULT_TRAIN_BUDGET_S = 280.0
 
-FULL = {"batches": "1,8,32,64", "new_tokens": 256, "prompt_tokens": 256, "batch1_prompts": 3, "batch1_repeats": 3,
+FULL = {"batches": "1,8,32,64", "new_tokens": 256, "prompt_tokens": 256, "batch1_prompts": 3, "batch1_repeats": 3, "repeats": 3,
         "hf_batch1_prompts": 1,
         "scale_batches": "1,8,32,64", "scale_new_tokens": 256, "scale_prompt_tokens": 128}
-QUICK = {"batches": "1,2", "new_tokens": 16, "prompt_tokens": 64, "batch1_prompts": 2, "batch1_repeats": 1,
+QUICK = {"batches": "1,2", "new_tokens": 16, "prompt_tokens": 64, "batch1_prompts": 2, "batch1_repeats": 1, "repeats": 1,
          "hf_batch1_prompts": 1,
          "scale_batches": "1,2",
          "scale_new_tokens": 16, "scale_prompt_tokens": 32}
@@ -120,8 +120,8 @@ def estimate_seconds(run: BenchRun) -> dict[str, float]:
         steps = a.new_tokens
         nb = len(a.batch_list)
         b1 = a.batch1_prompts if 1 in a.batch_list else 1
-        # each call: two warm-ups and one timed run (batch 1: --batch1-repeats timed runs)
-        runs = sum(b1 * (2 + a.batch1_repeats) if b == 1 else 3 for b in a.batch_list)
+        # each call: two warm-ups and --repeats timed runs (batch 1: --batch1-repeats)
+        runs = sum(b1 * (2 + a.batch1_repeats) if b == 1 else 2 + a.repeats for b in a.batch_list)
         spec_configs = len(a.pair_config_labels)
         if not a.trained_pair:
             est["part 1: measure"] = 0.0
@@ -188,7 +188,7 @@ def _resolve_args(args: argparse.Namespace) -> argparse.Namespace:
         if getattr(args, key) is None:
             setattr(args, key, val)
     args.batch_list = _ints(args.batches)
-    for key in ("batch1_repeats", "batch1_prompts", "new_tokens", "prompt_tokens", "scale_new_tokens",
+    for key in ("batch1_repeats", "repeats", "batch1_prompts", "new_tokens", "prompt_tokens", "scale_new_tokens",
                 "scale_prompt_tokens", "scale_layers", "threads"):
         require_at_least(f"--{key.replace('_', '-')}", getattr(args, key), 1)
     for key in ("time_limit_s", "train_budget_s"):  # 0 turns the limit off; a negative one is a typo
@@ -386,6 +386,9 @@ def add_parser(sub) -> None:
                         "generation at ~10 tok/s took 83 s for three)")
     p.add_argument("--batch1-repeats", type=int, metavar="N",
                    help="part 1 batch-1 phasegraph rows: time the calls N times and keep the median (default 3; quick 1)")
+    p.add_argument("--repeats", type=int, metavar="N",
+                   help="part 1 phasegraph rows at batch > 1: time each call N times and keep the median "
+                        "(default 3: a lent host now and then runs a call 5-10 %% slower; quick 1)")
     p.add_argument("--prompt-tokens", type=int, metavar="N", help="keep each prompt's last N tokens (default 256; quick 64)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
     p.add_argument("--pair-dtype", choices=("float32", "bfloat16"), default="float32",

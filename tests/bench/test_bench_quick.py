@@ -570,6 +570,7 @@ def test_the_kernel_warm_up_process_entry_point_runs_a_spec(capsys):
 @pytest.mark.parametrize(("argv", "message"), [
     (["--new-tokens", "-5"], "--new-tokens must be at least 1, got -5"),
     (["--prompt-tokens", "0"], "--prompt-tokens must be at least 1, got 0"),
+    (["--repeats", "0"], "--repeats must be at least 1, got 0"),
     (["--scale-new-tokens", "0"], "--scale-new-tokens must be at least 1, got 0"),
     (["--scale-prompt-tokens", "-1"], "--scale-prompt-tokens must be at least 1, got -1"),
     (["--scale-layers", "0"], "--scale-layers must be at least 1, got 0"),
