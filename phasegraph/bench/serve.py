@@ -1,6 +1,8 @@
 """``phasegraph bench --serve``: the real server under Poisson arrivals, speculation on and off.
 
-For each mode (EAGLE-3 chain drafting, and the target alone) one engine is built and warmed up,
+What it serves (:func:`serve_pair`): ``--pair``, else the real model (SmolLM2-135M-Instruct and its
+EAGLE-3 head) where its packages are installed, else the embedded demo pair. For each mode
+(EAGLE-3 chain drafting, and the target alone) one engine is built and warmed up,
 then served by :func:`phasegraph.serving.create_app` with uvicorn on 127.0.0.1 inside this
 process; the engine runs in a process of its own (:class:`~phasegraph.serving.ProcessEngine`,
 as ``phasegraph serve`` runs it) on CUDA, or with ``--engine-process``, else on a thread of this
@@ -33,6 +35,7 @@ import multiprocessing
 import random
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import attrs
@@ -99,28 +102,46 @@ def settings_from(args) -> ServeSettings:
                          overhead_repeats=base["overhead_repeats"], seed=args.seed)
 
 
-def serve_pair(args) -> tuple[Path, str]:
-    """The pair to serve: ``--pair`` (or OUT/pair) where it holds one, else the embedded pair
-    (the package data phasegraph.demo serves; bench and demo are one layer, neither imports the other)."""
+REAL_MODEL_SERVED = "SmolLM2-135M-Instruct with its EAGLE-3 head"
+
+
+def serve_pair(args, real_model: Callable[[], tuple[Path, Path]] | None = None) -> tuple[Path, Path, str]:
+    """``(target dir, head dir, name)`` of what to serve: ``--pair`` (or OUT/pair) where it
+    holds a pair; else the real model, ``real_model()`` (unless ``--no-real-model`` or
+    ``--quick``; where its packages are missing, the embedded pair, unless ``--real-model``
+    asked for it); else the embedded demo pair. ``real_model`` comes from the CLI (the demo's
+    model: bench and demo are one layer, neither imports the other)."""
     from importlib import resources
+
+    from phasegraph.runtime.models.gguf import GGUFConversionError
+    from phasegraph.train.prompts import MissingPromptSource
 
     pair = Path(args.pair) if args.pair else Path(args.out) / "pair"
     if has_pair(pair):
-        return pair, str(pair)
+        return pair / "target", pair / "eagle3", str(pair)
     if args.pair:
         raise BenchError(f"--pair {args.pair}: no target/ and eagle3/ checkpoints there")
-    return Path(str(resources.files("phasegraph") / "data" / "demo_pair")), "the embedded demo pair"
+    wanted = getattr(args, "real_model", None)
+    if real_model is not None and (wanted or (wanted is None and not args.quick)):
+        try:
+            target, head = real_model()
+            return target, head, REAL_MODEL_SERVED
+        except (MissingPromptSource, GGUFConversionError) as exc:  # its packages are not installed
+            if wanted:
+                raise BenchError(f"--real-model: {exc}") from None
+    demo = Path(str(resources.files("phasegraph") / "data" / "demo_pair"))
+    return demo / "target", demo / "eagle3", "the embedded demo pair"
 
 
-def measure_serving(args, log=print) -> dict:
+def measure_serving(args, log=print, real_model: Callable[[], tuple[Path, Path]] | None = None) -> dict:
     """Both modes at every rate; the result dict that serve_bench.json holds."""
     import torch
 
     s = settings_from(args)
-    pair, pair_name = serve_pair(args)
+    target, head, pair_name = serve_pair(args, real_model)
     device = "cuda" if args.device == "auto" and torch.cuda.is_available() else args.device
     device = "cpu" if device == "auto" else device
-    prompts = _prompts(pair, s)
+    prompts = _prompts(target, s)
     chosen = getattr(args, "engine_process", None)
     engine_process = device.startswith("cuda") if chosen is None else chosen
     result = {"quick": bool(args.quick), "pair": pair_name, "device": device, "engine_process": engine_process,
@@ -129,39 +150,41 @@ def measure_serving(args, log=print) -> dict:
         where = "an engine process" if engine_process else "the server's process"
         log(f"serve bench: {mode} on {pair_name} ({device}, the engine in {where}), "
             f"rates {', '.join(f'{r:g}' for r in s.rates)} req/s")
-        build = functools.partial(_warm_engine, pair, mode, device, args.pair_dtype, args.validate, prompts, s)
+        build = functools.partial(_warm_engine, target, head, mode, device, args.pair_dtype, args.validate,
+                                  prompts, s)
         result["modes"][mode] = _measure_mode(build, engine_process, prompts, s, log)
     result["goals"] = evaluate_goals(result)
     return result
 
 
-def _prompts(pair: Path, s: ServeSettings) -> list[list[int]]:
+def _prompts(target: Path, s: ServeSettings) -> list[list[int]]:
     """Held-out standard-library prompts as token ids, each its last ``prompt_tokens`` tokens
     (distinct prompts: the prefix cache then serves none of them)."""
     from phasegraph.runtime.models.loading import load_tokenizer
     from phasegraph.train.corpus import heldout_prompts
 
-    tok = load_tokenizer(pair / "target")
+    tok = load_tokenizer(target)
     texts = [p.text for p in heldout_prompts(max_lines=40, min_lines=8, max_prompts=max(s.requests, 8))]
     ids = [list(tok(t)["input_ids"])[-s.prompt_tokens :] for t in texts]
     return [ids[i % len(ids)] for i in range(s.requests)]
 
 
-def _warm_engine(pair: Path, mode: str, device: str, dtype: str | None, validate: str | None,
+def _warm_engine(target: Path, head: Path, mode: str, device: str, dtype: str | None, validate: str | None,
                  prompts: list[list[int]], s: ServeSettings):
     """The mode's engine, warmed up (module-level: an engine process calls it)."""
-    engine = _engine(pair, mode, device, dtype, validate, s)
+    engine = _engine(target, head, mode, device, dtype, validate, s)
     _warm_up(engine, prompts, s)
     return engine
 
 
-def _engine(pair: Path, mode: str, device: str, dtype: str | None, validate: str | None, s: ServeSettings):
+def _engine(target: Path, head: Path, mode: str, device: str, dtype: str | None, validate: str | None,
+            s: ServeSettings):
     from phasegraph import Engine, SpecConfig
 
     spec = SpecConfig(**SPEC) if mode == "speculative" else SpecConfig(method="none")
-    draft = pair / "eagle3" if mode == "speculative" else None
+    draft = head if mode == "speculative" else None
     kv = 2 * s.max_batch * (s.prompt_tokens + s.new_tokens + 64)
-    return Engine.from_pretrained(pair / "target", draft, spec=spec, device=device, dtype=dtype,
+    return Engine.from_pretrained(target, draft, spec=spec, device=device, dtype=dtype,
                                   kv_pool_tokens=kv, max_batch_size=s.max_batch, trace=False, prefix_cache=True,
                                   validate=validate)
 

