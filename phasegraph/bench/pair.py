@@ -408,7 +408,8 @@ def measure_features(run: BenchRun, make_engine, prompts: list[list[int]], part:
                 json_rows = feature == "json_schema"  # room for the object to end, whatever --new-tokens
                 params = SamplingParams(max_new_tokens=max(new_tokens, 256) if json_rows else new_tokens,
                                         temperature=0.0, ignore_eos=not json_rows, **extra)
-                _, wall, outs, _, _ = warm_then_time(run, engine, calls, params)
+                _, wall, outs, _, _ = warm_then_time(run, engine, calls, params,
+                                                     a.batch1_repeats if b == 1 else a.repeats)
                 n = sum(len(o.token_ids) for o in outs)
                 row = {"config": label, "feature": feature, "batch": b, "seconds": wall, "new_tokens": n,
                        "tokens_per_s": n / wall, "tau": mean_accept_length(outs)}
