@@ -323,12 +323,7 @@ class ProcessEngine(AsyncEngineBase):
     def _write(self) -> None:
         """The writer thread: every command queued since its last send, in one message."""
         while True:
-            batch = [self._commands.get()]
-            while True:
-                try:
-                    batch.append(self._commands.get_nowait())
-                except queue.Empty:
-                    break
+            batch = _queued(self._commands)
             stop = _STOP_WRITER in batch
             batch = [c for c in batch if c is not _STOP_WRITER]
             try:
@@ -411,6 +406,16 @@ class ProcessEngine(AsyncEngineBase):
             done.set_exception(error)
         for loop, deltas in sinks:
             _call_soon(loop, _deliver, [(deltas, error)])
+
+
+def _queued(items: queue.SimpleQueue, block: bool = True) -> list:
+    """The next of ``items`` (waited for with ``block``) and every one queued behind it."""
+    out = [items.get()] if block else []
+    while True:
+        try:
+            out.append(items.get_nowait())
+        except queue.Empty:
+            return out
 
 
 def _exit_status(process) -> str:
@@ -497,12 +502,7 @@ class _Channel:
 
     def receive(self, block: bool) -> list:
         """Every command received so far (waiting for the first with ``block``)."""
-        batches = [self.inbox.get()] if block else []
-        while True:
-            try:
-                batches.append(self.inbox.get_nowait())
-            except queue.Empty:
-                break
+        batches = _queued(self.inbox, block)
         if any(batch is _GONE for batch in batches):
             raise EOFError("the server's process closed the pipe")
         return [command for batch in batches for command in batch]
@@ -516,12 +516,7 @@ class _Channel:
         """Every message queued since the last write, packed (:func:`pack_messages`) in one."""
         stop = False
         while not stop:
-            messages = [self.outbox.get()]
-            while True:
-                try:
-                    messages.append(self.outbox.get_nowait())
-                except queue.Empty:
-                    break
+            messages = _queued(self.outbox)
             if _STOP_SENDING in messages:
                 stop, messages = True, messages[: messages.index(_STOP_SENDING)]
             if not messages:
