@@ -252,6 +252,18 @@ def measure_real_model(run: BenchRun, load) -> None:
     run.result["parts_wall_s"]["part 1: real model"] = round(time.perf_counter() - t_part, 1)
 
 
+def _distinct_tau(outs) -> dict:
+    """τ over each distinct prompt's first request: a row larger than the prompt set repeats
+    some prompts, which would count their acceptance twice."""
+    seen, firsts = set(), []
+    for o in outs:
+        key = tuple(o.prompt_token_ids)
+        if key not in seen:
+            seen.add(key)
+            firsts.append(o)
+    return {"requests_distinct": len(firsts), "tau_distinct": mean_accept_length(firsts)}
+
+
 def _iterations(trace) -> int:
     """Speculative iterations (verify phases) of a trace, or decode steps for the baseline."""
     return count_phase(trace, "verify") or count_phase(trace, "decode")
@@ -328,6 +340,7 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
             "seconds": wall, "new_tokens": sum(len(t) for t in tokens),
             "tokens_per_s": sum(len(t) for t in tokens) / wall,
             "tau": mean_accept_length(outs),
+            **_distinct_tau(outs),
             "iterations": _iterations(engine.trace),
             "prefill_s": prefill_seconds(engine.trace),
             "phase_share": phase_share(engine.trace, wall),

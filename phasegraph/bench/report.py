@@ -222,19 +222,28 @@ def _identical_goal(add, where: str, rows: list[dict], draft_note: str | None = 
 def _real_model_goals(add, part: dict) -> None:
     """The real model's goals: the acceptance its trained head reaches on held-out HumanEval
     (chain and tree), read at each configuration's largest batch, the most problems a row covers
-    (batch 1 times a few), and greedy identity in every row."""
+    (batch 1 times a few), each problem once (a row larger than the problem set repeats some),
+    and greedy identity in every row."""
     rows = part.get("rows") or []
     largest = {c: max((r for r in rows if r["config"] == c and r.get("tau") is not None),
                       key=lambda r: r["batch"], default=None) for c in (CHAIN, TREE)}
+
+    def tau(r: dict) -> float:
+        return r["tau_distinct"] if r.get("tau_distinct") is not None else r["tau"]
+
+    def where(r: dict) -> str:
+        distinct = r.get("requests_distinct", _requests(r))
+        problems = f"{distinct} problems" + (f" of {_requests(r)} requests" if distinct != _requests(r) else "")
+        return f" (batch {r['batch']}, {problems})"
+
     goal = (f"real model ({part.get('target', 'SmolLM2-135M-Instruct')}), held-out HumanEval, greedy, "
-            f"largest batch: chain τ ≥ {REAL_CHAIN_TAU}, tree τ ≥ {REAL_TREE_TAU}")
-    measured = ", ".join(f"{name} τ = {fmt(r and r['tau'])}" + (f" (batch {r['batch']}, {_requests(r)} requests)"
-                                                               if r else "")
+            f"largest batch, each problem once: chain τ ≥ {REAL_CHAIN_TAU}, tree τ ≥ {REAL_TREE_TAU}")
+    measured = ", ".join(f"{name} τ = {fmt(r and tau(r))}" + (where(r) if r else "")
                          for name, r in (("chain", largest[CHAIN]), ("tree", largest[TREE])))
     if None in largest.values():
         add(goal, measured if any(largest.values()) else "not measured", None)
     else:
-        add(goal, measured, largest[CHAIN]["tau"] >= REAL_CHAIN_TAU and largest[TREE]["tau"] >= REAL_TREE_TAU)
+        add(goal, measured, tau(largest[CHAIN]) >= REAL_CHAIN_TAU and tau(largest[TREE]) >= REAL_TREE_TAU)
     _identical_goal(add, "real model", rows)
 
 

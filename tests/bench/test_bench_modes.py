@@ -313,19 +313,23 @@ def test_feature_goals_compare_json_with_its_own_lengths_and_logprobs_with_plain
     (None, 3.2, 3, [None, True]),  # no chain row (--pair-configs tree): not measured
 ])
 def test_real_model_goals_and_table(chain_tau, tree_tau, identical, met):
+    """Batch 1 (3 problems) reads above both goals; the largest batch (the most problems) decides,
+    each problem counted once: its 6 distinct problems' τ, not that of the 8 requests, which
+    repeat two problems whose τ would pull the chain's to 2.2."""
     from phasegraph.bench.common import BASELINE, CHAIN, TREE
     from phasegraph.bench.report import _real_model_goals, _real_model_lines
 
-    def row(config, tau, tok_s, same=3, batch=1):
+    def row(config, tau, tok_s, same=3, batch=1, distinct=None):
         speedup = tok_s / 100.0
-        return {"engine": "phasegraph", "config": config, "batch": batch, "requests": 3 if batch == 1 else batch,
+        requests = 3 if batch == 1 else batch
+        return {"engine": "phasegraph", "config": config, "batch": batch, "requests": requests,
                 "tokens_per_s": tok_s, "tau": tau, "speedup": speedup, "eta": speedup / tau if tau else None,
-                "identical": same}
+                "identical": same, "requests_distinct": requests if distinct is None else 6,
+                "tau_distinct": tau if distinct is None else distinct}
 
-    # batch 1 (3 problems) reads above both goals; the largest batch (the most problems) decides
     rows = [row(BASELINE, None, 100.0), row(TREE, 4.5, 240.0, identical),
             row(BASELINE, None, 400.0, 8, batch=8), row(TREE, tree_tau, 900.0, 8, batch=8)]
-    rows += [row(CHAIN, 3.9, 200.0), row(CHAIN, chain_tau, 700.0, 8, batch=8)] if chain_tau else []
+    rows += [row(CHAIN, 3.9, 200.0), row(CHAIN, 2.2, 700.0, 8, batch=8, distinct=chain_tau)] if chain_tau else []
     part = {"target": "SmolLM2-135M-Instruct", "target_dir": "/cache/smol", "head": "/data/smollm2_eagle3",
             "prompts": "HumanEval's held-out problems through the chat template", "prompts_distinct": 41,
             "prompt_tokens_mean": 180.5, "new_tokens": 256, "dtype": "float32", "draft_dtype": "bfloat16",
@@ -333,10 +337,10 @@ def test_real_model_goals_and_table(chain_tau, tree_tau, identical, met):
     goals = []
     _real_model_goals(lambda goal, measured, met, note=None: goals.append((goal, measured, met, note)), part)
     (tau_goal, tau_measured, tau_met, _), (same_goal, same_measured, same_met, same_note) = goals
-    assert tau_goal == ("real model (SmolLM2-135M-Instruct), held-out HumanEval, greedy, largest batch: "
-                        "chain τ ≥ 2.5, tree τ ≥ 3.0")
-    chain_text = "–" if chain_tau is None else f"{chain_tau:.2f} (batch 8, 8 requests)"
-    assert tau_measured == f"chain τ = {chain_text}, tree τ = {tree_tau:.2f} (batch 8, 8 requests)"
+    assert tau_goal == ("real model (SmolLM2-135M-Instruct), held-out HumanEval, greedy, largest batch, "
+                        "each problem once: chain τ ≥ 2.5, tree τ ≥ 3.0")
+    chain_text = "–" if chain_tau is None else f"{chain_tau:.2f} (batch 8, 6 problems of 8 requests)"
+    assert tau_measured == f"chain τ = {chain_text}, tree τ = {tree_tau:.2f} (batch 8, 8 problems)"
     assert same_goal == "real model: greedy outputs identical to the baseline in every row"
     spec_rows = [r for r in rows if r["config"] != BASELINE]
     total = sum(r["requests"] for r in spec_rows)
@@ -355,3 +359,17 @@ def test_real_model_goals_and_table(chain_tau, tree_tau, identical, met):
     assert goals == [("not measured", None), ("not measured", None)]
     assert _real_model_lines(note) == ["## 1. Real model: SmolLM2-135M-Instruct", "",
                                        "Note: the real model (SmolLM2-135M-Instruct) is not run: --no-real-model.", ""]
+
+
+def test_distinct_tau_counts_each_prompt_once():
+    """A row larger than its prompt set repeats prompts; τ over each prompt's first request."""
+    from phasegraph.bench.pair import _distinct_tau
+    from phasegraph.runtime.config import RequestOutput, RequestStats
+
+    def out(prompt, lengths):
+        return RequestOutput("r", list(prompt), [1] * sum(lengths), "", "length",
+                             stats=RequestStats(accept_lengths=list(lengths)))
+
+    outs = [out([1, 2], [4, 4]), out([3], [1, 1]), out([1, 2], [4, 4]), out([1, 2], [4, 4])]
+    assert _distinct_tau(outs) == {"requests_distinct": 2, "tau_distinct": 2.5}  # not (8 + 2 + 16) / 8
+    assert _distinct_tau([out([5], [])]) == {"requests_distinct": 1, "tau_distinct": None}
