@@ -296,6 +296,8 @@ HELD_DECAY = 0.97
 # (decayed) observations of its own
 SWITCH_MARGIN = 0.05
 MIN_EVIDENCE = 4.0
+# the longest a steady batch keeps its plan unexamined (iterations)
+MAX_REPLAN_EVERY = 32
 
 
 # the lazily decayed counts are brought back to their true scale once their factor falls below
@@ -598,17 +600,25 @@ def _best_split(inputs: PolicyInputs, whole: Plan) -> Plan:
     return best
 
 
+def _same_plan(a: Plan, b: Plan) -> bool:
+    return (a.shape, a.held, a.held_shape) == (b.shape, b.held, b.held_shape)
+
+
 class AdaptiveSpeculation:
     """The scheduler's policy state: the cost table, every request's acceptance, the plan of
-    the current batch (re-chosen when the batch changes and every ``replan_every`` iterations)."""
+    the current batch (re-chosen when the batch changes, and after ``replan_every``
+    iterations; each re-choice that keeps the plan doubles that interval, up to
+    ``max_replan_every``, so that a steady batch pays for few plans)."""
 
     def __init__(self, costs: CostTable, *, split: bool = True, replan_every: int = 8,
+                 max_replan_every: int = MAX_REPLAN_EVERY,
                  margin: float = SWITCH_MARGIN, min_evidence: float = MIN_EVIDENCE):
         self.costs = costs
         self.shapes = costs.shapes
         self.depth = max(s.num_steps for s in costs.shapes)  # the deepest shape's drafts
         self.split = split
         self.replan_every = replan_every
+        self.max_replan_every = max(replan_every, max_replan_every)
         self.margin = margin
         self.min_evidence = min_evidence
         # the plan in force: its shape, and the requests it holds apart in its held shape
@@ -624,7 +634,7 @@ class AdaptiveSpeculation:
         self._drafts = [(s.family, s.num_steps) for s in costs.shapes]
         self._no_drafts = (1.0,) * len(costs.shapes)
         self._requests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._last: tuple | None = None  # (batch key, plan, iterations since chosen)
+        self._last: tuple | None = None  # (batch key, plan, iterations since chosen, interval)
         self.plans = 0  # plans chosen (not reused)
 
     def acceptance(self, req) -> Acceptance:
@@ -690,11 +700,15 @@ class AdaptiveSpeculation:
             half = len(batch) // 2
             return Plan(kept, tuple(range(len(batch) - half, len(batch))), held) if half else Plan(kept)
         key = tuple(map(id, batch))
-        if self._last is not None and self._last[0] == key and self._last[2] < self.replan_every:
-            self._last = (key, self._last[1], self._last[2] + 1)
-            return self._last[1]
+        last = self._last
+        if last is not None and last[0] == key and last[2] < last[3]:
+            self._last = (key, last[1], last[2] + 1, last[3])
+            return last[1]
         plan = choose_plan(self.inputs(batch))
-        self._last = (key, plan, 1)
+        interval = self.replan_every
+        if last is not None and last[0] == key and _same_plan(plan, last[1]):
+            interval = min(2 * last[3], self.max_replan_every)
+        self._last = (key, plan, 1, interval)
         self._shape, self._held_shape = plan.shape, plan.held_shape
         self._held = weakref.WeakSet(batch[i] for i in plan.held)
         self.plans += 1

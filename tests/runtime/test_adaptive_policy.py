@@ -354,6 +354,31 @@ def test_the_controller_replans_on_change_and_every_few_iterations():
     assert attrs.evolve(ctl.plan(batch)).shape == 0
 
 
+def test_a_steady_batch_examines_its_plan_less_and_less_often():
+    """Each re-choice that keeps the plan doubles the interval (3, 6, 12, then the cap of 16);
+    a different plan, or another batch, brings it back to replan_every."""
+    ctl = AdaptiveSpeculation(table({s: 0.1 for s in SHAPES}), replan_every=3, max_replan_every=16)
+    batch = [_Req(), _Req()]
+    planned_at = []
+    for i in range(60):
+        before = ctl.plans
+        ctl.plan(batch)
+        if ctl.plans > before:
+            planned_at.append(i)
+    assert planned_at == [0, 3, 9, 21, 37, 53]
+    ctl.force = None
+    ctl.plan(batch[:1])  # another batch: a plan now, the next after replan_every
+    plans = ctl.plans
+    for _ in range(3):
+        ctl.plan(batch[:1])
+    assert ctl.plans == plans + 1
+    # a re-choice that changes the plan resets the interval: the next comes replan_every later
+    ctl._last = (ctl._last[0], Plan(0), ctl._last[2], 16)  # pretend "off" was in force
+    for _ in range(16 - ctl._last[2] + 1):  # the last of them re-chooses
+        ctl.plan(batch[:1])
+    assert ctl._last[3] == 3 and ctl._last[1].shape != 0
+
+
 def test_a_family_a_request_never_ran_follows_its_own_other_family():
     ctl = AdaptiveSpeculation(table({s: 0.1 for s in SHAPES}))
     sure, unsure = _Req(), _Req()
