@@ -521,14 +521,17 @@ class _Channel:
                 stop, messages = True, messages[: messages.index(_STOP_SENDING)]
             if not messages:
                 continue
+            failed = False
             try:
                 data = pack_messages(messages)
             except Exception as exc:  # noqa: BLE001 - a value that does not pickle: the parent must hear of it
-                data = pack_messages([_Failed(_sendable(exc))])
-                stop = True
+                data, failed = pack_messages([_Failed(_sendable(exc))]), True
             try:
                 self.conn.send_bytes(data)
             except (EOFError, OSError, ValueError):
+                self._lost()
+                return
+            if failed:  # nothing after it could arrive in order: the step loop ends, then the process
                 self._lost()
                 return
 

@@ -440,7 +440,7 @@ def test_the_engine_process_messages_round_trip_packed():
 
 def test_a_message_that_does_not_pickle_reaches_the_parent_as_a_failure():
     """The engine process's sender cannot pickle a message: the parent reads a failure naming
-    it (not silence), and the sender stops."""
+    it (not silence), the sender stops, and the step loop's next send or receive ends it."""
     from phasegraph.serving.engine_process import _Channel, _Failed, unpack_messages
 
     parent, child = multiprocessing.Pipe()
@@ -451,4 +451,8 @@ def test_a_message_that_does_not_pickle_reaches_the_parent_as_a_failure():
     assert isinstance(message, _Failed) and "pickle" in repr(message.error).lower()
     channel._sender.join(10.0)
     assert not channel._sender.is_alive()
+    with pytest.raises(EOFError):
+        channel.send(([], []))
+    with pytest.raises(EOFError):
+        channel.receive(block=False)
     parent.close()
