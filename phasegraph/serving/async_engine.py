@@ -486,32 +486,25 @@ class AsyncEngine(AsyncEngineBase):
                 import torch
 
                 torch.cuda.set_device(engine.device)
-            while True:
-                commands = self._take(block=not (engine.has_unfinished() or self._flush))
-                closing = False
-                for command in commands:
-                    if command is _CLOSE:  # always the last command: none is sent after it
-                        closing = True
-                    else:
-                        self._apply(command)
-                if closing:
-                    abort_all_and_finish(engine, list(self._sinks), self._step)
-                    return
-                if self._flush or engine.has_unfinished():
-                    self._flush = False
-                    self._step()
+            run_step_loop(self)
         except BaseException as exc:  # noqa: BLE001 - every consumer must hear of it
             self._fail(exc)
         finally:
             engine.scheduler.on_phase = self._previous_on_phase
 
+    # the step loop's hooks (run_step_loop)
     def _take(self, block: bool) -> list:
-        commands = [self._commands.get()] if block else []
-        while True:
-            try:
-                commands.append(self._commands.get_nowait())
-            except queue.Empty:
-                return commands
+        return drain(self._commands, block)
+
+    @staticmethod
+    def _is_close(command) -> bool:
+        return command is _CLOSE
+
+    def _running_ids(self) -> list[str]:
+        return list(self._sinks)
+
+    def _idle(self) -> None:
+        """Nothing waits to be sent: replies were set on their futures as the commands ran."""
 
     def _apply(self, command) -> None:
         engine = self.engine
@@ -600,6 +593,40 @@ def encoded_prompt(engine: Engine, prompt, add_special_tokens: bool):
     if isinstance(prompt, str) and not add_special_tokens and engine.tokenizer is not None:
         return list(engine.tokenizer(prompt, add_special_tokens=False)["input_ids"])
     return prompt
+
+
+def drain(items: queue.SimpleQueue, block: bool = True) -> list:
+    """The next of ``items`` (waited for with ``block``) and every one queued behind it."""
+    out = [items.get()] if block else []
+    while True:
+        try:
+            out.append(items.get_nowait())
+        except queue.Empty:
+            return out
+
+
+def run_step_loop(loop) -> None:
+    """The engine's step loop, the engine thread's and the engine process's: take the commands
+    (waiting for one only when nothing runs), apply them, step while anything runs or an abort
+    waits to be reported (``loop._flush``); on the close command, abort what runs and step until
+    it has ended. ``loop`` gives ``engine``, ``_flush`` and the hooks ``_take(block)``,
+    ``_apply(command)``, ``_step()``, ``_is_close(command)``, ``_running_ids()`` and ``_idle()``."""
+    engine = loop.engine
+    while True:
+        closing = False
+        for command in loop._take(block=not (engine.has_unfinished() or loop._flush)):
+            if loop._is_close(command):  # always the last command: none is sent after it
+                closing = True
+            else:
+                loop._apply(command)
+        if closing:
+            abort_all_and_finish(engine, loop._running_ids(), loop._step)
+            return
+        if loop._flush or engine.has_unfinished():
+            loop._flush = False
+            loop._step()
+        else:
+            loop._idle()
 
 
 def abort_all_and_finish(engine: Engine, request_ids: Sequence[str], step: Callable[[], None]) -> None:

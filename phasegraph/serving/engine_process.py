@@ -54,9 +54,10 @@ from phasegraph.serving.async_engine import (
     _call_soon,
     _deliver,
     _fail_waiter,
-    abort_all_and_finish,
+    drain,
     encoded_prompt,
     engine_state,
+    run_step_loop,
 )
 from phasegraph.serving.errors import EngineClosed, EngineDied, EngineProcessError
 
@@ -323,7 +324,7 @@ class ProcessEngine(AsyncEngineBase):
     def _write(self) -> None:
         """The writer thread: every command queued since its last send, in one message."""
         while True:
-            batch = _queued(self._commands)
+            batch = drain(self._commands)
             stop = _STOP_WRITER in batch
             batch = [c for c in batch if c is not _STOP_WRITER]
             try:
@@ -406,16 +407,6 @@ class ProcessEngine(AsyncEngineBase):
             done.set_exception(error)
         for loop, deltas in sinks:
             _call_soon(loop, _deliver, [(deltas, error)])
-
-
-def _queued(items: queue.SimpleQueue, block: bool = True) -> list:
-    """The next of ``items`` (waited for with ``block``) and every one queued behind it."""
-    out = [items.get()] if block else []
-    while True:
-        try:
-            out.append(items.get_nowait())
-        except queue.Empty:
-            return out
 
 
 def _exit_status(process) -> str:
@@ -502,7 +493,7 @@ class _Channel:
 
     def receive(self, block: bool) -> list:
         """Every command received so far (waiting for the first with ``block``)."""
-        batches = _queued(self.inbox, block)
+        batches = drain(self.inbox, block)
         if any(batch is _GONE for batch in batches):
             raise EOFError("the server's process closed the pipe")
         return [command for batch in batches for command in batch]
@@ -516,7 +507,7 @@ class _Channel:
         """Every message queued since the last write, packed (:func:`pack_messages`) in one."""
         stop = False
         while not stop:
-            messages = _queued(self.outbox)
+            messages = drain(self.outbox)
             if _STOP_SENDING in messages:
                 stop, messages = True, messages[: messages.index(_STOP_SENDING)]
             if not messages:
@@ -572,31 +563,28 @@ class _StepLoop:
         self.channel = channel
         self.requests: set[str] = set()  # added and not reported finished
         self.replies: list[tuple[int, bool, Any]] = []
-        self.flush = False  # step once more, to report an abort
+        self._flush = False  # step once more, to report an abort
         self.counters = StepCounters()
         engine.scheduler.on_phase = self._on_phase
 
     def run(self) -> None:
-        engine = self.engine
-        while True:
-            busy = engine.has_unfinished() or self.flush
-            closing = False
-            for command in self._take(block=not busy):
-                if isinstance(command, _Close):  # always the last command: none is sent after it
-                    closing = True
-                else:
-                    self._apply(command)
-            if closing:
-                abort_all_and_finish(engine, list(self.requests), self._step)
-                return
-            if self.flush or engine.has_unfinished():
-                self.flush = False
-                self._step()
-            elif self.replies:
-                self.channel.send(([], self._take_replies()))
+        run_step_loop(self)
 
+    # the step loop's hooks (run_step_loop)
     def _take(self, block: bool) -> list:
         return self.channel.receive(block)
+
+    @staticmethod
+    def _is_close(command) -> bool:
+        return isinstance(command, _Close)
+
+    def _running_ids(self) -> list[str]:
+        return list(self.requests)
+
+    def _idle(self) -> None:
+        """Nothing to step: the replies of the commands just applied go on their own."""
+        if self.replies:
+            self.channel.send(([], self._take_replies()))
 
     def _take_replies(self) -> list:
         replies, self.replies = self.replies, []
@@ -607,7 +595,7 @@ class _StepLoop:
         if isinstance(command, _Abort):
             if command.request_id in self.requests:
                 engine.abort(command.request_id)
-                self.flush = True  # the step that reports the abort, even with nothing else to run
+                self._flush = True  # the step that reports the abort, even with nothing else to run
         elif isinstance(command, _Add):
             try:
                 engine.add_request(command.request_id, encoded_prompt(engine, command.prompt, command.add_special_tokens),
