@@ -97,7 +97,7 @@ class _Stats:
 
 @attrs.frozen
 class _Close:
-    pass
+    """The last command: abort what runs, report it, and end the engine process."""
 
 
 # engine process -> parent: _Ready or _LoadFailed first, then per iteration a tuple
@@ -254,11 +254,9 @@ class ProcessEngine(AsyncEngineBase):
         child = self._last_stats
         if not self._closed:
             done: concurrent.futures.Future = concurrent.futures.Future()
-            try:
+            with contextlib.suppress(EngineClosed, concurrent.futures.TimeoutError):  # the last snapshot then
                 self._send(_Stats, done)
                 child = done.result(STATS_TIMEOUT_S)
-            except (EngineClosed, concurrent.futures.TimeoutError):
-                pass
         self._last_stats = child
         with self._lock:
             queued, rejected = self._queued, self._rejected
@@ -348,7 +346,7 @@ class ProcessEngine(AsyncEngineBase):
                         error.__cause__ = message.error
                         break
                     self._dispatch(*message)
-        except (EOFError, OSError):
+        except (EOFError, OSError):  # the pipe's end: the engine process has ended
             pass
         except Exception as exc:  # noqa: BLE001 - a message that does not unpickle: nothing more can be read
             error = EngineDied(f"a message from the engine process could not be read: {exc!r}")
