@@ -42,6 +42,20 @@ def _free(engine) -> tuple[int, int, bool]:
     return engine.kv.num_free_pages, engine.kv.allocator.total, engine.has_unfinished()
 
 
+async def _consuming_mid_stream(aengine, prompt) -> asyncio.Task:
+    """A task consuming ``prompt``'s stream (LONG), returned once its first token has arrived."""
+    started = asyncio.Event()
+
+    async def consume():
+        async for delta in aengine.stream(prompt, LONG):
+            if delta.new_token_ids:
+                started.set()
+
+    task = asyncio.create_task(consume())
+    await started.wait()
+    return task
+
+
 async def _first_delta(stream):
     async for delta in stream:
         if delta.new_token_ids:
@@ -118,15 +132,7 @@ def test_a_cancelled_consumer_frees_its_kv_at_once(idle_engine):
     async def main():
         async with AsyncEngine(engine) as aengine:
             # a consuming task cancelled mid-stream
-            started = asyncio.Event()
-
-            async def consume():
-                async for delta in aengine.stream(PROMPTS[0], LONG):
-                    if delta.new_token_ids:
-                        started.set()
-
-            task = asyncio.create_task(consume())
-            await started.wait()
+            task = await _consuming_mid_stream(aengine, PROMPTS[0])
             used = await aengine.call(lambda e: e.kv.allocator.total - e.kv.num_free_pages)
             task.cancel()
             with pytest.raises(asyncio.CancelledError):
@@ -315,15 +321,7 @@ def test_the_process_engine_streams_like_the_offline_engine_and_frees_what_is_ca
         streamed = await asyncio.gather(*(consume(aengine, p) for p in prompts))
         whole = await aengine.generate(prompts[0], greedy(12))
         # a cancelled consumer: the abort reaches the engine process before the next call
-        first = asyncio.Event()
-
-        async def run_long():
-            async for delta in aengine.stream(PROMPTS[3], LONG):
-                if delta.new_token_ids:
-                    first.set()
-
-        task = asyncio.create_task(run_long())
-        await first.wait()
+        task = await _consuming_mid_stream(aengine, PROMPTS[3])
         running = await aengine.call(kv_state)
         task.cancel()
         with pytest.raises(asyncio.CancelledError):
