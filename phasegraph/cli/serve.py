@@ -109,7 +109,10 @@ def run_serve(args: argparse.Namespace) -> int:
     sock = _listen(args.host, args.port)
     if args.tp != 1 and "WORLD_SIZE" in os.environ:  # every rank would serve HTTP, each its own requests
         raise CliError("serve --tp starts the other ranks itself: run it without torchrun")
-    in_process = not (_on_cuda(args.device) if args.engine_process is None else args.engine_process)
+    from phasegraph.runtime.engine import resolve_device
+
+    on_cuda = resolve_device(args.device).type == "cuda"  # a bad --device: the engine's own error, now
+    in_process = not (on_cuda if args.engine_process is None else args.engine_process)
     try:
         # no trace: a server runs for days, and a trace keeps every phase transition
         load = functools.partial(load_engine, args, spec, trace=False, max_batch_size=args.max_batch_size,
@@ -162,15 +165,6 @@ def _stop_signals():
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-def _on_cuda(device: str) -> bool:
-    """Whether ``--device`` picks a GPU (``auto`` does where one answers)."""
-    if device == "auto":
-        import torch
-
-        return torch.cuda.is_available()
-    return device.startswith("cuda")
 
 
 def _importable(name: str) -> bool:
