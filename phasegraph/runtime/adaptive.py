@@ -374,11 +374,7 @@ class Acceptance:
         counts = self._counts.get(family)
         if counts is None:
             counts = self._counts[family] = _DecayedCounts()
-        scale = counts.scale * self.decay
-        if scale < RESCALE_BELOW:
-            counts.rescale(scale)
-        else:
-            counts.scale = scale
+        counts.fade(self.decay)
         step = 1.0 / counts.scale  # one observation's weight, at the stored scale
         accepted = 0 if accepted < 0 else depth if accepted > depth else accepted
         tried = accepted + 1 if accepted < depth else depth
