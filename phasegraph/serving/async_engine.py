@@ -537,30 +537,22 @@ class AsyncEngine(AsyncEngineBase):
         start = time.perf_counter()
         deltas = engine.step()
         stepped = time.perf_counter()
-        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
-        finished = []
-        for delta in deltas:
-            sink = self._sinks.get(delta.request_id)
-            if sink is not None:
-                by_loop[sink[0]].append((sink[1], delta))
-                if delta.output is not None:
-                    finished.append(delta)
-                    del self._sinks[delta.request_id]
+        by_loop, finished = route_deltas(self._sinks, deltas)
         with self._stats_lock:
             self._counters.count_step(deltas, finished)
             self._deliveries += len(by_loop)
             self._engine_state = engine_state(engine)
         for _ in finished:
             self._release()
-        for loop, items in by_loop.items():
-            if not _call_soon(loop, _deliver, items):  # that loop is closed, nobody reads them
-                for _, delta in items:
-                    if delta.output is None:
-                        engine.abort(delta.request_id)
-                        self._flush = True
+        hand_over(by_loop, self._abort_unread)
         with self._stats_lock:  # after the hand-over: its wake-ups are the layer's cost too
             self._counters.step_seconds += stepped - start
             self._counters.serving_seconds += time.perf_counter() - stepped
+
+    def _abort_unread(self, request_id: str) -> None:
+        """Its consumer's event loop is closed: nobody reads it, so it stops (reported next step)."""
+        self.engine.abort(request_id)
+        self._flush = True
 
     def _on_phase(self, phase: str, seconds: float, reqs) -> None:
         with self._stats_lock:
@@ -593,6 +585,31 @@ def encoded_prompt(engine: Engine, prompt, add_special_tokens: bool):
     if isinstance(prompt, str) and not add_special_tokens and engine.tokenizer is not None:
         return list(engine.tokenizer(prompt, add_special_tokens=False)["input_ids"])
     return prompt
+
+
+def route_deltas(sinks: dict, deltas) -> tuple[dict[asyncio.AbstractEventLoop, list], list]:
+    """``deltas`` grouped by their consumers' event loops as ``(queue, delta)`` items (``sinks``:
+    request id -> (loop, queue); a request's last delta removes its sink), and the last deltas."""
+    by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
+    finished = []
+    for delta in deltas:
+        sink = sinks.get(delta.request_id)
+        if sink is not None:
+            by_loop[sink[0]].append((sink[1], delta))
+            if delta.output is not None:
+                finished.append(delta)
+                del sinks[delta.request_id]
+    return by_loop, finished
+
+
+def hand_over(by_loop: dict[asyncio.AbstractEventLoop, list], abort_unread: Callable[[str], None]) -> None:
+    """Each loop's items put on their queues on that loop's thread; where the loop is closed,
+    nobody reads them: ``abort_unread`` each request not finished."""
+    for loop, items in by_loop.items():
+        if not _call_soon(loop, _deliver, items):
+            for _, delta in items:
+                if delta.output is None:
+                    abort_unread(delta.request_id)
 
 
 def drain(items: queue.SimpleQueue, block: bool = True) -> list:

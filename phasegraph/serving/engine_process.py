@@ -38,7 +38,6 @@ import signal
 import threading
 import time
 import traceback
-from collections import defaultdict
 from collections.abc import Callable
 from typing import Any
 
@@ -57,6 +56,8 @@ from phasegraph.serving.async_engine import (
     drain,
     encoded_prompt,
     engine_state,
+    hand_over,
+    route_deltas,
     run_step_loop,
 )
 from phasegraph.serving.errors import EngineClosed, EngineDied, EngineProcessError
@@ -368,24 +369,12 @@ class ProcessEngine(AsyncEngineBase):
                     self._sinks.pop(rid, None)
                 self._release()
             done.set_exception(value)
-        by_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
-        finished = 0
         with self._lock:
-            for delta in deltas:
-                sink = self._sinks.get(delta.request_id)
-                if sink is not None:
-                    by_loop[sink[0]].append((sink[1], delta))
-                    if delta.output is not None:
-                        del self._sinks[delta.request_id]
-                        finished += 1
-        for _ in range(finished):
+            by_loop, finished = route_deltas(self._sinks, deltas)
+        for _ in finished:
             self._release()
         self._deliveries += len(by_loop)
-        for loop, items in by_loop.items():
-            if not _call_soon(loop, _deliver, items):  # that loop is closed, nobody reads them
-                for _, delta in items:
-                    if delta.output is None:
-                        self._abort_soon(delta.request_id)
+        hand_over(by_loop, self._abort_soon)
 
     def _engine_gone(self, error: EngineClosed | None) -> None:
         """The engine process has ended: every waiting caller, pending reply and unfinished
