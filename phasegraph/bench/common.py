@@ -264,6 +264,12 @@ def timed_calls(run: BenchRun, calls: list[list], generate) -> tuple[float, list
     return wall, outs, {"pauses": pauses, "seconds": seconds, "frozen": run.args.gc == "freeze"}
 
 
+def repeats_at(run: BenchRun, batch: int) -> int:
+    """Timed runs of a row at ``batch``, whose median it keeps: ``--batch1-repeats`` at batch 1,
+    ``--repeats`` above."""
+    return run.args.batch1_repeats if batch == 1 else run.args.repeats
+
+
 def warm_then_time(run: BenchRun, engine, calls: list[list], params, repeats: int = 1) -> tuple[list, float, list, dict, int]:
     """Run each of ``calls`` (lists of prompts) through ``engine.generate`` twice, then time them
     (:func:`timed_calls`) ``repeats`` times and keep the repetition of median wall time, with its

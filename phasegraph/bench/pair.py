@@ -30,6 +30,7 @@ from phasegraph.bench.common import (
     pair_weight_digests,
     phase_share,
     prefill_seconds,
+    repeats_at,
     shape_counts,
     share_text,
     timed_calls,
@@ -332,8 +333,7 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
     for b in a.batch_list:
         bar.set_postfix_str(f"{label}, batch {b}")
         calls = request_calls(prompts, b, batch1_prompts or a.batch1_prompts)
-        warm, wall, outs, gc_pauses, captured = warm_then_time(run, engine, calls, params,
-                                                               a.batch1_repeats if b == 1 else a.repeats)
+        warm, wall, outs, gc_pauses, captured = warm_then_time(run, engine, calls, params, repeats_at(run, b))
         tokens = [o.token_ids for o in outs]
         row = {
             "engine": "phasegraph", "config": label, "spec": spec_kw, "batch": b, "requests": len(tokens),
@@ -421,8 +421,7 @@ def measure_features(run: BenchRun, make_engine, prompts: list[list[int]], part:
                 json_rows = feature == "json_schema"  # room for the object to end, whatever --new-tokens
                 params = SamplingParams(max_new_tokens=max(new_tokens, 256) if json_rows else new_tokens,
                                         temperature=0.0, ignore_eos=not json_rows, **extra)
-                _, wall, outs, _, _ = warm_then_time(run, engine, calls, params,
-                                                     a.batch1_repeats if b == 1 else a.repeats)
+                _, wall, outs, _, _ = warm_then_time(run, engine, calls, params, repeats_at(run, b))
                 n = sum(len(o.token_ids) for o in outs)
                 row = {"config": label, "feature": feature, "batch": b, "seconds": wall, "new_tokens": n,
                        "tokens_per_s": n / wall, "tau": mean_accept_length(outs)}
@@ -481,9 +480,10 @@ def mixed_workload(code_prompts: list[list[int]], vocab_size: int, batch: int, n
 
 
 def _measure_mixed(run: BenchRun, engine, label: str, policy: str | None, mixed, outputs) -> None:
-    """One row of the mixed workload (one call of every request), compared with the baseline's."""
+    """One row of the mixed workload (one call of every request, the median of ``--repeats``
+    timed calls), compared with the baseline's."""
     prompts, params, kinds = mixed
-    _, wall, outs, gc_pauses, captured = warm_then_time(run, engine, [prompts], params)
+    _, wall, outs, gc_pauses, captured = warm_then_time(run, engine, [prompts], params, repeats_at(run, len(prompts)))
     tokens = [o.token_ids for o in outs]
 
     def tau(kind):

@@ -19,6 +19,7 @@ from phasegraph.bench.common import (
     mean_accept_length,
     phase_share,
     prefill_seconds,
+    repeats_at,
     shape_counts,
     sync,
     warm_then_time,
@@ -182,7 +183,7 @@ def _measure_baseline(run: BenchRun, bs, target, prompts, params, engine_kw, bas
         if run.out_of_time(f"scale baseline batch {b}"):
             bar.update(1)
             continue
-        _, wall, outs, gc_pauses, captured = warm_then_time(run, engine, [prompts[:b]], params)
+        _, wall, outs, gc_pauses, captured = warm_then_time(run, engine, [prompts[:b]], params, repeats_at(run, b))
         tokens = sum(len(o.token_ids) for o in outs)
         steps = count_phase(engine.trace, "decode")
         prefill = prefill_seconds(engine.trace)
@@ -220,7 +221,7 @@ def _measure_spec(run: BenchRun, bs, target, head, name, spec, tau, prompts, par
         if b not in base_tps or run.out_of_time(f"scale {name} τ={tau} batch {b}"):
             bar.update(1)
             continue
-        _, wall, outs, gc_pauses, captured = warm_then_time(run, engine, [prompts[:b]], params)
+        _, wall, outs, gc_pauses, captured = warm_then_time(run, engine, [prompts[:b]], params, repeats_at(run, b))
         tokens = sum(len(o.token_ids) for o in outs)
         speedup = (tokens / wall) / base_tps[b]
         # below tau by the budget's last, shorter iteration; 1 where adaptive ran no drafts

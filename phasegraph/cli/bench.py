@@ -152,11 +152,12 @@ def estimate_seconds(run: BenchRun) -> dict[str, float]:
             t = 30.0  # build 16 GB of random weights + the head, bandwidth probe
             for b in a.scale_batch_list:
                 prefill = b * p * 2 * 8e9 / 300e12
-                t += 2 * (n * _interp(SCALE_STEP_S, b) + prefill) + 3 * SCALE_EAGER_ITER_S
+                calls = 1 + (a.batch1_repeats if b == 1 else a.repeats)  # calibrated at one timed run
+                t += calls * (n * _interp(SCALE_STEP_S, b) + prefill) + 3 * SCALE_EAGER_ITER_S
                 for key in a.scale_config_list:
                     for tau in a.scale_tau_list:
                         iteration = SCALE_ITER_S["chain" if key == "adaptive" else key]
-                        t += 2 * (math.ceil(n / tau) * _interp(iteration, b) + prefill)
+                        t += calls * (math.ceil(n / tau) * _interp(iteration, b) + prefill)
                         t += 3 * 3 * SCALE_EAGER_ITER_S
             t += 10.0 + TRITON_COMPILE_S / 2  # decode-step and per-phase probes; kernels for head dim 128
             if a.features:  # baseline and chain at batch 1: three features, JSON also at the same lengths
@@ -394,9 +395,10 @@ def add_parser(sub) -> None:
                         "prompts (default 1: its speed per step does not move with the prompt, and assisted "
                         "generation at ~10 tok/s took 83 s for three)")
     p.add_argument("--batch1-repeats", type=int, metavar="N",
-                   help="part 1 batch-1 phasegraph rows: time the calls N times and keep the median (default 3; quick 1)")
+                   help="batch-1 phasegraph rows: time the calls N times and keep the median (default 3; quick 1)")
     p.add_argument("--repeats", type=int, metavar="N",
-                   help="part 1 phasegraph rows at batch > 1: time each call N times and keep the median "
+                   help="phasegraph rows at batch > 1 (the mixed workload's too): time each call N times and "
+                        "keep the median "
                         "(default 3: a lent host now and then runs a call 5-10 %% slower; quick 1)")
     p.add_argument("--prompt-tokens", type=int, metavar="N", help="keep each prompt's last N tokens (default 256; quick 64)")
     p.add_argument("--no-hf", action="store_true", help="skip the transformers rows")
