@@ -551,7 +551,8 @@ def _captured_text(rows: list[dict]) -> str:
     listed = ", ".join(f"{x.get('config', 'baseline')} batch {x['batch']}: {x['captured_while_timed']}"
                        for x in captured)
     return ("CUDA graphs captured inside a timed call (their capture time counts against the row): "
-            + (listed if captured else "none (each row ran its call twice before timing it)."))
+            + (listed if captured else "none (each engine captured every bucket's and shape's graphs first, "
+                                       "and each row ran its call twice before timing it)."))
 
 
 def draw_plots(result: dict, out: Path) -> dict:
