@@ -32,6 +32,7 @@ import math
 import operator
 import weakref
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import attrs
 
@@ -298,6 +299,11 @@ SWITCH_MARGIN = 0.05
 MIN_EVIDENCE = 4.0
 # the longest a steady batch keeps its plan unexamined (iterations)
 MAX_REPLAN_EVERY = 32
+# a batch that differs from the one its plan was chosen for by at most this fraction of its
+# requests (those that left and those that joined) keeps the plan until its next examination (at most replan_every iterations later): under
+# traffic the batch changes almost every iteration, and a full plan costs more host time than
+# one row's estimate moves the choice
+SMALL_BATCH_CHANGE = 1 / 8
 
 
 # the lazily decayed counts are brought back to their true scale once their factor falls below
@@ -600,11 +606,23 @@ def _same_plan(a: Plan, b: Plan) -> bool:
     return (a.shape, a.held, a.held_shape) == (b.shape, b.held, b.held_shape)
 
 
+class _InForce(NamedTuple):
+    """The plan in force: the batch it last ran for (request ids), the iterations since it was
+    chosen, how many it runs before it is examined again, and the requests it was chosen for."""
+
+    key: tuple[int, ...]
+    plan: Plan
+    since: int
+    interval: int
+    planned: frozenset[int]
+
+
 class AdaptiveSpeculation:
     """The scheduler's policy state: the cost table, every request's acceptance, the plan of
-    the current batch (re-chosen when the batch changes, and after ``replan_every``
-    iterations; each re-choice that keeps the plan doubles that interval, up to
-    ``max_replan_every``, so that a steady batch pays for few plans)."""
+    the current batch (re-chosen when the batch changes by more than
+    :data:`SMALL_BATCH_CHANGE`, and after ``replan_every`` iterations; each re-choice that
+    keeps the plan doubles that interval, up to ``max_replan_every``, so that a steady batch
+    pays for few plans)."""
 
     def __init__(self, costs: CostTable, *, split: bool = True, replan_every: int = 8,
                  max_replan_every: int = MAX_REPLAN_EVERY,
@@ -630,7 +648,7 @@ class AdaptiveSpeculation:
         self._drafts = [(s.family, s.num_steps) for s in costs.shapes]
         self._no_drafts = (1.0,) * len(costs.shapes)
         self._requests: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._last: tuple | None = None  # (batch key, plan, iterations since chosen, interval)
+        self._last: _InForce | None = None
         self.plans = 0  # plans chosen (not reused)
 
     def acceptance(self, req) -> Acceptance:
@@ -697,14 +715,21 @@ class AdaptiveSpeculation:
             return Plan(kept, tuple(range(len(batch) - half, len(batch))), held) if half else Plan(kept)
         key = tuple(map(id, batch))
         last = self._last
-        if last is not None and last[0] == key and last[2] < last[3]:
-            self._last = (key, last[1], last[2] + 1, last[3])
-            return last[1]
+        if last is not None and last.since < last.interval:
+            if last.key == key:
+                self._last = last._replace(since=last.since + 1)
+                return last.plan
+            changed = len(last.planned.symmetric_difference(key))  # requests that left or joined
+            if not last.plan.held and changed <= len(last.planned) * SMALL_BATCH_CHANGE:
+                # (a plan that holds rows apart names them: it is chosen again for other rows)
+                self._last = last._replace(key=key, since=last.since + 1,
+                                           interval=min(last.interval, self.replan_every))
+                return last.plan
         plan = choose_plan(self.inputs(batch))
         interval = self.replan_every
-        if last is not None and last[0] == key and _same_plan(plan, last[1]):
-            interval = min(2 * last[3], self.max_replan_every)
-        self._last = (key, plan, 1, interval)
+        if last is not None and last.key == key and _same_plan(plan, last.plan):
+            interval = min(2 * last.interval, self.max_replan_every)
+        self._last = _InForce(key, plan, 1, interval, frozenset(key))
         self._shape, self._held_shape = plan.shape, plan.held_shape
         self._held = weakref.WeakSet(batch[i] for i in plan.held)
         self.plans += 1

@@ -7,7 +7,7 @@
   never below any single shape's, the baseline's included (hypothesis);
 - acceptance estimates: the geometric model's expected tokens, per-request fits, held requests
   drifting back to the engine's estimate (their first draft after it counts);
-- the controller re-plans when the batch changes and every few iterations.
+- the controller re-plans when the batch changes by more than an eighth and every few iterations.
 """
 
 from __future__ import annotations
@@ -373,10 +373,48 @@ def test_a_steady_batch_examines_its_plan_less_and_less_often():
         ctl.plan(batch[:1])
     assert ctl.plans == plans + 1
     # a re-choice that changes the plan resets the interval: the next comes replan_every later
-    ctl._last = (ctl._last[0], Plan(0), ctl._last[2], 16)  # pretend "off" was in force
-    for _ in range(16 - ctl._last[2] + 1):  # the last of them re-chooses
+    ctl._last = ctl._last._replace(plan=Plan(0), interval=16)  # pretend "off" was in force
+    for _ in range(16 - ctl._last.since + 1):  # the last of them re-chooses
         ctl.plan(batch[:1])
-    assert ctl._last[3] == 3 and ctl._last[1].shape != 0
+    assert ctl._last.interval == 3 and ctl._last.plan.shape != 0
+
+
+def test_a_batch_that_changes_a_little_keeps_its_plan_until_its_next_examination():
+    """Under traffic requests leave and join almost every iteration: a batch within an eighth of
+    the requests its plan was chosen for (those that left plus those that joined) keeps the plan,
+    examined again within replan_every iterations; a larger change, or any change to a batch whose
+    plan holds rows apart, is planned at once."""
+    ctl = AdaptiveSpeculation(table({s: 0.1 for s in SHAPES}), replan_every=4, max_replan_every=32)
+    batch = [_Req() for _ in range(16)]
+    first = ctl.plan(batch)
+    assert ctl.plans == 1
+    for _ in range(3):  # steady: the interval doubles to 8
+        ctl.plan(batch)
+    ctl.plan(batch)
+    assert (ctl.plans, ctl._last.interval) == (2, 8)
+    smaller = batch[1:]  # one left
+    assert ctl.plan(smaller) is ctl._last.plan and ctl.plans == 2
+    churned = [*batch[2:], _Req()]  # two left, one joined: 3 of 16, more than an eighth
+    ctl.plan(churned)
+    assert ctl.plans == 3
+    assert SHAPES[first.shape] == SHAPES[ctl._last.plan.shape]
+    # within an eighth, one change after another: the plan is examined again replan_every later
+    plans, rows = ctl.plans, list(churned)
+    for i in range(4):
+        rows = rows[:-1] if i % 2 else [*rows, _Req()]
+        ctl.plan(rows)
+    assert ctl.plans == plans + 1, "examined again after replan_every iterations"
+
+    split = AdaptiveSpeculation(COMPUTE, replan_every=8)
+    good, poor = [_Req() for _ in range(6)], [_Req() for _ in range(2)]
+    for _ in range(10):
+        for req in good:
+            split.observe(req, CHAIN3, 4)
+        for req in poor:
+            split.observe(req, CHAIN3, 1)
+    assert split.plan([*good, *poor]).held == (6, 7)
+    split.plan([*good[1:], *poor])  # one of 8 left, but the plan names its held rows
+    assert split.plans == 2 and split._last.plan.held == (5, 6)
 
 
 def test_a_family_a_request_never_ran_follows_its_own_other_family():
