@@ -300,9 +300,9 @@ MIN_EVIDENCE = 4.0
 # the longest a steady batch keeps its plan unexamined (iterations)
 MAX_REPLAN_EVERY = 32
 # a batch that differs from the one its plan was chosen for by at most this fraction of its
-# requests (those that left and those that joined) keeps the plan until its next examination (at most replan_every iterations later): under
-# traffic the batch changes almost every iteration, and a full plan costs more host time than
-# one row's estimate moves the choice
+# requests (those that left and those that joined) keeps the plan until its next examination,
+# at most replan_every iterations later: under traffic the batch changes almost every
+# iteration, and a full plan costs more host time than a few rows move the choice
 SMALL_BATCH_CHANGE = 1 / 8
 
 
