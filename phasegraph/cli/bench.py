@@ -21,6 +21,7 @@ from phasegraph.bench.common import (
     has_pair,
     no_pair_to_skip_to,
     pair_path,
+    repeats_at,
     training_preset,
     untrainable_pair_dir,
 )
@@ -121,7 +122,7 @@ def estimate_seconds(run: BenchRun) -> dict[str, float]:
         nb = len(a.batch_list)
         b1 = a.batch1_prompts if 1 in a.batch_list else 1
         # each call: two warm-ups and --repeats timed runs (batch 1: --batch1-repeats)
-        runs = sum(b1 * (2 + a.batch1_repeats) if b == 1 else 2 + a.repeats for b in a.batch_list)
+        runs = sum((b1 if b == 1 else 1) * (2 + repeats_at(run, b)) for b in a.batch_list)
         spec_configs = len(a.pair_config_labels)
         if not a.trained_pair:
             est["part 1: measure"] = 0.0
@@ -152,7 +153,7 @@ def estimate_seconds(run: BenchRun) -> dict[str, float]:
             t = 30.0  # build 16 GB of random weights + the head, bandwidth probe
             for b in a.scale_batch_list:
                 prefill = b * p * 2 * 8e9 / 300e12
-                calls = 1 + (a.batch1_repeats if b == 1 else a.repeats)  # calibrated at one timed run
+                calls = 1 + repeats_at(run, b)  # calibrated at one timed run
                 t += calls * (n * _interp(SCALE_STEP_S, b) + prefill) + 3 * SCALE_EAGER_ITER_S
                 for key in a.scale_config_list:
                     for tau in a.scale_tau_list:
