@@ -130,8 +130,9 @@ def run_distill(
     ``.gguf`` file (default: :func:`smollm2_gguf`). ``generate_only``: stop once the responses
     are saved (the whole time budget generates); ``responses``: a file saved so, for the same
     target, to train from instead of generating; ``init_head``: a head saved by an earlier run
-    (``DIR/eagle3``) to train on from its weights and draft vocabulary instead of from scratch. Bad input is a :class:`TrainInputError` before
-    anything is written (a missing package: :class:`~phasegraph.train.prompts.MissingPromptSource`)."""
+    (``DIR/eagle3``) to train on from its weights and draft vocabulary instead of from scratch.
+    Bad input is a :class:`TrainInputError` before anything is written (a missing package:
+    :class:`~phasegraph.train.prompts.MissingPromptSource`)."""
     check_preset(preset)
     check_run_options(seed, device, time_budget_s)
     if responses is not None and generate_only:
