@@ -121,10 +121,14 @@ def linear_reference(
     x: torch.Tensor,  # [M, K]
     weight: torch.Tensor,  # [N, K]
     bias: torch.Tensor | None = None,  # [N]
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # [M, N]
-    """``x @ weight.T + bias`` (``F.linear``)."""
+    """``x @ weight.T + bias`` (``F.linear``); with ``out_dtype``, summed in float32 and rounded
+    once, to ``out_dtype``."""
     _check_linear(x, weight, bias)
-    return F.linear(x, weight, bias)
+    if out_dtype is None or out_dtype == x.dtype:
+        return F.linear(x, weight, bias)
+    return F.linear(x.float(), weight.float(), None if bias is None else bias.float()).to(out_dtype)
 
 
 def add_rms_norm_linear_reference(
@@ -145,10 +149,11 @@ def silu_mul_linear_reference(
     gate_up: torch.Tensor,  # [M, 2I]
     weight: torch.Tensor,  # [N, I]
     bias: torch.Tensor | None = None,  # [N]
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:  # [M, N]
-    """``silu_mul_reference`` then ``F.linear``."""
+    """``silu_mul_reference`` then :func:`linear_reference`."""
     _check_silu_linear(gate_up, weight, bias)
-    return F.linear(silu_mul_reference(gate_up), weight, bias)
+    return linear_reference(silu_mul_reference(gate_up), weight, bias, out_dtype)
 
 
 # Rows at which the CPU runs :func:`cpu_skinny_linear` (one row is a BLAS vector product either way)
@@ -486,11 +491,12 @@ def _arrival_counters(device: torch.device) -> torch.Tensor | None:
 
 def _launch(prologue: int, x, residual, norm_weight, eps, weight, bias,
             config: SkinnyConfig | None, warmup: bool = False, defer: bool = False,
-            static_weight: bool = False):
-    """(y, summed); with ``defer`` and a split-K config, y is a :class:`SplitSum`."""
+            static_weight: bool = False, out_dtype: torch.dtype | None = None):
+    """(y, summed); with ``defer`` and a split-K config, y is a :class:`SplitSum`; y is
+    ``out_dtype`` (default ``x``'s): the float32 sums rounded once, to that dtype."""
     m = x.shape[0]
     n, k = weight.shape
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    y = torch.empty((m, n), dtype=out_dtype or x.dtype, device=x.device)
     summed = torch.empty((m, k), dtype=x.dtype, device=x.device) if prologue == _RMS_NORM else None
     if m == 0 or n == 0:
         return y, summed
@@ -563,15 +569,18 @@ def linear_triton(
     warmup: bool = False,
     defer: bool = False,
     static_weight: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | SplitSum:  # [M, N]
     """Triton ``linear``: one program per ``block_n`` output columns, weight streamed once.
     ``warmup`` compiles without launching (the output is then not written); ``defer`` hands a
     split-K product on as a :class:`SplitSum` (its slices summed by the consumer);
-    ``static_weight`` promises that no kernel writes ``weight`` (see :func:`early_weight_load`)."""
+    ``static_weight`` promises that no kernel writes ``weight`` (see :func:`early_weight_load`);
+    ``out_dtype``: the output's dtype (default ``x``'s)."""
     _check_linear(x, weight, bias)
     _require_rows(x, "x")
     _require_rows(weight, "weight")
-    y, _ = _launch(_NONE, x, None, None, 0.0, weight, bias, config, warmup, defer, static_weight)
+    y, _ = _launch(_NONE, x, None, None, 0.0, weight, bias, config, warmup, defer, static_weight,
+                   out_dtype)
     return y
 
 
@@ -609,13 +618,14 @@ def silu_mul_linear_triton(
     warmup: bool = False,
     defer: bool = False,
     static_weight: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | SplitSum:  # [M, N]
     """Triton ``silu_mul_linear``: ``silu(gate) * up`` is the product's operand prologue."""
     _check_silu_linear(gate_up, weight, bias)
     _require_rows(gate_up, "gate_up")
     _require_rows(weight, "weight")
     y, _ = _launch(_SILU_MUL, gate_up, None, None, 0.0, weight, bias, config, warmup, defer,
-                   static_weight)
+                   static_weight, out_dtype)
     return y
 
 
@@ -644,6 +654,7 @@ def linear(
     *,
     defer: bool = False,
     static_weight: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | SplitSum:  # [M, N]
     """``F.linear`` (the Triton skinny product on CUDA for few rows; float32 at 17..512 rows, the
     three-pass TF32 tiles of :mod:`~phasegraph.kernels.tiled_linear` where its table has a rule;
@@ -651,8 +662,12 @@ def linear(
     ``defer``: where the table splits K, return the unsummed :class:`SplitSum` for a consumer
     that takes one (``add_rms_norm``, ``silu_mul`` and the fused forms below).
     ``static_weight``: no kernel ever writes ``weight`` (a model's parameter), so a one-tile
-    product may load it before the kernel before it ends (:func:`early_weight_load`)."""
+    product may load it before the kernel before it ends (:func:`early_weight_load`).
+    ``out_dtype`` (default ``x``'s): a half-precision product summed in float32 comes back
+    rounded once, to this dtype (tensor-parallel partial sums are float32 until summed)."""
     _check_linear(x, weight, bias)
+    if out_dtype is not None and out_dtype != x.dtype:
+        return _linear_to(x, weight, bias, out_dtype, defer, static_weight)
     if _fits(x, weight, bias, False):
         return linear_triton(x, weight, bias, defer=defer, static_weight=static_weight)
     tile = tiled_config(x, weight, bias, defer)  # float32, 17..512 rows
@@ -661,6 +676,16 @@ def linear(
     if _cpu_skinny(x, weight):
         return cpu_skinny_linear(x, weight, bias)
     return F.linear(x, weight, bias)
+
+
+def _linear_to(x, weight, bias, out_dtype, defer, static_weight) -> torch.Tensor | SplitSum:
+    """:func:`linear` with an output dtype other than ``x``'s."""
+    if _fits(x, weight, bias, False):
+        return linear_triton(x, weight, bias, defer=defer, static_weight=static_weight, out_dtype=out_dtype)
+    if x.is_cuda and out_dtype == torch.float32 and x.dtype in HALF_DTYPES:  # cuBLAS: float32 sums, kept
+        y = torch.mm(x, weight.t(), out_dtype=out_dtype)
+        return y if bias is None else y.add_(bias)
+    return linear_reference(x, weight, bias, out_dtype)
 
 
 def add_rms_norm_linear(
@@ -696,15 +721,17 @@ def silu_mul_linear(
     *,
     defer: bool = False,
     static_weight: bool = False,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor | SplitSum:  # [M, N]
     """``linear(silu_mul(gate_up), weight, bias)`` (one Triton launch where the table fuses it).
-    ``gate_up`` may be a :class:`SplitSum` (the SwiGLU kernel sums it); ``defer`` and
-    ``static_weight`` as in :func:`linear`."""
+    ``gate_up`` may be a :class:`SplitSum` (the SwiGLU kernel sums it); ``defer``,
+    ``static_weight`` and ``out_dtype`` as in :func:`linear`."""
     if isinstance(gate_up, SplitSum):
         act = silu_mul(gate_up)
-        return linear(act, weight, bias, defer=defer, static_weight=static_weight)
+        return linear(act, weight, bias, defer=defer, static_weight=static_weight, out_dtype=out_dtype)
     _check_silu_linear(gate_up, weight, bias)
     if _fits(gate_up, weight, bias, True):
         return silu_mul_linear_triton(gate_up, weight, bias, defer=defer,
-                                      static_weight=static_weight)
-    return linear(silu_mul(gate_up), weight, bias, defer=defer, static_weight=static_weight)
+                                      static_weight=static_weight, out_dtype=out_dtype)
+    return linear(silu_mul(gate_up), weight, bias, defer=defer, static_weight=static_weight,
+                  out_dtype=out_dtype)

@@ -71,6 +71,25 @@ def test_linear(device, gen, dtype, rows, shape):
             _close(got, lin.linear_reference(x, w, b), f"linear {_ids(cfg)} bias={bias}")
 
 
+@pytest.mark.parametrize("rows", [1, 3, 16])
+def test_float32_outputs_keep_the_sums_unrounded(device, gen, rows):
+    """``out_dtype=float32`` (a tensor-parallel rank's partial sums): linear and silu_mul_linear of
+    bfloat16 operands, one config per form and the H200's split-K down rule, come back in
+    float32 within float32 rounding of the float64 product, far closer than a bfloat16 output."""
+    n, k = (768, 2560) if ON_GPU else (64, 520)
+    configs = [None, C(32, 128, 4, 3, True), C(8, 64, 4, 1, False)] + ([H200_DOWN_4ROWS] if rows <= 4 else [])
+    for cfg in configs:
+        x, w, b = _inputs(gen, device, torch.bfloat16, rows, n, k, True)
+        want = lin.linear_reference(x.double(), w.double(), b.double())
+        got = run_triton(device, lin.linear_triton, x, w, b, config=cfg, out_dtype=torch.float32)
+        assert got.dtype == torch.float32
+        assert rel_err(got.double(), want) < 1e-5, f"linear {_ids(cfg)}: {rel_err(got.double(), want):.1e}"
+        gate_up = torch.randn(rows, 2 * k, generator=gen).to(torch.bfloat16).to(device)
+        want = lin.silu_mul_linear_reference(gate_up, w, b, out_dtype=torch.float32)
+        got = run_triton(device, lin.silu_mul_linear_triton, gate_up, w, b, config=cfg, out_dtype=torch.float32)
+        assert got.dtype == torch.float32 and rel_err(got, want) < 1e-4, f"silu_mul_linear {_ids(cfg)}"
+
+
 @pytest.mark.parametrize("rows", [1, 4, 7, 16])
 def test_linear_float32_on_both_forms(device, gen, rows):
     """float32: IEEE tl.dot and the multiply-sum form (up to 16 rows) within 1e-6 of float64;

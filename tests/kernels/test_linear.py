@@ -69,6 +69,21 @@ def test_public_names_run_the_replaced_ops_on_cpu(monkeypatch, dtype, rows, mode
     assert torch.equal(lin.silu_mul_linear(gate_up, w, b), _cpu_product(silu_mul(gate_up), w, b))
 
 
+@pytest.mark.parametrize("rows", [1, 7])
+def test_float32_outputs_of_half_products_are_rounded_once(rows):
+    """``out_dtype=float32``: a bfloat16 product (a tensor-parallel rank's partial sums) comes
+    back as the float32 product of its operands, not rounded to bfloat16 on the way."""
+    x, _, _, w, b, gate_up = _case(torch.bfloat16, m=rows, seed=rows)
+    want = F.linear(x.float(), w.float(), b.float())
+    for got in (lin.linear(x, w, b, out_dtype=torch.float32), lin.linear_reference(x, w, b, torch.float32)):
+        assert got.dtype == torch.float32 and torch.equal(got, want)
+    assert not torch.equal(want.to(torch.bfloat16).float(), want), "the case never rounds"
+    act = silu_mul_reference(gate_up)
+    want = F.linear(act.float(), w.float(), b.float())
+    assert torch.equal(lin.silu_mul_linear(gate_up, w, b, out_dtype=torch.float32), want)
+    assert torch.equal(lin.linear(x, w, b, out_dtype=torch.bfloat16), F.linear(x, w, b))  # its own dtype: as before
+
+
 @pytest.mark.parametrize("rows", [2, 4, 16])
 @pytest.mark.parametrize("bias", [False, True])
 def test_the_cpu_skinny_product_is_f_linear_transposed(rows, bias):
