@@ -14,6 +14,8 @@ as SGLang's and vLLM's benchmark modes do; outputs are not the target's):
   slices and the replicated lm_head) over the device-to-device copy bandwidth;
 - the graphed decode step's GPU time at each batch, and its share of that bound;
 - the all-reduces of one step alone (2 per layer on ``[B, hidden]``, captured in a CUDA graph);
+- at TP=N, the decode step again with bf16 sums (``tp_reduce_dtype="model"``; the default sums
+  in float32) and with ``tp_all_reduce="symm_mem"``;
 - tokens/s of the baseline and of speculation at simulated τ, speedup and η = speedup / τ.
 
 Goals: 70B TP=2 batch-1 decode step ≥ 80 % of the per-GPU bound; 70B chain S=3 at
@@ -112,12 +114,12 @@ def rank_weight_bytes(target) -> int:
 
 
 def all_reduce_step_time(group, layers: int, batch: int, hidden: int, repeats: int = 10) -> float | None:
-    """GPU time of one step's all-reduces alone: 2 per layer on ``[batch, hidden]`` bf16, captured
-    in one CUDA graph as the engine's graphs capture them (through symmetric memory where the
-    group has its buffers)."""
+    """GPU time of one step's all-reduces alone: 2 per layer on ``[batch, hidden]`` in the dtype the
+    engine sums in (``group.reduce_dtype``, else bf16), captured in one CUDA graph as the engine's
+    graphs capture them (through symmetric memory where the group has its buffers)."""
     if group is None:
         return None
-    x = torch.zeros(batch, hidden, dtype=torch.bfloat16, device=group.device)
+    x = torch.zeros(batch, hidden, dtype=group.reduce_dtype or torch.bfloat16, device=group.device)
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -201,8 +203,13 @@ def measure_shape(shape: str, group, bs, args, log, out: dict, save) -> None:
             f"{ar}), {row['tokens_per_s']:.1f} tok/s")
     del base
     _free()
+    if group is not None:  # the decode step with bf16 sums, as peers reduce
+        out["baseline_model_reduce"] = _variant_rows("tp_reduce_dtype=model", dict(tp_reduce_dtype="model"), group,
+                                                     target, batches, bs, args, engine_kw, out["bound_s"], log)
+        save()
     if group is not None and args.symm_mem:
-        out["baseline_symm_mem"] = _symm_rows(group, target, batches, bs, args, engine_kw, out["bound_s"], log)
+        out["baseline_symm_mem"] = _variant_rows("symm_mem", dict(tp_all_reduce="symm_mem"), group, target, batches,
+                                                 bs, args, engine_kw, out["bound_s"], log)
         save()
     for name, spec_kw in configs.items():
         for tau in taus:
@@ -224,25 +231,25 @@ def measure_shape(shape: str, group, bs, args, log, out: dict, save) -> None:
     _free()
 
 
-def _symm_rows(group, target, batches, bs, args, engine_kw, bound, log) -> list[dict]:
-    """The decode step and the all-reduces alone with ``tp_all_reduce="symm_mem"``; the error
-    where torch's symmetric memory does not run here (the NCCL rows stand)."""
+def _variant_rows(name, options, group, target, batches, bs, args, engine_kw, bound, log) -> list[dict]:
+    """The decode step and the all-reduces alone with the engine ``options`` (another reduction);
+    the error where it does not run here (e.g. torch's symmetric memory; the main rows stand)."""
     from phasegraph import Engine, SpecConfig
 
     rows = []
     try:
-        engine = Engine(_baseline_view(target), spec=SpecConfig(method="none"), tp_all_reduce="symm_mem", **engine_kw)
+        engine = Engine(_baseline_view(target), spec=SpecConfig(method="none"), **options, **engine_kw)
         for b in batches:
             step = bs.decode_step_time(engine, b, context=args.prompt_tokens)
             row = {"batch": b, "decode_step_s": step, "share_of_bound": bound / step,
                    "all_reduce_s": all_reduce_step_time(group, target.num_layers, b, target.hidden_size)}
             rows.append(row)
-            log(f"  baseline symm_mem batch {b:>3}: step {1e3 * step:.2f} ms ({100 * row['share_of_bound']:.0f} % of "
+            log(f"  baseline {name} batch {b:>3}: step {1e3 * step:.2f} ms ({100 * row['share_of_bound']:.0f} % of "
                 f"the bound, all-reduces {1e3 * row['all_reduce_s']:.2f} ms)")
         del engine
     except Exception as exc:  # noqa: BLE001 - recorded; the NCCL rows stand
         rows.append({"error": f"{type(exc).__name__}: {exc}"})
-        log(f"  baseline symm_mem: {type(exc).__name__}: {exc}")
+        log(f"  baseline {name}: {type(exc).__name__}: {exc}")
     group.symm.clear()  # the rows after this use NCCL
     _free()
     return rows
@@ -264,8 +271,8 @@ def goals(results: dict) -> list[str]:
     def base(key, batch):
         return next((r for r in results.get(key, {}).get("baseline", []) if r["batch"] == batch), None)
 
-    def symm(key, batch):
-        return next((r for r in results.get(key, {}).get("baseline_symm_mem", []) if r.get("batch") == batch), None)
+    def variant(key, rows, batch):
+        return next((r for r in results.get(key, {}).get(rows, []) if r.get("batch") == batch), None)
 
     r = base("70B TP=2", 1)
     if r:
@@ -284,15 +291,17 @@ def goals(results: dict) -> list[str]:
         lines.append(f"8B decode step at batch 1: TP=2 {1e3 * two['decode_step_s']:.2f} ms / TP=1 "
                      f"{1e3 * one['decode_step_s']:.2f} ms = {ratio:.3f} (goal <= 0.62): "
                      f"{'MET' if ratio <= 0.62 else 'NOT MET'}")
-    for key in ("70B TP=2", "8B TP=2"):  # the same steps with tp_all_reduce="symm_mem"
-        r = symm(key, 1)
-        if r:
-            extra = ""
-            if key == "8B TP=2" and one:
-                extra = f", {r['decode_step_s'] / one['decode_step_s']:.3f}x the TP=1 step"
-            lines.append(f"{key} batch-1 decode step with symm_mem all-reduces: {1e3 * r['decode_step_s']:.2f} ms = "
-                         f"{100 * r['share_of_bound']:.1f} % of the bound{extra}; all-reduces alone "
-                         f"{1e3 * r['all_reduce_s']:.2f} ms")
+    for rows, what in (("baseline_model_reduce", "bf16 sums (tp_reduce_dtype=model)"),
+                       ("baseline_symm_mem", "symm_mem all-reduces")):  # the same steps, another reduction
+        for key in ("70B TP=2", "8B TP=2"):
+            r = variant(key, rows, 1)
+            if r:
+                extra = ""
+                if key == "8B TP=2" and one:
+                    extra = f", {r['decode_step_s'] / one['decode_step_s']:.3f}x the TP=1 step"
+                lines.append(f"{key} batch-1 decode step with {what}: {1e3 * r['decode_step_s']:.2f} ms = "
+                             f"{100 * r['share_of_bound']:.1f} % of the bound{extra}; all-reduces alone "
+                             f"{1e3 * r['all_reduce_s']:.2f} ms")
     return lines
 
 

@@ -408,6 +408,7 @@ def _token_ids(value):
 
 
 TP_ALL_REDUCES = ("nccl", "symm_mem")
+TP_REDUCE_DTYPES = ("float32", "model")
 # the drafts that run fused decoder layers, which runtime/models/fused_decoder.py splits
 DRAFT_TP_METHODS = ("standalone", "eagle3")
 # long enough for ranks that load a large checkpoint at different speeds to meet at the first
@@ -446,7 +447,10 @@ class EngineConfig:
     ``tensor_parallel_size`` (a standalone or EAGLE-3 draft split the target's way; the other
     kinds run transformers' modules, which are not split).
     ``tp_all_reduce``: ``"nccl"``, or ``"symm_mem"`` (GPUs: messages up to 8 MiB through torch's
-    symmetric memory, one-shot over NVLink; larger ones through NCCL).
+    symmetric memory, one-shot over NVLink; larger ones through NCCL). ``tp_reduce_dtype``: what
+    a half-precision target's row-parallel partial sums are all-reduced in: ``"float32"`` (the
+    default: each layer's output is rounded once, after the sum, as on one GPU, so TP=N's
+    tokens follow TP=1's) or ``"model"`` (half the bytes on the wire, a second rounding).
     ``prefix_cache``: share the KV of common prompt prefixes between requests (a radix tree
     over KV pages, ``runtime/prefix_cache.py``); off by default, so that a request's output
     never depends on the requests served before it (``docs/serving.md`` says why;
@@ -479,6 +483,7 @@ class EngineConfig:
     tp_timeout_s: float = DEFAULT_TP_TIMEOUT_S
     tp_check: bool = attrs.field(default=False, validator=_switch())
     tp_all_reduce: str = "nccl"
+    tp_reduce_dtype: str = "float32"
     prefix_cache: bool = attrs.field(default=False, validator=_switch())
     spec_costs: CostTable | None = None
 
@@ -507,6 +512,9 @@ class EngineConfig:
         self._check_draft_tensor_parallel()
         if self.tp_all_reduce not in TP_ALL_REDUCES:
             raise InvalidConfig(f"tp_all_reduce must be one of {', '.join(TP_ALL_REDUCES)}; got {self.tp_all_reduce!r}")
+        if self.tp_reduce_dtype not in TP_REDUCE_DTYPES:
+            raise InvalidConfig(f"tp_reduce_dtype must be one of {', '.join(TP_REDUCE_DTYPES)}; got "
+                                f"{self.tp_reduce_dtype!r}")
         if not is_int(self.seed):
             raise InvalidConfig(f"seed must be an integer; got {self.seed!r}")
         buckets = self.graph_buckets

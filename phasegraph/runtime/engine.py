@@ -196,10 +196,13 @@ class Engine:
                 f"{draft_tp_size} rank(s): Engine.from_pretrained(..., draft_tensor_parallel_size=N) loads and "
                 "splits it"
             )
+        if self.tp is not None:  # the draft, when split, shares the group and so its dtype
+            half = config.tp_reduce_dtype == "float32" and target.dtype != torch.float32
+            self.tp.reduce_dtype = torch.float32 if half else None
         if config.tp_all_reduce == "symm_mem":
             if self.tp is None:
                 raise InvalidConfig("tp_all_reduce='symm_mem' applies to a target split over several ranks")
-            self.tp.enable_symmetric_memory(8 << 20, target.dtype)
+            self.tp.enable_symmetric_memory(8 << 20, self.tp.reduce_dtype or target.dtype)
         spec = config.spec
         self.target = target
         self.draft = draft if spec.speculative else None

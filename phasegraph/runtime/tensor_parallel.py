@@ -65,6 +65,7 @@ class TensorParallelGroup:
     symm: list = attrs.field(factory=list)  # tp_all_reduce="symm_mem": two symmetric buffers, flat
     symm_parity: int = 0  # which of them the next all-reduce uses
     symm_group: str | None = None
+    reduce_dtype: torch.dtype | None = None  # the row-parallel sums' dtype (None: the model's)
     timed: bool = False  # add each all-reduce's host time to collective_ns (a traced CPU rank)
     collective_ns: int = 0  # all-reduce host time so far, while timed
 

@@ -65,7 +65,9 @@ def test_report_marks_the_goals(tmp_path):
         {"shape": "70B", "tp": 2, "baseline": [{"batch": 1, "decode_step_s": 0.02, "share_of_bound": 0.83,
                                                 "all_reduce_s": 0.0028}],
          "spec": [{"tau_simulated": 4, "batch": 1, "eta": 0.7}]},
-        {"shape": "8B", "tp": 2, "baseline": [{"batch": 1, "decode_step_s": 0.003}], "spec": []},
+        {"shape": "8B", "tp": 2, "baseline": [{"batch": 1, "decode_step_s": 0.003}], "spec": [],
+         "baseline_model_reduce": [{"batch": 1, "decode_step_s": 0.0028, "share_of_bound": 0.7,
+                                    "all_reduce_s": 0.0009}]},
     ]
     (tmp_path / "tp2.json").write_text(json.dumps({"parts": parts}))
     (tmp_path / "tp1.json").write_text(json.dumps({"parts": [
@@ -75,6 +77,8 @@ def test_report_marks_the_goals(tmp_path):
     assert lines[0].startswith("70B TP=2 batch-1 decode step 20.00 ms = 83.0 %") and lines[0].count("NOT MET") == 0
     assert lines[1].endswith("NOT MET")  # η 0.70 < 0.75
     assert "= 0.600 (goal <= 0.62): MET" in lines[2]
+    assert lines[3] == ("8B TP=2 batch-1 decode step with bf16 sums (tp_reduce_dtype=model): 2.80 ms = 70.0 % of the "
+                        "bound, 0.560x the TP=1 step; all-reduces alone 0.90 ms")
 
 
 def test_phasegraph_bench_tp_runs_torchrun_then_tp1_then_report(monkeypatch, tmp_path):

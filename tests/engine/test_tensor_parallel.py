@@ -149,6 +149,34 @@ def test_tp2_splits_kv_heads_where_they_divide(tmp_path):
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
 
 
+def test_bf16_partial_sums_reduced_in_float32_follow_tp1(tmp_path):
+    """A bfloat16 target: with ``tp_reduce_dtype="float32"`` (the default) each layer's output is
+    rounded once, after the ranks' sum, as at TP=1, so far more greedy outputs equal TP=1's than
+    when the partial sums are rounded to bfloat16 first and summed in bfloat16."""
+    from safetensors.torch import load_file, save_file
+
+    target = write_hf_target(tmp_path / "t", "llama", seed=11, hidden_size=256, intermediate_size=512,
+                             num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2, vocab_size=1024,
+                             max_position_embeddings=1024, tie_word_embeddings=False)
+    state = load_file(str(target / "model.safetensors"))
+    state["lm_head.weight"] *= 4.0  # sharper logits: fewer near-ties, as the GPU suite's target
+    save_file(state, str(target / "model.safetensors"), metadata={"format": "pt"})
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 1024, (int(n),), generator=g).tolist() for n in torch.randint(3, 40, (32,), generator=g)]
+    params = SamplingParams(max_new_tokens=32, ignore_eos=True)
+    kw = dict(dtype="bfloat16", max_batch_size=32, kv_pool_tokens=8192)
+    want = [o.token_ids for o in Engine.from_pretrained(target, **kw).generate(prompts, params)]
+    same = {}
+    for reduce_dtype, expected in (("float32", torch.float32), ("model", None)):
+        with Engine.from_pretrained(target, tensor_parallel_size=2, tp_reduce_dtype=reduce_dtype, **kw) as two:
+            assert two.tp.reduce_dtype == expected
+            got = [o.token_ids for o in two.generate(prompts, params)]
+        same[reduce_dtype] = sum(a == b for a, b in zip(got, want, strict=True))
+    assert same["float32"] >= same["model"] + 8, same
+    with pytest.raises(InvalidConfig, match="tp_reduce_dtype must be one of float32, model; got 'fp8'"):
+        Engine.from_pretrained(target, dtype="float32", tp_reduce_dtype="fp8")
+
+
 def test_killed_worker_raises_worker_died(pair):
     target, _ = pair
     two = Engine.from_pretrained(target, dtype="float32", tensor_parallel_size=2, tp_timeout_s=20)

@@ -378,9 +378,11 @@ class Eagle3Draft(FeatureDraft):
             h, mid.hidden_norm.weight, float(mid.hidden_norm.variance_epsilon), a_rows=rows,
         )
         cos, sin, rope_rows = RotaryTable.of(self.rotary).lookup(x, positions, attn)
-        attn_out = layer.attention_from_qkv(layer.qkv_of(x), cos, sin, pool.k[0], pool.v[0], attn, rope_rows)  # [T, Hd]
+        reduce_dtype = None if tp is None else tp.reduce_dtype
+        attn_out = layer.attention_from_qkv(layer.qkv_of(x), cos, sin, pool.k[0], pool.v[0], attn, rope_rows,
+                                            out_dtype=reduce_dtype)  # [T, Hd]
         if tp is not None:  # a rank's o product is a partial sum (row parallel)
-            attn_out = tp.all_reduce_(attn_out)
+            attn_out = tp.all_reduce_(attn_out).to(self.dtype)
         if head.layout.norm_before_residual:  # the residual is hidden_norm(h), x's second half
             h = x[:, self.hidden_size:].contiguous()
         # h1 = h + attn_out; gate_up = post_attention_layernorm(h1) @ gate_up
@@ -389,9 +391,9 @@ class Eagle3Draft(FeatureDraft):
             static_weight=True,
         )
         mlp_out = silu_mul_linear(gate_up, layer.down_weight, layer.down_bias,
-                                  static_weight=True)  # [T, Hd]
+                                  static_weight=True, out_dtype=reduce_dtype)  # [T, Hd]
         if tp is not None:  # so is its down product
-            mlp_out = tp.all_reduce_(mlp_out)
+            mlp_out = tp.all_reduce_(mlp_out).to(self.dtype)
         norm_eps = float(head.norm.variance_epsilon)
         rows = None  # [R, Hd] the rows of out at logits_index
         if logits_index is None:  # out = h1 + mlp_out; logits = lm_head(norm(out))

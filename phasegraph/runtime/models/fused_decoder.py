@@ -103,16 +103,18 @@ class FusedLayer:
         meta: AttentionMetadata,
         rope_rows: torch.Tensor | None = None,  # [T] i64: each token's row of the tables
         defer: bool = False,
+        out_dtype: torch.dtype | None = None,
     ) -> torch.Tensor | SplitSum:  # [T, H], before the residual add
         """Rotary, KV write, attention and the ``o`` product; ``defer``: a split-K ``o`` product
-        comes back unsummed (:class:`SplitSum`), for the norm that follows to sum."""
+        comes back unsummed (:class:`SplitSum`), for the norm that follows to sum;
+        ``out_dtype``: the ``o`` product's dtype (a rank's partial sums, kept in float32)."""
         tokens = qkv.shape[0]
         hq, hkv, d = self.num_heads, self.num_kv_heads, self.head_dim
         if self.q_norm is None:  # one launch where every query has its own row (decode, draft)
             out = rope_paged_attention(qkv, hq, hkv, d, cos, sin, k_cache, v_cache, meta,
                                        self.scaling, rope_rows)  # [T, Hq, D]
             return linear(out.reshape(tokens, hq * d), self.o_weight, self.o_bias, defer=defer,
-                          static_weight=True)
+                          static_weight=True, out_dtype=out_dtype)
         q = qkv[:, : hq * d].view(tokens, hq, d)
         k = qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d)
         v = qkv[:, (hq + hkv) * d :].view(tokens, hkv, d)
@@ -121,7 +123,7 @@ class FusedLayer:
         q = rotary_write_kv(q, k, v, cos, sin, k_cache, v_cache, meta.write_slots, rope_rows)  # [T, Hq, D]
         out = paged_attention(q, k_cache, v_cache, meta, self.scaling)  # [T, Hq, D]
         return linear(out.reshape(tokens, hq * d), self.o_weight, self.o_bias, defer=defer,
-                      static_weight=True)
+                      static_weight=True, out_dtype=out_dtype)
 
     def mlp(self, normed: torch.Tensor) -> torch.Tensor:  # [T, H] -> [T, H]
         gate_up = linear(normed, self.gate_up_weight, self.gate_up_bias, static_weight=True)  # [T, 2I]
@@ -137,17 +139,18 @@ class FusedLayer:
         )
 
     def norm_mlp(
-        self, hidden: torch.Tensor | SplitSum, residual: torch.Tensor, defer: bool = False
+        self, hidden: torch.Tensor | SplitSum, residual: torch.Tensor, defer: bool = False,
+        out_dtype: torch.dtype | None = None,
     ) -> tuple[torch.Tensor | SplitSum, torch.Tensor]:  # (mlp output [T, H], new residual [T, H])
         """The post-attention norm, the gate/up product, SiLU x up and the down product;
         ``defer``: split-K ``gate_up`` and ``down`` products go on unsummed (the SwiGLU kernel
-        and the next norm sum them)."""
+        and the next norm sum them); ``out_dtype``: the ``down`` product's dtype."""
         gate_up, residual = add_rms_norm_linear(
             hidden, residual, self.post_norm, self.eps, self.gate_up_weight, self.gate_up_bias,
             defer=defer, static_weight=True,
         )
         down = silu_mul_linear(gate_up, self.down_weight, self.down_bias, defer=defer,
-                               static_weight=True)
+                               static_weight=True, out_dtype=out_dtype)
         return down, residual
 
 
@@ -254,12 +257,15 @@ def run_fused_decoder(
     v_caches: list[torch.Tensor],
     capture_layers: tuple[int, ...] = (),
     all_reduce=None,  # tensor parallel: sums [T, H] over the ranks in place
+    reduce_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:  # ([T, H] after the final norm, {layer: [T, H]})
     """Every decoder layer, then the final norm; also the residual input of ``capture_layers``.
     Split-K products whose next kernel is a norm or SwiGLU hand on their slices unsummed
     (:mod:`phasegraph.kernels.split_sum`: the same bits, one reduction pass less).
     ``all_reduce``: the layers are a rank's row-parallel slices (runtime/tensor_parallel.py), so
-    the ``o`` and ``down`` products are partial sums, summed over the ranks before the norms."""
+    the ``o`` and ``down`` products are partial sums, summed over the ranks before the norms;
+    ``reduce_dtype`` (default the model's): the dtype they are summed in, rounded to the model's
+    after the sum (float32: each layer's output rounded once, as at one rank)."""
     inner = model.model
     hidden = embed(inner.embed_tokens, input_ids)  # [T, H]
     cos, sin, rope_rows = RotaryTable.of(inner.rotary_emb).lookup(hidden, positions, meta)
@@ -277,12 +283,12 @@ def run_fused_decoder(
                 windowed[window] = window_of(meta, positions, window)
             layer_meta = windowed[window]
         hidden = layer.attention_from_qkv(qkv, cos, sin, k_caches[idx], v_caches[idx], layer_meta, rope_rows,
-                                          defer=all_reduce is None)
+                                          defer=all_reduce is None, out_dtype=reduce_dtype)
         if all_reduce is not None:
-            hidden = all_reduce(hidden)
-        hidden, residual = layer.norm_mlp(hidden, residual, defer=True)
+            hidden = all_reduce(hidden).to(residual.dtype)
+        hidden, residual = layer.norm_mlp(hidden, residual, defer=True, out_dtype=reduce_dtype)
         if all_reduce is not None:
-            hidden = all_reduce(hidden.total() if isinstance(hidden, SplitSum) else hidden)
+            hidden = all_reduce(hidden.total() if isinstance(hidden, SplitSum) else hidden).to(residual.dtype)
     final = inner.norm
     out, _ = add_rms_norm(hidden, residual, final.weight, float(final.variance_epsilon))
     return out, captured

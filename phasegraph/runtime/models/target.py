@@ -287,6 +287,7 @@ class HFTarget:
                 self.model, self.fused_layers, input_ids, positions, attn,
                 self.pool.k, self.pool.v, self.feature_layers,
                 all_reduce=None if self.tp is None else self.tp.all_reduce_,
+                reduce_dtype=None if self.tp is None else self.tp.reduce_dtype,
             )
             return hidden, self._features(hidden, captured)
         inner = self.model.model
