@@ -592,6 +592,8 @@ class Engine:
         if tp_size != 1 or kwargs.get("draft_tensor_parallel_size", 1) != 1:
             # a bad option raises here, before any rank starts (or any weight is read)
             _engine_config(None, dict(kwargs, spec=spec, page_size=page_size, kv_pool_tokens=kv_pool_tokens))
+        if tp_size != 1 and kwargs.get("tp_all_reduce") == "symm_mem":
+            tensor_parallel.check_symmetric_memory_fresh()
         if tp_size != 1:
             load = (target_dir, draft_dir, dict(spec=spec, device=device, dtype=dtype, draft_dtype=draft_dtype,
                                                 page_size=page_size, kv_pool_tokens=kv_pool_tokens, **kwargs))

@@ -213,6 +213,8 @@ class TensorParallelGroup:
         if all(proc.is_alive() for proc in self.workers):
             with contextlib.suppress(WorkerDied):  # a rank that died at the last meeting: leave anyway
                 self.min_int(0)
+        if self.symm and self.mode == "leader":
+            _SYMM_LEFT["left"] = True
         left = _leave_group(timeout_s)
         for proc in self.workers:
             proc.join(timeout_s)
@@ -288,6 +290,20 @@ def current_group(world_size: int, device: torch.device, timeout_s: float) -> Te
 
 _WORKER_MODE: dict[str, str] = {}
 _LAUNCHED = {"open": False}  # whether a group this process started as leader is still open
+# whether a group of this process that used symmetric memory was left: on 2xH200 a second
+# group's symm_mem engine in the same process hung in its first all-reduces (2 of 2 runs)
+_SYMM_LEFT = {"left": False}
+
+
+def check_symmetric_memory_fresh() -> None:
+    """:class:`TensorParallelError` where an earlier group of this process used symmetric
+    memory (checked before any rank starts: a hang becomes a named error)."""
+    if _SYMM_LEFT["left"]:
+        raise TensorParallelError(
+            "tp_all_reduce='symm_mem' in a second tensor-parallel engine of one process hung on GPUs (torch's "
+            "symmetric memory keeps the first group's state): start this engine in a fresh process, or use "
+            "tp_all_reduce='nccl'"
+        )
 
 
 def launch(

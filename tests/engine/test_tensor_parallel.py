@@ -284,6 +284,25 @@ def test_symmetric_memory_all_reduce_is_refused_without_gpus(pair):
         Engine.from_pretrained(target, dtype="float32", tensor_parallel_size=2, tp_all_reduce="symm_mem")
 
 
+def test_a_second_symmetric_memory_group_is_refused_before_any_rank_starts(pair, monkeypatch):
+    """A leader whose group used symmetric memory closes; a later symm_mem engine of the same
+    process (which hung on GPUs) is refused by name, and no rank is started."""
+    from phasegraph.runtime import tensor_parallel
+    from phasegraph.runtime.errors import TensorParallelError
+
+    monkeypatch.setitem(tensor_parallel._SYMM_LEFT, "left", False)
+    tensor_parallel.check_symmetric_memory_fresh()
+    group = tensor_parallel.TensorParallelGroup(0, 2, "gloo", torch.device("cpu"), 10.0, "leader",
+                                                symm=[torch.zeros(4)])
+    group.close()
+    started = []
+    monkeypatch.setattr(tensor_parallel, "launch", lambda *a, **k: started.append(a))
+    target = pair[0]
+    with pytest.raises(TensorParallelError, match="second tensor-parallel engine of one process hung"):
+        Engine.from_pretrained(target, dtype="float32", tensor_parallel_size=2, tp_all_reduce="symm_mem")
+    assert started == []
+
+
 def test_moe_target_is_refused_by_name(tmp_path):
     """Routed experts take no fused path, which tensor parallelism splits: UnsupportedModel, and
     the started rank is stopped."""
