@@ -331,6 +331,19 @@ def test_pad_and_slice_round_trip_on_gpu():
     assert torch.isfinite(static.topk_p).all()
 
 
+@pytest.mark.parametrize("rows", [1, 3, 20])
+def test_bf16_target_logits_keep_the_float32_sums(rows):
+    """A bfloat16 lm_head's logits are its float32 sums, not rounded to bfloat16 first (whose
+    ties and one-ulp steps would decide greedy tokens), at the skinny and the cuBLAS row counts."""
+    target = _target(torch.bfloat16)
+    hidden = torch.randn(rows, 64, generator=torch.Generator().manual_seed(rows)).to(torch.bfloat16).cuda()
+    got = target.logits(hidden)
+    want = hidden.double() @ target.model.lm_head.weight.double().t()
+    assert got.dtype == torch.float32
+    err = float((got.double() - want).norm() / want.norm())
+    assert err < 1e-5, f"relative error {err:.1e} (bfloat16 logits: ~1e-3)"
+
+
 def test_bf16_speculative_matches_bf16_autoregressive():
     """≥ 95% of 64 prompts × 64 tokens identical; divergences only after a near-tie."""
     target = _target(torch.bfloat16)
