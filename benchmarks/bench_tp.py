@@ -326,7 +326,7 @@ def main(argv=None) -> int:
     p.add_argument("--batches-70b", type=int, nargs="+", default=[1, 8, 32, 64])
     p.add_argument("--taus-70b", type=int, nargs="+", default=[4, 3, 2])
     p.add_argument("--prompt-tokens", type=int, default=128)
-    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=256, help="tokens a request generates (part 2's 256)")
     p.add_argument("--timeout-s", type=float, default=600.0, help="a rank waits this long in a collective")
     p.add_argument("--no-symm-mem", dest="symm_mem", action="store_false",
                    help="skip the decode rows with tp_all_reduce='symm_mem'")

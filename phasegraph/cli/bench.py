@@ -256,7 +256,9 @@ def run_bench(args: argparse.Namespace) -> int:
         from phasegraph.bench.tp import run_tp_bench
 
         require_at_least("--tp", args.tp, 2)
-        return run_tp_bench(args.tp, Path(args.out), ["--new-tokens", str(args.scale_new_tokens or 64)], _say)
+        # as many new tokens as part 2's rows: speedups of decoding, the prompt's prefill a small share
+        new_tokens = args.scale_new_tokens or FULL["scale_new_tokens"]
+        return run_tp_bench(args.tp, Path(args.out), ["--new-tokens", str(new_tokens)], _say)
     args = _resolve_args(args)
     if 1 in args.parts_list and args.trained_pair:  # before anything runs or --out is made, --dry-run included
         pair = pair_path(args)

@@ -97,7 +97,7 @@ def test_phasegraph_bench_tp_runs_torchrun_then_tp1_then_report(monkeypatch, tmp
     monkeypatch.setattr(subprocess, "run", fake_run)
     assert main(["bench", "--tp", "2", "--out", str(tmp_path / "o")]) == 0
     (two, env), (one, _), (rep, _) = calls
-    assert one[-6:] == ["--tp", "1", "--out", str(tmp_path / "o"), "--new-tokens", "64"]
+    assert one[-6:] == ["--tp", "1", "--out", str(tmp_path / "o"), "--new-tokens", "256"]
     assert two[0].endswith("torchrun") and two[1:3] == ["--nproc-per-node", "2"] and "--tp" in two
     assert rep[-2:] == ["--report", str(tmp_path / "o")]
     assert env["NCCL_NVLS_ENABLE"] == "0"
