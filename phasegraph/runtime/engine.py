@@ -900,7 +900,17 @@ class Engine:
         """Stop the ranks this engine started, or leave torchrun's group (bounded; idempotent).
         An engine without tensor parallelism has nothing to stop."""
         if self.tp is not None and self.tp.mode != "worker":
+            self._release_graphs()
             self.tp.close()
+
+    def _release_graphs(self) -> None:
+        """Destroy this rank's CUDA graphs before it leaves its group: NCCL's abort and destroy
+        wait until no live graph holds a collective of the communicator (vLLM #39846 traced
+        this), so leaving with the graphs alive outlasted its bound on 2×H200."""
+        if self.graph_runner is not None:
+            self.graph_runner.release()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def __enter__(self) -> Engine:
         return self
@@ -913,6 +923,7 @@ class Engine:
         while (command := tensor_parallel.next_command(commands)) is not None:
             op, args = command[0], command[1:]
             if op == "shutdown":
+                self._release_graphs()
                 self.tp.close()  # meets the leader's close, then leaves the group
                 return
             if op == "add":

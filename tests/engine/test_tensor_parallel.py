@@ -177,6 +177,23 @@ def test_bf16_partial_sums_reduced_in_float32_follow_tp1(tmp_path):
         Engine.from_pretrained(target, dtype="float32", tp_reduce_dtype="fp8")
 
 
+def test_shutdown_destroys_the_graphs_before_leaving_the_group(pair, monkeypatch):
+    """NCCL frees a communicator only once every CUDA graph holding one of its collectives is
+    destroyed, so a rank drops its graphs (emulated here) before it leaves the group."""
+    from phasegraph.runtime import tensor_parallel
+
+    seen = []
+    leave = tensor_parallel._leave_group
+    engine = Engine.from_pretrained(pair[0], dtype="float32", tensor_parallel_size=2, cuda_graphs="emulate",
+                                    max_batch_size=4)
+    monkeypatch.setattr(tensor_parallel, "_leave_group", lambda t: seen.append(engine.graph_runner.graph_count())
+                        or leave(t))
+    engine.generate(make_prompts(2, seed=3), SamplingParams(max_new_tokens=6, ignore_eos=True))
+    assert engine.graph_runner.graph_count() > 0
+    engine.shutdown()
+    assert seen == [0] and engine.graph_runner.graph_count() == 0
+
+
 def test_killed_worker_raises_worker_died(pair):
     target, _ = pair
     two = Engine.from_pretrained(target, dtype="float32", tensor_parallel_size=2, tp_timeout_s=20)
