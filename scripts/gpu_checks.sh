@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # The GPU suite and the maintained benchmarks (benchmarks/README.md) in one device call, from the
 # repository root; each part's output is printed and kept under $OUT (default ./out).
-#   bash scripts/gpu_checks.sh [all|tests|tests-kernels|tests-rest|scale|kernels|linear|steps|demo-pair|serve ...]
+#   bash scripts/gpu_checks.sh [all|tests|tests-kernels|tests-rest|scale|kernels|linear|steps|demo-pair|serve
+#                               |tp-tests|tp-bench ...]
 #   all (the default): tests, then scale. The other parts take minutes each, so they run when named.
 #   tests = tests-kernels + tests-rest, each under 8 minutes: name one a call where calls are limited.
+#   tp-tests and tp-bench need two GPUs (nvidia-h200-x2), NVLink multicast off.
 # Exits non-zero when any part failed.
 set -uo pipefail
 OUT=${OUT:-out}
@@ -57,6 +59,26 @@ if wants steps; then  # GPU time by kernel: the 8B step and iteration, then the 
 fi
 if wants demo-pair; then  # the embedded pair's τ through the Engine (its README's figures)
   run demo-pair 300 python benchmarks/measure_acceptance.py phasegraph/data/demo_pair --device cuda
+fi
+
+if wants tp-tests; then  # the two-GPU suite: about a minute a test, so its selections side by side
+  # (each symm_mem engine in a process of its own: a second one in a process is refused)
+  export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+  tp=tests/gpu/test_tensor_parallel_gpu.py
+  selections=("test_tp2_fp32 and (none-P16 or eagle3-tree or eagle3-chain)"
+              "(test_tp2_fp32 and standalone) or bf16"
+              "symmetric and none" "symmetric and eagle3-tree"
+              "draft_tp2 and nccl" "draft_tp2 and symm_mem")
+  pids=()
+  for i in "${!selections[@]}"; do
+    (failed=(); run "tp-tests-$i" 560 python -m pytest -q -m gpu -p no:cacheprovider --timeout 300 "$tp" \
+      -k "${selections[$i]}"; ((${#failed[@]} == 0))) &
+    pids+=($!)
+  done
+  for i in "${!pids[@]}"; do wait "${pids[$i]}" || failed+=("tp-tests-$i"); done
+fi
+if wants tp-bench; then  # 8B at TP=1 and 2, 70B at TP=2: the three goals in $OUT/tp/goals.txt
+  run tp-bench 580 python -m phasegraph.cli bench --tp 2 --out "$OUT/tp"
 fi
 
 if wants serve; then  # the server under Poisson arrivals, speculation on and off (needs the serve extra);

@@ -1,10 +1,11 @@
 """Tensor parallelism on two GPUs: NCCL, CUDA graphs (iteration graphs with the all-reduces
 captured), overlap scheduling.
 
-    NCCL_NVLS_ENABLE=0 timeout 590 python -m pytest -m gpu -q tests/gpu/test_tensor_parallel_gpu.py -k "..."
+    bash scripts/gpu_checks.sh tp-tests
 
-About a minute a test (two engines each): in one 10-minute device call, run three or four
-``-k`` selections side by side. The engine starts rank 1 on GPU 1 itself. float32: TP=2
+About a minute a test (two engines each): that part runs ``-k`` selections side by side in one
+10-minute device call, each symm_mem test in a process of its own (a second symm_mem engine in
+a process is refused: it hung on 2×H200). The engine starts rank 1 on GPU 1 itself. float32: TP=2
 produces exactly TP=1's tokens for no speculation, EAGLE-3 and standalone drafts, chain and
 tree, page size 1 and 16, with retraction forced and seeded sampling, also with the draft split
 over both GPUs (draft_tensor_parallel_size=2); bfloat16 (partial sums reduced in float32): at
