@@ -39,7 +39,8 @@ if wants tests-kernels; then
 fi
 if wants tests-rest; then
   run gpu-tests-rest 480 python -m pytest -q -m gpu -n 8 -p no:cacheprovider --ignore=tests/serving \
-    --ignore=tests/kernels $(printf -- '--ignore=%s ' tests/gpu/test_triton*.py)
+    --ignore=tests/kernels $(printf -- '--ignore=%s ' tests/gpu/test_triton*.py) \
+    --ignore=tests/gpu/test_tensor_parallel_gpu.py  # two GPUs: tp-tests
 fi
 if wants scale; then  # the 8B shape: decode step against the bandwidth bound, iterations by phase
   run scale 400 python benchmarks/bench_scale.py --batches 1 8 64 --scopes iteration --scheduler --out "$OUT/scale"
