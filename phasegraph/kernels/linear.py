@@ -666,10 +666,10 @@ def linear(
     ``out_dtype`` (default ``x``'s): a half-precision product summed in float32 comes back
     rounded once, to this dtype (tensor-parallel partial sums are float32 until summed)."""
     _check_linear(x, weight, bias)
-    if out_dtype is not None and out_dtype != x.dtype:
-        return _linear_to(x, weight, bias, out_dtype, defer, static_weight)
     if _fits(x, weight, bias, False):
-        return linear_triton(x, weight, bias, defer=defer, static_weight=static_weight)
+        return linear_triton(x, weight, bias, defer=defer, static_weight=static_weight, out_dtype=out_dtype)
+    if out_dtype is not None and out_dtype != x.dtype:
+        return _linear_to(x, weight, bias, out_dtype)
     tile = tiled_config(x, weight, bias, defer)  # float32, 17..512 rows
     if tile is not None:
         return tiled_linear_triton(x, weight, bias, config=tile, defer=defer)
@@ -678,10 +678,8 @@ def linear(
     return F.linear(x, weight, bias)
 
 
-def _linear_to(x, weight, bias, out_dtype, defer, static_weight) -> torch.Tensor | SplitSum:
-    """:func:`linear` with an output dtype other than ``x``'s."""
-    if _fits(x, weight, bias, False):
-        return linear_triton(x, weight, bias, defer=defer, static_weight=static_weight, out_dtype=out_dtype)
+def _linear_to(x, weight, bias, out_dtype) -> torch.Tensor:
+    """:func:`linear` off the Triton product, with an output dtype other than ``x``'s."""
     if x.is_cuda and out_dtype == torch.float32 and x.dtype in HALF_DTYPES:  # cuBLAS: float32 sums, kept
         y = torch.mm(x, weight.t(), out_dtype=out_dtype)
         return y if bias is None else y.add_(bias)

@@ -342,9 +342,9 @@ class HFTarget:
         rows = hidden if logits_index is None else take_rows(hidden, logits_index)
         head = self.model.lm_head
         if type(head) is torch.nn.Linear:  # the skinny product where its table says it wins
-            if rows.is_cuda:  # a half lm_head's float32 sums kept: bf16 logits tie, or step by an ulp
-                return linear(rows, head.weight, head.bias, static_weight=True, out_dtype=torch.float32)
-            return linear(rows, head.weight, head.bias, static_weight=True).float()
+            # on GPUs a half lm_head's float32 sums are kept: bf16 logits tie, or step by an ulp
+            out_dtype = torch.float32 if rows.is_cuda else None
+            return linear(rows, head.weight, head.bias, static_weight=True, out_dtype=out_dtype).float()
         return head(rows).float()
 
     def forward(
