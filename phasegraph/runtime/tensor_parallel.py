@@ -215,12 +215,14 @@ class TensorParallelGroup:
                 self.min_int(0)
         if self.symm and self.mode == "leader":
             _SYMM_LEFT["left"] = True
-        left = _leave_group(timeout_s)
+        # the workers go first: the leader hosts the group's store, which a worker's NCCL
+        # heartbeat still polls while it leaves (a leader gone first makes it print a trace)
         for proc in self.workers:
             proc.join(timeout_s)
             if proc.is_alive():
                 proc.kill()
                 proc.join(timeout_s)
+        left = _leave_group(timeout_s)
         if left and self.mode == "leader":
             _LAUNCHED["open"] = False
 
