@@ -63,7 +63,6 @@ from phasegraph.runtime.kv_pool import KVCacheManager, PrefixCacheStats
 from phasegraph.runtime.memory import PhaseMemory
 from phasegraph.runtime.methods import registered
 from phasegraph.runtime.models.drafts import draft_kind, load_draft
-from phasegraph.runtime.models.fused_decoder import shard_target
 from phasegraph.runtime.models.gguf import convert_gguf, is_gguf
 from phasegraph.runtime.models.loading import load_tokenizer, read_json_object
 from phasegraph.runtime.models.target import HFTarget
@@ -612,13 +611,12 @@ class Engine:
         target_path = Path(target_dir)
         if is_gguf(target_path):  # converted once into the user cache dir (models/gguf.py)
             target_path = convert_gguf(target_path)
-        # a split target is read whole on the CPU and only its slice moved to the device
         method = registered(spec.method)
         feature_mode = FEATURE_MODE[spec.method] if method is None else method.feature_mode
-        target = HFTarget.from_pretrained(target_path, dtype=dt, device=dev if group is None else "cpu",
-                                          feature_mode=feature_mode)
-        if group is not None:
-            shard_target(target, group)
+        if group is None:
+            target = HFTarget.from_pretrained(target_path, dtype=dt, device=dev, feature_mode=feature_mode)
+        else:  # each rank reads one decoder layer at a time and keeps its slice on its device
+            target = HFTarget.from_pretrained_split(target_path, dt, group, feature_mode=feature_mode)
         draft = None
         if spec.speculative and (method is None or method.make_draft is None):  # else the engine builds it
             if draft_dir is None:

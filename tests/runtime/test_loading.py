@@ -373,3 +373,89 @@ def test_an_eagle3_head_declaring_impossible_layers_is_refused(tmp_path, fields,
     with pytest.raises(DraftMismatch, match=message):
         Eagle3Draft.from_pretrained(d, target)
     assert target.feature_layers == (2, 4, 5)  # unchanged
+
+
+class _Rank:
+    """What a tensor-parallel group tells the split: this rank, of how many, on which device."""
+
+    def __init__(self, rank: int, world_size: int = 2) -> None:
+        self.rank, self.world_size, self.device = rank, world_size, torch.device("cpu")
+
+
+def _split_dir(tmp_path, arch, tied=False):
+    values = dict(num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                  intermediate_size=128, tie_word_embeddings=tied)
+    if arch == "qwen3":
+        values["head_dim"] = 16
+    return write_hf_target(tmp_path / arch, arch, shards=2, **values)
+
+
+@pytest.mark.parametrize(("arch", "tied"), [("llama", False), ("llama", True), ("qwen2", False), ("qwen3", True)])
+def test_a_target_read_layer_by_layer_equals_the_whole_one_sliced(tmp_path, arch, tied):
+    """Each rank's slices, its replicated embedding, norms, lm_head and rotary tables equal those
+    of the whole model loaded and then sliced (biases of qwen2, per-head norms of qwen3, ties)."""
+    import attrs
+
+    from phasegraph.runtime.models.fused_decoder import FusedLayer, shard_target
+
+    d = _split_dir(tmp_path, arch, tied)
+    for rank in (0, 1):
+        whole = HFTarget.from_pretrained(d, feature_mode="eagle3")
+        shard_target(whole, _Rank(rank))
+        split = HFTarget.from_pretrained_split(d, torch.float32, _Rank(rank), feature_mode="eagle3")
+        assert len(split.fused_layers) == 3 and split.tp is not None
+        for a, b in zip(whole.fused_layers, split.fused_layers, strict=True):
+            for field in attrs.fields(FusedLayer):
+                x, y = getattr(a, field.name), getattr(b, field.name)
+                if isinstance(x, torch.nn.Module):
+                    x, y = x.weight, y.weight
+                if isinstance(x, torch.Tensor):
+                    assert torch.equal(x, y), f"rank {rank}: {field.name} differs"
+                else:
+                    assert x == y, f"rank {rank}: {field.name} {x} != {y}"
+        want, got = whole.model.state_dict(), split.model.state_dict()
+        assert want.keys() == got.keys()
+        assert all(torch.equal(want[k], got[k]) for k in want)
+        assert torch.equal(whole.model.model.rotary_emb.inv_freq, split.model.model.rotary_emb.inv_freq)
+        assert all(p.device.type == "cpu" for p in split.model.parameters())
+        assert (split.model.lm_head.weight is split.model.model.embed_tokens.weight) == tied
+
+
+def test_a_split_target_holds_one_whole_layer_at_a_time(tmp_path, monkeypatch):
+    """No rank holds the whole model: a layer's full weights are gone before the next is read."""
+    import weakref
+
+    from phasegraph.runtime.models import target as target_module
+
+    d = _split_dir(tmp_path, "llama")
+    alive, real = [], target_module.fuse_layer
+
+    def fuse_counting(layer, config):
+        alive[:] = [ref for ref in alive if ref() is not None]
+        assert not alive, "the previous whole layer is still in memory"
+        fused = real(layer, config)
+        alive.extend(weakref.ref(t) for t in (fused.qkv_weight, fused.o_weight, fused.gate_up_weight,
+                                              fused.down_weight))
+        return fused
+
+    monkeypatch.setattr(target_module, "fuse_layer", fuse_counting)
+    split = HFTarget.from_pretrained_split(d, torch.float32, _Rank(1))
+    assert len(split.fused_layers) == 3
+    assert split.fused_layers[0].qkv_weight.shape == (2 * 16 + 2 * 16, 64)  # 2 query heads, 1 kv head
+
+
+def test_a_split_target_checks_keys_and_values_as_the_whole_one(tmp_path):
+    import shutil
+
+    d = _split_dir(tmp_path, "llama")
+    bad = shutil.copytree(d, tmp_path / "nan")
+    shard = next(p for p in bad.glob("*.safetensors") if "model.layers.2.mlp.down_proj.weight" in load_file(str(p)))
+    edit_safetensors(shard, lambda s: s["model.layers.2.mlp.down_proj.weight"].__setitem__((0, 0), float("nan")))
+    with pytest.raises(CheckpointFileError, match="'model.layers.2.mlp.down_proj.weight' holds 1 NaN"):
+        HFTarget.from_pretrained_split(bad, torch.float32, _Rank(0))
+    wrong = write_hf_target(tmp_path / "wide", "llama", num_hidden_layers=3, num_attention_heads=4,
+                            num_key_value_heads=2, hidden_size=64, intermediate_size=96)
+    config = json.loads((wrong / "config.json").read_text())
+    (wrong / "config.json").write_text(json.dumps(config | {"intermediate_size": 128}))
+    with pytest.raises(CheckpointMismatch, match="down_proj"):
+        HFTarget.from_pretrained_split(wrong, torch.float32, _Rank(0))

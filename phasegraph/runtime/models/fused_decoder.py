@@ -358,17 +358,22 @@ def shard_layer(layer: FusedLayer, rank: int, world_size: int, device: torch.dev
     )
 
 
-def shard_target(target, group, what: str = "target") -> None:
+def shard_target(target, group, what: str = "target", layers=None) -> None:
     """Make ``target`` (an HFTarget loaded whole, on the CPU) ``group.rank``'s slice on
     ``group.device``: fused layers sharded, everything else (embedding, final norm, lm_head,
     rotary) replicated there, the modules' own decoder layers dropped (the whole model's
-    weights are freed once the caller lets go of them)."""
+    weights are freed once the caller lets go of them). ``layers``: the whole fused layers to
+    slice, in order, where not the target's own (an iterator reading one at a time)."""
     if target.fused_layers is None:
         raise UnsupportedModel(f"tensor parallelism runs the fused decoder path, which this {what} cannot take: "
                                f"{target.fused_reason}")
     rank, world, device = group.rank, group.world_size, group.device
+    sliced = []
     with torch.no_grad():
-        layers = [shard_layer(layer, rank, world, device) for layer in target.fused_layers]
+        for layer in target.fused_layers if layers is None else layers:
+            sliced.append(shard_layer(layer, rank, world, device))
+            del layer  # a layer read for this: its host copy goes before the next is read
+    layers = sliced
     inner = target.model.model
     inner.layers = torch.nn.ModuleList()  # the whole layers' weights; the fused slices replace them
     target.model.__dict__.pop("_phasegraph_fused_layers", None)

@@ -297,24 +297,38 @@ def load_into_module(
     allowed_extra: Mapping[str, tuple[int, ...]] | None = None,
 ) -> None:
     """Check keys/shapes strictly, then copy every tensor into ``module`` (converting dtype)."""
-    state = module.state_dict(keep_vars=True)
-    expected = {k: tuple(v.shape) for k, v in state.items()}
-    check_keys(
-        str(checkpoint.directory),
-        expected,
-        checkpoint.shapes,
-        alias=alias_groups(module),
-        allowed_extra=allowed_extra,
-    )
-    for key in checkpoint.keys():
-        if key in state:
-            state[key].copy_(checkpoint.get(key))
-            if state[key].is_floating_point() and not bool(torch.isfinite(state[key]).all()):
-                bad = int((~torch.isfinite(state[key])).sum())
-                raise CheckpointFileError(
-                    f"{checkpoint.files_of(key)}: tensor {key!r} holds {bad} NaN or infinite values "
-                    f"(as loaded in {state[key].dtype}); every output would be garbage"
-                )
+    check_module_keys(module, checkpoint, allowed_extra=allowed_extra)
+    load_tensors(module, checkpoint)
+
+
+def check_module_keys(
+    module: torch.nn.Module,
+    checkpoint: Checkpoint,
+    *,
+    allowed_extra: Mapping[str, tuple[int, ...]] | None = None,
+) -> None:
+    """:func:`check_keys` of ``module``'s state against ``checkpoint`` (a module on the meta
+    device works: only shapes are read)."""
+    expected = {k: tuple(v.shape) for k, v in module.state_dict(keep_vars=True).items()}
+    check_keys(str(checkpoint.directory), expected, checkpoint.shapes, alias=alias_groups(module),
+               allowed_extra=allowed_extra)
+
+
+@torch.no_grad()
+def load_tensors(module: torch.nn.Module, checkpoint: Checkpoint, prefix: str = "") -> None:
+    """Copy into ``module`` every tensor of its state that ``checkpoint`` holds under ``prefix``
+    + its name (keys checked before); a NaN or infinite value raises :class:`CheckpointFileError`."""
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        key = prefix + name
+        if key not in checkpoint.shapes:  # a tied alias, loaded through the name the file uses
+            continue
+        tensor.copy_(checkpoint.get(key))
+        if tensor.is_floating_point() and not bool(torch.isfinite(tensor).all()):
+            bad = int((~torch.isfinite(tensor)).sum())
+            raise CheckpointFileError(
+                f"{checkpoint.files_of(key)}: tensor {key!r} holds {bad} NaN or infinite values "
+                f"(as loaded in {tensor.dtype}); every output would be garbage"
+            )
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")

@@ -24,12 +24,21 @@ from phasegraph.phases.protocols import TargetOutput
 from phasegraph.runtime.errors import DraftMismatch, UnsupportedModel
 from phasegraph.runtime.kv_pool import KVPool, KVSpec, check_pool_fits
 from phasegraph.runtime.models.attention_backend import ATTN_IMPLEMENTATION, forward_context
-from phasegraph.runtime.models.fused_decoder import fuse_decoder, layer_window, run_fused_decoder
+from phasegraph.runtime.models.fused_decoder import (
+    fuse_decoder,
+    fuse_layer,
+    layer_window,
+    run_fused_decoder,
+    shard_target,
+    unfusable_reason,
+)
 from phasegraph.runtime.models.loading import (
     Checkpoint,
     check_model_parts,
+    check_module_keys,
     config_errors,
     load_into_module,
+    load_tensors,
     read_config,
 )
 from phasegraph.runtime.models.moe import (
@@ -146,6 +155,14 @@ def load_causal_lm(
     allow_bin: bool = False,
 ) -> PreTrainedModel:
     """Build a supported causal LM from ``directory`` and load its weights strictly."""
+    checkpoint, config = _open_causal_lm(directory, allow_bin)
+    model = build_causal_lm(config, resolve_dtype(dtype), device, init=False)
+    load_into_module(model, checkpoint)
+    return model
+
+
+def _open_causal_lm(directory: str | Path, allow_bin: bool = False):
+    """(checkpoint, config) of a supported causal LM, file and config errors raised first."""
     directory = Path(directory)
     raw = read_config(directory)
     check_model_type(raw.get("model_type"), str(directory))
@@ -153,9 +170,39 @@ def load_causal_lm(
     with config_errors(directory):
         config = AutoConfig.from_pretrained(str(directory))
     check_model_parts(config, directory)
-    model = build_causal_lm(config, resolve_dtype(dtype), device, init=False)
-    load_into_module(model, checkpoint)
-    return model
+    return checkpoint, config
+
+
+def load_split_causal_lm(
+    directory: str | Path, dtype: torch.dtype | str, device: torch.device
+) -> tuple[PreTrainedModel, Checkpoint]:
+    """:func:`load_causal_lm` for a rank about to keep a slice of each decoder layer: every key
+    checked as there, the tensors outside the layers loaded on ``device``, the layers left on
+    the meta device (no memory) for :func:`read_layer`, so no rank holds the whole model."""
+    checkpoint, config = _open_causal_lm(directory)
+    model = build_causal_lm(config, resolve_dtype(dtype), "meta", init=False)
+    check_module_keys(model, checkpoint)
+    reason = unfusable_reason(model)
+    if reason is not None:
+        raise UnsupportedModel(f"tensor parallelism runs the fused decoder path, which this target cannot take: "
+                               f"{reason}")
+    inner = model.model
+    layers, inner.layers = inner.layers, torch.nn.ModuleList()
+    model.to_empty(device=device)
+    model.tie_weights()  # to_empty gave each tied name a tensor of its own
+    with torch.device(device):  # its tables, computed (to_empty left them garbage)
+        inner.rotary_emb = type(inner.rotary_emb)(config=model.config)
+    load_tensors(model, checkpoint)
+    inner.layers = layers
+    return model, checkpoint
+
+
+def read_layer(model: PreTrainedModel, checkpoint: Checkpoint, index: int) -> torch.nn.Module:
+    """Decoder layer ``index`` of a :func:`load_split_causal_lm` model, read into a host copy
+    (the model's own stays on the meta device)."""
+    layer = copy.deepcopy(model.model.layers[index]).to_empty(device="cpu")
+    load_tensors(layer, checkpoint, prefix=f"model.layers.{index}.")
+    return layer
 
 
 class HFTarget:
@@ -247,6 +294,18 @@ class HFTarget:
     ) -> HFTarget:
         """Load ``config.json`` + safetensors (single file or sharded), strictly checked."""
         return cls(load_causal_lm(directory, dtype, device), feature_mode, fused)
+
+    @classmethod
+    def from_pretrained_split(
+        cls, directory: str | Path, dtype: torch.dtype | str, group, feature_mode: str = "last"
+    ) -> HFTarget:
+        """``group.rank``'s slice of the target in ``directory`` on ``group.device``, read one
+        decoder layer at a time: host memory holds one whole layer, never the model."""
+        model, checkpoint = load_split_causal_lm(directory, dtype, group.device)
+        target = cls(model, feature_mode, fused=True)
+        layers = (fuse_layer(read_layer(model, checkpoint, i), model.config) for i in range(target.num_layers))
+        shard_target(target, group, layers=layers)
+        return target
 
     # -- modules the draft heads share -----------------------------------------------------------
 
