@@ -49,8 +49,9 @@ class SpecConfig:
     shape) the one with the most expected tokens per second, from costs measured per batch
     size at start-up and each request's acceptance (docs/usage.md#adaptive-speculation). None
     (the default): on for an engine on a GPU, or given ``EngineConfig.spec_costs``, without
-    tensor parallelism; True: also on a CPU (the costs are measured at start-up unless
-    ``spec_costs`` gives them); False: every iteration runs this shape.
+    tensor parallelism; True: also on a CPU or split over ranks (the costs are measured at
+    start-up unless ``spec_costs`` gives them; split, rank 0's timings are every rank's);
+    False: every iteration runs this shape.
     """
 
     method: str = "eagle3"
@@ -442,7 +443,8 @@ class EngineConfig:
     ``tensor_parallel_size``: ranks the target is split over (``Engine.from_pretrained`` starts
     the others itself, or joins a ``torchrun`` group; docs/parallel.md). ``tp_timeout_s``: how
     long a rank waits in a collective before :class:`WorkerDied`. ``tp_check``: all-reduce a
-    checksum of the emitted tokens after every step, :class:`RankDivergence` where ranks differ.
+    checksum of the emitted tokens and of adaptive speculation's plan after every step (and of
+    its cost table at start-up), :class:`RankDivergence` where ranks differ.
     ``draft_tensor_parallel_size``: 1 (the draft replicated on every rank, the default) or
     ``tensor_parallel_size`` (a standalone or EAGLE-3 draft split the target's way; the other
     kinds run transformers' modules, which are not split).

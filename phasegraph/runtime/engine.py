@@ -256,6 +256,8 @@ class Engine:
             costs = config.spec_costs
             if costs is None:
                 costs = self.measure_spec_costs()
+            if self.tp is not None and config.tp_check:
+                tensor_parallel.check_same_record(self.tp, costs.to_dict(), "adaptive speculation's cost-table")
             self.scheduler.adaptive = AdaptiveSpeculation(costs)
 
     def _spec_shapes(self, tree) -> tuple[SpecShape, ...]:
@@ -263,7 +265,8 @@ class Engine:
         table, else off, short chains and the configured shape."""
         spec, config = self.spec, self.config
         adaptive = spec.adaptive
-        if adaptive is None:  # auto: where costs are given, or measured on the GPU that runs
+        if adaptive is None:  # auto: where costs are given, or measured on the GPU that runs;
+            # not yet under tensor parallelism (SpecConfig(adaptive=True) asks for it there)
             adaptive = spec.speculative and self.tp is None and (
                 self.device.type == "cuda" or config.spec_costs is not None)
         if not adaptive:
@@ -273,9 +276,6 @@ class Engine:
             return ()
         if not spec.speculative:
             raise InvalidConfig("SpecConfig(adaptive=True) needs a speculative method (a draft)")
-        if self.tp is not None:
-            raise InvalidConfig("adaptive speculation with tensor parallelism is not supported: every rank "
-                                "would measure its own costs; pass SpecConfig(adaptive=False)")
         shapes = config.spec_costs.shapes if config.spec_costs is not None else default_shapes(tree)
         for shape in shapes:
             if not shape.off:
@@ -401,13 +401,28 @@ class Engine:
                                                                                self._time_steps(0, steps)))
                 sched.adaptive.force = None
                 if b == batches[-1] and b >= 2 and len(shapes) > 1:
+                    self._agree_on_costs(seconds, 0.0)  # the split's shapes are chosen from them
                     split_s = timed(b, prompt_len, "split", lambda j=j, b=b: self._time_split(
                         shapes, seconds[prompt_len], j, b, warmup, steps))
         finally:
             sched.adaptive = saved
             self.ctx.draft_topk = saved_topk
+        split_s = self._agree_on_costs(seconds, split_s)
         return CostTable(shapes, batches, seconds[prompt_len], split_s, prompt_len, long_len or None,
                          seconds[long_len] if long_len else None)
+
+    def _agree_on_costs(self, seconds: dict[int, list[list[float]]], split_s: float) -> float:
+        """Under tensor parallelism, rank 0's timings (``seconds`` in place, and ``split_s``
+        returned) on every rank: each rank plans its own iterations from them, and ranks that
+        planned differently would run different collectives."""
+        if self.tp is None:
+            return split_s
+        flat = [x for c in sorted(seconds) for row in seconds[c] for x in row] + [split_s]
+        agreed = iter(self.tp.same_floats(flat))
+        for c in sorted(seconds):
+            for row in seconds[c]:
+                row[:] = [next(agreed) for _ in row]
+        return next(agreed)
 
     def _long_cost_context(self, batch: int, budget: int, wanted: int | None, short: int) -> int:
         """The prompt length of the long-context timings: ``wanted`` (default
@@ -795,7 +810,9 @@ class Engine:
         if self.check_every_step:
             self._check_requests()
         if self.tp is not None and self.config.tp_check:
-            tensor_parallel.check_divergence(self.tp, [r.output for r in (*self.scheduler.running, *self.scheduler.waiting)])
+            plan = self.scheduler.last_plan
+            tensor_parallel.check_divergence(self.tp, [r.output for r in (*self.scheduler.running, *self.scheduler.waiting)],
+                                             0 if plan is None else 1 + plan.shape + 131 * len(plan.held))
 
     @_one_thread_at_a_time
     def retract(self, request_id: str) -> bool:

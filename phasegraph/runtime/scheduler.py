@@ -54,6 +54,7 @@ from phasegraph.phases import BatchParams, DraftState, PrefillInput, RowSelectio
 from phasegraph.phases.schemas import NO_DRAFT_CAP
 from phasegraph.runtime.adaptive import (
     AdaptiveSpeculation,
+    Plan,
     SpecShape,
     max_tokens_per_iteration,
 )
@@ -127,6 +128,7 @@ class Scheduler:
         self.speculative = ctx.tree is not None
         self.base_tree = ctx.tree  # the configured shape (prefill and decode run with it set)
         self.adaptive = adaptive
+        self.last_plan: Plan | None = None  # adaptive speculation's latest (tp_check compares it)
         self.tokens_per_iteration = ctx.tokens_per_iteration
         self.commit_per_iteration = ctx.commit_per_iteration
         if adaptive is not None:  # pages for the largest shape
@@ -494,7 +496,7 @@ class Scheduler:
             shape = SpecShape.of(self.base_tree) if self.speculative else None
             out = self._iteration(self.machine, batch, shape, note="" if shape is None else shape.name)
         else:
-            plan = self.adaptive.plan(batch)
+            plan = self.last_plan = self.adaptive.plan(batch)
             shape = self.adaptive.shapes[plan.shape]
             if not plan.held:
                 out = self._iteration(self.machine, batch, shape, note=shape.name)

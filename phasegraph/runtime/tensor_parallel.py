@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import hashlib
 import multiprocessing
 import os
 import queue
@@ -149,6 +150,16 @@ class TensorParallelGroup:
         except (RuntimeError, ValueError) as exc:
             raise self.died(f"a collective failed on rank {self.rank}: {exc}") from None
         return int(t.item())
+
+    def same_floats(self, values: list[float]) -> list[float]:
+        """Rank 0's ``values`` on every rank: timings each rank measured for itself, which
+        decisions every rank must take alike are made from."""
+        t = torch.tensor(values, dtype=torch.float64, device=self.device)
+        try:
+            dist.broadcast(t, src=0)
+        except (RuntimeError, ValueError) as exc:
+            raise self.died(f"a collective failed on rank {self.rank}: {exc}") from None
+        return t.tolist()
 
     def check_same(self, checksum: int, what: str) -> None:
         """:class:`RankDivergence` unless every rank passed the same ``checksum``."""
@@ -387,10 +398,18 @@ def next_command(commands) -> tuple | None:
                 return None
 
 
-def check_divergence(group: TensorParallelGroup, token_lists) -> None:
-    """All-reduce a checksum of the tokens every request emitted so far (``tp_check=True``)."""
-    total = 0
+def check_same_record(group: TensorParallelGroup, record: dict, what: str) -> None:
+    """:class:`RankDivergence` unless every rank holds the same ``record`` (a JSON-like dict:
+    a cost table's ``to_dict``, say)."""
+    digest = hashlib.sha256(repr(record).encode()).digest()
+    group.check_same(int.from_bytes(digest[:7], "little"), what)
+
+
+def check_divergence(group: TensorParallelGroup, token_lists, plan: int = 0) -> None:
+    """All-reduce a checksum of the tokens every request emitted so far and of ``plan`` (the
+    speculation shape adaptive speculation last chose) (``tp_check=True``)."""
+    total = plan
     for tokens in token_lists:
         for i, t in enumerate(tokens):
             total = (total + (i + 1) * (int(t) + 1) * 1_000_003) % (1 << 61)
-    group.check_same(total, "emitted-token")
+    group.check_same(total, "emitted-token and plan")

@@ -16,6 +16,8 @@ import time
 import pytest
 import torch
 
+from phasegraph.bench.common import shape_counts
+from phasegraph.runtime.adaptive import OFF, CostTable, SpecShape
 from phasegraph.runtime.config import SamplingParams, SpecConfig
 from phasegraph.runtime.engine import Engine
 from phasegraph.runtime.errors import InvalidConfig, UnsupportedModel, WorkerDied
@@ -91,6 +93,47 @@ def _generate_checked(two, one, prompts, params, pool: int, draft_split: bool):
     two.check()
     _check_collective_time(two.trace, draft_split=draft_split)
     return got
+
+
+# alone the tree costs least; from 2 requests on far more (a chain of 3 then): as the requests
+# finish the plan moves
+TREE3 = SpecShape(2, 3, 6)
+MOVING = CostTable((OFF, SpecShape.chain(1), SpecShape.chain(3), TREE3), (1, 2, 4, 8),
+                   [(1.0, 1.1, 1.2, 1.4), (1.0, 1.15, 1.3, 1.6), (1.0, 1.2, 1.4, 1.8), (0.9, 5.0, 10.0, 20.0)])
+ADAPTIVE = dict(topk=2, num_steps=3, num_draft_tokens=6, adaptive=True)
+
+
+def test_tp2_adaptive_with_given_costs_equals_tp1(pair):
+    """Adaptive speculation under TP plans alike on every rank from one cost table, so the
+    sampled requests too draw TP=1's tokens, shape for shape; tp_check compares the plans."""
+    target, drafts = pair
+    prompts, params = _workload()
+    one = _engine(target, {"standalone": drafts["self"]}, "standalone", ADAPTIVE, 16, 4096, spec_costs=MOVING)
+    want = one.generate(prompts, params)
+    with _engine(target, {"standalone": drafts["self"]}, "standalone", ADAPTIVE, 16, 4096, spec_costs=MOVING,
+                 tensor_parallel_size=2, tp_check=True) as two:
+        got = two.generate(prompts, params)
+        ran = shape_counts(two.trace)
+    assert len(ran) >= 2, f"the plan never moved: {ran}"
+    assert ran == shape_counts(one.trace)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.token_ids == w.token_ids, f"request {i} differs at TP=2"
+        assert g.stats.accept_lengths == w.stats.accept_lengths
+
+
+def test_tp2_adaptive_measures_one_cost_table_for_every_rank(pair):
+    """Costs measured at start-up under TP: each rank times the shapes, rank 0's timings
+    become every rank's, so the plans agree (tp_check) and greedy outputs are TP=1's."""
+    target, drafts = pair
+    prompts = make_prompts(N_REQUESTS, seed=21)
+    params = SamplingParams(max_new_tokens=12, ignore_eos=True)
+    want = _engine(target, drafts, "standalone", ADAPTIVE, 16, 4096).generate(prompts, params)
+    with _engine(target, drafts, "standalone", ADAPTIVE, 16, 4096, tensor_parallel_size=2, tp_check=True) as two:
+        costs = two.scheduler.adaptive.costs
+        assert costs.shapes == (OFF, SpecShape.chain(1), SpecShape.chain(3), TREE3)
+        assert costs.batches == (1, N_REQUESTS)
+        got = two.generate(prompts, params)
+    assert [g.token_ids for g in got] == [w.token_ids for w in want]
 
 
 @pytest.mark.parametrize("case", list(CASES))
