@@ -185,5 +185,6 @@ def load_engine(args: argparse.Namespace, spec, **options):
         options["draft_tensor_parallel_size"] = args.draft_tp
     return Engine.from_pretrained(
         args.target, args.draft, spec=spec, device=args.device, dtype=args.dtype,
-        draft_dtype=args.draft_dtype, page_size=args.page_size, kv_pool_tokens=args.kv_pool_tokens, **options,
+        draft_dtype=args.draft_dtype, page_size=args.page_size, kv_pool_tokens=args.kv_pool_tokens,
+        progress=not getattr(args, "no_progress", True), **options,
     )

@@ -564,6 +564,7 @@ class Engine:
         draft_dtype: str | torch.dtype | None = None,
         page_size: int = 1,
         kv_pool_tokens: int | None = None,
+        progress: bool = False,
         **kwargs,
     ) -> Engine:
         """Load a target directory (config.json + safetensors, sharded or not, plus its
@@ -575,6 +576,7 @@ class Engine:
         ``draft_dtype`` (default: ``dtype``) runs the draft in another precision than the target,
         e.g. a bfloat16 head beside a float32 target: the draft only proposes tokens, so its
         precision moves the acceptance length, never the output (which is always the target's).
+        ``progress``: a bar while the target's weights load (its tensors; split, rank 0's layers).
         """
         for name, path in (("target_dir", target_dir), ("draft_dir", draft_dir)):
             if path is not None and not isinstance(path, (str, os.PathLike)):
@@ -614,7 +616,8 @@ class Engine:
             group = _tp_group(tp_size, dev, kwargs.get("tp_timeout_s", DEFAULT_TP_TIMEOUT_S), load)
         try:
             return cls._load(target_dir, draft_dir, spec, dev if group is None else group.device, dt, draft_dt,
-                             group, page_size=page_size, kv_pool_tokens=kv_pool_tokens, **kwargs)
+                             group, progress and (group is None or group.rank == 0), page_size=page_size,
+                             kv_pool_tokens=kv_pool_tokens, **kwargs)
         except BaseException:
             if group is not None and group.sends:
                 group.close()
@@ -622,16 +625,18 @@ class Engine:
 
     @classmethod
     def _load(cls, target_dir, draft_dir, spec: SpecConfig, dev: torch.device, dt: torch.dtype,
-              draft_dt: torch.dtype, group, **kwargs) -> Engine:
+              draft_dt: torch.dtype, group, progress: bool, **kwargs) -> Engine:
         target_path = Path(target_dir)
         if is_gguf(target_path):  # converted once into the user cache dir (models/gguf.py)
             target_path = convert_gguf(target_path)
         method = registered(spec.method)
         feature_mode = FEATURE_MODE[spec.method] if method is None else method.feature_mode
         if group is None:
-            target = HFTarget.from_pretrained(target_path, dtype=dt, device=dev, feature_mode=feature_mode)
+            target = HFTarget.from_pretrained(target_path, dtype=dt, device=dev, feature_mode=feature_mode,
+                                              progress=progress)
         else:  # each rank reads one decoder layer at a time and keeps its slice on its device
-            target = HFTarget.from_pretrained_split(target_path, dt, group, feature_mode=feature_mode)
+            target = HFTarget.from_pretrained_split(target_path, dt, group, feature_mode=feature_mode,
+                                                    progress=progress)
         draft = None
         if spec.speculative and (method is None or method.make_draft is None):  # else the engine builds it
             if draft_dir is None:

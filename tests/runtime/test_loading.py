@@ -459,3 +459,17 @@ def test_a_split_target_checks_keys_and_values_as_the_whole_one(tmp_path):
     (wrong / "config.json").write_text(json.dumps(config | {"intermediate_size": 128}))
     with pytest.raises(CheckpointMismatch, match="down_proj"):
         HFTarget.from_pretrained_split(wrong, torch.float32, _Rank(0))
+
+
+def test_loading_shows_progress_only_when_asked(tmp_path, capsys):
+    d = _split_dir(tmp_path, "llama")
+    HFTarget.from_pretrained(d)
+    HFTarget.from_pretrained_split(d, torch.float32, _Rank(0))
+    assert capsys.readouterr().err == ""
+    HFTarget.from_pretrained(d, progress=True)
+    err = capsys.readouterr().err
+    n = len(load_file(str(d / "model-00001-of-00002.safetensors"))) + len(load_file(str(d / "model-00002-of-00002.safetensors")))
+    assert "loading llama" in err and f"{n}/{n}" in err and "tensor" in err
+    HFTarget.from_pretrained_split(d, torch.float32, _Rank(0), progress=True)
+    err = capsys.readouterr().err
+    assert "loading llama" in err and "3/3" in err and "layer" in err

@@ -295,10 +295,12 @@ def load_into_module(
     checkpoint: Checkpoint,
     *,
     allowed_extra: Mapping[str, tuple[int, ...]] | None = None,
+    progress: bool = False,
 ) -> None:
-    """Check keys/shapes strictly, then copy every tensor into ``module`` (converting dtype)."""
+    """Check keys/shapes strictly, then copy every tensor into ``module`` (converting dtype);
+    ``progress``: a bar over the tensors."""
     check_module_keys(module, checkpoint, allowed_extra=allowed_extra)
-    load_tensors(module, checkpoint)
+    load_tensors(module, checkpoint, progress=progress)
 
 
 def check_module_keys(
@@ -315,10 +317,17 @@ def check_module_keys(
 
 
 @torch.no_grad()
-def load_tensors(module: torch.nn.Module, checkpoint: Checkpoint, prefix: str = "") -> None:
+def load_tensors(module: torch.nn.Module, checkpoint: Checkpoint, prefix: str = "", *,
+                 progress: bool = False) -> None:
     """Copy into ``module`` every tensor of its state that ``checkpoint`` holds under ``prefix``
-    + its name (keys checked before); a NaN or infinite value raises :class:`CheckpointFileError`."""
-    for name, tensor in module.state_dict(keep_vars=True).items():
+    + its name (keys checked before); a NaN or infinite value raises :class:`CheckpointFileError`.
+    ``progress``: a bar over the tensors."""
+    from tqdm.auto import tqdm
+
+    state = module.state_dict(keep_vars=True)
+    bar = tqdm(state.items(), total=len(state), desc=f"loading {checkpoint.directory.name}", unit="tensor",
+               disable=not progress)
+    for name, tensor in bar:
         key = prefix + name
         if key not in checkpoint.shapes:  # a tied alias, loaded through the name the file uses
             continue

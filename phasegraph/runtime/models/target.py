@@ -153,11 +153,13 @@ def load_causal_lm(
     device: torch.device | str = "cpu",
     *,
     allow_bin: bool = False,
+    progress: bool = False,
 ) -> PreTrainedModel:
-    """Build a supported causal LM from ``directory`` and load its weights strictly."""
+    """Build a supported causal LM from ``directory`` and load its weights strictly
+    (``progress``: a bar over the tensors)."""
     checkpoint, config = _open_causal_lm(directory, allow_bin)
     model = build_causal_lm(config, resolve_dtype(dtype), device, init=False)
-    load_into_module(model, checkpoint)
+    load_into_module(model, checkpoint, progress=progress)
     return model
 
 
@@ -291,19 +293,27 @@ class HFTarget:
         device: torch.device | str = "cpu",
         feature_mode: str = "last",
         fused: bool | None = None,
+        progress: bool = False,
     ) -> HFTarget:
-        """Load ``config.json`` + safetensors (single file or sharded), strictly checked."""
-        return cls(load_causal_lm(directory, dtype, device), feature_mode, fused)
+        """Load ``config.json`` + safetensors (single file or sharded), strictly checked
+        (``progress``: a bar over the tensors)."""
+        return cls(load_causal_lm(directory, dtype, device, progress=progress), feature_mode, fused)
 
     @classmethod
     def from_pretrained_split(
-        cls, directory: str | Path, dtype: torch.dtype | str, group, feature_mode: str = "last"
+        cls, directory: str | Path, dtype: torch.dtype | str, group, feature_mode: str = "last",
+        progress: bool = False,
     ) -> HFTarget:
         """``group.rank``'s slice of the target in ``directory`` on ``group.device``, read one
-        decoder layer at a time: host memory holds one whole layer, never the model."""
+        decoder layer at a time: host memory holds one whole layer, never the model
+        (``progress``: a bar over the layers)."""
+        from tqdm.auto import tqdm
+
         model, checkpoint = load_split_causal_lm(directory, dtype, group.device)
         target = cls(model, feature_mode, fused=True)
-        layers = (fuse_layer(read_layer(model, checkpoint, i), model.config) for i in range(target.num_layers))
+        indices = tqdm(range(target.num_layers), desc=f"loading {Path(directory).name}",
+                       unit="layer", disable=not progress)
+        layers = (fuse_layer(read_layer(model, checkpoint, i), model.config) for i in indices)
         shard_target(target, group, layers=layers)
         return target
 
