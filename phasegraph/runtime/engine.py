@@ -816,8 +816,9 @@ class Engine:
             self._check_requests()
         if self.tp is not None and self.config.tp_check:
             plan = self.scheduler.last_plan
+            ids = () if plan is None else (plan.shape, -1 if plan.held_shape is None else plan.held_shape, *plan.held)
             tensor_parallel.check_divergence(self.tp, [r.output for r in (*self.scheduler.running, *self.scheduler.waiting)],
-                                             0 if plan is None else 1 + plan.shape + 131 * len(plan.held))
+                                             ids)
 
     @_one_thread_at_a_time
     def retract(self, request_id: str) -> bool:

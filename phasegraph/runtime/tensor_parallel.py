@@ -405,11 +405,11 @@ def check_same_record(group: TensorParallelGroup, record: dict, what: str) -> No
     group.check_same(int.from_bytes(digest[:7], "little"), what)
 
 
-def check_divergence(group: TensorParallelGroup, token_lists, plan: int = 0) -> None:
-    """All-reduce a checksum of the tokens every request emitted so far and of ``plan`` (the
-    speculation shape adaptive speculation last chose) (``tp_check=True``)."""
-    total = plan
-    for tokens in token_lists:
+def check_divergence(group: TensorParallelGroup, token_lists, plan: tuple[int, ...] = ()) -> None:
+    """All-reduce a checksum of the tokens every request emitted so far and of ``plan``
+    (integers naming adaptive speculation's latest plan) (``tp_check=True``)."""
+    total = 0
+    for tokens in (*token_lists, plan):
         for i, t in enumerate(tokens):
             total = (total + (i + 1) * (int(t) + 1) * 1_000_003) % (1 << 61)
     group.check_same(total, "emitted-token and plan")

@@ -358,6 +358,12 @@ def shard_layer(layer: FusedLayer, rank: int, world_size: int, device: torch.dev
     )
 
 
+def unsplittable(what: str, reason: str) -> UnsupportedModel:
+    """The error for a model that tensor parallelism, which splits the fused layers, cannot split."""
+    return UnsupportedModel(f"tensor parallelism runs the fused decoder path, which this {what} cannot take: "
+                            f"{reason}")
+
+
 def shard_target(target, group, what: str = "target", layers=None) -> None:
     """Make ``target`` (an HFTarget loaded whole, on the CPU) ``group.rank``'s slice on
     ``group.device``: fused layers sharded, everything else (embedding, final norm, lm_head,
@@ -365,8 +371,7 @@ def shard_target(target, group, what: str = "target", layers=None) -> None:
     weights are freed once the caller lets go of them). ``layers``: the whole fused layers to
     slice, in order, where not the target's own (an iterator reading one at a time)."""
     if target.fused_layers is None:
-        raise UnsupportedModel(f"tensor parallelism runs the fused decoder path, which this {what} cannot take: "
-                               f"{target.fused_reason}")
+        raise unsplittable(what, target.fused_reason)
     rank, world, device = group.rank, group.world_size, group.device
     sliced = []
     with torch.no_grad():

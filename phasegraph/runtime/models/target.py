@@ -31,6 +31,7 @@ from phasegraph.runtime.models.fused_decoder import (
     run_fused_decoder,
     shard_target,
     unfusable_reason,
+    unsplittable,
 )
 from phasegraph.runtime.models.loading import (
     Checkpoint,
@@ -186,8 +187,7 @@ def load_split_causal_lm(
     check_module_keys(model, checkpoint)
     reason = unfusable_reason(model)
     if reason is not None:
-        raise UnsupportedModel(f"tensor parallelism runs the fused decoder path, which this target cannot take: "
-                               f"{reason}")
+        raise unsplittable("target", reason)
     inner = model.model
     layers, inner.layers = inner.layers, torch.nn.ModuleList()
     model.to_empty(device=device)
