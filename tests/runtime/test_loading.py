@@ -473,3 +473,14 @@ def test_loading_shows_progress_only_when_asked(tmp_path, capsys):
     HFTarget.from_pretrained_split(d, torch.float32, _Rank(0), progress=True)
     err = capsys.readouterr().err
     assert "loading llama" in err and "3/3" in err and "layer" in err
+
+
+def test_a_layer_computing_buffers_of_its_own_is_not_read_layer_by_layer(tmp_path):
+    """A buffer that is not in the checkpoint would be left as to_empty made it: refused by name."""
+    from phasegraph.runtime.models.target import load_split_causal_lm, read_layer
+
+    model, checkpoint = load_split_causal_lm(_split_dir(tmp_path, "llama"), torch.float32, torch.device("cpu"))
+    assert read_layer(model, checkpoint, 1).self_attn.q_proj.weight.device.type == "cpu"
+    model.model.layers[1].register_buffer("table", torch.ones(4, device="meta"), persistent=False)
+    with pytest.raises(UnsupportedModel, match="decoder layer 1 computes buffers of its own \\(table\\)"):
+        read_layer(model, checkpoint, 1)

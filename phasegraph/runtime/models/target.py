@@ -203,6 +203,10 @@ def read_layer(model: PreTrainedModel, checkpoint: Checkpoint, index: int) -> to
     """Decoder layer ``index`` of a :func:`load_split_causal_lm` model, read into a host copy
     (the model's own stays on the meta device)."""
     layer = copy.deepcopy(model.model.layers[index]).to_empty(device="cpu")
+    computed = [name for name, _ in layer.named_buffers() if name not in layer.state_dict()]
+    if computed:  # to_empty left them garbage, and no checkpoint holds them
+        raise UnsupportedModel(f"decoder layer {index} computes buffers of its own ({', '.join(computed)}); "
+                               "it cannot be read one layer at a time for tensor parallelism")
     load_tensors(layer, checkpoint, prefix=f"model.layers.{index}.")
     return layer
 
