@@ -64,7 +64,8 @@ def test_report_marks_the_goals(tmp_path):
     parts = [
         {"shape": "70B", "tp": 2, "baseline": [{"batch": 1, "decode_step_s": 0.02, "share_of_bound": 0.83,
                                                 "all_reduce_s": 0.0028}],
-         "spec": [{"tau_simulated": 4, "batch": 1, "eta": 0.7}]},
+         "spec": [{"config": "adaptive up to the tree", "tau_simulated": 4, "error": "RuntimeError: no"},
+                  {"config": "chain S=3", "tau_simulated": 4, "batch": 1, "eta": 0.7}]},
         {"shape": "8B", "tp": 2, "baseline": [{"batch": 1, "decode_step_s": 0.003}], "spec": [],
          "baseline_model_reduce": [{"batch": 1, "decode_step_s": 0.0028, "share_of_bound": 0.7,
                                     "all_reduce_s": 0.0009}]},
@@ -125,9 +126,20 @@ def _cpu_eagle3_head(target):
 
 def test_measure_shape_fills_every_row_on_the_cpu(monkeypatch, tmp_path):
     """The whole row flow at TP=1 with the GPU probes stubbed: baseline rows, then chain and tree
-    at simulated τ=4, each saved as it is measured."""
+    (fixed shapes) and adaptive speculation at simulated τ=4, each saved as it is measured."""
     import types
 
+    import phasegraph
+
+    adaptive = []  # per speculative engine: whether it adapts
+
+    class Recording(phasegraph.Engine):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            if self.spec.speculative:
+                adaptive.append(self.scheduler.adaptive is not None)
+
+    monkeypatch.setattr(phasegraph, "Engine", Recording)
     bench = load_bench_script("bench_tp")
     monkeypatch.setitem(bench.SHAPES, "8B", TINY)  # the 8B rows' flow, on the tiny shape
     monkeypatch.setattr(bench.torch.cuda, "synchronize", lambda *a: None)
@@ -143,11 +155,13 @@ def test_measure_shape_fills_every_row_on_the_cpu(monkeypatch, tmp_path):
     assert [r["batch"] for r in out["baseline"]] == [1, 3]
     assert out["baseline"][0]["share_of_bound"] == out["bound_s"] / 0.002
     assert [(r["config"], r["batch"]) for r in out["spec"]] == [
-        ("chain S=3", 1), ("chain S=3", 3), ("tree K=4 S=4 N=16", 1), ("tree K=4 S=4 N=16", 3)]
+        ("chain S=3", 1), ("chain S=3", 3), ("tree K=4 S=4 N=16", 1), ("tree K=4 S=4 N=16", 3),
+        ("adaptive up to the tree", 1), ("adaptive up to the tree", 3)]
+    assert adaptive == [False, False, True]
     for row in out["spec"]:
         assert row["tau_measured"] > 2  # simulated: several drafts accepted per iteration
         assert row["eta"] == row["speedup"] / row["tau_measured"]
-    assert saved == [0, 0, 1, 2, 3, 4]
+    assert saved == [0, 0, 1, 2, 3, 4, 5, 6]
 
 
 RATES = (3.0, 12.0)
