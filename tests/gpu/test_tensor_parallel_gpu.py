@@ -39,16 +39,22 @@ TARGET = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_a
               num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=1024, tie_word_embeddings=False)
 
 
-@pytest.fixture(scope="module")
-def pair(tmp_path_factory):
-    """8 query heads and 2 kv heads: one kv head and 4 query heads per rank."""
-    root = tmp_path_factory.mktemp("tp-gpu")
-    target = write_hf_target(root / "target", "llama", seed=11, **TARGET)
-    # sharper logits (as the single-GPU suite's target): rounding moves fewer near-ties
+def _sharp_target(directory, seed: int, **config):
+    """A random llama checkpoint whose lm_head is scaled by 4 (as the single-GPU suite's target):
+    sharper logits, so rounding moves fewer near-ties."""
+    target = write_hf_target(directory, "llama", seed=seed, **config)
     path = target / "model.safetensors"
     state = load_file(str(path))
     state["lm_head.weight"] *= 4.0
     save_file(state, str(path), metadata={"format": "pt"})
+    return target
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory):
+    """8 query heads and 2 kv heads: one kv head and 4 query heads per rank."""
+    root = tmp_path_factory.mktemp("tp-gpu")
+    target = _sharp_target(root / "target", 11, **TARGET)
     drafts = {
         "eagle3": write_eagle3_draft(root / "eagle3", target),
         "standalone": write_standalone_draft(root / "standalone", target),
@@ -141,11 +147,7 @@ SINGLE_GPU_TARGET = dict(vocab_size=96, hidden_size=64, intermediate_size=128, n
 @pytest.fixture(scope="module")
 def single_gpu_pair(tmp_path_factory):
     root = tmp_path_factory.mktemp("tp-gpu-96")
-    target = write_hf_target(root / "target", "llama", seed=1234, **SINGLE_GPU_TARGET)
-    path = target / "model.safetensors"
-    state = load_file(str(path))
-    state["lm_head.weight"] *= 4.0
-    save_file(state, str(path), metadata={"format": "pt"})
+    target = _sharp_target(root / "target", 1234, **SINGLE_GPU_TARGET)
     return target, {"eagle3": write_eagle3_draft(root / "eagle3", target)}
 
 
