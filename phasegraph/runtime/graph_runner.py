@@ -106,10 +106,9 @@ class GraphRunner(GraphCapture):
     def release(self) -> None:
         """Drop every captured graph (a shut-down tensor-parallel engine: NCCL frees a
         communicator only once each graph that captured one of its collectives is destroyed)."""
-        holders = [*self.phases.values(), self.iteration, self.prefill]
-        for holder in holders:
+        for holder in (*self.phases.values(), self.prefill):
             if holder is not None:
                 holder.graphs.clear()
         if self.iteration is not None:
-            self.iteration._pending = None  # a replay's outputs, kept for the next phase
+            self.iteration.release()
         self.enabled = False  # nothing captures again

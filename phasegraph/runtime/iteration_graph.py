@@ -77,6 +77,11 @@ class IterationGraph:
         # what the next phase may be served: (phase name, expected input object, the replay's outputs, index)
         self._pending: tuple | None = None
 
+    def release(self) -> None:
+        """Drop every captured graph and the outputs of the last replay (a shut-down engine)."""
+        self.graphs.clear()
+        self._pending = None
+
     def phase_fn(self, name: str) -> Callable:
         def run(state: Schema, ctx: Any, **extra: Any) -> Schema:
             return self._draft(state, ctx, extra) if name == "draft" else self._next(name, state, ctx, extra)

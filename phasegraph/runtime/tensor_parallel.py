@@ -142,32 +142,34 @@ class TensorParallelGroup:
         """A forward begins: its first all-reduce uses symmetric buffer 0."""
         self.symm_parity = 0
 
+    @contextlib.contextmanager
+    def _collective(self, what: str = "a collective"):
+        """A host-side collective's failure (a rank gone, a timeout) as :class:`WorkerDied`."""
+        try:
+            yield
+        except (RuntimeError, ValueError) as exc:
+            raise self.died(f"{what} failed on rank {self.rank}: {exc}") from None
+
     def min_int(self, value: int) -> int:
         """The smallest of every rank's ``value`` (pool sizes: every rank must agree)."""
         t = torch.tensor([value], dtype=torch.int64, device=self.device)
-        try:
+        with self._collective():
             dist.all_reduce(t, op=dist.ReduceOp.MIN)
-        except (RuntimeError, ValueError) as exc:
-            raise self.died(f"a collective failed on rank {self.rank}: {exc}") from None
         return int(t.item())
 
     def same_floats(self, values: list[float]) -> list[float]:
         """Rank 0's ``values`` on every rank: timings each rank measured for itself, which
         decisions every rank must take alike are made from."""
         t = torch.tensor(values, dtype=torch.float64, device=self.device)
-        try:
+        with self._collective():
             dist.broadcast(t, src=0)
-        except (RuntimeError, ValueError) as exc:
-            raise self.died(f"a collective failed on rank {self.rank}: {exc}") from None
         return t.tolist()
 
     def check_same(self, checksum: int, what: str) -> None:
         """:class:`RankDivergence` unless every rank passed the same ``checksum``."""
         t = torch.tensor([checksum, -checksum], dtype=torch.int64, device=self.device)
-        try:
+        with self._collective("the divergence check"):
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
-        except (RuntimeError, ValueError) as exc:
-            raise self.died(f"the divergence check failed on rank {self.rank}: {exc}") from None
         high, low = int(t[0]), -int(t[1])
         if high != low:
             raise RankDivergence(
