@@ -289,12 +289,14 @@ class Engine:
         bucket would otherwise capture mid-stream; the groups of a split batch, which run per-phase
         graphs, may still capture at first use). Nothing without graphs. The engine is left
         idle and clean, no acceptance estimate having seen the requests. Returns the graphs
-        captured."""
+        captured. Under tensor parallelism every rank warms up in step (the leader tells the
+        workers it started; under torchrun each rank calls this), capturing the same graphs."""
         runner = self.graph_runner
-        if runner is None or self.tp is not None:  # (tensor parallel ranks capture as they go)
+        if runner is None:
             return 0
         if self.has_unfinished():
             raise InvalidConfig("warm_up runs on an idle engine: let its requests finish first")
+        self._tp_send("warm_up")
         before = runner.graph_count()
         sched, saved = self.scheduler, self.scheduler.adaptive
         # a throwaway policy steps the random prompts: their acceptance teaches the engine's nothing
@@ -311,8 +313,9 @@ class Engine:
             for b in runner.buckets:
                 if b > self.config.max_batch_size:
                     continue
-                for _ in range(2):  # a graph is captured the second time its key runs
-                    with self._throwaway_requests(b, 16, budget, gen, "warm-up"):
+                # greedy batches and batches that sample are other graphs (greedy_only)
+                for temperature in (0.0, 0.0, 1.0, 1.0):  # captured the second time a key runs
+                    with self._throwaway_requests(b, 16, budget, gen, "warm-up", temperature):
                         for shape in order:
                             if policy is not None:
                                 policy.force = shape
@@ -322,7 +325,8 @@ class Engine:
         return runner.graph_count() - before
 
     @contextlib.contextmanager
-    def _throwaway_requests(self, batch: int, prompt_len: int, budget: int, gen: torch.Generator, tag: str):
+    def _throwaway_requests(self, batch: int, prompt_len: int, budget: int, gen: torch.Generator, tag: str,
+                            temperature: float = 0.0):
         """``batch`` requests of random prompts, prefilled, for the body to step; aborted and
         drained after it, and nothing of them left in the trace or the prefix cache (start-up
         measurement and warm-up)."""
@@ -330,8 +334,8 @@ class Engine:
         marks = len(self.trace) if self.trace is not None else 0
         reqs = [Request(f"{tag}-{batch}-{i}", torch.randint(0, self.target.vocab_size, (prompt_len,),
                                                             generator=gen).tolist(),
-                        SamplingParams(max_new_tokens=budget, ignore_eos=True), stop_ids=(),
-                        budget=budget, seed=i, decode=None) for i in range(batch)]
+                        SamplingParams(max_new_tokens=budget, ignore_eos=True, temperature=temperature),
+                        stop_ids=(), budget=budget, seed=i, decode=None) for i in range(batch)]
         for r in reqs:
             sched.add(r)
         while sched.waiting:  # prefill
@@ -962,6 +966,8 @@ class Engine:
                 self.retract(*args)
             elif op == "drain":
                 self.scheduler.drain()
+            elif op == "warm_up":
+                self.warm_up()
 
     # ------------------------------------------------------------------ introspection
     @property

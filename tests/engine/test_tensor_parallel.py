@@ -136,6 +136,30 @@ def test_tp2_adaptive_measures_one_cost_table_for_every_rank(pair):
     assert [g.token_ids for g in got] == [w.token_ids for w in want]
 
 
+def test_tp2_warm_up_captures_every_shape_on_every_rank(pair):
+    """warm_up under TP: the workers warm up in step with the leader (else its collectives
+    would wait for them), so the same graphs exist before traffic and none is captured
+    mid-stream, for greedy and sampled batches alike; the outputs stay TP=1's."""
+    target, drafts = pair
+    prompts, params = _workload()
+    # a split batch's groups run per-phase graphs that warm_up leaves: whole-batch plans only
+    whole = CostTable(MOVING.shapes, MOVING.batches, MOVING.seconds, split_s=1e3)
+    kw = dict(spec_costs=whole, cuda_graphs="emulate")
+    one = _engine(target, {"standalone": drafts["self"]}, "standalone", ADAPTIVE, 16, 4096, **kw)
+    captured = one.warm_up()
+    assert captured > 0
+    want = one.generate(prompts, params)
+    assert one.graph_runner.graph_count() == captured, "a graph was captured mid-stream at TP=1"
+    with _engine(target, {"standalone": drafts["self"]}, "standalone", ADAPTIVE, 16, 4096, **kw,
+                 tensor_parallel_size=2, tp_check=True) as two:
+        assert two.warm_up() == captured
+        got = two.generate(prompts, params)
+        assert len(shape_counts(two.trace)) >= 2, "the plan never moved"
+        assert two.graph_runner.graph_count() == captured, "a graph was captured mid-stream"
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.token_ids == w.token_ids, f"request {i} differs at TP=2"
+
+
 @pytest.mark.parametrize("case", list(CASES))
 def test_tp2_outputs_equal_tp1(pair, case):
     target, drafts = pair
