@@ -193,7 +193,8 @@ def measure_shape(shape: str, group, bs, args, log, out: dict, save) -> None:
     prompts = torch.randint(0, target.vocab_size, (max(batches), args.prompt_tokens), generator=g).tolist()
     engine_kw = dict(max_batch_size=max(batches), kv_pool_tokens=max(batches) * (args.prompt_tokens + args.new_tokens
                                                                                  + 128),
-                     max_context=1024, validate="off", trace=False, tensor_parallel_size=tp)
+                     max_context=1024, validate="off", trace=False, tensor_parallel_size=tp,
+                     graph_buckets=batches)  # the batches timed: the adaptive warm-up captures no other
     base = Engine(_baseline_view(target), spec=SpecConfig(method="none"), **engine_kw)
     base_tps = {}
     for b in batches:
