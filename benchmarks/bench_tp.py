@@ -227,7 +227,7 @@ def measure_shape(shape: str, group, bs, args, log, out: dict, save) -> None:
                 log(f"  {name}: {type(exc).__name__}: {exc}")
                 continue
             if engine.scheduler.adaptive is not None:  # every shape's graphs now: a shape first
-                engine.warm_up()  # chosen mid-run would capture inside the timed run
+                engine.warm_up(sampled=False)  # chosen mid-run would capture inside the timed run
             for b in batches:
                 row = {"config": name, "tau_simulated": tau, "batch": b}
                 row.update(timed_generate(engine, prompts[:b], args.new_tokens))

@@ -331,7 +331,7 @@ def _measure_pg_config(run: BenchRun, label, spec_kw, target_dir, draft_dir, pro
     engine = Engine.from_pretrained(target_dir, draft_dir, spec=SpecConfig(**spec_kw), **engine_kw)
     # every bucket's and shape's graphs first, as a server does: adaptive may choose a shape at a
     # bucket in a timed call that its two warm-up calls never chose there
-    engine.warm_up()
+    engine.warm_up(sampled=False)  # (greedy rows)
     weight_bytes = iteration_weight_bytes(engine)
     for b in a.batch_list:
         bar.set_postfix_str(f"{label}, batch {b}")

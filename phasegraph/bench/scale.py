@@ -178,7 +178,7 @@ def _measure_baseline(run: BenchRun, bs, target, prompts, params, engine_kw, bas
     bound = part["bound_s"]
     base_target = HFTarget(target.model, feature_mode="none")  # the same weights, no features
     engine = Engine(base_target, spec=SpecConfig(method="none"), trace=True, **engine_kw)
-    engine.warm_up()  # every bucket's graphs first, as part 1's engines and a server do
+    engine.warm_up(sampled=False)  # every bucket's graphs first, as part 1's engines and a server do
     for b in run.args.scale_batch_list:
         bar.set_postfix_str(f"baseline, batch {b}")
         if run.out_of_time(f"scale baseline batch {b}"):
@@ -217,7 +217,7 @@ def _measure_spec(run: BenchRun, bs, target, head, name, spec, tau, prompts, par
     a = run.args
     part = run.result["scale"]
     engine = Engine(target, head, spec=spec, simulate_accept_length=tau, trace=True, **engine_kw)
-    engine.warm_up()
+    engine.warm_up(sampled=False)  # greedy rows
     for b in goal_order(a.scale_batch_list):
         bar.set_postfix_str(f"{name}, SIMULATED τ={tau}, batch {b}")
         if b not in base_tps or run.out_of_time(f"scale {name} τ={tau} batch {b}"):

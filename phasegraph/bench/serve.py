@@ -197,7 +197,7 @@ def _warm_up(engine, prompts, s: ServeSettings) -> None:
     from phasegraph import SamplingParams
 
     params = SamplingParams(max_new_tokens=min(s.new_tokens, 16), temperature=0.0, ignore_eos=True)
-    engine.warm_up()
+    engine.warm_up(sampled=False)  # (greedy requests)
     batches = (1, max(1, s.max_batch // 4), s.max_batch)
     for batch in dict.fromkeys(b for b in batches if b <= min(s.max_batch, len(prompts))):
         engine.generate([[7 + i] + p[1:] for i, p in enumerate(prompts[:batch])], params)

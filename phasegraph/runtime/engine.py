@@ -282,21 +282,22 @@ class Engine:
                 _check_tree_fits(shape.tree, self.target, self.draft, self.method)
         return tuple(shapes)
 
-    def warm_up(self, new_tokens: int = 8) -> int:
+    def warm_up(self, sampled: bool = True) -> int:
         """Capture the CUDA graphs that every batch bucket and speculation shape replays, on
         requests of random prompts, so that no request waits for a capture later (a server calls
         this once before taking traffic; under adaptive speculation a shape first chosen at a
         bucket would otherwise capture mid-stream; the groups of a split batch, which run per-phase
         graphs, may still capture at first use). Nothing without graphs. The engine is left
-        idle and clean, no acceptance estimate having seen the requests. Returns the graphs
-        captured. Under tensor parallelism every rank warms up in step (the leader tells the
+        idle and clean, no acceptance estimate having seen the requests. ``sampled=False`` leaves
+        out the graphs of batches that sample (a greedy-only workload: half the time). Returns the
+        graphs captured. Under tensor parallelism every rank warms up in step (the leader tells the
         workers it started; under torchrun each rank calls this), capturing the same graphs."""
         runner = self.graph_runner
         if runner is None:
             return 0
         if self.has_unfinished():
             raise InvalidConfig("warm_up runs on an idle engine: let its requests finish first")
-        self._tp_send("warm_up")
+        self._tp_send("warm_up", sampled)
         before = runner.graph_count()
         sched, saved = self.scheduler, self.scheduler.adaptive
         # a throwaway policy steps the random prompts: their acceptance teaches the engine's nothing
@@ -313,8 +314,9 @@ class Engine:
             for b in runner.buckets:
                 if b > self.config.max_batch_size:
                     continue
-                # greedy batches and batches that sample are other graphs (greedy_only)
-                for temperature in (0.0, 0.0, 1.0, 1.0):  # captured the second time a key runs
+                # a graph is captured the second time its key runs; a batch that samples is
+                # another key than a greedy one (greedy_only)
+                for temperature in (0.0, 0.0, 1.0, 1.0) if sampled else (0.0, 0.0):
                     with self._throwaway_requests(b, 16, budget, gen, "warm-up", temperature):
                         for shape in order:
                             if policy is not None:
@@ -967,7 +969,7 @@ class Engine:
             elif op == "drain":
                 self.scheduler.drain()
             elif op == "warm_up":
-                self.warm_up()
+                self.warm_up(*args)
 
     # ------------------------------------------------------------------ introspection
     @property
