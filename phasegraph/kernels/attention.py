@@ -200,11 +200,11 @@ def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, allowed: torch.Te
     qc = q.float().view(c, num_heads // group, group, head_dim)  # [c, Hkv, G, D]
     scores = torch.einsum(f"chgd,{kv}->chgl", qc, k) * scale  # [c, Hkv, G, L]
     scores = scores.masked_fill(~allowed[:, None, None, :], float("-inf"))
-    row_max = scores.amax(dim=-1, keepdim=True)  # [c, Hkv, G, 1]
-    row_max = torch.where(torch.isfinite(row_max), row_max, torch.zeros_like(row_max))
+    # a query that attends nothing: max 0 (not -inf, whose difference is nan), denominator 1
+    row_max = scores.amax(dim=-1, keepdim=True).nan_to_num_(0.0, 0.0, 0.0)  # [c, Hkv, G, 1]
     probs = torch.exp(scores - row_max)  # [c, Hkv, G, L], 0 where masked
     denom = probs.sum(dim=-1, keepdim=True)  # [c, Hkv, G, 1]
-    denom = torch.where(denom > 0, denom, torch.ones_like(denom))
+    denom = denom.masked_fill_(denom == 0, 1.0)
     ctx = torch.einsum(f"chgl,{kv}->chgd", probs, v) / denom  # [c, Hkv, G, D]
     return ctx.reshape(c, num_heads, head_dim).to(q.dtype)
 
