@@ -144,7 +144,7 @@ def test_tp2_warm_up_captures_every_shape_on_every_rank(pair):
     prompts, params = _workload()
     # a split batch's groups run per-phase graphs that warm_up leaves: whole-batch plans only
     whole = CostTable(MOVING.shapes, MOVING.batches, MOVING.seconds, split_s=1e3)
-    kw = dict(spec_costs=whole, cuda_graphs="emulate")
+    kw = dict(spec_costs=whole, cuda_graphs="emulate", graph_buckets=[4, N_REQUESTS])  # two buckets: enough
     one = _engine(target, {"standalone": drafts["self"]}, "standalone", ADAPTIVE, 16, 4096, **kw)
     captured = one.warm_up()
     assert captured > 0
