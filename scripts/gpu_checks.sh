@@ -72,7 +72,7 @@ if wants tp-tests; then  # the two-GPU suite: about a minute a test, so its sele
   export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
   tp=tests/gpu/test_tensor_parallel_gpu.py
   selections=("test_tp2_fp32 and (none-P16 or eagle3-tree or eagle3-chain)"
-              "(test_tp2_fp32 and standalone) or bf16"
+              "(test_tp2_fp32 and standalone) or bf16" "warm_up"
               "symmetric and none" "symmetric and eagle3-tree"
               "draft_tp2 and nccl" "draft_tp2 and symm_mem")
   pids=()

@@ -140,6 +140,37 @@ def test_tp2_bf16_differs_from_tp1_only_at_near_ties(pair):
 
 # the single-GPU suite's model (tests/gpu/test_cuda_graphs.py: 96 tokens, lm_head x 4), under
 # that suite's bf16 bar; its small vocabulary leaves far fewer near-ties than the 1,024 above
+def test_tp2_warm_up_captures_before_traffic(pair):
+    """Adaptive speculation (one given cost table, so both sizes plan alike): warm_up on the
+    leader and its worker captures every shape's NCCL graphs, greedy and sampled, and the traffic
+    after it captures none; the tokens stay TP=1's."""
+    from phasegraph.runtime.adaptive import OFF, CostTable, SpecShape
+
+    tree = SpecShape(4, 3, 8)
+    costs = CostTable((OFF, SpecShape.chain(1), SpecShape.chain(3), tree), (1, 8, 16),
+                      [(1.0, 1.1, 1.2), (1.1, 1.2, 1.4), (1.2, 1.3, 1.6), (0.9, 5.0, 10.0)], split_s=1e3)
+    prompts, params = _workload()
+    spec = dict(topk=4, num_steps=3, num_draft_tokens=8)
+    kw = dict(spec_costs=costs, graph_buckets=[8, 16])
+    target, drafts = pair
+    config = SpecConfig(method="eagle3", adaptive=True, **spec)
+
+    def engine(**more):
+        return Engine.from_pretrained(target, drafts["eagle3"], spec=config, device="cuda", dtype="float32",
+                                      kv_pool_tokens=16384, max_batch_size=16, **kw, **more)
+
+    one = engine()
+    captured = one.warm_up()
+    want = one.generate(prompts, params)
+    with engine(tensor_parallel_size=2, tp_check=True) as two:
+        assert two.warm_up() == captured > 0
+        got = two.generate(prompts, params)
+        assert two.graph_runner.graph_count() == captured, "a graph was captured mid-stream"
+    assert one.graph_runner.graph_count() == captured
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        assert g.token_ids == w.token_ids, f"request {i} differs at TP=2"
+
+
 SINGLE_GPU_TARGET = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
