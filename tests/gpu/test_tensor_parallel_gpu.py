@@ -12,7 +12,8 @@ over both GPUs (draft_tensor_parallel_size=2); bfloat16 (partial sums reduced in
 prompt differs only where it takes a token within a near-tie of TP=1's best logit (on this
 model TP=1 alone, one prompt at a time against 64 at once, agrees on about half of 64 prompts:
 another summation order, the same near-ties); on the single-GPU suite's model, whose 96-token
-vocabulary ties far less, at least 95 % of 64 prompts identical, that suite's bar.
+vocabulary ties far less, at least 95 % of 64 prompts identical, that suite's bar. warm_up
+captures every graph on both ranks before traffic.
 """
 
 from __future__ import annotations
