@@ -378,12 +378,11 @@ def shard_target(target, group, what: str = "target", layers=None) -> None:
         for layer in target.fused_layers if layers is None else layers:
             sliced.append(shard_layer(layer, rank, world, device))
             del layer  # a layer read for this: its host copy goes before the next is read
-    layers = sliced
     inner = target.model.model
     inner.layers = torch.nn.ModuleList()  # the whole layers' weights; the fused slices replace them
     target.model.__dict__.pop("_phasegraph_fused_layers", None)
     target.model.to(device)
-    target.fused_layers = layers
+    target.fused_layers = sliced
     target.device = device
-    target.kv_spec = attrs.evolve(target.kv_spec, num_kv_heads=layers[0].num_kv_heads)
+    target.kv_spec = attrs.evolve(target.kv_spec, num_kv_heads=sliced[0].num_kv_heads)
     target.tp = group
