@@ -103,15 +103,20 @@ MOVING = CostTable((OFF, SpecShape.chain(1), SpecShape.chain(3), TREE3), (1, 2, 
 ADAPTIVE = dict(topk=2, num_steps=3, num_draft_tokens=6, adaptive=True)
 
 
+def _self_drafted_adaptive(pair, **kw) -> Engine:
+    """Adaptive speculation with the target as its own standalone draft (every draft accepted
+    when greedy: the longest paths)."""
+    target, drafts = pair
+    return _engine(target, {"standalone": drafts["self"]}, "standalone", ADAPTIVE, 16, 4096, **kw)
+
+
 def test_tp2_adaptive_with_given_costs_equals_tp1(pair):
     """Adaptive speculation under TP plans alike on every rank from one cost table, so the
     sampled requests too draw TP=1's tokens, shape for shape; tp_check compares the plans."""
-    target, drafts = pair
     prompts, params = _workload()
-    one = _engine(target, {"standalone": drafts["self"]}, "standalone", ADAPTIVE, 16, 4096, spec_costs=MOVING)
+    one = _self_drafted_adaptive(pair, spec_costs=MOVING)
     want = one.generate(prompts, params)
-    with _engine(target, {"standalone": drafts["self"]}, "standalone", ADAPTIVE, 16, 4096, spec_costs=MOVING,
-                 tensor_parallel_size=2, tp_check=True) as two:
+    with _self_drafted_adaptive(pair, spec_costs=MOVING, tensor_parallel_size=2, tp_check=True) as two:
         got = two.generate(prompts, params)
         ran = shape_counts(two.trace)
     assert len(ran) >= 2, f"the plan never moved: {ran}"
@@ -140,18 +145,16 @@ def test_tp2_warm_up_captures_every_shape_on_every_rank(pair):
     """warm_up under TP: the workers warm up in step with the leader (else its collectives
     would wait for them), so the same graphs exist before traffic and none is captured
     mid-stream, for greedy and sampled batches alike; the outputs stay TP=1's."""
-    target, drafts = pair
     prompts, params = _workload()
     # a split batch's groups run per-phase graphs that warm_up leaves: whole-batch plans only
     whole = CostTable(MOVING.shapes, MOVING.batches, MOVING.seconds, split_s=1e3)
     kw = dict(spec_costs=whole, cuda_graphs="emulate", graph_buckets=[4, N_REQUESTS])  # two buckets: enough
-    one = _engine(target, {"standalone": drafts["self"]}, "standalone", ADAPTIVE, 16, 4096, **kw)
+    one = _self_drafted_adaptive(pair, **kw)
     captured = one.warm_up()
     assert captured > 0
     want = one.generate(prompts, params)
     assert one.graph_runner.graph_count() == captured, "a graph was captured mid-stream at TP=1"
-    with _engine(target, {"standalone": drafts["self"]}, "standalone", ADAPTIVE, 16, 4096, **kw,
-                 tensor_parallel_size=2, tp_check=True) as two:
+    with _self_drafted_adaptive(pair, **kw, tensor_parallel_size=2, tp_check=True) as two:
         assert two.warm_up() == captured
         got = two.generate(prompts, params)
         assert len(shape_counts(two.trace)) >= 2, "the plan never moved"
