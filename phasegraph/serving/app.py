@@ -111,15 +111,17 @@ def create_app(
     async def completions(body: api.CompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
         params = api.completion_params(body)
-        prompt = api.completion_prompt(body)
-        return await server.respond(request, body, prompt, params, chat=False)
+        prompts = api.completion_prompts(body)
+        server.check_choices(body.n, len(prompts))
+        return await server.respond(request, body, prompts, params, chat=False)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(body: api.ChatRequest, request: Request) -> Response:
         server.check_model(body.model)
         params = api.chat_params(body, aengine.max_context)
+        server.check_choices(body.n, 1)
         prompt = api.chat_prompt(aengine.tokenizer, body.messages, server.chat_template)
-        return await server.respond(request, body, prompt, params, chat=True)
+        return await server.respond(request, body, [prompt], params, chat=True)
 
     return app
 
@@ -161,20 +163,45 @@ class _Server:
             raise APIError(404, f"The model {model!r} does not exist: this server serves {self.model_name!r}",
                            type="not_found_error", param="model", code="model_not_found")
 
-    async def respond(self, request: Request, body, prompt, params: SamplingParams, *, chat: bool) -> Response:
+    def check_choices(self, n: int | None, prompts: int) -> None:
+        """A request whose choices (``n`` for each prompt) the queue could never hold at once is
+        refused before anything runs."""
+        choices = (n or 1) * prompts
+        if choices > self.aengine.max_queue:
+            param = "n" if prompts == 1 else "prompt"
+            raise APIError(400, f"{param}: {choices} choices ({prompts} prompt(s) × n={n or 1}) are more "
+                           f"than the server's queue holds ({self.aengine.max_queue})", param=param)
+
+    async def respond(self, request: Request, body, prompts: list, params: SamplingParams, *, chat: bool) -> Response:
+        """The response to ``body``: ``n`` choices of each of ``prompts``, choice ``p * n + j``
+        the j-th of prompt p, each an engine request of its own."""
         arrived = time.perf_counter()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        stream = await _unless_disconnected(request, self._add(rid, prompt, params, chat))
-        if stream is None:  # the client left while the request waited for room
+        n = body.n or 1
+        choices = [(prompt, p) for prompt in prompts for p in api.choice_params(params, n)]
+        streams = await _unless_disconnected(request, self._add_all(rid, choices, chat))
+        if streams is None:  # the client left while the request waited for room
             return Response(status_code=499)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            events = self._events(stream, rid, arrived, chat, include_usage)
-            return _EventStream(events, on_close=stream.cancel)
-        out = await _unless_disconnected(request, self._collect(stream, arrived))
-        if out is None:
+            events = self._events(streams, rid, arrived, chat, include_usage, n)
+            return _EventStream(events, on_close=lambda: _cancel(streams))
+        outs = await _unless_disconnected(request, self._collect_all(streams, arrived))
+        if outs is None:
             return Response(status_code=499)
-        return JSONResponse(self._whole(out, rid, chat))
+        return JSONResponse(self._whole(outs, rid, chat, n))
+
+    async def _add_all(self, rid: str, choices: list, chat: bool) -> list[RequestStream]:
+        """Every choice queued, or none: a choice refused (or the client leaving) aborts those
+        added before it."""
+        streams: list[RequestStream] = []
+        try:
+            for i, (prompt, params) in enumerate(choices):
+                streams.append(await self._add(rid if len(choices) == 1 else f"{rid}-{i}", prompt, params, chat))
+        except BaseException:
+            _cancel(streams)
+            raise
+        return streams
 
     async def _add(self, rid: str, prompt, params: SamplingParams, chat: bool) -> RequestStream:
         try:
@@ -187,6 +214,18 @@ class _Server:
             raise APIError(429, str(exc), type="rate_limit_error", code="queue_full") from None
         except EngineClosed as exc:
             raise APIError(503, str(exc), type="server_error", code="engine_closed") from None
+
+    async def _collect_all(self, streams: list[RequestStream], arrived: float) -> list[RequestOutput]:
+        """Every choice's whole output; one that fails ends the others."""
+        if len(streams) == 1:
+            return [await self._collect(streams[0], arrived)]
+        tasks = [asyncio.ensure_future(self._collect(s, arrived)) for s in streams]
+        try:
+            return list(await asyncio.gather(*tasks))
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _collect(self, stream: RequestStream, arrived: float) -> RequestOutput:
         first = None
@@ -204,73 +243,124 @@ class _Server:
         self.metrics.request_latency.observe(time.perf_counter() - arrived)
         return out
 
-    def _whole(self, out: RequestOutput, rid: str, chat: bool) -> dict:
+    def _whole(self, outs: list[RequestOutput], rid: str, chat: bool, n: int) -> dict:
         tokenizer = self.aengine.tokenizer
-        tokens = api.token_texts(tokenizer, out.token_ids) if out.logprobs is not None else []
-        choice: dict = {"index": 0, "finish_reason": api.FINISH_REASONS[out.finish_reason]}
-        if chat:
-            choice["message"] = {"role": "assistant", "content": out.text}
-            choice["logprobs"] = api.chat_logprobs(tokens, out.logprobs)
-        else:
-            choice["text"] = out.text
-            choice["logprobs"] = api.completion_logprobs(tokens, out.logprobs)
+        choices = []
+        for index, out in enumerate(outs):
+            choice: dict = {"index": index, "finish_reason": api.FINISH_REASONS[out.finish_reason]}
+            if chat:
+                choice["message"] = {"role": "assistant", "content": out.text}
+                choice["logprobs"] = api.chat_logprobs(tokenizer, out.token_ids, out.logprobs, out.top_logprobs)
+            else:
+                choice["text"] = out.text
+                choice["logprobs"] = api.completion_logprobs(tokenizer, out.token_ids, out.logprobs,
+                                                             out.top_logprobs)
+            choice["phasegraph"] = api.extension(out)
+            choices.append(choice)
         return {
             "id": rid, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": self.model_name, "choices": [choice],
-            "usage": api.usage(out), "phasegraph": api.extension(out),
+            "created": int(time.time()), "model": self.model_name, "choices": choices,
+            "usage": api.usage(outs, n),
         }
 
-    async def _events(self, stream: RequestStream, rid: str, arrived: float, chat: bool,
-                      include_usage: bool) -> AsyncIterator[str]:
-        """The stream's server-sent events: one chunk per delta (every token of one engine step),
-        whose ``phasegraph`` field has that step's token ids and accept lengths; then the usage
-        chunk if asked for, and ``[DONE]``."""
-        tokenizer = self.aengine.tokenizer
-        created = int(time.time())
+    async def _events(self, streams: list[RequestStream], rid: str, arrived: float, chat: bool,
+                      include_usage: bool, n: int) -> AsyncIterator[str]:
+        """The server-sent events of a streamed response: each choice's chunks (one per delta,
+        as they come), then the usage chunk if asked for, and ``[DONE]``. A choice that fails
+        ends the response with the error event."""
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                "created": created, "model": self.model_name}
-        last = None
-        offset = 0
+                "created": int(time.time()), "model": self.model_name}
+        sources = [self._choice_chunks(s, i, arrived, chat) for i, s in enumerate(streams)]
+        chunks = sources[0] if len(sources) == 1 else _merged(sources)
         try:
-            if chat:  # OpenAI's first chat chunk opens the assistant's message
-                yield _event({**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                                    "logprobs": None, "finish_reason": None}]})
-            async for delta in stream:
-                if delta.new_token_ids:
-                    now = time.perf_counter()
-                    metric = self.metrics.time_to_first_token if last is None else self.metrics.inter_token
-                    metric.observe(now - (arrived if last is None else last))
-                    last = now
-                # a request that fails (or is aborted by a closing engine) sends the tokens it
-                # made before the end, then the error event
-                ended = delta.finish_reason in ("error", "abort")
-                if ended and not delta.new_token_ids and not delta.new_text:
-                    _raise_unfinished(stream.output)
-                tokens = api.token_texts(tokenizer, delta.new_token_ids) if delta.logprobs is not None else []
-                reason = None if ended or delta.finish_reason is None else api.FINISH_REASONS[delta.finish_reason]
-                choice: dict = {"index": 0, "finish_reason": reason}
-                if chat:
-                    choice["delta"] = {"content": delta.new_text} if delta.new_text or reason is None else {}
-                    choice["logprobs"] = api.chat_logprobs(tokens, delta.logprobs)
-                else:
-                    choice["text"] = delta.new_text
-                    choice["logprobs"] = api.completion_logprobs(tokens, delta.logprobs, offset)
-                offset += len(delta.new_text)
-                yield _event({**head, "choices": [choice], "phasegraph": {
-                    "token_ids": list(delta.new_token_ids), "accept_lengths": list(delta.accept_lengths)}})
-                if ended:
-                    _raise_unfinished(stream.output)
-            out = stream.output
-            self.metrics.request_latency.observe(time.perf_counter() - arrived)
+            async with contextlib.aclosing(chunks):
+                async for chunk in chunks:
+                    yield _event({**head, **chunk})
             if include_usage:
-                yield _event({**head, "choices": [], "usage": api.usage(out), "phasegraph": api.extension(out)})
+                outs = [s.output for s in streams]
+                yield _event({**head, "choices": [], "usage": api.usage(outs, n),
+                              "phasegraph": {"choices": [api.extension(o) for o in outs]}})
         except (APIError, EngineClosed) as exc:
             error = exc if isinstance(exc, APIError) else APIError(503, str(exc), type="server_error",
                                                                    code="engine_closed")
             yield _event(error.body())
         finally:
-            stream.cancel()
+            _cancel(streams)
         yield "data: [DONE]\n\n"
+
+    async def _choice_chunks(self, stream: RequestStream, index: int, arrived: float,
+                             chat: bool) -> AsyncIterator[dict]:
+        """One choice's chunks (without the head): one per delta (every token of one engine
+        step), whose ``phasegraph`` field has that step's token ids and accept lengths. A
+        request that fails (or that a closing engine aborts) sends the tokens it made, then
+        raises the error."""
+        tokenizer = self.aengine.tokenizer
+        last = None
+        offset = 0
+        if chat:  # OpenAI's first chat chunk of a choice opens the assistant's message
+            yield {"choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
+                                "logprobs": None, "finish_reason": None}]}
+        async for delta in stream:
+            if delta.new_token_ids:
+                now = time.perf_counter()
+                metric = self.metrics.time_to_first_token if last is None else self.metrics.inter_token
+                metric.observe(now - (arrived if last is None else last))
+                last = now
+            ended = delta.finish_reason in ("error", "abort")
+            if ended and not delta.new_token_ids and not delta.new_text:
+                _raise_unfinished(stream.output)
+            reason = None if ended or delta.finish_reason is None else api.FINISH_REASONS[delta.finish_reason]
+            choice: dict = {"index": index, "finish_reason": reason}
+            if chat:
+                choice["delta"] = {"content": delta.new_text} if delta.new_text or reason is None else {}
+                choice["logprobs"] = api.chat_logprobs(tokenizer, delta.new_token_ids, delta.logprobs,
+                                                       delta.top_logprobs)
+            else:
+                choice["text"] = delta.new_text
+                choice["logprobs"] = api.completion_logprobs(tokenizer, delta.new_token_ids, delta.logprobs,
+                                                             delta.top_logprobs, offset)
+            offset += len(delta.new_text)
+            yield {"choices": [choice], "phasegraph": {"token_ids": list(delta.new_token_ids),
+                                                       "accept_lengths": list(delta.accept_lengths)}}
+            if ended:
+                _raise_unfinished(stream.output)
+        self.metrics.request_latency.observe(time.perf_counter() - arrived)
+
+
+def _cancel(streams: list[RequestStream]) -> None:
+    for stream in streams:
+        stream.cancel()
+
+
+async def _merged(sources: list[AsyncIterator[dict]]) -> AsyncIterator[dict]:
+    """The items of every source as they come; the first error of any source is raised (and
+    every source stopped)."""
+    queue: asyncio.Queue = asyncio.Queue()
+    end = object()
+
+    async def pump(source: AsyncIterator[dict]) -> None:
+        try:
+            async for item in source:
+                queue.put_nowait((item, None))
+            queue.put_nowait((end, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((None, exc))
+
+    tasks = [asyncio.ensure_future(pump(s)) for s in sources]
+    try:
+        running = len(tasks)
+        while running:
+            item, error = await queue.get()
+            if error is not None:
+                raise error
+            if item is end:
+                running -= 1
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 def _raise_unfinished(out: RequestOutput) -> None:

@@ -7,11 +7,13 @@ name) so that a request the server cannot honour fails with 400 instead of being
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
+import attrs
 from pydantic import BaseModel, ConfigDict, Field
 
-from phasegraph.runtime.config import RequestOutput, SamplingParams
+from phasegraph.runtime.config import INT64_MIN, MAX_LOGPROBS, RequestOutput, SamplingParams
 from phasegraph.runtime.grammar import InvalidGrammar
 from phasegraph.serving.errors import APIError
 
@@ -29,8 +31,8 @@ class StreamOptions(_Body):
 
 class _SamplingFields(_Body):
     """The fields both endpoints share; phasegraph's own extensions (as in vLLM): ``top_k``,
-    ``ignore_eos``, ``stop_token_ids``; ``speculate``, ``max_draft_tokens``; and structured
-    output by ``regex`` or ``grammar``."""
+    ``min_p``, ``repetition_penalty``, ``ignore_eos``, ``stop_token_ids``; ``speculate``,
+    ``max_draft_tokens``; and structured output by ``regex`` or ``grammar``."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
@@ -39,13 +41,15 @@ class _SamplingFields(_Body):
     top_k: int | None = Field(default=None, ge=-1)  # 0 or -1: off
     stop: str | list[str] | None = None
     seed: int | None = None
-    n: int | None = None
+    n: int | None = Field(default=None, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None  # accepted and ignored, as it only labels the caller
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # {token id as a string: bias}
+    min_p: float | None = None
+    repetition_penalty: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     speculate: bool = True
@@ -56,7 +60,7 @@ class _SamplingFields(_Body):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
-    logprobs: int | bool | None = None  # 0 (or true): each sampled token's; no alternatives yet
+    logprobs: int | bool | None = None  # k: each sampled token's logprob and the k most likely
     echo: bool = False
     suffix: str | None = None
     best_of: int | None = None
@@ -101,42 +105,56 @@ def _refuse(param: str, message: str) -> APIError:
     return APIError(400, f"{param}: {message}", param=param, code="unsupported_parameter")
 
 
-def _check_shared(req: _SamplingFields) -> None:
-    """The OpenAI fields phasegraph does not do (yet): refused by name, never ignored."""
-    if req.n not in (None, 1):
-        raise _refuse("n", f"only n=1 is supported (one choice per request); got {req.n}")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name) not in (None, 0, 0.0):
-            raise _refuse(name, "penalties are not supported; leave it out or 0")
-    if req.logit_bias:
-        raise _refuse("logit_bias", "logit_bias is not supported")
+def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
+    """OpenAI's logit_bias, whose keys are token ids written as strings, keyed by the ids."""
+    if not bias:
+        return None
+    out = {}
+    for key, value in bias.items():
+        try:
+            token = int(key)
+        except ValueError:
+            raise APIError(400, f"logit_bias: keys are token ids (integers as strings); got {key!r}",
+                           param="logit_bias") from None
+        if token in out:
+            raise APIError(400, f"logit_bias: token id {token} is named twice", param="logit_bias")
+        out[token] = value
+    return out
 
 
-def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: bool,
+def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: bool | int,
                     json_schema: dict | bool | None = None) -> SamplingParams:
     """``req``'s sampling fields as SamplingParams (OpenAI's defaults: temperature 1, top_p 1);
-    an impossible value raises InvalidRequest naming it, a grammar that does not compile a 400
-    naming the field that gave it."""
-    top_k = req.top_k if req.top_k is not None and req.top_k > 0 else 0
+    ``logprobs``: False, True (the sampled tokens') or k (and the k most likely). An impossible
+    value raises InvalidRequest naming it, a grammar that does not compile a 400 naming the
+    field that gave it."""
     given = [name for name, v in (("response_format", json_schema), ("regex", req.regex), ("grammar", req.grammar))
              if v is not None]
     if len(given) > 1:
         raise APIError(400, f"at most one of response_format (JSON), regex and grammar; got {', '.join(given)}",
                        param=given[1])
     try:
-        return _sampling_params(req, max_tokens, logprobs, top_k, json_schema)
+        return _sampling_params(req, max_tokens, logprobs, json_schema)
     except InvalidGrammar as exc:
         raise APIError(400, f"{given[0]}: {exc}", param=given[0], code="invalid_grammar") from None
 
 
-def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: bool, top_k: int,
+def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: bool | int,
                      json_schema: dict | bool | None) -> SamplingParams:
+    def given(value, default):
+        return default if value is None else value
+
     return SamplingParams(
         max_new_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=top_k,
-        stop=() if req.stop is None else req.stop,
+        temperature=given(req.temperature, 1.0),
+        top_p=given(req.top_p, 1.0),
+        top_k=req.top_k if req.top_k is not None and req.top_k > 0 else 0,
+        min_p=given(req.min_p, 0.0),
+        repetition_penalty=given(req.repetition_penalty, 1.0),
+        frequency_penalty=given(req.frequency_penalty, 0.0),
+        presence_penalty=given(req.presence_penalty, 0.0),
+        logit_bias=_logit_bias(req.logit_bias),
+        stop=given(req.stop, ()),
         stop_token_ids=tuple(req.stop_token_ids or ()),
         ignore_eos=req.ignore_eos,
         logprobs=logprobs,
@@ -149,20 +167,26 @@ def _sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: boo
     )
 
 
-def completion_prompt(req: CompletionRequest) -> str | list[int]:
-    """The one prompt of a completion request: a string or a list of token ids."""
+def choice_params(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """The params of each of ``n`` choices of one prompt: with a seed, choice j samples with
+    seed + j (wrapped into 64 bits), so that the choices differ and each is reproducible."""
+    if params.seed is None or n == 1:
+        return [params] * n
+    return [attrs.evolve(params, seed=(params.seed + j - INT64_MIN) % 2**64 + INT64_MIN) for j in range(n)]
+
+
+def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
+    """A completion request's prompts (one, or a batch): each a string or a list of token ids."""
     prompt = req.prompt
-    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
-        if len(prompt) != 1:
-            raise _refuse("prompt", f"one prompt per request is supported; got a batch of {len(prompt)}")
-        prompt = prompt[0]
-    if isinstance(prompt, list) and not prompt:
-        raise APIError(400, "prompt: the prompt is empty", param="prompt")
-    return prompt
+    batch = prompt if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else [prompt]
+    for i, one in enumerate(batch):
+        if isinstance(one, list) and not one:
+            where = "" if len(batch) == 1 else f" {i}"
+            raise APIError(400, f"prompt: the prompt{where} is empty", param="prompt")
+    return batch
 
 
 def completion_params(req: CompletionRequest) -> SamplingParams:
-    _check_shared(req)
     if req.echo:
         raise _refuse("echo", "echo is not supported")
     if req.suffix is not None:
@@ -170,22 +194,25 @@ def completion_params(req: CompletionRequest) -> SamplingParams:
     if req.best_of not in (None, 1):
         raise _refuse("best_of", f"only best_of=1 is supported; got {req.best_of}")
     lp = req.logprobs
-    if lp is not None and lp is not False and lp is not True and lp != 0:
-        raise _refuse("logprobs", "only logprobs=0 (the sampled tokens' log-probabilities, no "
-                      f"alternatives) is supported; got {lp}")
-    wants = lp is True or (lp is not None and lp is not False)  # true, or 0
+    if lp is not None and not isinstance(lp, bool) and not 0 <= lp <= MAX_LOGPROBS:
+        raise APIError(400, f"logprobs: must be in [0, {MAX_LOGPROBS}] (alternatives per token); got {lp}",
+                       param="logprobs")
+    # true or 0: the sampled tokens' logprobs; k: and the k most likely tokens at each position
+    wants = False if lp is None or lp is False else True if lp is True or lp == 0 else lp
     max_tokens = COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
     return sampling_params(req, max_tokens, wants)
 
 
 def chat_params(req: ChatRequest, max_context: int) -> SamplingParams:
-    _check_shared(req)
-    if req.top_logprobs not in (None, 0):
-        raise _refuse("top_logprobs", f"alternatives are not supported (top_logprobs 0 only); got {req.top_logprobs}")
+    top = req.top_logprobs
+    if top is not None and not 0 <= top <= MAX_LOGPROBS:
+        raise APIError(400, f"top_logprobs: must be in [0, {MAX_LOGPROBS}]; got {top}", param="top_logprobs")
+    if top and not req.logprobs:
+        raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     # no limit given: up to the context (the engine caps a request's budget by its prompt)
-    return sampling_params(req, max_context if max_tokens is None else max_tokens, bool(req.logprobs),
-                           response_json_schema(req.response_format))
+    return sampling_params(req, max_context if max_tokens is None else max_tokens,
+                           top if top else bool(req.logprobs), response_json_schema(req.response_format))
 
 
 def response_json_schema(fmt: ResponseFormat | None) -> dict | bool | None:
@@ -239,16 +266,20 @@ def chat_prompt(tokenizer, messages: list[ChatMessage], template: str | None) ->
 FINISH_REASONS = {"stop": "stop", "length": "length"}
 
 
-def usage(out: RequestOutput) -> dict:
-    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+def usage(outs: Sequence[RequestOutput], n: int = 1) -> dict:
+    """OpenAI's usage of a response whose choices are ``outs`` (in index order, ``n`` per
+    prompt): each prompt counted once, as OpenAI counts it whatever ``n``."""
+    firsts = outs[::n]
+    prompt = sum(len(o.prompt_token_ids) for o in firsts)
+    completion = sum(len(o.token_ids) for o in outs)
     # prompt tokens read from the prefix cache (a resumed request's second prefill may read more)
-    cached = min(out.stats.cached_tokens, prompt)
+    cached = sum(min(o.stats.cached_tokens, len(o.prompt_token_ids)) for o in firsts)
     return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
             "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def extension(out: RequestOutput) -> dict:
-    """The ``phasegraph`` field of a whole response."""
+    """The ``phasegraph`` field of one whole choice."""
     return {
         "accept_lengths": list(out.stats.accept_lengths),
         "mean_accept_length": out.stats.mean_accept_length,
@@ -256,24 +287,45 @@ def extension(out: RequestOutput) -> dict:
     }
 
 
-def token_texts(tokenizer, token_ids) -> list[str]:
-    if tokenizer is None:
-        return [str(t) for t in token_ids]
-    return [tokenizer.decode([t]) for t in token_ids]
+def _text(tokenizer, token_id: int) -> str:
+    return str(token_id) if tokenizer is None else tokenizer.decode([token_id])
 
 
-def completion_logprobs(tokens: list[str], logprobs, offset: int = 0) -> dict | None:
+def completion_logprobs(tokenizer, token_ids: Sequence[int], logprobs: Sequence[float] | None,
+                        top: Sequence[Sequence[tuple[int, float]]] | None, offset: int = 0) -> dict | None:
+    """A completion choice's ``logprobs`` (None where not asked for): each token's text, logprob
+    and offset in the choice's text; with ``top``, at each position a {text: logprob} of the most
+    likely tokens and the sampled one (OpenAI's form: two ids of one text keep the likelier)."""
     if logprobs is None:
         return None
+    tokens = [_text(tokenizer, t) for t in token_ids]
     offsets = []
     for t in tokens:
         offsets.append(offset)
         offset += len(t)
-    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": None, "text_offset": offsets}
+    alternatives = None
+    if top is not None:
+        alternatives = []
+        for text, lp, alts in zip(tokens, logprobs, top, strict=True):
+            entry: dict[str, float] = {}
+            for token, alt in alts:
+                entry.setdefault(_text(tokenizer, token), alt)
+            entry.setdefault(text, lp)
+            alternatives.append(entry)
+    return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": alternatives, "text_offset": offsets}
 
 
-def chat_logprobs(tokens: list[str], logprobs) -> dict | None:
+def chat_logprobs(tokenizer, token_ids: Sequence[int], logprobs: Sequence[float] | None,
+                  top: Sequence[Sequence[tuple[int, float]]] | None) -> dict | None:
+    """A chat choice's ``logprobs`` (None where not asked for): each token with its logprob,
+    bytes and, with ``top``, the most likely tokens at its position."""
     if logprobs is None:
         return None
-    return {"content": [{"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
-                        for t, lp in zip(tokens, logprobs, strict=True)]}
+
+    def item(text: str, lp: float) -> dict:
+        return {"token": text, "logprob": lp, "bytes": list(text.encode())}
+
+    tops = top if top is not None else [()] * len(token_ids)
+    return {"content": [{**item(_text(tokenizer, t), lp),
+                         "top_logprobs": [item(_text(tokenizer, a), alp) for a, alp in alts]}
+                        for t, lp, alts in zip(token_ids, logprobs, tops, strict=True)]}

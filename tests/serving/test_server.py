@@ -77,7 +77,7 @@ def test_completions_equal_the_offline_engine(engine, server):
     assert whole.usage.prompt_tokens == len(want[0].prompt_token_ids)
     assert whole.usage.completion_tokens == len(want[0].token_ids)
     assert whole.usage.total_tokens == whole.usage.prompt_tokens + whole.usage.completion_tokens
-    ext = whole.model_extra["phasegraph"]
+    ext = choice.model_extra["phasegraph"]
     assert ext["token_ids"] == want[0].token_ids and ext["accept_lengths"] == want[0].stats.accept_lengths
     assert ext["mean_accept_length"] == pytest.approx(want[0].stats.mean_accept_length)
     # token ids as the prompt, streamed, with the usage chunk OpenAI sends last
@@ -88,6 +88,7 @@ def test_completions_equal_the_offline_engine(engine, server):
     assert text == want[1].text and tokens == want[1].token_ids
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == want[1].finish_reason
     assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(want[1].token_ids)
+    assert chunks[-1].model_extra["phasegraph"]["choices"][0]["token_ids"] == want[1].token_ids
     accepts = [n for c in chunks if c.choices for n in c.model_extra["phasegraph"]["accept_lengths"]]
     assert accepts == want[1].stats.accept_lengths
 
@@ -185,22 +186,136 @@ def test_chat_logprobs(engine, server, monkeypatch):
     assert "".join(c.token for c in content) == want.text
 
 
+def _top_texts(tokenizer, out) -> list[dict[str, float]]:
+    """The completions API's top_logprobs of an offline output: at each position the top
+    tokens' texts (the likelier of two of one text) and the sampled token's."""
+    tops = []
+    for token, lp, alts in zip(out.token_ids, out.logprobs, out.top_logprobs, strict=True):
+        entry = {}
+        for alt, alt_lp in alts:
+            entry.setdefault(tokenizer.decode([alt]), alt_lp)
+        entry.setdefault(tokenizer.decode([token]), lp)
+        tops.append(entry)
+    return tops
+
+
+def test_top_logprobs_equal_the_offline_engine(engine, server, monkeypatch):
+    url, aengine = server
+    api = client(url)
+    want = offline(aengine, [PROMPTS[5]], greedy(8, logprobs=5))[0]
+    assert all(len(alts) == 5 for alts in want.top_logprobs)
+    out = api.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=8, temperature=0, logprobs=5)
+    lp = out.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx(want.logprobs)
+    expected = _top_texts(engine.tokenizer, want)
+    assert [sorted(t) for t in lp.top_logprobs] == [sorted(t) for t in expected]
+    assert [t[k] for t in lp.top_logprobs for k in sorted(t)] == pytest.approx(
+        [t[k] for t in expected for k in sorted(t)])
+    chunks = list(api.completions.create(model=MODEL, prompt=PROMPTS[5], max_tokens=8, temperature=0, logprobs=5,
+                                         stream=True))
+    streamed = [t for c in chunks for t in c.choices[0].logprobs.top_logprobs]
+    assert [sorted(t) for t in streamed] == [sorted(t) for t in expected]
+    for off in (False, None):  # (False == 0, yet it asks for none)
+        body = httpx.post(f"{url}/v1/completions", json=_body("completions", {"logprobs": off})).json()
+        assert body["choices"][0]["logprobs"] is None
+    # chat: each token's most likely alternatives, most likely first
+    monkeypatch.setattr(engine.tokenizer, "chat_template", CHAT_TEMPLATE, raising=False)
+    want = offline(aengine, [chat_ids(engine, MESSAGES)], greedy(6, logprobs=3))[0]
+    out = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=6, temperature=0, logprobs=True,
+                                      top_logprobs=3)
+    content = out.choices[0].logprobs.content
+    assert [[a.token for a in c.top_logprobs] for c in content] == [
+        [engine.tokenizer.decode([t]) for t, _ in alts] for alts in want.top_logprobs]
+    assert [a.logprob for c in content for a in c.top_logprobs] == pytest.approx(
+        [lp for alts in want.top_logprobs for _, lp in alts])
+    assert content[0].top_logprobs[0].bytes == list(content[0].top_logprobs[0].token.encode())
+
+
+def test_penalties_min_p_and_logit_bias_equal_the_offline_engine(engine, server):
+    url, aengine = server
+    api = client(url)
+    prompt = PROMPTS[3]
+    plain = offline(aengine, [prompt], greedy(12))[0]
+    # the greedy choice banned: the output must change, so the field cannot have been ignored
+    banned = {plain.token_ids[0]: -100.0}
+    want = offline(aengine, [prompt], greedy(12, logit_bias=banned))[0]
+    assert want.token_ids[0] != plain.token_ids[0]
+    out = api.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                 logit_bias={str(t): b for t, b in banned.items()})
+    assert out.choices[0].model_extra["phasegraph"]["token_ids"] == want.token_ids
+    penalised = SamplingParams(max_new_tokens=24, temperature=0.7, seed=5, presence_penalty=0.6,
+                               frequency_penalty=0.4, repetition_penalty=1.3, min_p=0.05)
+    want = offline(aengine, [prompt], penalised)[0]
+    out = api.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0.7, seed=5,
+                                 presence_penalty=0.6, frequency_penalty=0.4,
+                                 extra_body={"repetition_penalty": 1.3, "min_p": 0.05})
+    assert out.choices[0].model_extra["phasegraph"]["token_ids"] == want.token_ids
+    unpenalised = offline(aengine, [prompt], SamplingParams(max_new_tokens=24, temperature=0.7, seed=5))[0]
+    assert unpenalised.token_ids != want.token_ids
+
+
+def test_n_choices_of_each_prompt_of_a_batch(engine, server, monkeypatch):
+    url, aengine = server
+    api = client(url)
+    prompts = [PROMPTS[0], PROMPTS[1]]
+
+    def sampled(seed: int) -> SamplingParams:
+        return SamplingParams(max_new_tokens=10, temperature=0.9, seed=seed)
+
+    # choice p * n + j: prompt p sampled with seed + j
+    want = [offline(aengine, [p], sampled(11 + j))[0] for p in prompts for j in range(3)]
+    assert len({w.text for w in want[:3]}) > 1  # the choices of one prompt differ
+    out = api.completions.create(model=MODEL, prompt=prompts, n=3, max_tokens=10, temperature=0.9, seed=11)
+    assert [c.index for c in out.choices] == list(range(6))
+    assert [c.text for c in out.choices] == [w.text for w in want]
+    assert out.usage.prompt_tokens == sum(len(w.prompt_token_ids) for w in want[::3])
+    assert out.usage.completion_tokens == sum(len(w.token_ids) for w in want)
+    chunks = list(api.completions.create(model=MODEL, prompt=prompts, n=3, max_tokens=10, temperature=0.9, seed=11,
+                                         stream=True, stream_options={"include_usage": True}))
+    texts, reasons = [""] * 6, [None] * 6
+    for c in chunks[:-1]:
+        (choice,) = c.choices
+        texts[choice.index] += choice.text
+        reasons[choice.index] = choice.finish_reason or reasons[choice.index]
+    assert texts == [w.text for w in want] and reasons == [w.finish_reason for w in want]
+    assert chunks[-1].usage.completion_tokens == out.usage.completion_tokens
+    assert [e["token_ids"] for e in chunks[-1].model_extra["phasegraph"]["choices"]] == [w.token_ids for w in want]
+    # chat: n choices of the one conversation
+    monkeypatch.setattr(engine.tokenizer, "chat_template", CHAT_TEMPLATE, raising=False)
+    ids = chat_ids(engine, MESSAGES)
+    want = [offline(aengine, [ids], sampled(4 + j))[0] for j in range(2)]
+    out = api.chat.completions.create(model=MODEL, messages=MESSAGES, n=2, max_tokens=10, temperature=0.9, seed=4)
+    assert [c.message.content for c in out.choices] == [w.text for w in want]
+    assert out.usage.prompt_tokens == len(ids)
+
+
 BAD_BODIES = [
     # (path, body, param the error names, words in its message)
-    ("completions", {"n": 2}, "n", "n=1"),
+    ("completions", {"n": 0}, "n", "greater than or equal to 1"),
+    ("completions", {"n": 65}, "n", "more than the server's queue holds (64)"),
+    ("completions", {"prompt": ["a"] * 33, "n": 2}, "prompt", "66 choices"),
     ("completions", {"temperature": -1}, "temperature", "greater than or equal to 0"),
     ("completions", {"temperature": "hot"}, "temperature", "number"),
     ("completions", {"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     ("completions", {"max_tokens": True}, "max_tokens", "integer"),
     ("completions", {"top_p": 0}, "top_p", "greater than 0"),
     ("completions", {"frobnicate": 1}, "frobnicate", "Unrecognized request argument"),
-    ("completions", {"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
     ("completions", {"prompt": []}, "prompt", "empty"),
+    ("completions", {"prompt": [[5, 6], []]}, "prompt", "the prompt 1 is empty"),
+    ("completions", {"prompt": [[5, 6], [1, 999999]]}, None, "outside the vocabulary"),
     ("completions", {"prompt": [1, 999999]}, None, "outside the vocabulary"),
-    ("completions", {"logprobs": 3}, "logprobs", "logprobs=0"),
+    ("completions", {"logprobs": 21}, "logprobs", "[0, 20]"),
+    ("completions", {"logprobs": -1}, "logprobs", "[0, 20]"),
     ("completions", {"echo": True}, "echo", "not supported"),
     ("completions", {"stop": [""]}, None, "stop"),
-    ("completions", {"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ("completions", {"presence_penalty": 2.5}, None, "presence_penalty must be in [-2, 2]"),
+    ("completions", {"frequency_penalty": "high"}, "frequency_penalty", "number"),
+    ("completions", {"repetition_penalty": 0}, None, "repetition_penalty must be > 0"),
+    ("completions", {"min_p": 1.5}, None, "min_p must be in [0, 1]"),
+    ("completions", {"logit_bias": {"x": 1}}, "logit_bias", "token ids"),
+    ("completions", {"logit_bias": {"1": 1, "01": 2}}, "logit_bias", "named twice"),
+    ("completions", {"logit_bias": {"999999": 1}}, None, "outside the vocabulary"),
+    ("completions", {"logit_bias": {"5": 101}}, None, "[-100, 100]"),
     ("completions", {"seed": 2**70}, None, "seed"),
     ("completions", {"model": None}, "model", "string"),
     ("chat/completions", {"messages": []}, "messages", "at least 1"),
@@ -213,8 +328,9 @@ BAD_BODIES = [
     ("completions", {"regex": "a(b"}, "regex", "does not compile"),
     ("completions", {"grammar": "root ::= foo"}, "grammar", "does not compile"),
     ("chat/completions", {"regex": "a", "response_format": {"type": "json_object"}}, "regex", "at most one"),
-    ("chat/completions", {"top_logprobs": 2}, "top_logprobs", "alternatives"),
-    ("chat/completions", {"n": 3}, "n", "n=1"),
+    ("chat/completions", {"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
+    ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
+    ("chat/completions", {"n": 65}, "n", "more than the server's queue holds"),
 ]
 
 
@@ -246,7 +362,7 @@ def test_other_errors_are_openai_errors_too(server):
     url, aengine = server
     api = client(url)
     with pytest.raises(openai.BadRequestError) as err:  # through the official client
-        api.completions.create(model=MODEL, prompt="x", max_tokens=4, n=2)
+        api.completions.create(model=MODEL, prompt="x", max_tokens=4, n=0)
     assert err.value.status_code == 400 and err.value.body["param"] == "n"
     with pytest.raises(openai.NotFoundError) as err:
         api.completions.create(model="gpt-4", prompt="x", max_tokens=4)
@@ -382,6 +498,14 @@ def test_a_request_failing_mid_run_is_a_500_with_the_reason(engine, monkeypatch)
         with pytest.raises(openai.APIError, match="not finite"):
             for _ in api.completions.create(model=MODEL, prompt=long, max_tokens=8, temperature=0, stream=True):
                 pass
+        # one failing choice fails the whole response, and its sibling is aborted
+        response = httpx.post(f"{url}/v1/completions", json=_body("completions", {"prompt": [PROMPTS[0], long],
+                                                                                  "max_tokens": 8}))
+        assert _assert_openai_error(response, 500)["code"] == "request_failed"
+        with pytest.raises(openai.APIError, match="not finite"):
+            for _ in api.completions.create(model=MODEL, prompt=[long, PROMPTS[0]], max_tokens=8, temperature=0,
+                                            stream=True):
+                pass
         # the other requests go on
         assert api.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0).choices[0].text == want.text
 
@@ -398,8 +522,12 @@ def test_a_client_that_leaves_aborts_its_request(engine):
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{url}/v1/completions", json=long, timeout=0.5)
         _wait_until(lambda: aengine.stats().queued == 0)
+        # several choices, streamed: every one of them ends when the client leaves
+        with httpx.stream("POST", f"{url}/v1/completions", json={**long, "stream": True, "n": 3}) as response:
+            assert next(response.iter_lines()).startswith("data: ")
+        _wait_until(lambda: aengine.stats().queued == 0)
         stats = aengine.stats()
-        assert stats.finished == {"abort": 2} and stats.generated_tokens < 2 * 400
+        assert stats.finished == {"abort": 5} and stats.generated_tokens < 5 * 400
 
 
 def test_create_app_refuses_bad_settings(engine):
@@ -434,7 +562,7 @@ def test_a_process_engine_serves_the_client_and_its_death_fails_every_request(en
             api = client(url)
             whole = api.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=16, temperature=0)
             assert whole.choices[0].text == want[0].text
-            assert whole.model_extra["phasegraph"]["token_ids"] == want[0].token_ids
+            assert whole.choices[0].model_extra["phasegraph"]["token_ids"] == want[0].token_ids
             chunks = list(api.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0,
                                                  stream=True))
             assert [t for c in chunks for t in c.model_extra["phasegraph"]["token_ids"]] == want[1].token_ids
