@@ -189,7 +189,10 @@ class _Server:
         outs = await _unless_disconnected(request, self._collect_all(streams, arrived))
         if outs is None:
             return Response(status_code=499)
-        return JSONResponse(self._whole(outs, rid, chat, n))
+        echo = getattr(body, "echo", False)
+        if echo and body.max_tokens == 0:
+            outs = [api.without_generated(o) for o in outs]
+        return JSONResponse(self._whole(outs, rid, chat, n, [p for p in prompts for _ in range(n)] if echo else None))
 
     async def _add_all(self, rid: str, choices: list, chat: bool) -> list[RequestStream]:
         """Every choice queued, or none: a choice refused (or the client leaving) aborts those
@@ -243,7 +246,8 @@ class _Server:
         self.metrics.request_latency.observe(time.perf_counter() - arrived)
         return out
 
-    def _whole(self, outs: list[RequestOutput], rid: str, chat: bool, n: int) -> dict:
+    def _whole(self, outs: list[RequestOutput], rid: str, chat: bool, n: int, echoed: list | None) -> dict:
+        """The whole response; ``echoed``: with ``echo``, each choice's prompt as the request gave it."""
         tokenizer = self.aengine.tokenizer
         choices = []
         for index, out in enumerate(outs):
@@ -251,6 +255,8 @@ class _Server:
             if chat:
                 choice["message"] = {"role": "assistant", "content": out.text}
                 choice["logprobs"] = api.chat_logprobs(tokenizer, out.token_ids, out.logprobs, out.top_logprobs)
+            elif echoed is not None:
+                choice["text"], choice["logprobs"] = api.echoed_completion(tokenizer, echoed[index], out)
             else:
                 choice["text"] = out.text
                 choice["logprobs"] = api.completion_logprobs(tokenizer, out.token_ids, out.logprobs,

@@ -60,8 +60,9 @@ class _SamplingFields(_Body):
 
 class CompletionRequest(_SamplingFields):
     prompt: str | list[int] | list[str] | list[list[int]]
+    max_tokens: int | None = Field(default=None, ge=0)  # 0: with echo, the prompt scored, nothing generated
     logprobs: int | bool | None = None  # k: each sampled token's logprob and the k most likely
-    echo: bool = False
+    echo: bool = False  # the prompt before the completion, with its tokens' logprobs where asked
     suffix: str | None = None
     best_of: int | None = None
 
@@ -187,8 +188,11 @@ def completion_prompts(req: CompletionRequest) -> list[str | list[int]]:
 
 
 def completion_params(req: CompletionRequest) -> SamplingParams:
-    if req.echo:
-        raise _refuse("echo", "echo is not supported")
+    if req.echo and req.stream:
+        raise _refuse("echo", "echo is supported without streaming only")
+    if req.max_tokens == 0 and not req.echo:
+        raise APIError(400, "max_tokens: 0 is allowed with echo only (the prompt scored, nothing generated)",
+                       param="max_tokens")
     if req.suffix is not None:
         raise _refuse("suffix", "suffix (insertion) is not supported")
     if req.best_of not in (None, 1):
@@ -199,8 +203,21 @@ def completion_params(req: CompletionRequest) -> SamplingParams:
                        param="logprobs")
     # true or 0: the sampled tokens' logprobs; k: and the k most likely tokens at each position
     wants = False if lp is None or lp is False else True if lp is True or lp == 0 else lp
-    max_tokens = COMPLETION_MAX_TOKENS if req.max_tokens is None else req.max_tokens
-    return sampling_params(req, max_tokens, wants)
+    # max_tokens 0: one token made, and dropped from the response (see without_generated)
+    max_tokens = COMPLETION_MAX_TOKENS if req.max_tokens is None else max(req.max_tokens, 1)
+    params = sampling_params(req, max_tokens, wants)
+    if req.echo and wants is not False:
+        params = attrs.evolve(params, prompt_logprobs=0 if wants is True else wants)
+    return params
+
+
+def without_generated(out: RequestOutput) -> RequestOutput:
+    """``out`` as a request of max_tokens 0 answers: its prompt, nothing generated."""
+    def none_or_empty(x):
+        return None if x is None else []
+
+    return attrs.evolve(out, token_ids=[], text="", finish_reason="length", logprobs=none_or_empty(out.logprobs),
+                        top_logprobs=none_or_empty(out.top_logprobs))
 
 
 def chat_params(req: ChatRequest, max_context: int) -> SamplingParams:
@@ -307,12 +324,29 @@ def completion_logprobs(tokenizer, token_ids: Sequence[int], logprobs: Sequence[
     if top is not None:
         alternatives = []
         for text, lp, alts in zip(tokens, logprobs, top, strict=True):
+            if alts is None:  # an echoed prompt's first token: nothing before it
+                alternatives.append(None)
+                continue
             entry: dict[str, float] = {}
             for token, alt in alts:
                 entry.setdefault(_text(tokenizer, token), alt)
             entry.setdefault(text, lp)
             alternatives.append(entry)
     return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": alternatives, "text_offset": offsets}
+
+
+def echoed_completion(tokenizer, prompt: str | list[int], out: RequestOutput) -> tuple[str, dict | None]:
+    """A completion choice with ``echo``: its prompt before its text, and the logprobs of every
+    prompt token (None for the first) before those of the generated ones, where asked."""
+    prompt_text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt) if tokenizer else ""
+    if out.logprobs is None:
+        return prompt_text + out.text, None
+    tokens = [*out.prompt_token_ids, *out.token_ids]
+    logprobs = [*out.prompt_logprobs, *out.logprobs]
+    top = None
+    if out.top_logprobs is not None:
+        top = [*out.prompt_top_logprobs, *out.top_logprobs]
+    return prompt_text + out.text, completion_logprobs(tokenizer, tokens, logprobs, top)
 
 
 def chat_logprobs(tokenizer, token_ids: Sequence[int], logprobs: Sequence[float] | None,

@@ -231,6 +231,36 @@ def test_top_logprobs_equal_the_offline_engine(engine, server, monkeypatch):
     assert content[0].top_logprobs[0].bytes == list(content[0].top_logprobs[0].token.encode())
 
 
+def test_echo_scores_prompts_as_an_evaluation_harness_asks(engine, server):
+    """lm-evaluation-harness scores a continuation with a batch of token-id prompts, echo,
+    logprobs=1 and max_tokens 0 or 1: each prompt token's logprob, and whether it was the most
+    likely one."""
+    url, aengine = server
+    prompts = [engine.tokenizer(p)["input_ids"] for p in PROMPTS[8:10]]
+    want = offline(aengine, prompts, greedy(1, logprobs=1, prompt_logprobs=1))
+    for max_tokens in (0, 1):
+        out = client(url).completions.create(model=MODEL, prompt=prompts, max_tokens=max_tokens, temperature=0,
+                                             echo=True, logprobs=1)
+        for choice, ids, w in zip(out.choices, prompts, want, strict=True):
+            made = w.token_ids[:max_tokens]
+            lp = choice.logprobs
+            assert choice.text == engine.tokenizer.decode(ids) + engine.tokenizer.decode(made)
+            assert lp.tokens == [engine.tokenizer.decode([t]) for t in ids + made]
+            assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+            # (within 1e-5: the server prefills each prompt in a batch of its own)
+            assert lp.token_logprobs[1:] == pytest.approx(w.prompt_logprobs[1:] + w.logprobs[:max_tokens], abs=1e-5)
+            for i, top in enumerate(lp.top_logprobs[1:len(ids)], start=1):
+                (best, best_lp), actual = w.prompt_top_logprobs[i][0], lp.tokens[i]
+                assert top[engine.tokenizer.decode([best])] == pytest.approx(best_lp, abs=1e-5)
+                assert top[actual] == pytest.approx(w.prompt_logprobs[i], abs=1e-5)
+            assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+        assert out.usage.completion_tokens == max_tokens * len(prompts)
+    # echo without logprobs: the prompt's text before the completion's
+    out = client(url).completions.create(model=MODEL, prompt=PROMPTS[8], max_tokens=4, temperature=0, echo=True)
+    assert out.choices[0].text == PROMPTS[8] + offline(aengine, [PROMPTS[8]], greedy(4))[0].text
+    assert out.choices[0].logprobs is None
+
+
 def test_penalties_min_p_and_logit_bias_equal_the_offline_engine(engine, server):
     url, aengine = server
     api = client(url)
@@ -296,7 +326,9 @@ BAD_BODIES = [
     ("completions", {"prompt": ["a"] * 33, "n": 2}, "prompt", "66 choices"),
     ("completions", {"temperature": -1}, "temperature", "greater than or equal to 0"),
     ("completions", {"temperature": "hot"}, "temperature", "number"),
-    ("completions", {"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
+    ("completions", {"max_tokens": 0}, "max_tokens", "with echo only"),
+    ("completions", {"max_tokens": -1}, "max_tokens", "greater than or equal to 0"),
+    ("chat/completions", {"max_tokens": 0}, "max_tokens", "greater than or equal to 1"),
     ("completions", {"max_tokens": True}, "max_tokens", "integer"),
     ("completions", {"top_p": 0}, "top_p", "greater than 0"),
     ("completions", {"frobnicate": 1}, "frobnicate", "Unrecognized request argument"),
@@ -306,7 +338,7 @@ BAD_BODIES = [
     ("completions", {"prompt": [1, 999999]}, None, "outside the vocabulary"),
     ("completions", {"logprobs": 21}, "logprobs", "[0, 20]"),
     ("completions", {"logprobs": -1}, "logprobs", "[0, 20]"),
-    ("completions", {"echo": True}, "echo", "not supported"),
+    ("completions", {"echo": True, "stream": True}, "echo", "without streaming"),
     ("completions", {"stop": [""]}, None, "stop"),
     ("completions", {"presence_penalty": 2.5}, None, "presence_penalty must be in [-2, 2]"),
     ("completions", {"frequency_penalty": "high"}, "frequency_penalty", "number"),
