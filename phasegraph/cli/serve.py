@@ -5,6 +5,7 @@
     phasegraph serve --target DIR [--draft DIR --method eagle3] [--topk K --num-steps S ...]
         [--host 127.0.0.1] [--port 8000] [--max-queue N] [--on-full 429|wait]
         [--model-name NAME] [--chat-template FILE] [--max-batch-size N] [--[no-]engine-process]
+        [--api-key KEY]
 
 Serves ``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``, ``/health`` and
 ``/metrics`` (docs/serving.md) until interrupted; needs the ``serve`` extra (FastAPI, uvicorn,
@@ -35,6 +36,7 @@ from phasegraph.cli.common import (
 from phasegraph.serving import DEFAULT_MAX_QUEUE
 
 SERVE_PACKAGES = ("fastapi", "uvicorn", "prometheus_client")
+API_KEY_ENV = "PHASEGRAPH_API_KEY"
 GRACEFUL_SHUTDOWN_S = 5  # then streams still open are cut and their requests aborted
 
 
@@ -61,6 +63,10 @@ def add_parser(sub) -> None:
                    help="run the engine in a process of its own, apart from the HTTP server, so that the "
                         "server's Python never delays the engine's kernel launches (default: on where the "
                         "device is CUDA, off otherwise)")
+    p.add_argument("--api-key", metavar="KEY", default=os.environ.get(API_KEY_ENV),
+                   help="every /v1 request must send 'Authorization: Bearer KEY' (/health and /metrics stay "
+                        f"open); the environment variable {API_KEY_ENV} sets it without showing it in the "
+                        "process list (default: none, any client is served)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"),
                    help="uvicorn's log level (default info: one line per request)")
     p.set_defaults(func=run_serve)
@@ -95,6 +101,8 @@ def run_serve(args: argparse.Namespace) -> int:
     spec = model_spec(args)
     require_name("--chat-template", args.chat_template, "file")
     require_name("--model-name", args.model_name, "model")
+    if args.api_key is not None and (not args.api_key.strip() or args.api_key != args.api_key.strip()):
+        raise CliError(f"--api-key (or {API_KEY_ENV}) must be non-empty, without surrounding spaces")
     require_at_least("--max-queue", args.max_queue, 1)
     require_at_least("--max-batch-size", args.max_batch_size, 1)
     if not 1 <= args.port <= 65535:
@@ -125,11 +133,13 @@ def run_serve(args: argparse.Namespace) -> int:
             aengine = ProcessEngine(load, max_queue=args.max_queue)
         with_draft = f" with {spec.method} drafts" if spec.speculative else ""
         try:
-            app = create_app(aengine, model_name=model_name, on_full=args.on_full, chat_template=template)
+            app = create_app(aengine, model_name=model_name, on_full=args.on_full, chat_template=template,
+                             api_key=args.api_key)
             host = f"[{args.host}]" if ":" in args.host else args.host
             where = "in this process" if in_process else f"in engine process {aengine.pid}"
             print(f"phasegraph: serving {model_name!r}{with_draft} on http://{host}:{args.port}/v1 "
-                  f"(OpenAI-compatible; /health, /metrics; the engine {where}); Ctrl-C stops", file=sys.stderr)
+                  f"(OpenAI-compatible{'; API key required' if args.api_key else ''}; /health, /metrics; the engine "
+                  f"{where}); Ctrl-C stops", file=sys.stderr)
             config = uvicorn.Config(app, log_level=args.log_level, timeout_graceful_shutdown=GRACEFUL_SHUTDOWN_S)
             with _stop_signals():
                 uvicorn.Server(config).run(sockets=[sock])

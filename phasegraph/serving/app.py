@@ -5,7 +5,8 @@ Endpoints: ``POST /v1/completions``, ``POST /v1/chat/completions`` (both stream 
 server-sent events with ``"stream": true``), ``GET /v1/models``, ``GET /health``,
 ``GET /metrics`` (Prometheus). Every error is OpenAI's error body
 (``{"error": {"message", "type", "param", "code"}}``): 400 for a bad request (a body that does
-not validate included), 404 for an unknown model or path, 429 when the queue is full (with
+not validate included), 401 for a missing or wrong API key (where one is set), 404 for an
+unknown model or path, 429 when the queue is full (with
 ``on_full="429"``), 503 once the engine is closed, 500 (no traceback) for a request that failed
 while it ran or for a bug. See docs/serving.md.
 """
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import socket
 import threading
@@ -21,7 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -43,6 +45,7 @@ def create_app(
     model_name: str = "phasegraph",
     on_full: str = "429",
     chat_template: str | None = None,
+    api_key: str | None = None,
 ) -> FastAPI:
     """The server's FastAPI application over ``aengine``, an :class:`AsyncEngine` or a
     :class:`~phasegraph.serving.engine_process.ProcessEngine` (which the caller closes).
@@ -50,15 +53,20 @@ def create_app(
     ``model_name``: the model id requests name and ``/v1/models`` lists. ``on_full``: what a
     request meets when ``aengine``'s queue is full: ``"429"`` (an error, retry later) or
     ``"wait"`` (it waits for room, unless its client leaves). ``chat_template``: a Jinja chat
-    template used instead of the tokenizer's (without either, chat requests get a 400)."""
+    template used instead of the tokenizer's (without either, chat requests get a 400).
+    ``api_key``: every ``/v1`` route then asks for ``Authorization: Bearer <api_key>`` (a 401
+    without it); ``/health`` and ``/metrics`` stay open."""
     if not isinstance(aengine, AsyncEngineBase):
         raise InvalidConfig(f"create_app serves an AsyncEngine or a ProcessEngine; got {type(aengine).__name__}")
     if on_full not in ON_FULL:
         raise InvalidConfig(f"on_full must be one of {', '.join(ON_FULL)}; got {on_full!r}")
     if not isinstance(model_name, str) or not model_name:
         raise InvalidConfig(f"model_name must be a non-empty string; got {model_name!r}")
+    if api_key is not None and (not isinstance(api_key, str) or not api_key or api_key != api_key.strip()):
+        raise InvalidConfig("api_key must be a non-empty string without surrounding spaces, or None")
     server = _Server(aengine, model_name, on_full == "wait", chat_template)
     app = FastAPI(title="phasegraph", docs_url=None, redoc_url=None, openapi_url=None)
+    v1 = [Depends(_bearer(api_key))] if api_key is not None else []
     app.state.phasegraph = server
 
     @app.exception_handler(APIError)
@@ -94,7 +102,7 @@ def create_app(
             return await api_error(None, APIError(503, why, type="server_error", code="engine_closed"))
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=v1)
     async def models() -> JSONResponse:
         return JSONResponse({"object": "list", "data": [{
             "id": model_name, "object": "model", "created": server.created, "owned_by": "phasegraph",
@@ -107,7 +115,7 @@ def create_app(
         text = await asyncio.to_thread(generate_latest, server.metrics.registry)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=v1)
     async def completions(body: api.CompletionRequest, request: Request) -> Response:
         server.check_model(body.model)
         params = api.completion_params(body)
@@ -115,7 +123,7 @@ def create_app(
         server.check_choices(body.n, len(prompts))
         return await server.respond(request, body, prompts, params, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(body: api.ChatRequest, request: Request) -> Response:
         server.check_model(body.model)
         params = api.chat_params(body, aengine.max_context)
@@ -124,6 +132,19 @@ def create_app(
         return await server.respond(request, body, [prompt], params, chat=True)
 
     return app
+
+
+def _bearer(api_key: str) -> Callable[[Request], None]:
+    """A route dependency that lets a request through only with ``Authorization: Bearer api_key``."""
+    expected = f"Bearer {api_key}".encode()
+
+    def check(request: Request) -> None:
+        given = request.headers.get("authorization", "").encode()
+        if not hmac.compare_digest(given, expected):  # in constant time: no key guessed byte by byte
+            raise APIError(401, "a missing or wrong API key: send the header 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    return check
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:

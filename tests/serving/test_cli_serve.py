@@ -39,8 +39,10 @@ def test_serve_answers_like_the_engine_and_stops_on_ctrl_c(engine, tmp_path, eng
            "--device", "cpu", "--dtype", "float32", "--kv-pool-tokens", "8192", "--port", str(port),
            "--model-name", "demo", "--chat-template", str(template), "--max-queue", "8", "--log-level", "warning",
            "--engine-process" if engine_process else "--no-engine-process"]
+    # the engine-process variant needs an API key, given by the environment
+    key = {"PHASEGRAPH_API_KEY": "k3y"} if engine_process else {}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+                            env={**os.environ, "PYTHONUNBUFFERED": "1", **key})
     try:
         url = f"http://127.0.0.1:{port}"
         deadline = time.monotonic() + START_S
@@ -53,7 +55,10 @@ def test_serve_answers_like_the_engine_and_stops_on_ctrl_c(engine, tmp_path, eng
                 pass
             assert time.monotonic() < deadline, "the server did not come up"
             time.sleep(0.2)
-        api = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key=key.get("PHASEGRAPH_API_KEY", "unused"), max_retries=0,
+                            timeout=60)
+        if key:
+            assert httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer unused"}).status_code == 401
         messages = [{"role": "user", "content": "Sort a list."}]
         want_chat = engine.generate([chat_ids(engine, messages)], greedy(10))[0]
         want = engine.generate([PROMPTS[0]], greedy(10))[0]
@@ -71,6 +76,7 @@ def test_serve_answers_like_the_engine_and_stops_on_ctrl_c(engine, tmp_path, eng
             raise
     assert proc.returncode == 0, err
     assert "serving 'demo' with eagle3 drafts on http://127.0.0.1:" in err
+    assert ("API key required" in err) == engine_process
     assert "Traceback" not in err
     where = re.search(r"the engine (in this process|in engine process (\d+))", err)
     assert where and bool(where.group(2)) == engine_process, err
@@ -88,6 +94,7 @@ def test_serve_answers_like_the_engine_and_stops_on_ctrl_c(engine, tmp_path, eng
     (["--method", "none", "--topk", "2"], "--topk was given with --method none"),
     (["--method", "eagle3"], "--method eagle3 needs --draft DIR"),
     (["--host", "no.such.host.invalid"], "--host no.such.host.invalid"),
+    (["--api-key", " key"], "--api-key (or PHASEGRAPH_API_KEY) must be non-empty"),
 ])
 def test_serve_option_errors_are_one_line_before_any_load(capsys, extra, words):
     target = str(demo_pair_dir() / "target")

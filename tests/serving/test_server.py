@@ -562,6 +562,26 @@ def test_a_client_that_leaves_aborts_its_request(engine):
         assert stats.finished == {"abort": 5} and stats.generated_tokens < 5 * 400
 
 
+def test_an_api_key_guards_every_v1_route_only(engine):
+    want = engine.generate([PROMPTS[0]], greedy(4))[0]
+    with serving(engine, api_key="s3cret") as (url, aengine):
+        for key in ("unused", "s3cret-not", None):
+            headers = {} if key is None else {"Authorization": f"Bearer {key}"}
+            for method, path, body in (("GET", "models", None), ("POST", "completions", _body("completions", {})),
+                                       ("POST", "chat/completions", _body("chat/completions", {})),
+                                       ("POST", "completions", {"temperature": "hot"})):  # not even validated
+                error = _assert_openai_error(httpx.request(method, f"{url}/v1/{path}", json=body, headers=headers),
+                                             401)
+                assert error["code"] == "invalid_api_key" and "Authorization: Bearer" in error["message"]
+        with pytest.raises(openai.AuthenticationError):
+            client(url).completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+        assert aengine.stats().finished == {}  # nothing reached the engine
+        assert httpx.get(f"{url}/health").status_code == 200 and httpx.get(f"{url}/metrics").status_code == 200
+        api = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0, timeout=60)
+        out = api.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=4, temperature=0)
+        assert out.choices[0].text == want.text
+
+
 def test_create_app_refuses_bad_settings(engine):
     aengine = AsyncEngine(engine)
     try:
@@ -571,6 +591,9 @@ def test_create_app_refuses_bad_settings(engine):
             create_app(aengine, model_name="")
         with pytest.raises(InvalidConfig, match="AsyncEngine"):
             create_app(engine)
+        for key in ("", " key", 7):
+            with pytest.raises(InvalidConfig, match="api_key"):
+                create_app(aengine, api_key=key)
     finally:
         aengine.close()
 
