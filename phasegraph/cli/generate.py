@@ -5,10 +5,12 @@
     phasegraph generate --target DIR [--draft DIR [--method M]] --prompt "def fib(n):"
         [--prompt TEXT ... | --prompt-file FILE ... | --prompt - (stdin) | --prompt-ids IDS ...]
         [--max-new-tokens N] [--topk K --num-steps S --num-draft-tokens N] [--page-size P]
-        [--temperature T --top-p P --top-k K --seed S] [--stop STR ...] [--threads N] [--trace FILE]
+        [--temperature T --top-p P --top-k K --min-p P --seed S] [--stop STR ...] [--threads N] [--trace FILE]
+        [--repetition-penalty R --frequency-penalty F --presence-penalty F]
+        [--json-schema FILE | --regex RE | --grammar FILE] [--jsonl [--logprobs K]]
 
 Prints the completion on stdout (several prompts: each completion under a ``--- completion i of
-n ---`` line, in the prompts' order); a progress bar (for long generations) and the statistics
+n ---`` line, in the prompts' order; with ``--jsonl`` one JSON object a line, logprobs included); a progress bar (for long generations) and the statistics
 (mean acceptance length, tokens, time) on stderr. Without ``--method``, a ``--draft`` directory
 selects the kind of draft it holds. ``--trace FILE`` saves the run's phase trace as Chrome-trace
 JSON, which ``phasegraph graph --trace FILE`` overlays on the drawn graph.
@@ -23,6 +25,7 @@ parameters.
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import signal
 import sys
@@ -48,14 +51,16 @@ FLAG_OF_PARAMETER = {
     "method": "--method", "num_steps": "--num-steps", "topk": "--topk", "num_draft_tokens": "--num-draft-tokens",
     "max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
     "seed": "--seed", "stop": "--stop", "page_size": "--page-size", "kv_pool_tokens": "--kv-pool-tokens",
-    "num_threads": "--threads", "dtype": "--dtype", "draft_dtype": "--draft-dtype",
+    "num_threads": "--threads", "dtype": "--dtype", "draft_dtype": "--draft-dtype", "min_p": "--min-p",
+    "repetition_penalty": "--repetition-penalty", "frequency_penalty": "--frequency-penalty",
+    "presence_penalty": "--presence-penalty", "logprobs": "--logprobs", "json_schema": "--json-schema",
 }
 # renamed anywhere: names no prose uses ("SpecConfig.topk", "max_new_tokens", "topk=4")
 _PARAMETER = re.compile(
     r"\bSpecConfig\.(\w+)|(?<![\w-])(" + "|".join(n for n in FLAG_OF_PARAMETER if "_" in n or n == "topk") + r")\b"
 )
 # renamed only where a message starts with them ("temperature must be >= 0"): they are words too
-_LEADING_WORD = re.compile(r"^(method|temperature|seed|stop|dtype)(?= must\b)")
+_LEADING_WORD = re.compile(r"^(method|temperature|seed|stop|dtype|logprobs)(?= must\b)")
 
 
 def flag_names(message: str) -> str:
@@ -92,6 +97,25 @@ def add_parser(sub) -> None:
     p.add_argument("--stop", action="append", default=[], metavar="STR",
                    help="stop when the text holds STR (repeatable; default: none)")
     p.add_argument("--ignore-eos", action="store_true", help="do not stop at the EOS token (default: stop)")
+    p.add_argument("--min-p", type=float, default=0.0, metavar="P",
+                   help="keep the tokens at least P times as likely as the likeliest (default: %(default)s, off)")
+    p.add_argument("--repetition-penalty", type=float, default=1.0, metavar="R",
+                   help="divide the logits of tokens already in the prompt or output by R (default: %(default)s, off)")
+    p.add_argument("--frequency-penalty", type=float, default=0.0, metavar="F",
+                   help="subtract F per time a token was generated, in [-2, 2] (default: %(default)s)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, metavar="F",
+                   help="subtract F once a token was generated, in [-2, 2] (default: %(default)s)")
+    constrained = p.add_mutually_exclusive_group()
+    constrained.add_argument("--json-schema", metavar="FILE",
+                             help="the output is JSON that this JSON-schema file allows (needs the grammar extra)")
+    constrained.add_argument("--regex", metavar="RE", help="the output matches this regular expression")
+    constrained.add_argument("--grammar", metavar="FILE",
+                             help="the output follows this EBNF grammar file (root rule 'root')")
+    p.add_argument("--jsonl", action="store_true",
+                   help="print each completion as one JSON line (text, token ids, finish reason, acceptance "
+                        "lengths, logprobs) instead of its text")
+    p.add_argument("--logprobs", type=int, metavar="K",
+                   help="with --jsonl: each token's logprob and the K likeliest tokens' (K in [0, 20])")
     p.add_argument("--trace", metavar="FILE", help="save the phase trace (Chrome-trace JSON) to FILE (default: none)")
     p.add_argument("--no-progress", action="store_true", help="never show a progress bar (default: shown "
                    f"from --max-new-tokens {PROGRESS_MIN_TOKENS} on)")
@@ -109,20 +133,34 @@ def _token_ids(text: str) -> list[int]:
 
 
 def _prompt_file(path: str) -> str:
-    require_name("--prompt-file", path, "file")
+    return _read_text(path, "--prompt-file")
+
+
+def _read_text(path: str, flag: str) -> str:
+    """A UTF-8 file an option names, or a one-line error naming the option."""
+    require_name(flag, path, "file")
     try:
         text = Path(path).read_text(encoding="utf-8")
     except FileNotFoundError:
-        raise CliError(f"--prompt-file {path}: no such file") from None
+        raise CliError(f"{flag} {path}: no such file") from None
     except IsADirectoryError:
-        raise CliError(f"--prompt-file {path}: is a directory, not a file") from None
+        raise CliError(f"{flag} {path}: is a directory, not a file") from None
     except UnicodeDecodeError:
-        raise CliError(f"--prompt-file {path}: is not UTF-8 text") from None
+        raise CliError(f"{flag} {path}: is not UTF-8 text") from None
     except OSError as exc:
-        raise CliError(f"--prompt-file {path}: cannot be read ({exc.strerror or exc})") from None
+        raise CliError(f"{flag} {path}: cannot be read ({exc.strerror or exc})") from None
     if not text:
-        raise CliError(f"--prompt-file {path} is empty")
+        raise CliError(f"{flag} {path} is empty")
     return text
+
+
+def _structured(args: argparse.Namespace) -> dict:
+    """The SamplingParams of --json-schema, --regex or --grammar (at most one: argparse sees to that)."""
+    if args.json_schema is not None:
+        return {"json_schema": _read_text(args.json_schema, "--json-schema")}
+    if args.grammar is not None:
+        return {"grammar": _read_text(args.grammar, "--grammar")}
+    return {"regex": args.regex} if args.regex is not None else {}
 
 
 def _stdin_prompt() -> str:
@@ -174,13 +212,29 @@ class _CtrlC:
         return self.pressed
 
 
-def _write_outputs(engine, outs) -> None:
+def _write_outputs(engine, outs, jsonl: bool = False) -> None:
+    if jsonl:
+        for out in outs:
+            sys.stdout.write(json.dumps(_record(out), ensure_ascii=False) + "\n")
+        sys.stdout.flush()
+        return
     for i, out in enumerate(outs, 1):
         if len(outs) > 1:
             sys.stdout.write(f"--- completion {i} of {len(outs)} ---\n")
         text = out.text if engine.tokenizer is not None else " ".join(map(str, out.token_ids))
         sys.stdout.write(text + "\n")
     sys.stdout.flush()
+
+
+def _record(out) -> dict:
+    """One completion as --jsonl prints it."""
+    record = {"text": out.text, "token_ids": out.token_ids, "finish_reason": out.finish_reason,
+              "accept_lengths": out.stats.accept_lengths}
+    if out.logprobs is not None:
+        record["logprobs"] = out.logprobs
+    if out.top_logprobs is not None:
+        record["top_logprobs"] = [[list(pair) for pair in alts] for alts in out.top_logprobs]
+    return record
 
 
 def _summary(engine, out, method: str, max_new_tokens: int, stopped: bool) -> tuple[str, str]:
@@ -228,15 +282,23 @@ def run_generate(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from phasegraph.runtime.config import SamplingParams
+    from phasegraph.runtime.config import MAX_LOGPROBS, SamplingParams
     from phasegraph.runtime.errors import NonFiniteDraftWarning, RequestFailed
 
     require_name("--trace", args.trace, "file")
     spec = model_spec(args)
     method = spec.method
+    if args.logprobs is not None and not args.jsonl:
+        raise CliError("--logprobs needs --jsonl: the plain text output has no place for them")
+    if args.logprobs is not None and not 0 <= args.logprobs <= MAX_LOGPROBS:
+        raise CliError(f"--logprobs must be in [0, {MAX_LOGPROBS}] (the likeliest tokens per position); "
+                       f"got {args.logprobs}")
     params = SamplingParams(
         max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
         top_k=args.top_k, seed=args.seed, stop=tuple(args.stop), ignore_eos=args.ignore_eos,
+        min_p=args.min_p, repetition_penalty=args.repetition_penalty, frequency_penalty=args.frequency_penalty,
+        presence_penalty=args.presence_penalty, logprobs=False if args.logprobs is None else args.logprobs,
+        **_structured(args),
     )
     prompts = _prompts(args)
     if args.trace:  # fail before the run, not after it
@@ -260,12 +322,12 @@ def _generate(args: argparse.Namespace) -> int:
             outs = engine.generate(prompts, params, progress=progress, should_stop=None if spmd else ctrl_c.asked)
     except RequestFailed as exc:  # show what came before the failure, then the error
         if not quiet:
-            _write_outputs(engine, exc.outputs)
+            _write_outputs(engine, exc.outputs, args.jsonl)
         raise CliError(str(exc)) from None
     seconds = time.perf_counter() - start
     if quiet:
         return 0
-    _write_outputs(engine, outs)
+    _write_outputs(engine, outs, args.jsonl)
     _print_summary(engine, outs, method, args, seconds, ctrl_c.pressed)
     if args.trace:
         path = engine.save_trace(args.trace)

@@ -117,14 +117,28 @@ def test_generate_text_without_tokenizer_names_the_flag_that_works(engine_root, 
         (["--prompt", PROMPT, "--draft", "{missing}"], ["config.json not found"]),
         (["--prompt", PROMPT, "--draft", "{wrong}", "--method", "eagle3"], ["vocab_size"]),
         (["--prompt", PROMPT, "--trace", "{trace_dir}"], ["--trace", "not a writable file"]),
+        (["--prompt", PROMPT, "--logprobs", "2"], ["--logprobs needs --jsonl"]),
+        (["--prompt", PROMPT, "--logprobs", "21", "--jsonl"], ["--logprobs must be in [0, 20]"]),
+        (["--prompt", PROMPT, "--min-p", "2"], ["--min-p must be in [0, 1]"]),
+        (["--prompt", PROMPT, "--presence-penalty", "3"], ["--presence-penalty must be in [-2, 2]"]),
+        (["--prompt", PROMPT, "--repetition-penalty", "nan"], ["--repetition-penalty must be finite"]),
+        (["--prompt", PROMPT, "--json-schema", "{missing}"], ["--json-schema", "no such file"]),
+        (["--prompt", PROMPT, "--json-schema", "{not_json}"], ["--json-schema", "JSON"]),
+        (["--prompt", PROMPT, "--regex", "a(b"], ["regex", "does not compile"]),
+        (["--prompt", PROMPT, "--grammar", "{bad_grammar}"], ["grammar", "does not compile"]),
     ],
     ids=["unknown-method", "no-draft", "max-new-tokens", "temperature", "top-p", "topk", "page-size",
-         "empty-prompt", "bad-ids", "ids-outside-vocab", "missing-draft", "draft-misfit", "trace-unwritable"],
+         "empty-prompt", "bad-ids", "ids-outside-vocab", "missing-draft", "draft-misfit", "trace-unwritable",
+         "logprobs-without-jsonl", "logprobs-past-20", "min-p", "presence-penalty", "repetition-penalty-nan",
+         "json-schema-missing", "json-schema-not-json", "regex", "grammar"],
 )
 def test_generate_bad_input_is_one_line_exit_2(engine_root, tmp_path, capsys, args, words):
     target, drafts, _ = text_bundle(engine_root)
+    (tmp_path / "not.json").write_text("{oops")
+    (tmp_path / "bad.ebnf").write_text("root ::= undefined_rule")
     subs = {"{draft}": str(drafts["eagle3"]), "{missing}": str(tmp_path / "missing"),
-            "{wrong}": str(arch_bundle(engine_root, "llama").drafts["eagle3"]), "{trace_dir}": str(tmp_path)}
+            "{wrong}": str(arch_bundle(engine_root, "llama").drafts["eagle3"]), "{trace_dir}": str(tmp_path),
+            "{not_json}": str(tmp_path / "not.json"), "{bad_grammar}": str(tmp_path / "bad.ebnf")}
     argv = ["generate", "--target", str(target), "--max-new-tokens", "4", "--no-progress"]
     argv += [subs.get(a, a) for a in args]
     capsys.readouterr()
@@ -134,6 +148,50 @@ def test_generate_bad_input_is_one_line_exit_2(engine_root, tmp_path, capsys, ar
     assert "Traceback" not in err
     for w in words:
         assert w in err, err
+
+
+def test_generate_jsonl_with_penalties_min_p_and_logprobs_equals_the_engine(engine_root, capsys):
+    target, drafts, _ = text_bundle(engine_root)
+    prompts = [PROMPT, "class Node:"]
+    rc = main(["generate", "--target", str(target), "--draft", str(drafts["eagle3"]), "--method", "eagle3",
+               "--prompt", prompts[0], "--prompt", prompts[1], "--max-new-tokens", "12", "--no-progress",
+               "--temperature", "0.8", "--seed", "3", "--min-p", "0.05", "--repetition-penalty", "1.2",
+               "--frequency-penalty", "0.3", "--presence-penalty", "0.2", "--jsonl", "--logprobs", "3"])
+    out, err = capsys.readouterr()
+    assert rc == 0, err
+    params = SamplingParams(max_new_tokens=12, temperature=0.8, seed=3, min_p=0.05, repetition_penalty=1.2,
+                            frequency_penalty=0.3, presence_penalty=0.2, logprobs=3)
+    eng = Engine.from_pretrained(target, drafts["eagle3"], spec=SpecConfig(method="eagle3"))
+    want = eng.generate(prompts, params)
+    lines = [json.loads(line) for line in out.splitlines()]
+    assert len(lines) == 2
+    for line, w in zip(lines, want, strict=True):
+        assert (line["text"], line["token_ids"], line["finish_reason"]) == (w.text, w.token_ids, w.finish_reason)
+        assert line["accept_lengths"] == w.stats.accept_lengths
+        assert line["logprobs"] == pytest.approx(w.logprobs)
+        assert [[t for t, _ in alts] for alts in line["top_logprobs"]] == [[t for t, _ in a] for a in w.top_logprobs]
+
+
+def test_generate_structured_output_follows_the_file_or_regex(engine_root, tmp_path, capsys):
+    import jsonschema
+
+    target, _, _ = text_bundle(engine_root)
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9}},
+              "required": ["n"], "additionalProperties": False}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    (tmp_path / "answer.ebnf").write_text('root ::= "yes" | "no"')
+    eng = Engine.from_pretrained(target)
+    printed = {}
+    for flag, value, kw in (("--json-schema", str(tmp_path / "schema.json"), {"json_schema": schema}),
+                            ("--regex", "(yes|no) [0-9]{1,2}", {"regex": "(yes|no) [0-9]{1,2}"}),
+                            ("--grammar", str(tmp_path / "answer.ebnf"), {"grammar": 'root ::= "yes" | "no"'})):
+        assert main(["generate", "--target", str(target), "--prompt", PROMPT, "--max-new-tokens", "24",
+                     "--no-progress", flag, value]) == 0
+        printed[flag] = capsys.readouterr().out
+        want = eng.generate(PROMPT, SamplingParams(max_new_tokens=24, **kw))[0]
+        assert printed[flag] == want.text + "\n" and want.finish_reason == "stop"
+    jsonschema.validate(json.loads(printed["--json-schema"]), schema)
+    assert printed["--grammar"] in ("yes\n", "no\n")
 
 
 def test_usage_errors_are_one_line(capsys):
