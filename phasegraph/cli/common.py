@@ -52,6 +52,24 @@ def require_name(option: str, value: str | None, kind: str) -> None:
         raise CliError(f"{option} needs a {kind} name, got an empty one")
 
 
+def read_text_file(path: str, flag: str) -> str:
+    """A UTF-8 file an option names, or a one-line error naming the option."""
+    require_name(flag, path, "file")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise CliError(f"{flag} {path}: no such file") from None
+    except IsADirectoryError:
+        raise CliError(f"{flag} {path}: is a directory, not a file") from None
+    except UnicodeDecodeError:
+        raise CliError(f"{flag} {path}: is not UTF-8 text") from None
+    except OSError as exc:
+        raise CliError(f"{flag} {path}: cannot be read ({exc.strerror or exc})") from None
+    if not text:
+        raise CliError(f"{flag} {path} is empty")
+    return text
+
+
 def writable_file(path: str, option: str) -> Path:
     """``path`` as a file a command may write, checked before any work: a :class:`CliError` if it
     names a directory, its directory is missing, or the file cannot be opened for writing (a

@@ -32,13 +32,13 @@ import sys
 import threading
 import time
 import warnings
-from pathlib import Path
 
 from phasegraph.cli.common import (
     CliError,
     add_command,
     load_engine,
     model_spec,
+    read_text_file,
     require_name,
     writable_file,
 )
@@ -107,15 +107,16 @@ def add_parser(sub) -> None:
                    help="subtract F once a token was generated, in [-2, 2] (default: %(default)s)")
     constrained = p.add_mutually_exclusive_group()
     constrained.add_argument("--json-schema", metavar="FILE",
-                             help="the output is JSON that this JSON-schema file allows (needs the grammar extra)")
-    constrained.add_argument("--regex", metavar="RE", help="the output matches this regular expression")
+                             help="the output is JSON that this JSON-schema file allows (needs the grammar extra; "
+                                  "default: unconstrained)")
+    constrained.add_argument("--regex", metavar="RE", help="the output matches this regular expression (default: none)")
     constrained.add_argument("--grammar", metavar="FILE",
-                             help="the output follows this EBNF grammar file (root rule 'root')")
+                             help="the output follows this EBNF grammar file, root rule 'root' (default: none)")
     p.add_argument("--jsonl", action="store_true",
                    help="print each completion as one JSON line (text, token ids, finish reason, acceptance "
-                        "lengths, logprobs) instead of its text")
+                        "lengths, logprobs) instead of its text (default: the text)")
     p.add_argument("--logprobs", type=int, metavar="K",
-                   help="with --jsonl: each token's logprob and the K likeliest tokens' (K in [0, 20])")
+                   help="with --jsonl: each token's logprob and the K likeliest tokens' (K in [0, 20]; default: none)")
     p.add_argument("--trace", metavar="FILE", help="save the phase trace (Chrome-trace JSON) to FILE (default: none)")
     p.add_argument("--no-progress", action="store_true", help="never show a progress bar (default: shown "
                    f"from --max-new-tokens {PROGRESS_MIN_TOKENS} on)")
@@ -133,33 +134,15 @@ def _token_ids(text: str) -> list[int]:
 
 
 def _prompt_file(path: str) -> str:
-    return _read_text(path, "--prompt-file")
-
-
-def _read_text(path: str, flag: str) -> str:
-    """A UTF-8 file an option names, or a one-line error naming the option."""
-    require_name(flag, path, "file")
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise CliError(f"{flag} {path}: no such file") from None
-    except IsADirectoryError:
-        raise CliError(f"{flag} {path}: is a directory, not a file") from None
-    except UnicodeDecodeError:
-        raise CliError(f"{flag} {path}: is not UTF-8 text") from None
-    except OSError as exc:
-        raise CliError(f"{flag} {path}: cannot be read ({exc.strerror or exc})") from None
-    if not text:
-        raise CliError(f"{flag} {path} is empty")
-    return text
+    return read_text_file(path, "--prompt-file")
 
 
 def _structured(args: argparse.Namespace) -> dict:
     """The SamplingParams of --json-schema, --regex or --grammar (at most one: argparse sees to that)."""
     if args.json_schema is not None:
-        return {"json_schema": _read_text(args.json_schema, "--json-schema")}
+        return {"json_schema": read_text_file(args.json_schema, "--json-schema")}
     if args.grammar is not None:
-        return {"grammar": _read_text(args.grammar, "--grammar")}
+        return {"grammar": read_text_file(args.grammar, "--grammar")}
     return {"regex": args.regex} if args.regex is not None else {}
 
 

@@ -30,6 +30,7 @@ from phasegraph.cli.common import (
     add_command,
     load_engine,
     model_spec,
+    read_text_file,
     require_at_least,
     require_name,
 )
@@ -107,12 +108,7 @@ def run_serve(args: argparse.Namespace) -> int:
     require_at_least("--max-batch-size", args.max_batch_size, 1)
     if not 1 <= args.port <= 65535:
         raise CliError(f"--port must be in [1, 65535], got {args.port}")
-    template = None
-    if args.chat_template is not None:
-        try:
-            template = Path(args.chat_template).read_text()
-        except OSError as exc:
-            raise CliError(f"--chat-template {args.chat_template}: cannot be read ({exc.strerror or exc})") from None
+    template = None if args.chat_template is None else read_text_file(args.chat_template, "--chat-template")
     model_name = args.model_name or Path(args.target).resolve().name
     sock = _listen(args.host, args.port)
     if args.tp != 1 and "WORLD_SIZE" in os.environ:  # every rank would serve HTTP, each its own requests

@@ -89,7 +89,7 @@ def test_serve_answers_like_the_engine_and_stops_on_ctrl_c(engine, tmp_path, eng
     (["--port", "0"], "--port must be in [1, 65535]"),
     (["--max-queue", "0"], "--max-queue must be at least 1"),
     (["--max-batch-size", "0"], "--max-batch-size must be at least 1"),
-    (["--chat-template", "/no/such/template.jinja"], "--chat-template /no/such/template.jinja: cannot be read"),
+    (["--chat-template", "/no/such/template.jinja"], "--chat-template /no/such/template.jinja: no such file"),
     (["--chat-template", ""], "--chat-template needs a file name"),
     (["--method", "none", "--topk", "2"], "--topk was given with --method none"),
     (["--method", "eagle3"], "--method eagle3 needs --draft DIR"),
