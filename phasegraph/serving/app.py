@@ -126,10 +126,11 @@ def create_app(
     @app.post("/v1/chat/completions", dependencies=v1)
     async def chat_completions(body: api.ChatRequest, request: Request) -> Response:
         server.check_model(body.model)
-        params = api.chat_params(body, aengine.max_context)
+        call = api.forced_call(body)
+        params = api.chat_params(body, aengine.max_context, call)
         server.check_choices(body.n, 1)
-        prompt = api.chat_prompt(aengine.tokenizer, body.messages, server.chat_template)
-        return await server.respond(request, body, [prompt], params, chat=True)
+        prompt = api.chat_prompt(aengine.tokenizer, body.messages, server.chat_template, body.tools)
+        return await server.respond(request, body, [prompt], params, chat=True, call=call)
 
     return app
 
@@ -193,9 +194,11 @@ class _Server:
             raise APIError(400, f"{param}: {choices} choices ({prompts} prompt(s) × n={n or 1}) are more "
                            f"than the server's queue holds ({self.aengine.max_queue})", param=param)
 
-    async def respond(self, request: Request, body, prompts: list, params: SamplingParams, *, chat: bool) -> Response:
+    async def respond(self, request: Request, body, prompts: list, params: SamplingParams, *, chat: bool,
+                      call: api.ForcedCall | None = None) -> Response:
         """The response to ``body``: ``n`` choices of each of ``prompts``, choice ``p * n + j``
-        the j-th of prompt p, each an engine request of its own."""
+        the j-th of prompt p, each an engine request of its own; ``call``: the tool call
+        every chat choice must be."""
         arrived = time.perf_counter()
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         n = body.n or 1
@@ -205,7 +208,7 @@ class _Server:
             return Response(status_code=499)
         if body.stream:
             include_usage = body.stream_options is not None and body.stream_options.include_usage
-            events = self._events(streams, rid, arrived, chat, include_usage, n)
+            events = self._events(streams, rid, arrived, chat, include_usage, n, call)
             return _EventStream(events, on_close=lambda: _cancel(streams))
         outs = await _unless_disconnected(request, self._collect_all(streams, arrived))
         if outs is None:
@@ -213,7 +216,8 @@ class _Server:
         echo = getattr(body, "echo", False)
         if echo and body.max_tokens == 0:
             outs = [api.without_generated(o) for o in outs]
-        return JSONResponse(self._whole(outs, rid, chat, n, [p for p in prompts for _ in range(n)] if echo else None))
+        return JSONResponse(self._whole(outs, rid, chat, n, [p for p in prompts for _ in range(n)] if echo else None,
+                                        call))
 
     async def _add_all(self, rid: str, choices: list, chat: bool) -> list[RequestStream]:
         """Every choice queued, or none: a choice refused (or the client leaving) aborts those
@@ -267,14 +271,21 @@ class _Server:
         self.metrics.request_latency.observe(time.perf_counter() - arrived)
         return out
 
-    def _whole(self, outs: list[RequestOutput], rid: str, chat: bool, n: int, echoed: list | None) -> dict:
-        """The whole response; ``echoed``: with ``echo``, each choice's prompt as the request gave it."""
+    def _whole(self, outs: list[RequestOutput], rid: str, chat: bool, n: int, echoed: list | None,
+               call: api.ForcedCall | None) -> dict:
+        """The whole response; ``echoed``: with ``echo``, each choice's prompt as the request gave
+        it; ``call``: the tool call each chat choice is."""
         tokenizer = self.aengine.tokenizer
         choices = []
         for index, out in enumerate(outs):
             choice: dict = {"index": index, "finish_reason": api.FINISH_REASONS[out.finish_reason]}
             if chat:
-                choice["message"] = {"role": "assistant", "content": out.text}
+                calls = api.tool_calls(out.text, call) if call is not None and out.finish_reason == "stop" else None
+                if calls:
+                    choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
+                    choice["finish_reason"] = "tool_calls"
+                else:
+                    choice["message"] = {"role": "assistant", "content": out.text}
                 choice["logprobs"] = api.chat_logprobs(tokenizer, out.token_ids, out.logprobs, out.top_logprobs)
             elif echoed is not None:
                 choice["text"], choice["logprobs"] = api.echoed_completion(tokenizer, echoed[index], out)
@@ -291,13 +302,13 @@ class _Server:
         }
 
     async def _events(self, streams: list[RequestStream], rid: str, arrived: float, chat: bool,
-                      include_usage: bool, n: int) -> AsyncIterator[str]:
+                      include_usage: bool, n: int, call: api.ForcedCall | None) -> AsyncIterator[str]:
         """The server-sent events of a streamed response: each choice's chunks (one per delta,
         as they come), then the usage chunk if asked for, and ``[DONE]``. A choice that fails
         ends the response with the error event."""
         head = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                 "created": int(time.time()), "model": self.model_name}
-        sources = [self._choice_chunks(s, i, arrived, chat) for i, s in enumerate(streams)]
+        sources = [self._choice_chunks(s, i, arrived, chat, call) for i, s in enumerate(streams)]
         chunks = sources[0] if len(sources) == 1 else _merged(sources)
         try:
             async with contextlib.aclosing(chunks):
@@ -315,15 +326,16 @@ class _Server:
             _cancel(streams)
         yield "data: [DONE]\n\n"
 
-    async def _choice_chunks(self, stream: RequestStream, index: int, arrived: float,
-                             chat: bool) -> AsyncIterator[dict]:
+    async def _choice_chunks(self, stream: RequestStream, index: int, arrived: float, chat: bool,
+                             call: api.ForcedCall | None) -> AsyncIterator[dict]:
         """One choice's chunks (without the head): one per delta (every token of one engine
         step), whose ``phasegraph`` field has that step's token ids and accept lengths. A
         request that fails (or that a closing engine aborts) sends the tokens it made, then
-        raises the error."""
+        raises the error. A forced tool call comes whole, on the last chunk (its name may be
+        the output's, known at its end)."""
         tokenizer = self.aengine.tokenizer
         last = None
-        offset = 0
+        made = ""
         if chat:  # OpenAI's first chat chunk of a choice opens the assistant's message
             yield {"choices": [{"index": index, "delta": {"role": "assistant", "content": ""},
                                 "logprobs": None, "finish_reason": None}]}
@@ -338,20 +350,34 @@ class _Server:
                 _raise_unfinished(stream.output)
             reason = None if ended or delta.finish_reason is None else api.FINISH_REASONS[delta.finish_reason]
             choice: dict = {"index": index, "finish_reason": reason}
-            if chat:
+            if chat and call is not None:
+                choice["delta"] = {} if reason is None else self._call_delta(made + delta.new_text, call, choice)
+            elif chat:
                 choice["delta"] = {"content": delta.new_text} if delta.new_text or reason is None else {}
-                choice["logprobs"] = api.chat_logprobs(tokenizer, delta.new_token_ids, delta.logprobs,
-                                                       delta.top_logprobs)
             else:
                 choice["text"] = delta.new_text
                 choice["logprobs"] = api.completion_logprobs(tokenizer, delta.new_token_ids, delta.logprobs,
-                                                             delta.top_logprobs, offset)
-            offset += len(delta.new_text)
+                                                             delta.top_logprobs, len(made))
+            if chat:
+                choice["logprobs"] = api.chat_logprobs(tokenizer, delta.new_token_ids, delta.logprobs,
+                                                       delta.top_logprobs)
+            made += delta.new_text
             yield {"choices": [choice], "phasegraph": {"token_ids": list(delta.new_token_ids),
                                                        "accept_lengths": list(delta.accept_lengths)}}
             if ended:
                 _raise_unfinished(stream.output)
         self.metrics.request_latency.observe(time.perf_counter() - arrived)
+
+
+    @staticmethod
+    def _call_delta(text: str, call: api.ForcedCall, choice: dict) -> dict:
+        """The last chunk's delta of a forced call: the call (its finish reason then
+        ``tool_calls``), or the text where the call was cut short."""
+        calls = api.tool_calls(text, call) if choice["finish_reason"] == "stop" else None
+        if not calls:
+            return {"content": text}
+        choice["finish_reason"] = "tool_calls"
+        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
 
 
 def _cancel(streams: list[RequestStream]) -> None:

@@ -7,6 +7,8 @@ name) so that a request the server cannot honour fails with 400 instead of being
 
 from __future__ import annotations
 
+import json
+import uuid
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -72,10 +74,44 @@ class TextPart(_Body):
     text: str
 
 
+class CalledFunction(_Body):
+    name: str
+    arguments: str  # JSON text
+
+
+class ToolCall(_Body):
+    id: str
+    type: Literal["function"]
+    function: CalledFunction
+
+
 class ChatMessage(_Body):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None  # an assistant's earlier calls
+    tool_call_id: str | None = None  # a tool's answer names the call it answers
+
+
+class FunctionDef(_Body):
+    name: str = Field(min_length=1)
+    description: str | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments (None: any object)
+    strict: bool | None = None  # accepted: a forced call always follows the schema
+
+
+class Tool(_Body):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class FunctionName(_Body):
+    name: str
+
+
+class NamedToolChoice(_Body):
+    type: Literal["function"]
+    function: FunctionName
 
 
 class JSONSchemaFormat(_Body):
@@ -96,6 +132,9 @@ class ChatRequest(_SamplingFields):
     top_logprobs: int | None = None
     max_completion_tokens: int | None = Field(default=None, ge=1)
     response_format: ResponseFormat | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None  # accepted: a forced call is one call per choice
 
 
 # ---------------------------------------------------------------------------------------------
@@ -124,12 +163,12 @@ def _logit_bias(bias: dict[str, float] | None) -> dict[int, float] | None:
 
 
 def sampling_params(req: _SamplingFields, max_tokens: int | None, logprobs: bool | int,
-                    json_schema: dict | bool | None = None) -> SamplingParams:
+                    json_schema: dict | bool | None = None, schema_field: str = "response_format") -> SamplingParams:
     """``req``'s sampling fields as SamplingParams (OpenAI's defaults: temperature 1, top_p 1);
     ``logprobs``: False, True (the sampled tokens') or k (and the k most likely). An impossible
     value raises InvalidRequest naming it, a grammar that does not compile a 400 naming the
-    field that gave it."""
-    given = [name for name, v in (("response_format", json_schema), ("regex", req.regex), ("grammar", req.grammar))
+    field that gave it (``schema_field`` for ``json_schema``)."""
+    given = [name for name, v in ((schema_field, json_schema), ("regex", req.regex), ("grammar", req.grammar))
              if v is not None]
     if len(given) > 1:
         raise APIError(400, f"at most one of response_format (JSON), regex and grammar; got {', '.join(given)}",
@@ -220,7 +259,63 @@ def without_generated(out: RequestOutput) -> RequestOutput:
                         top_logprobs=none_or_empty(out.top_logprobs))
 
 
-def chat_params(req: ChatRequest, max_context: int) -> SamplingParams:
+@attrs.frozen
+class ForcedCall:
+    """A chat request whose output must be a tool call (``tool_choice`` ``"required"`` or a named
+    function): the JSON schema its output follows, and the function's name where one is named
+    (the output is then its arguments; with ``"required"`` it is ``{"name", "arguments"}``)."""
+
+    schema: dict
+    name: str | None
+
+
+def forced_call(req: ChatRequest) -> ForcedCall | None:
+    """The tool call ``req`` forces, if any. ``"auto"`` (the default with tools) is refused by
+    name: it needs the model's own tool-call format parsed, model by model."""
+    choice = req.tool_choice
+    if not req.tools:
+        if choice not in (None, "none"):
+            raise APIError(400, "tool_choice: no tools were given", param="tool_choice")
+        return None
+    tools = {t.function.name: t.function for t in req.tools}
+    if len(tools) != len(req.tools):
+        raise APIError(400, "tools: two tools have one name", param="tools")
+    if choice is None or choice == "auto":
+        raise _refuse("tool_choice", "'auto' (the default with tools) needs the model's own tool-call format "
+                      "parsed, which phasegraph does not do: send 'required' or a named function (the output "
+                      "is then constrained to a call), or 'none'")
+    if choice == "none":
+        return None
+
+    def arguments(f: FunctionDef) -> dict:
+        return f.parameters if f.parameters is not None else {"type": "object"}
+
+    if isinstance(choice, NamedToolChoice):
+        f = tools.get(choice.function.name)
+        if f is None:
+            raise APIError(400, f"tool_choice: no tool is named {choice.function.name!r} (tools: "
+                           f"{', '.join(map(repr, tools))})", param="tool_choice")
+        return ForcedCall(arguments(f), f.name)
+    calls = [{"type": "object", "properties": {"name": {"const": f.name}, "arguments": arguments(f)},
+              "required": ["name", "arguments"], "additionalProperties": False} for f in tools.values()]
+    return ForcedCall(calls[0] if len(calls) == 1 else {"anyOf": calls}, None)
+
+
+def tool_calls(text: str, call: ForcedCall) -> list[dict] | None:
+    """The ``tool_calls`` of a forced call's output, or None where it is not whole JSON (cut
+    short by max_tokens)."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        return None
+    if call.name is not None:
+        name, args = call.name, text
+    else:
+        name, args = value["name"], json.dumps(value["arguments"], ensure_ascii=False)
+    return [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function", "function": {"name": name, "arguments": args}}]
+
+
+def chat_params(req: ChatRequest, max_context: int, call: ForcedCall | None = None) -> SamplingParams:
     top = req.top_logprobs
     if top is not None and not 0 <= top <= MAX_LOGPROBS:
         raise APIError(400, f"top_logprobs: must be in [0, {MAX_LOGPROBS}]; got {top}", param="top_logprobs")
@@ -228,8 +323,14 @@ def chat_params(req: ChatRequest, max_context: int) -> SamplingParams:
         raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     # no limit given: up to the context (the engine caps a request's budget by its prompt)
+    schema = response_json_schema(req.response_format)
+    if call is not None:
+        if schema is not None:
+            raise APIError(400, "response_format: a forced tool call constrains the output already",
+                           param="response_format")
+        schema = call.schema
     return sampling_params(req, max_context if max_tokens is None else max_tokens,
-                           top if top else bool(req.logprobs), response_json_schema(req.response_format))
+                           top if top else bool(req.logprobs), schema, "tools" if call is not None else "response_format")
 
 
 def response_json_schema(fmt: ResponseFormat | None) -> dict | bool | None:
@@ -247,7 +348,8 @@ def response_json_schema(fmt: ResponseFormat | None) -> dict | bool | None:
     raise _refuse("response_format", f"type must be 'text', 'json_object' or 'json_schema'; got {fmt.type!r}")
 
 
-def chat_prompt(tokenizer, messages: list[ChatMessage], template: str | None) -> str:
+def chat_prompt(tokenizer, messages: list[ChatMessage], template: str | None,
+                tools: list[Tool] | None = None) -> str:
     """The messages through the chat template (``template``, else the tokenizer's), ending
     with the assistant's turn opened. No template: a 400 naming the problem (a made-up format
     would give a model trained on another one text it never saw)."""
@@ -266,15 +368,29 @@ def chat_prompt(tokenizer, messages: list[ChatMessage], template: str | None) ->
         item: dict[str, Any] = {"role": m.role, "content": content or ""}
         if m.name is not None:
             item["name"] = m.name
+        if m.tool_calls:  # (templates take the arguments as an object, where they are JSON)
+            item["tool_calls"] = [{"id": c.id, "type": "function",
+                                   "function": {"name": c.function.name, "arguments": _json_or_text(c.function.arguments)}}
+                                  for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            item["tool_call_id"] = m.tool_call_id
         conversation.append(item)
     try:
-        text = tokenizer.apply_chat_template(conversation, chat_template=template, tokenize=False,
-                                             add_generation_prompt=True)
+        text = tokenizer.apply_chat_template(
+            conversation, chat_template=template, tokenize=False, add_generation_prompt=True,
+            tools=[t.model_dump(exclude_none=True) for t in tools] if tools else None)
     except Exception as exc:  # noqa: BLE001 - a template raises what its author chose (jinja's raise_exception)
         raise APIError(400, f"the chat template refused these messages: {exc}", param="messages") from None
     if not isinstance(text, str):
         raise APIError(500, "the chat template did not render to text", type="server_error")
     return text
+
+
+def _json_or_text(text: str):
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 # ---------------------------------------------------------------------------------------------

@@ -186,6 +186,90 @@ def test_chat_logprobs(engine, server, monkeypatch):
     assert "".join(c.token for c in content) == want.text
 
 
+TOOLS_TEMPLATE = (  # renders the tools and an assistant's earlier call
+    "{% if tools %}# tools:{% for t in tools %} {{ t['function']['name'] }}{% endfor %}\n{% endif %}"
+    "{% for m in messages %}# {{ m['role'] }}: {{ m['content'] }}"
+    "{% if m.tool_calls %} -> {{ m.tool_calls[0]['function']['name'] }}"
+    "({{ m.tool_calls[0]['function']['arguments']['city'] }}){% endif %}\n{% endfor %}"
+    "{% if add_generation_prompt %}def answer():\n{% endif %}"
+)
+CITY = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Oslo", "Lima"]}},
+        "required": ["city"], "additionalProperties": False}
+UNITS = {"type": "object", "properties": {"celsius": {"type": "boolean"}}, "required": ["celsius"],
+         "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                           "parameters": CITY}},
+         {"type": "function", "function": {"name": "set_units", "parameters": UNITS}}]
+
+
+def _tool_prompt(engine, messages, tools=TOOLS) -> list[int]:
+    text = engine.tokenizer.apply_chat_template(messages, chat_template=TOOLS_TEMPLATE, tools=tools, tokenize=False,
+                                                add_generation_prompt=True)
+    assert all(t["function"]["name"] in text for t in tools)
+    return list(engine.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def test_forced_tool_calls_follow_their_schemas(engine):
+    import json
+
+    import jsonschema
+
+    with serving(engine, chat_template=TOOLS_TEMPLATE) as (url, aengine):
+        api = client(url)
+        ids = _tool_prompt(engine, MESSAGES)
+        # a named function: the output is its arguments
+        want = offline(aengine, [ids], greedy(40, json_schema=CITY))[0]
+        out = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0, tools=TOOLS,
+                                          tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content is None
+        (call,) = choice.message.tool_calls
+        assert call.type == "function" and call.function.name == "get_weather" and call.id.startswith("call_")
+        assert call.function.arguments == want.text
+        jsonschema.validate(json.loads(call.function.arguments), CITY)
+        # streamed: the call comes whole on the choice's last chunk
+        chunks = list(api.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=40, temperature=0, tools=TOOLS, stream=True,
+            tool_choice={"type": "function", "function": {"name": "get_weather"}}))
+        assert all(not c.choices[0].delta.content for c in chunks)
+        (streamed,) = chunks[-1].choices[0].delta.tool_calls
+        assert streamed.function.name == "get_weather" and streamed.function.arguments == want.text
+        assert chunks[-1].choices[0].finish_reason == "tool_calls"
+        # "required": one call of any tool, its arguments that tool's
+        either = {"anyOf": [{"type": "object", "properties": {"name": {"const": t["function"]["name"]},
+                                                              "arguments": t["function"]["parameters"]},
+                             "required": ["name", "arguments"], "additionalProperties": False} for t in TOOLS]}
+        want = json.loads(offline(aengine, [ids], greedy(60, json_schema=either))[0].text)
+        out = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=60, temperature=0, tools=TOOLS,
+                                          tool_choice="required")
+        (call,) = out.choices[0].message.tool_calls
+        assert (call.function.name, json.loads(call.function.arguments)) == (want["name"], want["arguments"])
+        jsonschema.validate(want["arguments"], {"get_weather": CITY, "set_units": UNITS}[want["name"]])
+        # cut short by max_tokens: no call, the text as it stands
+        out = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0, tools=TOOLS,
+                                          tool_choice="required")
+        assert out.choices[0].finish_reason == "length" and out.choices[0].message.tool_calls is None
+        assert out.choices[0].message.content.startswith("{")
+        # tool_choice "none": the tools are in the prompt, the answer is free text
+        want = offline(aengine, [ids], greedy(8))[0]
+        out = api.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=8, temperature=0, tools=TOOLS,
+                                          tool_choice="none")
+        assert out.choices[0].message.content == want.text
+        # a conversation holding an earlier call and its answer reaches the template whole
+        history = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}]},
+                   {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}]
+        rendered = [*MESSAGES, {"role": "assistant", "content": "", "tool_calls": [  # the arguments as an object
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Oslo"}}}]},
+                    history[-1]]
+        ids = _tool_prompt(engine, rendered)
+        assert "get_weather(Oslo)" in engine.tokenizer.decode(ids) and "tool: sunny" in engine.tokenizer.decode(ids)
+        want = offline(aengine, [ids], greedy(8))[0]
+        out = api.chat.completions.create(model=MODEL, messages=history, max_tokens=8, temperature=0, tools=TOOLS,
+                                          tool_choice="none")
+        assert out.choices[0].message.content == want.text
+
+
 def _top_texts(tokenizer, out) -> list[dict[str, float]]:
     """The completions API's top_logprobs of an offline output: at each position the top
     tokens' texts (the likelier of two of one text) and the sampled token's."""
@@ -363,6 +447,16 @@ BAD_BODIES = [
     ("chat/completions", {"top_logprobs": 2}, "top_logprobs", "needs logprobs"),
     ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs", "[0, 20]"),
     ("chat/completions", {"n": 65}, "n", "more than the server's queue holds"),
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice", "'auto'"),
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}],
+                          "tool_choice": {"type": "function", "function": {"name": "g"}}}, "tool_choice", "no tool is named 'g'"),
+    ("chat/completions", {"tool_choice": "required"}, "tool_choice", "no tools"),
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}] * 2, "tool_choice": "required"},
+     "tools", "two tools have one name"),
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+                          "response_format": {"type": "json_object"}}, "response_format", "forced tool call"),
+    ("chat/completions", {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objekt"}}}],
+                          "tool_choice": "required"}, "tools", "does not compile"),
 ]
 
 
