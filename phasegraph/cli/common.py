@@ -113,6 +113,8 @@ def add_model_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, default=1, metavar="P", help="KV cache tokens per page (default: %(default)s)")
     p.add_argument("--kv-pool-tokens", type=int, metavar="N",
                    help="KV pool size in tokens (default: half the free GPU memory; 32768 on a CPU)")
+    p.add_argument("--max-context", type=int, metavar="N",
+                   help="tokens per request, prompt and output (default: the target's max_position_embeddings)")
     p.add_argument("--device", default="auto", help="cpu | cuda | auto (default: %(default)s, a GPU when one answers)")
     p.add_argument("--dtype", help="float32 | bfloat16 | float16 (default: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--draft-dtype", help="the draft's precision (default: --dtype); it moves the "
@@ -197,6 +199,8 @@ def load_engine(args: argparse.Namespace, spec, **options):
 
     if args.threads is not None:
         options["num_threads"] = args.threads
+    if args.max_context is not None:
+        options["max_context"] = args.max_context
     if args.tp != 1:
         options["tensor_parallel_size"] = args.tp
     if args.draft_tp != 1:

@@ -51,6 +51,7 @@ FLAG_OF_PARAMETER = {
     "method": "--method", "num_steps": "--num-steps", "topk": "--topk", "num_draft_tokens": "--num-draft-tokens",
     "max_new_tokens": "--max-new-tokens", "temperature": "--temperature", "top_p": "--top-p", "top_k": "--top-k",
     "seed": "--seed", "stop": "--stop", "page_size": "--page-size", "kv_pool_tokens": "--kv-pool-tokens",
+    "max_context": "--max-context",
     "num_threads": "--threads", "dtype": "--dtype", "draft_dtype": "--draft-dtype", "min_p": "--min-p",
     "repetition_penalty": "--repetition-penalty", "frequency_penalty": "--frequency-penalty",
     "presence_penalty": "--presence-penalty", "logprobs": "--logprobs", "json_schema": "--json-schema",

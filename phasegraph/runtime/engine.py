@@ -659,6 +659,12 @@ class Engine:
         kwargs.setdefault("eos_token_ids", _eos_ids(target, target_path, tokenizer))
         return cls(target, draft, spec=spec, tokenizer=tokenizer, **kwargs)
 
+    @property
+    def longest_request(self) -> int:
+        """The most tokens one request may hold, prompt and output: the context, or fewer where
+        the KV pool holds fewer (a server's limit to offer, and its default budget)."""
+        return min(self.max_context, self._kv_capacity() - self.kv_lookahead)
+
     def _kv_capacity(self) -> int:
         """KV tokens one request may hold: the pool less the tree-branch pages it also takes."""
         return (self.kv.num_pages - 1 - self.kv.pages_per_admission) * self.page_size

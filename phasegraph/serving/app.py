@@ -23,6 +23,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 
+import attrs
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -130,6 +131,11 @@ def create_app(
         params = api.chat_params(body, aengine.max_context, call)
         server.check_choices(body.n, 1)
         prompt = api.chat_prompt(aengine.tokenizer, body.messages, server.chat_template, body.tools)
+        if body.max_completion_tokens is None and body.max_tokens is None:
+            # no limit given: up to the most one request may hold, counting its prompt (encoded
+            # here once, and sent as ids; a chat template places the special tokens itself)
+            prompt = list(aengine.tokenizer(prompt, add_special_tokens=False)["input_ids"])
+            params = attrs.evolve(params, max_new_tokens=max(aengine.max_context - len(prompt), 1))
         return await server.respond(request, body, [prompt], params, chat=True, call=call)
 
     return app

@@ -420,7 +420,8 @@ class AsyncEngine(AsyncEngineBase):
 
     @property
     def max_context(self) -> int:
-        return self.engine.max_context
+        """The most tokens one request may hold (``Engine.longest_request``)."""
+        return self.engine.longest_request
 
     @property
     def is_running(self) -> bool:

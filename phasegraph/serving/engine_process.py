@@ -419,7 +419,7 @@ def _engine_process_main(factory: Callable[[], Any], conn) -> None:
         engine = factory()
         engine.warm_up()
         tree = engine.spec.tree()
-        ready = _Ready(engine.tokenizer, engine.max_context, tree.accept_width if tree is not None else 1)
+        ready = _Ready(engine.tokenizer, engine.longest_request, tree.accept_width if tree is not None else 1)
     except BaseException as exc:  # noqa: BLE001 - the parent raises it
         conn.send(_LoadFailed(_sendable(exc)))
         return

@@ -504,6 +504,21 @@ def test_other_errors_are_openai_errors_too(server):
     assert api.completions.create(model=MODEL, prompt="x", max_tokens=2, temperature=0).usage.completion_tokens
 
 
+def test_a_pool_smaller_than_the_context_bounds_the_default_budget(monkeypatch):
+    """A chat request without max_tokens may run to the context; where the KV pool holds less,
+    the server offers (and defaults to) what the pool holds, instead of refusing the request."""
+    engine = demo_engine(kv_pool_tokens=256)
+    assert engine.longest_request < engine.max_context == 1024
+    monkeypatch.setattr(engine.tokenizer, "chat_template", CHAT_TEMPLATE, raising=False)
+    with serving(engine) as (url, _):
+        api = client(url)
+        assert api.models.list().data[0].model_extra["max_model_len"] == engine.longest_request
+        out = api.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0,
+                                          extra_body={"ignore_eos": True})
+        assert out.choices[0].finish_reason == "length"
+        assert out.usage.total_tokens == engine.longest_request
+
+
 def test_models_health_and_metrics(engine, server):
     url, _ = server
     models = client(url).models.list()
