@@ -76,7 +76,10 @@ def run_lockstep(bundle, method: str, draft: str, batch: int, scope: str, topk: 
 
 
 @pytest.mark.parametrize("scope", ["phase", "iteration"])
-@pytest.mark.parametrize(("method", "draft"), [("eagle3", "eagle3"), ("standalone", "self"), ("eagle", "eagle")])
+# mtp: chained layers, each step fed the previous step's hidden state (SGLang #22041: a graph
+# runner that updated its own copy of the hidden states, not the captured buffer)
+@pytest.mark.parametrize(("method", "draft"), [("eagle3", "eagle3"), ("standalone", "self"), ("eagle", "eagle"),
+                                               ("mtp", "mtp")])
 @pytest.mark.parametrize("topk", [1, 4])
 @pytest.mark.parametrize("batch", [3, 6])
 def test_padded_rows_leave_live_kv_and_acceptance_as_eager(engine_root, scope, method, draft, topk, batch):

@@ -40,7 +40,10 @@ def bundle_and_baseline(tmp_path_factory):
     ("eagle3", {"topk": 4, "num_steps": 3, "num_draft_tokens": 8}),
     ("eagle3", {"topk": 1, "num_steps": 3}),
     ("standalone", {"topk": 1, "num_steps": 3}),
-], ids=["eagle3-tree", "eagle3-chain", "standalone"])
+    # chained MTP layers under graph replay (SGLang #22041: the hidden state each step hands on)
+    ("mtp", {"topk": 1, "num_steps": 3}),
+    ("mtp", {"topk": 4, "num_steps": 3, "num_draft_tokens": 8}),
+], ids=["eagle3-tree", "eagle3-chain", "standalone", "mtp-chain", "mtp-tree"])
 @pytest.mark.parametrize("pdl", ["auto", "off"])
 def test_speculation_on_triton_keeps_the_baseline_tokens(bundle_and_baseline, monkeypatch, method,
                                                          kw, pdl):
