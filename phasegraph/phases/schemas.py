@@ -379,6 +379,47 @@ class TreeProposal(Schema):
         row = _first_bad_row(ok)
         return None if row is None else f"request {row}: malformed tree (parents {self.parents[row].tolist()}, depth {self.depth[row].tolist()})"
 
+    @invariant("depth[j] == depth[parent[j]] + 1, and tree_mask row j holds j and its ancestors only")
+    def _depth_and_mask_follow_parents(self) -> str | None:
+        B, N = self.depth.shape
+        if B == 0:
+            return None
+        has_parent = self.parents >= 0  # [B, N]
+        parent = self.parents.clamp(0, N - 1)  # (a malformed index is _tree_shape's to report)
+        ok = (~has_parent | (self.depth == self.depth.gather(1, parent) + 1)).all(dim=1)
+        eye = torch.eye(N, dtype=torch.bool, device=self.depth.device).expand(B, N, N)
+        mask, rows = eye, parent[:, :, None].expand(B, N, N)
+        for _ in range(self.num_steps):  # each pass adds one generation of ancestors (depth <= S)
+            mask = eye | (mask.gather(1, rows) & has_parent[:, :, None])
+        ok &= (self.tree_mask.bool() == mask).flatten(1).all(dim=1)
+        row = _first_bad_row(ok)
+        if row is None:
+            return None
+        bad = [j for j in range(N) if not torch.equal(self.tree_mask[row, j].bool(), mask[row, j])]
+        return (f"request {row}: parents {self.parents[row].tolist()}, depth {self.depth[row].tolist()}; "
+                f"mask rows {bad[:8]} are not ancestor-or-self")
+
+    @invariant("retrieve_next_token[j] is j's first child or -1 (a cut); retrieve_next_sibling[j] the "
+               "next child of j's parent or -1")
+    def _retrieve_links_follow_parents(self) -> str | None:
+        B, N = self.depth.shape
+        if B == 0:
+            return None
+        j = torch.arange(N, device=self.parents.device)
+        children = self.parents[:, None, :] == j[None, :, None]  # [B, parent, child]
+        first_child = torch.where(children.any(dim=2), children.int().argmax(dim=2), -1)  # [B, N]
+        later = j[None, None, :] > j[None, :, None]  # [1, node, other]: other comes after node
+        siblings = (self.parents[:, :, None] == self.parents[:, None, :]) & later & (self.parents >= 0)[:, :, None]
+        next_sibling = torch.where(siblings.any(dim=2), siblings.int().argmax(dim=2), -1)  # [B, N]
+        nt = self.retrieve_next_token
+        ok = ((nt == first_child) | (nt == -1)).all(dim=1) & (self.retrieve_next_sibling == next_sibling).all(dim=1)
+        row = _first_bad_row(ok)
+        return None if row is None else (
+            f"request {row}: parents {self.parents[row].tolist()}, next_token {nt[row].tolist()} (first children "
+            f"{first_child[row].tolist()}), next_sibling {self.retrieve_next_sibling[row].tolist()} "
+            f"(want {next_sibling[row].tolist()})"
+        )
+
 
 # ----------------------------------------------------------------------------- verify result
 
@@ -422,6 +463,21 @@ class VerifyResult(Schema):
         ok &= (valid[:, :-1] | ~valid[:, 1:]).all(dim=1)  # no valid entry after a -1
         row = _first_bad_row(ok)
         return None if row is None else f"request {row}: accept_index {idx[row].tolist()} with N={N}"
+
+    @invariant("the accepted path runs from the root, each node a child of the one before")
+    def _accept_path_follows_parents(self) -> str | None:
+        B, W = self.accept_index.shape
+        if B == 0 or W < 2:
+            return None
+        N = self.proposal.depth.shape[1]
+        local = self.accept_index - torch.arange(B, device=self.accept_index.device)[:, None] * N  # [B, W]
+        parent = self.proposal.parents.gather(1, local[:, 1:].clamp(0, N - 1))  # [B, W-1]
+        ok = ((self.accept_index[:, 1:] < 0) | (parent == local[:, :-1])).all(dim=1)
+        row = _first_bad_row(ok)
+        return None if row is None else (
+            f"request {row}: accepted nodes {local[row].tolist()} (in its tree), parents "
+            f"{self.proposal.parents[row].tolist()}"
+        )
 
     @invariant("1 <= accept_lens <= num_steps + 1 and accept_lens counts the path")
     def _accept_lens(self) -> str | None:

@@ -208,6 +208,61 @@ def test_seed_000_bonus_stride_bug_is_an_invariant_violation():
         good.replace(bonus_tokens=wrong).validate("strict")
 
 
+def _bent_depth(t):
+    """Node 3 one level deeper than its parent allows, its position moved along (so that only
+    the tree's structure is wrong)."""
+    depth, positions = t.depth.clone(), t.positions.view(t.depth.shape).clone()
+    depth[:, 3] += 1
+    positions[:, 3] += 1
+    return t.replace(depth=depth, positions=positions.reshape(-1))
+
+
+def _swapped_siblings(t):
+    sib = t.retrieve_next_sibling.clone()
+    sib[:, 1], sib[:, 2] = -1, 1  # 2 before 1 among the root's children
+    return t.replace(retrieve_next_sibling=sib)
+
+
+def _second_child_first(t):
+    nt = t.retrieve_next_token.clone()
+    nt[:, 0] = 2  # the root's first child is 1
+    return t.replace(retrieve_next_token=nt)
+
+
+@pytest.mark.parametrize(("corrupt", "invariant"), [
+    (lambda t: t.replace(tree_mask=torch.eye(5, dtype=torch.bool).expand(2, 5, 5).clone()), "tree_mask row j"),
+    (_bent_depth, "depth[j] == depth[parent[j]] + 1"),
+    (_swapped_siblings, "retrieve_next_sibling"),
+    (_second_child_first, "retrieve_next_token"),
+], ids=["mask-without-ancestors", "depth-off-its-parent", "siblings-out-of-order", "first-child-skipped"])
+def test_a_tree_whose_links_disagree_with_its_parents_fails_strict_validation(corrupt, invariant):
+    """The mask, depths and retrieve links verify reads must all say what ``parents`` says: a
+    drafter that builds one of them wrong is stopped before the target verifies its tree."""
+    from phasegraph.statemachine import InvariantViolation
+
+    good = syn.tree_proposal(syn.draft_state(2, K=2), N=5, S=3)  # parents [-1, 0, 0, 1, 2]
+    assert good.parents[0].tolist() == [-1, 0, 0, 1, 2]
+    good.validate("strict")
+    good.replace(retrieve_next_token=torch.full_like(good.retrieve_next_token, -1)).validate("strict")  # cuts
+    with pytest.raises(InvariantViolation) as err:
+        corrupt(good).validate("strict")
+    assert invariant in err.value.invariant
+
+
+def test_an_accepted_path_that_jumps_branches_fails_strict_validation():
+    from phasegraph.statemachine import InvariantViolation
+
+    good = syn.verify_result(syn.tree_proposal(syn.draft_state(2, K=2), N=5, S=3), accept=2)
+    assert good.accept_index[0].tolist() == [0, 1, 3, -1]  # root, its first child, that child's child
+    good.validate("strict")
+    jumped = good.accept_index.clone()
+    jumped[:, 1] += 1  # root -> 2 -> 3, but 3 hangs off 1
+    predict_last = good.predict[jumped.gather(1, (good.accept_lens - 1)[:, None])[:, 0]]
+    with pytest.raises(InvariantViolation, match="accepted nodes \\[0, 2, 3, -[0-9]+\\]") as err:
+        good.replace(accept_index=jumped, bonus_tokens=predict_last).validate("strict")
+    assert err.value.invariant == "the accepted path runs from the root, each node a child of the one before"
+
+
 def test_two_requests_on_one_page_table_row_are_an_invariant_violation():
     """Decode and the draft steps run rotary + attention as one kernel on the promise that every
     query has its own row (AttentionMetadata.one_query_per_row): a batch whose requests share a
