@@ -57,6 +57,25 @@ def _first_bad_row(ok: Tensor) -> int | None:
     return int((~ok).nonzero()[0, 0])
 
 
+def _ragged_rows_problem(token_req: Tensor, positions: Tensor, select_index: Tensor) -> str | None:
+    """Where the token rows of a ragged batch break their layout: each request's rows together,
+    in request order, their positions one apart up to its selected row (its last valid one).
+    So a request's first position, its cached prefix length, follows from its rows."""
+    T, B = len(token_req), len(select_index)
+    if T < 2 or B == 0:
+        return None
+    req = token_req.clamp(0, B - 1)
+    t = torch.arange(T, device=token_req.device)
+    valid = t <= select_index[req]  # [T] rows up to their request's selected one
+    pair = valid[1:] & valid[:-1] & (token_req[1:] == token_req[:-1])
+    ok = (token_req[1:] >= token_req[:-1]) & (~pair | (positions[1:] == positions[:-1] + 1))
+    if bool(ok.all()):
+        return None
+    row = int((~ok).nonzero()[0, 0]) + 1
+    return (f"token row {row} (request {int(token_req[row])}, position {int(positions[row])}) after row "
+            f"{row - 1} (request {int(token_req[row - 1])}, position {int(positions[row - 1])})")
+
+
 def _within(x: Tensor, lo: float | None, hi: float | None) -> bool:
     """All of ``x`` in [lo, hi] (NaN fails); one reduction."""
     if x.numel() == 0:
@@ -154,6 +173,10 @@ class PrefillInput(Schema):
         return None if row is None else (
             f"request {row}: prompt_len {int(self.prompt_lens[row])}, seq_len {int(self.seq_lens[row])}")
 
+    @invariant("a request's prompt rows lie together, their positions one apart")
+    def _prompt_rows(self) -> str | None:
+        return _ragged_rows_problem(self.token_req, self.positions, self.select_index)
+
     @invariant("select_index[b] is the last token of request b, at position seq_len - 1")
     def _select_last(self) -> str | None:
         if self.select_index.numel() == 0:
@@ -193,6 +216,10 @@ class DraftExtendInput(Schema):
         doc="draft KV lead: 0 = row p carries token p+1 (EAGLE kinds); 1 = row p carries token p "
         "and the bonus token gets its own row (standalone drafts)",
     )
+
+    @invariant("a request's rows lie together, their positions one apart up to its selected row")
+    def _extend_rows(self) -> str | None:
+        return _ragged_rows_problem(self.token_req, self.positions, self.select_index)
 
     @invariant("the selected row of request b sits at position seq_len - 1 + lead and carries its bonus token")
     def _selected_row(self) -> str | None:

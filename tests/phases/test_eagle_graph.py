@@ -263,6 +263,28 @@ def test_an_accepted_path_that_jumps_branches_fails_strict_validation():
     assert err.value.invariant == "the accepted path runs from the root, each node a child of the one before"
 
 
+def _swap_rows(x, a: int, b: int):
+    x = x.clone()
+    x[a], x[b] = x[b].clone(), x[a].clone()
+    return x
+
+
+@pytest.mark.parametrize(("schema", "corrupt"), [
+    ("prefill", lambda s: s.replace(positions=_swap_rows(s.positions, 5, 6))),  # request 1's positions 1 and 2
+    ("prefill", lambda s: s.replace(token_req=_swap_rows(s.token_req, 2, 4))),  # a row of request 0 in request 1's
+    ("draft-extend", lambda s: s.replace(positions=s.positions.index_add(0, torch.tensor([7]), torch.tensor([1])))),
+], ids=["prefill-positions-scrambled", "prefill-row-of-another-request", "draft-extend-position-skipped"])
+def test_ragged_rows_out_of_order_fail_strict_validation(schema, corrupt):
+    """Only each request's selected row was checked: the positions of the rows before it (where
+    a cached prefix starts the prompt's KV) and their requests are checked now too."""
+    from phasegraph.statemachine import InvariantViolation
+
+    good = syn.prefill_input([4, 6]) if schema == "prefill" else syn.draft_extend_input([4, 6])
+    good.validate("strict")
+    with pytest.raises(InvariantViolation, match="rows lie together"):
+        corrupt(good).validate("strict")
+
+
 def test_two_requests_on_one_page_table_row_are_an_invariant_violation():
     """Decode and the draft steps run rotary + attention as one kernel on the promise that every
     query has its own row (AttentionMetadata.one_query_per_row): a batch whose requests share a
