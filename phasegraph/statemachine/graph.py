@@ -140,6 +140,15 @@ def _declared(
     return phase_list, tuple(edge_list)
 
 
+# the edges of the last graph declared under each name: what a coverage report measures against
+_DECLARED_EDGES: dict[str, tuple[tuple[str, str], ...]] = {}
+
+
+def declared_edges(name: str) -> tuple[tuple[str, str], ...] | None:
+    """The edges of the last :class:`PhaseGraph` declared as ``name`` in this process (None if none)."""
+    return _DECLARED_EDGES.get(name)
+
+
 class PhaseGraph:
     """An immutable, checked graph of phases (nodes) and legal transitions (edges)."""
 
@@ -188,6 +197,7 @@ class PhaseGraph:
         }
         self._successors[None] = (entry,)
         self._successor_sets = {k: frozenset(v) for k, v in self._successors.items()}
+        _DECLARED_EDGES[name] = self.edges
 
     @classmethod
     def from_outline(

@@ -159,7 +159,8 @@ class Machine:
         self._state = out
         if self.trace is not None or _trace.has_listeners():
             t = _trace.Transition(
-                self.name, current, name, start, end, out.batch_size, type(out).__name__, note, collective
+                self.name, current, name, start, end, out.batch_size, type(out).__name__, note, collective,
+                self.graph.name,
             )
             if self.trace is not None:
                 self.trace.record(t)

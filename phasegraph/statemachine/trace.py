@@ -32,6 +32,7 @@ class Transition:
     # seconds of the phase spent in collectives (tensor-parallel all-reduces) on this process's
     # rank, by the trace's collective clock; None where the trace has none
     collective_s: float | None = None
+    graph: str = ""  # the name of the machine's phase graph
 
     @property
     def seconds(self) -> float:

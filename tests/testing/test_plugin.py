@@ -81,6 +81,40 @@ def test_validate_option_and_trace_fixture(pytester):
     result.stderr.fnmatch_lines(["*invalid choice: 'bogus'*"])
 
 
+def test_edge_coverage_lists_the_edges_never_taken_also_under_xdist(pytester):
+    pytester.makepyfile(
+        """
+        import pytest
+        from phasegraph.statemachine import Machine
+        from phasegraph.testing import synthetic as syn
+
+        PATHS = {"one": ["draft-extend", "draft", "verify", "finalize-tree-path"],
+                 "two": ["draft-extend", "draft", "verify", "finalize-tree-path", "draft-extend"]}
+
+        @pytest.mark.parametrize("path", sorted(PATHS))
+        def test_iteration(path):
+            m = Machine(syn.synthetic_eagle_graph())
+            m.advance("prefill-extend", None, state=syn.prefill_input([2]))
+            for phase in PATHS[path]:
+                m.advance(phase, None)
+        """
+    )
+    from phasegraph.testing import synthetic as syn
+
+    graph = syn.synthetic_eagle_graph()
+    taken = {("prefill-extend", "draft-extend"), ("draft-extend", "draft"), ("draft", "verify"),
+             ("verify", "finalize-tree-path"), ("finalize-tree-path", "draft-extend")}
+    assert taken <= set(graph.edges)
+    never = sorted(set(graph.edges) - taken)
+    want = f"{graph.name}: 5/{len(graph.edges)} edges taken; never: {', '.join(f'{a} -> {b}' for a, b in never)}"
+    for extra in ((), ("-n", "2")):
+        result = pytester.runpytest_subprocess("--phasegraph-coverage", "-q", "-p", "no:cacheprovider", *extra)
+        result.assert_outcomes(passed=2)
+        assert want in result.stdout.lines, result.stdout.str()
+    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")  # off unless asked for
+    assert "edge coverage" not in result.stdout.str()
+
+
 def test_a_bad_phasegraph_validate_variable_does_not_break_pytest(pytester, monkeypatch):
     """With PHASEGRAPH_VALIDATE=bogus every pytest run in the environment failed while loading
     this plugin (a ValueError traceback from importing phasegraph); the option replaces it."""
