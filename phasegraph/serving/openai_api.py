@@ -322,7 +322,7 @@ def chat_params(req: ChatRequest, max_context: int, call: ForcedCall | None = No
     if top and not req.logprobs:
         raise APIError(400, "top_logprobs: needs logprobs set to true", param="top_logprobs")
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
-    # no limit given: up to the context (the engine caps a request's budget by its prompt)
+    # no limit given: the context, until the route has encoded the prompt and counts it
     schema = response_json_schema(req.response_format)
     if call is not None:
         if schema is not None:
