@@ -18,7 +18,6 @@ from collections import Counter
 
 import pytest
 
-from phasegraph.statemachine.graph import declared_edges
 from phasegraph.statemachine.modes import ValidationMode, set_validation_mode
 from phasegraph.statemachine.trace import Transition, add_listener, remove_listener
 from phasegraph.testing.recorder import PhaseTraceRecorder
@@ -62,6 +61,8 @@ class _EdgeCoverage:
             self.taken[(t.graph, t.source, t.target)] += 1
 
     def pytest_sessionfinish(self, session: pytest.Session) -> None:
+        from phasegraph.statemachine.graph import declared_edges  # (its module reaches torch)
+
         remove_listener(self._on_transition)
         for graph in {g for g, _, _ in self.taken}:
             self.edges.setdefault(graph, set()).update(declared_edges(graph) or ())
