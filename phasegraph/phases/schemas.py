@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import types
 
+import numpy as np
 import torch
 from jaxtyping import Bool, Float, Float32, Int32, Int64
 
@@ -57,6 +58,12 @@ def _first_bad_row(ok: Tensor) -> int | None:
     return int((~ok).nonzero()[0, 0])
 
 
+def _host(*tensors: Tensor) -> list[np.ndarray]:
+    """Tensors as host arrays: the structural invariants below index and compare small arrays,
+    where numpy's per-operation cost is a fraction of torch's (strict mode reads values anyway)."""
+    return [t.detach().cpu().numpy() for t in tensors]
+
+
 def _ragged_rows_problem(token_req: Tensor, positions: Tensor, select_index: Tensor) -> str | None:
     """Where the token rows of a ragged batch break their layout: each request's rows together,
     in request order, their positions one apart up to its selected row (its last valid one).
@@ -64,16 +71,15 @@ def _ragged_rows_problem(token_req: Tensor, positions: Tensor, select_index: Ten
     T, B = len(token_req), len(select_index)
     if T < 2 or B == 0:
         return None
-    req = token_req.clamp(0, B - 1)
-    t = torch.arange(T, device=token_req.device)
-    valid = t <= select_index[req]  # [T] rows up to their request's selected one
-    pair = valid[1:] & valid[:-1] & (token_req[1:] == token_req[:-1])
-    ok = (token_req[1:] >= token_req[:-1]) & (~pair | (positions[1:] == positions[:-1] + 1))
-    if bool(ok.all()):
+    req, pos, select = _host(token_req, positions, select_index)
+    valid = np.arange(T) <= select[req.clip(0, B - 1)]  # rows up to their request's selected one
+    pair = valid[1:] & valid[:-1] & (req[1:] == req[:-1])
+    bad = (req[1:] < req[:-1]) | (pair & (pos[1:] != pos[:-1] + 1))
+    if not bad.any():
         return None
-    row = int((~ok).nonzero()[0, 0]) + 1
-    return (f"token row {row} (request {int(token_req[row])}, position {int(positions[row])}) after row "
-            f"{row - 1} (request {int(token_req[row - 1])}, position {int(positions[row - 1])})")
+    row = int(bad.argmax()) + 1
+    return (f"token row {row} (request {int(req[row])}, position {int(pos[row])}) after row "
+            f"{row - 1} (request {int(req[row - 1])}, position {int(pos[row - 1])})")
 
 
 def _within(x: Tensor, lo: float | None, hi: float | None) -> bool:
@@ -398,33 +404,35 @@ class TreeProposal(Schema):
         B, N = self.depth.shape
         if B == 0:
             return None
-        roots = self.draft_tokens.view(B, N)[:, 0] == self.draft.bonus_tokens
-        ok = roots & (self.parents[:, 0] == -1) & (self.depth[:, 0] == 0)
-        j = torch.arange(N, device=self.parents.device)
-        ok &= ((self.parents[:, 1:] >= 0) & (self.parents[:, 1:] < j[1:])).all(dim=1)
-        ok &= (self.depth.max(dim=1).values <= self.num_steps)
-        row = _first_bad_row(ok)
-        return None if row is None else f"request {row}: malformed tree (parents {self.parents[row].tolist()}, depth {self.depth[row].tolist()})"
+        tokens, bonus, parents, depth = _host(self.draft_tokens, self.draft.bonus_tokens, self.parents, self.depth)
+        ok = (tokens.reshape(B, N)[:, 0] == bonus) & (parents[:, 0] == -1) & (depth[:, 0] == 0)
+        ok &= ((parents[:, 1:] >= 0) & (parents[:, 1:] < np.arange(1, N))).all(axis=1)
+        ok &= depth.max(axis=1) <= self.num_steps
+        if ok.all():
+            return None
+        row = int((~ok).argmax())
+        return f"request {row}: malformed tree (parents {parents[row].tolist()}, depth {depth[row].tolist()})"
 
     @invariant("depth[j] == depth[parent[j]] + 1, and tree_mask row j holds j and its ancestors only")
     def _depth_and_mask_follow_parents(self) -> str | None:
         B, N = self.depth.shape
         if B == 0:
             return None
-        has_parent = self.parents >= 0  # [B, N]
-        parent = self.parents.clamp(0, N - 1)  # (a malformed index is _tree_shape's to report)
-        ok = (~has_parent | (self.depth == self.depth.gather(1, parent) + 1)).all(dim=1)
-        eye = torch.eye(N, dtype=torch.bool, device=self.depth.device).expand(B, N, N)
-        mask, rows = eye, parent[:, :, None].expand(B, N, N)
-        for _ in range(self.num_steps):  # each pass adds one generation of ancestors (depth <= S)
-            mask = eye | (mask.gather(1, rows) & has_parent[:, :, None])
-        ok &= (self.tree_mask.bool() == mask).flatten(1).all(dim=1)
-        row = _first_bad_row(ok)
-        if row is None:
+        parents, depth, mask = _host(self.parents, self.depth, self.tree_mask)
+        b = np.arange(B)[:, None]
+        has_parent = parents >= 0  # [B, N]
+        parent = parents.clip(0, N - 1)  # (a malformed index is _tree_shape's to report)
+        ok = (~has_parent | (depth == depth[b, parent] + 1)).all(axis=1)
+        # by induction over nodes (parents precede children): row j is its parent's row plus j
+        want = mask[b, parent] & has_parent[:, :, None]  # [B, N, N]
+        want |= np.eye(N, dtype=bool)
+        bad_rows = (mask != want).any(axis=2)  # [B, N]
+        ok &= ~bad_rows.any(axis=1)
+        if ok.all():
             return None
-        bad = [j for j in range(N) if not torch.equal(self.tree_mask[row, j].bool(), mask[row, j])]
-        return (f"request {row}: parents {self.parents[row].tolist()}, depth {self.depth[row].tolist()}; "
-                f"mask rows {bad[:8]} are not ancestor-or-self")
+        row = int((~ok).argmax())
+        return (f"request {row}: parents {parents[row].tolist()}, depth {depth[row].tolist()}; "
+                f"mask rows {np.flatnonzero(bad_rows[row])[:8].tolist()} are not ancestor-or-self")
 
     @invariant("retrieve_next_token[j] is j's first child or -1 (a cut); retrieve_next_sibling[j] the "
                "next child of j's parent or -1")
@@ -432,20 +440,19 @@ class TreeProposal(Schema):
         B, N = self.depth.shape
         if B == 0:
             return None
-        j = torch.arange(N, device=self.parents.device)
-        children = self.parents[:, None, :] == j[None, :, None]  # [B, parent, child]
-        first_child = torch.where(children.any(dim=2), children.int().argmax(dim=2), -1)  # [B, N]
-        later = j[None, None, :] > j[None, :, None]  # [1, node, other]: other comes after node
-        siblings = (self.parents[:, :, None] == self.parents[:, None, :]) & later & (self.parents >= 0)[:, :, None]
-        next_sibling = torch.where(siblings.any(dim=2), siblings.int().argmax(dim=2), -1)  # [B, N]
-        nt = self.retrieve_next_token
-        ok = ((nt == first_child) | (nt == -1)).all(dim=1) & (self.retrieve_next_sibling == next_sibling).all(dim=1)
-        row = _first_bad_row(ok)
-        return None if row is None else (
-            f"request {row}: parents {self.parents[row].tolist()}, next_token {nt[row].tolist()} (first children "
-            f"{first_child[row].tolist()}), next_sibling {self.retrieve_next_sibling[row].tolist()} "
-            f"(want {next_sibling[row].tolist()})"
-        )
+        parents, nt, sib = _host(self.parents, self.retrieve_next_token, self.retrieve_next_sibling)
+        j = np.arange(N)
+        children = parents[:, None, :] == j[:, None]  # [B, parent, child]
+        first_child = np.where(children.any(axis=2), children.argmax(axis=2), -1)  # [B, N]
+        # [B, node, other]: other comes later and hangs off node's parent
+        siblings = (parents[:, :, None] == parents[:, None, :]) & (j > j[:, None]) & (parents >= 0)[:, :, None]
+        next_sibling = np.where(siblings.any(axis=2), siblings.argmax(axis=2), -1)  # [B, N]
+        ok = ((nt == first_child) | (nt == -1)).all(axis=1) & (sib == next_sibling).all(axis=1)
+        if ok.all():
+            return None
+        row = int((~ok).argmax())
+        return (f"request {row}: parents {parents[row].tolist()}, next_token {nt[row].tolist()} (first children "
+                f"{first_child[row].tolist()}), next_sibling {sib[row].tolist()} (want {next_sibling[row].tolist()})")
 
 
 # ----------------------------------------------------------------------------- verify result
@@ -497,14 +504,15 @@ class VerifyResult(Schema):
         if B == 0 or W < 2:
             return None
         N = self.proposal.depth.shape[1]
-        local = self.accept_index - torch.arange(B, device=self.accept_index.device)[:, None] * N  # [B, W]
-        parent = self.proposal.parents.gather(1, local[:, 1:].clamp(0, N - 1))  # [B, W-1]
-        ok = ((self.accept_index[:, 1:] < 0) | (parent == local[:, :-1])).all(dim=1)
-        row = _first_bad_row(ok)
-        return None if row is None else (
-            f"request {row}: accepted nodes {local[row].tolist()} (in its tree), parents "
-            f"{self.proposal.parents[row].tolist()}"
-        )
+        index, parents = _host(self.accept_index, self.proposal.parents)
+        b = np.arange(B)[:, None]
+        local = index - b * N  # [B, W] nodes within each request's tree
+        parent = parents[b, local[:, 1:].clip(0, N - 1)]  # [B, W-1]
+        ok = ((index[:, 1:] < 0) | (parent == local[:, :-1])).all(axis=1)
+        if ok.all():
+            return None
+        row = int((~ok).argmax())
+        return f"request {row}: accepted nodes {local[row].tolist()} (in its tree), parents {parents[row].tolist()}"
 
     @invariant("1 <= accept_lens <= num_steps + 1 and accept_lens counts the path")
     def _accept_lens(self) -> str | None:

@@ -54,6 +54,8 @@ class _EdgeCoverage:
     def __init__(self) -> None:
         self.taken: Counter[tuple[str, str, str]] = Counter()
         self.edges: dict[str, set[tuple[str, str]]] = {}
+
+    def pytest_sessionstart(self) -> None:
         add_listener(self._on_transition)
 
     def _on_transition(self, t: Transition) -> None:

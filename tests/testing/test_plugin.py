@@ -81,7 +81,7 @@ def test_validate_option_and_trace_fixture(pytester):
     result.stderr.fnmatch_lines(["*invalid choice: 'bogus'*"])
 
 
-def test_edge_coverage_lists_the_edges_never_taken_also_under_xdist(pytester):
+def test_edge_coverage_lists_the_edges_never_taken(pytester):
     pytester.makepyfile(
         """
         import pytest
@@ -107,12 +107,45 @@ def test_edge_coverage_lists_the_edges_never_taken_also_under_xdist(pytester):
     assert taken <= set(graph.edges)
     never = sorted(set(graph.edges) - taken)
     want = f"{graph.name}: 5/{len(graph.edges)} edges taken; never: {', '.join(f'{a} -> {b}' for a, b in never)}"
-    for extra in ((), ("-n", "2")):
-        result = pytester.runpytest_subprocess("--phasegraph-coverage", "-q", "-p", "no:cacheprovider", *extra)
-        result.assert_outcomes(passed=2)
-        assert want in result.stdout.lines, result.stdout.str()
-    result = pytester.runpytest_subprocess("-q", "-p", "no:cacheprovider")  # off unless asked for
+    result = pytester.runpytest("--phasegraph-coverage", "-q", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=2)
+    assert want in result.stdout.lines, result.stdout.str()
+    result = pytester.runpytest("-q", "-p", "no:cacheprovider")  # off unless asked for
     assert "edge coverage" not in result.stdout.str()
+
+
+def test_edge_coverage_sums_what_xdist_workers_send():
+    """Each worker sends its counts and the edges it knows; the controller, which may never
+    have imported the graphs, sums the counts and reports against those edges."""
+    import types
+
+    from phasegraph.statemachine import Machine
+    from phasegraph.testing import synthetic as syn
+    from phasegraph.testing._pytest_plugin import _EdgeCoverage
+
+    graph = syn.synthetic_eagle_graph()
+    sent = []
+    for phases in (["draft-extend"], ["draft-extend", "draft"]):  # two workers
+        worker = _EdgeCoverage()
+        worker.pytest_sessionstart()
+        m = Machine(graph)
+        m.advance("prefill-extend", None, state=syn.prefill_input([2]))
+        for phase in phases:
+            m.advance(phase, None)
+        out: dict = {}
+        worker.pytest_sessionfinish(types.SimpleNamespace(config=types.SimpleNamespace(workeroutput=out)))
+        sent.append(out)
+    controller = _EdgeCoverage()
+    for out in sent:
+        controller.pytest_testnodedown(types.SimpleNamespace(workeroutput=out), None)
+    name = graph.name
+    assert controller.taken == {(name, "prefill-extend", "draft-extend"): 2, (name, "draft-extend", "draft"): 1}
+    lines = []
+    reporter = types.SimpleNamespace(config=types.SimpleNamespace(), section=lines.append, write_line=lines.append)
+    controller.pytest_terminal_summary(reporter)
+    assert lines[0] == "phasegraph edge coverage"
+    assert lines[1].startswith(f"{name}: 2/{len(graph.edges)} edges taken; never: ")
+    assert "draft -> verify" in lines[1] and "prefill-extend -> draft-extend" not in lines[1]
 
 
 def test_a_bad_phasegraph_validate_variable_does_not_break_pytest(pytester, monkeypatch):
