@@ -51,8 +51,11 @@ Tensor = torch.Tensor
 NO_DRAFT_CAP = 1 << 30
 
 
-def _first_bad_row(ok: Tensor) -> int | None:
-    """Index of the first False in a 1-D bool tensor, or None (reads values: strict mode only)."""
+def _first_bad_row(ok: Tensor | np.ndarray) -> int | None:
+    """Index of the first False in a 1-D bool tensor or host array, or None (reads values:
+    strict mode only)."""
+    if isinstance(ok, np.ndarray):  # (all of an empty array is True)
+        return None if ok.all() else int((~ok).argmax())
     if ok.numel() == 0 or bool(ok.all()):
         return None
     return int((~ok).nonzero()[0, 0])
@@ -74,10 +77,10 @@ def _ragged_rows_problem(token_req: Tensor, positions: Tensor, select_index: Ten
     req, pos, select = _host(token_req, positions, select_index)
     valid = np.arange(T) <= select[req.clip(0, B - 1)]  # rows up to their request's selected one
     pair = valid[1:] & valid[:-1] & (req[1:] == req[:-1])
-    bad = (req[1:] < req[:-1]) | (pair & (pos[1:] != pos[:-1] + 1))
-    if not bad.any():
+    first = _first_bad_row((req[1:] >= req[:-1]) & ~(pair & (pos[1:] != pos[:-1] + 1)))
+    if first is None:
         return None
-    row = int(bad.argmax()) + 1
+    row = first + 1
     return (f"token row {row} (request {int(req[row])}, position {int(pos[row])}) after row "
             f"{row - 1} (request {int(req[row - 1])}, position {int(pos[row - 1])})")
 
@@ -408,10 +411,8 @@ class TreeProposal(Schema):
         ok = (tokens.reshape(B, N)[:, 0] == bonus) & (parents[:, 0] == -1) & (depth[:, 0] == 0)
         ok &= ((parents[:, 1:] >= 0) & (parents[:, 1:] < np.arange(1, N))).all(axis=1)
         ok &= depth.max(axis=1) <= self.num_steps
-        if ok.all():
-            return None
-        row = int((~ok).argmax())
-        return f"request {row}: malformed tree (parents {parents[row].tolist()}, depth {depth[row].tolist()})"
+        row = _first_bad_row(ok)
+        return None if row is None else f"request {row}: malformed tree (parents {parents[row].tolist()}, depth {depth[row].tolist()})"
 
     @invariant("depth[j] == depth[parent[j]] + 1, and tree_mask row j holds j and its ancestors only")
     def _depth_and_mask_follow_parents(self) -> str | None:
@@ -428,9 +429,9 @@ class TreeProposal(Schema):
         want |= np.eye(N, dtype=bool)
         bad_rows = (mask != want).any(axis=2)  # [B, N]
         ok &= ~bad_rows.any(axis=1)
-        if ok.all():
+        row = _first_bad_row(ok)
+        if row is None:
             return None
-        row = int((~ok).argmax())
         return (f"request {row}: parents {parents[row].tolist()}, depth {depth[row].tolist()}; "
                 f"mask rows {np.flatnonzero(bad_rows[row])[:8].tolist()} are not ancestor-or-self")
 
@@ -448,9 +449,9 @@ class TreeProposal(Schema):
         siblings = (parents[:, :, None] == parents[:, None, :]) & (j > j[:, None]) & (parents >= 0)[:, :, None]
         next_sibling = np.where(siblings.any(axis=2), siblings.argmax(axis=2), -1)  # [B, N]
         ok = ((nt == first_child) | (nt == -1)).all(axis=1) & (sib == next_sibling).all(axis=1)
-        if ok.all():
+        row = _first_bad_row(ok)
+        if row is None:
             return None
-        row = int((~ok).argmax())
         return (f"request {row}: parents {parents[row].tolist()}, next_token {nt[row].tolist()} (first children "
                 f"{first_child[row].tolist()}), next_sibling {sib[row].tolist()} (want {next_sibling[row].tolist()})")
 
@@ -509,10 +510,8 @@ class VerifyResult(Schema):
         local = index - b * N  # [B, W] nodes within each request's tree
         parent = parents[b, local[:, 1:].clip(0, N - 1)]  # [B, W-1]
         ok = ((index[:, 1:] < 0) | (parent == local[:, :-1])).all(axis=1)
-        if ok.all():
-            return None
-        row = int((~ok).argmax())
-        return f"request {row}: accepted nodes {local[row].tolist()} (in its tree), parents {parents[row].tolist()}"
+        row = _first_bad_row(ok)
+        return None if row is None else f"request {row}: accepted nodes {local[row].tolist()} (in its tree), parents {parents[row].tolist()}"
 
     @invariant("1 <= accept_lens <= num_steps + 1 and accept_lens counts the path")
     def _accept_lens(self) -> str | None:
