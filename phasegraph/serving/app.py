@@ -222,8 +222,7 @@ class _Server:
         echo = getattr(body, "echo", False)
         if echo and body.max_tokens == 0:
             outs = [api.without_generated(o) for o in outs]
-        return JSONResponse(self._whole(outs, rid, chat, n, [p for p in prompts for _ in range(n)] if echo else None,
-                                        call))
+        return JSONResponse(self._whole(outs, rid, chat, n, [p for p, _ in choices] if echo else None, call))
 
     async def _add_all(self, rid: str, choices: list, chat: bool) -> list[RequestStream]:
         """Every choice queued, or none: a choice refused (or the client leaving) aborts those
@@ -251,8 +250,6 @@ class _Server:
 
     async def _collect_all(self, streams: list[RequestStream], arrived: float) -> list[RequestOutput]:
         """Every choice's whole output; one that fails ends the others."""
-        if len(streams) == 1:
-            return [await self._collect(streams[0], arrived)]
         tasks = [asyncio.ensure_future(self._collect(s, arrived)) for s in streams]
         try:
             return list(await asyncio.gather(*tasks))
@@ -286,12 +283,11 @@ class _Server:
         for index, out in enumerate(outs):
             choice: dict = {"index": index, "finish_reason": api.FINISH_REASONS[out.finish_reason]}
             if chat:
-                calls = api.tool_calls(out.text, call) if call is not None and out.finish_reason == "stop" else None
+                calls = None if call is None else api.tool_calls(out.text, call, out.finish_reason)
+                choice["message"] = {"role": "assistant", "content": out.text}
                 if calls:
                     choice["message"] = {"role": "assistant", "content": None, "tool_calls": calls}
                     choice["finish_reason"] = "tool_calls"
-                else:
-                    choice["message"] = {"role": "assistant", "content": out.text}
                 choice["logprobs"] = api.chat_logprobs(tokenizer, out.token_ids, out.logprobs, out.top_logprobs)
             elif echoed is not None:
                 choice["text"], choice["logprobs"] = api.echoed_completion(tokenizer, echoed[index], out)
@@ -356,8 +352,12 @@ class _Server:
                 _raise_unfinished(stream.output)
             reason = None if ended or delta.finish_reason is None else api.FINISH_REASONS[delta.finish_reason]
             choice: dict = {"index": index, "finish_reason": reason}
-            if chat and call is not None:
-                choice["delta"] = {} if reason is None else self._call_delta(made + delta.new_text, call, choice)
+            if chat and call is not None:  # the call comes whole, on the choice's last chunk
+                calls = None if reason is None else api.tool_calls(made + delta.new_text, call, reason)
+                choice["delta"] = {} if reason is None else {"content": made + delta.new_text}
+                if calls:
+                    choice["delta"] = {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
+                    choice["finish_reason"] = "tool_calls"
             elif chat:
                 choice["delta"] = {"content": delta.new_text} if delta.new_text or reason is None else {}
             else:
@@ -373,17 +373,6 @@ class _Server:
             if ended:
                 _raise_unfinished(stream.output)
         self.metrics.request_latency.observe(time.perf_counter() - arrived)
-
-
-    @staticmethod
-    def _call_delta(text: str, call: api.ForcedCall, choice: dict) -> dict:
-        """The last chunk's delta of a forced call: the call (its finish reason then
-        ``tool_calls``), or the text where the call was cut short."""
-        calls = api.tool_calls(text, call) if choice["finish_reason"] == "stop" else None
-        if not calls:
-            return {"content": text}
-        choice["finish_reason"] = "tool_calls"
-        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(calls)]}
 
 
 def _cancel(streams: list[RequestStream]) -> None:

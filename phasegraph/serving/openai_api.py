@@ -301,9 +301,11 @@ def forced_call(req: ChatRequest) -> ForcedCall | None:
     return ForcedCall(calls[0] if len(calls) == 1 else {"anyOf": calls}, None)
 
 
-def tool_calls(text: str, call: ForcedCall) -> list[dict] | None:
-    """The ``tool_calls`` of a forced call's output, or None where it is not whole JSON (cut
-    short by max_tokens)."""
+def tool_calls(text: str, call: ForcedCall, finish_reason: str) -> list[dict] | None:
+    """The ``tool_calls`` of a forced call's whole output, or None where it was cut short (by
+    max_tokens: its finish reason is not ``stop``, or its JSON not whole)."""
+    if finish_reason != "stop":
+        return None
     try:
         value = json.loads(text)
     except ValueError:

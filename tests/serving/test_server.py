@@ -637,16 +637,14 @@ def test_a_request_failing_mid_run_is_a_500_with_the_reason(engine, monkeypatch)
         assert "not finite" in error["message"]
         api = client(url)
         with pytest.raises(openai.APIError, match="not finite"):
-            for _ in api.completions.create(model=MODEL, prompt=long, max_tokens=8, temperature=0, stream=True):
-                pass
+            list(api.completions.create(model=MODEL, prompt=long, max_tokens=8, temperature=0, stream=True))
         # one failing choice fails the whole response, and its sibling is aborted
         response = httpx.post(f"{url}/v1/completions", json=_body("completions", {"prompt": [PROMPTS[0], long],
                                                                                   "max_tokens": 8}))
         assert _assert_openai_error(response, 500)["code"] == "request_failed"
         with pytest.raises(openai.APIError, match="not finite"):
-            for _ in api.completions.create(model=MODEL, prompt=[long, PROMPTS[0]], max_tokens=8, temperature=0,
-                                            stream=True):
-                pass
+            list(api.completions.create(model=MODEL, prompt=[long, PROMPTS[0]], max_tokens=8, temperature=0,
+                                        stream=True))
         # the other requests go on
         assert api.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=6, temperature=0).choices[0].text == want.text
 
